@@ -1,0 +1,83 @@
+"""KV cache events, field for field as vLLM's ``vllm.distributed.kv_events``.
+
+A router that decodes vLLM's events decodes ours with the same decoder, and these structs decode
+vLLM's. Block hashes are unsigned 64-bit integers by default (vLLM's external form); bytes are
+accepted too.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Union
+
+import msgspec
+
+ExternalBlockHash = Union[bytes, int]
+
+MEDIUM_GPU = "GPU"
+MEDIUM_CPU = "CPU"
+
+
+class EventBatch(msgspec.Struct, omit_defaults=True, gc=False):  # type: ignore[call-arg]
+    ts: float
+    events: list[Any]
+    data_parallel_rank: int | None = None
+
+
+class KVCacheEvent(msgspec.Struct, omit_defaults=True, gc=False, tag=True):  # type: ignore[call-arg]
+    """Base class of the three events; tagged by class name under ``"type"``."""
+
+
+class BlockStored(KVCacheEvent):
+    block_hashes: list[ExternalBlockHash]
+    parent_block_hash: ExternalBlockHash | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None
+    medium: str | None
+    lora_name: str | None
+    extra_keys: list[tuple[Any, ...] | None] | None = None
+    group_idx: int | None = None
+    kv_cache_spec_kind: str | None = None
+    kv_cache_spec_sliding_window: int | None = None
+
+
+class BlockRemoved(KVCacheEvent):
+    block_hashes: list[ExternalBlockHash]
+    medium: str | None
+    group_idx: int | None = None
+
+
+class AllBlocksCleared(KVCacheEvent):
+    pass
+
+
+KVEvent = Union[BlockStored, BlockRemoved, AllBlocksCleared]
+
+
+class KVEventBatch(EventBatch):
+    events: list[BlockStored | BlockRemoved | AllBlocksCleared]  # type: ignore[assignment]
+
+
+def from_raw(raw: tuple[Any, ...], medium: str | None) -> KVEvent:
+    """Turns one event tuple from the Rust core into its struct."""
+    kind = raw[0]
+    if kind == "BlockStored":
+        _, hashes, parent, tokens, block_size, lora_id = raw
+        return BlockStored(hashes, parent, tokens, block_size, lora_id, medium, None)
+    if kind == "BlockRemoved":
+        return BlockRemoved(raw[1], medium)
+    if kind == "AllBlocksCleared":
+        return AllBlocksCleared()
+    raise ValueError(f"unknown event kind {kind!r}")
+
+
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(KVEventBatch)
+
+
+def encode_batch(batch: KVEventBatch) -> bytes:
+    return _encoder.encode(batch)
+
+
+def decode_batch(payload: bytes) -> KVEventBatch:
+    return _decoder.decode(payload)

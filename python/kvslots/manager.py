@@ -1,0 +1,32 @@
+"""The slot manager: the Rust engine with a few Python conveniences."""
+
+from __future__ import annotations
+
+from . import _core
+from .events import KVEvent, from_raw
+
+
+class SlotManager(_core.SlotManager):
+    """KV-cache block slots for requests under speculative decoding, over a pool it owns.
+
+    Per engine step a request reserves ``new_tokens`` positions plus its lookahead K
+    (``reserve``), commits the verified tokens (``commit``: every block they fill becomes
+    immutable, hashed and registered as prefix cache, and a ``BlockStored`` event is queued) and
+    rolls back the rejected drafts (``rollback``: the tail blocks stay as capacity).
+    :meth:`step` does all of that for a whole batch in one call. ``finish`` returns mutable
+    blocks to the free stack and immutable ones to the LRU cache, which is evicted lazily
+    (``BlockRemoved``) when the free stack runs dry.
+
+    Every method either succeeds or raises a :class:`kvslots.SlotError` subclass having changed
+    nothing.
+    """
+
+    def drain_events(self, medium: str | None = None) -> list[KVEvent]:
+        """Takes the queued events as vLLM-compatible structs (``medium`` is set on each)."""
+        return [from_raw(raw, medium) for raw in self.drain_raw_events()]
+
+    def __repr__(self) -> str:
+        return (
+            f"SlotManager(num_blocks={self.num_blocks}, block_size={self.block_size}, "
+            f"slots={len(self)}, free={self.num_free}, held={self.num_held}, cached={self.num_cached})"
+        )

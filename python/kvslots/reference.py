@@ -1,0 +1,495 @@
+"""A pure-Python reference model of the slot manager: small, obviously correct, slow.
+
+It has the same API and the same observable behaviour as the Rust ``SlotManager`` (block ids
+handed out, hashes, events, errors), and serves as the oracle in tests and as a baseline in
+benchmarks. Allocation order is part of that behaviour: free blocks come off a stack (block 0
+first), cached blocks are evicted least recently used first, and a finished request's blocks are
+released tail first.
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import xxhash
+
+from .errors import (
+    CapacityExceededError,
+    DuplicateRequestError,
+    InvalidArgumentError,
+    InvalidRollbackError,
+    OutOfBlocksError,
+    UnknownRequestError,
+)
+
+U32 = 2**32
+U64 = 2**64
+
+
+def block_hash(parent: int, tokens: Sequence[int], lora_id: int | None = None) -> int:
+    """xxh3-64 over parent (u64 LE) || tokens (u32 LE) || lora_id (u64 LE, when given)."""
+    data = struct.pack("<Q", parent) + struct.pack(f"<{len(tokens)}I", *tokens)
+    if lora_id is not None:
+        data += struct.pack("<Q", lora_id)
+    return xxhash.xxh3_64_intdigest(data)
+
+
+@dataclass(frozen=True)
+class SlotInfo:
+    committed: int
+    pending: int
+    lookahead: int
+    reserved_lookahead: int
+    num_blocks: int
+    num_immutable: int
+    capacity: int
+
+
+@dataclass
+class _Slot:
+    request_id: str
+    lora_id: int | None
+    lookahead: int
+    tokens: list[int] = field(default_factory=list)
+    pending: int = 0
+    reserved_lookahead: int = 0
+    blocks: list[int] = field(default_factory=list)
+    hashes: list[int] = field(default_factory=list)
+
+
+def _count(value: Any, what: str, request_id: str | None = None) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        try:
+            value = int(value)
+        except (TypeError, ValueError):
+            raise InvalidArgumentError(f"{what} must be an integer, got {type(value).__name__}", request_id) from None
+    if value < 0:
+        where = f" for request {request_id!r}" if request_id is not None else ""
+        raise InvalidArgumentError(f"invalid argument{where}: {what} must be >= 0, got {value}", request_id)
+    return value
+
+
+def _ints(values: Any, what: str, bound: int, request_id: str | None = None) -> list[int]:
+    out = []
+    try:
+        items = list(values)
+    except TypeError:
+        raise InvalidArgumentError(f"{what} must be a sequence of integers", request_id) from None
+    for i, v in enumerate(items):
+        try:
+            v = int(v)
+        except (TypeError, ValueError):
+            raise InvalidArgumentError(f"{what}[{i}] must be an integer", request_id) from None
+        if not 0 <= v < bound:
+            raise InvalidArgumentError(f"{what}[{i}] = {v} is out of range", request_id)
+        out.append(v)
+    return out
+
+
+class ReferenceSlotManager:
+    """Same contract as :class:`kvslots.SlotManager`, in plain Python."""
+
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        *,
+        hash_seed: int = 0,
+        enable_prefix_caching: bool = True,
+        max_tokens_per_slot: int | None = None,
+    ) -> None:
+        num_blocks = _count(num_blocks, "num_blocks")
+        block_size = _count(block_size, "block_size")
+        if block_size == 0:
+            raise InvalidArgumentError("invalid argument: block_size must be at least 1")
+        if max_tokens_per_slot is not None and _count(max_tokens_per_slot, "max_tokens_per_slot") == 0:
+            raise InvalidArgumentError("invalid argument: max_tokens_per_slot must be at least 1")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.hash_seed = hash_seed
+        self.enable_prefix_caching = enable_prefix_caching
+        self.max_tokens_per_slot = max_tokens_per_slot
+        self._refcount = [0] * num_blocks
+        self._hash_of: dict[int, int] = {}  # registered block -> hash
+        self._registry: dict[int, int] = {}  # hash -> block
+        self._free = list(range(num_blocks - 1, -1, -1))  # pop() gives block 0 first
+        self._lru: OrderedDict[int, None] = OrderedDict()  # cached blocks, oldest first
+        self._slots: dict[str, _Slot] = {}
+        self._slab: list[str | None] = []
+        self._gen: list[int] = []
+        self._free_slab: list[int] = []
+        self._events: list[tuple[Any, ...]] = []
+        self._stats = dict.fromkeys(
+            [
+                "requests_created", "requests_finished", "prefix_hit_tokens", "committed_tokens",
+                "committed_blocks", "registered_blocks", "rolled_back_tokens", "allocated_blocks",
+                "released_blocks", "evicted_blocks",
+            ],
+            0,
+        )
+
+    # ---- queries ----
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_cached(self) -> int:
+        return len(self._lru)
+
+    @property
+    def num_held(self) -> int:
+        return self.num_blocks - len(self._free) - len(self._lru)
+
+    @property
+    def usage(self) -> float:
+        return self.num_held / self.num_blocks if self.num_blocks else 0.0
+
+    def __len__(self) -> int:
+        return len(self._slots)
+
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self._slots
+
+    def _slot(self, request_id: str) -> _Slot:
+        try:
+            return self._slots[request_id]
+        except KeyError:
+            raise UnknownRequestError(f"unknown request {request_id!r}", request_id) from None
+
+    def slot_id(self, request_id: str) -> int:
+        self._slot(request_id)
+        i = self._slab.index(request_id)
+        return (self._gen[i] << 32) | i
+
+    def slot_info(self, request_id: str) -> SlotInfo:
+        s = self._slot(request_id)
+        return SlotInfo(len(s.tokens), s.pending, s.lookahead, s.reserved_lookahead, len(s.blocks),
+                        len(s.hashes), len(s.blocks) * self.block_size)
+
+    def block_table(self, request_id: str) -> list[int]:
+        return list(self._slot(request_id).blocks)
+
+    def committed_tokens(self, request_id: str) -> list[int]:
+        return list(self._slot(request_id).tokens)
+
+    def block_hashes(self, request_id: str) -> list[int]:
+        return list(self._slot(request_id).hashes)
+
+    def request_ids(self) -> list[str]:
+        return list(self._slots)
+
+    def registered_hashes(self) -> list[int]:
+        return sorted(self._registry)
+
+    def lookup(self, block_hash: int) -> int | None:
+        return self._registry.get(block_hash)
+
+    def registered_hash(self, block_id: int) -> int | None:
+        return self._hash_of.get(block_id)
+
+    def refcount(self, block_id: int) -> int:
+        return self._refcount[block_id]
+
+    def cached_blocks(self) -> list[int]:
+        return list(self._lru)
+
+    def stats(self) -> dict[str, int]:
+        return dict(self._stats)
+
+    def drain_raw_events(self) -> list[tuple[Any, ...]]:
+        out, self._events = self._events, []
+        return out
+
+    def num_pending_events(self) -> int:
+        return len(self._events)
+
+    # ---- pool primitives ----
+    def _available(self) -> int:
+        return len(self._free) + len(self._lru)
+
+    def _allocate(self, n: int, into: list[int]) -> None:
+        evicted = []
+        for _ in range(n):
+            if self._free:
+                b = self._free.pop()
+            else:
+                b, _ = self._lru.popitem(last=False)
+                h = self._hash_of.pop(b)
+                del self._registry[h]
+                evicted.append(h)
+            self._refcount[b] = 1
+            into.append(b)
+        self._stats["allocated_blocks"] += n
+        self._removed(evicted)
+
+    def _removed(self, hashes: list[int]) -> None:
+        if hashes:
+            self._stats["evicted_blocks"] += len(hashes)
+            self._events.append(("BlockRemoved", hashes))
+
+    def _pin(self, b: int) -> None:
+        if self._refcount[b] == 0:
+            del self._lru[b]
+        self._refcount[b] += 1
+
+    def _unpin(self, b: int) -> None:
+        self._refcount[b] -= 1
+        if self._refcount[b] == 0:
+            if b in self._hash_of:
+                self._lru[b] = None
+            else:
+                self._free.append(b)
+
+    def _check_len(self, s: _Slot, tokens: int) -> None:
+        if self.max_tokens_per_slot is not None and tokens > self.max_tokens_per_slot:
+            raise CapacityExceededError(
+                f"capacity exceeded for request {s.request_id!r}: tokens exceed max_tokens_per_slot "
+                f"({tokens} > {self.max_tokens_per_slot})",
+                s.request_id,
+                {"requested": tokens, "limit": self.max_tokens_per_slot},
+            )
+
+    def _out_of_blocks(self, request_id: str, needed: int, available: int) -> OutOfBlocksError:
+        return OutOfBlocksError(
+            f"out of blocks for request {request_id!r}: needs {needed} more block(s), only {available} "
+            f"free or evictable in a pool of {self.num_blocks}",
+            request_id,
+            {"needed": needed, "available": available, "total": self.num_blocks},
+        )
+
+    def _check_commit(self, s: _Slot, n: int) -> None:
+        if n > s.pending:
+            raise CapacityExceededError(
+                f"capacity exceeded for request {s.request_id!r}: committed tokens exceed the pending "
+                f"positions ({n} > {s.pending})",
+                s.request_id,
+                {"requested": n, "limit": s.pending},
+            )
+
+    def _rollback_error(self, s: _Slot, n: int, pending: int, committed: int) -> InvalidRollbackError:
+        return InvalidRollbackError(
+            f"invalid rollback for request {s.request_id!r}: cannot roll back {n} token(s), only "
+            f"{pending} speculative token(s) are pending after {committed} committed",
+            s.request_id,
+            {"requested": n, "pending": pending, "committed": committed},
+        )
+
+    # ---- operations ----
+    def create(self, request_id: str, prompt: Sequence[int], *, lookahead: int = 0, match_prefix: bool = True,
+               lora_id: int | None = None) -> int:
+        k = _count(lookahead, "lookahead", request_id)
+        prompt = _ints(prompt, "prompt", U32, request_id)
+        if request_id in self._slots:
+            raise DuplicateRequestError(f"request {request_id!r} already has a slot", request_id)
+        s = _Slot(request_id, lora_id, k)
+        self._check_len(s, len(prompt))
+        bs = self.block_size
+        if match_prefix and self.enable_prefix_caching:
+            parent = self.hash_seed
+            for i in range(max(len(prompt) - 1, 0) // bs):
+                h = block_hash(parent, prompt[i * bs:(i + 1) * bs], lora_id)
+                if h not in self._registry:
+                    break
+                s.blocks.append(self._registry[h])
+                s.hashes.append(h)
+                parent = h
+            for b in s.blocks:
+                self._pin(b)
+            s.tokens = prompt[: len(s.blocks) * bs]
+        if self._free_slab:
+            i = self._free_slab.pop()
+            self._gen[i] = (self._gen[i] + 1) % U32
+            self._slab[i] = request_id
+        else:
+            self._slab.append(request_id)
+            self._gen.append(0)
+        self._slots[request_id] = s
+        self._stats["requests_created"] += 1
+        self._stats["prefix_hit_tokens"] += len(s.tokens)
+        return len(s.tokens)
+
+    def reserve(self, request_id: str, new_tokens: int) -> int:
+        n = _count(new_tokens, "new_tokens", request_id)
+        s = self._slot(request_id)
+        self._check_len(s, len(s.tokens) + s.pending + n)
+        target = math.ceil((len(s.tokens) + s.pending + n + s.lookahead) / self.block_size)
+        extra = max(target - len(s.blocks), 0)
+        if extra > self._available():
+            raise self._out_of_blocks(request_id, extra, self._available())
+        self._allocate(extra, s.blocks)
+        s.pending += n
+        s.reserved_lookahead = s.lookahead
+        return extra
+
+    def commit(self, request_id: str, tokens: Sequence[int]) -> int:
+        tokens = _ints(tokens, "tokens", U32, request_id)
+        s = self._slot(request_id)
+        self._check_commit(s, len(tokens))
+        return self._commit(s, tokens)
+
+    def _commit(self, s: _Slot, tokens: list[int]) -> int:
+        bs = self.block_size
+        s.tokens.extend(tokens)
+        s.pending -= len(tokens)
+        run: list[int] = []
+        run_parent: int | None = None
+        first = len(s.hashes)
+        full = len(s.tokens) // bs
+
+        def close() -> None:
+            if run:
+                block_tokens = s.tokens[run_start * bs:(run_start + len(run)) * bs]
+                self._events.append(("BlockStored", list(run), run_parent, block_tokens, bs, s.lora_id))
+                run.clear()
+
+        run_start = first
+        for b in range(first, full):
+            parent = self.hash_seed if b == 0 else s.hashes[b - 1]
+            h = block_hash(parent, s.tokens[b * bs:(b + 1) * bs], s.lora_id)
+            s.hashes.append(h)
+            block = s.blocks[b]
+            if self.enable_prefix_caching and h not in self._registry and block not in self._hash_of:
+                if not run:
+                    run_start, run_parent = b, (parent if b > 0 else None)
+                run.append(h)
+                self._registry[h] = block
+                self._hash_of[block] = h
+                self._stats["registered_blocks"] += 1
+            else:
+                close()
+        close()
+        self._stats["committed_tokens"] += len(tokens)
+        self._stats["committed_blocks"] += full - first
+        return full - first
+
+    def rollback(self, request_id: str, num_tokens: int) -> None:
+        n = _count(num_tokens, "num_tokens", request_id)
+        s = self._slot(request_id)
+        if n > s.pending:
+            raise self._rollback_error(s, n, s.pending, len(s.tokens))
+        s.pending -= n
+        self._stats["rolled_back_tokens"] += n
+
+    def _surplus(self, s: _Slot, tokens: int) -> int:
+        keep = max(math.ceil(tokens / self.block_size), len(s.hashes))
+        return max(len(s.blocks) - keep, 0)
+
+    def _shrink(self, s: _Slot, surplus: int) -> None:
+        for _ in range(surplus):
+            self._unpin(s.blocks.pop())
+        self._stats["released_blocks"] += surplus
+
+    def set_lookahead(self, request_id: str, lookahead: int) -> int:
+        k = _count(lookahead, "lookahead", request_id)
+        s = self._slot(request_id)
+        s.lookahead = k
+        if k >= s.reserved_lookahead:
+            return 0
+        s.reserved_lookahead = k
+        surplus = self._surplus(s, len(s.tokens) + s.pending + k)
+        self._shrink(s, surplus)
+        return surplus
+
+    def finish(self, request_id: str) -> None:
+        s = self._slot(request_id)
+        del self._slots[request_id]
+        for b in reversed(s.blocks):
+            self._unpin(b)
+        self._stats["released_blocks"] += len(s.blocks)
+        self._stats["requests_finished"] += 1
+        i = self._slab.index(request_id)
+        self._slab[i] = None
+        self._free_slab.append(i)
+
+    def evict(self, num_blocks: int) -> int:
+        n = _count(num_blocks, "num_blocks")
+        evicted = []
+        while len(evicted) < n and self._lru:
+            b, _ = self._lru.popitem(last=False)
+            h = self._hash_of.pop(b)
+            del self._registry[h]
+            evicted.append(h)
+            self._free.append(b)
+        self._removed(evicted)
+        return len(evicted)
+
+    def clear_cache(self) -> int:
+        n = len(self._registry)
+        for b in list(self._lru):
+            self._free.append(b)
+        self._lru.clear()
+        self._registry.clear()
+        self._hash_of.clear()
+        self._events.append(("AllBlocksCleared",))
+        return n
+
+    def _resolve(self, slot_id: int) -> _Slot:
+        gen, i = slot_id >> 32, slot_id & (U32 - 1)
+        if i < len(self._slab) and self._slab[i] is not None and self._gen[i] == gen:
+            return self._slots[self._slab[i]]  # type: ignore[index]
+        raise InvalidArgumentError(f"invalid argument: slot id {slot_id} does not name a live slot")
+
+    def step(self, slot_ids: Sequence[int], num_accepted: Sequence[int], accepted_tokens: Sequence[int],
+             num_rejected: Sequence[int], num_new_tokens: Sequence[int],
+             lookahead: Sequence[int] | None = None) -> tuple[list[int], list[int], list[int]]:
+        ids = _ints(slot_ids, "slot_ids", U64)
+        acc = _ints(num_accepted, "num_accepted", U32)
+        toks = _ints(accepted_tokens, "accepted_tokens", U32)
+        rej = _ints(num_rejected, "num_rejected", U32)
+        new = _ints(num_new_tokens, "num_new_tokens", U32)
+        look = None if lookahead is None else _ints(lookahead, "lookahead", U32)
+        n = len(ids)
+        if not (len(acc) == len(rej) == len(new) == n and (look is None or len(look) == n)):
+            raise InvalidArgumentError("invalid argument: step arrays differ in length")
+        if sum(acc) != len(toks):
+            raise InvalidArgumentError(f"invalid argument: num_accepted sums to {sum(acc)} but accepted_tokens has {len(toks)} tokens")
+        bs = self.block_size
+        slots: list[_Slot] = []
+        targets: list[int] = []
+        freed = 0
+        for j in range(n):
+            s = self._resolve(ids[j])
+            if any(s is t for t in slots):
+                raise InvalidArgumentError(f"invalid argument for request {s.request_id!r}: slot appears twice in one step", s.request_id)
+            slots.append(s)
+            self._check_commit(s, acc[j])
+            if rej[j] > s.pending - acc[j]:
+                raise self._rollback_error(s, rej[j], s.pending - acc[j], len(s.tokens) + acc[j])
+            k = s.lookahead if look is None else look[j]
+            filled = len(s.tokens) + s.pending - rej[j] + new[j]
+            self._check_len(s, filled)
+            target = math.ceil((filled + k) / bs)
+            if target < len(s.blocks) and k < s.reserved_lookahead:
+                freed += len(s.blocks) - target
+            targets.append(target)
+        available = self._available() + freed
+        needed = 0
+        for j, s in enumerate(slots):
+            needed += max(targets[j] - len(s.blocks), 0)
+            if needed > available:
+                raise self._out_of_blocks(s.request_id, needed, available)
+        committed, offset = [], 0
+        for j, s in enumerate(slots):
+            committed.append(self._commit(s, toks[offset:offset + acc[j]]))
+            offset += acc[j]
+            s.pending -= rej[j]
+            self._stats["rolled_back_tokens"] += rej[j]
+        for j, s in enumerate(slots):
+            if look is not None:
+                s.lookahead = look[j]
+            if targets[j] < len(s.blocks) and s.lookahead < s.reserved_lookahead:
+                self._shrink(s, len(s.blocks) - targets[j])
+        num_new, new_ids = [], []
+        for j, s in enumerate(slots):
+            extra = max(targets[j] - len(s.blocks), 0)
+            self._allocate(extra, s.blocks)
+            s.pending += new[j]
+            s.reserved_lookahead = s.lookahead
+            new_ids.extend(s.blocks[len(s.blocks) - extra:])
+            num_new.append(extra)
+        return num_new, new_ids, committed

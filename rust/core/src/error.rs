@@ -1,0 +1,79 @@
+//! Typed errors. Every variant names the request and the numbers involved, and every
+//! operation that returns one has left the manager exactly as it was.
+
+use thiserror::Error;
+
+#[derive(Debug, Clone, PartialEq, Eq, Error)]
+pub enum SlotError {
+    #[error("unknown request {request:?}")]
+    UnknownRequest { request: String },
+
+    #[error("request {request:?} already has a slot")]
+    DuplicateRequest { request: String },
+
+    #[error(
+        "out of blocks for request {request:?}: needs {needed} more block(s), \
+         only {available} free or evictable in a pool of {total}"
+    )]
+    OutOfBlocks {
+        request: String,
+        needed: u64,
+        available: u64,
+        total: u64,
+    },
+
+    #[error(
+        "invalid rollback for request {request:?}: cannot roll back {requested} token(s), \
+         only {pending} speculative token(s) are pending after {committed} committed"
+    )]
+    InvalidRollback {
+        request: String,
+        requested: u64,
+        pending: u64,
+        committed: u64,
+    },
+
+    #[error("capacity exceeded for request {request:?}: {what} ({requested} > {limit})")]
+    CapacityExceeded {
+        request: String,
+        what: &'static str,
+        requested: u64,
+        limit: u64,
+    },
+
+    #[error("invalid argument{}: {message}", request_suffix(.request))]
+    InvalidArgument {
+        request: Option<String>,
+        message: String,
+    },
+}
+
+fn request_suffix(request: &Option<String>) -> String {
+    match request {
+        Some(r) => format!(" for request {r:?}"),
+        None => String::new(),
+    }
+}
+
+impl SlotError {
+    pub fn invalid(request: Option<&str>, message: impl Into<String>) -> Self {
+        SlotError::InvalidArgument {
+            request: request.map(str::to_owned),
+            message: message.into(),
+        }
+    }
+
+    /// The request the error is about, when there is one.
+    pub fn request(&self) -> Option<&str> {
+        match self {
+            SlotError::UnknownRequest { request }
+            | SlotError::DuplicateRequest { request }
+            | SlotError::OutOfBlocks { request, .. }
+            | SlotError::InvalidRollback { request, .. }
+            | SlotError::CapacityExceeded { request, .. } => Some(request),
+            SlotError::InvalidArgument { request, .. } => request.as_deref(),
+        }
+    }
+}
+
+pub type Result<T> = std::result::Result<T, SlotError>;

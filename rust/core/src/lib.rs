@@ -1,0 +1,23 @@
+//! kvslots-core: a KV-cache block slot manager for speculative decoding.
+//!
+//! Pure Rust, no Python. [`SlotManager`] owns a [`BlockPool`] (block ids, reference counts,
+//! free stack, prefix registry, LRU of cached blocks) and one [`Slot`] per request;
+//! [`SlotTracker`] applies the same slot rules over block ids owned by someone else (vLLM's
+//! device blocks). Both preallocate for the speculative lookahead, commit verified tokens into
+//! immutable hashed blocks, and roll back rejected draft tokens.
+
+pub mod error;
+pub mod events;
+pub mod hash;
+pub mod manager;
+pub mod pool;
+pub mod slot;
+pub mod tracker;
+
+pub use error::{Result, SlotError};
+pub use events::{EventLog, KvEvent, KvEventRef};
+pub use hash::{block_hash, BlockHasher};
+pub use manager::{ManagerConfig, SlotId, SlotManager, Stats, StepInput, StepOutput};
+pub use pool::{BlockId, BlockPool};
+pub use slot::{Slot, SlotInfo};
+pub use tracker::{CommittedBlock, SlotTracker};

@@ -1,0 +1,131 @@
+//! One request's slot: the pure accounting shared by the owned-pool [`crate::SlotManager`] and
+//! the [`crate::SlotTracker`] over externally owned (vLLM device) block ids.
+//!
+//! Positions `0..committed` hold verified tokens (their KV computed). The next `pending`
+//! positions hold KV written for unverified speculative tokens. Capacity (`blocks * block_size`)
+//! covers `committed + pending + reserved_lookahead`. Blocks `0..immutable` are full of
+//! committed tokens and never change; the rest are mutable.
+
+use crate::error::{Result, SlotError};
+use crate::pool::BlockId;
+
+#[derive(Debug, Clone, Default)]
+pub struct Slot {
+    pub(crate) request_id: String,
+    pub(crate) extra_key: Option<u64>,
+    /// Committed (verified) tokens.
+    pub(crate) tokens: Vec<u32>,
+    pub(crate) pending: usize,
+    /// The request's current K.
+    pub(crate) lookahead: usize,
+    /// The K the current capacity was reserved for.
+    pub(crate) reserved_lookahead: usize,
+    pub(crate) blocks: Vec<BlockId>,
+    /// Hash of each immutable block, in order (`hashes.len()` blocks are immutable).
+    pub(crate) hashes: Vec<u64>,
+}
+
+/// A read-only view of a slot's counters.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SlotInfo {
+    pub committed: usize,
+    pub pending: usize,
+    pub lookahead: usize,
+    pub reserved_lookahead: usize,
+    pub num_blocks: usize,
+    pub num_immutable: usize,
+    pub capacity: usize,
+}
+
+pub(crate) fn blocks_for(tokens: usize, block_size: usize) -> usize {
+    tokens.div_ceil(block_size)
+}
+
+impl Slot {
+    pub fn new(request_id: &str, lookahead: usize, extra_key: Option<u64>) -> Self {
+        Slot {
+            request_id: request_id.to_owned(),
+            extra_key,
+            lookahead,
+            ..Default::default()
+        }
+    }
+
+    pub fn request_id(&self) -> &str {
+        &self.request_id
+    }
+    pub fn committed(&self) -> usize {
+        self.tokens.len()
+    }
+    pub fn tokens(&self) -> &[u32] {
+        &self.tokens
+    }
+    pub fn blocks(&self) -> &[BlockId] {
+        &self.blocks
+    }
+    pub fn hashes(&self) -> &[u64] {
+        &self.hashes
+    }
+    pub fn num_immutable(&self) -> usize {
+        self.hashes.len()
+    }
+
+    pub fn info(&self, block_size: usize) -> SlotInfo {
+        SlotInfo {
+            committed: self.committed(),
+            pending: self.pending,
+            lookahead: self.lookahead,
+            reserved_lookahead: self.reserved_lookahead,
+            num_blocks: self.blocks.len(),
+            num_immutable: self.num_immutable(),
+            capacity: self.blocks.len() * block_size,
+        }
+    }
+
+    /// Tokens the slot must have room for after reserving `new_tokens` more with lookahead `k`.
+    pub fn tokens_needed(&self, new_tokens: usize, k: usize) -> usize {
+        self.committed() + self.pending + new_tokens + k
+    }
+
+    pub fn check_commit(&self, n: usize) -> Result<()> {
+        if n > self.pending {
+            return Err(SlotError::CapacityExceeded {
+                request: self.request_id.clone(),
+                what: "committed tokens exceed the pending (reserved and written) positions",
+                requested: n as u64,
+                limit: self.pending as u64,
+            });
+        }
+        Ok(())
+    }
+
+    pub fn check_rollback(&self, n: usize) -> Result<()> {
+        if n > self.pending {
+            return Err(SlotError::InvalidRollback {
+                request: self.request_id.clone(),
+                requested: n as u64,
+                pending: self.pending as u64,
+                committed: self.committed() as u64,
+            });
+        }
+        Ok(())
+    }
+
+    /// Appends verified tokens (already checked against `pending`) and returns the range of
+    /// block indices that just became full; the caller hashes them and pushes the hashes.
+    pub(crate) fn commit_tokens(
+        &mut self,
+        tokens: &[u32],
+        block_size: usize,
+    ) -> std::ops::Range<usize> {
+        self.tokens.extend_from_slice(tokens);
+        self.pending -= tokens.len();
+        self.num_immutable()..self.committed() / block_size
+    }
+
+    /// The number of trailing mutable blocks beyond what `tokens` need.
+    pub(crate) fn surplus_blocks(&self, tokens: usize, block_size: usize) -> usize {
+        let keep = blocks_for(tokens, block_size).max(self.num_immutable());
+        self.blocks.len().saturating_sub(keep)
+    }
+}
