@@ -1,4 +1,4 @@
-"""KV cache events, field for field as vLLM's ``vllm.distributed.kv_events``.
+"""KV cache events, field for field as vLLM's ``vllm.distributed.kv_events`` (vLLM 0.32).
 
 A router that decodes vLLM's events decodes ours with the same decoder, and these structs decode
 vLLM's. Block hashes are unsigned 64-bit integers by default (vLLM's external form); bytes are
@@ -17,7 +17,9 @@ MEDIUM_GPU = "GPU"
 MEDIUM_CPU = "CPU"
 
 
-class EventBatch(msgspec.Struct, omit_defaults=True, gc=False):  # type: ignore[call-arg]
+class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):  # type: ignore[call-arg]
+    """Encoded as the msgpack array ``[ts, events, data_parallel_rank]``."""
+
     ts: float
     events: list[Any]
     data_parallel_rank: int | None = None
@@ -39,12 +41,17 @@ class BlockStored(KVCacheEvent):
     group_idx: int | None = None
     kv_cache_spec_kind: str | None = None
     kv_cache_spec_sliding_window: int | None = None
+    locality: str | None = None
+    ownership: str | None = None
+    session_id: str | None = None
 
 
 class BlockRemoved(KVCacheEvent):
     block_hashes: list[ExternalBlockHash]
     medium: str | None
     group_idx: int | None = None
+    locality: str | None = None
+    ownership: str | None = None
 
 
 class AllBlocksCleared(KVCacheEvent):
@@ -81,3 +88,11 @@ def encode_batch(batch: KVEventBatch) -> bytes:
 
 def decode_batch(payload: bytes) -> KVEventBatch:
     return _decoder.decode(payload)
+
+
+def external_block_hash(block_hash: bytes | int) -> int:
+    """vLLM's int form of a block hash (``maybe_convert_block_hash``): the low 64 bits of the
+    hash bytes read big-endian."""
+    if isinstance(block_hash, int):
+        return block_hash & 0xFFFF_FFFF_FFFF_FFFF
+    return int.from_bytes(block_hash, "big") & 0xFFFF_FFFF_FFFF_FFFF

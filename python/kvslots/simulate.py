@@ -1,0 +1,218 @@
+"""``kvslots simulate``: a simulated EAGLE workload driven through the slot manager's batch API.
+
+Requests arrive with prompts (some sharing a prefix), are admitted up to the batch size, prefill,
+then decode with K draft tokens per step: each draft is accepted with a fixed probability until
+the first rejection, the verified tokens are committed, the rejected drafts rolled back, and the
+next step's 1 + K positions plus K lookahead reserved, for the whole batch in one call. When the
+pool runs dry the newest running request is preempted and requeued, as vLLM does.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from collections import Counter, deque
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .errors import OutOfBlocksError
+from .events import AllBlocksCleared, BlockRemoved, BlockStored
+from .manager import SlotManager
+
+
+@dataclass
+class SimConfig:
+    requests: int = 64
+    batch: int = 16
+    lookahead: int = 3
+    acceptance: float = 0.7
+    block_size: int = 16
+    num_blocks: int = 1024
+    prompt_min: int = 64
+    prompt_max: int = 512
+    shared_prefix: int = 256
+    shared_fraction: float = 0.3
+    output_min: int = 32
+    output_max: int = 128
+    vocab: int = 32000
+    seed: int = 0
+
+
+@dataclass
+class _Req:
+    rid: str
+    prompt: np.ndarray
+    output_len: int
+    generated: int = 0
+
+
+@dataclass
+class SimReport:
+    config: SimConfig
+    steps: int = 0
+    completed: int = 0
+    preemptions: int = 0
+    generated_tokens: int = 0
+    drafted_tokens: int = 0
+    accepted_drafts: int = 0
+    seconds: float = 0.0
+    stats: dict[str, int] = field(default_factory=dict)
+    events: dict[str, int] = field(default_factory=dict)
+    final: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted_drafts / self.drafted_tokens if self.drafted_tokens else 0.0
+
+    @property
+    def mean_accepted_per_step(self) -> float:
+        return self.generated_tokens / max(self.steps, 1)
+
+
+def run(cfg: SimConfig) -> SimReport:
+    rng = np.random.default_rng(cfg.seed)
+    shared = rng.integers(0, cfg.vocab, cfg.shared_prefix, dtype=np.uint32)
+    waiting: deque[_Req] = deque()
+    for i in range(cfg.requests):
+        n = int(rng.integers(cfg.prompt_min, cfg.prompt_max + 1))
+        prompt = rng.integers(0, cfg.vocab, n, dtype=np.uint32)
+        if rng.random() < cfg.shared_fraction and n > cfg.shared_prefix:
+            prompt[: cfg.shared_prefix] = shared
+        waiting.append(_Req(f"req-{i}", prompt, int(rng.integers(cfg.output_min, cfg.output_max + 1))))
+
+    m = SlotManager(cfg.num_blocks, cfg.block_size)
+    rep = SimReport(cfg)
+    events: Counter[str] = Counter()
+    running: list[_Req] = []
+    k = cfg.lookahead
+    t0 = time.perf_counter()
+
+    def preempt() -> None:
+        victim = running.pop()
+        m.finish(victim.rid)
+        victim.generated = 0
+        waiting.appendleft(victim)
+        rep.preemptions += 1
+
+    while waiting or running:
+        # Admit and prefill: the prompt's KV is computed and verified in one go.
+        while waiting and len(running) < cfg.batch:
+            req = waiting.popleft()
+            matched = m.create(req.rid, req.prompt, lookahead=k)
+            try:
+                m.reserve(req.rid, len(req.prompt) - matched + 1 + k)
+            except OutOfBlocksError:
+                m.finish(req.rid)
+                waiting.appendleft(req)
+                if not running:
+                    raise
+                break
+            m.commit(req.rid, req.prompt[matched:])
+            running.append(req)
+        # Verify this step's drafts: each accepted with probability p until the first rejection.
+        draws = rng.random((len(running), k)) < cfg.acceptance
+        accepted = np.where(draws.all(axis=1), k, draws.argmin(axis=1))
+        num_accepted = 1 + accepted  # the token sampled last step plus the accepted drafts
+        tokens = rng.integers(0, cfg.vocab, int(num_accepted.sum()), dtype=np.uint32)
+        rep.steps += 1
+        rep.drafted_tokens += k * len(running)
+        rep.accepted_drafts += int(accepted.sum())
+        done = []
+        for j, req in enumerate(running):
+            req.generated += int(num_accepted[j])
+            rep.generated_tokens += int(num_accepted[j])
+            if req.generated >= req.output_len:
+                done.append(j)
+        # Finished requests: commit and leave. The rest: one batch step.
+        offsets = np.concatenate([[0], np.cumsum(num_accepted)])
+        keep = np.ones(len(running), dtype=bool)
+        for j in done:
+            req = running[j]
+            m.commit(req.rid, tokens[offsets[j] : offsets[j + 1]])
+            m.finish(req.rid)
+            keep[j] = False
+            rep.completed += 1
+        survivors = [r for j, r in enumerate(running) if keep[j]]
+        tok_keep = np.concatenate([tokens[offsets[j] : offsets[j + 1]] for j in np.flatnonzero(keep)] or [tokens[:0]])
+        running = survivors
+        if running:
+            ids = np.array([m.slot_id(r.rid) for r in running], dtype=np.uint64)
+            acc = num_accepted[keep].astype(np.uint32)
+            rej = (k - accepted[keep]).astype(np.uint32)
+            new = np.full(len(running), 1 + k, dtype=np.uint32)
+            while True:
+                try:
+                    m.step(ids, acc, tok_keep, rej, new)
+                    break
+                except OutOfBlocksError:
+                    # Commit what was verified, then free the newest request and retry.
+                    victim_j = len(running) - 1
+                    preempt()
+                    a = int(acc[victim_j])
+                    ids, acc, rej, new = ids[:-1], acc[:-1], rej[:-1], new[:-1]
+                    tok_keep = tok_keep[: len(tok_keep) - a]
+                    if not running:
+                        break
+        for ev in m.drain_events():
+            events[type(ev).__name__] += 1
+    rep.seconds = time.perf_counter() - t0
+    rep.stats = m.stats()
+    rep.events = {n: events[n] for n in (BlockStored.__name__, BlockRemoved.__name__, AllBlocksCleared.__name__)}
+    problem = m.check_invariants()
+    if problem:
+        raise AssertionError(f"invariant broken after simulation: {problem}")
+    rep.final = {"free": m.num_free, "held": m.num_held, "cached": m.num_cached, "slots": len(m)}
+    return rep
+
+
+def format_report(rep: SimReport) -> str:
+    c, s = rep.config, rep.stats
+    lines = [
+        f"simulated EAGLE workload: {c.requests} requests, batch {c.batch}, K={c.lookahead}, "
+        f"per-draft acceptance {c.acceptance}, block size {c.block_size}, pool {c.num_blocks} blocks",
+        f"  steps                 {rep.steps}",
+        f"  completed requests    {rep.completed} ({rep.preemptions} preemptions)",
+        f"  generated tokens      {rep.generated_tokens} ({rep.mean_accepted_per_step:.2f} per step, "
+        f"draft acceptance {rep.acceptance_rate:.1%})",
+        f"  prefix-cache hits     {s['prefix_hit_tokens']} tokens",
+        f"  blocks committed      {s['committed_blocks']} ({s['registered_blocks']} registered as prefix cache)",
+        f"  tokens rolled back    {s['rolled_back_tokens']}",
+        f"  blocks allocated      {s['allocated_blocks']}, released {s['released_blocks']}, evicted {s['evicted_blocks']}",
+        f"  events                " + ", ".join(f"{k} {v}" for k, v in rep.events.items()),
+        f"  pool at the end       free {rep.final['free']}, held {rep.final['held']}, cached {rep.final['cached']}",
+        f"  invariants            hold (checked after the run)",
+        f"  wall time             {rep.seconds:.3f} s",
+    ]
+    return "\n".join(lines)
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    d = SimConfig()
+    p = sub.add_parser("simulate", help="run a simulated EAGLE workload through the slot manager",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--requests", type=int, default=d.requests)
+    p.add_argument("--batch", type=int, default=d.batch, help="max running requests")
+    p.add_argument("--lookahead", "-k", type=int, default=d.lookahead, help="draft tokens per step (K)")
+    p.add_argument("--acceptance", type=float, default=d.acceptance, help="per-draft acceptance probability")
+    p.add_argument("--block-size", type=int, default=d.block_size)
+    p.add_argument("--num-blocks", type=int, default=d.num_blocks)
+    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.set_defaults(func=_main)
+
+
+def _main(args: argparse.Namespace) -> int:
+    cfg = SimConfig(requests=args.requests, batch=args.batch, lookahead=args.lookahead,
+                    acceptance=args.acceptance, block_size=args.block_size,
+                    num_blocks=args.num_blocks, seed=args.seed)
+    rep = run(cfg)
+    if args.json:
+        out = {k: v for k, v in rep.__dict__.items() if k != "config"}
+        out["config"] = cfg.__dict__
+        out["acceptance_rate"] = rep.acceptance_rate
+        print(json.dumps(out, indent=2))
+    else:
+        print(format_report(rep))
+    return 0
