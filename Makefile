@@ -1,0 +1,17 @@
+# The two commands of the README; each does all the set-up it needs first.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+
+.PHONY: demo test setup bench
+
+demo:  ## the main job: a simulated EAGLE workload through the slot manager
+	@VENV=$(VENV) scripts/setup.sh
+	$(PY) -m kvslots simulate
+
+test:  ## the whole test suite: Rust engine tests, then pytest (with vLLM on CPU)
+	@VENV=$(VENV) scripts/setup.sh --with-vllm
+	cargo test -p kvslots-core --release -q
+	$(PY) -m pytest -q
+
+setup:
+	@VENV=$(VENV) scripts/setup.sh --with-vllm

@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# All the set-up kvslots needs on a fresh machine, idempotent (a second run takes seconds):
+#   Debian packages (scripts/system-deps.txt), uv, the virtualenv $VENV (default .venv) with the
+#   Python deps, optionally vLLM for CPU (--with-vllm, for the tests), and the Rust extension
+#   built in release mode and installed editable.
+set -euo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+VENV="${VENV:-$ROOT/.venv}"
+WITH_VLLM=0
+for arg in "$@"; do
+  case "$arg" in
+    --with-vllm) WITH_VLLM=1 ;;
+    *) echo "usage: $0 [--with-vllm]" >&2; exit 2 ;;
+  esac
+done
+log() { printf '[setup] %s\n' "$*" >&2; }
+
+# Debian packages (redis-server for the indexer's Redis backend tests).
+missing=()
+while read -r pkg; do
+  [[ -z "$pkg" || "$pkg" == \#* ]] && continue
+  dpkg -s "$pkg" >/dev/null 2>&1 || missing+=("$pkg")
+done <"$ROOT/scripts/system-deps.txt"
+if ((${#missing[@]})); then
+  SUDO=""; [[ $(id -u) -ne 0 ]] && SUDO="sudo"
+  log "installing Debian packages: ${missing[*]}"
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${missing[@]}" >/dev/null
+fi
+
+command -v cargo >/dev/null || { log "cargo (Rust) is required: https://rustup.rs"; exit 1; }
+if ! command -v uv >/dev/null; then
+  log "installing uv"
+  python3 -m pip install -q uv
+  hash -r
+fi
+[[ -x "$VENV/bin/python" ]] || { log "creating $VENV"; uv venv -q --python 3.11 "$VENV"; }
+
+if ((WITH_VLLM)); then
+  VENV="$VENV" "$ROOT/scripts/install-vllm.sh"
+fi
+VIRTUAL_ENV="$VENV" uv pip install -q --python "$VENV/bin/python" -r "$ROOT/requirements/dev.txt"
+
+# The extension: rebuilt only when Rust or build files changed since the last build.
+stamp="$VENV/.kvslots-build-stamp"
+if [[ ! -f "$stamp" ]] || [[ -n "$(find "$ROOT/rust" "$ROOT/Cargo.toml" "$ROOT/pyproject.toml" -newer "$stamp" -type f -print -quit)" ]] \
+   || ! "$VENV/bin/python" -c "import kvslots._core" 2>/dev/null; then
+  log "building the Rust extension (release)"
+  (cd "$ROOT" && VIRTUAL_ENV="$VENV" "$VENV/bin/maturin" develop --release --uv -q)
+  touch "$stamp"
+fi
