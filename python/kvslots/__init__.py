@@ -4,7 +4,7 @@ The engine is Rust (``kvslots._core``); this package adds the typed Python API, 
 pure-Python reference model, KV events and the ``kvslots`` command line.
 """
 
-from ._core import SlotInfo, SlotTracker, __version__, block_hash
+from ._core import HostCache, SlotInfo, SlotTracker, __version__, block_hash
 from .errors import (
     CapacityExceededError,
     DuplicateRequestError,
@@ -19,6 +19,7 @@ from .manager import SlotManager
 __all__ = [
     "SlotManager",
     "SlotTracker",
+    "HostCache",
     "SlotInfo",
     "block_hash",
     "SlotError",

@@ -6,6 +6,7 @@
 //! device blocks). Both preallocate for the speculative lookahead, commit verified tokens into
 //! immutable hashed blocks, and roll back rejected draft tokens.
 
+pub mod cache;
 pub mod error;
 pub mod events;
 pub mod hash;
@@ -14,6 +15,7 @@ pub mod pool;
 pub mod slot;
 pub mod tracker;
 
+pub use cache::{CacheStats, HostCache, PendingStore};
 pub use error::{Result, SlotError};
 pub use events::{EventLog, KvEvent, KvEventRef};
 pub use hash::{block_hash, BlockHasher};

@@ -557,6 +557,132 @@ impl SlotTracker {
     }
 }
 
+/// The host-memory tier keyed by external (vLLM) block hashes. See kvslots-core's `HostCache`.
+#[pyclass(module = "kvslots._core")]
+struct HostCache {
+    inner: core::HostCache,
+}
+
+fn pending(stores: Vec<(u64, u32)>) -> Vec<core::PendingStore> {
+    stores
+        .into_iter()
+        .map(|(hash, block)| core::PendingStore { hash, block })
+        .collect()
+}
+
+#[pymethods]
+impl HostCache {
+    #[new]
+    fn new(num_blocks: i64, block_size: i64) -> PyResult<Self> {
+        let n = count(num_blocks, "num_blocks", None)?;
+        let bs = count(block_size, "block_size", None)?;
+        Ok(HostCache {
+            inner: core::HostCache::new(n, bs).map_err(err)?,
+        })
+    }
+    /// Number of leading hashes whose blocks are complete in the cache.
+    fn match_prefix(&mut self, block_hashes: &Bound<'_, PyAny>) -> PyResult<usize> {
+        let h = IntArg::<u64>::extract(block_hashes, "block_hashes", None)?;
+        Ok(self.inner.match_prefix(h.as_slice()))
+    }
+    fn contains(&self, block_hash: u64) -> bool {
+        self.inner.contains(block_hash)
+    }
+    /// Pins the blocks of `block_hashes` for a load; returns their host block ids.
+    fn begin_load(
+        &mut self,
+        request_id: &str,
+        block_hashes: &Bound<'_, PyAny>,
+    ) -> PyResult<Vec<u32>> {
+        let h = IntArg::<u64>::extract(block_hashes, "block_hashes", Some(request_id))?;
+        self.inner.begin_load(request_id, h.as_slice()).map_err(err)
+    }
+    fn end_load(&mut self, blocks: &Bound<'_, PyAny>) -> PyResult<()> {
+        let b = IntArg::<u32>::extract(blocks, "blocks", None)?;
+        self.inner.end_load(b.as_slice()).map_err(err)
+    }
+    /// Takes host blocks for the hashes not cached nor being stored: [(index, hash, block)].
+    fn begin_store(&mut self, block_hashes: &Bound<'_, PyAny>) -> PyResult<Vec<(usize, u64, u32)>> {
+        let h = IntArg::<u64>::extract(block_hashes, "block_hashes", None)?;
+        Ok(self
+            .inner
+            .begin_store(h.as_slice())
+            .into_iter()
+            .map(|(i, p)| (i, p.hash, p.block))
+            .collect())
+    }
+    /// Registers copied blocks [(hash, block)] of one request run and queues BlockStored.
+    #[pyo3(signature = (stores, parent_block_hash, token_ids, lora_id=None))]
+    fn complete_store(
+        &mut self,
+        stores: Vec<(u64, u32)>,
+        parent_block_hash: Option<u64>,
+        token_ids: &Bound<'_, PyAny>,
+        lora_id: Option<u64>,
+    ) -> PyResult<()> {
+        let t = IntArg::<u32>::extract(token_ids, "token_ids", None)?;
+        self.inner
+            .complete_store(&pending(stores), parent_block_hash, t.as_slice(), lora_id)
+            .map_err(err)
+    }
+    fn abort_store(&mut self, stores: Vec<(u64, u32)>) -> PyResult<()> {
+        self.inner.abort_store(&pending(stores)).map_err(err)
+    }
+    fn clear(&mut self) -> usize {
+        self.inner.clear()
+    }
+    fn drain_raw_events<'py>(&mut self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
+        let list = events_to_py(py, self.inner.events())?;
+        self.inner.events_mut().clear();
+        Ok(list)
+    }
+    fn registered_hashes(&self) -> Vec<u64> {
+        let mut v: Vec<u64> = self.inner.pool().registered_hashes().collect();
+        v.sort_unstable();
+        v
+    }
+    fn stats(&self) -> HashMap<&'static str, u64> {
+        let s = self.inner.stats();
+        HashMap::from([
+            ("lookups", s.lookups),
+            ("hit_blocks", s.hit_blocks),
+            ("stores_started", s.stores_started),
+            ("stores_completed", s.stores_completed),
+            ("stores_aborted", s.stores_aborted),
+            ("stores_skipped_full", s.stores_skipped_full),
+            ("loads_started", s.loads_started),
+            ("evicted_blocks", s.evicted_blocks),
+        ])
+    }
+    fn check_invariants(&self) -> Option<String> {
+        self.inner.pool().check().err()
+    }
+    #[getter]
+    fn num_blocks(&self) -> usize {
+        self.inner.pool().num_blocks()
+    }
+    #[getter]
+    fn block_size(&self) -> usize {
+        self.inner.block_size()
+    }
+    #[getter]
+    fn num_free(&self) -> usize {
+        self.inner.pool().num_free()
+    }
+    #[getter]
+    fn num_held(&self) -> usize {
+        self.inner.pool().num_held()
+    }
+    #[getter]
+    fn num_cached(&self) -> usize {
+        self.inner.pool().num_cached()
+    }
+    #[getter]
+    fn num_storing(&self) -> usize {
+        self.inner.num_storing()
+    }
+}
+
 /// xxh3 chained block hash, identical to the engine's (for tests and tools).
 #[pyfunction]
 #[pyo3(signature = (parent, tokens, lora_id=None))]
@@ -570,6 +696,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<SlotManager>()?;
     m.add_class::<SlotTracker>()?;
     m.add_class::<SlotInfo>()?;
+    m.add_class::<HostCache>()?;
     m.add_function(wrap_pyfunction!(block_hash, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())

@@ -1,0 +1,303 @@
+//! The host-memory tier: a pool of host blocks keyed by externally computed block hashes (vLLM's
+//! own, so host-tier events carry the same keys as vLLM's device-tier events).
+//!
+//! A store is two-phase: [`HostCache::begin_store`] takes (possibly evicting) a host block that
+//! stays unregistered while the copy runs, and [`HostCache::complete_store`] registers it and
+//! queues `BlockStored` once every worker has copied. A block is therefore never found by a
+//! lookup before its bytes are in place. Loads pin their source blocks until they finish.
+
+use std::collections::HashSet;
+
+use crate::error::{Result, SlotError};
+use crate::events::EventLog;
+use crate::pool::{BlockId, BlockPool};
+
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct CacheStats {
+    pub lookups: u64,
+    pub hit_blocks: u64,
+    pub stores_started: u64,
+    pub stores_completed: u64,
+    pub stores_aborted: u64,
+    pub stores_skipped_full: u64,
+    pub loads_started: u64,
+    pub evicted_blocks: u64,
+}
+
+#[derive(Debug, Clone)]
+pub struct HostCache {
+    pool: BlockPool,
+    block_size: usize,
+    events: EventLog,
+    storing: HashSet<u64>,
+    evicted: Vec<u64>,
+    stats: CacheStats,
+}
+
+/// A block of one request being stored: the hash it will be registered under and the host
+/// block holding its copy.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PendingStore {
+    pub hash: u64,
+    pub block: BlockId,
+}
+
+impl HostCache {
+    pub fn new(num_blocks: usize, block_size: usize) -> Result<Self> {
+        if block_size == 0 {
+            return Err(SlotError::invalid(None, "block_size must be at least 1"));
+        }
+        if num_blocks >= u32::MAX as usize {
+            return Err(SlotError::invalid(
+                None,
+                format!("num_blocks must be below {}", u32::MAX),
+            ));
+        }
+        Ok(HostCache {
+            pool: BlockPool::new(num_blocks),
+            block_size,
+            events: EventLog::new(block_size as u32),
+            storing: HashSet::new(),
+            evicted: Vec::new(),
+            stats: CacheStats::default(),
+        })
+    }
+
+    pub fn pool(&self) -> &BlockPool {
+        &self.pool
+    }
+    pub fn block_size(&self) -> usize {
+        self.block_size
+    }
+    pub fn stats(&self) -> CacheStats {
+        self.stats
+    }
+    pub fn events(&self) -> &EventLog {
+        &self.events
+    }
+    pub fn events_mut(&mut self) -> &mut EventLog {
+        &mut self.events
+    }
+    pub fn contains(&self, hash: u64) -> bool {
+        self.pool.lookup(hash).is_some()
+    }
+    pub fn num_storing(&self) -> usize {
+        self.storing.len()
+    }
+
+    /// Number of leading `hashes` whose blocks are complete in the cache.
+    pub fn match_prefix(&mut self, hashes: &[u64]) -> usize {
+        self.stats.lookups += 1;
+        let n = hashes
+            .iter()
+            .take_while(|&&h| self.pool.lookup(h).is_some())
+            .count();
+        self.stats.hit_blocks += n as u64;
+        n
+    }
+
+    /// Pins the blocks of `hashes` for a load and returns their host block ids. Fails, changing
+    /// nothing, if any of them is not cached (evicted since the match).
+    pub fn begin_load(&mut self, request: &str, hashes: &[u64]) -> Result<Vec<BlockId>> {
+        let mut blocks = Vec::with_capacity(hashes.len());
+        for (i, &h) in hashes.iter().enumerate() {
+            match self.pool.lookup(h) {
+                Some(b) => blocks.push(b),
+                None => {
+                    return Err(SlotError::invalid(
+                        Some(request),
+                        format!("block {i} (hash {h:#x}) is no longer in the host cache"),
+                    ))
+                }
+            }
+        }
+        for &b in &blocks {
+            self.pool.pin(b);
+        }
+        self.stats.loads_started += 1;
+        Ok(blocks)
+    }
+
+    /// Releases the pins of a finished (or abandoned) load.
+    pub fn end_load(&mut self, blocks: &[BlockId]) -> Result<()> {
+        self.check_held(blocks)?;
+        for &b in blocks {
+            self.pool.unpin(b);
+        }
+        Ok(())
+    }
+
+    /// Takes host blocks for the `hashes` not cached and not already being stored, in order,
+    /// evicting least recently used cached blocks when the free stack is empty. Stops (best
+    /// effort) when nothing more can be taken. Returns (index into `hashes`, pending store).
+    pub fn begin_store(&mut self, hashes: &[u64]) -> Vec<(usize, PendingStore)> {
+        let mut out = Vec::new();
+        let mut one = Vec::with_capacity(1);
+        for (i, &h) in hashes.iter().enumerate() {
+            if self.pool.lookup(h).is_some() || self.storing.contains(&h) {
+                continue;
+            }
+            if self.pool.available() == 0 {
+                self.stats.stores_skipped_full += (hashes.len() - i) as u64;
+                break;
+            }
+            one.clear();
+            self.pool.allocate(1, &mut one, &mut self.evicted);
+            self.storing.insert(h);
+            out.push((
+                i,
+                PendingStore {
+                    hash: h,
+                    block: one[0],
+                },
+            ));
+        }
+        self.stats.stores_started += out.len() as u64;
+        self.flush_evicted();
+        out
+    }
+
+    /// Registers copied blocks (a contiguous run of one request's blocks, in chain order) and
+    /// queues one `BlockStored`; `token_ids` holds `block_size` tokens per block.
+    pub fn complete_store(
+        &mut self,
+        stores: &[PendingStore],
+        parent: Option<u64>,
+        token_ids: &[u32],
+        lora_id: Option<u64>,
+    ) -> Result<()> {
+        if token_ids.len() != stores.len() * self.block_size {
+            return Err(SlotError::invalid(
+                None,
+                format!(
+                    "{} tokens given for {} blocks of {}",
+                    token_ids.len(),
+                    stores.len(),
+                    self.block_size
+                ),
+            ));
+        }
+        self.check_storing(stores)?;
+        let mut run_parent = None;
+        for (j, s) in stores.iter().enumerate() {
+            self.storing.remove(&s.hash);
+            let tokens = &token_ids[j * self.block_size..(j + 1) * self.block_size];
+            if self.pool.register(s.block, s.hash) {
+                if run_parent.is_none() {
+                    run_parent = Some(if j == 0 {
+                        parent
+                    } else {
+                        Some(stores[j - 1].hash)
+                    });
+                }
+                self.events.push_stored_block(s.hash, tokens);
+            } else if let Some(p) = run_parent.take() {
+                self.events.finish_stored(p, lora_id);
+            }
+            self.pool.unpin(s.block);
+        }
+        if let Some(p) = run_parent {
+            self.events.finish_stored(p, lora_id);
+        }
+        self.stats.stores_completed += stores.len() as u64;
+        Ok(())
+    }
+
+    /// Gives back the blocks of stores that failed or were cancelled.
+    pub fn abort_store(&mut self, stores: &[PendingStore]) -> Result<()> {
+        self.check_storing(stores)?;
+        for s in stores {
+            self.storing.remove(&s.hash);
+            self.pool.unpin(s.block);
+        }
+        self.stats.stores_aborted += stores.len() as u64;
+        Ok(())
+    }
+
+    /// Drops every cached block (held ones are unregistered and freed when released).
+    pub fn clear(&mut self) -> usize {
+        let n = self.pool.clear();
+        self.events.push_cleared();
+        n
+    }
+
+    fn check_held(&self, blocks: &[BlockId]) -> Result<()> {
+        let n = self.pool.num_blocks();
+        for &b in blocks {
+            if b as usize >= n || self.pool.refcount(b) == 0 {
+                return Err(SlotError::invalid(
+                    None,
+                    format!("host block {b} is not held"),
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    fn check_storing(&self, stores: &[PendingStore]) -> Result<()> {
+        for s in stores {
+            if !self.storing.contains(&s.hash) {
+                return Err(SlotError::invalid(
+                    None,
+                    format!("no store of hash {:#x} is under way", s.hash),
+                ));
+            }
+        }
+        self.check_held(&stores.iter().map(|s| s.block).collect::<Vec<_>>())
+    }
+
+    fn flush_evicted(&mut self) {
+        if !self.evicted.is_empty() {
+            self.stats.evicted_blocks += self.evicted.len() as u64;
+            self.events.push_removed(&self.evicted);
+            self.evicted.clear();
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::events::KvEvent;
+
+    #[test]
+    fn store_is_invisible_until_complete_then_evicted_lru() {
+        let mut c = HostCache::new(2, 2).unwrap();
+        let s = c.begin_store(&[10, 20, 30]);
+        assert_eq!(s.len(), 2, "only two host blocks");
+        assert_eq!(c.match_prefix(&[10]), 0, "not visible while copying");
+        assert!(
+            c.begin_store(&[10]).is_empty(),
+            "no double store of one hash"
+        );
+        let stores: Vec<_> = s.iter().map(|(_, p)| *p).collect();
+        c.complete_store(&stores, Some(5), &[1, 2, 3, 4], None)
+            .unwrap();
+        assert_eq!(c.match_prefix(&[10, 20, 30]), 2);
+        let ev = c.events_mut().drain();
+        assert_eq!(
+            ev,
+            vec![KvEvent::BlockStored {
+                block_hashes: vec![10, 20],
+                parent_block_hash: Some(5),
+                token_ids: vec![1, 2, 3, 4],
+                block_size: 2,
+                lora_id: None
+            }]
+        );
+        let loaded = c.begin_load("r", &[10]).unwrap();
+        let s = c.begin_store(&[30]);
+        assert_eq!(s.len(), 1);
+        assert_eq!(
+            c.events_mut().drain(),
+            vec![KvEvent::BlockRemoved {
+                block_hashes: vec![20]
+            }],
+            "pinned 10 survives"
+        );
+        c.end_load(&loaded).unwrap();
+        c.abort_store(&[s[0].1]).unwrap();
+        assert!(c.begin_load("r", &[30]).is_err());
+        c.pool().check().unwrap();
+    }
+}
