@@ -588,6 +588,10 @@ impl HostCache {
     fn contains(&self, block_hash: u64) -> bool {
         self.inner.contains(block_hash)
     }
+    /// The host block holding a cached hash, if any.
+    fn lookup(&self, block_hash: u64) -> Option<u32> {
+        self.inner.pool().lookup(block_hash)
+    }
     /// Pins the blocks of `block_hashes` for a load; returns their host block ids.
     fn begin_load(
         &mut self,

@@ -1,0 +1,200 @@
+"""Tiny random-weight Llama target + EAGLE / EAGLE-3 heads for vLLM 0.32 on CPU, built locally.
+
+Nothing is downloaded: the tokenizer is a `tokenizers` WordLevel model built in-process and
+wrapped in PreTrainedTokenizerFast. Used by the tests and the demo.
+
+    python -m kvslots.tiny DIR      # -> DIR/{target,eagle,eagle3}
+
+Checkpoint formats (vLLM 0.32):
+  * target: plain LlamaForCausalLM (save_pretrained).  head_dim must be one of
+    the CPU attention sizes [32, 64, 80, ...] -> hidden 128 / 4 heads = 32.
+  * eagle (EAGLE-1, model_executor/models/llama_eagle.py): config.json of a
+    LlamaConfig with architectures ["LlamaForCausalLM"] (vLLM wraps it in
+    EAGLEConfig and renames the arch to EagleLlamaForCausalLM), 1 layer; weights
+    WITHOUT "model." prefix: fc.weight [H, 2H], layers.0.self_attn.{q,k,v,o}_proj,
+    layers.0.mlp.{gate,up,down}_proj, layers.0.post_attention_layernorm
+    (layer 0 has no input_layernorm).  embed_tokens / lm_head optional (shared
+    from the target when absent).  Hidden size must equal the target's.
+  * eagle3 (llama_eagle3.py): LlamaConfig, 1 layer, arch -> Eagle3LlamaForCausalLM;
+    weights: midlayer.* (mapped to layers.0.*) with q/k/v_proj input 2H,
+    midlayer.hidden_norm, midlayer.input_layernorm, midlayer.post_attention_layernorm,
+    norm.weight, fc.weight [H, n_aux*H_target], lm_head.weight [draft_vocab, H];
+    d2t (int64 [draft_vocab]) only if draft_vocab_size != vocab_size;
+    embed_tokens optional.  eagle_aux_hidden_state_layer_ids must be valid for a
+    2-layer target (the default (2, L//2, L-3) is nonsense for L=2), so we set
+    [0, 1, 2] (0 = embeddings, i = output of layer i-1... see llama.py:427-441).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import torch
+from safetensors.torch import save_file
+
+VOCAB = 2048
+HIDDEN = 128
+INTER = 256
+HEADS = 4
+KV_HEADS = 2
+HEAD_DIM = HIDDEN // HEADS  # 32 (CPU attn min head size)
+LAYERS = 2
+MAX_POS = 4096
+
+WORDS = (
+    "the quick brown fox jumps over lazy dog hello world kv cache slot manager "
+    "speculative decoding draft token accept reject block hash prefix vllm rust "
+    "python test one two three four five six seven eight nine ten"
+).split()
+
+
+def _llama_config(num_layers: int, **extra):
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=HIDDEN,
+        intermediate_size=INTER,
+        num_hidden_layers=num_layers,
+        num_attention_heads=HEADS,
+        num_key_value_heads=KV_HEADS,
+        head_dim=HEAD_DIM,
+        max_position_embeddings=MAX_POS,
+        rms_norm_eps=1e-5,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+        tie_word_embeddings=False,
+        torch_dtype="float32",
+        architectures=["LlamaForCausalLM"],
+        **extra,
+    )
+
+
+def build_tokenizer(out_dir: str) -> None:
+    """WordLevel tokenizer whose vocab is exactly VOCAB ids (so every id the
+    random model can emit detokenizes)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
+    for w in WORDS:
+        vocab.setdefault(w, len(vocab))
+    i = 0
+    while len(vocab) < VOCAB:
+        vocab.setdefault(f"t{i}", len(vocab))
+        i += 1
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        unk_token="<unk>",
+        bos_token="<s>",
+        eos_token="</s>",
+        pad_token="<unk>",
+        model_max_length=MAX_POS,
+    )
+    fast.save_pretrained(out_dir)
+
+
+def _rand(*shape, std=0.02):
+    return torch.randn(*shape) * std
+
+
+def build_target(out_dir: str, seed: int = 0) -> str:
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    os.makedirs(out_dir, exist_ok=True)
+    cfg = _llama_config(LAYERS)
+    model = LlamaForCausalLM(cfg).to(torch.float32)
+    # Larger init so greedy outputs are not all the same token.
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0.0, 0.2)
+    model.save_pretrained(out_dir, safe_serialization=True)
+    build_tokenizer(out_dir)
+    return out_dir
+
+
+def _write(out_dir: str, cfg, tensors: dict[str, torch.Tensor], target_dir: str):
+    os.makedirs(out_dir, exist_ok=True)
+    cfg.save_pretrained(out_dir)
+    save_file({k: v.contiguous() for k, v in tensors.items()},
+              os.path.join(out_dir, "model.safetensors"),
+              metadata={"format": "pt"})
+    # A tokenizer next to the head is harmless and keeps tools that open the
+    # draft dir as a model happy; vLLM uses the target's tokenizer.
+    build_tokenizer(out_dir)
+
+
+def _layer(prefix: str, qkv_in: int) -> dict[str, torch.Tensor]:
+    return {
+        f"{prefix}.self_attn.q_proj.weight": _rand(HEADS * HEAD_DIM, qkv_in),
+        f"{prefix}.self_attn.k_proj.weight": _rand(KV_HEADS * HEAD_DIM, qkv_in),
+        f"{prefix}.self_attn.v_proj.weight": _rand(KV_HEADS * HEAD_DIM, qkv_in),
+        f"{prefix}.self_attn.o_proj.weight": _rand(HIDDEN, HEADS * HEAD_DIM),
+        f"{prefix}.mlp.gate_proj.weight": _rand(INTER, HIDDEN),
+        f"{prefix}.mlp.up_proj.weight": _rand(INTER, HIDDEN),
+        f"{prefix}.mlp.down_proj.weight": _rand(HIDDEN, INTER),
+        f"{prefix}.post_attention_layernorm.weight": torch.ones(HIDDEN),
+    }
+
+
+def build_eagle(out_dir: str, target_dir: str, seed: int = 1) -> str:
+    """EAGLE-1 head (EagleLlamaForCausalLM).  Shares embed_tokens and lm_head
+    with the target (not stored)."""
+    torch.manual_seed(seed)
+    cfg = _llama_config(1)
+    t = _layer("layers.0", HIDDEN)  # no input_layernorm on layer 0
+    t["fc.weight"] = _rand(HIDDEN, 2 * HIDDEN)
+    _write(out_dir, cfg, t, target_dir)
+    return out_dir
+
+
+def build_eagle3(out_dir: str, target_dir: str, seed: int = 2,
+                 aux_layer_ids=(0, 1, 2)) -> str:
+    """EAGLE-3 head (Eagle3LlamaForCausalLM), same vocab as target (no d2t)."""
+    torch.manual_seed(seed)
+    n_aux = len(aux_layer_ids)
+    cfg = _llama_config(
+        1,
+        draft_vocab_size=VOCAB,
+        target_hidden_size=HIDDEN,
+        eagle_aux_hidden_state_layer_ids=list(aux_layer_ids),
+        eagle_config={
+            "eagle_aux_hidden_state_layer_ids": list(aux_layer_ids),
+            "use_aux_hidden_state": True,
+        },
+    )
+    t = _layer("midlayer", 2 * HIDDEN)
+    t["midlayer.input_layernorm.weight"] = torch.ones(HIDDEN)
+    t["midlayer.hidden_norm.weight"] = torch.ones(HIDDEN)
+    t["norm.weight"] = torch.ones(HIDDEN)
+    t["fc.weight"] = _rand(HIDDEN, n_aux * HIDDEN)
+    t["lm_head.weight"] = _rand(VOCAB, HIDDEN)
+    _write(out_dir, cfg, t, target_dir)
+    return out_dir
+
+
+def build_tiny_models(root: str) -> dict[str, str]:
+    """Builds (once: a finished build is reused) the target, EAGLE and EAGLE-3 dirs under root."""
+    paths = {name: os.path.join(root, name) for name in ("target", "eagle", "eagle3")}
+    done = os.path.join(root, ".complete")
+    if os.path.exists(done):
+        return paths
+    build_target(paths["target"])
+    build_eagle(paths["eagle"], paths["target"])
+    build_eagle3(paths["eagle3"], paths["target"])
+    with open(done, "w") as f:
+        f.write("ok\n")
+    return paths
+
+
+if __name__ == "__main__":
+    root = sys.argv[1] if len(sys.argv) > 1 else "/tmp/kvslots-tiny"
+    print(json.dumps(build_tiny_models(root), indent=1))

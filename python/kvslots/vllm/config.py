@@ -1,0 +1,103 @@
+"""Settings of the KVSlotsConnector, read from ``kv_connector_extra_config``.
+
+Every key has a default, so an empty or absent extra config works. An unknown key or a bad value
+raises :class:`ConnectorConfigError` (a ``ValueError``) naming it, which stops vLLM
+at start-up.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any
+
+
+GIB = 1 << 30
+
+
+class ConnectorConfigError(ValueError):
+    """A bad ``kv_connector_extra_config``: the message names the key and the value."""
+
+
+@dataclass(frozen=True)
+class ConnectorConfig:
+    #: Size of the host-memory tier per worker, in GiB (ignored when host_cache_blocks is set).
+    host_cache_gb: float = 4.0
+    #: Size of the host-memory tier in blocks; overrides host_cache_gb.
+    host_cache_blocks: int | None = None
+    #: Drop the last matched block of a host hit for EAGLE-family drafters: "auto" follows
+    #: vLLM's speculative config (use_eagle_block_drop), true/false force it.
+    eagle_block_drop: str | bool = "auto"
+    #: Threads per worker for host<->device block copies on CPU.
+    copy_threads: int = 1
+    #: Publish host-tier events on our own ZMQ publisher too (vLLM's own publisher already
+    #: carries them when --kv-events-config is on). None: off.
+    events_endpoint: str | None = None
+    events_replay_endpoint: str | None = None
+    events_topic: str = "kvslots"
+    events_buffer_steps: int = 10_000
+    events_hwm: int = 100_000
+
+    @classmethod
+    def from_extra_config(cls, extra: dict[str, Any] | None) -> "ConnectorConfig":
+        extra = dict(extra or {})
+        known = {f.name: f for f in fields(cls)}
+        unknown = sorted(set(extra) - set(known))
+        if unknown:
+            raise ConnectorConfigError(
+                f"kv_connector_extra_config: unknown key(s) {', '.join(map(repr, unknown))}; "
+                f"known keys: {', '.join(sorted(known))}"
+            )
+        values: dict[str, Any] = {}
+        for key, value in extra.items():
+            values[key] = _check(key, value)
+        return cls(**values)
+
+    def num_host_blocks(self, bytes_per_block: int) -> int:
+        """Host blocks for this worker, given the bytes of one block over all its layers."""
+        if self.host_cache_blocks is not None:
+            return self.host_cache_blocks
+        if bytes_per_block <= 0:
+            raise ConnectorConfigError(f"cannot size the host cache: {bytes_per_block} bytes per block")
+        n = int(self.host_cache_gb * GIB) // bytes_per_block
+        if n < 1:
+            raise ConnectorConfigError(
+                f"kv_connector_extra_config.host_cache_gb={self.host_cache_gb} holds no block of "
+                f"{bytes_per_block} bytes"
+            )
+        return n
+
+    def use_eagle_block_drop(self, vllm_says: bool) -> bool:
+        return vllm_says if self.eagle_block_drop == "auto" else bool(self.eagle_block_drop)
+
+
+def _check(key: str, value: Any) -> Any:
+    def bad(why: str) -> ConnectorConfigError:
+        return ConnectorConfigError(f"kv_connector_extra_config.{key}={value!r}: {why}")
+
+    if key == "host_cache_gb":
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+            raise bad("must be a number > 0")
+        return float(value)
+    if key in ("host_cache_blocks", "copy_threads", "events_buffer_steps", "events_hwm"):
+        if value is None and key == "host_cache_blocks":
+            return None
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise bad("must be an integer >= 1")
+        return value
+    if key == "eagle_block_drop":
+        if value in ("auto", True, False):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "false"):
+            return value.lower() == "true"
+        raise bad('must be "auto", true or false')
+    if key in ("events_endpoint", "events_replay_endpoint"):
+        if value is None:
+            return None
+        if not isinstance(value, str) or "://" not in value:
+            raise bad("must be a ZMQ endpoint such as tcp://127.0.0.1:5557")
+        return value
+    if key == "events_topic":
+        if not isinstance(value, str):
+            raise bad("must be a string")
+        return value
+    raise bad("unknown key")  # unreachable: filtered by from_extra_config

@@ -1,0 +1,206 @@
+"""KVSlotsConnector: kvslots inside vLLM as a KV connector (``KVConnectorBase_V1``).
+
+    --kv-transfer-config '{"kv_connector": "KVSlotsConnector",
+                           "kv_connector_module_path": "kvslots.vllm",
+                           "kv_role": "kv_both",
+                           "kv_connector_extra_config": {"host_cache_gb": 8}}'
+
+vLLM owns the device blocks. The connector offloads device blocks full of verified tokens to a
+host-memory tier managed by the Rust core (keyed by vLLM's own block hashes) and loads host
+prefix hits back into the device blocks vLLM allocates, target and draft layers alike. It is a
+best-effort cache: a store that does not happen is a future miss, never an error.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING, Any, Iterable
+
+from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorWorkerMetadata,
+)
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+from ..events import MEDIUM_CPU
+from .config import ConnectorConfig, ConnectorConfigError
+from .metadata import KVSlotsMetadata, KVSlotsWorkerMetadata
+from .scheduler import SchedulerSide
+from .worker import WorkerSide
+
+if TYPE_CHECKING:
+    import torch
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.attention.backend import AttentionMetadata
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+logger = logging.getLogger(__name__)
+
+
+def bytes_per_block(kv_cache_config: "KVCacheConfig") -> int:
+    """Bytes of one block over every layer of this worker (target and draft)."""
+    return sum(t.size for t in kv_cache_config.kv_cache_tensors) // max(kv_cache_config.num_blocks, 1)
+
+
+class KVSlotsConnector(KVConnectorBase_V1):
+    _cache_hit_source = CacheHitSource.HOST
+
+    def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole,
+                 kv_cache_config: "KVCacheConfig") -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        self.config = ConnectorConfig.from_extra_config(self._kv_transfer_config.kv_connector_extra_config)
+        self.block_size = vllm_config.cache_config.block_size
+        hash_block_size = getattr(kv_cache_config, "hash_block_size", None) or self.block_size
+        if hash_block_size != self.block_size:
+            raise ConnectorConfigError(
+                f"KVSlotsConnector needs hash_block_size == block_size (got {hash_block_size} and "
+                f"{self.block_size})")
+        if len(kv_cache_config.kv_cache_groups) != 1:
+            raise ConnectorConfigError(
+                f"KVSlotsConnector supports one KV cache group (full attention; draft layers "
+                f"included), got {len(kv_cache_config.kv_cache_groups)}")
+        num_host = self.config.num_host_blocks(bytes_per_block(kv_cache_config))
+        spec = vllm_config.speculative_config
+        drop = self.config.use_eagle_block_drop(bool(spec is not None and spec.use_eagle_block_drop()))
+        self._sched: SchedulerSide | None = None
+        self._worker: WorkerSide | None = None
+        self._publisher: Any = None
+        self._dp_rank = vllm_config.parallel_config.data_parallel_rank
+        if role == KVConnectorRole.SCHEDULER:
+            self._sched = SchedulerSide(
+                block_size=self.block_size,
+                num_host_blocks=num_host,
+                eagle_block_drop=drop,
+                expected_workers=vllm_config.parallel_config.world_size,
+            )
+            if self.config.events_endpoint:
+                self._publisher = _make_publisher(self.config, self._dp_rank)
+        else:
+            self._worker = WorkerSide(num_device_blocks=kv_cache_config.num_blocks,
+                                      num_host_blocks=num_host, copy_threads=self.config.copy_threads)
+        logger.info("KVSlotsConnector (%s): %d host blocks, eagle block drop %s", role.name, num_host, drop)
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        return False  # a best-effort cache: a dropped store is a future miss
+
+    # ---------------------------------------------------------------- scheduler side
+    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
+        assert self._sched is not None
+        return self._sched.num_new_matched_tokens(request, num_computed_tokens), False
+
+    def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks",
+                                 num_external_tokens: int) -> None:
+        assert self._sched is not None
+        if num_external_tokens > 0:
+            self._sched.after_alloc(request, blocks.get_block_ids()[0], num_external_tokens)
+        else:
+            self._sched._state(request)  # track it for stores
+
+    def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
+        assert self._sched is not None
+        cached = scheduler_output.scheduled_cached_reqs
+        first = [r.req_id for r in scheduler_output.scheduled_new_reqs]
+        first.extend(cached.resumed_req_ids or ())
+        return self._sched.build(scheduler_output.num_scheduled_tokens.keys(),
+                                 scheduler_output.preempted_req_ids or (), self._block_ids_of, first)
+
+    def _block_ids_of(self, req_id: str) -> list[int]:
+        assert self._kv_cache_manager is not None, "vLLM did not bind its KV cache manager"
+        return self._kv_cache_manager.get_block_ids(req_id)[0]
+
+    def update_connector_output(self, connector_output: "KVConnectorOutput") -> None:
+        assert self._sched is not None
+        self._sched.complete(connector_output.kv_connector_worker_meta)  # type: ignore[arg-type]
+        self._sched.finished_sending(connector_output.finished_sending or ())
+
+    def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        assert self._sched is not None
+        return self._sched.request_finished(request, block_ids), None
+
+    def take_events(self) -> Iterable[Any]:
+        assert self._sched is not None
+        raw = self._sched.host.drain_raw_events()
+        if not raw:
+            return ()
+        events = [_to_vllm_event(r) for r in raw]
+        if self._publisher is not None:
+            from vllm.distributed.kv_events import KVEventBatch
+
+            self._publisher.publish(KVEventBatch(ts=time.time(), events=events, data_parallel_rank=self._dp_rank))
+        return events
+
+    def has_pending_push_work(self) -> bool:
+        return self._sched is not None and self._sched.has_pending_work()
+
+    def reset_cache(self) -> bool | None:
+        if self._sched is not None:
+            self._sched.host.clear()
+        return True
+
+    def shutdown(self) -> None:
+        if self._publisher is not None:
+            self._publisher.shutdown()
+            self._publisher = None
+
+    # ---------------------------------------------------------------- worker side
+    def register_kv_caches(self, kv_caches: dict[str, "torch.Tensor"]) -> None:
+        assert self._worker is not None
+        self._worker.register_kv_caches(kv_caches)
+
+    def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
+        assert self._worker is not None
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, KVSlotsMetadata)
+        self._worker.run(meta)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return  # loads complete in start_load_kv, before any layer runs
+
+    def save_kv_layer(self, layer_name: str, kv_layer: "torch.Tensor", attn_metadata: "AttentionMetadata",
+                      **kwargs: Any) -> None:
+        return  # stores copy committed blocks only, in start_load_kv
+
+    def wait_for_save(self) -> None:
+        return
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        assert self._worker is not None
+        return self._worker.take_finished_sending(), None
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self._worker.take_load_errors() if self._worker is not None else set()
+
+    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        return self._worker.take_worker_meta() if self._worker is not None else None
+
+
+def _to_vllm_event(raw: tuple[Any, ...]) -> Any:
+    kind = raw[0]
+    if kind == "BlockStored":
+        _, hashes, parent, tokens, block_size, lora_id = raw
+        return BlockStored(block_hashes=hashes, parent_block_hash=parent, token_ids=tokens,
+                           block_size=block_size, lora_id=lora_id, medium=MEDIUM_CPU, lora_name=None)
+    if kind == "BlockRemoved":
+        return BlockRemoved(block_hashes=raw[1], medium=MEDIUM_CPU)
+    return AllBlocksCleared()
+
+
+def _make_publisher(cfg: ConnectorConfig, dp_rank: int) -> Any:
+    from vllm.distributed.kv_events import ZmqEventPublisher
+
+    return ZmqEventPublisher(data_parallel_rank=dp_rank, endpoint=cfg.events_endpoint,  # type: ignore[arg-type]
+                             replay_endpoint=cfg.events_replay_endpoint, buffer_steps=cfg.events_buffer_steps,
+                             hwm=cfg.events_hwm, topic=cfg.events_topic)
+
+
+__all__ = ["KVSlotsConnector", "KVSlotsMetadata", "KVSlotsWorkerMetadata", "ConnectorConfig"]

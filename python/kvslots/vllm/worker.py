@@ -1,0 +1,79 @@
+"""The worker side of the connector: one host region per worker rank, whole-block copies.
+
+Each rank (tensor-parallel shard) copies its own shard of every block; the metadata is the same
+for all ranks, and a step's copies count as done at the scheduler only when every rank has
+acked them (see :class:`KVSlotsWorkerMetadata`).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from .metadata import KVSlotsMetadata, KVSlotsWorkerMetadata
+
+logger = logging.getLogger(__name__)
+
+
+class WorkerSide:
+    def __init__(self, *, num_device_blocks: int, num_host_blocks: int, copy_threads: int = 1) -> None:
+        self.num_device_blocks = num_device_blocks
+        self.num_host_blocks = num_host_blocks
+        self.copy_threads = copy_threads
+        self.copier: Any = None
+        self._meta = KVSlotsWorkerMetadata()
+        self._finished_sending: set[str] = set()
+        self._load_errors: set[int] = set()
+        self.stats = {"stored_blocks": 0, "loaded_blocks": 0, "failed_stores": 0, "failed_loads": 0}
+
+    def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+        from ..transfer import BlockCopier
+
+        # Every attention layer vLLM registered, the draft model's layers included: a host block
+        # holds the target's and the drafter's KV, so a restored prefix drafts like a computed one.
+        self.copier = BlockCopier(kv_caches, self.num_device_blocks, self.num_host_blocks,
+                                  threads=self.copy_threads)
+        logger.info("kvslots: %d layers, %d host blocks of %d bytes", len(kv_caches),
+                    self.num_host_blocks, self.copier.bytes_per_block)
+
+    def run(self, meta: KVSlotsMetadata) -> None:
+        """All of a step's copies: stores first, then loads (see KVSlotsMetadata)."""
+        if meta.is_empty():
+            return
+        if self.copier is None:
+            raise RuntimeError("kvslots: register_kv_caches was not called before the first copy")
+        if len(meta.store_device_blocks):
+            try:
+                self.copier.store(meta.store_device_blocks, meta.store_host_blocks)
+                self.stats["stored_blocks"] += len(meta.store_device_blocks)
+            except Exception:
+                logger.exception("kvslots: store of %d blocks failed", len(meta.store_device_blocks))
+                self._meta.failed_store_host_blocks.setdefault(meta.step, set()).update(
+                    int(b) for b in meta.store_host_blocks)
+                self.stats["failed_stores"] += len(meta.store_device_blocks)
+        for load in meta.loads:
+            try:
+                self.copier.load(load.host_blocks, load.device_blocks)
+                self.stats["loaded_blocks"] += len(load.host_blocks)
+            except Exception:
+                logger.exception("kvslots: load for %s failed", load.req_id)
+                self._load_errors.update(load.device_blocks)
+                self._meta.failed_loads.setdefault(meta.step, set()).add(load.req_id)
+                self.stats["failed_loads"] += 1
+        self.copier.synchronize()
+        self._meta.acks[meta.step] = self._meta.acks.get(meta.step, 0) + 1
+        self._finished_sending.update(meta.finishing)
+
+    def take_worker_meta(self) -> KVSlotsWorkerMetadata | None:
+        if not self._meta.acks:
+            return None
+        meta, self._meta = self._meta, KVSlotsWorkerMetadata()
+        return meta
+
+    def take_finished_sending(self) -> set[str] | None:
+        done, self._finished_sending = self._finished_sending, set()
+        return done or None
+
+    def take_load_errors(self) -> set[int]:
+        errors, self._load_errors = self._load_errors, set()
+        return errors
