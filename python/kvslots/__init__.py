@@ -7,6 +7,7 @@ pure-Python reference model, KV events and the ``kvslots`` command line.
 from ._core import SlotInfo, SlotTracker, __version__, block_hash
 from .errors import (
     CapacityExceededError,
+    ConfigError,
     DuplicateRequestError,
     InvalidArgumentError,
     InvalidRollbackError,
@@ -28,5 +29,6 @@ __all__ = [
     "InvalidRollbackError",
     "CapacityExceededError",
     "InvalidArgumentError",
+    "ConfigError",
     "__version__",
 ]
