@@ -7,6 +7,7 @@ pure-Python reference model, KV events and the ``kvslots`` command line.
 from ._core import HostCache, SlotInfo, SlotTracker, __version__, block_hash
 from .errors import (
     CapacityExceededError,
+    ConfigError,
     DuplicateRequestError,
     InvalidArgumentError,
     InvalidRollbackError,
@@ -29,5 +30,6 @@ __all__ = [
     "InvalidRollbackError",
     "CapacityExceededError",
     "InvalidArgumentError",
+    "ConfigError",
     "__version__",
 ]

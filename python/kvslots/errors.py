@@ -63,6 +63,28 @@ class InvalidArgumentError(SlotError, ValueError):
     """A malformed argument (negative count, wrong length, out-of-range token id, ...)."""
 
 
+class ConfigError(SlotError, ValueError):
+    """A configuration kvslots cannot accept: a TRT-LLM engine YAML, a speculators checkpoint's
+    config.json or a dynamic speculative-decoding schedule.
+
+    ``field`` is the dotted path of the offending key (``speculative_config.max_draft_len``,
+    ``num_speculative_tokens_per_batch_size[2]``), ``None`` when the document as a whole is bad;
+    ``source`` names the file when there is one. The message starts with both.
+    """
+
+    field: str | None
+    source: str | None
+
+    def __init__(self, message: str, field: str | None = None, source: str | None = None):
+        text = f"{field}: {message}" if field else message
+        if source:
+            text = f"{source}: {text}"
+        super().__init__(text)
+        self.field = field
+        self.source = source
+        self.reason = message
+
+
 __all__ = [
     "SlotError",
     "UnknownRequestError",
@@ -71,4 +93,5 @@ __all__ = [
     "InvalidRollbackError",
     "CapacityExceededError",
     "InvalidArgumentError",
+    "ConfigError",
 ]

@@ -1,0 +1,92 @@
+"""``kvslots convert-config``: a TensorRT-LLM engine YAML -> vLLM engine arguments.
+
+Prints the arguments on stdout (``--format flags``: a ``vllm serve`` command-line tail;
+``json``: ``EngineArgs`` keyword arguments; ``yaml``: a ``vllm serve --config`` file) and the
+warnings, ignored keys (with reasons) and unknown keys on stderr. Bad input exits with status 2
+and one line naming the field.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+
+from .errors import ConfigError
+from .trtllm import ConversionResult, check_with_vllm, convert_trtllm_config
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "convert-config",
+        help="convert a TensorRT-LLM engine YAML to vLLM engine arguments",
+        description=(
+            "Convert a TensorRT-LLM engine YAML (--extra_llm_api_options / --extra-engine-args) "
+            "to vLLM engine arguments. Ignored and unknown keys are listed on stderr with reasons."
+        ),
+    )
+    p.add_argument("file", metavar="FILE.yaml", help="TensorRT-LLM engine YAML")
+    p.add_argument(
+        "--format", choices=("flags", "json", "yaml"), default="flags",
+        help="flags: vllm serve arguments (default); json: EngineArgs keyword arguments; "
+             "yaml: a vllm serve --config file",
+    )
+    p.add_argument("--model", help="target model (overrides the YAML's model and a speculators verifier)")
+    p.add_argument(
+        "--speculators-dir", metavar="DIR",
+        help="speculators-format draft checkpoint: its method, K and verifier replace the YAML's speculative_config",
+    )
+    p.add_argument("--verifier", help="target model to use instead of the speculators checkpoint's verifier")
+    p.add_argument("-o", "--output", metavar="PATH", help="write the arguments to PATH instead of stdout")
+    p.add_argument("-q", "--quiet", action="store_true", help="do not print warnings and ignored keys")
+    p.add_argument(
+        "--check", action="store_true",
+        help="also check the result with the installed vLLM (its argument parser and EngineArgs)",
+    )
+    p.set_defaults(func=run)
+
+
+def _render(result: ConversionResult, fmt: str) -> str:
+    if fmt == "json":
+        return result.to_json() + "\n"
+    if fmt == "yaml":
+        return result.to_yaml()
+    return shlex.join(result.cli_args(include_model=True)) + "\n"
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        result = convert_trtllm_config(
+            args.file, model=args.model, speculators_dir=args.speculators_dir, verifier=args.verifier
+        )
+        text = _render(result, args.format)
+    except ConfigError as e:
+        print(f"kvslots convert-config: error: {e}", file=sys.stderr)
+        return 2
+    if not args.quiet:
+        for line in result.notes():
+            print(line, file=sys.stderr)
+    if args.check:
+        try:
+            check_with_vllm(result)
+        except ImportError as e:
+            print(f"kvslots convert-config: cannot check: vLLM is not importable ({e})", file=sys.stderr)
+            return 1
+        except ConfigError as e:
+            print(f"kvslots convert-config: vLLM check failed: {e}", file=sys.stderr)
+            return 1
+        except Exception as e:  # vLLM's own validation errors
+            print(f"kvslots convert-config: vLLM rejected the arguments: {type(e).__name__}: "
+                  f"{str(e).splitlines()[0] if str(e) else ''}", file=sys.stderr)
+            return 1
+        if not args.quiet:
+            print("checked: vLLM accepts the arguments", file=sys.stderr)
+    if args.output:
+        with open(args.output, "w", encoding="utf-8") as f:
+            f.write(text)
+    else:
+        sys.stdout.write(text)
+    return 0
+
+
+__all__ = ["add_parser", "run"]

@@ -1,0 +1,230 @@
+"""Speculators-format checkpoints (https://github.com/vllm-project/speculators) -> vLLM speculative config.
+
+A speculators checkpoint is a draft model directory whose ``config.json`` carries::
+
+    "speculators_model_type": "eagle3",
+    "transformer_layer_config": {...},
+    "speculators_config": {
+        "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": 3}, ...],
+        "default_proposal_method": "greedy",
+        "verifier": {"name_or_path": "meta-llama/Llama-3.1-8B-Instruct", ...}
+    }
+
+vLLM detects such a directory when it is passed as the *model* and swaps in the verifier as the
+target, but it takes ``verifier.name_or_path`` verbatim: a relative local path is resolved
+against the server's working directory and vLLM rejects it ("Invalid repository ID or local
+directory"). :func:`load_speculators_checkpoint` resolves a local verifier against the checkpoint
+directory (or takes an explicit override), checks it exists, and returns the target model plus
+the explicit speculative config, so vLLM can be started as
+``vllm serve <verifier> --speculative-config <json>`` without relying on its detection.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .errors import ConfigError
+
+#: speculators_model_type -> (vLLM method, extra speculative-config keys). Mirrors the types
+#: vLLM 0.32's speculators loader accepts (eagle3, peagle, dflash, dflash2, dspark).
+SPECULATORS_METHODS: dict[str, tuple[str, dict[str, Any]]] = {
+    "eagle3": ("eagle3", {}),
+    "peagle": ("eagle3", {"parallel_drafting": True}),
+    "dflash": ("dflash", {}),
+    "dflash2": ("dflash", {}),
+    "dspark": ("dspark", {}),
+}
+
+
+@dataclass
+class SpeculatorsCheckpoint:
+    """A validated speculators checkpoint and the vLLM configuration it implies."""
+
+    path: str
+    """Absolute path of the draft checkpoint directory."""
+    speculators_model_type: str
+    method: str
+    num_speculative_tokens: int
+    verifier: str
+    """The target model: an absolute local path or a Hugging Face Hub id."""
+    verifier_is_local: bool
+    verifier_declared: str
+    """``speculators_config.verifier.name_or_path`` as written in config.json."""
+    speculative_config: dict[str, Any]
+    """vLLM ``--speculative-config``: method, model (this checkpoint) and num_speculative_tokens."""
+    warnings: list[str] = field(default_factory=list)
+
+
+def _read_config(model_dir: str | os.PathLike[str]) -> tuple[Path, dict[str, Any], str]:
+    path = Path(model_dir).expanduser()
+    if not path.is_dir():
+        raise ConfigError(f"speculators checkpoint {str(path)!r} is not a directory")
+    cfg_path = path / "config.json"
+    source = str(cfg_path)
+    if not cfg_path.is_file():
+        raise ConfigError("no config.json in the speculators checkpoint directory", source=str(path))
+    try:
+        doc = json.loads(cfg_path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"cannot read: {e}", source=source) from e
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"invalid JSON: {e.msg} at line {e.lineno} column {e.colno}",
+                          source=source) from e
+    if not isinstance(doc, dict):
+        raise ConfigError(f"config.json must be a JSON object, got {type(doc).__name__}", source=source)
+    return path.resolve(), doc, source
+
+
+def is_speculators_checkpoint(model_dir: str | os.PathLike[str]) -> bool:
+    """Whether ``model_dir`` is a local directory whose config.json has ``speculators_config``."""
+    try:
+        _, doc, _ = _read_config(model_dir)
+    except ConfigError:
+        return False
+    return doc.get("speculators_config") is not None
+
+
+def _looks_like_path(name: str) -> bool:
+    return name.startswith(("/", "./", "../", "~")) or name in (".", "..")
+
+
+def _resolve_verifier(
+    declared: str, base: Path, field_name: str, source: str | None
+) -> tuple[str, bool]:
+    """(target, is_local). A name is local when it exists relative to the checkpoint directory
+    or looks like a filesystem path; otherwise it is taken as a Hugging Face Hub id."""
+    expanded = Path(declared).expanduser()
+    candidate = expanded if expanded.is_absolute() else base / expanded
+    if candidate.exists():
+        if not candidate.is_dir():
+            raise ConfigError(f"local verifier {str(candidate)!r} is not a directory", field_name, source)
+        return str(candidate.resolve()), True
+    if _looks_like_path(declared):
+        raise ConfigError(
+            f"local verifier path {declared!r} does not exist (looked for {str(candidate)!r}); "
+            "pass the target model explicitly (verifier=... / --verifier)",
+            field_name,
+            source,
+        )
+    return declared, False
+
+
+def load_speculators_checkpoint(
+    model_dir: str | os.PathLike[str],
+    *,
+    verifier: str | os.PathLike[str] | None = None,
+    num_speculative_tokens: int | None = None,
+) -> SpeculatorsCheckpoint:
+    """Reads and validates a speculators checkpoint.
+
+    ``verifier`` overrides ``speculators_config.verifier.name_or_path`` (a local directory, made
+    absolute, or a Hub id); ``num_speculative_tokens`` overrides K from the first proposal method
+    (vLLM takes K from the first method, whatever ``default_proposal_method`` says).
+
+    Raises :class:`~kvslots.ConfigError` naming the config.json field on a malformed config.
+    """
+    base, doc, source = _read_config(model_dir)
+    spec = doc.get("speculators_config")
+    if spec is None:
+        raise ConfigError("not a speculators checkpoint: config.json has no speculators_config",
+                          "speculators_config", source)
+    if not isinstance(spec, dict):
+        raise ConfigError(f"must be an object, got {type(spec).__name__}", "speculators_config", source)
+    warnings: list[str] = []
+
+    model_type = doc.get("speculators_model_type")
+    if not isinstance(model_type, str) or not model_type:
+        raise ConfigError(f"must be a non-empty string, got {model_type!r}", "speculators_model_type", source)
+    if model_type not in SPECULATORS_METHODS:
+        raise ConfigError(
+            f"unsupported speculators model type {model_type!r}; vLLM 0.32 loads "
+            f"{', '.join(sorted(SPECULATORS_METHODS))}",
+            "speculators_model_type",
+            source,
+        )
+    method, extra = SPECULATORS_METHODS[model_type]
+
+    tlc = doc.get("transformer_layer_config")
+    if not isinstance(tlc, dict):
+        raise ConfigError(
+            "must be an object (vLLM builds the draft model's config from it), got "
+            f"{type(tlc).__name__ if tlc is not None else 'nothing'}",
+            "transformer_layer_config",
+            source,
+        )
+
+    methods = spec.get("proposal_methods")
+    if not isinstance(methods, list) or not methods:
+        raise ConfigError("must be a non-empty list of proposal methods",
+                          "speculators_config.proposal_methods", source)
+    first = methods[0]
+    if not isinstance(first, dict):
+        raise ConfigError(f"must be an object, got {type(first).__name__}",
+                          "speculators_config.proposal_methods[0]", source)
+    k = first.get("speculative_tokens")
+    k_field = "speculators_config.proposal_methods[0].speculative_tokens"
+    if isinstance(k, bool) or not isinstance(k, int):
+        raise ConfigError(f"must be an integer, got {k!r}", k_field, source)
+    if k < 1:
+        raise ConfigError(f"must be >= 1, got {k}", k_field, source)
+    default = spec.get("default_proposal_method")
+    if default is not None and first.get("proposal_type") not in (None, default):
+        warnings.append(
+            f"default_proposal_method is {default!r} but vLLM uses the first proposal method "
+            f"({first.get('proposal_type')!r}, K={k})"
+        )
+    if num_speculative_tokens is not None:
+        if isinstance(num_speculative_tokens, bool) or not isinstance(num_speculative_tokens, int) \
+                or num_speculative_tokens < 1:
+            raise ConfigError(f"must be an integer >= 1, got {num_speculative_tokens!r}",
+                              "num_speculative_tokens")
+        if num_speculative_tokens != k:
+            warnings.append(f"num_speculative_tokens {num_speculative_tokens} overrides the "
+                            f"checkpoint's speculative_tokens {k}")
+        k = num_speculative_tokens
+
+    ver = spec.get("verifier")
+    if not isinstance(ver, dict):
+        raise ConfigError(f"must be an object, got {type(ver).__name__ if ver is not None else 'nothing'}",
+                          "speculators_config.verifier", source)
+    declared = ver.get("name_or_path")
+    name_field = "speculators_config.verifier.name_or_path"
+    if verifier is not None:
+        target, local = _resolve_verifier(os.fspath(verifier), Path.cwd(), "verifier", None)
+        if declared not in (None, "") and declared != os.fspath(verifier):
+            warnings.append(f"verifier {target!r} overrides the checkpoint's {declared!r}")
+    else:
+        if not isinstance(declared, str) or not declared:
+            raise ConfigError(f"must be a non-empty string, got {declared!r}", name_field, source)
+        target, local = _resolve_verifier(declared, base, name_field, source)
+        if local and target != declared:
+            warnings.append(
+                f"local verifier {declared!r} resolved against the checkpoint directory to {target!r} "
+                "(vLLM would resolve it against its working directory)"
+            )
+
+    speculative_config: dict[str, Any] = {"method": method, "model": str(base), "num_speculative_tokens": k}
+    speculative_config.update(extra)
+    return SpeculatorsCheckpoint(
+        path=str(base),
+        speculators_model_type=model_type,
+        method=method,
+        num_speculative_tokens=k,
+        verifier=target,
+        verifier_is_local=local,
+        verifier_declared=declared if isinstance(declared, str) else "",
+        speculative_config=speculative_config,
+        warnings=warnings,
+    )
+
+
+__all__ = [
+    "SPECULATORS_METHODS",
+    "SpeculatorsCheckpoint",
+    "is_speculators_checkpoint",
+    "load_speculators_checkpoint",
+]

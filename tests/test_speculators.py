@@ -1,0 +1,251 @@
+"""Speculators-format checkpoints -> vLLM speculative config."""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from kvslots import ConfigError
+from kvslots.speculators import is_speculators_checkpoint, load_speculators_checkpoint
+
+VERIFIER_CONFIG = {
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
+    "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 4,
+    "num_hidden_layers": 2, "vocab_size": 1000, "max_position_embeddings": 512,
+    "rms_norm_eps": 1e-5, "torch_dtype": "float32", "bos_token_id": 1, "eos_token_id": 2,
+}
+
+SPECULATOR_CONFIG = {
+    "architectures": ["Eagle3Speculator"],
+    "speculators_model_type": "eagle3",
+    "speculators_version": "0.1.0",
+    "draft_vocab_size": 1000,
+    "norm_before_residual": True,
+    "target_hidden_size": 64,
+    "transformer_layer_config": {
+        "model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4,
+        "num_key_value_heads": 4, "num_hidden_layers": 1, "vocab_size": 1000,
+        "max_position_embeddings": 512, "rms_norm_eps": 1e-5, "torch_dtype": "float32",
+    },
+    "speculators_config": {
+        "algorithm": "eagle3",
+        "default_proposal_method": "greedy",
+        "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": 3},
+                             {"proposal_type": "tree", "speculative_tokens": 5}],
+        "verifier": {"name_or_path": "meta-llama/Llama-3.1-8B-Instruct",
+                     "architectures": ["LlamaForCausalLM"]},
+    },
+}
+
+
+def write_dir(path: Path, config: object) -> Path:
+    path.mkdir(parents=True, exist_ok=True)
+    text = config if isinstance(config, str) else json.dumps(config)
+    (path / "config.json").write_text(text)
+    return path
+
+
+def spec_with(**changes) -> dict:
+    cfg = copy.deepcopy(SPECULATOR_CONFIG)
+    for dotted, value in changes.items():
+        node = cfg
+        keys = dotted.split("__")
+        for k in keys[:-1]:
+            node = node[k]
+        if value is _DELETE:
+            del node[keys[-1]]
+        else:
+            node[keys[-1]] = value
+    return cfg
+
+
+_DELETE = object()
+
+
+def test_hub_verifier(tmp_path):
+    d = write_dir(tmp_path / "spec", SPECULATOR_CONFIG)
+    ck = load_speculators_checkpoint(d)
+    assert ck.method == "eagle3" and ck.num_speculative_tokens == 3  # the first proposal method
+    assert ck.verifier == "meta-llama/Llama-3.1-8B-Instruct" and not ck.verifier_is_local
+    assert ck.speculative_config == {"method": "eagle3", "model": str(d.resolve()), "num_speculative_tokens": 3}
+    assert ck.path == str(d.resolve())
+    assert ck.warnings == []
+    assert is_speculators_checkpoint(d)
+
+
+def test_relative_local_verifier_is_resolved_against_the_checkpoint(tmp_path, monkeypatch):
+    write_dir(tmp_path / "models" / "verifier", VERIFIER_CONFIG)
+    d = write_dir(tmp_path / "models" / "spec", spec_with(speculators_config__verifier__name_or_path="../verifier"))
+    monkeypatch.chdir(tmp_path)  # not where vLLM would look
+    ck = load_speculators_checkpoint(d)
+    assert ck.verifier_is_local
+    assert ck.verifier == str((tmp_path / "models" / "verifier").resolve())
+    assert ck.verifier_declared == "../verifier"
+    assert any("resolved against the checkpoint directory" in w for w in ck.warnings)
+    # A bare directory name next to config.json is local too.
+    write_dir(d / "target", VERIFIER_CONFIG)
+    d2 = write_dir(tmp_path / "models" / "spec", spec_with(speculators_config__verifier__name_or_path="target"))
+    assert load_speculators_checkpoint(d2).verifier == str((d / "target").resolve())
+
+
+def test_absolute_local_verifier(tmp_path):
+    v = write_dir(tmp_path / "verifier", VERIFIER_CONFIG)
+    d = write_dir(tmp_path / "spec", spec_with(speculators_config__verifier__name_or_path=str(v)))
+    ck = load_speculators_checkpoint(d)
+    assert ck.verifier == str(v.resolve()) and ck.verifier_is_local and ck.warnings == []
+
+
+def test_missing_local_verifier_is_an_error_naming_the_field(tmp_path):
+    d = write_dir(tmp_path / "spec", spec_with(speculators_config__verifier__name_or_path="/nonexistent/llama"))
+    with pytest.raises(ConfigError) as ei:
+        load_speculators_checkpoint(d)
+    assert ei.value.field == "speculators_config.verifier.name_or_path"
+    assert "does not exist" in str(ei.value) and "config.json" in str(ei.value)
+    # ... and an explicit verifier fixes it.
+    v = write_dir(tmp_path / "here", VERIFIER_CONFIG)
+    ck = load_speculators_checkpoint(d, verifier=v)
+    assert ck.verifier == str(v.resolve())
+    assert any("overrides" in w for w in ck.warnings)
+    ck = load_speculators_checkpoint(d, verifier="org/other-model")
+    assert ck.verifier == "org/other-model" and not ck.verifier_is_local
+    with pytest.raises(ConfigError) as ei:
+        load_speculators_checkpoint(d, verifier="./missing")
+    assert ei.value.field == "verifier"
+
+
+def test_verifier_that_is_a_file_is_rejected(tmp_path):
+    (tmp_path / "weights.bin").write_text("x")
+    d = write_dir(tmp_path / "spec", spec_with(speculators_config__verifier__name_or_path="../weights.bin"))
+    with pytest.raises(ConfigError, match="not a directory"):
+        load_speculators_checkpoint(d)
+
+
+@pytest.mark.parametrize(
+    "model_type, method, extra",
+    [("eagle3", "eagle3", {}), ("peagle", "eagle3", {"parallel_drafting": True}),
+     ("dflash", "dflash", {}), ("dflash2", "dflash", {}), ("dspark", "dspark", {})],
+)
+def test_methods(tmp_path, model_type, method, extra):
+    d = write_dir(tmp_path / "spec", spec_with(speculators_model_type=model_type))
+    ck = load_speculators_checkpoint(d)
+    assert ck.method == method and ck.speculators_model_type == model_type
+    assert ck.speculative_config == {"method": method, "model": str(d.resolve()), "num_speculative_tokens": 3, **extra}
+
+
+def test_default_proposal_method_mismatch_warns_and_override_k(tmp_path):
+    d = write_dir(tmp_path / "spec", spec_with(speculators_config__default_proposal_method="tree"))
+    ck = load_speculators_checkpoint(d)
+    assert ck.num_speculative_tokens == 3
+    assert any("first proposal method" in w for w in ck.warnings)
+    ck = load_speculators_checkpoint(d, num_speculative_tokens=2)
+    assert ck.num_speculative_tokens == 2 and ck.speculative_config["num_speculative_tokens"] == 2
+    with pytest.raises(ConfigError) as ei:
+        load_speculators_checkpoint(d, num_speculative_tokens=0)
+    assert ei.value.field == "num_speculative_tokens"
+
+
+@pytest.mark.parametrize(
+    "changes, field, fragment",
+    [
+        ({"speculators_config": _DELETE}, "speculators_config", "not a speculators checkpoint"),
+        ({"speculators_config": [1]}, "speculators_config", "must be an object"),
+        ({"speculators_model_type": _DELETE}, "speculators_model_type", "non-empty string"),
+        ({"speculators_model_type": "medusa"}, "speculators_model_type", "unsupported speculators model type 'medusa'"),
+        ({"speculators_model_type": "eagle"}, "speculators_model_type", "unsupported"),
+        ({"transformer_layer_config": _DELETE}, "transformer_layer_config", "must be an object"),
+        ({"transformer_layer_config": "llama"}, "transformer_layer_config", "must be an object"),
+        ({"speculators_config__proposal_methods": _DELETE}, "speculators_config.proposal_methods", "non-empty list"),
+        ({"speculators_config__proposal_methods": []}, "speculators_config.proposal_methods", "non-empty list"),
+        ({"speculators_config__proposal_methods": {"a": 1}}, "speculators_config.proposal_methods", "non-empty list"),
+        ({"speculators_config__proposal_methods": ["greedy"]}, "speculators_config.proposal_methods[0]", "must be an object"),
+        ({"speculators_config__proposal_methods": [{"proposal_type": "greedy"}]},
+         "speculators_config.proposal_methods[0].speculative_tokens", "must be an integer"),
+        ({"speculators_config__proposal_methods": [{"speculative_tokens": "3"}]},
+         "speculators_config.proposal_methods[0].speculative_tokens", "must be an integer"),
+        ({"speculators_config__proposal_methods": [{"speculative_tokens": True}]},
+         "speculators_config.proposal_methods[0].speculative_tokens", "must be an integer"),
+        ({"speculators_config__proposal_methods": [{"speculative_tokens": 0}]},
+         "speculators_config.proposal_methods[0].speculative_tokens", "must be >= 1"),
+        ({"speculators_config__verifier": _DELETE}, "speculators_config.verifier", "must be an object"),
+        ({"speculators_config__verifier": "llama"}, "speculators_config.verifier", "must be an object"),
+        ({"speculators_config__verifier__name_or_path": _DELETE}, "speculators_config.verifier.name_or_path", "non-empty string"),
+        ({"speculators_config__verifier__name_or_path": ""}, "speculators_config.verifier.name_or_path", "non-empty string"),
+        ({"speculators_config__verifier__name_or_path": 7}, "speculators_config.verifier.name_or_path", "non-empty string"),
+    ],
+)
+def test_malformed_configs_name_the_field(tmp_path, changes, field, fragment):
+    d = write_dir(tmp_path / "spec", spec_with(**changes))
+    with pytest.raises(ConfigError) as ei:
+        load_speculators_checkpoint(d)
+    assert ei.value.field == field, str(ei.value)
+    assert fragment in str(ei.value)
+    assert ei.value.source == str(d / "config.json")
+
+
+def test_bad_directories(tmp_path):
+    with pytest.raises(ConfigError, match="is not a directory"):
+        load_speculators_checkpoint(tmp_path / "missing")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ConfigError, match="no config.json"):
+        load_speculators_checkpoint(tmp_path / "empty")
+    d = write_dir(tmp_path / "badjson", "{not json")
+    with pytest.raises(ConfigError, match="invalid JSON: .* line 1"):
+        load_speculators_checkpoint(d)
+    d = write_dir(tmp_path / "list", "[1, 2]")
+    with pytest.raises(ConfigError, match="must be a JSON object"):
+        load_speculators_checkpoint(d)
+    assert not is_speculators_checkpoint(tmp_path / "list")
+    assert not is_speculators_checkpoint(write_dir(tmp_path / "plain", VERIFIER_CONFIG))
+    assert not is_speculators_checkpoint(tmp_path / "missing")
+
+
+# ------------------------------------------------------------------ with vLLM
+
+HAVE_VLLM = importlib.util.find_spec("vllm") is not None
+
+
+@pytest.fixture(scope="module")
+def vllm():
+    if not HAVE_VLLM:
+        pytest.skip("vLLM is not importable in this environment; the speculators checks against vLLM need it")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    try:
+        import vllm as v
+        from vllm.engine.arg_utils import EngineArgs  # noqa: F401 - the slow import, once
+    except ImportError as e:
+        pytest.skip(f"vLLM is not importable ({e}); the speculators checks against vLLM need it")
+    return v
+
+
+def test_vllm_rejects_relative_verifier_but_our_config_builds(vllm, tmp_path):
+    from vllm.engine.arg_utils import EngineArgs
+
+    write_dir(tmp_path / "models" / "verifier", VERIFIER_CONFIG)
+    d = write_dir(tmp_path / "models" / "spec", spec_with(speculators_config__verifier__name_or_path="../verifier"))
+    # vLLM resolves the verifier against its working directory and rejects it ...
+    with pytest.raises(Exception, match="(?i)invalid repository id or local directory"):
+        EngineArgs(model=str(d), skip_tokenizer_init=True, max_model_len=256).create_engine_config()
+    # ... while the converted configuration builds, SpeculativeConfig included.
+    ck = load_speculators_checkpoint(d)
+    cfg = EngineArgs(model=ck.verifier, skip_tokenizer_init=True, max_model_len=256,
+                     speculative_config=ck.speculative_config).create_engine_config()
+    assert cfg.speculative_config.method == "eagle3"
+    assert cfg.speculative_config.num_speculative_tokens == 3
+    assert cfg.speculative_config.model == str(d.resolve())
+    assert cfg.model_config.model == ck.verifier
+
+
+def test_vllm_agrees_on_hub_verifier_config(vllm, tmp_path):
+    from vllm.transformers_utils.configs.speculators.base import SpeculatorsConfig
+
+    for model_type in ("eagle3", "peagle", "dflash2"):
+        cfg = spec_with(speculators_model_type=model_type)
+        d = write_dir(tmp_path / model_type, cfg)
+        ours = load_speculators_checkpoint(d).speculative_config
+        theirs = SpeculatorsConfig.extract_vllm_speculative_config(cfg)
+        assert {k: v for k, v in ours.items() if k != "model"} == theirs
