@@ -36,6 +36,28 @@ pub enum KvEventRef<'a> {
     AllBlocksCleared,
 }
 
+impl KvEvent {
+    pub fn as_ref(&self) -> KvEventRef<'_> {
+        match self {
+            KvEvent::BlockStored {
+                block_hashes,
+                parent_block_hash,
+                token_ids,
+                block_size,
+                lora_id,
+            } => KvEventRef::BlockStored {
+                block_hashes,
+                parent_block_hash: *parent_block_hash,
+                token_ids,
+                block_size: *block_size,
+                lora_id: *lora_id,
+            },
+            KvEvent::BlockRemoved { block_hashes } => KvEventRef::BlockRemoved { block_hashes },
+            KvEvent::AllBlocksCleared => KvEventRef::AllBlocksCleared,
+        }
+    }
+}
+
 impl KvEventRef<'_> {
     pub fn to_owned(self) -> KvEvent {
         match self {
@@ -136,7 +158,7 @@ impl EventLog {
         self.close(Kind::Cleared);
     }
 
-    pub fn iter(&self) -> impl Iterator<Item = KvEventRef<'_>> + '_ {
+    pub fn iter(&self) -> impl ExactSizeIterator<Item = KvEventRef<'_>> + '_ {
         let mut h0 = 0;
         let mut t0 = 0;
         self.records.iter().map(move |r| {

@@ -4,7 +4,8 @@
 //! free stack, prefix registry, LRU of cached blocks) and one [`Slot`] per request;
 //! [`SlotTracker`] applies the same slot rules over block ids owned by someone else (vLLM's
 //! device blocks). Both preallocate for the speculative lookahead, commit verified tokens into
-//! immutable hashed blocks, and roll back rejected draft tokens.
+//! immutable hashed blocks, and roll back rejected draft tokens. [`wire`] encodes queued events
+//! in vLLM's KV event wire format (msgpack).
 
 pub mod cache;
 pub mod error;
@@ -14,6 +15,7 @@ pub mod manager;
 pub mod pool;
 pub mod slot;
 pub mod tracker;
+pub mod wire;
 
 pub use cache::{CacheStats, HostCache, PendingStore};
 pub use error::{Result, SlotError};
@@ -23,3 +25,4 @@ pub use manager::{ManagerConfig, SlotId, SlotManager, Stats, StepInput, StepOutp
 pub use pool::{BlockId, BlockPool};
 pub use slot::{Slot, SlotInfo};
 pub use tracker::{CommittedBlock, SlotTracker};
+pub use wire::{encode_batch, encode_owned, BatchMeta, EncodeError, HashFormat};

@@ -1,0 +1,381 @@
+//! vLLM's KV event wire format, written straight from the event log.
+//!
+//! vLLM publishes a `KVEventBatch` encoded by msgspec's msgpack encoder. The batch struct is
+//! `array_like`, so it is the array `[ts, events, data_parallel_rank]`; msgspec writes all three
+//! elements even when the rank is `None` (nil): `omit_defaults` does not shorten array-like
+//! structs. Each event is a map tagged `"type": <class name>` first, then its fields in
+//! declaration order; fields whose value equals their default are omitted, so the optional
+//! trailing fields of `BlockStored`/`BlockRemoved` (all defaulting to `None`) never appear, while
+//! `parent_block_hash`, `lora_id`, `medium` and `lora_name` (no default) are always written.
+//!
+//! msgspec writes every integer in its smallest msgpack form (unsigned forms for non-negative
+//! values), every Python float as float64, and strings/arrays/maps with the smallest header;
+//! rmp's `write_uint`/`write_sint`/`write_f64`/`write_*_len` make the same choices, so the bytes
+//! here equal msgspec's byte for byte (the Python tests check that on random batches).
+//!
+//! We write with `rmp` directly rather than through serde: the hash representation is chosen at
+//! run time and the log is flat, so building serde values would only add copies.
+
+use std::convert::Infallible;
+
+use rmp::encode::{self as enc, ByteBuf, ValueWriteError};
+use thiserror::Error;
+
+use crate::events::{EventLog, KvEvent, KvEventRef};
+
+/// How block hashes go on the wire.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum HashFormat {
+    /// Unsigned 64-bit integers: vLLM's default external form (`ExternalBlockHash` as int).
+    #[default]
+    U64,
+    /// 8-byte big-endian `bytes`, for consumers that key by raw hash bytes.
+    Bytes,
+}
+
+/// The batch-level values that are not in the event log.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct BatchMeta<'a> {
+    /// Seconds since the epoch (written as float64, like a Python float).
+    pub ts: f64,
+    /// `None` is written as nil (vLLM's publisher normally fills in its rank).
+    pub data_parallel_rank: Option<i64>,
+    /// Storage tier of every event in the batch: vLLM uses "GPU"; kvslots' host tier is "CPU".
+    pub medium: Option<&'a str>,
+    pub hash_format: HashFormat,
+}
+
+impl<'a> BatchMeta<'a> {
+    pub fn new(ts: f64) -> Self {
+        BatchMeta {
+            ts,
+            data_parallel_rank: None,
+            medium: None,
+            hash_format: HashFormat::U64,
+        }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Error)]
+pub enum EncodeError {
+    /// msgpack headers carry 32-bit lengths.
+    #[error(
+        "{what} has {len} elements; msgpack allows at most {} per array or string",
+        u32::MAX
+    )]
+    TooLong { what: &'static str, len: usize },
+}
+
+/// Appends the msgpack bytes of one `KVEventBatch` holding `events` to `out`. On error `out` is
+/// left as it was.
+pub fn encode_batch<'e, I>(
+    events: I,
+    meta: &BatchMeta<'_>,
+    out: &mut Vec<u8>,
+) -> Result<(), EncodeError>
+where
+    I: IntoIterator<Item = KvEventRef<'e>>,
+    I::IntoIter: ExactSizeIterator,
+{
+    let start = out.len();
+    let mut w = Writer {
+        buf: ByteBuf::from(std::mem::take(out)),
+        hash_format: meta.hash_format,
+    };
+    let result = w.batch(events.into_iter(), meta);
+    *out = w.buf.into_vec();
+    if result.is_err() {
+        out.truncate(start);
+    }
+    result
+}
+
+/// [`encode_batch`] over owned events.
+pub fn encode_owned(
+    events: &[KvEvent],
+    meta: &BatchMeta<'_>,
+    out: &mut Vec<u8>,
+) -> Result<(), EncodeError> {
+    encode_batch(events.iter().map(KvEvent::as_ref), meta, out)
+}
+
+impl EventLog {
+    /// Appends the queued events as one msgpack `KVEventBatch` to `out` (the log is unchanged).
+    pub fn encode_msgpack(
+        &self,
+        meta: &BatchMeta<'_>,
+        out: &mut Vec<u8>,
+    ) -> Result<(), EncodeError> {
+        encode_batch(self.iter(), meta, out)
+    }
+}
+
+/// rmp's errors over `ByteBuf` are `Infallible`; this unwraps them without a panic path.
+#[inline]
+fn ok<T>(r: Result<T, ValueWriteError<Infallible>>) -> T {
+    match r {
+        Ok(v) => v,
+        Err(ValueWriteError::InvalidMarkerWrite(e) | ValueWriteError::InvalidDataWrite(e)) => {
+            match e {}
+        }
+    }
+}
+
+fn len32(what: &'static str, len: usize) -> Result<u32, EncodeError> {
+    u32::try_from(len).map_err(|_| EncodeError::TooLong { what, len })
+}
+
+struct Writer {
+    buf: ByteBuf,
+    hash_format: HashFormat,
+}
+
+impl Writer {
+    fn batch<'e>(
+        &mut self,
+        events: impl ExactSizeIterator<Item = KvEventRef<'e>>,
+        meta: &BatchMeta<'_>,
+    ) -> Result<(), EncodeError> {
+        ok(enc::write_array_len(&mut self.buf, 3));
+        ok(enc::write_f64(&mut self.buf, meta.ts));
+        ok(enc::write_array_len(
+            &mut self.buf,
+            len32("events", events.len())?,
+        ));
+        for ev in events {
+            self.event(ev, meta.medium)?;
+        }
+        match meta.data_parallel_rank {
+            Some(r) => {
+                ok(enc::write_sint(&mut self.buf, r));
+            }
+            None => self.nil(),
+        }
+        Ok(())
+    }
+
+    fn event(&mut self, ev: KvEventRef<'_>, medium: Option<&str>) -> Result<(), EncodeError> {
+        match ev {
+            KvEventRef::BlockStored {
+                block_hashes,
+                parent_block_hash,
+                token_ids,
+                block_size,
+                lora_id,
+            } => {
+                ok(enc::write_map_len(&mut self.buf, 8));
+                self.str("type")?;
+                self.str("BlockStored")?;
+                self.str("block_hashes")?;
+                self.hashes(block_hashes)?;
+                self.str("parent_block_hash")?;
+                match parent_block_hash {
+                    Some(h) => self.hash(h),
+                    None => self.nil(),
+                }
+                self.str("token_ids")?;
+                ok(enc::write_array_len(
+                    &mut self.buf,
+                    len32("token_ids", token_ids.len())?,
+                ));
+                for &t in token_ids {
+                    ok(enc::write_uint(&mut self.buf, t as u64));
+                }
+                self.str("block_size")?;
+                ok(enc::write_uint(&mut self.buf, block_size as u64));
+                self.str("lora_id")?;
+                match lora_id {
+                    Some(l) => {
+                        ok(enc::write_uint(&mut self.buf, l));
+                    }
+                    None => self.nil(),
+                }
+                self.str("medium")?;
+                self.opt_str(medium)?;
+                // The core keys LoRA adapters by id only; the name is unknown here.
+                self.str("lora_name")?;
+                self.nil();
+            }
+            KvEventRef::BlockRemoved { block_hashes } => {
+                ok(enc::write_map_len(&mut self.buf, 3));
+                self.str("type")?;
+                self.str("BlockRemoved")?;
+                self.str("block_hashes")?;
+                self.hashes(block_hashes)?;
+                self.str("medium")?;
+                self.opt_str(medium)?;
+            }
+            KvEventRef::AllBlocksCleared => {
+                ok(enc::write_map_len(&mut self.buf, 1));
+                self.str("type")?;
+                self.str("AllBlocksCleared")?;
+            }
+        }
+        Ok(())
+    }
+
+    fn nil(&mut self) {
+        ok(enc::write_nil(&mut self.buf).map_err(ValueWriteError::InvalidMarkerWrite));
+    }
+
+    fn str(&mut self, s: &str) -> Result<(), EncodeError> {
+        ok(enc::write_str_len(&mut self.buf, len32("string", s.len())?));
+        self.buf.as_mut_vec().extend_from_slice(s.as_bytes());
+        Ok(())
+    }
+
+    fn opt_str(&mut self, s: Option<&str>) -> Result<(), EncodeError> {
+        match s {
+            Some(s) => self.str(s),
+            None => {
+                self.nil();
+                Ok(())
+            }
+        }
+    }
+
+    fn hashes(&mut self, hashes: &[u64]) -> Result<(), EncodeError> {
+        ok(enc::write_array_len(
+            &mut self.buf,
+            len32("block_hashes", hashes.len())?,
+        ));
+        for &h in hashes {
+            self.hash(h);
+        }
+        Ok(())
+    }
+
+    fn hash(&mut self, h: u64) {
+        match self.hash_format {
+            HashFormat::U64 => {
+                ok(enc::write_uint(&mut self.buf, h));
+            }
+            HashFormat::Bytes => {
+                ok(enc::write_bin_len(&mut self.buf, 8));
+                self.buf.as_mut_vec().extend_from_slice(&h.to_be_bytes());
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn hex(s: &str) -> Vec<u8> {
+        (0..s.len())
+            .step_by(2)
+            .map(|i| u8::from_str_radix(&s[i..i + 2], 16).unwrap())
+            .collect()
+    }
+
+    fn sample() -> Vec<KvEvent> {
+        vec![
+            KvEvent::BlockStored {
+                block_hashes: vec![1, u64::MAX],
+                parent_block_hash: None,
+                token_ids: vec![1, 2],
+                block_size: 2,
+                lora_id: None,
+            },
+            KvEvent::BlockRemoved {
+                block_hashes: vec![5],
+            },
+            KvEvent::AllBlocksCleared,
+        ]
+    }
+
+    // Golden bytes from msgspec 0.22 encoding kvslots.events (= vLLM 0.32) structs.
+    #[test]
+    fn matches_msgspec_golden_bytes() {
+        // KVEventBatch(1.5, [BlockStored([1, 2**64-1], None, [1, 2], 2, None, "CPU", None),
+        //                    BlockRemoved([5], "CPU"), AllBlocksCleared()])
+        let mut meta = BatchMeta::new(1.5);
+        meta.medium = Some("CPU");
+        let mut out = Vec::new();
+        encode_owned(&sample(), &meta, &mut out).unwrap();
+        assert_eq!(out, hex("93cb3ff80000000000009388a474797065ab426c6f636b53746f726564ac626c6f636b5f6861736865739201cfffffffffffffffffb1706172656e745f626c6f636b5f68617368c0a9746f6b656e5f696473920102aa626c6f636b5f73697a6502a76c6f72615f6964c0a66d656469756da3435055a96c6f72615f6e616d65c083a474797065ac426c6f636b52656d6f766564ac626c6f636b5f6861736865739105a66d656469756da343505581a474797065b0416c6c426c6f636b73436c6561726564c0"));
+
+        // KVEventBatch(1.5, [BlockRemoved([5], None), AllBlocksCleared()], 0)
+        let mut meta = BatchMeta::new(1.5);
+        meta.data_parallel_rank = Some(0);
+        let mut out = Vec::new();
+        encode_owned(&sample()[1..], &meta, &mut out).unwrap();
+        assert_eq!(out, hex("93cb3ff80000000000009283a474797065ac426c6f636b52656d6f766564ac626c6f636b5f6861736865739105a66d656469756dc081a474797065b0416c6c426c6f636b73436c656172656400"));
+    }
+
+    #[test]
+    fn empty_batch_and_ranks() {
+        let mut out = Vec::new();
+        encode_owned(&[], &BatchMeta::new(1.0), &mut out).unwrap();
+        assert_eq!(out, hex("93cb3ff000000000000090c0"));
+        for (rank, tail) in [
+            (3, "03"),
+            (-1, "ff"),
+            (-33, "d0df"),
+            (200, "ccc8"),
+            (70000, "ce00011170"),
+        ] {
+            let mut meta = BatchMeta::new(1.0);
+            meta.data_parallel_rank = Some(rank);
+            let mut out = Vec::new();
+            encode_owned(&[], &meta, &mut out).unwrap();
+            assert_eq!(
+                out,
+                hex(&format!("93cb3ff000000000000090{tail}")),
+                "rank {rank}"
+            );
+        }
+    }
+
+    #[test]
+    fn bytes_hashes_and_lora() {
+        let ev = [KvEvent::BlockStored {
+            block_hashes: vec![0],
+            parent_block_hash: Some(0x0101_0101_0101_0101),
+            token_ids: vec![],
+            block_size: 2,
+            lora_id: Some(3),
+        }];
+        let mut meta = BatchMeta::new(0.0);
+        meta.hash_format = HashFormat::Bytes;
+        let mut out = Vec::new();
+        encode_owned(&ev, &meta, &mut out).unwrap();
+        // msgspec: BlockStored([b"\0"*8], b"\1"*8, [], 2, 3, None, None)
+        let map = "88a474797065ab426c6f636b53746f726564ac626c6f636b5f68617368657391c4080000000000000000b1706172656e745f626c6f636b5f68617368c4080101010101010101a9746f6b656e5f69647390aa626c6f636b5f73697a6502a76c6f72615f696403a66d656469756dc0a96c6f72615f6e616d65c0";
+        assert_eq!(out, hex(&format!("93cb000000000000000091{map}c0")));
+    }
+
+    #[test]
+    fn log_encodes_like_owned_events() {
+        let mut log = EventLog::new(2);
+        log.push_stored_block(1, &[1, 2]);
+        log.push_stored_block(u64::MAX, &[3, 4]);
+        log.finish_stored(Some(9), Some(300));
+        log.push_removed(&[1, 2, 3]);
+        log.push_cleared();
+        let meta = BatchMeta {
+            ts: 12345.678,
+            data_parallel_rank: Some(1),
+            medium: Some("CPU"),
+            hash_format: HashFormat::U64,
+        };
+        let (mut a, mut b) = (vec![0xAA], Vec::new());
+        log.encode_msgpack(&meta, &mut a).unwrap();
+        encode_owned(&log.drain(), &meta, &mut b).unwrap();
+        assert_eq!(a[0], 0xAA, "appends, keeps what was there");
+        assert_eq!(a[1..], b[..]);
+    }
+
+    #[test]
+    fn length_limit_is_an_error_not_a_panic() {
+        assert_eq!(len32("x", u32::MAX as usize), Ok(u32::MAX));
+        assert_eq!(
+            len32("token_ids", u32::MAX as usize + 1),
+            Err(EncodeError::TooLong {
+                what: "token_ids",
+                len: u32::MAX as usize + 1
+            })
+        );
+    }
+}
