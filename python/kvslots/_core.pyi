@@ -12,6 +12,17 @@ IntSeq = Sequence[int] | npt.NDArray[np.integer[Any]]
 def block_hash(parent: int, tokens: IntSeq, lora_id: int | None = None) -> int:
     """xxh3-64 over parent (u64 LE) || tokens (u32 LE) || lora_id (u64 LE, when given)."""
 
+def encode_event_batch(
+    events: Sequence[tuple[Any, ...]],
+    ts: float,
+    *,
+    medium: str | None = None,
+    data_parallel_rank: int | None = None,
+    hashes_as_bytes: bool = False,
+) -> bytes:
+    """Raw event tuples (as ``drain_raw_events`` returns) as one msgpack ``KVEventBatch``,
+    byte-identical to msgspec encoding the same vLLM structs."""
+
 class SlotInfo:
     @property
     def committed(self) -> int: ...
@@ -83,6 +94,22 @@ class SlotManager:
     def cached_blocks(self) -> list[int]: ...
     def stats(self) -> dict[str, int]: ...
     def drain_raw_events(self) -> list[tuple[Any, ...]]: ...
+    def events_msgpack(
+        self,
+        ts: float,
+        medium: str | None = None,
+        data_parallel_rank: int | None = None,
+        hashes_as_bytes: bool = False,
+    ) -> bytes:
+        """Queued events as one msgpack ``KVEventBatch`` (vLLM's wire format); the queue stays."""
+    def drain_events_msgpack(
+        self,
+        ts: float,
+        medium: str | None = None,
+        data_parallel_rank: int | None = None,
+        hashes_as_bytes: bool = False,
+    ) -> bytes:
+        """Like ``events_msgpack``, then empties the queue."""
     def num_pending_events(self) -> int: ...
     def check_invariants(self) -> str | None: ...
     @property

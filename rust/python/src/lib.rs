@@ -6,7 +6,7 @@ use std::collections::HashMap;
 use kvslots_core as core;
 use numpy::{PyArray1, PyReadonlyArray1, PyUntypedArrayMethods};
 use pyo3::prelude::*;
-use pyo3::types::{PyList, PyTuple};
+use pyo3::types::{PyBytes, PyList, PyTuple};
 
 pyo3::import_exception!(kvslots.errors, UnknownRequestError);
 pyo3::import_exception!(kvslots.errors, DuplicateRequestError);
@@ -205,11 +205,97 @@ fn events_to_py<'py>(py: Python<'py>, log: &core::EventLog) -> PyResult<Bound<'p
     Ok(list)
 }
 
+fn batch_meta<'a>(
+    ts: f64,
+    medium: Option<&'a str>,
+    data_parallel_rank: Option<i64>,
+    hashes_as_bytes: bool,
+) -> core::BatchMeta<'a> {
+    core::BatchMeta {
+        ts,
+        data_parallel_rank,
+        medium,
+        hash_format: if hashes_as_bytes {
+            core::HashFormat::Bytes
+        } else {
+            core::HashFormat::U64
+        },
+    }
+}
+
+fn encode_err(e: core::EncodeError) -> PyErr {
+    invalid(None, e.to_string())
+}
+
+/// One raw event tuple (the shape `drain_raw_events` returns) as an owned event.
+fn event_from_py(obj: &Bound<'_, PyAny>, i: usize) -> PyResult<core::KvEvent> {
+    let bad = |what: String| invalid(None, format!("events[{i}]: {what}"));
+    let t = obj
+        .cast::<PyTuple>()
+        .map_err(|_| bad(format!("must be a tuple, got {}", type_name(obj))))?;
+    let kind: String = t
+        .get_item(0)
+        .and_then(|k| k.extract())
+        .map_err(|_| bad("must start with the event kind (a str)".into()))?;
+    let field = |j: usize, name: &str| -> PyResult<Bound<'_, PyAny>> {
+        t.get_item(j)
+            .map_err(|_| bad(format!("{kind} tuple has no {name} (item {j})")))
+    };
+    let u64s = |j: usize, name: &str| -> PyResult<Vec<u64>> {
+        let v = field(j, name)?;
+        IntArg::<u64>::extract(&v, name, None).map(|a| a.as_slice().to_vec())
+    };
+    let opt_u64 = |j: usize, name: &str| -> PyResult<Option<u64>> {
+        field(j, name)?
+            .extract::<Option<u64>>()
+            .map_err(|_| bad(format!("{name} must be None or an int in [0, 2**64)")))
+    };
+    let expect_len = |n: usize| -> PyResult<()> {
+        if t.len() != n {
+            return Err(bad(format!(
+                "{kind} tuple must have {n} items, got {}",
+                t.len()
+            )));
+        }
+        Ok(())
+    };
+    match kind.as_str() {
+        "BlockStored" => {
+            expect_len(6)?;
+            let tokens = field(3, "token_ids")?;
+            Ok(core::KvEvent::BlockStored {
+                block_hashes: u64s(1, "block_hashes")?,
+                parent_block_hash: opt_u64(2, "parent_block_hash")?,
+                token_ids: IntArg::<u32>::extract(&tokens, "token_ids", None)?
+                    .as_slice()
+                    .to_vec(),
+                block_size: field(4, "block_size")?
+                    .extract::<u32>()
+                    .map_err(|_| bad("block_size must be an int in [0, 2**32)".into()))?,
+                lora_id: opt_u64(5, "lora_id")?,
+            })
+        }
+        "BlockRemoved" => {
+            expect_len(2)?;
+            Ok(core::KvEvent::BlockRemoved {
+                block_hashes: u64s(1, "block_hashes")?,
+            })
+        }
+        "AllBlocksCleared" => {
+            expect_len(1)?;
+            Ok(core::KvEvent::AllBlocksCleared)
+        }
+        other => Err(bad(format!("unknown event kind {other:?}"))),
+    }
+}
+
 /// The slot manager over a block pool it owns. See `kvslots.SlotManager` for the documented API.
 #[pyclass(module = "kvslots._core", subclass)]
 struct SlotManager {
     inner: core::SlotManager,
     out: core::StepOutput,
+    /// Scratch for msgpack event batches, reused so a warm encode allocates nothing.
+    wire: Vec<u8>,
 }
 
 type StepArrays<'py> = (
@@ -241,6 +327,7 @@ impl SlotManager {
         Ok(SlotManager {
             inner: core::SlotManager::new(cfg).map_err(err)?,
             out: Default::default(),
+            wire: Vec::new(),
         })
     }
 
@@ -404,6 +491,37 @@ impl SlotManager {
         let list = events_to_py(py, self.inner.events())?;
         self.inner.events_mut().clear();
         Ok(list)
+    }
+    /// Queued events as one msgpack `KVEventBatch` (vLLM's wire format), leaving the queue as is.
+    #[pyo3(signature = (ts, medium=None, data_parallel_rank=None, hashes_as_bytes=false))]
+    fn events_msgpack<'py>(
+        &mut self,
+        py: Python<'py>,
+        ts: f64,
+        medium: Option<&str>,
+        data_parallel_rank: Option<i64>,
+        hashes_as_bytes: bool,
+    ) -> PyResult<Bound<'py, PyBytes>> {
+        let meta = batch_meta(ts, medium, data_parallel_rank, hashes_as_bytes);
+        let (log, buf) = (self.inner.events(), &mut self.wire);
+        buf.clear();
+        py.detach(|| log.encode_msgpack(&meta, buf))
+            .map_err(encode_err)?;
+        Ok(PyBytes::new(py, &self.wire))
+    }
+    /// Like `events_msgpack`, then empties the queue (only when encoding succeeded).
+    #[pyo3(signature = (ts, medium=None, data_parallel_rank=None, hashes_as_bytes=false))]
+    fn drain_events_msgpack<'py>(
+        &mut self,
+        py: Python<'py>,
+        ts: f64,
+        medium: Option<&str>,
+        data_parallel_rank: Option<i64>,
+        hashes_as_bytes: bool,
+    ) -> PyResult<Bound<'py, PyBytes>> {
+        let bytes = self.events_msgpack(py, ts, medium, data_parallel_rank, hashes_as_bytes)?;
+        self.inner.events_mut().clear();
+        Ok(bytes)
     }
     fn num_pending_events(&self) -> usize {
         self.inner.events().len()
@@ -695,6 +813,38 @@ fn block_hash(parent: u64, tokens: &Bound<'_, PyAny>, lora_id: Option<u64>) -> P
     Ok(core::block_hash(parent, t.as_slice(), lora_id))
 }
 
+/// Encodes raw event tuples (as `SlotManager.drain_raw_events` returns them) as one msgpack
+/// `KVEventBatch` in vLLM's wire format.
+#[pyfunction]
+#[pyo3(signature = (events, ts, *, medium=None, data_parallel_rank=None, hashes_as_bytes=false))]
+fn encode_event_batch<'py>(
+    py: Python<'py>,
+    events: &Bound<'py, PyAny>,
+    ts: f64,
+    medium: Option<&str>,
+    data_parallel_rank: Option<i64>,
+    hashes_as_bytes: bool,
+) -> PyResult<Bound<'py, PyBytes>> {
+    let items = events.try_iter().map_err(|_| {
+        invalid(
+            None,
+            format!(
+                "events must be a sequence of tuples, got {}",
+                type_name(events)
+            ),
+        )
+    })?;
+    let mut owned = Vec::new();
+    for (i, item) in items.enumerate() {
+        owned.push(event_from_py(&item?, i)?);
+    }
+    let meta = batch_meta(ts, medium, data_parallel_rank, hashes_as_bytes);
+    let mut buf = Vec::new();
+    py.detach(|| core::encode_owned(&owned, &meta, &mut buf))
+        .map_err(encode_err)?;
+    Ok(PyBytes::new(py, &buf))
+}
+
 #[pymodule]
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<SlotManager>()?;
@@ -702,6 +852,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<SlotInfo>()?;
     m.add_class::<HostCache>()?;
     m.add_function(wrap_pyfunction!(block_hash, m)?)?;
+    m.add_function(wrap_pyfunction!(encode_event_batch, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())
 }
