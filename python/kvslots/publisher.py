@@ -1,0 +1,386 @@
+"""Publishing KV event batches over ZMQ, on the wire exactly as vLLM's ``ZmqEventPublisher``.
+
+A subscriber built for vLLM reads this publisher, and :class:`kvslots.subscriber.EventSubscriber`
+reads both. The protocol (vLLM 0.32):
+
+* PUB socket, one multipart message per batch: ``(topic, seq, payload)``; ``seq`` is an 8-byte
+  big-endian unsigned counter starting at 0 for each publisher instance, ``payload`` the msgpack
+  ``KVEventBatch``.
+* Optional ROUTER replay socket. A request is ``[b"", start]`` from a DEALER (a REQ socket adds
+  the empty frame itself) with ``start`` an 8-byte big-endian sequence number. The reply is one
+  message ``[b"", topic, seq, payload]`` per buffered batch with ``seq >= start``, in order, then
+  the end marker ``[b"", b"", (-1 as 8 signed big-endian bytes), b""]``.
+
+Batches are queued by :meth:`EventPublisher.publish` (any thread; it only appends to a queue)
+and sent by one background thread that owns both sockets, because ZMQ sockets are not
+thread-safe. Pre-encoded payloads (``SlotManager.drain_events_msgpack``) are sent as they are, so
+the hot path builds no Python object per event.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections import deque
+from itertools import islice
+from typing import Any, Union
+
+import msgspec
+import zmq
+
+from .events import EventBatch
+
+log = logging.getLogger(__name__)
+
+#: Sequence number of the replay end marker, as vLLM writes it.
+END_SEQ = (-1).to_bytes(8, "big", signed=True)
+
+Payload = Union[EventBatch, msgspec.Struct, bytes, bytearray, memoryview]
+
+
+def offset_endpoint_port(endpoint: str | None, data_parallel_rank: int) -> str | None:
+    """The endpoint of data-parallel rank ``data_parallel_rank``, as vLLM derives it: a TCP port
+    is shifted by the rank (port 0 stays 0: the OS picks), an inproc name gets ``_dp<rank>``.
+    vLLM rejects ipc endpoints for ranks above 0; we suffix them like inproc names."""
+    if not endpoint or data_parallel_rank == 0:
+        return endpoint
+    if endpoint.startswith(("inproc://", "ipc://")) or "inproc" in endpoint:
+        return f"{endpoint}_dp{data_parallel_rank}"
+    if "tcp" in endpoint:
+        head, sep, port = endpoint.rpartition(":")
+        if not sep or not port.isdigit():
+            return endpoint
+        if int(port) == 0:
+            return endpoint
+        return f"{head}:{int(port) + data_parallel_rank}"
+    raise ValueError(f"invalid endpoint {endpoint!r}: expected tcp://, ipc:// or inproc://")
+
+
+def is_bind_endpoint(endpoint: str) -> bool:
+    """vLLM's rule (binds wildcard, IPv6-any, ipc and inproc addresses; connects to the rest),
+    plus: TCP port 0 binds, since only a bound socket can take an OS-chosen port."""
+    if "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://")):
+        return True
+    return endpoint.startswith("tcp://") and endpoint.rpartition(":")[2] == "0"
+
+
+def _is_ipv6(endpoint: str) -> bool:
+    return endpoint.startswith("tcp://") and ("[" in endpoint or "::" in endpoint)
+
+
+class EventPublisher:
+    """Publishes KV event batches with sequence numbers and a replay buffer.
+
+    Parameters
+    ----------
+    endpoint:
+        PUB address; bound when :func:`is_bind_endpoint` says so (``tcp://*:5557``,
+        ``tcp://127.0.0.1:0``, ipc, inproc), else connected (to a subscriber that binds).
+        ``bind`` overrides the rule. Shifted by ``data_parallel_rank`` as vLLM does.
+    replay_endpoint:
+        ROUTER address for replay requests (always bound), or None for no replay.
+    topic:
+        First frame of every message (subscribers filter on its prefix).
+    data_parallel_rank:
+        Written into batches whose rank is None (vLLM does the same); for pre-encoded bytes the
+        caller passes it to the encoder.
+    buffer_steps:
+        How many recent batches the replay buffer keeps.
+    hwm:
+        High-water mark of the PUB socket (messages; beyond it ZMQ drops for slow subscribers).
+    max_queue_size:
+        Batches waiting to be sent; when full, :meth:`publish` blocks (as vLLM's publisher does)
+        rather than drop a batch before it has a sequence number, which no subscriber could see.
+    linger_ms:
+        How long :meth:`shutdown` lets ZMQ deliver messages still in flight.
+    context:
+        A ZMQ context to use; by default the publisher makes its own and terminates it on
+        shutdown.
+    """
+
+    def __init__(
+        self,
+        endpoint: str = "tcp://*:5557",
+        replay_endpoint: str | None = None,
+        *,
+        topic: str = "",
+        data_parallel_rank: int = 0,
+        buffer_steps: int = 10_000,
+        hwm: int = 100_000,
+        max_queue_size: int = 100_000,
+        bind: bool | None = None,
+        linger_ms: int = 1000,
+        context: zmq.Context | None = None,
+    ) -> None:
+        if buffer_steps < 1 or max_queue_size < 1 or hwm < 0:
+            raise ValueError(
+                f"buffer_steps and max_queue_size must be >= 1 and hwm >= 0 "
+                f"(got {buffer_steps}, {max_queue_size}, {hwm})"
+            )
+        self.data_parallel_rank = data_parallel_rank
+        self.topic = topic
+        self._topic = topic.encode("utf-8")
+        self._max_queue = max_queue_size
+        self._linger_ms = linger_ms
+        self._own_ctx = context is None
+        self._ctx = zmq.Context() if context is None else context
+
+        # Shared with publish(): the queue and the flags, under one lock.
+        self._lock = threading.Lock()
+        self._not_full = threading.Condition(self._lock)
+        self._idle = threading.Condition(self._lock)
+        self._queue: deque[Payload] = deque()
+        self._closed = False
+        self._in_flight = 0  # batches taken from the queue but not yet sent
+
+        # Owned by the sender thread once it runs.
+        self._buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_steps)
+        self._next_seq = 0
+        self._encoder = msgspec.msgpack.Encoder()
+        self._drop_on_wire: set[int] = set()
+        self._stats = dict.fromkeys(
+            ("published", "dropped_on_wire", "replay_requests", "replayed", "replay_malformed",
+             "errors"),
+            0,
+        )
+
+        self._pub: zmq.Socket | None = None
+        self._replay: zmq.Socket | None = None
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
+        try:
+            ep = offset_endpoint_port(endpoint, data_parallel_rank)
+            assert ep is not None
+            self._pub = self._ctx.socket(zmq.PUB)
+            self._pub.setsockopt(zmq.SNDHWM, hwm)
+            self._pub.setsockopt(zmq.LINGER, linger_ms)
+            if _is_ipv6(ep):
+                self._pub.setsockopt(zmq.IPV6, 1)
+            if is_bind_endpoint(ep) if bind is None else bind:
+                self._pub.bind(ep)
+                ep = self._pub.getsockopt_string(zmq.LAST_ENDPOINT)
+            else:
+                self._pub.connect(ep)
+            self.endpoint: str = ep
+            self.replay_endpoint: str | None = None
+            rep = offset_endpoint_port(replay_endpoint, data_parallel_rank)
+            if rep is not None:
+                self._replay = self._ctx.socket(zmq.ROUTER)
+                # A replay is a burst of up to buffer_steps messages to one peer: let it all
+                # queue instead of ROUTER silently dropping past the default HWM of 1000.
+                self._replay.setsockopt(zmq.SNDHWM, 2 * (buffer_steps + 1))
+                self._replay.setsockopt(zmq.LINGER, 0)
+                if _is_ipv6(rep):
+                    self._replay.setsockopt(zmq.IPV6, 1)
+                self._replay.bind(rep)
+                self.replay_endpoint = self._replay.getsockopt_string(zmq.LAST_ENDPOINT)
+        except BaseException:
+            self._close_sockets()
+            raise
+
+        self._thread = threading.Thread(
+            target=self._run, name=f"kvslots-event-publisher[{self.endpoint}]", daemon=True
+        )
+        self._thread.start()
+
+    # ---- producer side (any thread) --------------------------------------------------------
+
+    def publish(self, batch: Payload) -> None:
+        """Queues one batch: a ``KVEventBatch`` (kvslots' or vLLM's; encoded by the sender
+        thread, its rank set to ``data_parallel_rank`` when None) or its msgpack bytes. Blocks
+        only while the queue is full."""
+        if isinstance(batch, msgspec.Struct):  # ours, or vLLM's own KVEventBatch
+            if getattr(batch, "data_parallel_rank", 0) is None:
+                batch.data_parallel_rank = self.data_parallel_rank  # type: ignore[attr-defined]
+        elif isinstance(batch, (bytearray, memoryview)):
+            batch = bytes(batch)
+        elif not isinstance(batch, bytes):
+            raise TypeError(f"publish() takes a KVEventBatch or bytes, got {type(batch).__name__}")
+        with self._lock:
+            while len(self._queue) >= self._max_queue and not self._closed:
+                self._not_full.wait()
+            if self._closed:
+                raise RuntimeError("publisher is shut down")
+            was_empty = not self._queue
+            self._queue.append(batch)
+        if was_empty:
+            self._wake()
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Waits until every queued batch has been handed to ZMQ; False on timeout."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._lock:
+            while (self._queue or self._in_flight) and self._thread.is_alive():
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    return False
+                self._idle.wait(left)
+            return not self._queue and not self._in_flight
+
+    @property
+    def next_seq(self) -> int:
+        """The sequence number the next sent batch gets."""
+        return self._next_seq
+
+    def stats(self) -> dict[str, int]:
+        """Counters: published, dropped_on_wire (test hook), replay_requests, replayed (batches
+        resent), replay_malformed, errors; plus queued and next_seq."""
+        with self._lock:
+            queued = len(self._queue) + self._in_flight
+        return {**self._stats, "queued": queued, "next_seq": self._next_seq}
+
+    def shutdown(self, timeout: float = 5.0) -> None:
+        """Sends what is queued (up to ``timeout``), stops the thread and closes the sockets (and
+        the context when the publisher made it). Idempotent."""
+        with self._lock:
+            if self._closed:
+                already = True
+            else:
+                already = False
+                self._closed = True
+                self._not_full.notify_all()
+        if not already:
+            self._wake()
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            log.warning("event publisher thread did not stop within %.1f s", timeout)
+            return
+        self._close_sockets()
+
+    close = shutdown
+
+    def __enter__(self) -> EventPublisher:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.shutdown()
+
+    # ---- test hook -------------------------------------------------------------------------
+
+    def _test_drop_on_wire(self, *seqs: int) -> None:
+        """Test hook: the batches that get these sequence numbers are buffered for replay but
+        not sent on the PUB socket (a forced gap)."""
+        with self._lock:
+            self._drop_on_wire.update(seqs)
+
+    # ---- sender thread ---------------------------------------------------------------------
+
+    def _wake(self) -> None:
+        try:
+            os.write(self._wake_w, b"\0")
+        except (BlockingIOError, OSError):
+            pass  # pipe full: the thread is already due to wake
+
+    def _run(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._wake_r, zmq.POLLIN)
+        if self._replay is not None:
+            poller.register(self._replay, zmq.POLLIN)
+        try:
+            while not self._round(poller):
+                pass
+        finally:
+            self._close_thread_sockets()
+
+    def _round(self, poller: zmq.Poller) -> bool:
+        """One wake-up of the sender thread; True when it should exit."""
+        try:
+            ready = dict(poller.poll())
+            if self._replay is not None and self._replay in ready:
+                self._serve_replays()
+            if self._wake_r in ready:
+                # Drain the pipe before taking the queue: a publish() after this point
+                # writes a fresh wake-up byte.
+                try:
+                    while os.read(self._wake_r, 4096):
+                        pass
+                except BlockingIOError:
+                    pass
+        except Exception:  # never let the thread die: publish() would queue forever
+            self._stats["errors"] += 1
+            log.exception("event publisher loop error")
+        with self._lock:
+            items = list(self._queue)
+            self._queue.clear()
+            self._in_flight = len(items)
+            closed = self._closed
+            if items:
+                self._not_full.notify_all()
+        for item in items:
+            self._send(item)
+        with self._lock:
+            self._in_flight = 0
+            self._idle.notify_all()
+            return closed and not self._queue
+
+    def _send(self, item: Payload) -> None:
+        try:
+            payload = item if isinstance(item, bytes) else self._encoder.encode(item)
+        except Exception:  # a batch msgspec cannot encode: skip it, without using up a seq
+            self._stats["errors"] += 1
+            log.exception("cannot encode event batch; skipped")
+            return
+        seq = self._next_seq
+        self._next_seq += 1
+        self._buffer.append((seq, payload))
+        if seq in self._drop_on_wire:
+            self._drop_on_wire.discard(seq)
+            self._stats["dropped_on_wire"] += 1
+            return
+        assert self._pub is not None
+        try:
+            self._pub.send_multipart((self._topic, seq.to_bytes(8, "big"), payload), copy=False)
+            self._stats["published"] += 1
+        except zmq.ZMQError:
+            # PUB does not block or fail on slow peers; this is a closed or broken socket.
+            # The batch stays in the replay buffer, so subscribers see a healable gap.
+            self._stats["errors"] += 1
+            log.exception("event publisher send failed (seq %d)", seq)
+
+    def _serve_replays(self) -> None:
+        assert self._replay is not None
+        while True:
+            try:
+                frames = self._replay.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            if len(frames) != 3 or frames[1] != b"" or len(frames[2]) != 8:
+                self._stats["replay_malformed"] += 1
+                log.warning("malformed replay request (%d frames)", len(frames))
+                continue
+            client, _, start_bytes = frames
+            start = int.from_bytes(start_bytes, "big")
+            self._stats["replay_requests"] += 1
+            first = self._buffer[0][0] if self._buffer else 0
+            skip = min(max(start - first, 0), len(self._buffer))
+            try:
+                # Buffered seqs are consecutive, so the first one to send is at start - first.
+                for seq, payload in islice(self._buffer, skip, None):
+                    self._replay.send_multipart(
+                        (client, b"", self._topic, seq.to_bytes(8, "big"), payload), copy=False
+                    )
+                    self._stats["replayed"] += 1
+                self._replay.send_multipart((client, b"", b"", END_SEQ, b""))
+            except zmq.ZMQError:
+                self._stats["errors"] += 1
+                log.exception("replay to a subscriber failed")
+
+    def _close_thread_sockets(self) -> None:
+        for sock in (self._pub, self._replay):
+            if sock is not None:
+                sock.close(linger=None)  # keep each socket's LINGER option
+        self._pub = self._replay = None
+
+    def _close_sockets(self) -> None:
+        self._close_thread_sockets()
+        for fd in (self._wake_r, self._wake_w):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        self._wake_r = self._wake_w = -1
+        if self._own_ctx:
+            self._ctx.term()

@@ -1,0 +1,538 @@
+"""A client for KV event streams: vLLM's ``ZmqEventPublisher`` and kvslots' own
+:class:`~kvslots.publisher.EventPublisher` (same wire format).
+
+It hands each publisher's batches to a callback exactly once and in sequence order, healing gaps
+from the publisher's replay socket::
+
+    def on_batch(worker_id, seq, batch):       # batch: kvslots.events.KVEventBatch
+        ...
+    def on_reset(worker_id, last_seq, new_seq):  # the publisher restarted: drop its state
+        ...
+
+    sub = EventSubscriber(on_batch, on_reset)
+    sub.add_publisher("worker-0", "tcp://10.0.0.5:5557", replay_endpoint="tcp://10.0.0.5:5558")
+    sub.start()            # poll thread; callbacks run on it
+    ...
+    sub.stop()
+
+Per publisher, with ``next`` the sequence number expected next:
+
+* ``seq == next``: applied.
+* ``seq > next``: a gap. With a replay endpoint the subscriber asks for everything from ``next``,
+  holds live batches meanwhile, applies the replayed ones in order and then the held ones; what
+  the publisher no longer buffers is counted as ``lost`` and skipped. Without one, the missing
+  batches are counted as lost at once.
+* ``seq < next``: a duplicate if its payload equals the one applied under that number (dropped);
+  otherwise the publisher restarted (sequence numbers start again at 0 per publisher instance):
+  ``on_reset`` is called, and the stream starts over from 0 (replaying 0.. if it can).
+
+The first batch seen fixes ``next`` unless ``start_seq`` was given to :meth:`add_publisher`; then
+the subscriber asks for a replay from ``start_seq`` at once (to catch up on a publisher that ran
+before it connected). Frames that are not ``(topic, 8-byte seq, payload)`` and payloads that do
+not decode are counted as ``malformed`` and skipped (an undecodable payload still uses up its
+sequence number, so it is not re-requested forever). Nothing a publisher sends stops the loop.
+
+A restart is only visible when the new stream's numbers are at or below the last applied one; a
+publisher that restarts and sends more batches than the old one did before we hear from it looks
+like a gap.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+import zmq
+
+from .events import KVEventBatch
+
+log = logging.getLogger(__name__)
+
+OnBatch = Callable[[Hashable, int, KVEventBatch], Any]
+OnReset = Callable[[Hashable, int, int], Any]
+
+COUNTERS = (
+    "received",  # live messages with a well-formed (topic, seq, payload)
+    "applied",  # batches handed to on_batch (live or replayed)
+    "gaps",  # sequence jumps seen
+    "replayed",  # batches applied from a replay
+    "duplicates",  # batches dropped as already applied
+    "resets",  # publisher restarts detected
+    "malformed",  # frames or payloads skipped
+    "lost",  # sequence numbers skipped because no replay could supply them
+    "replay_requests",
+    "replay_failures",  # replays that timed out
+    "callback_errors",  # exceptions raised by on_batch / on_reset
+)
+
+_HELD_WINDOW = 64  # applied payloads kept to tell a duplicate from a restart
+
+
+@dataclass
+class _Peer:
+    worker_id: Hashable
+    endpoint: str
+    replay_endpoint: str | None
+    topic: bytes
+    start_seq: int | None
+    sub: zmq.Socket | None = None
+    dealer: zmq.Socket | None = None
+    next: int | None = None
+    live_last: int = -1  # last seq seen on the live stream (it only moves forward)
+    recent: deque[tuple[int, bytes]] = field(default_factory=lambda: deque(maxlen=_HELD_WINDOW))
+    replaying: bool = False
+    replay_deadline: float = 0.0
+    replay_max: int = -1  # highest seq the current replay delivered
+    held: dict[int, bytes] = field(default_factory=dict)
+    counters: dict[str, int] = field(default_factory=lambda: dict.fromkeys(COUNTERS, 0))
+
+
+class EventSubscriber:
+    """Subscribes to any number of KV event publishers; see the module docstring.
+
+    ``on_batch(worker_id, seq, batch)`` gets every batch once, in order, per publisher;
+    ``on_reset(worker_id, last_seq, new_seq)`` is called when a publisher restarted
+    (``last_seq`` is -1 if nothing had been applied). Both run on the polling thread (or in
+    :meth:`poll_once`); exceptions they raise are logged and counted, never propagated.
+
+    ``replay_timeout_ms`` bounds the wait for a replay's next message; ``hwm`` is the receive
+    high-water mark of the SUB sockets.
+    """
+
+    def __init__(
+        self,
+        on_batch: OnBatch,
+        on_reset: OnReset | None = None,
+        *,
+        replay_timeout_ms: int = 2000,
+        hwm: int = 100_000,
+        context: zmq.Context | None = None,
+    ) -> None:
+        self._on_batch = on_batch
+        self._on_reset = on_reset
+        self._replay_timeout = replay_timeout_ms / 1000.0
+        self._hwm = hwm
+        self._own_ctx = context is None
+        self._ctx = zmq.Context() if context is None else context
+        self._decoder = msgspec.msgpack.Decoder(KVEventBatch)
+
+        self._lock = threading.Lock()
+        self._commands: deque[tuple[str, Any]] = deque()
+        self._by_id: dict[Hashable, _Peer] = {}  # every added publisher (as callers see it)
+        self._peers: dict[Hashable, _Peer] = {}  # owned by the polling thread
+        self._sockets: dict[zmq.Socket, tuple[_Peer, bool]] = {}  # socket -> (peer, is_replay)
+        self._poller = zmq.Poller()
+        self._totals = dict.fromkeys(COUNTERS, 0)
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
+        self._poller.register(self._wake_r, zmq.POLLIN)
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self._closed = False
+
+    # ---- public API (any thread) ----------------------------------------------------------
+
+    def add_publisher(
+        self,
+        worker_id: Hashable,
+        endpoint: str,
+        replay_endpoint: str | None = None,
+        topic: str = "",
+        *,
+        start_seq: int | None = None,
+    ) -> None:
+        """Connects to a publisher's PUB ``endpoint`` (and its ROUTER ``replay_endpoint``),
+        subscribing to ``topic`` (a prefix; "" is everything). With ``start_seq`` the stream
+        is read from that sequence number on, replaying what was published before."""
+        if start_seq is not None and start_seq < 0:
+            raise ValueError(f"start_seq must be >= 0, got {start_seq}")
+        for ep in (endpoint, replay_endpoint):
+            if ep is not None and not ep.startswith(("tcp://", "ipc://", "inproc://")):
+                raise ValueError(f"endpoint {ep!r} must start with tcp://, ipc:// or inproc://")
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("subscriber is stopped")
+            if worker_id in self._by_id:
+                raise ValueError(f"publisher {worker_id!r} is already added")
+            peer = _Peer(worker_id, endpoint, replay_endpoint, topic.encode(), start_seq)
+            self._by_id[worker_id] = peer
+            self._commands.append(("add", peer))
+        self._wake()
+
+    def remove_publisher(self, worker_id: Hashable) -> None:
+        """Disconnects from a publisher; its held state and counters are dropped (the totals
+        keep what it contributed)."""
+        with self._lock:
+            if self._by_id.pop(worker_id, None) is None:
+                raise KeyError(worker_id)
+            self._commands.append(("remove", worker_id))
+        self._wake()
+
+    def publishers(self) -> list[Hashable]:
+        with self._lock:
+            return list(self._by_id)
+
+    @property
+    def counters(self) -> dict[str, int]:
+        """Totals over all publishers (see ``COUNTERS``)."""
+        return dict(self._totals)
+
+    def publisher_counters(self, worker_id: Hashable) -> dict[str, int]:
+        with self._lock:
+            peer = self._by_id[worker_id]
+        return dict(peer.counters)
+
+    def next_seq(self, worker_id: Hashable) -> int | None:
+        """The sequence number expected next from a publisher (None before its first batch)."""
+        with self._lock:
+            peer = self._by_id[worker_id]
+        return peer.next
+
+    def in_sync(self, worker_id: Hashable) -> bool:
+        """Whether the publisher's stream is applied up to the last batch received: no replay
+        under way and no batch held back waiting for one."""
+        with self._lock:
+            peer = self._by_id[worker_id]
+        return peer.sub is not None and not peer.replaying and not peer.held
+
+    def start(self) -> None:
+        """Runs the poll loop on a background thread."""
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("subscriber is stopped")
+            if self._thread is not None:
+                raise RuntimeError("subscriber is already started")
+            self._thread = threading.Thread(target=self._run, name="kvslots-event-subscriber",
+                                            daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 5.0) -> None:
+        """Stops the loop thread (if started) and closes every socket. Idempotent; a stopped
+        subscriber cannot be restarted."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            self._stopping = True
+            thread = self._thread
+        self._wake()
+        if thread is not None:
+            thread.join(timeout)
+            if thread.is_alive():
+                log.warning("event subscriber thread did not stop within %.1f s", timeout)
+                return
+        for peer in list(self._peers.values()):
+            self._close_peer(peer)
+        self._peers.clear()
+        for fd in (self._wake_r, self._wake_w):
+            os.close(fd)
+        if self._own_ctx:
+            self._ctx.term()
+
+    close = stop
+
+    def __enter__(self) -> EventSubscriber:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
+
+    def poll_once(self, timeout_ms: int = 0) -> int:
+        """One round of the loop: applies pending add/remove calls, waits up to ``timeout_ms``
+        for messages, handles every message ready, and expires overdue replays. Returns the
+        number of messages handled. Call it from one thread only, and not after :meth:`start`."""
+        self._apply_commands()
+        timeout = float(timeout_ms)
+        now = time.monotonic()
+        for peer in self._peers.values():
+            if peer.replaying:
+                timeout = min(timeout, max(0.0, (peer.replay_deadline - now) * 1000.0))
+        handled = 0
+        for sock, _ in self._poller.poll(timeout):
+            if sock == self._wake_r:
+                self._drain_wake()
+                continue
+            entry = self._sockets.get(sock)
+            if entry is None:
+                continue
+            peer, is_replay = entry
+            handled += self._drain_socket(peer, sock, is_replay)
+        now = time.monotonic()
+        for peer in list(self._peers.values()):
+            if peer.replaying and now >= peer.replay_deadline:
+                log.warning("replay from %r timed out at seq %s", peer.worker_id, peer.next)
+                self._finish_replay(peer, ok=False)
+        return handled
+
+    # ---- loop ----------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        while not self._stopping:
+            try:
+                self.poll_once(1000)
+            except Exception:  # a bug here must not silently stop event delivery
+                log.exception("event subscriber loop error")
+                time.sleep(0.01)
+
+    def _wake(self) -> None:
+        try:
+            os.write(self._wake_w, b"\0")
+        except (BlockingIOError, OSError):
+            pass
+
+    def _drain_wake(self) -> None:
+        try:
+            while os.read(self._wake_r, 4096):
+                pass
+        except BlockingIOError:
+            pass
+
+    def _apply_commands(self) -> None:
+        while True:
+            with self._lock:
+                if not self._commands:
+                    return
+                op, arg = self._commands.popleft()
+            if op == "add":
+                self._open_peer(arg)
+            else:
+                peer = self._peers.pop(arg, None)
+                if peer is not None:
+                    self._close_peer(peer)
+
+    def _open_peer(self, peer: _Peer) -> None:
+        sub = self._ctx.socket(zmq.SUB)
+        sub.setsockopt(zmq.RCVHWM, self._hwm)
+        sub.setsockopt(zmq.LINGER, 0)
+        sub.setsockopt(zmq.SUBSCRIBE, peer.topic)
+        try:
+            sub.connect(peer.endpoint)
+        except zmq.ZMQError:
+            sub.close()
+            log.exception("cannot connect to %r at %s", peer.worker_id, peer.endpoint)
+            return
+        peer.sub = sub
+        self._register(sub, peer, False)
+        self._peers[peer.worker_id] = peer
+        if peer.replay_endpoint is not None:
+            self._new_dealer(peer)
+        if peer.start_seq is not None:
+            peer.next = peer.start_seq
+            if peer.dealer is not None:
+                self._request_replay(peer)
+
+    def _close_peer(self, peer: _Peer) -> None:
+        for sock in (peer.sub, peer.dealer):
+            if sock is not None:
+                self._unregister(sock)
+                sock.close(linger=0)
+        peer.sub = peer.dealer = None
+
+    def _register(self, sock: zmq.Socket, peer: _Peer, is_replay: bool) -> None:
+        self._sockets[sock] = (peer, is_replay)
+        self._poller.register(sock, zmq.POLLIN)
+
+    def _unregister(self, sock: zmq.Socket) -> None:
+        if self._sockets.pop(sock, None) is not None:
+            self._poller.unregister(sock)
+
+    def _new_dealer(self, peer: _Peer) -> None:
+        """(Re)creates the replay socket; a fresh one drops replies to abandoned requests."""
+        if peer.dealer is not None:
+            self._unregister(peer.dealer)
+            peer.dealer.close(linger=0)
+            peer.dealer = None
+        assert peer.replay_endpoint is not None
+        dealer = self._ctx.socket(zmq.DEALER)
+        dealer.setsockopt(zmq.RCVHWM, 0)  # a replay is a burst; do not drop any of it
+        dealer.setsockopt(zmq.LINGER, 0)
+        try:
+            dealer.connect(peer.replay_endpoint)
+        except zmq.ZMQError:
+            dealer.close()
+            log.exception("cannot connect to the replay socket of %r", peer.worker_id)
+            return
+        peer.dealer = dealer
+        self._register(dealer, peer, True)
+
+    # ---- per-message logic ----------------------------------------------------------------
+
+    def _count(self, peer: _Peer, name: str, n: int = 1) -> None:
+        peer.counters[name] += n
+        self._totals[name] += n
+
+    def _drain_socket(self, peer: _Peer, sock: zmq.Socket, is_replay: bool) -> int:
+        n = 0
+        while n < 10_000:  # bounded, so one busy publisher cannot starve the others
+            try:
+                frames = sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                break
+            n += 1
+            if is_replay:
+                self._on_replay_frames(peer, frames)
+            else:
+                self._on_live_frames(peer, frames)
+            if sock not in self._sockets:  # the replay socket was replaced meanwhile
+                break
+        return n
+
+    def _on_live_frames(self, peer: _Peer, frames: list[bytes]) -> None:
+        if len(frames) != 3 or len(frames[1]) != 8:
+            self._count(peer, "malformed")
+            return
+        self._count(peer, "received")
+        self._on_live(peer, int.from_bytes(frames[1], "big"), frames[2])
+
+    def _on_replay_frames(self, peer: _Peer, frames: list[bytes]) -> None:
+        # vLLM 0.32 replies [b"", topic, seq, payload]; older vLLM [b"", seq, payload].
+        if len(frames) == 4 and frames[0] == b"":
+            seq_bytes, payload = frames[2], frames[3]
+        elif len(frames) == 3 and frames[0] == b"":
+            seq_bytes, payload = frames[1], frames[2]
+        else:
+            self._count(peer, "malformed")
+            return
+        if len(seq_bytes) != 8:
+            self._count(peer, "malformed")
+            return
+        seq = int.from_bytes(seq_bytes, "big", signed=True)
+        if not peer.replaying:
+            return  # a late reply to a request we gave up on
+        peer.replay_deadline = time.monotonic() + self._replay_timeout
+        if seq < 0:
+            self._finish_replay(peer, ok=True)
+            return
+        peer.replay_max = max(peer.replay_max, seq)
+        assert peer.next is not None
+        if seq < peer.next:
+            self._count(peer, "duplicates")
+            return
+        if seq > peer.next:  # the publisher's buffer no longer reaches back to next
+            self._count(peer, "lost", seq - peer.next)
+        if peer.held.pop(seq, None) is not None:
+            self._count(peer, "duplicates")
+        self._apply(peer, seq, payload, replayed=True)
+
+    def _on_live(self, peer: _Peer, seq: int, payload: bytes) -> None:
+        if peer.next is None:
+            peer.next = seq  # first contact: the stream starts here
+        if seq < peer.next or seq <= peer.live_last:
+            # Either the live stream lags behind a replay (a duplicate), or it went backwards:
+            # one instance's live numbers only increase, so that is a restart, unless it is
+            # the very batch we already have under that number.
+            known = self._known_payload(peer, seq)
+            duplicate = known == payload if known is not None else seq > peer.live_last
+            if not duplicate:
+                self._reset(peer, seq, payload)
+                return
+            self._count(peer, "duplicates")
+            peer.live_last = max(peer.live_last, seq)
+            return
+        if seq > max(peer.live_last, peer.next - 1) + 1:
+            self._count(peer, "gaps")  # counted here even while a replay is under way
+        peer.live_last = seq
+        if peer.replaying:
+            peer.held[seq] = payload
+            return
+        if seq > peer.next:
+            if peer.dealer is not None:
+                peer.held[seq] = payload
+                self._request_replay(peer)
+                return
+            self._count(peer, "lost", seq - peer.next)
+        self._apply(peer, seq, payload)
+
+    @staticmethod
+    def _known_payload(peer: _Peer, seq: int) -> bytes | None:
+        held = peer.held.get(seq)
+        if held is not None:
+            return held
+        for s, p in reversed(peer.recent):
+            if s == seq:
+                return p
+            if s < seq:
+                break
+        return None
+
+    def _reset(self, peer: _Peer, seq: int, payload: bytes) -> None:
+        last = (peer.next or 0) - 1
+        self._count(peer, "resets")
+        log.warning("publisher %r restarted: seq %d after %d", peer.worker_id, seq, last)
+        if self._on_reset is not None:
+            try:
+                self._on_reset(peer.worker_id, last, seq)
+            except Exception:
+                self._count(peer, "callback_errors")
+                log.exception("on_reset callback failed")
+        if peer.replaying:
+            peer.replaying = False
+            if peer.replay_endpoint is not None:
+                self._new_dealer(peer)
+        peer.held.clear()
+        peer.recent.clear()
+        # The new stream starts at 0; seqs before this one were missed while reconnecting.
+        peer.next = 0
+        peer.live_last = -1
+        self._on_live(peer, seq, payload)
+
+    def _request_replay(self, peer: _Peer) -> None:
+        assert peer.dealer is not None and peer.next is not None
+        try:
+            peer.dealer.send_multipart((b"", peer.next.to_bytes(8, "big")), zmq.NOBLOCK)
+        except zmq.ZMQError:
+            log.warning("cannot send a replay request to %r", peer.worker_id)
+            self._count(peer, "replay_failures")
+            self._finish_replay(peer, ok=False, retry=False)
+            return
+        self._count(peer, "replay_requests")
+        peer.replaying = True
+        peer.replay_max = peer.next - 1
+        peer.replay_deadline = time.monotonic() + self._replay_timeout
+
+    def _finish_replay(self, peer: _Peer, *, ok: bool, retry: bool = True) -> None:
+        """Ends the current replay and applies the held live batches in order."""
+        if peer.replaying and not ok:
+            self._count(peer, "replay_failures")
+            self._new_dealer(peer)
+        peer.replaying = False
+        assert peer.next is not None
+        while peer.held:
+            seq = min(peer.held)
+            if seq > peer.next:
+                if ok and retry and peer.dealer is not None and peer.next > peer.replay_max:
+                    # The replay was served before these were published: ask again.
+                    self._request_replay(peer)
+                    return
+                self._count(peer, "lost", seq - peer.next)
+            payload = peer.held.pop(seq)
+            if seq < peer.next:
+                self._count(peer, "duplicates")
+                continue
+            self._apply(peer, seq, payload)
+
+    def _apply(self, peer: _Peer, seq: int, payload: bytes, replayed: bool = False) -> None:
+        peer.next = seq + 1
+        peer.recent.append((seq, payload))
+        try:
+            batch = self._decoder.decode(payload)
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            self._count(peer, "malformed")
+            log.warning("undecodable batch %d from %r skipped", seq, peer.worker_id)
+            return
+        self._count(peer, "applied")
+        if replayed:
+            self._count(peer, "replayed")
+        try:
+            self._on_batch(peer.worker_id, seq, batch)
+        except Exception:
+            self._count(peer, "callback_errors")
+            log.exception("on_batch callback failed for %r seq %d", peer.worker_id, seq)

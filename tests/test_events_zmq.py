@@ -1,0 +1,426 @@
+"""Publisher and subscriber over real ZMQ sockets on loopback."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+
+import msgspec
+import pytest
+import zmq
+
+from kvslots import SlotManager
+from kvslots.events import BlockStored, KVEventBatch, decode_batch, encode_batch
+from kvslots.publisher import END_SEQ, EventPublisher, is_bind_endpoint, offset_endpoint_port
+from kvslots.subscriber import EventSubscriber
+
+LOCAL = "tcp://127.0.0.1:0"
+
+
+def wait_until(pred: Callable[[], bool], sub: EventSubscriber | None = None, timeout: float = 5.0):
+    """Polls ``sub`` (or sleeps, when it runs its own thread) until ``pred()`` or timeout."""
+    deadline = time.monotonic() + timeout
+    while not pred():
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not reached in time")
+        if sub is not None:
+            sub.poll_once(10)
+        else:
+            time.sleep(0.005)
+
+
+def batch(i: int, medium: str = "CPU") -> KVEventBatch:
+    return KVEventBatch(float(i), [BlockStored([i], None, [i, i], 2, None, medium, None)])
+
+
+class Recorder:
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.batches: list[tuple[object, int, KVEventBatch]] = []
+        self.resets: list[tuple[object, int, int]] = []
+
+    def on_batch(self, worker, seq, b) -> None:
+        with self.lock:
+            self.batches.append((worker, seq, b))
+
+    def on_reset(self, worker, last, new) -> None:
+        with self.lock:
+            self.resets.append((worker, last, new))
+
+    def seqs(self, worker="w") -> list[int]:
+        with self.lock:
+            return [s for w, s, _ in self.batches if w == worker]
+
+
+@pytest.fixture
+def closing():
+    """Registers publishers/subscribers/sockets to close at the end, then checks no thread leaked."""
+    before = {t.ident for t in threading.enumerate()}
+    things: list = []
+    yield things.append
+    for t in reversed(things):
+        if isinstance(t, EventPublisher):
+            t.shutdown()
+        elif isinstance(t, EventSubscriber):
+            t.stop()
+        else:
+            t.close(linger=0)
+    leaked = [t.name for t in threading.enumerate() if t.ident not in before and t.is_alive()]
+    assert not leaked, f"threads left running: {leaked}"
+
+
+def new_pair(closing, *, replay=True, start_seq=0, **pub_kw):
+    pub = EventPublisher(LOCAL, LOCAL if replay else None, **pub_kw)
+    closing(pub)
+    rec = Recorder()
+    sub = EventSubscriber(rec.on_batch, rec.on_reset, replay_timeout_ms=1000)
+    closing(sub)
+    sub.add_publisher("w", pub.endpoint, pub.replay_endpoint, pub.topic, start_seq=start_seq)
+    return pub, sub, rec
+
+
+def sync_live(pub: EventPublisher, sub: EventSubscriber, rec: Recorder) -> int:
+    """Publishes until one batch arrives on the live stream (so the SUB is connected); earlier
+    ones come by replay. Returns how many were published."""
+    n = 0
+    deadline = time.monotonic() + 5
+    while sub.counters["received"] == 0:
+        assert time.monotonic() < deadline, "live stream never connected"
+        pub.publish(batch(n))
+        n += 1
+        sub.poll_once(20)
+    wait_until(lambda: rec.seqs()[-1:] == [n - 1] and sub.in_sync("w"), sub)
+    return n
+
+
+# ---- protocol helpers ---------------------------------------------------------------------
+
+
+def test_offset_endpoint_port_and_bind_rule():
+    assert offset_endpoint_port("tcp://*:5557", 0) == "tcp://*:5557"
+    assert offset_endpoint_port("tcp://*:5557", 3) == "tcp://*:5560"
+    assert offset_endpoint_port("tcp://10.0.0.1:5557", 1) == "tcp://10.0.0.1:5558"
+    assert offset_endpoint_port("tcp://127.0.0.1:0", 2) == "tcp://127.0.0.1:0"
+    assert offset_endpoint_port("inproc://cache", 2) == "inproc://cache_dp2"
+    assert offset_endpoint_port(None, 2) is None
+    with pytest.raises(ValueError):
+        offset_endpoint_port("udp://x:1", 1)
+    assert is_bind_endpoint("tcp://*:5557")
+    assert is_bind_endpoint("tcp://[::]:5557")
+    assert is_bind_endpoint("ipc:///tmp/x") and is_bind_endpoint("inproc://x")
+    assert is_bind_endpoint("tcp://127.0.0.1:0")
+    assert not is_bind_endpoint("tcp://127.0.0.1:5557")
+
+
+# ---- round trip ----------------------------------------------------------------------------
+
+
+def test_round_trip_objects_and_rust_bytes(closing):
+    pub, sub, rec = new_pair(closing, data_parallel_rank=3, topic="kv@w")
+    m = SlotManager(64, 2)
+    sent: list[KVEventBatch] = []
+    for i in range(40):
+        if i % 2:
+            m.create(f"r{i}", [i, i + 1, i + 2, 7, 7])
+            m.reserve(f"r{i}", 5)
+            m.commit(f"r{i}", [i, i + 1, i + 2, 7, 7])
+            payload = m.drain_events_msgpack(float(i), "CPU", pub.data_parallel_rank)
+            pub.publish(payload)
+            sent.append(decode_batch(payload))
+        else:
+            b = batch(i)
+            pub.publish(b)  # rank None: the publisher fills in its own
+            sent.append(b)
+    assert pub.flush(5)
+    wait_until(lambda: len(rec.seqs()) == 40, sub)
+    assert rec.seqs() == list(range(40))
+    got = [b for _, _, b in rec.batches]
+    assert got == sent
+    assert all(b.data_parallel_rank == 3 for b in got)
+    c = sub.counters
+    assert c["applied"] == 40 and c["malformed"] == c["resets"] == c["lost"] == 0
+    assert pub.stats()["next_seq"] == 40
+
+
+def test_subscriber_thread_multiple_publishers_and_failing_callback(closing):
+    pubs = [EventPublisher(LOCAL, LOCAL) for _ in range(3)]
+    for p in pubs:
+        closing(p)
+    rec = Recorder()
+
+    def on_batch(worker, seq, b):
+        if worker == 1 and seq == 2:
+            raise RuntimeError("consumer bug")
+        rec.on_batch(worker, seq, b)
+
+    sub = EventSubscriber(on_batch)
+    closing(sub)
+    for i, p in enumerate(pubs):
+        sub.add_publisher(i, p.endpoint, p.replay_endpoint, start_seq=0)
+    sub.start()
+    for n in range(5):
+        for p in pubs:
+            p.publish(batch(n))
+    wait_until(lambda: sub.counters["applied"] == 15)
+    assert rec.seqs(0) == rec.seqs(2) == [0, 1, 2, 3, 4]
+    assert rec.seqs(1) == [0, 1, 3, 4]
+    assert sub.counters["callback_errors"] == 1
+    assert sub.publisher_counters(1)["callback_errors"] == 1
+
+    sub.remove_publisher(2)
+    wait_until(lambda: 2 not in sub.publishers())
+    with pytest.raises(KeyError):
+        sub.remove_publisher(2)
+    with pytest.raises(ValueError):
+        sub.add_publisher(0, pubs[0].endpoint)
+
+
+# ---- gaps, replay, restarts ------------------------------------------------------------------
+
+
+def test_gap_forced_by_dropping_messages_is_healed_by_replay(closing):
+    pub, sub, rec = new_pair(closing)
+    n = sync_live(pub, sub, rec)
+    before = sub.counters
+    pub._test_drop_on_wire(n + 2, n + 3, n + 7)
+    for i in range(n, n + 12):
+        pub.publish(batch(i))
+    wait_until(lambda: len(rec.seqs()) == n + 12, sub)
+    assert rec.seqs() == list(range(n + 12))
+    assert [b.ts for _, _, b in rec.batches] == [float(i) for i in range(n + 12)]
+    after = sub.counters
+    assert after["gaps"] - before["gaps"] >= 1
+    assert after["replayed"] - before["replayed"] >= 3
+    assert after["lost"] == 0 and after["resets"] == 0
+    assert pub.stats()["dropped_on_wire"] == 3
+
+
+def test_gap_without_replay_endpoint_is_counted_lost(closing):
+    pub, sub, rec = new_pair(closing, replay=False, start_seq=None)
+    n = sync_live(pub, sub, rec)
+    first = rec.seqs()[0]
+    pub._test_drop_on_wire(n + 1)
+    for i in range(n, n + 4):
+        pub.publish(batch(i))
+    wait_until(lambda: len(rec.seqs()) == n - first + 3, sub)
+    assert rec.seqs()[-3:] == [n, n + 2, n + 3]
+    assert sub.counters["gaps"] == 1 and sub.counters["lost"] == 1
+
+
+def test_late_subscriber_catches_up_from_start_seq(closing):
+    pub = EventPublisher(LOCAL, LOCAL, buffer_steps=5)
+    closing(pub)
+    for i in range(8):
+        pub.publish(batch(i))
+    assert pub.flush(5)
+    rec = Recorder()
+    sub = EventSubscriber(rec.on_batch)
+    closing(sub)
+    sub.add_publisher("w", pub.endpoint, pub.replay_endpoint, start_seq=0)
+    wait_until(lambda: sub.counters["replay_requests"] == 1 and sub.next_seq("w") == 8, sub)
+    # Only the last 5 are still buffered: 0..2 are reported lost, 3..7 replayed.
+    assert rec.seqs() == [3, 4, 5, 6, 7]
+    assert sub.counters["lost"] == 3 and sub.counters["replayed"] == 5
+
+
+def test_publisher_restart_is_detected(closing):
+    pub1 = EventPublisher(LOCAL, LOCAL)
+    closing(pub1)
+    ep, rep = pub1.endpoint, pub1.replay_endpoint
+    rec = Recorder()
+    sub = EventSubscriber(rec.on_batch, rec.on_reset, replay_timeout_ms=1000)
+    closing(sub)
+    sub.add_publisher("w", ep, rep, start_seq=0)
+    n = sync_live(pub1, sub, rec)
+    for i in range(n, 100):  # a long first life, so the new stream restarts well below it
+        pub1.publish(batch(i))
+    wait_until(lambda: len(rec.seqs()) == 100, sub)
+    pub1.shutdown()
+
+    # Same endpoints (bound: a host:port address would connect by vLLM's rule), seqs from 0.
+    pub2 = EventPublisher(ep, rep, bind=True)
+    closing(pub2)
+    k = 0
+    deadline = time.monotonic() + 5
+    while not rec.resets:
+        assert time.monotonic() < deadline, "restart never detected"
+        pub2.publish(batch(1000 + k))
+        k += 1
+        sub.poll_once(20)
+    (worker, last, new), = rec.resets
+    assert worker == "w" and last == 99 and new < k
+    for i in range(3):
+        pub2.publish(batch(1000 + k + i))
+    k += 3
+    wait_until(lambda: rec.seqs()[100:] == list(range(k)), sub)
+    # Everything of the second life arrives once, in order (the start by replay).
+    assert [b.ts for _, _, b in rec.batches[100:]] == [float(1000 + i) for i in range(k)]
+    assert sub.counters["resets"] == 1
+
+
+# ---- hostile input ---------------------------------------------------------------------------
+
+
+def raw_xpub(closing) -> tuple[zmq.Socket, str, zmq.Context]:
+    """A bound XPUB: unlike PUB, it tells us when the subscriber's subscription has arrived."""
+    ctx = zmq.Context()
+    closing(_Ctx(ctx))
+    sock = ctx.socket(zmq.XPUB)
+    closing(sock)
+    sock.bind(LOCAL)
+    return sock, sock.getsockopt_string(zmq.LAST_ENDPOINT), ctx
+
+
+class _Ctx:
+    def __init__(self, ctx: zmq.Context) -> None:
+        self.ctx = ctx
+
+    def close(self, linger=0) -> None:
+        self.ctx.term()
+
+
+def subscribed(xpub: zmq.Socket, sub: EventSubscriber) -> None:
+    wait_until(lambda: xpub.poll(0) != 0, sub)
+    assert xpub.recv()[:1] == b"\x01"
+
+
+def seqb(n: int) -> bytes:
+    return n.to_bytes(8, "big")
+
+
+def test_garbage_frames_are_counted_and_skipped(closing):
+    xpub, ep, _ = raw_xpub(closing)
+    rec = Recorder()
+    sub = EventSubscriber(rec.on_batch, rec.on_reset)
+    closing(sub)
+    sub.add_publisher("w", ep)
+    subscribed(xpub, sub)
+    good = [encode_batch(batch(i)) for i in range(4)]
+    xpub.send_multipart([b"only-topic"])
+    xpub.send_multipart([b"", seqb(0)])
+    xpub.send_multipart([b"", seqb(0), good[0], b"extra"])
+    xpub.send_multipart([b"", b"\x00" * 7, good[0]])
+    xpub.send_multipart([b"", seqb(0), b"\xc1 not msgpack"])  # uses up seq 0
+    xpub.send_multipart([b"", seqb(1), msgspec.msgpack.encode({"a": 1})])  # wrong schema
+    xpub.send_multipart([b"", seqb(2), good[2]])
+    xpub.send_multipart([b"", seqb(3), good[3]])
+    wait_until(lambda: rec.seqs() == [2, 3], sub)
+    c = sub.counters
+    assert c["malformed"] == 6 and c["received"] == 4 and c["applied"] == 2
+    assert c["gaps"] == c["resets"] == c["lost"] == 0
+
+    # Duplicates: the same batch again under the same number is dropped.
+    xpub.send_multipart([b"", seqb(3), good[3]])
+    xpub.send_multipart([b"", seqb(2), good[2]])
+    xpub.send_multipart([b"", seqb(4), encode_batch(batch(4))])
+    wait_until(lambda: rec.seqs() == [2, 3, 4], sub)
+    assert sub.counters["duplicates"] == 2 and sub.counters["resets"] == 0
+
+    # A different batch under an old number: the publisher restarted.
+    xpub.send_multipart([b"", seqb(0), encode_batch(batch(100))])
+    wait_until(lambda: rec.resets == [("w", 4, 0)], sub)
+    assert rec.seqs()[-1] == 0 and rec.batches[-1][2].ts == 100.0
+
+
+@pytest.mark.parametrize("style", ["vllm-0.32", "older"])
+def test_replay_socket_formats_garbage_and_timeout(closing, style):
+    xpub, ep, ctx = raw_xpub(closing)
+    router = ctx.socket(zmq.ROUTER)
+    closing(router)
+    router.bind(LOCAL)
+    rec = Recorder()
+    sub = EventSubscriber(rec.on_batch, replay_timeout_ms=300)
+    closing(sub)
+    sub.add_publisher("w", ep, router.getsockopt_string(zmq.LAST_ENDPOINT))
+    subscribed(xpub, sub)
+
+    def reply(ident: bytes, seq: bytes, payload: bytes) -> None:
+        topic = [b""] if style == "vllm-0.32" else []
+        router.send_multipart([ident, b"", *topic, seq, payload])
+
+    # Gap 1: healed by a replay that also carries garbage.
+    xpub.send_multipart([b"", seqb(0), encode_batch(batch(0))])
+    xpub.send_multipart([b"", seqb(2), encode_batch(batch(2))])
+    wait_until(lambda: router.poll(0) != 0, sub)
+    ident, empty, start = router.recv_multipart()
+    assert empty == b"" and int.from_bytes(start, "big") == 1
+    router.send_multipart([ident, b"junk"])
+    router.send_multipart([ident, b"", b"short", b"x"])
+    reply(ident, seqb(0), encode_batch(batch(0)))  # already applied: duplicate
+    reply(ident, seqb(1), encode_batch(batch(1)))
+    reply(ident, seqb(2), encode_batch(batch(2)))
+    reply(ident, END_SEQ, b"")
+    wait_until(lambda: rec.seqs() == [0, 1, 2] and sub.in_sync("w"), sub)
+    c = sub.counters
+    assert c["replayed"] == 2 and c["malformed"] == 2 and c["duplicates"] == 2
+    assert c["lost"] == 0 and c["replay_failures"] == 0
+
+    # Gap 2: the replay socket never answers; after the timeout the gap is given up as lost.
+    xpub.send_multipart([b"", seqb(5), encode_batch(batch(5))])
+    wait_until(lambda: rec.seqs() == [0, 1, 2, 5], sub, timeout=3)
+    c = sub.counters
+    assert c["replay_failures"] == 1 and c["lost"] == 2 and c["gaps"] == 2
+
+
+def test_replay_protocol_on_the_wire(closing):
+    pub = EventPublisher(LOCAL, LOCAL, topic="kv")
+    closing(pub)
+    payloads = [encode_batch(batch(i)) for i in range(5)]
+    for p in payloads:
+        pub.publish(p)
+    assert pub.flush(5)
+    ctx = zmq.Context()
+    closing(_Ctx(ctx))
+    dealer = ctx.socket(zmq.DEALER)
+    closing(dealer)
+    dealer.connect(pub.replay_endpoint)
+    dealer.send_multipart([b"", b"\x00\x00"])  # malformed: ignored, the publisher carries on
+    dealer.send_multipart([b"", seqb(3)])
+    got = []
+    while True:
+        assert dealer.poll(5000), "no replay reply"
+        got.append(dealer.recv_multipart())
+        if got[-1][2] == END_SEQ:
+            break
+    assert got == [
+        [b"", b"kv", seqb(3), payloads[3]],
+        [b"", b"kv", seqb(4), payloads[4]],
+        [b"", b"", END_SEQ, b""],
+    ]
+    assert pub.stats()["replay_malformed"] == 1 and pub.stats()["replayed"] == 2
+
+
+def test_connect_mode_publisher_reaches_a_binding_subscriber(closing):
+    ctx = zmq.Context()
+    closing(_Ctx(ctx))
+    sub = ctx.socket(zmq.SUB)
+    closing(sub)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.bind(LOCAL)
+    ep = sub.getsockopt_string(zmq.LAST_ENDPOINT)
+    assert not is_bind_endpoint(ep)
+    pub = EventPublisher(ep, data_parallel_rank=0)  # connects
+    closing(pub)
+    assert pub.endpoint == ep
+    deadline = time.monotonic() + 5
+    i = 0
+    while not sub.poll(20):
+        assert time.monotonic() < deadline
+        pub.publish(batch(i))
+        i += 1
+    topic, seq, payload = sub.recv_multipart()
+    assert topic == b"" and len(seq) == 8 and decode_batch(payload).data_parallel_rank == 0
+
+
+def test_publish_rejects_wrong_types_and_closed_publisher(closing):
+    pub = EventPublisher(LOCAL)
+    closing(pub)
+    with pytest.raises(TypeError):
+        pub.publish("not a batch")  # type: ignore[arg-type]
+    pub.publish(bytearray(encode_batch(batch(0))))
+    assert pub.flush(5) and pub.stats()["published"] == 1
+    pub.shutdown()
+    pub.shutdown()  # idempotent
+    with pytest.raises(RuntimeError):
+        pub.publish(batch(1))
