@@ -14,7 +14,9 @@
 //! here equal msgspec's byte for byte (the Python tests check that on random batches).
 //!
 //! We write with `rmp` directly rather than through serde: the hash representation is chosen at
-//! run time and the log is flat, so building serde values would only add copies.
+//! run time and the log is flat, so building serde values would only add copies. Token ids, the
+//! bulk of a batch, go through `put_u32`, the same choice as `rmp::encode::write_uint` without
+//! its per-call plumbing (about twice as fast end to end; a test checks it against rmp).
 
 use std::convert::Infallible;
 
@@ -125,6 +127,23 @@ fn len32(what: &'static str, len: usize) -> Result<u32, EncodeError> {
     u32::try_from(len).map_err(|_| EncodeError::TooLong { what, len })
 }
 
+/// msgpack's smallest unsigned form of `x` (what `rmp::encode::write_uint` picks), without
+/// rmp's per-call marker/Result plumbing: token ids are most of a batch's bytes.
+#[inline]
+fn put_u32(v: &mut Vec<u8>, x: u32) {
+    if x < 0x80 {
+        v.push(x as u8);
+    } else if x < 0x100 {
+        v.extend_from_slice(&[0xcc, x as u8]);
+    } else if x < 0x1_0000 {
+        let b = (x as u16).to_be_bytes();
+        v.extend_from_slice(&[0xcd, b[0], b[1]]);
+    } else {
+        let b = x.to_be_bytes();
+        v.extend_from_slice(&[0xce, b[0], b[1], b[2], b[3]]);
+    }
+}
+
 struct Writer {
     buf: ByteBuf,
     hash_format: HashFormat,
@@ -178,8 +197,10 @@ impl Writer {
                     &mut self.buf,
                     len32("token_ids", token_ids.len())?,
                 ));
+                let v = self.buf.as_mut_vec();
+                v.reserve(token_ids.len() * 5);
                 for &t in token_ids {
-                    ok(enc::write_uint(&mut self.buf, t as u64));
+                    put_u32(v, t);
                 }
                 self.str("block_size")?;
                 ok(enc::write_uint(&mut self.buf, block_size as u64));
@@ -365,6 +386,29 @@ mod tests {
         encode_owned(&log.drain(), &meta, &mut b).unwrap();
         assert_eq!(a[0], 0xAA, "appends, keeps what was there");
         assert_eq!(a[1..], b[..]);
+    }
+
+    #[test]
+    fn fast_token_ints_equal_rmp() {
+        let edges = [
+            0u32,
+            1,
+            127,
+            128,
+            255,
+            256,
+            65535,
+            65536,
+            16_777_216,
+            u32::MAX - 1,
+            u32::MAX,
+        ];
+        for x in edges.into_iter().chain((0..5000).map(|i| i * 997)) {
+            let (mut a, mut b) = (Vec::new(), ByteBuf::new());
+            put_u32(&mut a, x);
+            ok(enc::write_uint(&mut b, x as u64));
+            assert_eq!(a, b.into_vec(), "{x}");
+        }
     }
 
     #[test]
