@@ -424,3 +424,23 @@ def test_publish_rejects_wrong_types_and_closed_publisher(closing):
     pub.shutdown()  # idempotent
     with pytest.raises(RuntimeError):
         pub.publish(batch(1))
+
+
+def test_stop_from_a_callback_and_poll_after_stop(closing):
+    pub, _, _ = new_pair(closing)
+    sub_holder: list[EventSubscriber] = []
+
+    def on_batch(worker, seq, b):
+        sub_holder[0].stop()  # from the poll thread itself
+
+    sub = EventSubscriber(on_batch)
+    sub_holder.append(sub)
+    sub.add_publisher("w", pub.endpoint, pub.replay_endpoint, start_seq=0)
+    sub.start()
+    with pytest.raises(RuntimeError):
+        sub.poll_once(0)  # the subscriber runs its own thread
+    pub.publish(batch(0))
+    wait_until(lambda: not any(t.name == "kvslots-event-subscriber" for t in threading.enumerate()))
+    with pytest.raises(RuntimeError):
+        sub.poll_once(0)
+    sub.stop()  # idempotent

@@ -17,6 +17,11 @@ class SlotManager(_core.SlotManager):
     blocks to the free stack and immutable ones to the LRU cache, which is evicted lazily
     (``BlockRemoved``) when the free stack runs dry.
 
+    Events: :meth:`drain_events` returns vLLM-compatible structs; ``drain_events_msgpack(ts,
+    medium, data_parallel_rank)`` returns the same batch already encoded as vLLM's msgpack
+    ``KVEventBatch`` (by the Rust core, byte-identical to msgspec's), ready for
+    :class:`kvslots.publisher.EventPublisher`.
+
     Every method either succeeds or raises a :class:`kvslots.SlotError` subclass having changed
     nothing.
     """

@@ -133,6 +133,7 @@ class EventPublisher:
         self._idle = threading.Condition(self._lock)
         self._queue: deque[Payload] = deque()
         self._closed = False
+        self._released = False  # sockets, pipe and context closed
         self._in_flight = 0  # batches taken from the queue but not yet sent
 
         # Owned by the sender thread once it runs.
@@ -236,19 +237,19 @@ class EventPublisher:
         """Sends what is queued (up to ``timeout``), stops the thread and closes the sockets (and
         the context when the publisher made it). Idempotent."""
         with self._lock:
-            if self._closed:
-                already = True
-            else:
-                already = False
-                self._closed = True
-                self._not_full.notify_all()
-        if not already:
+            first = not self._closed
+            self._closed = True
+            self._not_full.notify_all()
+        if first:
             self._wake()
         self._thread.join(timeout)
         if self._thread.is_alive():
             log.warning("event publisher thread did not stop within %.1f s", timeout)
             return
-        self._close_sockets()
+        with self._lock:
+            release, self._released = not self._released, True
+        if release:
+            self._close_sockets()
 
     close = shutdown
 

@@ -137,6 +137,7 @@ class EventSubscriber:
         self._thread: threading.Thread | None = None
         self._stopping = False
         self._closed = False
+        self._cleanup_by_loop = False
 
     # ---- public API (any thread) ----------------------------------------------------------
 
@@ -224,11 +225,17 @@ class EventSubscriber:
             self._stopping = True
             thread = self._thread
         self._wake()
+        if thread is threading.current_thread():
+            self._cleanup_by_loop = True  # called from a callback: the loop cleans up on exit
+            return
         if thread is not None:
             thread.join(timeout)
             if thread.is_alive():
                 log.warning("event subscriber thread did not stop within %.1f s", timeout)
                 return
+        self._cleanup()
+
+    def _cleanup(self) -> None:
         for peer in list(self._peers.values()):
             self._close_peer(peer)
         self._peers.clear()
@@ -249,6 +256,13 @@ class EventSubscriber:
         """One round of the loop: applies pending add/remove calls, waits up to ``timeout_ms``
         for messages, handles every message ready, and expires overdue replays. Returns the
         number of messages handled. Call it from one thread only, and not after :meth:`start`."""
+        if self._closed:
+            raise RuntimeError("subscriber is stopped")
+        if self._thread is not None:
+            raise RuntimeError("subscriber runs its own poll thread (start() was called)")
+        return self._poll(timeout_ms)
+
+    def _poll(self, timeout_ms: int) -> int:
         self._apply_commands()
         timeout = float(timeout_ms)
         now = time.monotonic()
@@ -277,10 +291,12 @@ class EventSubscriber:
     def _run(self) -> None:
         while not self._stopping:
             try:
-                self.poll_once(1000)
+                self._poll(1000)
             except Exception:  # a bug here must not silently stop event delivery
                 log.exception("event subscriber loop error")
                 time.sleep(0.01)
+        if self._cleanup_by_loop:
+            self._cleanup()
 
     def _wake(self) -> None:
         try:
