@@ -19,6 +19,7 @@ from kvslots.events import (
     KVEventBatch,
     decode_batch,
     encode_batch,
+    from_raw,
 )
 
 U64_EDGES = [0, 1, 127, 128, 255, 256, 65535, 65536, 2**32 - 1, 2**32, 2**63, 2**64 - 1]
@@ -186,3 +187,20 @@ def test_drain_events_msgpack_empties_the_queue():
 def test_bad_raw_events_raise_typed_errors(bad, match):
     with pytest.raises(InvalidArgumentError, match=match):
         encode_event_batch(bad, 0.0)
+
+
+def test_host_cache_events_msgpack_defaults_to_cpu_medium():
+    from kvslots import HostCache
+
+    host = HostCache(2, 2)
+    stores = host.begin_store([11, 12])
+    host.complete_store([(h, b) for _, h, b in stores], None, [1, 2, 3, 4], 5)
+    host.begin_store([13])  # evicts the least recently used block: BlockRemoved
+    pending = host.events_msgpack(3.0)
+    raw = host.drain_raw_events()
+    assert [r[0] for r in raw] == ["BlockStored", "BlockRemoved"]
+    assert pending == encode_batch(KVEventBatch(3.0, [from_raw(r, "CPU") for r in raw]))
+    host.begin_store([14])
+    payload = host.drain_events_msgpack(4.0, data_parallel_rank=1)
+    assert decode_batch(payload).data_parallel_rank == 1
+    assert host.drain_events_msgpack(5.0) == encode_batch(KVEventBatch(5.0, []))

@@ -172,6 +172,23 @@ class HostCache:
     def abort_store(self, stores: list[tuple[int, int]]) -> None: ...
     def clear(self) -> int: ...
     def drain_raw_events(self) -> list[tuple[Any, ...]]: ...
+    def events_msgpack(
+        self,
+        ts: float,
+        medium: str | None = "CPU",
+        data_parallel_rank: int | None = None,
+        hashes_as_bytes: bool = False,
+    ) -> bytes:
+        """Queued events as one msgpack ``KVEventBatch`` (vLLM's wire format); the queue stays.
+        The host tier's medium defaults to "CPU"."""
+    def drain_events_msgpack(
+        self,
+        ts: float,
+        medium: str | None = "CPU",
+        data_parallel_rank: int | None = None,
+        hashes_as_bytes: bool = False,
+    ) -> bytes:
+        """Like ``events_msgpack``, then empties the queue."""
     def registered_hashes(self) -> list[int]: ...
     def stats(self) -> dict[str, int]: ...
     def check_invariants(self) -> str | None: ...

@@ -227,6 +227,19 @@ fn encode_err(e: core::EncodeError) -> PyErr {
     invalid(None, e.to_string())
 }
 
+/// Encodes a queued log into `buf` (reused scratch) with the GIL released; the log is unchanged.
+fn log_to_msgpack<'py>(
+    py: Python<'py>,
+    log: &core::EventLog,
+    buf: &mut Vec<u8>,
+    meta: core::BatchMeta<'_>,
+) -> PyResult<Bound<'py, PyBytes>> {
+    buf.clear();
+    py.detach(|| log.encode_msgpack(&meta, buf))
+        .map_err(encode_err)?;
+    Ok(PyBytes::new(py, buf))
+}
+
 /// One raw event tuple (the shape `drain_raw_events` returns) as an owned event.
 fn event_from_py(obj: &Bound<'_, PyAny>, i: usize) -> PyResult<core::KvEvent> {
     let bad = |what: String| invalid(None, format!("events[{i}]: {what}"));
@@ -503,11 +516,7 @@ impl SlotManager {
         hashes_as_bytes: bool,
     ) -> PyResult<Bound<'py, PyBytes>> {
         let meta = batch_meta(ts, medium, data_parallel_rank, hashes_as_bytes);
-        let (log, buf) = (self.inner.events(), &mut self.wire);
-        buf.clear();
-        py.detach(|| log.encode_msgpack(&meta, buf))
-            .map_err(encode_err)?;
-        Ok(PyBytes::new(py, &self.wire))
+        log_to_msgpack(py, self.inner.events(), &mut self.wire, meta)
     }
     /// Like `events_msgpack`, then empties the queue (only when encoding succeeded).
     #[pyo3(signature = (ts, medium=None, data_parallel_rank=None, hashes_as_bytes=false))]
@@ -679,6 +688,8 @@ impl SlotTracker {
 #[pyclass(module = "kvslots._core")]
 struct HostCache {
     inner: core::HostCache,
+    /// Scratch for msgpack event batches.
+    wire: Vec<u8>,
 }
 
 fn pending(stores: Vec<(u64, u32)>) -> Vec<core::PendingStore> {
@@ -696,6 +707,7 @@ impl HostCache {
         let bs = count(block_size, "block_size", None)?;
         Ok(HostCache {
             inner: core::HostCache::new(n, bs).map_err(err)?,
+            wire: Vec::new(),
         })
     }
     /// Number of leading hashes whose blocks are complete in the cache.
@@ -757,6 +769,33 @@ impl HostCache {
         let list = events_to_py(py, self.inner.events())?;
         self.inner.events_mut().clear();
         Ok(list)
+    }
+    /// Queued events as one msgpack `KVEventBatch` (vLLM's wire format); the queue stays.
+    #[pyo3(signature = (ts, medium=Some("CPU"), data_parallel_rank=None, hashes_as_bytes=false))]
+    fn events_msgpack<'py>(
+        &mut self,
+        py: Python<'py>,
+        ts: f64,
+        medium: Option<&str>,
+        data_parallel_rank: Option<i64>,
+        hashes_as_bytes: bool,
+    ) -> PyResult<Bound<'py, PyBytes>> {
+        let meta = batch_meta(ts, medium, data_parallel_rank, hashes_as_bytes);
+        log_to_msgpack(py, self.inner.events(), &mut self.wire, meta)
+    }
+    /// Like `events_msgpack`, then empties the queue (only when encoding succeeded).
+    #[pyo3(signature = (ts, medium=Some("CPU"), data_parallel_rank=None, hashes_as_bytes=false))]
+    fn drain_events_msgpack<'py>(
+        &mut self,
+        py: Python<'py>,
+        ts: f64,
+        medium: Option<&str>,
+        data_parallel_rank: Option<i64>,
+        hashes_as_bytes: bool,
+    ) -> PyResult<Bound<'py, PyBytes>> {
+        let bytes = self.events_msgpack(py, ts, medium, data_parallel_rank, hashes_as_bytes)?;
+        self.inner.events_mut().clear();
+        Ok(bytes)
     }
     fn registered_hashes(&self) -> Vec<u64> {
         let mut v: Vec<u64> = self.inner.pool().registered_hashes().collect();
