@@ -145,6 +145,7 @@ def test_tensor_parallel_store_visible_only_after_every_rank(eagle_cfg):
         meta = so.kv_connector_metadata
         metas = []
         for w in h.workers:
+            w.handle_preemptions(meta)
             w.bind_connector_metadata(meta)
             w.start_load_kv(None)
             metas.append(w.build_connector_worker_meta())
@@ -183,3 +184,19 @@ def test_events_decode_as_vllm_events(eagle_cfg):
 
     ours = decode_batch(payload)
     assert [e.block_hashes for e in ours.events] == [e.block_hashes for e in h.events]
+
+
+def test_finished_request_blocks_are_stored_before_reuse(eagle_cfg):
+    # 8 device blocks (7 usable). "a" verifies its third block in its last step; "b" cannot be
+    # scheduled until "a" finishes, then takes every free block, "a"'s included, and overwrites
+    # them in its prefill forward. "a"'s last block must reach the host tier intact.
+    h = harness(eagle_cfg, num_blocks=8, acceptance=1.0, seed=8)
+    rng = random.Random(8)
+    a = h.add("a", prompt(rng, 90), max_tokens=8)
+    h.step()
+    b = h.add("b", prompt(rng, 5 * BLOCK_SIZE + 3), max_tokens=2)
+    h.run_until_done()
+    assert a.num_computed_tokens >= 3 * BLOCK_SIZE
+    assert set(full_verified_hashes(h, a)) <= set(h.sched_side.host.registered_hashes())
+    assert h.check_host_tier() >= 3 + 5
+    assert b.num_computed_tokens > 5 * BLOCK_SIZE

@@ -148,9 +148,10 @@ class Harness:
         finished_sending: set[str] | None = None
         invalid: set[int] = set()
         for w in self.workers:
+            # As vLLM's model runner: handle_preemptions first thing in the step, then
+            # start_load_kv before the forward when the step has sync loads, after it otherwise.
+            w.handle_preemptions(meta)
             w.bind_connector_metadata(meta)
-        # As vLLM's model runner: copies start before the forward when the step has sync loads,
-        # after it otherwise.
         if so.has_sync_kv_loads:
             for w in self.workers:
                 w.start_load_kv(None)

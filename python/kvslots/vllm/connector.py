@@ -121,7 +121,6 @@ class KVSlotsConnector(KVConnectorBase_V1):
     def update_connector_output(self, connector_output: "KVConnectorOutput") -> None:
         assert self._sched is not None
         self._sched.complete(connector_output.kv_connector_worker_meta)  # type: ignore[arg-type]
-        self._sched.finished_sending(connector_output.finished_sending or ())
 
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         assert self._sched is not None
@@ -129,15 +128,13 @@ class KVSlotsConnector(KVConnectorBase_V1):
 
     def take_events(self) -> Iterable[Any]:
         assert self._sched is not None
-        raw = self._sched.host.drain_raw_events()
-        if not raw:
-            return ()
-        events = [_to_vllm_event(r) for r in raw]
-        if self._publisher is not None:
-            from vllm.distributed.kv_events import KVEventBatch
-
-            self._publisher.publish(KVEventBatch(ts=time.time(), events=events, data_parallel_rank=self._dp_rank))
-        return events
+        host = self._sched.host
+        if self._publisher is not None and host.num_pending_events():
+            # Our own stream: the Rust core encodes the batch in vLLM's wire format directly.
+            self._publisher.publish(host.events_msgpack(time.time(), MEDIUM_CPU, self._dp_rank))
+        raw = host.drain_raw_events()
+        # vLLM's stream: vLLM merges these into its own KV event batches (--kv-events-config).
+        return [_to_vllm_event(r) for r in raw]
 
     def has_pending_push_work(self) -> bool:
         return self._sched is not None and self._sched.has_pending_work()
@@ -157,11 +154,17 @@ class KVSlotsConnector(KVConnectorBase_V1):
         assert self._worker is not None
         self._worker.register_kv_caches(kv_caches)
 
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        # vLLM calls this at the start of every step, before the forward: the step's stores run
+        # here, so blocks freed since the last step are copied before they can be overwritten.
+        assert self._worker is not None and isinstance(kv_connector_metadata, KVSlotsMetadata)
+        self._worker.store(kv_connector_metadata)
+
     def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
         assert self._worker is not None
         meta = self._get_connector_metadata()
         assert isinstance(meta, KVSlotsMetadata)
-        self._worker.run(meta)
+        self._worker.load(meta)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return  # loads complete in start_load_kv, before any layer runs
@@ -172,10 +175,6 @@ class KVSlotsConnector(KVConnectorBase_V1):
 
     def wait_for_save(self) -> None:
         return
-
-    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        assert self._worker is not None
-        return self._worker.take_finished_sending(), None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker.take_load_errors() if self._worker is not None else set()
@@ -196,11 +195,10 @@ def _to_vllm_event(raw: tuple[Any, ...]) -> Any:
 
 
 def _make_publisher(cfg: ConnectorConfig, dp_rank: int) -> Any:
-    from vllm.distributed.kv_events import ZmqEventPublisher
+    from ..publisher import EventPublisher
 
-    return ZmqEventPublisher(data_parallel_rank=dp_rank, endpoint=cfg.events_endpoint,  # type: ignore[arg-type]
-                             replay_endpoint=cfg.events_replay_endpoint, buffer_steps=cfg.events_buffer_steps,
-                             hwm=cfg.events_hwm, topic=cfg.events_topic)
+    return EventPublisher(cfg.events_endpoint or "", cfg.events_replay_endpoint, topic=cfg.events_topic,
+                          data_parallel_rank=dp_rank, buffer_steps=cfg.events_buffer_steps, hwm=cfg.events_hwm)
 
 
 __all__ = ["KVSlotsConnector", "KVSlotsMetadata", "KVSlotsWorkerMetadata", "ConnectorConfig"]

@@ -24,19 +24,17 @@ class LoadSpec:
 
 @dataclass
 class KVSlotsMetadata(KVConnectorMetadata):
-    """One step's copies. Workers run every store (device -> host) before any load
-    (host -> device), so a block can be both a store source and, later in the step, a load
-    destination. Only blocks full of verified tokens are ever stored."""
+    """One step's copies. Workers run the stores (device -> host) at the very start of the step,
+    before the forward and before any load (host -> device). Only blocks full of verified tokens
+    are ever stored."""
 
     step: int
     store_device_blocks: np.ndarray = field(default_factory=lambda: _EMPTY)
     store_host_blocks: np.ndarray = field(default_factory=lambda: _EMPTY)
     loads: list[LoadSpec] = field(default_factory=list)
-    #: Finished requests whose blocks vLLM holds until these stores are done.
-    finishing: list[str] = field(default_factory=list)
 
     def is_empty(self) -> bool:
-        return not (len(self.store_device_blocks) or self.loads or self.finishing)
+        return not (len(self.store_device_blocks) or self.loads)
 
 
 @dataclass

@@ -12,11 +12,12 @@ never stored, whatever K and acceptance do.
 A request's blocks are not stored in the step it is first scheduled (or resumed): its prefix
 hit may be on blocks another request computes in that same step.
 
-Copies are synchronous within the step they are planned for, on every worker rank. A store's
-host block becomes visible (registered, ``BlockStored``) only when every rank has reported the
-step done. Blocks vLLM frees in a step (preempted requests) get no store in that step; a finished
-request with blocks still to store is held (``request_finished`` returns True) until the workers
-report its stores done.
+Copies are synchronous within the step they are planned for, on every worker rank: stores at the
+very start of the step (vLLM's ``handle_preemptions`` hook, before the forward), loads before the
+forward (``start_load_kv``; vLLM runs it first in steps with synchronous loads). So the blocks of
+a request that finished since the last step are copied before any forward can reuse them, and
+``request_finished`` never has to hold blocks. A store's host block becomes visible (registered,
+``BlockStored``) only when every rank has reported the step done.
 """
 
 from __future__ import annotations
@@ -90,10 +91,8 @@ class SchedulerSide:
         self._deferred_store_dev: list[int] = []
         self._deferred_store_host: list[int] = []
         self._deferred_runs: list[_Run] = []
-        self._finishing: list[str] = []
-        self._held: set[str] = set()
         self.stats = {"hit_tokens": 0, "loaded_blocks": 0, "stored_blocks": 0, "failed_loads": 0,
-                      "failed_stores": 0, "held_requests": 0}
+                      "failed_stores": 0}
 
     # ---- lookups ----
     def num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> int:
@@ -158,8 +157,7 @@ class SchedulerSide:
 
         dev, host = self._deferred_store_dev, self._deferred_store_host
         ops.runs = self._deferred_runs
-        finishing = self._finishing
-        self._deferred_store_dev, self._deferred_store_host, self._deferred_runs, self._finishing = [], [], [], []
+        self._deferred_store_dev, self._deferred_store_host, self._deferred_runs = [], [], []
         skip = set(preempted_req_ids)
         skip.update(first_scheduled)
         bs = self.block_size
@@ -177,7 +175,6 @@ class SchedulerSide:
             store_device_blocks=np.asarray(dev, dtype=np.int64),
             store_host_blocks=np.asarray(host, dtype=np.int64),
             loads=loads,
-            finishing=finishing,
         )
         if ops.runs or ops.load_host_blocks:
             self._inflight[self.step] = ops
@@ -206,27 +203,17 @@ class SchedulerSide:
         self.stats["stored_blocks"] += len(started)
 
     def request_finished(self, request: Any, block_ids: list[int]) -> bool:
-        """Plans the stores of the blocks the request verified last; True holds its blocks."""
+        """Plans the stores of the blocks the request verified last, for the next step (whose
+        stores run before any forward can reuse the freed blocks). Never holds blocks."""
         st = self.requests.pop(request.request_id, None)
         if st is None:
             return False
         self._drop_planned_load(st)
         full = min(verified_tokens(request) // self.block_size, len(request.block_hashes), len(block_ids))
-        if full <= st.next_block:
-            return False
-        before = len(self._deferred_store_dev)
-        self._plan_store(st, st.next_block, full, block_ids, self._deferred_store_dev,
-                         self._deferred_store_host, self._deferred_runs)
-        if len(self._deferred_store_dev) == before:
-            return False
-        self._finishing.append(request.request_id)
-        self._held.add(request.request_id)
-        self.stats["held_requests"] += 1
-        return True
-
-    def finished_sending(self, req_ids: Iterable[str]) -> None:
-        for rid in req_ids:
-            self._held.discard(rid)
+        if full > st.next_block:
+            self._plan_store(st, st.next_block, full, block_ids, self._deferred_store_dev,
+                             self._deferred_store_host, self._deferred_runs)
+        return False
 
     def complete(self, meta: KVSlotsWorkerMetadata | None) -> None:
         """Applies the workers' reports: a step's copies are done once every rank acked it."""
@@ -253,7 +240,7 @@ class SchedulerSide:
                 self.host.end_load(blocks)
 
     def has_pending_work(self) -> bool:
-        return bool(self._inflight or self._deferred_runs or self._finishing or self._held)
+        return bool(self._inflight or self._deferred_runs)
 
     # ---- helpers ----
     def _state(self, request: Any) -> _Req:

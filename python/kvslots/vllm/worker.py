@@ -22,7 +22,6 @@ class WorkerSide:
         self.copy_threads = copy_threads
         self.copier: Any = None
         self._meta = KVSlotsWorkerMetadata()
-        self._finished_sending: set[str] = set()
         self._load_errors: set[int] = set()
         self.stats = {"stored_blocks": 0, "loaded_blocks": 0, "failed_stores": 0, "failed_loads": 0}
 
@@ -36,21 +35,30 @@ class WorkerSide:
         logger.info("kvslots: %d layers, %d host blocks of %d bytes", len(kv_caches),
                     self.num_host_blocks, self.copier.bytes_per_block)
 
-    def run(self, meta: KVSlotsMetadata) -> None:
-        """All of a step's copies: stores first, then loads (see KVSlotsMetadata)."""
-        if meta.is_empty():
+    def store(self, meta: KVSlotsMetadata) -> None:
+        """Device -> host copies. vLLM calls this (handle_preemptions) at the start of every step,
+        before the forward: blocks freed since the last step are copied before anyone else's
+        forward can overwrite them."""
+        if not len(meta.store_device_blocks):
             return
-        if self.copier is None:
-            raise RuntimeError("kvslots: register_kv_caches was not called before the first copy")
-        if len(meta.store_device_blocks):
-            try:
-                self.copier.store(meta.store_device_blocks, meta.store_host_blocks)
-                self.stats["stored_blocks"] += len(meta.store_device_blocks)
-            except Exception:
-                logger.exception("kvslots: store of %d blocks failed", len(meta.store_device_blocks))
-                self._meta.failed_store_host_blocks.setdefault(meta.step, set()).update(
-                    int(b) for b in meta.store_host_blocks)
-                self.stats["failed_stores"] += len(meta.store_device_blocks)
+        self._require_copier()
+        try:
+            self.copier.store(meta.store_device_blocks, meta.store_host_blocks)
+            self.copier.synchronize()
+            self.stats["stored_blocks"] += len(meta.store_device_blocks)
+        except Exception:
+            logger.exception("kvslots: store of %d blocks failed", len(meta.store_device_blocks))
+            self._meta.failed_store_host_blocks.setdefault(meta.step, set()).update(
+                int(b) for b in meta.store_host_blocks)
+            self.stats["failed_stores"] += len(meta.store_device_blocks)
+        self._ack(meta.step)
+
+    def load(self, meta: KVSlotsMetadata) -> None:
+        """Host -> device copies of prefix hits (start_load_kv: before the forward, as vLLM runs
+        it first in any step that has synchronous loads)."""
+        if not meta.loads:
+            return
+        self._require_copier()
         for load in meta.loads:
             try:
                 self.copier.load(load.host_blocks, load.device_blocks)
@@ -61,18 +69,21 @@ class WorkerSide:
                 self._meta.failed_loads.setdefault(meta.step, set()).add(load.req_id)
                 self.stats["failed_loads"] += 1
         self.copier.synchronize()
-        self._meta.acks[meta.step] = self._meta.acks.get(meta.step, 0) + 1
-        self._finished_sending.update(meta.finishing)
+        self._ack(meta.step)
+
+    def _ack(self, step: int) -> None:
+        # One ack per rank and step, whichever of store/load ran.
+        self._meta.acks[step] = 1
+
+    def _require_copier(self) -> None:
+        if self.copier is None:
+            raise RuntimeError("kvslots: register_kv_caches was not called before the first copy")
 
     def take_worker_meta(self) -> KVSlotsWorkerMetadata | None:
         if not self._meta.acks:
             return None
         meta, self._meta = self._meta, KVSlotsWorkerMetadata()
         return meta
-
-    def take_finished_sending(self) -> set[str] | None:
-        done, self._finished_sending = self._finished_sending, set()
-        return done or None
 
     def take_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()

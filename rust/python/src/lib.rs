@@ -718,6 +718,9 @@ impl HostCache {
     fn contains(&self, block_hash: u64) -> bool {
         self.inner.contains(block_hash)
     }
+    fn num_pending_events(&self) -> usize {
+        self.inner.events().len()
+    }
     /// The host block holding a cached hash, if any.
     fn lookup(&self, block_hash: u64) -> Option<u32> {
         self.inner.pool().lookup(block_hash)
