@@ -4,9 +4,11 @@
 //! free stack, prefix registry, LRU of cached blocks) and one [`Slot`] per request;
 //! [`SlotTracker`] applies the same slot rules over block ids owned by someone else (vLLM's
 //! device blocks). Both preallocate for the speculative lookahead, commit verified tokens into
-//! immutable hashed blocks, and roll back rejected draft tokens.
+//! immutable hashed blocks, and roll back rejected draft tokens. [`copy_blocks`] moves whole KV
+//! blocks between a layer and the host tier.
 
 pub mod cache;
+pub mod copy;
 pub mod error;
 pub mod events;
 pub mod hash;
@@ -16,6 +18,7 @@ pub mod slot;
 pub mod tracker;
 
 pub use cache::{CacheStats, HostCache, PendingStore};
+pub use copy::{copy_blocks, BlockLayout, CopySpec};
 pub use error::{Result, SlotError};
 pub use events::{EventLog, KvEvent, KvEventRef};
 pub use hash::{block_hash, BlockHasher};
