@@ -23,6 +23,33 @@ def encode_event_batch(
     """Raw event tuples (as ``drain_raw_events`` returns) as one msgpack ``KVEventBatch``,
     byte-identical to msgspec encoding the same vLLM structs."""
 
+def copy_blocks(
+    src_addr: int,
+    src_len: int,
+    src_offset: int,
+    src_stride: int,
+    dst_addr: int,
+    dst_len: int,
+    dst_offset: int,
+    dst_stride: int,
+    block_bytes: int,
+    src_blocks: IntSeq,
+    dst_blocks: IntSeq,
+    threads: int = 1,
+) -> int:
+    """Copies whole blocks between two host memory regions; returns the bytes copied.
+
+    For every i: ``dst[dst_offset + dst_blocks[i]*dst_stride :][:block_bytes] =
+    src[src_offset + src_blocks[i]*src_stride :][:block_bytes]``. Regions are raw addresses
+    (torch ``data_ptr()``) and lengths in bytes. Every range is checked first: an out-of-range or
+    negative id, overlapping destination blocks or overlapping regions raise
+    ``InvalidArgumentError`` and copy nothing. Runs of consecutive blocks become one memcpy;
+    copies over 4 MiB are split across up to ``threads`` threads. The GIL is released.
+
+    Unsafe by contract: the addresses cannot be verified, so the caller must pass live host
+    memory that nothing else writes during the call (``kvslots.transfer.BlockCopier`` does).
+    """
+
 class SlotInfo:
     @property
     def committed(self) -> int: ...

@@ -5,9 +5,11 @@
 //! [`SlotTracker`] applies the same slot rules over block ids owned by someone else (vLLM's
 //! device blocks). Both preallocate for the speculative lookahead, commit verified tokens into
 //! immutable hashed blocks, and roll back rejected draft tokens. [`wire`] encodes queued events
-//! in vLLM's KV event wire format (msgpack).
+//! in vLLM's KV event wire format (msgpack); [`copy_blocks`] moves whole KV blocks between a
+//! layer and the host tier.
 
 pub mod cache;
+pub mod copy;
 pub mod error;
 pub mod events;
 pub mod hash;
@@ -18,6 +20,7 @@ pub mod tracker;
 pub mod wire;
 
 pub use cache::{CacheStats, HostCache, PendingStore};
+pub use copy::{copy_blocks, BlockLayout, CopySpec};
 pub use error::{Result, SlotError};
 pub use events::{EventLog, KvEvent, KvEventRef};
 pub use hash::{block_hash, BlockHasher};

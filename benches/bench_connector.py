@@ -1,0 +1,153 @@
+"""KVSlotsConnector benchmarks, each measured side by side with its peer in the same run.
+
+  scheduler   vLLM's real Scheduler at batch B (default 256), EAGLE K=3, decode steps with fake
+              outputs and 0.7 per-draft acceptance: time of schedule() + update_from_output() per
+              step with the connector vs without it. Target: at most +5%.
+  e2e         the real CPU engine on the tiny model: decode tokens/s with vs without the connector
+              (target >= 97%), and time to first token for a repeated 2k-token prompt served from
+              the host tier vs recomputed (target <= 0.5x).
+
+    python benches/bench_connector.py scheduler [--batch 256] [--steps 60] [--repeats 5]
+    python benches/bench_connector.py e2e [--prompt-len 2048]
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", "tests"))
+
+
+def scheduler_bench(args: argparse.Namespace) -> None:
+    from tqdm import tqdm
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.outputs import DraftTokenIds, KVConnectorOutput, ModelRunnerOutput
+    from vllm.v1.structured_output import StructuredOutputManager
+
+    from kvslots.tiny import build_tiny_models
+    from vllm_harness import BLOCK_SIZE, DRAFT_BASE, Harness, engine_config, kv_cache_config, make_request
+
+    models = build_tiny_models(args.models)
+    num_blocks = args.batch * 40
+    cfg = engine_config(models["target"], models["eagle"], k=3, num_blocks=num_blocks, max_num_seqs=args.batch,
+                        max_num_batched_tokens=args.batch * 8 + 2048)
+
+    def run(with_connector: bool, seed: int) -> float:
+        rng = random.Random(seed)
+        c = copy.deepcopy(cfg)
+        c.kv_transfer_config.kv_connector_extra_config = {"host_cache_blocks": num_blocks * 2}
+        if with_connector:
+            h = Harness(c, num_blocks=num_blocks, seed=seed)
+            sched, workers = h.scheduler, h.workers
+        else:
+            c.kv_transfer_config = None
+            c.cache_config.num_gpu_blocks = num_blocks
+            sched = Scheduler(vllm_config=c, kv_cache_config=kv_cache_config(num_blocks),
+                              structured_output_manager=StructuredOutputManager(c), block_size=BLOCK_SIZE)
+            workers = []
+        for i in range(args.batch):
+            sched.add_request(make_request(f"r{i}", [rng.randrange(1, DRAFT_BASE) for _ in range(rng.randrange(200, 600))],
+                                           max_tokens=10_000))
+        timed = 0.0
+        step, decoding_since = 0, None
+        while decoding_since is None or step < decoding_since + args.warmup + args.steps:
+            if decoding_since is None and sched.running and not any(r.is_prefill_chunk for r in sched.running) \
+                    and len(sched.running) == args.batch:
+                decoding_since = step  # steady state: every request decoding
+            step += 1
+            t0 = time.perf_counter()
+            so = sched.schedule()
+            t_sched = time.perf_counter() - t0
+            worker_meta = None
+            for w in workers:  # worker side: not scheduler time
+                w.handle_preemptions(so.kv_connector_metadata)
+                w.bind_connector_metadata(so.kv_connector_metadata)
+                w.start_load_kv(None)
+                worker_meta = w.build_connector_worker_meta()
+                w.clear_connector_metadata()
+            ids = list(so.num_scheduled_tokens)
+            sampled = []
+            for rid in ids:
+                spec = so.scheduled_spec_decode_tokens.get(rid, [])
+                a = 0
+                while a < len(spec) and rng.random() < 0.7:
+                    a += 1
+                sampled.append(list(spec[:a]) + [rng.randrange(1, DRAFT_BASE)])
+            out = ModelRunnerOutput(req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
+                                    sampled_token_ids=sampled,
+                                    kv_connector_output=KVConnectorOutput(kv_connector_worker_meta=worker_meta))
+            t0 = time.perf_counter()
+            sched.update_from_output(so, out)
+            t_update = time.perf_counter() - t0
+            running = [r.request_id for r in sched.running]
+            sched.update_draft_token_ids(DraftTokenIds(running, [[rng.randrange(DRAFT_BASE, 2 * DRAFT_BASE) for _ in range(3)]
+                                                                 for _ in running]))
+            if decoding_since is not None and step > decoding_since + args.warmup:
+                timed += t_sched + t_update
+        return timed / args.steps
+
+    base, conn = [], []
+    for rep in tqdm(range(args.repeats), desc=f"scheduler B={args.batch}"):
+        # Alternate to spread machine noise over both.
+        base.append(run(False, rep))
+        conn.append(run(True, rep))
+    b, c = statistics.median(base), statistics.median(conn)
+    print(f"vLLM Scheduler, batch {args.batch}, EAGLE K=3, {args.steps} decode steps x {args.repeats} repeats (median):")
+    print(f"  without connector  {b * 1e3:8.3f} ms/step")
+    print(f"  with KVSlots       {c * 1e3:8.3f} ms/step")
+    print(f"  connector overhead {100 * (c / b - 1):+.1f}%   (target <= +5%)")
+
+
+def e2e_bench(args: argparse.Namespace) -> None:
+    runner = os.path.join(HERE, "..", "tests", "engine_run.py")
+
+    def run(**spec):
+        spec = {"models": args.models, **spec}
+        p = subprocess.run([sys.executable, runner, json.dumps(spec)], capture_output=True, text=True, timeout=1200)
+        line = [l for l in p.stdout.splitlines() if l.startswith("RESULT ")]
+        if not line:
+            raise SystemExit(p.stdout[-2000:] + p.stderr[-4000:])
+        return json.loads(line[-1][7:])
+
+    res = {}
+    for conn in (False, True):
+        res[conn] = run(method="eagle", connector=conn, prompt_len=args.prompt_len, max_tokens=1, timing=True,
+                        decode_tokens=args.decode_tokens)
+    b, c = res[False], res[True]
+    print(f"real vLLM CPU engine, tiny Llama + EAGLE K=3, block 32:")
+    print(f"  decode tokens/s      without {b['decode_tps']:8.1f}   with {c['decode_tps']:8.1f}   "
+          f"ratio {c['decode_tps'] / b['decode_tps']:.3f} (target >= 0.97)")
+    print(f"  TTFT, repeated {args.prompt_len}-token prompt after a device cache reset:")
+    print(f"    recomputed (no connector)  {b['ttft_repeat_s'] * 1e3:8.1f} ms")
+    print(f"    from the host tier         {c['ttft_repeat_s'] * 1e3:8.1f} ms   ratio {c['ttft_repeat_s'] / b['ttft_repeat_s']:.2f} "
+          f"(target <= 0.5; {c['connector']['loaded_blocks']} blocks loaded)")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="which", required=True)
+    s = sub.add_parser("scheduler")
+    s.add_argument("--batch", type=int, default=256)
+    s.add_argument("--steps", type=int, default=60)
+    s.add_argument("--warmup", type=int, default=10)
+    s.add_argument("--repeats", type=int, default=5)
+    e = sub.add_parser("e2e")
+    e.add_argument("--prompt-len", type=int, default=2048)
+    e.add_argument("--decode-tokens", type=int, default=256)
+    for p in (s, e):
+        p.add_argument("--models", default="/tmp/kvslots-tiny")
+    args = ap.parse_args()
+    scheduler_bench(args) if args.which == "scheduler" else e2e_bench(args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,395 @@
+"""Whole-block copies between vLLM's KV cache layers and one preallocated host region.
+
+The unit is a *block* of every registered layer at once: ``store`` copies device blocks into
+host blocks, ``load`` copies host blocks back into device blocks. Only whole blocks move, because
+vLLM's CPU attention backend ([num_blocks, num_kv_heads, block_size, 2*head_size] per layer)
+packs K transposed inside a block, so a per-token slice would be meaningless.
+
+Layout. In each layer tensor the *block dimension* is the one whose size is
+``num_device_blocks``; the dimensions before it are *segments* (CUDA flash-attn's
+[2, num_blocks, block_size, heads, head_size] has two, K and V), the ones after it are one block's
+bytes. The host region is a single uint8 tensor ``[num_host_blocks, bytes_per_block]``: host block
+``h`` holds, back to back, block ``h``'s bytes of every segment of every layer (target and draft
+layers alike), so one host block id covers the whole model.
+
+Engines.
+- CPU tensors (vLLM's CPU backend): ``kvslots._core.copy_blocks`` per segment, one memcpy per
+  run of consecutive blocks, the GIL released, optionally split across ``threads`` threads.
+  Copies are synchronous: when ``store``/``load`` return, the bytes are in place.
+- CUDA tensors: a side ``torch.cuda.Stream`` and a pinned host region. Blocks are gathered on
+  the GPU into a staging buffer (``index_select`` per segment) and moved with one
+  ``non_blocking`` copy per run of consecutive host blocks (loads: the reverse, then
+  ``index_copy_``). The side stream first waits for the compute stream, so a store sees the KV
+  the forward wrote and a load does not overwrite blocks still being read. Copies are
+  asynchronous: ``store``/``load`` return a :class:`Transfer`; a stored host block is valid
+  only once its transfer is ``done()``, and the forward must not read loaded blocks before
+  :meth:`BlockCopier.synchronize` (or the load's ``wait()``) returns. Device blocks being
+  stored must not be rewritten, and host blocks being loaded must not be reused, until the
+  transfer is done. This path has not been run on a GPU yet; its indexing logic is the
+  ``engine="torch"`` path, which the tests exercise on CPU tensors.
+
+Tensor parallelism: every worker rank holds its own shard tensors and builds its own
+BlockCopier over them; block ids are the same on every rank, so nothing here is rank-specific.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import numpy as np
+import torch
+
+from . import _core
+from .errors import InvalidArgumentError
+
+__all__ = ["BlockCopier", "Transfer"]
+
+Ids = Sequence[int] | np.ndarray | torch.Tensor
+
+
+class Transfer:
+    """Completion handle of one ``store`` or ``load``. CPU copies are complete on return."""
+
+    __slots__ = ("_event", "nbytes")
+
+    def __init__(self, nbytes: int, event: Any = None):
+        self.nbytes = nbytes
+        self._event = event
+
+    def done(self) -> bool:
+        """True once every byte of the transfer is in place (never blocks)."""
+        return self._event is None or bool(self._event.query())
+
+    def wait(self) -> None:
+        """Blocks the calling thread until the transfer is done."""
+        if self._event is not None:
+            self._event.synchronize()
+
+    def __repr__(self) -> str:
+        return f"Transfer(nbytes={self.nbytes}, done={self.done()})"
+
+
+@dataclass(frozen=True)
+class _Segment:
+    """Blocks ``0..N`` of one outer index of one layer: ``tensor`` bytes
+    ``dev_offset + b * block_bytes ..``, stored at ``host_offset`` inside every host block."""
+
+    layer: str
+    tensor: torch.Tensor  # the layer tensor itself (contiguous)
+    u8: torch.Tensor  # [N, block_bytes] uint8 view of this segment
+    dev_offset: int
+    block_bytes: int
+    host_offset: int
+    block_shape: tuple[int, ...] = ()
+
+
+class BlockCopier:
+    """Copies whole blocks of all layers between the device KV cache and a host region.
+
+    ``layers`` maps layer names to their KV tensors (what vLLM passes to
+    ``register_kv_caches``; a value may also be a sequence of tensors). All tensors must be
+    contiguous, on one device, and have exactly one dimension of size ``num_device_blocks``
+    (or pass ``block_dim``). Tensors registered under several names (shared KV) are copied once.
+
+    ``engine``: ``"auto"`` (Rust memcpy for CPU tensors, the stream path for CUDA), ``"rust"``
+    (CPU only) or ``"torch"`` (the gather/scatter path CUDA uses, on any device).
+    """
+
+    def __init__(
+        self,
+        layers: Mapping[str, torch.Tensor | Sequence[torch.Tensor]],
+        num_device_blocks: int,
+        num_host_blocks: int,
+        *,
+        pin_memory: bool | None = None,
+        threads: int = 1,
+        block_dim: int | None = None,
+        engine: Literal["auto", "rust", "torch"] = "auto",
+        staging_bytes: int = 64 << 20,
+    ):
+        if num_device_blocks < 1 or num_host_blocks < 1:
+            raise InvalidArgumentError(
+                f"num_device_blocks and num_host_blocks must be >= 1, got {num_device_blocks} "
+                f"and {num_host_blocks}"
+            )
+        if threads < 1:
+            raise InvalidArgumentError(f"threads must be >= 1, got {threads}")
+        self._num_device_blocks = int(num_device_blocks)
+        self._num_host_blocks = int(num_host_blocks)
+        self._threads = int(threads)
+
+        tensors: list[tuple[str, torch.Tensor]] = []
+        for name, value in layers.items():
+            if isinstance(value, torch.Tensor):
+                tensors.append((name, value))
+            else:
+                tensors.extend((f"{name}[{i}]", t) for i, t in enumerate(value))
+        if not tensors:
+            raise InvalidArgumentError("BlockCopier needs at least one layer tensor")
+        for name, t in tensors:
+            if not isinstance(t, torch.Tensor):
+                raise InvalidArgumentError(f"layer {name!r}: expected a torch.Tensor, got {type(t).__name__}")
+        devices = {t.device for _, t in tensors}
+        if len(devices) != 1:
+            raise InvalidArgumentError(f"layer tensors are on several devices: {sorted(map(str, devices))}")
+        self._device = devices.pop()
+        is_cuda = self._device.type == "cuda"
+        if engine == "auto":
+            engine = "torch" if is_cuda else "rust"
+        if engine == "rust" and self._device.type != "cpu":
+            raise InvalidArgumentError(f"engine 'rust' copies host memory only, layers are on {self._device}")
+        if engine not in ("rust", "torch"):
+            raise InvalidArgumentError(f"engine must be 'auto', 'rust' or 'torch', got {engine!r}")
+        self._engine = engine
+
+        self._segments: list[_Segment] = []
+        seen: set[tuple[int, tuple[int, ...], torch.dtype]] = set()
+        offset = 0
+        for name, t in tensors:
+            key = (t.data_ptr(), tuple(t.shape), t.dtype)
+            if key in seen:  # the same cache registered under two names (KV sharing)
+                continue
+            seen.add(key)
+            for seg in self._segments_of(name, t, block_dim, offset):
+                self._segments.append(seg)
+                offset += seg.block_bytes
+        self._bytes_per_block = offset
+
+        if pin_memory is None:
+            pin_memory = is_cuda
+        # One region for the whole host tier, never an allocation per block.
+        self._host = torch.empty(
+            (self._num_host_blocks, self._bytes_per_block), dtype=torch.uint8, pin_memory=pin_memory
+        )
+
+        self._stream = torch.cuda.Stream(self._device) if is_cuda else None
+        self._chunk = max(1, min(self._num_host_blocks, staging_bytes // self._bytes_per_block))
+        self._staging: torch.Tensor | None = None
+
+    def _segments_of(self, name: str, t: torch.Tensor, block_dim: int | None, offset: int) -> list[_Segment]:
+        n = self._num_device_blocks
+        shape = tuple(t.shape)
+        if not t.is_contiguous():
+            raise InvalidArgumentError(
+                f"layer {name!r}: KV tensor of shape {shape} and strides {tuple(t.stride())} is not "
+                "contiguous; whole-block copies need a contiguous cache tensor"
+            )
+        if block_dim is not None:
+            if not -len(shape) <= block_dim < len(shape) or shape[block_dim] != n:
+                raise InvalidArgumentError(
+                    f"layer {name!r}: block_dim {block_dim} of shape {shape} is not of size "
+                    f"num_device_blocks={n}"
+                )
+            d = block_dim % len(shape)
+        else:
+            dims = [i for i, s in enumerate(shape) if s == n]
+            if not dims:
+                raise InvalidArgumentError(
+                    f"layer {name!r}: no dimension of shape {shape} has size num_device_blocks={n}"
+                )
+            if len(dims) > 1:
+                raise InvalidArgumentError(
+                    f"layer {name!r}: dimensions {dims} of shape {shape} all have size "
+                    f"num_device_blocks={n}; pass block_dim to say which one holds the blocks"
+                )
+            d = dims[0]
+        outer = int(np.prod(shape[:d], dtype=np.int64))
+        block_bytes = int(np.prod(shape[d + 1 :], dtype=np.int64)) * t.element_size()
+        if block_bytes == 0 or outer == 0:
+            raise InvalidArgumentError(f"layer {name!r}: KV tensor of shape {shape} holds no bytes")
+        u8 = t.reshape(-1).view(torch.uint8).view(outer, n, block_bytes)
+        return [
+            _Segment(
+                layer=name,
+                tensor=t,
+                u8=u8[o],
+                dev_offset=o * n * block_bytes,
+                block_bytes=block_bytes,
+                host_offset=offset + o * block_bytes,
+                block_shape=shape[d + 1 :],
+            )
+            for o in range(outer)
+        ]
+
+    # ---- properties ----
+
+    @property
+    def bytes_per_block(self) -> int:
+        """Bytes of one block across every segment of every layer (one host block)."""
+        return self._bytes_per_block
+
+    @property
+    def host(self) -> torch.Tensor:
+        """The host region, uint8 ``[num_host_blocks, bytes_per_block]``."""
+        return self._host
+
+    @property
+    def num_device_blocks(self) -> int:
+        return self._num_device_blocks
+
+    @property
+    def num_host_blocks(self) -> int:
+        return self._num_host_blocks
+
+    @property
+    def device(self) -> torch.device:
+        return self._device
+
+    @property
+    def engine(self) -> str:
+        return self._engine
+
+    @property
+    def num_segments(self) -> int:
+        return len(self._segments)
+
+    def host_block_view(self, host_block: int) -> dict[str, torch.Tensor]:
+        """One host block, per layer, viewed in the layer's block shape and dtype (no copy);
+        a layer with several segments (K and V outside the block dim) is stacked on dim 0.
+        For inspection and tests."""
+        if not 0 <= host_block < self._num_host_blocks:
+            raise InvalidArgumentError(f"host block {host_block} is outside 0..{self._num_host_blocks}")
+        parts: dict[str, list[torch.Tensor]] = {}
+        row = self._host[host_block]
+        for seg in self._segments:
+            raw = row[seg.host_offset : seg.host_offset + seg.block_bytes]
+            parts.setdefault(seg.layer, []).append(raw.view(seg.tensor.dtype).view(seg.block_shape))
+        return {name: v[0] if len(v) == 1 else torch.stack(v) for name, v in parts.items()}
+
+    # ---- copies ----
+
+    def store(self, device_blocks: Ids, host_blocks: Ids) -> Transfer:
+        """Copies device block ``device_blocks[i]`` into host block ``host_blocks[i]`` for all i."""
+        dev, host = self._check(device_blocks, host_blocks, to_host=True)
+        return self._copy(dev, host, to_host=True)
+
+    def load(self, host_blocks: Ids, device_blocks: Ids) -> Transfer:
+        """Copies host block ``host_blocks[i]`` into device block ``device_blocks[i]`` for all i."""
+        dev, host = self._check(device_blocks, host_blocks, to_host=False)
+        return self._copy(dev, host, to_host=False)
+
+    def synchronize(self) -> None:
+        """Blocks until every store and load issued so far is complete (a no-op on CPU)."""
+        if self._stream is not None:
+            self._stream.synchronize()
+
+    # ---- internals ----
+
+    def _check(self, device_blocks: Ids, host_blocks: Ids, *, to_host: bool) -> tuple[np.ndarray, np.ndarray]:
+        """Validates both id lists up front, so a bad id raises before any segment is copied."""
+        dev = _as_ids(device_blocks, "device_blocks", self._num_device_blocks, "device")
+        host = _as_ids(host_blocks, "host_blocks", self._num_host_blocks, "host")
+        if len(dev) != len(host):
+            raise InvalidArgumentError(
+                f"device_blocks has {len(dev)} ids but host_blocks has {len(host)}"
+            )
+        # A destination block written twice would make the result depend on copy order.
+        dst, name = (host, "host_blocks") if to_host else (dev, "device_blocks")
+        if len(dst) > 1:
+            order = np.argsort(dst, kind="stable")
+            sd = dst[order]
+            dup = np.flatnonzero(sd[1:] == sd[:-1])
+            if dup.size:
+                i, j = int(order[dup[0]]), int(order[dup[0] + 1])
+                raise InvalidArgumentError(
+                    f"{name}[{j}] = {int(dst[j])} repeats {name}[{i}]; a destination block may be "
+                    "written only once per copy"
+                )
+        return dev, host
+
+    def _copy(self, dev: np.ndarray, host: np.ndarray, *, to_host: bool) -> Transfer:
+        nbytes = len(dev) * self._bytes_per_block
+        if len(dev) == 0:
+            return Transfer(0)
+        if self._engine == "rust":
+            self._copy_rust(dev, host, to_host)
+            return Transfer(nbytes)
+        if self._stream is None:
+            self._copy_torch(dev, host, to_host)
+            return Transfer(nbytes)
+        # Wait for the compute stream: a store must see the KV the forward wrote, a load must
+        # not overwrite device blocks that earlier kernels may still read.
+        self._stream.wait_stream(torch.cuda.current_stream(self._device))
+        with torch.cuda.stream(self._stream):
+            self._copy_torch(dev, host, to_host)
+            event = torch.cuda.Event()
+            event.record(self._stream)
+        return Transfer(nbytes, event)
+
+    def _copy_rust(self, dev: np.ndarray, host: np.ndarray, to_host: bool) -> None:
+        h = self._host
+        h_addr, h_len, h_stride = h.data_ptr(), h.nbytes, self._bytes_per_block
+        for s in self._segments:
+            t_addr, t_len = s.tensor.data_ptr(), s.tensor.nbytes
+            bb = s.block_bytes
+            if to_host:
+                _core.copy_blocks(t_addr, t_len, s.dev_offset, bb, h_addr, h_len, s.host_offset,
+                                  h_stride, bb, dev, host, self._threads)
+            else:
+                _core.copy_blocks(h_addr, h_len, s.host_offset, h_stride, t_addr, t_len,
+                                  s.dev_offset, bb, bb, host, dev, self._threads)
+
+    def _copy_torch(self, dev: np.ndarray, host: np.ndarray, to_host: bool) -> None:
+        """Gather/scatter through a staging buffer on the layers' device, moving host rows in
+        runs of consecutive host ids (one contiguous copy each). On CUDA this runs on the side
+        stream, so the staging buffer is reused in stream order."""
+        order = np.argsort(host, kind="stable")  # longest host runs
+        dev, host = dev[order], host[order]
+        if self._staging is None:
+            self._staging = torch.empty(
+                (self._chunk, self._bytes_per_block), dtype=torch.uint8, device=self._device
+            )
+        non_blocking = self._stream is not None
+        idx_all = torch.from_numpy(dev)
+        if non_blocking:
+            # From pinned memory: a pageable upload could block this thread until the side stream
+            # (which waits for the forward) has drained.
+            idx_all = idx_all.pin_memory().to(self._device, non_blocking=True)
+        for c0 in range(0, len(dev), self._chunk):
+            c1 = min(len(dev), c0 + self._chunk)
+            stage = self._staging[: c1 - c0]
+            idx = idx_all[c0:c1]
+            hs = host[c0:c1]
+            cuts = np.flatnonzero(np.diff(hs) != 1) + 1
+            runs = zip(np.r_[0, cuts].tolist(), np.r_[cuts, len(hs)].tolist())
+            if to_host:
+                for s in self._segments:
+                    a = s.host_offset
+                    stage[:, a : a + s.block_bytes].copy_(s.u8.index_select(0, idx))
+                for i, j in runs:
+                    h0 = int(hs[i])
+                    self._host[h0 : h0 + j - i].copy_(stage[i:j], non_blocking=non_blocking)
+            else:
+                for i, j in runs:
+                    h0 = int(hs[i])
+                    stage[i:j].copy_(self._host[h0 : h0 + j - i], non_blocking=non_blocking)
+                for s in self._segments:
+                    a = s.host_offset
+                    s.u8.index_copy_(0, idx, stage[:, a : a + s.block_bytes])
+
+    def __repr__(self) -> str:
+        return (
+            f"BlockCopier(device={self._device}, engine={self._engine!r}, segments={len(self._segments)}, "
+            f"bytes_per_block={self._bytes_per_block}, num_device_blocks={self._num_device_blocks}, "
+            f"num_host_blocks={self._num_host_blocks})"
+        )
+
+
+def _as_ids(ids: Ids, name: str, limit: int, kind: str) -> np.ndarray:
+    """A contiguous int64 array of ids in ``0..limit``, or a typed error naming the index."""
+    if isinstance(ids, torch.Tensor):
+        ids = ids.detach().cpu().numpy()
+    a = np.asarray(ids)
+    if a.size == 0:
+        return np.empty(0, dtype=np.int64)
+    if a.ndim != 1 or a.dtype.kind not in "iu":
+        raise InvalidArgumentError(
+            f"{name} must be a 1-D sequence of integers, got shape {a.shape} dtype {a.dtype}"
+        )
+    bad = np.flatnonzero((a < 0) | (a >= limit))
+    if bad.size:
+        i = int(bad[0])
+        raise InvalidArgumentError(f"{name}[{i}] = {int(a[i])} is outside the {limit} {kind} blocks")
+    return np.ascontiguousarray(a, dtype=np.int64)
