@@ -29,7 +29,7 @@ def main() -> None:
     from vllm import LLM, SamplingParams
 
     method = spec.get("method")
-    kw = dict(model=models["target"], dtype="float32", block_size=32, max_model_len=2048, max_num_seqs=4,
+    kw = dict(model=models["target"], dtype="float32", block_size=32, max_model_len=4096, max_num_seqs=4,
               enable_prefix_caching=True, seed=0, enforce_eager=True, distributed_executor_backend="uni",
               disable_log_stats=False)
     if method:
@@ -53,6 +53,9 @@ def main() -> None:
                                           "events_endpoint": f"tcp://*:{port}"},
         }
     llm = LLM(**kw)
+    if spec.get("timing"):
+        print("RESULT " + json.dumps(timing(llm, spec)), flush=True)
+        return
     rng = random.Random(0)
     n = spec.get("prompt_len", 400)
     long = [rng.randrange(3, 2000) for _ in range(n)]
@@ -84,6 +87,36 @@ def main() -> None:
         result["events"] = events
         result["publisher"] = conn._publisher.stats() if conn._publisher else None
     print("RESULT " + json.dumps(result), flush=True)
+
+
+def timing(llm, spec: dict) -> dict:
+    """Decode tokens/s on a small batch, and the time to first token of a repeated long prompt
+    after the device prefix cache is reset (served from the host tier with the connector)."""
+    from vllm import SamplingParams
+
+    rng = random.Random(1)
+    llm.generate([{"prompt_token_ids": [5, 6, 7, 8]}], SamplingParams(max_tokens=4))  # warm-up
+    n_dec = spec.get("decode_tokens", 256)
+    prompts = [{"prompt_token_ids": [rng.randrange(3, 2000) for _ in range(64)]} for _ in range(4)]
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=n_dec, ignore_eos=True))
+    dt = time.perf_counter() - t0
+    decode_tps = sum(len(o.outputs[0].token_ids) for o in outs) / dt
+    long = [rng.randrange(3, 2000) for _ in range(spec["prompt_len"])]
+    one = SamplingParams(temperature=0, max_tokens=1)
+    t0 = time.perf_counter()
+    llm.generate([{"prompt_token_ids": long}], one)
+    first_s = time.perf_counter() - t0
+    llm.generate([{"prompt_token_ids": [9, 9, 9]}], one)  # a step to flush the last stores
+    assert llm.reset_prefix_cache()
+    t0 = time.perf_counter()
+    llm.generate([{"prompt_token_ids": long}], one)
+    repeat_s = time.perf_counter() - t0
+    out = {"decode_tps": decode_tps, "ttft_first_s": first_s, "ttft_repeat_s": repeat_s}
+    conn = llm.llm_engine.engine_core.engine_core.scheduler.connector
+    if conn is not None:
+        out["connector"] = dict(conn._sched.stats)
+    return out
 
 
 if __name__ == "__main__":

@@ -114,9 +114,15 @@ class KVSlotsConnector(KVConnectorBase_V1):
         return self._sched.build(scheduler_output.num_scheduled_tokens.keys(),
                                  scheduler_output.preempted_req_ids or (), self._block_ids_of, first)
 
-    def _block_ids_of(self, req_id: str) -> list[int]:
-        assert self._kv_cache_manager is not None, "vLLM did not bind its KV cache manager"
-        return self._kv_cache_manager.get_block_ids(req_id)[0]
+    def _block_ids_of(self, req_id: str) -> Any:
+        """The request's device block ids, read lazily: the public get_block_ids() builds a list
+        of every block, which costs more than the rest of a step's bookkeeping."""
+        mgr = self._kv_cache_manager
+        assert mgr is not None, "vLLM did not bind its KV cache manager"
+        try:
+            return _BlockIds(mgr.coordinator.single_type_managers[0].req_to_blocks[req_id])
+        except (AttributeError, KeyError, IndexError):
+            return mgr.get_block_ids(req_id)[0]
 
     def update_connector_output(self, connector_output: "KVConnectorOutput") -> None:
         assert self._sched is not None
@@ -181,6 +187,21 @@ class KVSlotsConnector(KVConnectorBase_V1):
 
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
         return self._worker.take_worker_meta() if self._worker is not None else None
+
+
+class _BlockIds:
+    """Block ids by index over vLLM's list of KVCacheBlock, without copying it."""
+
+    __slots__ = ("_blocks",)
+
+    def __init__(self, blocks: Any) -> None:
+        self._blocks = blocks
+
+    def __getitem__(self, i: int) -> int:
+        return self._blocks[i].block_id
+
+    def __len__(self) -> int:
+        return len(self._blocks)
 
 
 def _to_vllm_event(raw: tuple[Any, ...]) -> Any:

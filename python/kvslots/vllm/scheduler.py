@@ -36,18 +36,9 @@ logger = logging.getLogger(__name__)
 
 
 @dataclass
-class _Run:
-    """Contiguous blocks of one request being stored: completed together as one BlockStored."""
-
-    stores: list[tuple[int, int]]  # (hash, host block)
-    parent: int | None
-    token_ids: list[int]
-    lora_id: int | None
-
-
-@dataclass
 class _StepOps:
-    runs: list[_Run] = field(default_factory=list)
+    """A step's copies awaiting the workers' acks (its store runs live in the HostCache)."""
+
     load_host_blocks: list[list[int]] = field(default_factory=list)
     acks: int = 0
     failed_store_host_blocks: set[int] = field(default_factory=set)
@@ -59,6 +50,7 @@ class _Req:
     lora_id: int | None
     hashes: list[int] = field(default_factory=list)  # external form of request.block_hashes
     next_block: int = 0  # blocks below were already considered for storing
+    store_at: int = 0  # verified tokens at which block next_block becomes storable (hot-path check)
     planned_load: LoadSpec | None = None
     hit_blocks: int = 0
     local_blocks: int = 0
@@ -73,7 +65,7 @@ class _Req:
 
 def verified_tokens(request: Any) -> int:
     """Tokens whose KV is computed and verified (drafts in flight excluded)."""
-    return request.num_computed_tokens - getattr(request, "num_in_flight_tokens", 0)
+    return request.num_computed_tokens - request.num_in_flight_tokens
 
 
 class SchedulerSide:
@@ -90,7 +82,6 @@ class SchedulerSide:
         # Stores of finished requests, sent with the next metadata.
         self._deferred_store_dev: list[int] = []
         self._deferred_store_host: list[int] = []
-        self._deferred_runs: list[_Run] = []
         self.stats = {"hit_tokens": 0, "loaded_blocks": 0, "stored_blocks": 0, "failed_loads": 0,
                       "failed_stores": 0}
 
@@ -148,7 +139,7 @@ class SchedulerSide:
             st = self.requests.get(rid)
             if st is not None:
                 self._drop_planned_load(st)
-                st.next_block = 0  # its blocks are gone; what is not in the host tier is recomputed
+                st.next_block, st.store_at = 0, 0  # its blocks are gone: what the host lacks is recomputed
         loads, self._planned_loads = [l for l in self._planned_loads if l is self._plan_of(l.req_id)], []
         for spec in loads:
             self.requests[spec.req_id].planned_load = None
@@ -156,50 +147,49 @@ class SchedulerSide:
             self.stats["loaded_blocks"] += len(spec.host_blocks)
 
         dev, host = self._deferred_store_dev, self._deferred_store_host
-        ops.runs = self._deferred_runs
-        self._deferred_store_dev, self._deferred_store_host, self._deferred_runs = [], [], []
+        self._deferred_store_dev, self._deferred_store_host = [], []
         skip = set(preempted_req_ids)
         skip.update(first_scheduled)
         bs = self.block_size
+        requests = self.requests
+        # The hot path at large batches: one dict lookup and one comparison per request; a block
+        # fills only every block_size / (1 + accepted) steps.
         for rid in scheduled_req_ids:
-            st = self.requests.get(rid)
-            if st is None or rid in skip:
+            st = requests.get(rid)
+            if st is None:
                 continue
             req = st.request
-            full = min(verified_tokens(req) // bs, len(req.block_hashes))
+            verified = req.num_computed_tokens - req.num_in_flight_tokens
+            if verified < st.store_at or rid in skip:
+                continue
+            full = min(verified // bs, len(req.block_hashes))
             if full > st.next_block:
-                self._plan_store(st, st.next_block, full, block_ids_of(rid), dev, host, ops.runs)
+                self._plan_store(st, st.next_block, full, block_ids_of(rid), dev, host, self.step)
                 st.next_block = full
+            st.store_at = (st.next_block + 1) * bs
         meta = KVSlotsMetadata(
             step=self.step,
             store_device_blocks=np.asarray(dev, dtype=np.int64),
             store_host_blocks=np.asarray(host, dtype=np.int64),
             loads=loads,
         )
-        if ops.runs or ops.load_host_blocks:
+        if dev or ops.load_host_blocks:
             self._inflight[self.step] = ops
         return meta
 
-    def _plan_store(self, st: _Req, lo: int, hi: int, device_blocks: list[int], dev: list[int],
-                    host: list[int], runs: list[_Run]) -> None:
+    def _plan_store(self, st: _Req, lo: int, hi: int, device_blocks: Any, dev: list[int],
+                    host: list[int], step: int) -> None:
+        """Begins storing blocks lo..hi of a request as part of ``step`` (one Rust call)."""
         hashes = st.external_hashes(hi)
-        started = self.host.begin_store(hashes[lo:hi])
-        if not started:
-            return
+        req = st.request
+        # The plain list behind vLLM's read-only view: slicing it is several times cheaper.
+        tokens = getattr(req, "_all_token_ids", None) or req.all_token_ids
         bs = self.block_size
-        tokens = st.request.all_token_ids
-        run: _Run | None = None
-        prev_i = None
-        for i, h, hb in started:
-            j = lo + i
-            if run is None or prev_i != i - 1:
-                run = _Run([], hashes[j - 1] if j > 0 else None, [], st.lora_id)
-                runs.append(run)
-            run.stores.append((h, hb))
-            run.token_ids.extend(tokens[j * bs:(j + 1) * bs])
-            dev.append(device_blocks[j])
+        started = self.host.begin_store_run(step, hashes[lo:hi], hashes[lo - 1] if lo > 0 else None,
+                                            tokens[lo * bs:hi * bs], st.lora_id)
+        for i, hb in started:
+            dev.append(device_blocks[lo + i])
             host.append(hb)
-            prev_i = i
         self.stats["stored_blocks"] += len(started)
 
     def request_finished(self, request: Any, block_ids: list[int]) -> bool:
@@ -212,7 +202,7 @@ class SchedulerSide:
         full = min(verified_tokens(request) // self.block_size, len(request.block_hashes), len(block_ids))
         if full > st.next_block:
             self._plan_store(st, st.next_block, full, block_ids, self._deferred_store_dev,
-                             self._deferred_store_host, self._deferred_runs)
+                             self._deferred_store_host, self.step + 1)
         return False
 
     def complete(self, meta: KVSlotsWorkerMetadata | None) -> None:
@@ -229,18 +219,13 @@ class SchedulerSide:
             if ops.acks < self.expected_workers:
                 continue  # a block is visible only once every rank has copied its shard
             del self._inflight[step]
-            failed = ops.failed_store_host_blocks
-            for run in ops.runs:
-                if failed and any(hb in failed for _, hb in run.stores):
-                    self.host.abort_store(run.stores)
-                    self.stats["failed_stores"] += len(run.stores)
-                else:
-                    self.host.complete_store(run.stores, run.parent, run.token_ids, run.lora_id)
+            self.stats["failed_stores"] += len(ops.failed_store_host_blocks)
+            self.host.complete_step(step, sorted(ops.failed_store_host_blocks))
             for blocks in ops.load_host_blocks:
                 self.host.end_load(blocks)
 
     def has_pending_work(self) -> bool:
-        return bool(self._inflight or self._deferred_runs)
+        return bool(self._inflight or self._deferred_store_dev)
 
     # ---- helpers ----
     def _state(self, request: Any) -> _Req:

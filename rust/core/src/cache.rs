@@ -6,7 +6,7 @@
 //! queues `BlockStored` once every worker has copied. A block is therefore never found by a
 //! lookup before its bytes are in place. Loads pin their source blocks until they finish.
 
-use std::collections::HashSet;
+use std::collections::{BTreeMap, HashSet};
 
 use crate::error::{Result, SlotError};
 use crate::events::EventLog;
@@ -30,8 +30,19 @@ pub struct HostCache {
     block_size: usize,
     events: EventLog,
     storing: HashSet<u64>,
+    /// Store runs by the step that copies them, completed together by `complete_step`.
+    runs: BTreeMap<u64, Vec<StoreRun>>,
     evicted: Vec<u64>,
     stats: CacheStats,
+}
+
+/// Contiguous blocks of one request stored in one step, completed as one `BlockStored`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct StoreRun {
+    stores: Vec<PendingStore>,
+    parent: Option<u64>,
+    token_ids: Vec<u32>,
+    lora_id: Option<u64>,
 }
 
 /// A block of one request being stored: the hash it will be registered under and the host
@@ -58,6 +69,7 @@ impl HostCache {
             block_size,
             events: EventLog::new(block_size as u32),
             storing: HashSet::new(),
+            runs: BTreeMap::new(),
             evicted: Vec::new(),
             stats: CacheStats::default(),
         })
@@ -203,6 +215,78 @@ impl HostCache {
         Ok(())
     }
 
+    /// Begins storing a request's blocks `hashes` (chain order; `parent` is the hash before the
+    /// first, `token_ids` holds `block_size` tokens per block) as part of `step`. Blocks already
+    /// cached or being stored are skipped. Returns (index into `hashes`, host block) per block
+    /// taken; the runs are completed or aborted with the whole step.
+    pub fn begin_store_run(
+        &mut self,
+        step: u64,
+        hashes: &[u64],
+        parent: Option<u64>,
+        token_ids: &[u32],
+        lora_id: Option<u64>,
+    ) -> Result<Vec<(usize, BlockId)>> {
+        if token_ids.len() != hashes.len() * self.block_size {
+            return Err(SlotError::invalid(
+                None,
+                format!(
+                    "{} tokens given for {} blocks of {}",
+                    token_ids.len(),
+                    hashes.len(),
+                    self.block_size
+                ),
+            ));
+        }
+        let started = self.begin_store(hashes);
+        let bs = self.block_size;
+        let runs = self.runs.entry(step).or_default();
+        let mut prev: Option<usize> = None;
+        for &(i, p) in &started {
+            if prev.is_none_or(|q| q + 1 != i) {
+                let parent = if i == 0 { parent } else { Some(hashes[i - 1]) };
+                runs.push(StoreRun {
+                    stores: Vec::new(),
+                    parent,
+                    token_ids: Vec::new(),
+                    lora_id,
+                });
+            }
+            let run = runs.last_mut().expect("pushed above");
+            run.stores.push(p);
+            run.token_ids
+                .extend_from_slice(&token_ids[i * bs..(i + 1) * bs]);
+            prev = Some(i);
+        }
+        if runs.is_empty() {
+            self.runs.remove(&step);
+        }
+        Ok(started.into_iter().map(|(i, p)| (i, p.block)).collect())
+    }
+
+    /// Completes every store run of `step`: registers and publishes them, except runs with a
+    /// block in `failed_blocks`, which are aborted. Returns the number of blocks registered.
+    pub fn complete_step(&mut self, step: u64, failed_blocks: &[BlockId]) -> Result<usize> {
+        let Some(runs) = self.runs.remove(&step) else {
+            return Ok(0);
+        };
+        let mut done = 0;
+        for run in runs {
+            if run.stores.iter().any(|s| failed_blocks.contains(&s.block)) {
+                self.abort_store(&run.stores)?;
+            } else {
+                self.complete_store(&run.stores, run.parent, &run.token_ids, run.lora_id)?;
+                done += run.stores.len();
+            }
+        }
+        Ok(done)
+    }
+
+    /// Steps with store runs not yet completed.
+    pub fn pending_steps(&self) -> usize {
+        self.runs.len()
+    }
+
     /// Gives back the blocks of stores that failed or were cancelled.
     pub fn abort_store(&mut self, stores: &[PendingStore]) -> Result<()> {
         self.check_storing(stores)?;
@@ -298,6 +382,44 @@ mod tests {
         c.end_load(&loaded).unwrap();
         c.abort_store(&[s[0].1]).unwrap();
         assert!(c.begin_load("r", &[30]).is_err());
+        c.pool().check().unwrap();
+    }
+
+    #[test]
+    fn step_runs_complete_together_and_failed_runs_abort() {
+        let mut c = HostCache::new(8, 1).unwrap();
+        assert!(
+            c.begin_store_run(1, &[1, 2], None, &[7], None).is_err(),
+            "token count checked"
+        );
+        let a = c
+            .begin_store_run(1, &[1, 2, 3], None, &[10, 20, 30], None)
+            .unwrap();
+        assert_eq!(a.len(), 3);
+        // Block 2 is already being stored: this run splits around it.
+        let b = c
+            .begin_store_run(1, &[4, 2, 5], Some(9), &[40, 20, 50], Some(3))
+            .unwrap();
+        assert_eq!(b.iter().map(|x| x.0).collect::<Vec<_>>(), vec![0, 2]);
+        let failed = b[1].1;
+        assert_eq!(c.match_prefix(&[1]), 0);
+        assert_eq!(c.complete_step(1, &[failed]).unwrap(), 4);
+        assert_eq!(c.match_prefix(&[1, 2, 3]), 3);
+        assert!(c.contains(4) && !c.contains(5));
+        let ev = c.events_mut().drain();
+        assert_eq!(ev.len(), 2);
+        assert_eq!(
+            ev[1],
+            KvEvent::BlockStored {
+                block_hashes: vec![4],
+                parent_block_hash: Some(9),
+                token_ids: vec![40],
+                block_size: 1,
+                lora_id: Some(3)
+            }
+        );
+        assert_eq!(c.pending_steps(), 0);
+        assert_eq!(c.num_storing(), 0);
         c.pool().check().unwrap();
     }
 }

@@ -762,6 +762,32 @@ impl HostCache {
             .complete_store(&pending(stores), parent_block_hash, t.as_slice(), lora_id)
             .map_err(err)
     }
+    /// Begins storing one request's blocks as part of `step`; returns [(index, host block)].
+    #[pyo3(signature = (step, block_hashes, parent_block_hash, token_ids, lora_id=None))]
+    fn begin_store_run(
+        &mut self,
+        step: u64,
+        block_hashes: &Bound<'_, PyAny>,
+        parent_block_hash: Option<u64>,
+        token_ids: &Bound<'_, PyAny>,
+        lora_id: Option<u64>,
+    ) -> PyResult<Vec<(usize, u32)>> {
+        let h = IntArg::<u64>::extract(block_hashes, "block_hashes", None)?;
+        let t = IntArg::<u32>::extract(token_ids, "token_ids", None)?;
+        self.inner
+            .begin_store_run(step, h.as_slice(), parent_block_hash, t.as_slice(), lora_id)
+            .map_err(err)
+    }
+    /// Completes every store run of `step` (aborting runs with a failed block); returns the
+    /// number of blocks registered.
+    #[pyo3(signature = (step, failed_blocks=Vec::new()))]
+    fn complete_step(&mut self, step: u64, failed_blocks: Vec<u32>) -> PyResult<usize> {
+        self.inner.complete_step(step, &failed_blocks).map_err(err)
+    }
+    #[getter]
+    fn pending_steps(&self) -> usize {
+        self.inner.pending_steps()
+    }
     fn abort_store(&mut self, stores: Vec<(u64, u32)>) -> PyResult<()> {
         self.inner.abort_store(&pending(stores)).map_err(err)
     }
