@@ -158,12 +158,15 @@ def e2e_bench(args: argparse.Namespace) -> None:
             raise SystemExit(p.stdout[-2000:] + p.stderr[-4000:])
         return json.loads(line[-1][7:])
 
-    res = {}
-    for conn in (False, True):
-        res[conn] = run(method="eagle", connector=conn, prompt_len=args.prompt_len, max_tokens=1, timing=True,
-                        decode_tokens=args.decode_tokens)
-    b, c = res[False], res[True]
-    print(f"real vLLM CPU engine, tiny Llama + EAGLE K=3, block 32:")
+    runs: dict[bool, list[dict]] = {False: [], True: []}
+    for _ in range(args.repeats):  # interleaved engines, best of each
+        for conn in (False, True):
+            runs[conn].append(run(method="eagle", connector=conn, prompt_len=args.prompt_len, timing=True,
+                                  decode_tokens=args.decode_tokens))
+    b = {"decode_tps": max(r["decode_tps"] for r in runs[False]), "ttft_repeat_s": min(r["ttft_repeat_s"] for r in runs[False])}
+    c = {"decode_tps": max(r["decode_tps"] for r in runs[True]), "ttft_repeat_s": min(r["ttft_repeat_s"] for r in runs[True]),
+         "connector": runs[True][-1]["connector"]}
+    print(f"real vLLM CPU engine, tiny Llama + EAGLE K=3, block 32 (best of {args.repeats} engines x 3 runs each):")
     print(f"  decode tokens/s      without {b['decode_tps']:8.1f}   with {c['decode_tps']:8.1f}   "
           f"ratio {c['decode_tps'] / b['decode_tps']:.3f} (target >= 0.97)")
     print(f"  TTFT, repeated {args.prompt_len}-token prompt after a device cache reset:")
@@ -183,6 +186,7 @@ def main() -> None:
     e = sub.add_parser("e2e")
     e.add_argument("--prompt-len", type=int, default=2048)
     e.add_argument("--decode-tokens", type=int, default=256)
+    e.add_argument("--repeats", type=int, default=2)
     for p in (s, e):
         p.add_argument("--models", default="/tmp/kvslots-tiny")
     args = ap.parse_args()
