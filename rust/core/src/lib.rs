@@ -9,6 +9,7 @@
 pub mod error;
 pub mod events;
 pub mod hash;
+pub mod index;
 pub mod manager;
 pub mod pool;
 pub mod slot;
@@ -17,6 +18,7 @@ pub mod tracker;
 pub use error::{Result, SlotError};
 pub use events::{EventLog, KvEvent, KvEventRef};
 pub use hash::{block_hash, BlockHasher};
+pub use index::{IndexConfig, IndexError, PrefixIndex, Tier};
 pub use manager::{ManagerConfig, SlotId, SlotManager, Stats, StepInput, StepOutput};
 pub use pool::{BlockId, BlockPool};
 pub use slot::{Slot, SlotInfo};
