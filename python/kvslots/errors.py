@@ -63,6 +63,21 @@ class InvalidArgumentError(SlotError, ValueError):
     """A malformed argument (negative count, wrong length, out-of-range token id, ...)."""
 
 
+class EventDecodeError(InvalidArgumentError):
+    """A KV event payload that is not a msgpack ``KVEventBatch``; nothing of it was applied."""
+
+
+class UnknownWorkerError(SlotError, KeyError):
+    """The prefix index has no worker of that name."""
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else ""
+
+
+class DuplicateWorkerError(SlotError):
+    """The prefix index already has a worker of that name."""
+
+
 __all__ = [
     "SlotError",
     "UnknownRequestError",
@@ -71,4 +86,7 @@ __all__ = [
     "InvalidRollbackError",
     "CapacityExceededError",
     "InvalidArgumentError",
+    "EventDecodeError",
+    "UnknownWorkerError",
+    "DuplicateWorkerError",
 ]
