@@ -10,6 +10,7 @@ import sys
 # Modules that contribute subcommands, in --help order.
 COMMAND_MODULES = [
     "kvslots.simulate",
+    "kvslots.indexer.cli",
 ]
 
 
