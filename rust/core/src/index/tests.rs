@@ -816,3 +816,49 @@ fn random_streams(capacity: Option<usize>) {
         "too few matching lookups ({nonempty}) to mean anything"
     );
 }
+
+#[test]
+fn mutated_payloads_never_panic() {
+    let mut rng = 0xDEADBEEFCAFEF00Du64;
+    let mut next = move |n: u64| {
+        rng ^= rng << 13;
+        rng ^= rng >> 7;
+        rng ^= rng << 17;
+        rng % n
+    };
+    let mut ix = index();
+    let w = ix.add_worker("w").unwrap();
+    let mut lora = stored(&[9], Some(1), &T[..4], 4);
+    if let Ev::S(s) = &mut lora {
+        s.lora_name = Some("x");
+        s.extra_keys = Some(vec![Some(("x".to_string(),))]);
+        s.group_idx = Some(3);
+    }
+    let base = batch(&[
+        stored(&[1, 2, 3], None, &T, 4),
+        removed(&[2], Some("CPU")),
+        lora,
+        cleared(),
+    ]);
+    for _ in 0..20_000 {
+        let mut p = base.clone();
+        for _ in 0..1 + next(4) {
+            if p.is_empty() {
+                p.push(0x90);
+            }
+            match next(3) {
+                0 => {
+                    let i = next(p.len() as u64) as usize;
+                    p[i] = next(256) as u8;
+                }
+                1 => p.truncate(next(p.len() as u64) as usize),
+                _ => {
+                    let i = next(p.len() as u64) as usize;
+                    p.insert(i, next(256) as u8);
+                }
+            }
+        }
+        let _ = ix.apply_payload(w, &p, Tier::Gpu);
+        ix.check_invariants().unwrap();
+    }
+}
