@@ -330,3 +330,40 @@ def test_cli_worker_specs_and_config(tmp_path):
         build_config(argparse.Namespace(worker=["a=tcp://h:1", "a=tcp://h:2"]))
     with pytest.raises(ConfigError, match="16 characters"):
         build_config(argparse.Namespace(admin_token="short"))
+
+
+def test_cli_process_serves_and_shuts_down():
+    import signal
+    import subprocess
+    import sys
+
+    import httpx
+    from indexer_support import free_port
+
+    pub = TestPublisher(topic="kv")
+    port = free_port()
+    proc = None
+    try:
+        pub.publish([store(1, P1, BS)])
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "kvslots", "indexer", "--port", str(port), "--block-size", str(BS),
+             "--worker", f"w0={pub.endpoint},replay={pub.replay_endpoint},topic=kv", "--log-level", "info"],
+            stderr=subprocess.PIPE, text=True)
+        url = f"http://127.0.0.1:{port}"
+
+        def up():
+            try:
+                return httpx.get(url + "/healthz", timeout=0.5).status_code == 200
+            except httpx.HTTPError:
+                return False
+
+        wait_for(up, 30, "the indexer to listen")
+        r = httpx.post(url + "/score", json={"token_ids": P1}).json()
+        assert r["workers"]["w0"]["blocks"] == 4  # learnt from the publisher's replay buffer
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(15)
+        assert "Application shutdown complete" in proc.stderr.read()
+    finally:
+        if proc is not None and proc.poll() is None:
+            proc.kill()
+        pub.close()

@@ -1,6 +1,7 @@
 """HTTP API of ``kvslots indexer`` (FastAPI; OpenAPI at ``/docs`` and ``/openapi.json``)."""
 
 
+import contextlib
 import hmac
 import json
 from typing import Annotated, Any
@@ -62,7 +63,9 @@ class WorkerOut(BaseModel):
     stream: dict[str, Any] | None = Field(description="Sequence state: applied_seq, gaps, replays, ...")
 
 
-def create_app(service: IndexerService) -> FastAPI:
+def create_app(service: IndexerService, *, own_service: bool = False) -> FastAPI:
+    """The API over `service`. With `own_service`, the app starts the service on startup and
+    stops it on shutdown (uvicorn's graceful shutdown runs it, before re-raising SIGTERM)."""
     cfg = service.cfg
     max_tokens = cfg.max_tokens
 
@@ -76,7 +79,18 @@ def create_app(service: IndexerService) -> FastAPI:
         block_size: int | None = Field(None, ge=1, le=65536,
                                        description=f"Tokens per block (default {cfg.block_size})")
 
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI):
+        if own_service:
+            service.start()
+        try:
+            yield
+        finally:
+            if own_service:
+                service.stop()
+
     app = FastAPI(
+        lifespan=lifespan,
         title="kvslots indexer",
         version=_version(),
         description=(

@@ -54,14 +54,11 @@ def run(args: argparse.Namespace) -> int:
     from .service import IndexerService
 
     service = IndexerService(cfg)
-    service.start()
     if cfg.host not in ("127.0.0.1", "::1", "localhost"):
         logging.getLogger("kvslots.indexer").warning(
             "binding %s: the API is reachable from other hosts (scores are not secret, but the "
             "admin API %s)", cfg.host, "is enabled" if cfg.admin_token else "is off")
-    try:  # uvicorn turns SIGINT/SIGTERM into a graceful shutdown, then returns
-        uvicorn.run(create_app(service), host=cfg.host, port=cfg.port, log_level=cfg.log_level,
-                    access_log=False)
-    finally:
-        service.stop()
+    # The app starts the service on startup and stops it on shutdown (SIGINT/SIGTERM).
+    uvicorn.run(create_app(service, own_service=True), host=cfg.host, port=cfg.port, log_level=cfg.log_level,
+                access_log=False)
     return 0
