@@ -11,7 +11,7 @@ straw-man, baseline; the results of both are cross-checked before timing is repo
 A "block event" is one block stored or removed; a "block lookup" is one prompt block hashed and
 probed. Single thread, one core.
 
-    python benches/bench_indexer.py [--workers 8] [--requests 20000] [--block-size 16]
+    python benches/bench_indexer.py [--shape vllm|bulk] [--workers 8] [--requests 20000] [--block-size 16]
 """
 
 from __future__ import annotations
@@ -197,17 +197,55 @@ def make_trace(workers: int, requests: int, bs: int, seed: int = 1, cache_blocks
     for w, evs in pending.items():
         if evs:
             batches.append((w, encode_batch(KVEventBatch(time.time(), evs, 0))))
-    # Queries: half reuse known prompts (hits), the rest share a system prompt or nothing.
-    queries = []
+    return names, batches, _queries(rng, systems, prompts, requests, bs)
+
+
+def make_bulk_trace(workers: int, requests: int, bs: int, seed: int = 1):
+    """Bulk events, as an offloading tier or a batching publisher sends them: each request's
+    blocks in one BlockStored (10% on the CPU tier), evictions 16 hashes per BlockRemoved,
+    four events per batch."""
+    rng = random.Random(seed)
+    systems = [[rng.randrange(32000) for _ in range(bs * rng.randint(4, 16))] for _ in range(32)]
+    names = [f"w{i}" for i in range(workers)]
+    cache: dict[str, list[int]] = {n: [] for n in names}
+    pending: dict[str, list] = {n: [] for n in names}
+    batches, prompts = [], []
     for _ in range(requests):
+        w = names[rng.randrange(workers)]
+        prompt = systems[rng.randrange(len(systems))] + [rng.randrange(32000) for _ in range(bs * rng.randint(1, 12))]
+        prompts.append(prompt)
+        n = len(prompt) // bs
+        hashes, h = [], hash(w) & 0xFFFFFFFF
+        for i in range(n):
+            h = xxhash.xxh64_intdigest(array("I", prompt[i * bs : (i + 1) * bs]).tobytes(), seed=h)
+            hashes.append(h)
+        medium = "CPU" if rng.random() < 0.1 else None
+        pending[w].append(BlockStored(hashes, None, prompt[: n * bs], bs, None, medium, None))
+        cache[w].extend(hashes[-4:])
+        if len(cache[w]) > 64:
+            evicted, cache[w] = cache[w][:16], cache[w][16:]
+            pending[w].append(BlockRemoved(evicted, medium))
+        if len(pending[w]) >= 4:
+            batches.append((w, encode_batch(KVEventBatch(time.time(), pending[w], 0))))
+            pending[w] = []
+    for w, evs in pending.items():
+        if evs:
+            batches.append((w, encode_batch(KVEventBatch(time.time(), evs, 0))))
+    return names, batches, _queries(rng, systems, prompts, requests, bs)
+
+
+def _queries(rng, systems, prompts, n, bs):
+    """Half reuse known prompts (hits), the rest share a system prompt or nothing."""
+    out = []
+    for _ in range(n):
         q = rng.random()
         if q < 0.5:
-            queries.append(prompts[rng.randrange(len(prompts))])
+            out.append(prompts[rng.randrange(len(prompts))])
         elif q < 0.8:
-            queries.append(systems[rng.randrange(len(systems))] + [rng.randrange(32000) for _ in range(bs * 4)])
+            out.append(systems[rng.randrange(len(systems))] + [rng.randrange(32000) for _ in range(bs * 4)])
         else:
-            queries.append([rng.randrange(32000) for _ in range(bs * 8)])
-    return names, batches, queries
+            out.append([rng.randrange(32000) for _ in range(bs * 8)])
+    return out
 
 
 def warm_lookups(lookup, queries, bs: int, repeat: int) -> float:
@@ -251,13 +289,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--requests", type=int, default=20000)
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--repeat", type=int, default=5)
+    ap.add_argument("--shape", choices=["vllm", "bulk"], default="vllm",
+                    help="event shapes: vLLM's block pool (default) or bulk (one event per request)")
     args = ap.parse_args(argv)
     bs = args.block_size
-    names, batches, queries = make_trace(args.workers, args.requests, bs)
+    make = make_trace if args.shape == "vllm" else make_bulk_trace
+    names, batches, queries = make(args.workers, args.requests, bs)
     payload_bytes = sum(len(p) for _, p in batches)
 
     def fresh_rust():
-        ix = PrefixIndex(tier_weights=dict(zip(TIERS, WEIGHTS)))
+        ix = PrefixIndex(tier_weights=dict(zip(TIERS, WEIGHTS, strict=True)))
         for n in names:
             ix.add_worker(n)
         return ix
@@ -301,8 +342,15 @@ def main(argv: list[str] | None = None) -> int:
         for w, p in batches:
             ix.apply(w, p)
 
-    t = interleaved({"rust": rust_apply, "py": py_apply}, args.repeat)
-    t_rust_apply, t_py_apply = t["rust"], t["py"]
+    def rust_apply_lru():
+        ix = PrefixIndex(capacity=4_000_000, tier_weights=dict(zip(TIERS, WEIGHTS, strict=True)))
+        for n in names:
+            ix.add_worker(n)
+        for w, p in batches:
+            ix.apply(w, p)
+
+    t = interleaved({"rust": rust_apply, "py": py_apply, "rust_lru": rust_apply_lru}, args.repeat)
+    t_rust_apply, t_py_apply, t_rust_lru = t["rust"], t["py"], t["rust_lru"]
     t = interleaved(
         {"rust": lambda: [rust.lookup(q, bs) for q in queries], "py": lambda: [py.lookup(q, bs) for q in queries]},
         args.repeat,
@@ -315,13 +363,16 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         gc.enable()
 
-    print(f"trace: {args.workers} workers, {len(batches)} batches ({payload_bytes / 1e6:.1f} MB msgpack), "
+    print(f"trace ({args.shape} event shapes): {args.workers} workers, {len(batches)} batches ({payload_bytes / 1e6:.1f} MB msgpack), "
           f"{block_events} block events, {len(queries)} lookups ({lookup_blocks} block lookups), "
           f"block size {bs}")
     print(f"{'':24}{'kvslots (Rust)':>18}{'Python dict-of-sets':>22}{'ratio':>9}")
     ev_r, ev_p = block_events / t_rust_apply, block_events / t_py_apply
     lk_r, lk_p = lookup_blocks / t_rust_look, lookup_blocks / t_py_look
     print(f"{'block events applied/s':24}{ev_r / 1e6:>16.2f} M{ev_p / 1e6:>20.3f} M{ev_r / ev_p:>8.1f}x")
+    ev_l = block_events / t_rust_lru
+    print(f"{'  with a capacity (LRU)':24}{ev_l / 1e6:>16.2f} M{'(no LRU)':>22}{ev_l / ev_p:>8.1f}x"
+          "   (the service's default: --capacity 4000000)")
     wr, wp = lookup_blocks / t_rust_warm, lookup_blocks / t_py_warm
     print(f"{'block lookups/s':24}{wr / 1e6:>16.2f} M{wp / 1e6:>20.3f} M{wr / wp:>8.1f}x"
           "   (request tokens in cache, as in the service)")

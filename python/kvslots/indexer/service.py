@@ -184,6 +184,6 @@ def _entry(blocks: int, tier_blocks, score: float, bs: int) -> dict[str, Any]:
     return {
         "blocks": blocks,
         "tokens": blocks * bs,
-        "tiers": {t: {"blocks": b, "tokens": b * bs} for t, b in zip(TIER_NAMES, tier_blocks)},
+        "tiers": {t: {"blocks": b, "tokens": b * bs} for t, b in zip(TIER_NAMES, tier_blocks, strict=True)},
         "score": score,
     }

@@ -789,7 +789,7 @@ impl PrefixIndex {
         }
         // Read-only probes of every block first: they are independent, so their cache misses
         // overlap; the inserts below then find the lines in cache.
-        if let Some(w) = self.worker(worker) {
+        if let Some(w) = self.worker(worker).filter(|_| keys.len() > 1) {
             let mut warm = 0u64;
             for (&h, &key) in hashes.iter().zip(&keys) {
                 warm ^= w.engines.get(&h).map_or(0, |e| u64::from(e.node));

@@ -862,3 +862,64 @@ fn mutated_payloads_never_panic() {
         ix.check_invariants().unwrap();
     }
 }
+
+#[test]
+fn token_ids_in_every_integer_width() {
+    // fixint, uint8, uint16 runs (the unrolled path) broken by uint32 and signed encodings.
+    let tokens: Vec<u32> = vec![
+        1,
+        200,
+        300,
+        301,
+        302,
+        303,
+        304,
+        70_000,
+        305,
+        306,
+        307,
+        308,
+        309,
+        310,
+        4_000_000_000,
+        5,
+        311,
+        312,
+        313,
+        314,
+    ];
+    let mut ix = index();
+    let w = ix.add_worker("w").unwrap();
+    let hashes: Vec<u64> = (1..=5).collect();
+    apply(&mut ix, w, &[stored(&hashes, None, &tokens, 4)]);
+    assert_eq!(
+        look(&mut ix, &tokens, 4),
+        vec![("w".into(), 5, [5, 0, 0], 5.0)]
+    );
+    // The same ids encoded as msgpack signed ints (as some encoders do) decode the same.
+    let signed: Vec<i64> = tokens.iter().map(|&t| i64::from(t)).collect();
+    let p = rmp_serde::to_vec(&(
+        0.0,
+        [(
+            "BlockStored",
+            [9u64],
+            None::<u64>,
+            &signed[..4],
+            4u32,
+            None::<u64>,
+        )],
+    ))
+    .unwrap();
+    let mut raw = p.clone();
+    // Re-encode the fixint 1 as int8 0xd0 0x01 to exercise the signed path.
+    let i = raw
+        .windows(2)
+        .position(|w| w == [0x94, 0x01])
+        .expect("token list header");
+    raw.splice(i + 1..i + 2, [0xd0, 0x01]);
+    assert_eq!(
+        ix.apply_payload(w, &raw, Tier::Gpu).unwrap().stored_blocks,
+        1
+    );
+    assert_eq!(ix.resolve(w, 9), ix.resolve(w, 1));
+}

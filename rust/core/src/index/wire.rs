@@ -661,7 +661,23 @@ impl<'a> Rd<'a> {
         let b = self.b;
         let mut p = self.p;
         let mut ok = true;
-        for _ in 0..n {
+        let mut left = n;
+        // Runs of uint16 ids (0xcd hi lo): four per bounds check.
+        while left >= 4 {
+            let Some(q) = b.get(p..p + 12) else { break };
+            if q[0] != 0xcd || q[3] != 0xcd || q[6] != 0xcd || q[9] != 0xcd {
+                break;
+            }
+            out.extend_from_slice(&[
+                u32::from(u16::from_be_bytes([q[1], q[2]])),
+                u32::from(u16::from_be_bytes([q[4], q[5]])),
+                u32::from(u16::from_be_bytes([q[7], q[8]])),
+                u32::from(u16::from_be_bytes([q[10], q[11]])),
+            ]);
+            p += 12;
+            left -= 4;
+        }
+        for _ in 0..left {
             let t = match b.get(p) {
                 Some(&v @ 0x00..=0x7f) => {
                     p += 1;
