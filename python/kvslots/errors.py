@@ -85,6 +85,21 @@ class ConfigError(SlotError, ValueError):
         self.reason = message
 
 
+class EventDecodeError(InvalidArgumentError):
+    """A KV event payload that is not a msgpack ``KVEventBatch``; nothing of it was applied."""
+
+
+class UnknownWorkerError(SlotError, KeyError):
+    """The prefix index has no worker of that name."""
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else ""
+
+
+class DuplicateWorkerError(SlotError):
+    """The prefix index already has a worker of that name."""
+
+
 __all__ = [
     "SlotError",
     "UnknownRequestError",
@@ -94,4 +109,7 @@ __all__ = [
     "CapacityExceededError",
     "InvalidArgumentError",
     "ConfigError",
+    "EventDecodeError",
+    "UnknownWorkerError",
+    "DuplicateWorkerError",
 ]

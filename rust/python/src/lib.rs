@@ -3,6 +3,8 @@
 
 use std::collections::HashMap;
 
+mod index;
+
 use kvslots_core as core;
 use numpy::{PyArray1, PyReadonlyArray1, PyUntypedArrayMethods};
 use pyo3::prelude::*;
@@ -1026,6 +1028,9 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<SlotTracker>()?;
     m.add_class::<SlotInfo>()?;
     m.add_class::<HostCache>()?;
+    m.add_class::<index::PrefixIndex>()?;
+    m.add_class::<index::ApplyStats>()?;
+    m.add_function(wrap_pyfunction!(index::lora_key, m)?)?;
     m.add_function(wrap_pyfunction!(block_hash, m)?)?;
     m.add_function(wrap_pyfunction!(encode_event_batch, m)?)?;
     m.add_function(wrap_pyfunction!(copy_blocks, m)?)?;

@@ -1,0 +1,218 @@
+"""HTTP API of ``kvslots indexer`` (FastAPI; OpenAPI at ``/docs`` and ``/openapi.json``)."""
+
+
+import contextlib
+import hmac
+import json
+from typing import Annotated, Any
+
+from fastapi import Depends, FastAPI, Header, HTTPException, Request, Response
+from fastapi.responses import JSONResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from pydantic import BaseModel, ConfigDict, Field
+
+from ..errors import InvalidArgumentError
+from .config import ConfigError, WorkerSpec
+from .service import IndexerService
+
+U32 = 2**32 - 1
+U64 = 2**64 - 1
+
+
+class TierMatch(BaseModel):
+    blocks: int = Field(description="Longest prefix of the prompt held entirely on this tier, in blocks")
+    tokens: int
+
+
+class WorkerScore(BaseModel):
+    blocks: int = Field(description="Longest prefix the worker holds on any tier, in blocks")
+    tokens: int
+    tiers: dict[str, TierMatch] = Field(description="Per tier: GPU, CPU, STORAGE")
+    score: float = Field(
+        description="Sum over the matched prefix's blocks of the highest weight among the tiers "
+        "the worker holds each block on (e.g. GPU 1.0, CPU 0.8)"
+    )
+
+
+class ScoreResponse(BaseModel):
+    block_size: int
+    prompt_blocks: int = Field(description="Full blocks in the prompt")
+    stale: bool = Field(
+        description="True when the index may lag the workers (a replay in progress, Redis "
+        "unreachable or being rebuilt, no live writer): use the scores with care"
+    )
+    stale_reasons: list[str]
+    workers: dict[str, WorkerScore] = Field(description="Every registered worker, matched or not")
+
+
+class WorkerIn(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str = Field(max_length=128)
+    endpoint: str = Field(max_length=512, description="ZMQ PUB address, e.g. tcp://10.0.0.5:5557")
+    replay: str | None = Field(None, max_length=512, description="ZMQ ROUTER replay address")
+    topic: str = Field("", max_length=256)
+    tier: str = Field("GPU", description="Tier of events without a medium: GPU, CPU or STORAGE")
+
+
+class WorkerOut(BaseModel):
+    name: str
+    endpoint: str
+    replay: str | None
+    topic: str
+    tier: str
+    stream: dict[str, Any] | None = Field(description="Sequence state: applied_seq, gaps, replays, ...")
+
+
+def create_app(service: IndexerService, *, own_service: bool = False) -> FastAPI:
+    """The API over `service`. With `own_service`, the app starts the service on startup and
+    stops it on shutdown (uvicorn's graceful shutdown runs it, before re-raising SIGTERM)."""
+    cfg = service.cfg
+    max_tokens = cfg.max_tokens
+
+    class ScoreRequest(BaseModel):
+        model_config = ConfigDict(extra="forbid")
+        token_ids: list[Annotated[int, Field(ge=0, le=U32)]] = Field(
+            max_length=max_tokens, description=f"The prompt's token ids (at most {max_tokens})"
+        )
+        lora_id: int | None = Field(None, ge=0, le=U64, description="LoRA adapter id, as the engine reports it")
+        lora_name: str | None = Field(None, max_length=256, description="LoRA name, when no id is given")
+        block_size: int | None = Field(None, ge=1, le=65536,
+                                       description=f"Tokens per block (default {cfg.block_size})")
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI):
+        if own_service:
+            service.start()
+        try:
+            yield
+        finally:
+            if own_service:
+                service.stop()
+
+    app = FastAPI(
+        lifespan=lifespan,
+        title="kvslots indexer",
+        version=_version(),
+        description=(
+            "Which worker already holds how much of a prompt, on which tier. Built from the "
+            "workers' KV cache events (vLLM's ZMQ event streams). Adding and removing workers "
+            "needs a bearer token and is off unless one is configured."
+        ),
+    )
+    app.add_middleware(BodyLimit, max_bytes=cfg.max_body_bytes)
+
+    def require_admin(authorization: str | None = Header(None)) -> None:
+        if not cfg.admin_token:
+            raise HTTPException(403, "the admin API is off: start the indexer with an admin token "
+                                     "(--admin-token-file or KVSLOTS_INDEXER_ADMIN_TOKEN) to enable it")
+        scheme, _, token = (authorization or "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.encode(), cfg.admin_token.encode()):
+            raise HTTPException(401, "a valid bearer token is required", headers={"WWW-Authenticate": "Bearer"})
+
+    @app.exception_handler(InvalidArgumentError)
+    async def _invalid(_: Request, exc: InvalidArgumentError) -> JSONResponse:
+        return JSONResponse(status_code=422, content={"detail": str(exc)})
+
+    @app.post("/score", response_model=ScoreResponse, summary="Score a prompt against every worker")
+    def score(req: ScoreRequest) -> dict[str, Any]:
+        """Per worker: the longest prefix of the prompt it holds (blocks, tokens), per tier, and
+        the tier-weighted score. Only full blocks count."""
+        return service.score(req.token_ids, req.block_size, req.lora_id, req.lora_name)
+
+    @app.get("/workers", response_model=list[WorkerOut], summary="Registered workers and stream state")
+    def workers() -> list[dict[str, Any]]:
+        return service.workers()
+
+    @app.post("/workers", status_code=201, response_model=WorkerOut, dependencies=[Depends(require_admin)],
+              summary="Add a worker (admin)")
+    def add_worker(w: WorkerIn) -> dict[str, Any]:
+        try:
+            spec = WorkerSpec.from_dict(w.model_dump())
+        except ConfigError as e:
+            raise HTTPException(422, str(e)) from None
+        if not service.add_worker(spec):
+            raise HTTPException(409, f"worker {spec.name!r} already exists")
+        return {**spec.to_dict(), "stream": service.sub.status().get(spec.name)}
+
+    @app.delete("/workers/{name}", status_code=204, dependencies=[Depends(require_admin)],
+                summary="Remove a worker and its entries (admin)")
+    def remove_worker(name: str) -> Response:
+        if not service.remove_worker(name):
+            raise HTTPException(404, f"no worker {name!r}")
+        return Response(status_code=204)
+
+    @app.get("/healthz", summary="Liveness and backend state")
+    def healthz() -> JSONResponse:
+        ok, detail = service.health()
+        return JSONResponse(status_code=200 if ok else 503, content=detail)
+
+    @app.get("/metrics", summary="Prometheus metrics")
+    def metrics() -> Response:
+        return Response(generate_latest(service.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    return app
+
+
+class BodyLimit:
+    """Refuses request bodies over `max_bytes` with 413 before anything parses them. A body with
+    no Content-Length is counted as it streams in; past the limit the client gets the 413 and
+    the app sees a disconnect (whatever it answers then is dropped)."""
+
+    def __init__(self, app: Any, max_bytes: int):
+        self.app = app
+        self.max = max_bytes
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        for k, v in scope.get("headers", ()):
+            if k == b"content-length":
+                try:
+                    n = int(v)
+                except ValueError:
+                    return await _reply(send, 400, "bad Content-Length")
+                if n > self.max:
+                    return await _reply(send, 413, f"request body over {self.max} bytes")
+        seen = 0
+        state = {"started": False, "refused": False}
+
+        async def limited():
+            nonlocal seen
+            if state["refused"]:
+                return {"type": "http.disconnect"}
+            msg = await receive()
+            if msg["type"] == "http.request":
+                seen += len(msg.get("body", b""))
+                if seen > self.max:
+                    state["refused"] = True
+                    if not state["started"]:
+                        state["started"] = True
+                        await _reply(send, 413, f"request body over {self.max} bytes")
+                    return {"type": "http.disconnect"}
+            return msg
+
+        async def tracked(msg):
+            if state["refused"]:
+                return
+            if msg["type"] == "http.response.start":
+                state["started"] = True
+            await send(msg)
+
+        try:
+            await self.app(scope, limited, tracked)
+        except Exception:
+            if not state["refused"]:
+                raise
+
+
+async def _reply(send, status: int, detail: str) -> None:
+    body = json.dumps({"detail": detail}).encode()
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+    await send({"type": "http.response.body", "body": body})
+
+
+def _version() -> str:
+    from .. import __version__
+
+    return __version__

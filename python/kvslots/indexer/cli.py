@@ -1,0 +1,64 @@
+"""``kvslots indexer``: the command."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from .config import ADMIN_TOKEN_ENV, ConfigError, build_config
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "indexer",
+        help="prefix-cache index service: which worker holds how much of a prompt",
+        description=(
+            "Subscribes to workers' KV event streams (vLLM --kv-events-config ZMQ publishers, and "
+            "kvslots' host-tier ones), keeps a prefix index of which worker holds which block on "
+            "which tier, and answers POST /score over HTTP. See docs/indexer.md."
+        ),
+    )
+    p.add_argument("--worker", action="append", metavar="NAME=tcp://HOST:PORT[,replay=...][,topic=...][,tier=...]",
+                   help="a worker's event stream (repeatable); tier= is the tier of events without a medium")
+    p.add_argument("--config", metavar="FILE.yaml", help="settings and workers from a YAML file")
+    p.add_argument("--host", help="address to bind (default 127.0.0.1)")
+    p.add_argument("--port", type=int, help="port (default 8200)")
+    p.add_argument("--backend", choices=["memory", "redis"], help="where the index lives (default memory)")
+    p.add_argument("--redis-url", help="redis://host:port/db for --backend redis")
+    p.add_argument("--redis-namespace", help="key prefix in Redis (default kvslots:indexer)")
+    p.add_argument("--tier-weight", action="append", metavar="TIER=WEIGHT",
+                   help="score weight of a tier (default GPU=1.0 CPU=0.8 STORAGE=0.5)")
+    p.add_argument("--capacity", type=int,
+                   help="most (block, worker) entries kept, LRU-evicted beyond (default 4000000; 0 = no limit)")
+    p.add_argument("--block-size", type=int, help="block size of /score requests that name none (default 16)")
+    p.add_argument("--max-tokens", type=int, help="most token ids in one /score request (default 262144)")
+    p.add_argument("--replay-timeout", type=float, help="seconds to wait for a replay answer (default 2)")
+    p.add_argument("--admin-token", help=f"bearer token enabling POST/DELETE /workers (prefer {ADMIN_TOKEN_ENV} "
+                                         "or --admin-token-file: arguments are visible to other users)")
+    p.add_argument("--admin-token-file", metavar="FILE", help="read the admin token from FILE")
+    p.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        cfg = build_config(args)
+    except (ConfigError, OSError) as e:
+        print(f"kvslots indexer: {e}", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=cfg.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    import uvicorn
+
+    from .app import create_app
+    from .service import IndexerService
+
+    service = IndexerService(cfg)
+    if cfg.host not in ("127.0.0.1", "::1", "localhost"):
+        logging.getLogger("kvslots.indexer").warning(
+            "binding %s: the API is reachable from other hosts (scores are not secret, but the "
+            "admin API %s)", cfg.host, "is enabled" if cfg.admin_token else "is off")
+    # The app starts the service on startup and stops it on shutdown (SIGINT/SIGTERM).
+    uvicorn.run(create_app(service, own_service=True), host=cfg.host, port=cfg.port, log_level=cfg.log_level,
+                access_log=False)
+    return 0

@@ -1,0 +1,192 @@
+"""Configuration of ``kvslots indexer``: worker specs from the command line or a YAML file."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+TIERS = ("GPU", "CPU", "STORAGE")
+DEFAULT_WEIGHTS = {"GPU": 1.0, "CPU": 0.8, "STORAGE": 0.5}
+ADMIN_TOKEN_ENV = "KVSLOTS_INDEXER_ADMIN_TOKEN"
+
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$")
+_ENDPOINT = re.compile(r"^(tcp|ipc|inproc)://\S+$")
+
+
+class ConfigError(ValueError):
+    """A bad worker spec or setting; the message says which and why."""
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """One event stream: a vLLM engine's (or kvslots') ZMQ publisher.
+
+    ``tier`` is the tier of events that carry no medium, and the tier an ``AllBlocksCleared``
+    on this stream clears (vLLM's GPU block pool publishes ``GPU``).
+    """
+
+    name: str
+    endpoint: str
+    replay: str | None = None
+    topic: str = ""
+    tier: str = "GPU"
+
+    def __post_init__(self) -> None:
+        if not _NAME.match(self.name):
+            raise ConfigError(
+                f"worker name {self.name!r}: use 1-128 letters, digits, '.', '_', ':', '-' "
+                "(starting with a letter or digit)"
+            )
+        for what, ep in (("endpoint", self.endpoint), ("replay", self.replay)):
+            if ep is not None and not _ENDPOINT.match(ep):
+                raise ConfigError(f"worker {self.name!r}: {what} {ep!r} is not a tcp://, ipc:// or inproc:// address")
+        if self.tier not in TIERS:
+            raise ConfigError(f"worker {self.name!r}: tier {self.tier!r} is not one of {', '.join(TIERS)}")
+        if len(self.topic) > 256:
+            raise ConfigError(f"worker {self.name!r}: topic longer than 256 characters")
+
+    @classmethod
+    def parse(cls, text: str) -> WorkerSpec:
+        """``NAME=tcp://host:port[,replay=tcp://host:port][,topic=T][,tier=GPU|CPU|STORAGE]``."""
+        name, sep, rest = text.partition("=")
+        if not sep or not rest:
+            raise ConfigError(f"--worker {text!r}: expected NAME=tcp://host:port[,replay=...][,topic=...][,tier=...]")
+        endpoint, *opts = rest.split(",")
+        kw: dict[str, str] = {}
+        for opt in opts:
+            k, eq, v = opt.partition("=")
+            if not eq or k not in ("replay", "topic", "tier"):
+                raise ConfigError(f"--worker {text!r}: unknown option {opt!r} (replay=, topic=, tier=)")
+            kw[k] = v.upper() if k == "tier" else v
+        return cls(name=name.strip(), endpoint=endpoint.strip(), **kw)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> WorkerSpec:
+        unknown = set(d) - {f.name for f in dataclasses.fields(cls)}
+        if unknown:
+            raise ConfigError(f"worker {d.get('name')!r}: unknown keys {sorted(unknown)}")
+        if "name" not in d or "endpoint" not in d:
+            raise ConfigError(f"worker {d!r}: 'name' and 'endpoint' are required")
+        tier = str(d.get("tier", "GPU")).upper()
+        return cls(
+            name=str(d["name"]),
+            endpoint=str(d["endpoint"]),
+            replay=None if d.get("replay") is None else str(d["replay"]),
+            topic=str(d.get("topic", "")),
+            tier=tier,
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+@dataclass
+class IndexerConfig:
+    workers: list[WorkerSpec] = field(default_factory=list)
+    host: str = "127.0.0.1"
+    port: int = 8200
+    backend: str = "memory"
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    redis_namespace: str = "kvslots:indexer"
+    tier_weights: dict[str, float] = field(default_factory=lambda: dict(DEFAULT_WEIGHTS))
+    capacity: int | None = 4_000_000
+    block_size: int = 16
+    max_tokens: int = 262_144
+    admin_token: str | None = None
+    replay_timeout: float = 2.0
+    log_level: str = "info"
+
+    @property
+    def max_body_bytes(self) -> int:
+        # A token id is at most 10 digits plus a separator in JSON; room for the other fields.
+        return self.max_tokens * 12 + 4096
+
+    def validate(self) -> None:
+        if self.backend not in ("memory", "redis"):
+            raise ConfigError(f"backend {self.backend!r}: use 'memory' or 'redis'")
+        names = [w.name for w in self.workers]
+        dup = {n for n in names if names.count(n) > 1}
+        if dup:
+            raise ConfigError(f"worker names given twice: {sorted(dup)}")
+        for t, w in self.tier_weights.items():
+            if t not in TIERS:
+                raise ConfigError(f"tier weight for {t!r}: tiers are {', '.join(TIERS)}")
+            if not (w >= 0.0 and w < float("inf")):
+                raise ConfigError(f"tier weight {t}={w}: must be finite and >= 0")
+        if self.capacity is not None and self.capacity < 1:
+            raise ConfigError(f"capacity {self.capacity}: must be >= 1 (or unset for no limit)")
+        if not 1 <= self.block_size <= 65536:
+            raise ConfigError(f"block_size {self.block_size}: must be in [1, 65536]")
+        if not 1 <= self.max_tokens <= 16_777_216:
+            raise ConfigError(f"max_tokens {self.max_tokens}: must be in [1, 16777216]")
+        if not 0 <= self.port <= 65535:
+            raise ConfigError(f"port {self.port}: must be in [0, 65535]")
+        if self.admin_token is not None and len(self.admin_token) < 16:
+            raise ConfigError("admin token: use at least 16 characters")
+
+
+def parse_weight(text: str) -> tuple[str, float]:
+    tier, eq, value = text.partition("=")
+    try:
+        if not eq:
+            raise ValueError
+        return tier.strip().upper(), float(value)
+    except ValueError:
+        raise ConfigError(f"--tier-weight {text!r}: expected TIER=WEIGHT, e.g. CPU=0.8") from None
+
+
+def load_yaml(path: str) -> dict[str, Any]:
+    import yaml
+
+    with open(path, encoding="utf-8") as f:
+        data = yaml.safe_load(f) or {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: the top level must be a mapping")
+    return data
+
+
+_YAML_KEYS = {
+    "workers", "host", "port", "backend", "redis_url", "redis_namespace", "tier_weights", "capacity",
+    "block_size", "max_tokens", "admin_token", "replay_timeout", "log_level",
+}
+
+
+def build_config(args: Any) -> IndexerConfig:
+    """Command-line arguments over the YAML file over defaults."""
+    cfg = IndexerConfig()
+    if getattr(args, "config", None):
+        data = load_yaml(args.config)
+        unknown = set(data) - _YAML_KEYS
+        if unknown:
+            raise ConfigError(f"{args.config}: unknown keys {sorted(unknown)}")
+        for d in data.get("workers") or []:
+            if not isinstance(d, dict):
+                raise ConfigError(f"{args.config}: each worker must be a mapping, got {d!r}")
+            cfg.workers.append(WorkerSpec.from_dict(d))
+        for k in _YAML_KEYS - {"workers", "tier_weights"}:
+            if k in data:
+                setattr(cfg, k, data[k])
+        for t, w in (data.get("tier_weights") or {}).items():
+            cfg.tier_weights[str(t).upper()] = float(w)
+    for text in getattr(args, "worker", None) or []:
+        cfg.workers.append(WorkerSpec.parse(text))
+    for text in getattr(args, "tier_weight", None) or []:
+        t, w = parse_weight(text)
+        cfg.tier_weights[t] = w
+    for k in ("host", "port", "backend", "redis_url", "redis_namespace", "block_size", "max_tokens",
+              "replay_timeout", "log_level"):
+        v = getattr(args, k, None)
+        if v is not None:
+            setattr(cfg, k, v)
+    if getattr(args, "capacity", None) is not None:
+        cfg.capacity = None if args.capacity == 0 else args.capacity
+    token = getattr(args, "admin_token", None)
+    if getattr(args, "admin_token_file", None):
+        with open(args.admin_token_file, encoding="utf-8") as f:
+            token = f.read().strip()
+    cfg.admin_token = token or os.environ.get(ADMIN_TOKEN_ENV) or cfg.admin_token
+    cfg.validate()
+    return cfg

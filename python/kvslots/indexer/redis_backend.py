@@ -1,0 +1,503 @@
+"""The index shared by several indexer replicas through Redis.
+
+One replica at a time is the *writer*: it holds a lease (``{ns}:leader``, renewed well before it
+expires), subscribes to the workers, keeps the index in process (the Rust index, with a change
+journal) and mirrors every applied batch into Redis with one Lua script: the script checks the
+lease and the data epoch, writes the changed entries and the worker's cursor, all atomically. A
+stale writer (lease lost) cannot write, and a batch is in Redis entirely or not at all.
+
+Every replica (the writer included) answers ``/score`` from Redis, so all replicas serve the same
+scores, including one started later.
+
+Layout (``ns`` = ``--redis-namespace``):
+- ``{ns}:k:{key}``     hash  worker -> tier bitmask (bit 0 GPU, 1 CPU, 2 STORAGE)
+- ``{ns}:e:{worker}``  hash  engine hash -> "key g_gpu g_cpu g_storage" (group bitmasks)
+- ``{ns}:cursor``      hash  worker -> last applied seq
+- ``{ns}:workers``     hash  worker -> spec (JSON): the worker registry, shared
+- ``{ns}:epoch``       the data generation; ``{ns}:state`` "ready" once complete
+- ``{ns}:leader``      the writer's id (lease); ``{ns}:status`` its stream status (JSON)
+
+Failures:
+- Redis restarted (data lost): the epoch is gone, the writer's next write fails, it re-takes the
+  lease and rewrites everything from its in-process index (``state`` = "syncing" meanwhile, so
+  readers answer ``stale: true``). Batches that arrived while Redis was down were applied in
+  process and are included.
+- Redis unreachable: readers answer ``stale: true`` (the writer from its own index, the others
+  with no matches); the writer keeps applying in process and resyncs when Redis is back.
+- Writer gone: its lease expires, another replica takes it, loads the entries and cursors from
+  Redis and asks each publisher to replay from its cursor. Until then readers answer
+  ``stale: true`` (no live writer).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+import time
+import uuid
+from typing import Any
+
+import redis
+
+from .._core import ApplyStats, PrefixIndex
+from .backend import Backend, ScoreResult
+from .config import IndexerConfig, WorkerSpec
+
+log = logging.getLogger("kvslots.indexer")
+
+LEASE_MS = 3000
+TICK_S = 0.25
+VACANT_GRACE_S = 0.75
+CHUNK = 2000  # entries per pipeline when dumping or loading
+
+_APPLY = """
+local ns = ARGV[1]
+if redis.call('GET', ns .. ':leader') ~= ARGV[2] then return redis.error_reply('NOTLEADER') end
+if redis.call('GET', ns .. ':epoch') ~= ARGV[3] then return redis.error_reply('EPOCH') end
+local i = 7
+for _ = 1, tonumber(ARGV[6]) do
+  local w, e, v = ARGV[i], ARGV[i + 1], ARGV[i + 2]
+  if v == '' then redis.call('HDEL', ns .. ':e:' .. w, e) else redis.call('HSET', ns .. ':e:' .. w, e, v) end
+  i = i + 3
+end
+local nh = tonumber(ARGV[i])
+i = i + 1
+for _ = 1, nh do
+  local k, w, t = ARGV[i], ARGV[i + 1], ARGV[i + 2]
+  if t == '0' then redis.call('HDEL', ns .. ':k:' .. k, w) else redis.call('HSET', ns .. ':k:' .. k, w, t) end
+  i = i + 3
+end
+if ARGV[4] ~= '' then
+  if ARGV[5] == '' then redis.call('HDEL', ns .. ':cursor', ARGV[4])
+  else redis.call('HSET', ns .. ':cursor', ARGV[4], ARGV[5]) end
+end
+return 1
+"""
+
+_RENEW = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('PEXPIRE', KEYS[1], ARGV[2]) end
+return 0
+"""
+
+
+class NotWriter(Exception):
+    """This replica lost the lease: it must stop writing."""
+
+
+class RedisBackend(Backend):
+    name = "redis"
+
+    def __init__(self, cfg: IndexerConfig, client: redis.Redis | None = None):
+        super().__init__(cfg)
+        self.ns = cfg.redis_namespace
+        self.id = f"{os.uname().nodename}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+        self.r = client or redis.Redis.from_url(
+            cfg.redis_url, socket_timeout=1.0, socket_connect_timeout=1.0, health_check_interval=5
+        )
+        self._apply_script = self.r.register_script(_APPLY)
+        self._renew_script = self.r.register_script(_RENEW)
+        self._lock = threading.RLock()  # local index + journal + epoch
+        self.local: PrefixIndex | None = None  # the writer's in-process index
+        self.epoch: str | None = None
+        self.is_writer = False
+        self.needs_resync = False
+        self.redis_ok = False
+        self.cursors: dict[str, int] = {}  # last applied seq per worker (writer)
+        self._resume: dict[str, int] = {}  # cursors read from Redis when taking over
+        self._specs: dict[str, WorkerSpec] = {}  # last registry read (or written) by us
+        self._service: Any = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._vacant_since: float | None = None
+        self.errors = 0
+
+    def k(self, *parts: str) -> str:
+        return ":".join((self.ns, *parts))
+
+    # ---- lifecycle ----
+
+    def start(self, service: Any) -> None:
+        self._service = service
+        self._tick()
+        self._thread = threading.Thread(target=self._loop, name="kvslots-indexer-redis", daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+        if self.is_writer:
+            try:  # hand the lease over at once instead of letting it expire
+                self.r.eval("if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end return 0",
+                            1, self.k("leader"), self.id)
+            except redis.RedisError:
+                pass
+        self.r.close()
+
+    def should_subscribe(self) -> bool:
+        return self.is_writer
+
+    def _loop(self) -> None:
+        while not self._stop.wait(TICK_S):
+            self._tick()
+
+    def _tick(self) -> None:
+        try:
+            self.r.ping()
+            if not self.redis_ok:
+                log.info("redis %s reachable", self.cfg.redis_url)
+            self.redis_ok = True
+            if self.is_writer:
+                self._keep_lease()
+            else:
+                self._try_take_lease()
+            if self.is_writer:
+                if self.needs_resync or self._epoch_lost():
+                    self._resync()
+                self._publish_status()
+            self._reconcile()
+        except NotWriter:
+            self._lose_lease()
+        except redis.RedisError as e:
+            if self.redis_ok:
+                log.warning("redis unreachable: %s", e)
+            self.redis_ok = False
+            self.errors += 1
+            if self.is_writer:
+                self.needs_resync = True
+
+    # ---- the lease ----
+
+    def _try_take_lease(self) -> None:
+        # Take a vacant lease only after it has stayed vacant a little: when Redis restarts, the
+        # previous writer (whose in-process index is the most complete copy) re-takes it first.
+        if self.r.exists(self.k("leader")):
+            self._vacant_since = None
+            return
+        now = time.monotonic()
+        if self._vacant_since is None:
+            self._vacant_since = now
+        if now - self._vacant_since < VACANT_GRACE_S:
+            return
+        if not self.r.set(self.k("leader"), self.id, nx=True, px=LEASE_MS):
+            return
+        self._vacant_since = None
+        log.info("replica %s is now the writer", self.id)
+        try:
+            self._take_over()
+        except Exception:
+            self._lose_lease()
+            raise
+
+    def _keep_lease(self) -> None:
+        if self._renew_script(keys=[self.k("leader")], args=[self.id, LEASE_MS]):
+            return
+        # Our lease is gone. If nobody holds it (Redis restarted), take it back at once and keep
+        # our in-process index: it is the most complete copy there is.
+        if self.r.set(self.k("leader"), self.id, nx=True, px=LEASE_MS):
+            log.warning("writer lease was lost (redis restart?); re-taken, resyncing")
+            self.needs_resync = True
+            return
+        raise NotWriter
+
+    def _lose_lease(self) -> None:
+        if not self.is_writer:
+            return
+        log.warning("replica %s lost the writer lease", self.id)
+        self.is_writer = False
+        with self._lock:  # first, so unsubscribing below deletes nothing from Redis
+            self.local = None
+            self.cursors.clear()
+        if self._service is not None:
+            self._service.sync_subscriptions({})
+
+    def _take_over(self) -> None:
+        """Become the writer: load the shared state (if complete), then subscribe from the
+        cursors (the subscription replays from each publisher)."""
+        with self._lock:
+            self.local = PrefixIndex(capacity=self.cfg.capacity, tier_weights=dict(self.cfg.tier_weights),
+                                     journal=True)
+            self.cursors.clear()
+            self._resume.clear()
+            epoch, state = self.r.mget(self.k("epoch"), self.k("state"))
+            known = dict(self._specs)
+            specs = self._read_specs() or known  # a registry lost with Redis: restore ours
+            if epoch is not None and state == b"ready":
+                self.epoch = epoch.decode()
+                for w, seq in self.r.hgetall(self.k("cursor")).items():
+                    self._resume[w.decode()] = int(seq) + 1
+                for name in specs:
+                    self.local.add_worker(name)
+                    self._load_worker(name)
+                self.local.take_changes()  # loaded state is already in Redis
+                self.is_writer = True
+                log.info("loaded %d entries from redis", self.local.stats()["entries"])
+            else:
+                # Nothing complete to build on: start a fresh generation; publishers replay.
+                self.is_writer = True
+                self._specs = specs
+                self._resync()
+
+    def _load_worker(self, name: str) -> None:
+        assert self.local is not None
+        entries = []
+        for engine, v in self.r.hscan_iter(self.k("e", name), count=CHUNK):
+            key, g0, g1, g2 = v.split()
+            entries.append((int(engine), int(key), (int(g0), int(g1), int(g2))))
+        self.local.load(name, entries)
+
+    def _epoch_lost(self) -> bool:
+        return self.r.get(self.k("epoch")) != (self.epoch or "").encode()
+
+    # ---- the registry ----
+
+    def _read_specs(self) -> dict[str, WorkerSpec]:
+        out = {}
+        for name, raw in self.r.hgetall(self.k("workers")).items():
+            try:
+                out[name.decode()] = WorkerSpec.from_dict(json.loads(raw))
+            except (ValueError, TypeError) as e:
+                log.warning("ignoring bad worker spec %r in redis: %s", name, e)
+        if out or self.r.exists(self.k("epoch")):
+            self._specs = out  # (an empty registry with no epoch is lost data: keep our copy)
+        return out
+
+    def register(self, spec: WorkerSpec, *, replace: bool = True) -> bool:
+        raw = json.dumps(spec.to_dict())
+        if replace:
+            self.r.hset(self.k("workers"), spec.name, raw)
+            ok = True
+        else:
+            ok = bool(self.r.hsetnx(self.k("workers"), spec.name, raw))
+        if ok:
+            self._specs[spec.name] = spec
+        return ok
+
+    def unregister(self, name: str) -> bool:
+        self._specs.pop(name, None)
+        return bool(self.r.hdel(self.k("workers"), name))
+
+    def specs(self) -> dict[str, WorkerSpec]:
+        try:
+            return self._read_specs()
+        except redis.RedisError:
+            return dict(self._specs)
+
+    def _reconcile(self) -> None:
+        if self._service is None:
+            return
+        if not self.is_writer:
+            self._read_specs()
+            self._service.sync_subscriptions({})
+            return
+        self._service.sync_subscriptions(self._read_specs())
+
+    # ---- writing (subscription thread, writer only) ----
+
+    def add_worker(self, name: str) -> None:
+        with self._lock:
+            if self.local is not None and name not in self.local.workers():
+                self.local.add_worker(name)
+
+    def remove_worker(self, name: str) -> None:
+        with self._lock:
+            if self.local is None or name not in self.local.workers():
+                return
+            self.local.remove_worker(name)
+            self.cursors.pop(name, None)
+            self._resume.pop(name, None)
+            self._flush(name, None)
+
+    def clear_worker(self, name: str) -> None:
+        with self._lock:
+            if self.local is None or name not in self.local.workers():
+                return
+            self.local.clear_worker(name)
+            self.cursors.pop(name, None)
+            self._flush(name, None)
+
+    def resume_seq(self, worker: str) -> int:
+        return self._resume.get(worker, 0)
+
+    def apply(self, worker: str, seq: int, payload: bytes, tier: str) -> ApplyStats:
+        with self._lock:
+            if self.local is None:
+                raise NotWriter
+            try:
+                st = self.local.apply(worker, payload, tier)
+            finally:
+                self.cursors[worker] = seq
+            self._flush(worker, seq)
+            return st
+
+    def _flush(self, worker: str, seq: int | None) -> None:
+        """Mirrors the journal into Redis atomically (with the worker's cursor). On any failure
+        the journal is gone, so the whole index is rewritten later (resync)."""
+        assert self.local is not None
+        engines, holders = self.local.take_changes()
+        if self.needs_resync or not self.redis_ok:
+            self.needs_resync = True
+            return
+        args: list[Any] = [self.ns, self.id, self.epoch or "", worker, "" if seq is None else seq, len(engines)]
+        for w, engine, key, groups in engines:
+            args += [w, engine, "" if key is None else f"{key} {groups[0]} {groups[1]} {groups[2]}"]
+        args.append(len(holders))
+        for key, w, tiers in holders:
+            args += [key, w, tiers]
+        try:
+            self._apply_script(args=args)
+        except redis.ResponseError as e:
+            if "NOTLEADER" in str(e):
+                self.needs_resync = True
+                log.warning("write refused: this replica is no longer the writer")
+            else:
+                self.needs_resync = True
+                log.warning("write refused (%s); will resync", e)
+        except redis.RedisError as e:
+            self.needs_resync = True
+            self.redis_ok = False
+            self.errors += 1
+            log.warning("redis write failed (%s); will resync", e)
+
+    def _resync(self) -> None:
+        """Rewrites the shared index from the in-process one, under a new epoch."""
+        with self._lock:
+            assert self.local is not None
+            self.local.take_changes()
+            epoch = uuid.uuid4().hex
+            log.info("resyncing redis (epoch %s)", epoch)
+            self.r.set(self.k("state"), "syncing")
+            self.r.set(self.k("epoch"), epoch)  # any write under the old epoch now fails
+            self._delete_data()
+            pipe = self.r.pipeline(transaction=False)
+            for name, spec in self._specs.items():
+                pipe.hset(self.k("workers"), name, json.dumps(spec.to_dict()))
+            holders: dict[tuple[int, str], int] = {}
+            n = 0
+            for worker, engine, key, groups in self.local.dump():
+                pipe.hset(self.k("e", worker), engine, f"{key} {groups[0]} {groups[1]} {groups[2]}")
+                tiers = (1 if groups[0] else 0) | (2 if groups[1] else 0) | (4 if groups[2] else 0)
+                holders[(key, worker)] = holders.get((key, worker), 0) | tiers
+                n += 1
+                if n % CHUNK == 0:
+                    pipe.execute()
+            for (key, worker), tiers in holders.items():
+                pipe.hset(self.k("k", str(key)), worker, tiers)
+                n += 1
+                if n % CHUNK == 0:
+                    pipe.execute()
+            for worker, seq in self.cursors.items():
+                pipe.hset(self.k("cursor"), worker, seq)
+            pipe.set(self.k("state"), "ready")
+            pipe.execute()
+            self.epoch = epoch
+            self.needs_resync = False
+            log.info("resync done: %d entries", len(holders))
+
+    def _delete_data(self) -> None:
+        keep = {self.k("leader").encode(), self.k("epoch").encode(), self.k("state").encode(),
+                self.k("workers").encode()}
+        batch = []
+        for key in self.r.scan_iter(match=self.ns + ":*", count=1000):
+            if key not in keep:
+                batch.append(key)
+            if len(batch) >= 1000:
+                self.r.delete(*batch)
+                batch.clear()
+        if batch:
+            self.r.delete(*batch)
+
+    def _publish_status(self) -> None:
+        if self._service is None:
+            return
+        doc = {"writer": self.id, "streams": self._service.local_stream_status(), "size": self._local_size()}
+        self.r.set(self.k("status"), json.dumps(doc), px=LEASE_MS * 2)
+
+    def _local_size(self) -> dict[str, int]:
+        with self._lock:
+            if self.local is None:
+                return {}
+            st = self.local.stats()
+            return {"keys": st["keys"], "entries": st["entries"], "evictions": st["evictions"]}
+
+    # ---- reading (any replica) ----
+
+    def score(self, tokens, block_size, lora_id, lora_name) -> ScoreResult:
+        reasons = []
+        try:
+            keys = self.hasher.chain_keys(tokens, block_size, lora_id, lora_name)
+            pipe = self.r.pipeline(transaction=False)
+            pipe.mget(self.k("leader"), self.k("state"), self.k("epoch"))
+            blocks: list[dict[str, int]] = []
+            i, want = 0, 8
+            first = True
+            while i < len(keys) or first:
+                for key in keys[i : i + want]:
+                    pipe.hgetall(self.k("k", str(key)))
+                res = pipe.execute()
+                if first:
+                    leader, state, _epoch = res[0]
+                    res = res[1:]
+                    if leader is None:
+                        reasons.append("no live writer")
+                    if state != b"ready":
+                        reasons.append("redis index is being rebuilt")
+                    first = False
+                stop = False
+                for h in res:
+                    if not h:
+                        stop = True
+                        break
+                    blocks.append({w.decode(): int(t) for w, t in h.items()})
+                if stop or i + want >= len(keys):
+                    break
+                i += want
+                want = min(want * 4, 512)
+                pipe = self.r.pipeline(transaction=False)
+            matches = self.hasher.score_blocks(blocks)
+            return ScoreResult(matches, stale=bool(reasons), stale_reasons=reasons)
+        except redis.RedisError as e:
+            self.errors += 1
+            reasons.append(f"redis unreachable: {type(e).__name__}")
+            with self._lock:
+                if self.local is not None:  # the writer still has the freshest copy
+                    return ScoreResult(self.local.lookup(tokens, block_size, lora_id, lora_name), True, reasons)
+            return ScoreResult([], stale=True, stale_reasons=reasons)
+
+    def size(self) -> dict[str, int]:
+        st = self.status_doc()
+        return (st or {}).get("size") or self._local_size()
+
+    def status_doc(self) -> dict | None:
+        try:
+            raw = self.r.get(self.k("status"))
+        except redis.RedisError:
+            return None
+        return json.loads(raw) if raw else None
+
+    def status_of_streams(self) -> dict[str, dict] | None:
+        doc = self.status_doc()
+        return None if doc is None else doc.get("streams", {})
+
+    def health(self) -> tuple[bool, dict]:
+        return self.redis_ok, {
+            "redis": "ok" if self.redis_ok else "unreachable",
+            "writer": self.is_writer,
+            "replica": self.id,
+            "resyncing": self.needs_resync,
+        }
+
+    def wait_ready(self, timeout: float = 10.0) -> bool:
+        """For tests and tools: until some writer has published a complete index."""
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            try:
+                leader, state = self.r.mget(self.k("leader"), self.k("state"))
+                if leader is not None and state == b"ready":
+                    return True
+            except redis.RedisError:
+                pass
+            time.sleep(0.05)
+        return False

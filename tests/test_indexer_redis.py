@@ -1,0 +1,162 @@
+"""The Redis backend with a real redis-server on loopback: replicas sharing one index, a replica
+started later, a writer failing over, Redis restarted mid-run (stale meanwhile, then resynced)."""
+
+from __future__ import annotations
+
+import uuid
+
+import pytest
+from fastapi.testclient import TestClient
+from indexer_support import Oracle, RedisServer, TestPublisher, have_redis, score_view, store, remove, wait_for
+
+from kvslots.indexer import IndexerConfig, IndexerService, WorkerSpec
+from kvslots.indexer.app import create_app
+
+pytestmark = pytest.mark.skipif(not have_redis(), reason="redis-server not installed (scripts/system-deps.txt)")
+
+BS = 4
+P1 = list(range(100, 116))
+P2 = P1[:8] + list(range(200, 208))
+P3 = list(range(300, 312))
+PROMPTS = (P1, P2, P3)
+
+
+@pytest.fixture(scope="module")
+def redis_server():
+    srv = RedisServer()
+    yield srv
+    srv.close()
+
+
+class Cluster:
+    def __init__(self, redis_server: RedisServer):
+        self.redis = redis_server
+        self.ns = f"kvslots:test:{uuid.uuid4().hex[:8]}"
+        self.pub = TestPublisher()
+        self.oracle = Oracle()
+        self.oracle.add_worker("a")
+        self.replicas: list[tuple[IndexerService, TestClient]] = []
+
+    def replica(self) -> tuple[IndexerService, TestClient]:
+        cfg = IndexerConfig(
+            workers=[WorkerSpec("a", self.pub.endpoint, self.pub.replay_endpoint)],
+            backend="redis", redis_url=self.redis.url, redis_namespace=self.ns, block_size=BS,
+            replay_timeout=1.0, capacity=None,
+        )
+        svc = IndexerService(cfg)
+        svc.start()
+        client = TestClient(create_app(svc))
+        self.replicas.append((svc, client))
+        return svc, client
+
+    def writers(self) -> list[IndexerService]:
+        return [s for s, _ in self.replicas if s.backend.is_writer]
+
+    def publish(self, events, **kw) -> None:
+        self.oracle.apply("a", events)
+        self.pub.publish(events, **kw)
+
+    def settle(self) -> None:
+        """Until the writer receives live messages (ZMQ's slow joiner)."""
+        def seen():
+            self.pub.publish([])
+            return any(s.sub.status().get("a", {}).get("last_live_seq") is not None for s in self.writers())
+        wait_for(seen, 10, "the writer to receive")
+
+    @staticmethod
+    def score(client: TestClient, tokens) -> dict:
+        r = client.post("/score", json={"token_ids": tokens})
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    def converge(self, client: TestClient, timeout: float = 10.0) -> None:
+        def ok():
+            for p in PROMPTS:
+                r = self.score(client, p)
+                if r["stale"] or score_view(r) != self.oracle.lookup(p, BS):
+                    return False
+            return True
+        wait_for(ok, timeout, "fresh scores matching the oracle")
+
+    def stop(self, svc: IndexerService) -> None:
+        for i, (s, c) in enumerate(self.replicas):
+            if s is svc:
+                c.close()
+                s.stop()
+                del self.replicas[i]
+                return
+
+    def close(self) -> None:
+        for s, c in self.replicas:
+            c.close()
+            s.stop()
+        self.pub.close()
+
+
+@pytest.fixture
+def cluster(redis_server):
+    c = Cluster(redis_server)
+    yield c
+    c.close()
+
+
+def test_replicas_share_one_index(cluster):
+    a, ca = cluster.replica()
+    wait_for(lambda: a.backend.is_writer, 5, "a writer")
+    cluster.settle()
+    cluster.publish([store(1, P1, BS)])
+    cluster.publish([store(1, P2, BS, start=2, medium="CPU")])
+    cluster.converge(ca)
+    # A replica started later serves the same scores, without subscribing to anything.
+    b, cb = cluster.replica()
+    cluster.converge(cb)
+    assert not b.backend.is_writer and b.sub.status() == {}
+    assert cluster.score(cb, P2) == cluster.score(ca, P2)
+    cluster.publish([remove(1, P1, BS, [1])])
+    cluster.converge(cb)
+    assert [w["name"] for w in cb.get("/workers").json()] == ["a"]
+    assert cb.get("/workers").json()[0]["stream"]["applied_seq"] >= 2
+
+
+def test_redis_restart_marks_scores_stale_then_resyncs(cluster, redis_server):
+    a, ca = cluster.replica()
+    b, cb = cluster.replica()
+    wait_for(lambda: len(cluster.writers()) == 1, 5, "one writer")
+    cluster.settle()
+    cluster.publish([store(1, P1, BS)])
+    cluster.converge(ca)
+    cluster.converge(cb)
+
+    redis_server.stop()
+    for client in (ca, cb):
+        r = cluster.score(client, P1)
+        assert r["stale"] is True and any("redis" in x for x in r["stale_reasons"])
+    assert cb.get("/healthz").status_code in (200, 503)
+    # Events keep coming while Redis is down: the writer applies them in process.
+    cluster.publish([store(1, P3, BS)])
+    cluster.publish([remove(1, P1, BS, [3])])
+    wait_for(lambda: cluster.writers()[0].sub.status()["a"]["applied_seq"] >= cluster.pub.seq - 1, 5,
+             "the writer to apply")
+
+    redis_server.start()  # empty: a restart without persistence loses everything
+    cluster.converge(ca, timeout=15)
+    cluster.converge(cb, timeout=15)
+    assert len(cluster.writers()) == 1
+
+
+def test_writer_failover_resumes_from_the_cursor(cluster):
+    a, ca = cluster.replica()
+    wait_for(lambda: a.backend.is_writer, 5, "a writer")
+    b, cb = cluster.replica()
+    cluster.settle()
+    cluster.publish([store(1, P1, BS)])
+    cluster.converge(cb)
+    cluster.stop(a)
+    # Published while nobody subscribes: the new writer must replay it from its cursor.
+    cluster.publish([store(1, P3, BS)])
+    wait_for(lambda: b.backend.is_writer, 10, "the follower to take over")
+    cluster.converge(cb)
+    assert b.sub.status()["a"]["replays"] >= 1
+    cluster.settle()
+    cluster.publish([remove(1, P3, BS, [0])])
+    cluster.converge(cb)

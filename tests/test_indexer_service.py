@@ -1,0 +1,369 @@
+"""The indexer service end to end: real ZMQ publishers on loopback (vLLM's wire protocol), the
+subscription with its gap/replay/restart handling, the in-memory backend, the HTTP API."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+from fastapi.testclient import TestClient
+from indexer_support import Oracle, TestPublisher, remove, score_view, store, wait_for
+
+from kvslots.events import AllBlocksCleared
+from kvslots.indexer import IndexerConfig, IndexerService, WorkerSpec
+from kvslots.indexer.app import create_app
+from kvslots.indexer.config import ConfigError, build_config
+
+BS = 4
+TOKEN = "t0ken-with-enough-entropy"
+P1 = list(range(100, 116))  # 4 blocks
+P2 = P1[:8] + list(range(200, 208))  # shares 2 blocks with P1
+P3 = list(range(300, 312))
+
+
+class Harness:
+    def __init__(self, pubs: dict[str, TestPublisher], *, tiers=None, admin_token=None, **cfg):
+        self.pubs = pubs
+        self.oracle = Oracle()
+        workers = []
+        for name, pub in pubs.items():
+            tier = (tiers or {}).get(name, "GPU")
+            workers.append(WorkerSpec(name, pub.endpoint, pub.replay_endpoint, tier=tier))
+            self.oracle.add_worker(name, tier)
+        self.cfg = IndexerConfig(workers=workers, block_size=BS, admin_token=admin_token, replay_timeout=1.0,
+                                 capacity=None, **cfg)
+        self.service = IndexerService(self.cfg)
+        self.service.start()
+        self.client = TestClient(create_app(self.service))
+
+    def publish(self, worker: str, events: list, *, drop: bool = False, model: bool = True) -> int:
+        if model:
+            self.oracle.apply(worker, events)
+        return self.pubs[worker].publish(events, drop=drop)
+
+    def score(self, tokens, **kw) -> dict:
+        r = self.client.post("/score", json={"token_ids": tokens, **kw})
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    def converge(self, *prompts, timeout: float = 5.0) -> None:
+        """Until every prompt scores as the oracle says (the stream is asynchronous)."""
+        def ok():
+            return all(score_view(self.score(p)) == self.oracle.lookup(p, BS) for p in prompts)
+        wait_for(ok, timeout, "scores to match the oracle")
+
+    def stream(self, worker: str) -> dict:
+        return self.service.sub.status()[worker]
+
+    def metric(self, name: str, worker: str | None = None) -> float:
+        labels = {"worker": worker} if worker else {}
+        v = self.service.metrics.registry.get_sample_value(name, labels)
+        return v or 0.0
+
+    def close(self) -> None:
+        self.client.close()
+        self.service.stop()
+        for p in self.pubs.values():
+            p.close()
+
+
+@pytest.fixture
+def harness():
+    made = []
+
+    def make(names=("a",), **kw):
+        pubs = {n: TestPublisher(buffer_steps=kw.pop(f"buffer_{n}", 10_000)) for n in names}
+        h = Harness(pubs, **kw)
+        made.append(h)
+        return h
+
+    yield make
+    for h in made:
+        h.close()
+
+
+def settle(h: Harness, worker: str) -> None:
+    """Publishes a no-op batch until the subscriber sees live messages (ZMQ's slow joiner)."""
+    wait_for(lambda: h.publish(worker, [], model=False) is not None and h.stream(worker)["last_live_seq"] is not None,
+             5, "the subscription to receive")
+
+
+def test_scores_follow_the_stream(harness):
+    h = harness(("a", "b"))
+    settle(h, "a")
+    settle(h, "b")
+    h.publish("a", [store(1, P1, BS)])
+    h.publish("b", [store(2, P2, BS, medium="CPU")])
+    h.publish("a", [store(1, P2, BS, start=2)])  # a's P2 tail, chained to its block 1
+    h.converge(P1, P2, P3)
+    r = h.score(P2)
+    assert r["workers"]["a"] == {"blocks": 4, "tokens": 16, "score": 4.0,
+                                 "tiers": {"GPU": {"blocks": 4, "tokens": 16}, "CPU": {"blocks": 0, "tokens": 0},
+                                           "STORAGE": {"blocks": 0, "tokens": 0}}}
+    assert r["workers"]["b"]["score"] == pytest.approx(3.2) and r["stale"] is False
+    h.publish("a", [remove(1, P1, BS, [1])])
+    h.converge(P1, P2)
+    assert h.score(P1)["workers"]["a"]["blocks"] == 1
+    assert h.metric("kvslots_indexer_block_events_total", None) == 0  # labelled only
+    assert h.service.metrics.registry.get_sample_value(
+        "kvslots_indexer_block_events_total", {"worker": "a", "kind": "stored"}) == 6
+
+
+def test_dropped_messages_healed_by_replay(harness):
+    h = harness()
+    settle(h, "a")
+    h.publish("a", [store(1, P1, BS)])
+    h.publish("a", [remove(1, P1, BS, [3])], drop=True)
+    h.publish("a", [store(1, P3, BS)], drop=True)
+    h.publish("a", [store(1, P2, BS, start=2)])
+    h.converge(P1, P2, P3)
+    assert h.stream("a")["gaps"] == 1
+    assert h.metric("kvslots_indexer_gaps_total", "a") == 1
+    assert h.metric("kvslots_indexer_unhealed_gaps_total", "a") == 0
+
+
+def test_unhealable_gap_drops_what_may_be_stale(harness):
+    h = harness(buffer_a=2)
+    settle(h, "a")
+    h.publish("a", [store(1, P1, BS)])
+    h.converge(P1)
+    # Lost, and gone from the publisher's 2-batch buffer by the time the gap shows:
+    h.publish("a", [remove(1, P1, BS, [0, 1, 2, 3])], drop=True)
+    h.publish("a", [], drop=True)
+    h.publish("a", [store(1, P3, BS)], drop=True)
+    h.publish("a", [store(1, P2, BS)])
+    # P1's removal was lost for good; the index must not go on claiming P1 (it rebuilt a from
+    # what the publisher still buffers: the last two batches).
+    h.converge(P1, P2, P3)
+    assert h.stream("a")["unhealed_gaps"] == 1
+    assert h.metric("kvslots_indexer_resets_total", "a") == 1
+
+
+def test_publisher_restart_drops_old_entries(harness):
+    h = harness()
+    settle(h, "a")
+    for _ in range(5):
+        h.publish("a", [], model=False)
+    h.publish("a", [store(1, P1, BS)])
+    h.converge(P1)
+    h.pubs["a"].restart()
+    h.oracle.clear("a")
+    # The new publisher starts again at seq 0; the subscriber sees the sequence go back.
+    wait_for(lambda: h.publish("a", [], model=False) is not None and h.stream("a")["resets"] >= 1, 5,
+             "the restart to be noticed")
+    h.publish("a", [store(1, P3, BS)])
+    h.converge(P1, P3)
+    assert h.stream("a")["resets"] >= 1
+
+
+def test_restarted_publisher_already_past_our_seq(harness):
+    h = harness()
+    settle(h, "a")
+    h.publish("a", [store(1, P1, BS)])
+    h.converge(P1)
+    last = h.stream("a")["last_live_seq"]
+    h.pubs["a"].restart()
+    h.oracle.clear("a")
+    # The new process publishes more than we had seen before we reconnect (lost on the way,
+    # still in its replay buffer): its seq is already past ours, so only the lost connection
+    # tells us its blocks are not the old process's.
+    for _ in range(last + 3):
+        h.publish("a", [], drop=True, model=False)
+    h.publish("a", [store(1, P3, BS)], drop=True)
+    wait_for(lambda: h.publish("a", [], model=False) is not None and h.stream("a")["resets"] >= 1, 5,
+             "the reconnect to be noticed")
+    h.converge(P1, P3)
+
+
+def test_malformed_frames_are_counted_and_skipped(harness):
+    h = harness()
+    settle(h, "a")
+    pub = h.pubs["a"]
+    pub.send_frames([b"", b"only two"])
+    pub.send_frames([b"", b"\x00\x01", b"payload"])  # 2-byte seq
+    pub.publish_raw(b"\xc1 not msgpack")  # a real seq, garbage payload
+    pub.publish_raw(b"\x92\x00\x00")  # msgpack, not a batch
+    h.publish("a", [store(1, P1, BS)])
+    h.converge(P1)
+    assert h.metric("kvslots_indexer_malformed_frames_total", "a") == 4
+    assert h.stream("a")["gaps"] == 0  # the bad payloads still advanced the sequence
+
+
+def test_duplicate_store_and_remove(harness):
+    h = harness()
+    settle(h, "a")
+    h.publish("a", [store(1, P1, BS), store(1, P1, BS)])
+    h.publish("a", [store(1, P1, BS, medium="CPU")])
+    h.publish("a", [remove(1, P1, BS, [2]), remove(1, P1, BS, [2])])
+    h.converge(P1)
+    assert h.score(P1)["workers"]["a"]["tiers"]["CPU"]["blocks"] == 4
+    assert h.score(P1)["workers"]["a"]["tiers"]["GPU"]["blocks"] == 2
+
+
+def test_stream_tier_and_all_blocks_cleared(harness):
+    h = harness(("gpu", "host"), tiers={"host": "CPU"})
+    settle(h, "gpu")
+    settle(h, "host")
+    h.publish("gpu", [store(1, P1, BS), store(1, P1, BS, medium="CPU")])
+    h.publish("host", [store(2, P1, BS)])
+    h.converge(P1)
+    assert h.score(P1)["workers"]["host"]["tiers"]["CPU"]["blocks"] == 4
+    h.publish("gpu", [AllBlocksCleared()])  # clears GPU only: the CPU copy stays
+    h.converge(P1)
+    assert h.score(P1)["workers"]["gpu"]["score"] == pytest.approx(3.2)
+
+
+def test_late_indexer_learns_from_replay_buffer():
+    pub = TestPublisher()
+    try:
+        pub.publish([store(1, P1, BS)])
+        pub.publish([store(1, P2, BS, start=2)])
+        oracle = Oracle()
+        oracle.add_worker("a")
+        oracle.apply("a", [store(1, P1, BS), store(1, P2, BS, start=2)])
+        h = Harness({"a": pub})
+        h.oracle = oracle
+        try:
+            # The initial replay ran before start() returned: no waiting needed.
+            assert score_view(h.score(P2)) == oracle.lookup(P2, BS)
+            assert h.stream("a")["applied_seq"] == 1
+        finally:
+            h.client.close()
+            h.service.stop()
+    finally:
+        pub.close()
+
+
+# ---- HTTP surface ----
+
+def test_admin_api_is_off_without_a_token(harness):
+    h = harness()
+    r = h.client.post("/workers", json={"name": "x", "endpoint": "tcp://127.0.0.1:1"})
+    assert r.status_code == 403 and "admin API is off" in r.json()["detail"]
+    assert h.client.delete("/workers/a").status_code == 403
+
+
+def test_admin_api_with_a_token(harness):
+    h = harness(admin_token=TOKEN)
+    extra = TestPublisher()
+    try:
+        body = {"name": "b", "endpoint": extra.endpoint, "replay": extra.replay_endpoint}
+        assert h.client.post("/workers", json=body).status_code == 401
+        r = h.client.post("/workers", json=body, headers={"Authorization": "Bearer wrong"})
+        assert r.status_code == 401 and r.headers["www-authenticate"] == "Bearer"
+        auth = {"Authorization": f"Bearer {TOKEN}"}
+        r = h.client.post("/workers", json=body, headers=auth)
+        assert r.status_code == 201, r.text
+        assert h.client.post("/workers", json=body, headers=auth).status_code == 409
+        bad = {"name": "c d", "endpoint": "http://x"}
+        assert h.client.post("/workers", json=bad, headers=auth).status_code == 422
+        assert [w["name"] for w in h.client.get("/workers").json()] == ["a", "b"]
+        h.pubs["b"] = extra
+        h.oracle.add_worker("b")
+        settle(h, "b")
+        h.publish("b", [store(5, P1, BS)])
+        h.converge(P1)
+        assert h.client.delete("/workers/b", headers=auth).status_code == 204
+        assert h.client.delete("/workers/b", headers=auth).status_code == 404
+        assert "b" not in h.score(P1)["workers"]
+        assert h.service.backend.index.stats()["entries"] == 0
+    finally:
+        h.pubs.pop("b", None)
+        extra.close()
+
+
+def test_request_limits(harness):
+    h = harness(max_tokens=64)
+    c = h.client
+    r = c.post("/score", json={"token_ids": list(range(65))})
+    assert r.status_code == 422
+    r = c.post("/score", content=b"[" + b"1," * 100_000 + b"1]", headers={"content-type": "application/json"})
+    assert r.status_code == 413
+    def chunks():
+        for _ in range(200):
+            yield b"1," * 100
+    r = c.post("/score", content=chunks(), headers={"content-type": "application/json"})
+    assert r.status_code == 413
+    assert c.post("/score", json={"token_ids": [1, -1]}).status_code == 422
+    assert c.post("/score", json={"token_ids": [2**32]}).status_code == 422
+    assert c.post("/score", json={"token_ids": [1], "block_size": 0}).status_code == 422
+    assert c.post("/score", json={"token_ids": [1], "surprise": 1}).status_code == 422
+    assert c.post("/score", content=b"{", headers={"content-type": "application/json"}).status_code == 422
+    r = c.post("/score", json={"token_ids": list(range(10))})
+    assert r.status_code == 200 and r.json()["prompt_blocks"] == 2
+
+
+def test_health_metrics_docs(harness):
+    h = harness()
+    settle(h, "a")
+    h.publish("a", [store(1, P1, BS)])
+    h.converge(P1)
+    r = h.client.get("/healthz")
+    assert r.status_code == 200 and r.json()["ok"] is True and r.json()["backend"] == "memory"
+    text = h.client.get("/metrics").text
+    for name in ("kvslots_indexer_events_applied_total", "kvslots_indexer_gaps_total",
+                 "kvslots_indexer_replays_total", "kvslots_indexer_malformed_frames_total",
+                 "kvslots_indexer_index_entries", "kvslots_indexer_lookup_seconds_bucket"):
+        assert name in text, name
+    spec = h.client.get("/openapi.json").json()
+    assert {"/score", "/workers", "/workers/{name}", "/healthz", "/metrics"} <= set(spec["paths"])
+    w = h.client.get("/workers").json()[0]
+    assert w["name"] == "a" and w["stream"]["applied_seq"] >= 1
+
+
+def test_cli_worker_specs_and_config(tmp_path):
+    s = WorkerSpec.parse("w1=tcp://10.0.0.1:5557,replay=tcp://10.0.0.1:5558,topic=kv,tier=cpu")
+    assert (s.name, s.replay, s.topic, s.tier) == ("w1", "tcp://10.0.0.1:5558", "kv", "CPU")
+    for bad in ("w1", "w1=http://x", "w1=tcp://x:1,color=red", "w 1=tcp://x:1", "w=tcp://x:1,tier=HBM"):
+        with pytest.raises(ConfigError):
+            WorkerSpec.parse(bad)
+    f = tmp_path / "idx.yaml"
+    f.write_text("workers:\n  - {name: y, endpoint: 'tcp://h:1', tier: storage}\n"
+                 "tier_weights: {cpu: 0.5}\ncapacity: 100\nport: 9000\n")
+    args = argparse.Namespace(config=str(f), worker=["z=tcp://h:2"], tier_weight=["GPU=2"], port=9100,
+                              capacity=None, admin_token=None, admin_token_file=None)
+    cfg = build_config(args)
+    assert [w.name for w in cfg.workers] == ["y", "z"] and cfg.workers[0].tier == "STORAGE"
+    assert cfg.tier_weights == {"GPU": 2.0, "CPU": 0.5, "STORAGE": 0.5}
+    assert (cfg.capacity, cfg.port, cfg.host) == (100, 9100, "127.0.0.1")
+    with pytest.raises(ConfigError, match="twice"):
+        build_config(argparse.Namespace(worker=["a=tcp://h:1", "a=tcp://h:2"]))
+    with pytest.raises(ConfigError, match="16 characters"):
+        build_config(argparse.Namespace(admin_token="short"))
+
+
+def test_cli_process_serves_and_shuts_down():
+    import signal
+    import subprocess
+    import sys
+
+    import httpx
+    from indexer_support import free_port
+
+    pub = TestPublisher(topic="kv")
+    port = free_port()
+    proc = None
+    try:
+        pub.publish([store(1, P1, BS)])
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "kvslots", "indexer", "--port", str(port), "--block-size", str(BS),
+             "--worker", f"w0={pub.endpoint},replay={pub.replay_endpoint},topic=kv", "--log-level", "info"],
+            stderr=subprocess.PIPE, text=True)
+        url = f"http://127.0.0.1:{port}"
+
+        def up():
+            try:
+                return httpx.get(url + "/healthz", timeout=0.5).status_code == 200
+            except httpx.HTTPError:
+                return False
+
+        wait_for(up, 30, "the indexer to listen")
+        r = httpx.post(url + "/score", json={"token_ids": P1}).json()
+        assert r["workers"]["w0"]["blocks"] == 4  # learnt from the publisher's replay buffer
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(15)
+        assert "Application shutdown complete" in proc.stderr.read()
+    finally:
+        if proc is not None and proc.poll() is None:
+            proc.kill()
+        pub.close()
