@@ -11,6 +11,7 @@ import sys
 COMMAND_MODULES = [
     "kvslots.simulate",
     "kvslots.convert",
+    "kvslots.serve",
 ]
 
 
