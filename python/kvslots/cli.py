@@ -12,6 +12,8 @@ COMMAND_MODULES = [
     "kvslots.simulate",
     "kvslots.convert",
     "kvslots.indexer.cli",
+    "kvslots.serve",
+    "kvslots.demo",
 ]
 
 
