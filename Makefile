@@ -4,9 +4,9 @@ PY := $(VENV)/bin/python
 
 .PHONY: demo test setup bench
 
-demo:  ## the main job: a simulated EAGLE workload through the slot manager
-	@VENV=$(VENV) scripts/setup.sh
-	$(PY) -m kvslots simulate
+demo:  ## the main job: a tiny local model served with the connector, KV events and the indexer
+	@VENV=$(VENV) scripts/setup.sh --with-vllm
+	$(PY) -m kvslots demo
 
 test:  ## the whole test suite: Rust engine tests, then pytest (with vLLM on CPU)
 	@VENV=$(VENV) scripts/setup.sh --with-vllm

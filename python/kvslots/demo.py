@@ -1,9 +1,10 @@
 """``kvslots demo``: the whole of kvslots on one machine, with no weights downloaded.
 
 1. Builds a tiny random-weight Llama target and its EAGLE / EAGLE-3 heads locally (cached).
-2. Starts an in-process ``kvslots indexer`` subscribed to the server's KV event stream.
-3. Starts ``kvslots serve`` (vLLM's OpenAI server on CPU) with speculative decoding, the
+2. Starts ``kvslots serve`` (vLLM's OpenAI server on CPU) with speculative decoding, the
    KVSlotsConnector (host-memory tier) and KV events on.
+3. Starts an in-process ``kvslots indexer`` subscribed to the server's KV event stream (vLLM's
+   device-tier events and the connector's host-tier events travel on it together).
 4. Sends requests sharing a long prefix, asks the indexer which worker holds how much of it,
    resets vLLM's device prefix cache, repeats a request (now served from the host tier), and
    shows the host-tier hits, the speculative-decoding acceptance counts and the index's scores.
@@ -80,27 +81,27 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     http, events, replay = _free_port(), _free_port(), _free_port()
     base = f"http://127.0.0.1:{http}"
 
-    indexer = IndexerService(IndexerConfig(
-        workers=[WorkerSpec("worker-0", f"tcp://127.0.0.1:{events}", replay=f"tcp://127.0.0.1:{replay}", topic="kv")],
-        block_size=BLOCK_SIZE))
-    indexer.start()
-    log(f"[2/5] kvslots indexer (in-process) subscribed to tcp://127.0.0.1:{events}")
-
     draft = models["target"] if args.method == "draft_model" else models[args.method]
     spec = {"method": args.method, "model": draft, "num_speculative_tokens": args.k}
     cmd = [sys.executable, "-m", "kvslots", "serve", models["target"],
            "--speculative-config", json.dumps(spec), "--host-cache-gb", str(args.host_cache_gb),
-           "--kv-events-endpoint", f"tcp://*:{events}", "--kv-events-replay-endpoint", f"tcp://*:{replay}",
+           "--kv-events-endpoint", f"tcp://[::ffff:127.0.0.1]:{events}",
+           "--kv-events-replay-endpoint", f"tcp://127.0.0.1:{replay}",
            "--kv-events-topic", "kv", "--host", "127.0.0.1", "--port", str(http), "--",
            "--served-model-name", MODEL_NAME, "--enforce-eager", "--dtype", "float32",
            "--block-size", str(BLOCK_SIZE), "--max-model-len", "2048", "--max-num-seqs", "8"]
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
                VLLM_SERVER_DEV_MODE="1")  # dev mode: /reset_prefix_cache
-    log("[3/5] starting kvslots serve (vLLM on CPU; this takes a minute or two here)")
+    log("[2/5] starting kvslots serve (vLLM on CPU; this takes a minute or two here)")
     proc = subprocess.Popen(cmd, env=env, stdout=None if args.verbose else subprocess.DEVNULL,
                             stderr=None if args.verbose else subprocess.DEVNULL, start_new_session=True)
+    indexer = IndexerService(IndexerConfig(
+        workers=[WorkerSpec("worker-0", f"tcp://127.0.0.1:{events}", replay=f"tcp://127.0.0.1:{replay}", topic="kv")],
+        block_size=BLOCK_SIZE))
     try:
         _wait_healthy(base, proc, args.timeout)
+        indexer.start()
+        log(f"[3/5] kvslots indexer (in-process) subscribed to the server's KV events, tcp://127.0.0.1:{events}")
         report = _workload(base, indexer, args, log)
     finally:
         if proc.poll() is None:
@@ -136,6 +137,7 @@ def _workload(base: str, indexer: Any, args: argparse.Namespace, log: Any) -> di
     first = [complete(p) for p in prompts]
     before_reset = score(prompts[0])
     ok = _http("POST", base + "/reset_prefix_cache")
+    complete([7, 8, 9])  # vLLM publishes the reset (AllBlocksCleared) with its next step
     after_reset = score(prompts[0])
     m0 = _metrics(base)
     again, t_again = complete(prompts[0])
