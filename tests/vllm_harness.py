@@ -91,6 +91,7 @@ class Harness:
     num_workers: int = 1
     acceptance: float = 0.7
     seed: int = 0
+    log_stats: bool = True
     scheduler: Scheduler = field(init=False)
     connector: KVSlotsConnector = field(init=False)
     workers: list[KVSlotsConnector] = field(init=False)
@@ -105,7 +106,7 @@ class Harness:
         self.cfg.cache_config.num_gpu_blocks = self.num_blocks
         self.scheduler = Scheduler(vllm_config=self.cfg, kv_cache_config=kcc,
                                    structured_output_manager=StructuredOutputManager(self.cfg),
-                                   block_size=BLOCK_SIZE, log_stats=True)
+                                   block_size=BLOCK_SIZE, log_stats=self.log_stats)
         self.connector = self.scheduler.connector  # type: ignore[assignment]
         # The scheduler drains the connector's events into its publisher each step: capture them.
         self.scheduler.kv_event_publisher = _Capture(self.events)

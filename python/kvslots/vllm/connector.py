@@ -81,6 +81,7 @@ class KVSlotsConnector(KVConnectorBase_V1):
                 num_host_blocks=num_host,
                 eagle_block_drop=drop,
                 expected_workers=vllm_config.parallel_config.world_size,
+                max_decode_tokens=1 + (spec.num_speculative_tokens if spec is not None else 0),
             )
             if self.config.events_endpoint:
                 self._publisher = _make_publisher(self.config, self._dp_rank)
@@ -111,8 +112,7 @@ class KVSlotsConnector(KVConnectorBase_V1):
         cached = scheduler_output.scheduled_cached_reqs
         first = [r.req_id for r in scheduler_output.scheduled_new_reqs]
         first.extend(cached.resumed_req_ids or ())
-        return self._sched.build(scheduler_output.num_scheduled_tokens.keys(),
-                                 scheduler_output.preempted_req_ids or (), self._block_ids_of, first)
+        return self._sched.build(scheduler_output.preempted_req_ids or (), self._block_ids_of, first)
 
     def _block_ids_of(self, req_id: str) -> Any:
         """The request's device block ids, read lazily: the public get_block_ids() builds a list

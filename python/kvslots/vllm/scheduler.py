@@ -50,7 +50,8 @@ class _Req:
     lora_id: int | None
     hashes: list[int] = field(default_factory=list)  # external form of request.block_hashes
     next_block: int = 0  # blocks below were already considered for storing
-    store_at: int = 0  # verified tokens at which block next_block becomes storable (hot-path check)
+    store_at: int = 0  # verified tokens at which block next_block becomes storable
+    due: int = -1  # the build step at which this request is next checked for storable blocks
     planned_load: LoadSpec | None = None
     hit_blocks: int = 0
     local_blocks: int = 0
@@ -70,8 +71,13 @@ def verified_tokens(request: Any) -> int:
 
 class SchedulerSide:
     def __init__(self, *, block_size: int, num_host_blocks: int, eagle_block_drop: bool,
-                 expected_workers: int) -> None:
+                 expected_workers: int, max_decode_tokens: int = 1) -> None:
+        """``max_decode_tokens``: the most tokens a decoding request verifies in one step (1 + K).
+        A request is checked for storable blocks only at the first step at which a block could
+        have filled, so a step costs a fraction of the batch, not the whole batch."""
         self.block_size = block_size
+        self.max_decode_tokens = max(1, max_decode_tokens)
+        self._due: dict[int, list[str]] = {}
         self.host = HostCache(num_host_blocks, block_size)
         self.eagle_block_drop = eagle_block_drop
         self.expected_workers = expected_workers
@@ -128,8 +134,8 @@ class SchedulerSide:
         self.stats["hit_tokens"] += num_external_tokens
 
     # ---- per step ----
-    def build(self, scheduled_req_ids: Iterable[str], preempted_req_ids: Iterable[str],
-              block_ids_of: Callable[[str], list[int]], first_scheduled: Iterable[str] = ()) -> KVSlotsMetadata:
+    def build(self, preempted_req_ids: Iterable[str], block_ids_of: Callable[[str], list[int]],
+              first_scheduled: Iterable[str] = ()) -> KVSlotsMetadata:
         """``first_scheduled``: requests scheduled for the first time since they arrived or were
         preempted. Their prefix hit may be on blocks another request computes in this very step
         (vLLM caches a block when it is scheduled), so none of their blocks is stored yet."""
@@ -152,21 +158,20 @@ class SchedulerSide:
         skip.update(first_scheduled)
         bs = self.block_size
         requests = self.requests
-        # The hot path at large batches: one dict lookup and one comparison per request; a block
-        # fills only every block_size / (1 + accepted) steps.
-        for rid in scheduled_req_ids:
+        # The hot path at large batches: only the requests due this step are looked at.
+        for rid in self._due.pop(self.step, ()):
             st = requests.get(rid)
-            if st is None:
-                continue
+            if st is None or st.due != self.step:
+                continue  # finished, or a stale entry
             req = st.request
             verified = req.num_computed_tokens - req.num_in_flight_tokens
-            if verified < st.store_at or rid in skip:
-                continue
-            full = min(verified // bs, len(req.block_hashes))
-            if full > st.next_block:
-                self._plan_store(st, st.next_block, full, block_ids_of(rid), dev, host, self.step)
-                st.next_block = full
-            st.store_at = (st.next_block + 1) * bs
+            if verified >= st.store_at and rid not in skip:
+                full = min(verified // bs, len(req.block_hashes))
+                if full > st.next_block:
+                    self._plan_store(st, st.next_block, full, block_ids_of(rid), dev, host, self.step)
+                    st.next_block = full
+                st.store_at = (st.next_block + 1) * bs
+            self._check_later(rid, st, verified)
         meta = KVSlotsMetadata(
             step=self.step,
             store_device_blocks=np.asarray(dev, dtype=np.int64),
@@ -176,6 +181,16 @@ class SchedulerSide:
         if dev or ops.load_host_blocks:
             self._inflight[self.step] = ops
         return meta
+
+    def _check_later(self, rid: str, st: _Req, verified: int) -> None:
+        req = st.request
+        if req.num_computed_tokens < req.num_prompt_tokens:
+            wait = 1  # a prefill chunk can fill any number of blocks
+        else:
+            # Verified tokens grow by at most max_decode_tokens a step: no block can fill sooner.
+            wait = max(1, (st.store_at - verified) // self.max_decode_tokens)
+        st.due = self.step + wait
+        self._due.setdefault(st.due, []).append(rid)
 
     def _plan_store(self, st: _Req, lo: int, hi: int, device_blocks: Any, dev: list[int],
                     host: list[int], step: int) -> None:
@@ -234,6 +249,8 @@ class SchedulerSide:
             lora = getattr(request, "lora_request", None)
             st = _Req(request, getattr(lora, "lora_int_id", None) if lora else None)
             self.requests[request.request_id] = st
+            st.due = self.step + 1
+            self._due.setdefault(st.due, []).append(request.request_id)
         return st
 
     def _plan_of(self, rid: str) -> LoadSpec | None:
