@@ -208,6 +208,11 @@ class ReferenceSlotManager:
     def num_pending_events(self) -> int:
         return len(self._events)
 
+    def discard_events(self) -> int:
+        n = len(self._events)
+        self._events.clear()
+        return n
+
     # ---- pool primitives ----
     def _available(self) -> int:
         return len(self._free) + len(self._lru)

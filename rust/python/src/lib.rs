@@ -537,6 +537,13 @@ impl SlotManager {
     fn num_pending_events(&self) -> usize {
         self.inner.events().len()
     }
+    /// Drops the queued events without turning them into Python objects (an engine with no
+    /// event subscriber); returns how many there were.
+    fn discard_events(&mut self) -> usize {
+        let n = self.inner.events().len();
+        self.inner.events_mut().clear();
+        n
+    }
     /// None when every invariant holds, else a description of the first broken one.
     fn check_invariants(&self) -> Option<String> {
         self.inner.check_invariants().err()
