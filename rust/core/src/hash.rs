@@ -17,7 +17,19 @@ impl BlockHasher {
     }
 
     /// Hash of one full block given its parent's hash (the seed for the first block).
+    #[inline]
     pub fn hash(&mut self, parent: u64, tokens: &[u32], extra: Option<u64>) -> u64 {
+        // The usual block sizes: a buffer of a size known at compile time, so the copies
+        // inline and xxh3's length dispatch folds away (16 tokens: ~4.5 ns, ~2x the general
+        // inline path below).
+        if cfg!(target_endian = "little") {
+            if let Ok(t) = <&[u32; 16]>::try_from(tokens) {
+                return fixed::<16, 80>(parent, t, extra);
+            }
+            if let Ok(t) = <&[u32; 32]>::try_from(tokens) {
+                return fixed::<32, 144>(parent, t, extra);
+            }
+        }
         if tokens.len() <= INLINE_TOKENS {
             return hash_inline(parent, tokens, extra);
         }
@@ -52,6 +64,26 @@ impl BlockHasher {
                 parent
             })
             .collect()
+    }
+}
+
+/// [`BlockHasher::hash`] for blocks of `N` tokens; `B` = 8 + 4 N + 8 bytes of buffer.
+#[inline(always)]
+fn fixed<const N: usize, const B: usize>(
+    parent: u64,
+    tokens: &[u32; N],
+    extra: Option<u64>,
+) -> u64 {
+    debug_assert_eq!(B, 8 + 4 * N + 8);
+    let mut buf = [0u8; B];
+    buf[..8].copy_from_slice(&parent.to_le_bytes());
+    buf[8..8 + 4 * N].copy_from_slice(bytemuck::cast_slice::<u32, u8>(tokens));
+    match extra {
+        None => xxh3_64(&buf[..8 + 4 * N]),
+        Some(e) => {
+            buf[8 + 4 * N..].copy_from_slice(&e.to_le_bytes());
+            xxh3_64(&buf)
+        }
     }
 }
 
@@ -133,7 +165,21 @@ mod tests {
 
     #[test]
     fn inline_and_long_blocks_share_the_layout() {
-        for n in [0usize, 1, 16, INLINE_TOKENS, INLINE_TOKENS + 1, 200] {
+        // 16 and 32 take the fixed-size paths, up to INLINE_TOKENS the inline one.
+        let sizes = [
+            0usize,
+            1,
+            15,
+            16,
+            17,
+            31,
+            32,
+            33,
+            INLINE_TOKENS,
+            INLINE_TOKENS + 1,
+            200,
+        ];
+        for n in sizes {
             let tokens: Vec<u32> = (0..n as u32).map(|t| t.wrapping_mul(2654435761)).collect();
             for extra in [None, Some(42u64)] {
                 let mut bytes = 9u64.to_le_bytes().to_vec();
