@@ -58,10 +58,10 @@ impl HostCache {
         if block_size == 0 {
             return Err(SlotError::invalid(None, "block_size must be at least 1"));
         }
-        if num_blocks >= u32::MAX as usize {
+        if num_blocks >= BlockPool::MAX_BLOCKS {
             return Err(SlotError::invalid(
                 None,
-                format!("num_blocks must be below {}", u32::MAX),
+                format!("num_blocks must be below {}", BlockPool::MAX_BLOCKS),
             ));
         }
         Ok(HostCache {

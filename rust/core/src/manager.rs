@@ -5,11 +5,16 @@
 
 use std::collections::HashMap;
 
+use foldhash::fast::RandomState;
+
 use crate::error::{Result, SlotError};
 use crate::events::EventLog;
 use crate::hash::BlockHasher;
 use crate::pool::{BlockId, BlockPool};
 use crate::slot::{blocks_for, Slot, SlotInfo};
+
+/// A finished slot whose token buffer is larger than this is dropped rather than kept for reuse.
+const MAX_SPARE_TOKENS: usize = 1 << 18;
 
 /// Opaque handle of a live slot: generation in the high 32 bits, slab index in the low 32, so a
 /// handle kept past `finish` is rejected instead of silently naming a newer request.
@@ -90,7 +95,9 @@ pub struct SlotManager {
     slots: Vec<Option<Slot>>,
     generation: Vec<u32>,
     free_slots: Vec<u32>,
-    index: HashMap<String, u32>,
+    /// Finished slots kept for their buffers, so creating a slot allocates nothing once warm.
+    spare: Vec<Slot>,
+    index: HashMap<String, u32, RandomState>,
     hasher: BlockHasher,
     events: EventLog,
     stats: Stats,
@@ -106,12 +113,12 @@ impl SlotManager {
         if cfg.block_size == 0 {
             return Err(SlotError::invalid(None, "block_size must be at least 1"));
         }
-        if cfg.num_blocks >= u32::MAX as usize {
+        if cfg.num_blocks >= BlockPool::MAX_BLOCKS {
             return Err(SlotError::invalid(
                 None,
                 format!(
                     "num_blocks must be below {} (got {})",
-                    u32::MAX,
+                    BlockPool::MAX_BLOCKS,
                     cfg.num_blocks
                 ),
             ));
@@ -129,7 +136,8 @@ impl SlotManager {
             slots: Vec::new(),
             generation: Vec::new(),
             free_slots: Vec::new(),
-            index: HashMap::new(),
+            spare: Vec::new(),
+            index: HashMap::default(),
             hasher: BlockHasher::new(),
             stats: Stats::default(),
             evicted: Vec::new(),
@@ -268,8 +276,12 @@ impl SlotManager {
                 request: request_id.to_owned(),
             });
         }
-        let mut slot = Slot::new(request_id, lookahead, extra_key);
-        self.check_len(&slot, prompt.len())?;
+        let mut slot = self.spare.pop().unwrap_or_default();
+        slot.reset(request_id, lookahead, extra_key);
+        if let Err(e) = self.check_len(&slot, prompt.len()) {
+            self.spare.push(slot);
+            return Err(e);
+        }
         let bs = self.cfg.block_size;
         if match_prefix && self.cfg.enable_prefix_caching {
             let max_blocks = prompt.len().saturating_sub(1) / bs;
@@ -379,6 +391,9 @@ impl SlotManager {
         self.stats.released_blocks += slot.blocks.len() as u64;
         self.stats.requests_finished += 1;
         self.free_slots.push(i);
+        if slot.tokens.capacity() <= MAX_SPARE_TOKENS {
+            self.spare.push(slot);
+        }
         Ok(())
     }
 
@@ -443,6 +458,7 @@ impl SlotManager {
         let bs = self.cfg.block_size;
         self.targets.clear();
         let mut freed = 0usize;
+        let mut needed = 0usize;
         for j in 0..n {
             let i = self.resolve(input.slots[j])? as usize;
             let slot = self.slots[i].as_ref().expect("live");
@@ -474,19 +490,23 @@ impl SlotManager {
             if target < slot.blocks.len() && k < slot.reserved_lookahead {
                 freed += slot.blocks.len() - target;
             }
+            needed += target.saturating_sub(slot.blocks.len());
             self.targets.push(target);
         }
         // Room: shrinks happen before any allocation, so their blocks count as available.
+        // When the batch does not fit, the error names the first request that overflows.
         let available = self.pool.available() + freed;
-        let mut needed = 0usize;
-        for j in 0..n {
-            let slot = self.slots[input.slots[j] as u32 as usize]
-                .as_ref()
-                .expect("live");
-            needed += self.targets[j].saturating_sub(slot.blocks.len());
-            if needed > available {
-                let request = slot.request_id.clone();
-                return Err(self.out_of_blocks(&request, needed, available));
+        if needed > available {
+            let mut needed = 0usize;
+            for j in 0..n {
+                let slot = self.slots[input.slots[j] as u32 as usize]
+                    .as_ref()
+                    .expect("live");
+                needed += self.targets[j].saturating_sub(slot.blocks.len());
+                if needed > available {
+                    let request = slot.request_id.clone();
+                    return Err(self.out_of_blocks(&request, needed, available));
+                }
             }
         }
 
@@ -502,18 +522,24 @@ impl SlotManager {
             self.live(i).pending -= r;
             self.stats.rolled_back_tokens += r as u64;
         }
-        // Pass 2: lookahead changes and shrinks.
-        for j in 0..n {
-            let i = input.slots[j] as u32;
-            let target = self.targets[j];
-            let slot = self.live(i);
-            if let Some(l) = input.lookahead {
+        // Pass 2: lookahead changes and shrinks. Without new lookaheads nothing can shrink: a
+        // slot's K is never below the K its capacity was reserved for outside a step.
+        if let Some(l) = input.lookahead {
+            for j in 0..n {
+                let i = input.slots[j] as u32;
+                let target = self.targets[j];
+                let slot = self.live(i);
                 slot.lookahead = l[j] as usize;
+                if target < slot.blocks.len() && slot.lookahead < slot.reserved_lookahead {
+                    let surplus = slot.blocks.len() - target;
+                    self.shrink(i, surplus);
+                }
             }
-            if target < slot.blocks.len() && slot.lookahead < slot.reserved_lookahead {
-                let surplus = slot.blocks.len() - target;
-                self.shrink(i, surplus);
-            }
+        } else {
+            debug_assert!(input.slots.iter().all(|&id| {
+                let s = self.slots[id as u32 as usize].as_ref().expect("live");
+                s.lookahead >= s.reserved_lookahead
+            }));
         }
         // Pass 3: reserve.
         for j in 0..n {
@@ -571,17 +597,27 @@ impl SlotManager {
         let slot = self.slots[i as usize].as_mut().expect("live");
         let full = slot.commit_tokens(tokens, bs);
         let count = full.len();
+        // Hash the chain first, starting to load each hash's index slot, then register: the
+        // index is much larger than the caches, and a prompt fills dozens of blocks at once.
+        for b in full.clone() {
+            let parent = if b == 0 { seed } else { slot.hashes[b - 1] };
+            let h = self
+                .hasher
+                .hash(parent, &slot.tokens[b * bs..(b + 1) * bs], slot.extra_key);
+            slot.hashes.push(h);
+            if caching {
+                self.pool.prefetch(h);
+            }
+        }
         let mut run_parent: Option<Option<u64>> = None;
         for b in full {
-            let parent = if b == 0 { seed } else { slot.hashes[b - 1] };
-            let block_tokens = &slot.tokens[b * bs..(b + 1) * bs];
-            let h = self.hasher.hash(parent, block_tokens, slot.extra_key);
-            slot.hashes.push(h);
+            let h = slot.hashes[b];
             if caching && self.pool.register(slot.blocks[b], h) {
                 if run_parent.is_none() {
-                    run_parent = Some((b > 0).then_some(parent));
+                    run_parent = Some((b > 0).then(|| slot.hashes[b - 1]));
                 }
-                self.events.push_stored_block(h, block_tokens);
+                self.events
+                    .push_stored_block(h, &slot.tokens[b * bs..(b + 1) * bs]);
                 self.stats.registered_blocks += 1;
             } else if let Some(p) = run_parent.take() {
                 self.events.finish_stored(p, slot.extra_key);

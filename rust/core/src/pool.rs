@@ -6,81 +6,294 @@
 //! - held: refcount > 0 (registered or not);
 //! - cached: refcount 0, registered, on the LRU (evicted lazily when the free stack runs dry).
 //!
-//! Metadata is struct-of-arrays, 25 bytes per block plus the registry entry of registered blocks.
+//! Metadata is struct-of-arrays, fixed at construction, 28 bytes per block in all, registry
+//! included: a refcount with the registered flag in its top bit (4), the block's hash (8), two
+//! links (4 + 4: the LRU's for a cached block, the free stack's for a free one) and two slots of
+//! the prefix index (2 x 4). Nothing is allocated after construction (but a small scratch list
+//! of eviction victims), and every array starts zeroed, so building a pool of a million blocks
+//! costs a few zeroed pages until blocks are used.
 
-use std::collections::HashMap;
+use std::hash::{BuildHasher, RandomState};
 
 pub type BlockId = u32;
 const NIL: u32 = u32::MAX;
+/// Top bit of `meta`: the block is registered (in the prefix index).
+const REGISTERED: u32 = 1 << 31;
+const REFCOUNT: u32 = REGISTERED - 1;
 
 #[derive(Debug, Clone)]
 pub struct BlockPool {
-    refcount: Vec<u32>,
+    /// Refcount (low 31 bits) and the registered flag (top bit).
+    meta: Vec<u32>,
+    /// The registered hash of a registered block (stale otherwise).
     hash: Vec<u64>,
-    registered: Vec<bool>,
-    // Intrusive doubly linked LRU over cached blocks: head is least recently used.
+    // Intrusive doubly linked LRU over cached blocks: head is least recently used. A free
+    // block's `next` links the free stack instead.
     prev: Vec<u32>,
     next: Vec<u32>,
     head: u32,
     tail: u32,
     num_cached: usize,
-    // Free stack: the next block handed out is the last element.
-    free: Vec<BlockId>,
-    registry: HashMap<u64, BlockId>,
+    // Free stack: blocks pushed back (linked through `next`, top first) above the blocks
+    // `fresh..num_blocks` that were never handed out (handed out in increasing order).
+    free_top: u32,
+    num_pushed: usize,
+    fresh: u32,
+    index: PrefixIndex,
+    /// Scratch: the blocks one allocation evicts.
+    victims: Vec<u32>,
+}
+
+/// splitmix64's finaliser: a bijection that spreads every input bit over the output.
+fn mix64(mut z: u64) -> u64 {
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
+}
+
+/// Starts loading the cache line at `p` (a hint: never faults, never reads into the program).
+#[inline(always)]
+fn prefetch<T>(p: *const T) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
+        // SAFETY: a prefetch instruction has no architectural effect; any address is allowed.
+        #[allow(unused_unsafe)]
+        unsafe {
+            _mm_prefetch::<_MM_HINT_T0>(p as *const i8)
+        };
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = p;
+}
+
+/// The prefix registry: an open-addressing table (linear probing, backward-shift deletion,
+/// load at most 1/2) of block ids, keyed by the hash the pool stores for each block.
+///
+/// A slot is `tag | displacement << id_bits | (block id + 1)`, 0 when empty. The block id takes
+/// the bits `num_blocks` needs; of the rest, up to 4 hold the entry's distance from its home
+/// slot (saturated: the top value means "at least that far, ask the hash"), and the remaining
+/// high bits a fingerprint of the hash (11 bits for a pool of 100k blocks, 8 for 1M). So a
+/// probe reads a block's hash only when the fingerprint matches, and a deletion shifts the
+/// entries after it without reading theirs. Home slots come from the hash mixed with a per-pool
+/// random key, so chosen token sequences cannot pile their blocks into one probe run.
+#[derive(Debug, Clone)]
+struct PrefixIndex {
+    slots: Vec<u32>,
+    key: u64,
+    id_bits: u32,
+    dist_bits: u32,
+    len: usize,
+}
+
+/// Where a probe for a hash ended.
+enum Probe {
+    Found(BlockId),
+    /// Not present: the empty slot it would go in, and that slot's distance from home.
+    Vacant(usize, usize),
+}
+
+impl PrefixIndex {
+    fn new(num_blocks: usize, max_dist_bits: u32) -> Self {
+        // Enough bits for `num_blocks` (the largest id + 1); at least one is left over.
+        let id_bits = u32::BITS - (num_blocks as u32).leading_zeros();
+        PrefixIndex {
+            slots: vec![0; (2 * num_blocks).max(8)],
+            key: RandomState::new().hash_one(0x6b76_736c_6f74_73u64),
+            id_bits,
+            dist_bits: (u32::BITS - id_bits).min(max_dist_bits),
+            len: 0,
+        }
+    }
+
+    #[inline]
+    fn mixed(&self, hash: u64) -> u64 {
+        mix64(hash ^ self.key)
+    }
+    /// Home slot: multiply-shift range reduction of the mix's high bits onto the table.
+    #[inline]
+    fn home_of(&self, mixed: u64) -> usize {
+        ((mixed as u128 * self.slots.len() as u128) >> 64) as usize
+    }
+    #[inline]
+    fn home(&self, hash: u64) -> usize {
+        self.home_of(self.mixed(hash))
+    }
+    #[inline]
+    fn tag_shift(&self) -> u32 {
+        self.id_bits + self.dist_bits
+    }
+    /// The fingerprint bits of a slot (none when the id and distance take all 32).
+    #[inline]
+    fn tag_mask(&self) -> u32 {
+        u32::MAX.checked_shl(self.tag_shift()).unwrap_or(0)
+    }
+    #[inline]
+    fn tag_of(&self, mixed: u64) -> u32 {
+        (mixed as u32) & self.tag_mask()
+    }
+    #[inline]
+    fn dist_max(&self) -> usize {
+        (1usize << self.dist_bits) - 1
+    }
+    /// The block id + 1 of a slot (0: empty).
+    #[inline]
+    fn id(&self, v: u32) -> u32 {
+        v & ((1u32 << self.id_bits) - 1)
+    }
+    #[inline]
+    fn encode(&self, tag: u32, dist: usize, block: BlockId) -> u32 {
+        tag | ((dist.min(self.dist_max()) as u32) << self.id_bits) | (block + 1)
+    }
+    /// Distance from home of the entry `v` in slot `j`.
+    #[inline]
+    fn dist(&self, v: u32, j: usize, hashes: &[u64]) -> usize {
+        let d = ((v >> self.id_bits) as usize) & self.dist_max();
+        if d < self.dist_max() {
+            return d;
+        }
+        let home = self.home(hashes[(self.id(v) - 1) as usize]);
+        (j + self.slots.len() - home) % self.slots.len()
+    }
+    #[inline]
+    fn next(&self, i: usize) -> usize {
+        if i + 1 == self.slots.len() {
+            0
+        } else {
+            i + 1
+        }
+    }
+
+    #[inline]
+    fn probe(&self, hash: u64, hashes: &[u64]) -> Probe {
+        let m = self.mixed(hash);
+        let (tag, tag_mask) = (self.tag_of(m), self.tag_mask());
+        let (mut i, mut d) = (self.home_of(m), 0);
+        loop {
+            let v = self.slots[i];
+            if v == 0 {
+                return Probe::Vacant(i, d);
+            }
+            if v & tag_mask == tag {
+                let b = self.id(v) - 1;
+                if hashes[b as usize] == hash {
+                    return Probe::Found(b);
+                }
+            }
+            i = self.next(i);
+            d += 1;
+        }
+    }
+
+    fn lookup(&self, hash: u64, hashes: &[u64]) -> Option<BlockId> {
+        match self.probe(hash, hashes) {
+            Probe::Found(b) => Some(b),
+            Probe::Vacant(..) => None,
+        }
+    }
+
+    #[inline]
+    fn prefetch(&self, hash: u64) {
+        prefetch(self.slots.as_ptr().wrapping_add(self.home(hash)));
+    }
+
+    /// Removes `block`, registered under `hash`.
+    fn remove(&mut self, block: BlockId, hash: u64, hashes: &[u64]) {
+        let mut hole = self.home(hash);
+        while self.id(self.slots[hole]) != block + 1 {
+            hole = self.next(hole);
+        }
+        // Backward-shift deletion: an entry after the hole moves into it when its home is not
+        // (cyclically) after the hole, i.e. when it sits at least as far from home as from
+        // the hole.
+        let n = self.slots.len();
+        let mut j = hole;
+        loop {
+            j = self.next(j);
+            let v = self.slots[j];
+            if v == 0 {
+                break;
+            }
+            let d = self.dist(v, j, hashes);
+            let gap = (j + n - hole) % n;
+            if d >= gap {
+                self.slots[hole] = self.encode(v & self.tag_mask(), d - gap, self.id(v) - 1);
+                hole = j;
+            }
+        }
+        self.slots[hole] = 0;
+        self.len -= 1;
+    }
+
+    fn blocks(&self) -> impl Iterator<Item = (usize, BlockId)> + '_ {
+        self.slots
+            .iter()
+            .enumerate()
+            .filter(|(_, &v)| v != 0)
+            .map(|(j, &v)| (j, self.id(v) - 1))
+    }
 }
 
 impl BlockPool {
+    /// Pools hold fewer blocks than this (the refcount word keeps one bit for the flag).
+    pub const MAX_BLOCKS: usize = REGISTERED as usize;
+
     pub fn new(num_blocks: usize) -> Self {
-        assert!(num_blocks < NIL as usize, "pool too large");
+        Self::with_index_dist_bits(num_blocks, 4)
+    }
+
+    fn with_index_dist_bits(num_blocks: usize, dist_bits: u32) -> Self {
+        assert!(num_blocks < Self::MAX_BLOCKS, "pool too large");
         BlockPool {
-            refcount: vec![0; num_blocks],
+            meta: vec![0; num_blocks],
             hash: vec![0; num_blocks],
-            registered: vec![false; num_blocks],
-            prev: vec![NIL; num_blocks],
-            next: vec![NIL; num_blocks],
+            prev: vec![0; num_blocks],
+            next: vec![0; num_blocks],
             head: NIL,
             tail: NIL,
             num_cached: 0,
-            // Block 0 is handed out first.
-            free: (0..num_blocks as u32).rev().collect(),
-            registry: HashMap::new(),
+            free_top: NIL,
+            num_pushed: 0,
+            fresh: 0,
+            index: PrefixIndex::new(num_blocks, dist_bits),
+            victims: Vec::new(),
         }
     }
 
     pub fn num_blocks(&self) -> usize {
-        self.refcount.len()
+        self.meta.len()
     }
     pub fn num_free(&self) -> usize {
-        self.free.len()
+        self.num_pushed + (self.num_blocks() - self.fresh as usize)
     }
     pub fn num_cached(&self) -> usize {
         self.num_cached
     }
     pub fn num_held(&self) -> usize {
-        self.num_blocks() - self.free.len() - self.num_cached
+        self.num_blocks() - self.num_free() - self.num_cached
     }
     /// Blocks an allocation can take: free plus evictable.
     pub fn available(&self) -> usize {
-        self.free.len() + self.num_cached
+        self.num_free() + self.num_cached
     }
     pub fn refcount(&self, block: BlockId) -> u32 {
-        self.refcount[block as usize]
+        self.meta[block as usize] & REFCOUNT
     }
     pub fn is_registered(&self, block: BlockId) -> bool {
-        self.registered[block as usize]
+        self.meta[block as usize] & REGISTERED != 0
     }
     /// The registered hash of a block, if it is registered.
     pub fn registered_hash(&self, block: BlockId) -> Option<u64> {
-        self.registered[block as usize].then(|| self.hash[block as usize])
+        self.is_registered(block).then(|| self.hash[block as usize])
     }
     pub fn lookup(&self, hash: u64) -> Option<BlockId> {
-        self.registry.get(&hash).copied()
+        self.index.lookup(hash, &self.hash)
     }
     pub fn num_registered(&self) -> usize {
-        self.registry.len()
+        self.index.len
     }
     pub fn registered_hashes(&self) -> impl Iterator<Item = u64> + '_ {
-        self.registry.keys().copied()
+        self.index.blocks().map(|(_, b)| self.hash[b as usize])
     }
     /// Cached blocks from least to most recently used.
     pub fn lru_order(&self) -> Vec<BlockId> {
@@ -92,54 +305,83 @@ impl BlockPool {
         }
         out
     }
-    /// Bytes of per-block metadata (excluding the registry's entries).
+    /// Bytes of metadata per block, the prefix registry included (see the module docs).
     pub fn bytes_per_block() -> usize {
-        4 + 8 + 1 + 4 + 4 + 4
+        4 + 8 + 4 + 4 + 2 * 4
+    }
+
+    /// Hints that `hash` is about to be looked up or registered: starts loading its index slot
+    /// (a commit hashes its full blocks first, then registers them, so these loads overlap).
+    #[inline]
+    pub fn prefetch(&self, hash: u64) {
+        self.index.prefetch(hash);
     }
 
     /// Takes `n` blocks (free first, then evicting least recently used cached blocks, whose
     /// hashes are pushed to `evicted`). The caller must have checked `available() >= n`.
     pub fn allocate(&mut self, n: usize, out: &mut Vec<BlockId>, evicted: &mut Vec<u64>) {
         debug_assert!(n <= self.available());
-        for _ in 0..n {
-            let b = match self.free.pop() {
-                Some(b) => b,
-                None => {
-                    let b = self.head;
-                    debug_assert!(b != NIL);
-                    self.unlink(b);
-                    evicted.push(self.hash[b as usize]);
-                    self.unregister(b);
-                    b
-                }
-            };
-            self.refcount[b as usize] = 1;
+        out.reserve(n);
+        let mut left = n;
+        while left > 0 {
+            let Some(b) = self.pop_free() else { break };
+            self.meta[b as usize] = 1;
             out.push(b);
+            left -= 1;
+        }
+        if left == 0 {
+            return;
+        }
+        // Evict the `left` least recently used blocks, in LRU order: walk the run from the
+        // head starting the loads of their hashes, detach it in one go, start the loads of
+        // their index slots, then unregister them.
+        self.victims.clear();
+        let mut b = self.head;
+        for _ in 0..left {
+            debug_assert!(b != NIL);
+            self.victims.push(b);
+            prefetch(&self.hash[b as usize]);
+            b = self.next[b as usize];
+        }
+        self.head = b;
+        if b != NIL {
+            self.prev[b as usize] = NIL;
+        } else {
+            self.tail = NIL;
+        }
+        self.num_cached -= left;
+        for &v in &self.victims {
+            self.index.prefetch(self.hash[v as usize]);
+        }
+        for j in 0..self.victims.len() {
+            let v = self.victims[j];
+            evicted.push(self.hash[v as usize]);
+            self.unregister(v);
+            self.meta[v as usize] = 1;
+            out.push(v);
         }
     }
 
     /// Adds a holder to a block that is already held or cached (a prefix hit).
     pub fn pin(&mut self, block: BlockId) {
         let i = block as usize;
-        if self.refcount[i] == 0 {
-            debug_assert!(self.registered[i]);
+        if self.meta[i] & REFCOUNT == 0 {
+            debug_assert!(self.is_registered(block));
             self.unlink(block);
         }
-        self.refcount[i] += 1;
+        self.meta[i] += 1;
     }
 
     /// Drops a holder; at zero a registered block becomes cached (most recently used) and an
     /// unregistered one free.
     pub fn unpin(&mut self, block: BlockId) {
         let i = block as usize;
-        debug_assert!(self.refcount[i] > 0);
-        self.refcount[i] -= 1;
-        if self.refcount[i] == 0 {
-            if self.registered[i] {
-                self.push_lru(block);
-            } else {
-                self.free.push(block);
-            }
+        debug_assert!(self.meta[i] & REFCOUNT > 0);
+        self.meta[i] -= 1;
+        match self.meta[i] {
+            REGISTERED => self.push_lru(block),
+            0 => self.push_free(block),
+            _ => {}
         }
     }
 
@@ -147,21 +389,29 @@ impl BlockPool {
     /// block already holds that hash or the block is registered already.
     pub fn register(&mut self, block: BlockId, hash: u64) -> bool {
         let i = block as usize;
-        if self.registered[i] || self.registry.contains_key(&hash) {
+        if self.meta[i] & REGISTERED != 0 {
             return false;
         }
-        self.registry.insert(hash, block);
-        self.registered[i] = true;
-        self.hash[i] = hash;
-        true
+        match self.index.probe(hash, &self.hash) {
+            Probe::Found(_) => false,
+            Probe::Vacant(slot, dist) => {
+                let tag = self.index.tag_of(self.index.mixed(hash));
+                self.index.slots[slot] = self.index.encode(tag, dist, block);
+                self.index.len += 1;
+                self.meta[i] |= REGISTERED;
+                self.hash[i] = hash;
+                true
+            }
+        }
     }
 
     fn unregister(&mut self, block: BlockId) {
         let i = block as usize;
-        if self.registered[i] {
-            self.registry.remove(&self.hash[i]);
-            self.registered[i] = false;
+        if self.meta[i] & REGISTERED == 0 {
+            return;
         }
+        self.meta[i] &= REFCOUNT;
+        self.index.remove(block, self.hash[i], &self.hash);
     }
 
     /// Evicts up to `n` least recently used cached blocks to the free stack.
@@ -172,7 +422,7 @@ impl BlockPool {
             self.unlink(b);
             evicted.push(self.hash[b as usize]);
             self.unregister(b);
-            self.free.push(b);
+            self.push_free(b);
             done += 1;
         }
         done
@@ -181,16 +431,41 @@ impl BlockPool {
     /// Unregisters every block: cached blocks go to the free stack, held ones stay held and go
     /// to the free stack when their last holder lets go. Returns how many were registered.
     pub fn clear(&mut self) -> usize {
-        let n = self.registry.len();
+        let n = self.index.len;
         while self.head != NIL {
             let b = self.head;
             self.unlink(b);
-            self.free.push(b);
+            self.push_free(b);
         }
-        for (_, b) in self.registry.drain() {
-            self.registered[b as usize] = false;
+        for j in 0..self.index.slots.len() {
+            let v = self.index.slots[j];
+            if v != 0 {
+                self.meta[(self.index.id(v) - 1) as usize] &= REFCOUNT;
+                self.index.slots[j] = 0;
+            }
         }
+        self.index.len = 0;
         n
+    }
+
+    fn pop_free(&mut self) -> Option<BlockId> {
+        if self.free_top != NIL {
+            let b = self.free_top;
+            self.free_top = self.next[b as usize];
+            self.num_pushed -= 1;
+            Some(b)
+        } else if (self.fresh as usize) < self.num_blocks() {
+            self.fresh += 1;
+            Some(self.fresh - 1)
+        } else {
+            None
+        }
+    }
+
+    fn push_free(&mut self, b: BlockId) {
+        self.next[b as usize] = self.free_top;
+        self.free_top = b;
+        self.num_pushed += 1;
     }
 
     fn push_lru(&mut self, b: BlockId) {
@@ -219,8 +494,6 @@ impl BlockPool {
         } else {
             self.tail = p;
         }
-        self.prev[i] = NIL;
-        self.next[i] = NIL;
         self.num_cached -= 1;
     }
 
@@ -228,14 +501,29 @@ impl BlockPool {
     pub fn check(&self) -> std::result::Result<(), String> {
         let n = self.num_blocks();
         let mut on_free = vec![false; n];
-        for &b in &self.free {
+        let mut pushed = 0;
+        let mut b = self.free_top;
+        while b != NIL {
             let i = b as usize;
-            if on_free[i] {
+            if i >= self.fresh as usize || on_free[i] {
                 return Err(format!("block {b} twice on the free stack"));
             }
             on_free[i] = true;
-            if self.refcount[i] != 0 || self.registered[i] {
-                return Err(format!("free block {b} is held or registered"));
+            pushed += 1;
+            b = self.next[i];
+        }
+        if pushed != self.num_pushed {
+            return Err(format!(
+                "free stack holds {pushed} pushed blocks, counted {}",
+                self.num_pushed
+            ));
+        }
+        for f in &mut on_free[self.fresh as usize..] {
+            *f = true;
+        }
+        for i in 0..n {
+            if on_free[i] && self.meta[i] != 0 {
+                return Err(format!("free block {i} is held or registered"));
             }
         }
         let lru = self.lru_order();
@@ -248,24 +536,49 @@ impl BlockPool {
         }
         for &b in &lru {
             let i = b as usize;
-            if on_free[i] || self.refcount[i] != 0 || !self.registered[i] {
+            if on_free[i] || self.meta[i] != REGISTERED {
                 return Err(format!("cached block {b} is free, held or unregistered"));
             }
         }
         for i in 0..n {
-            if self.refcount[i] == 0 && !on_free[i] && !self.registered[i] {
+            if self.meta[i] == 0 && !on_free[i] {
                 return Err(format!(
                     "block {i} is lost: unreferenced, not free, not cached"
                 ));
             }
         }
-        for (&h, &b) in &self.registry {
-            if !self.registered[b as usize] || self.hash[b as usize] != h {
-                return Err(format!("registry entry {h:#x} -> {b} is stale"));
+        let ix = &self.index;
+        let mut indexed = vec![false; n];
+        let mut entries = 0;
+        for (j, b) in ix.blocks() {
+            let b = b as usize;
+            if b >= n || indexed[b] || self.meta[b] & REGISTERED == 0 {
+                return Err(format!("index slot {j} -> {b} is stale"));
+            }
+            indexed[b] = true;
+            entries += 1;
+            let v = ix.slots[j];
+            let home = ix.home(self.hash[b]);
+            let dist = (j + ix.slots.len() - home) % ix.slots.len();
+            if v & ix.tag_mask() != ix.tag_of(ix.mixed(self.hash[b]))
+                || ((v >> ix.id_bits) as usize & ix.dist_max()) != dist.min(ix.dist_max())
+            {
+                return Err(format!("index slot {j} -> {b}: fingerprint or distance is wrong"));
+            }
+            let mut k = home;
+            while k != j {
+                if ix.slots[k] == 0 {
+                    return Err(format!("block {b} sits past an empty slot of its probe run"));
+                }
+                k = ix.next(k);
             }
         }
-        if self.registered.iter().filter(|r| **r).count() != self.registry.len() {
-            return Err("registered flags disagree with the registry".into());
+        let flagged = self.meta.iter().filter(|&&m| m & REGISTERED != 0).count();
+        if flagged != entries || entries != ix.len {
+            return Err(format!(
+                "registered flags ({flagged}), index entries ({entries}) and count ({}) disagree",
+                ix.len
+            ));
         }
         Ok(())
     }
@@ -312,5 +625,101 @@ mod tests {
         p.unpin(1);
         assert_eq!(p.num_free(), 2);
         p.check().unwrap();
+    }
+
+    /// Random operations against a plain model: the index (collisions, backward-shift
+    /// deletion, wrap-around), the free stack order and the LRU agree with it throughout.
+    #[test]
+    fn random_operations_match_a_model() {
+        use std::collections::{HashMap, VecDeque};
+        let mut x = 0x2545_f491_4f6c_dd1du64;
+        let mut rnd = |n: u64| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x % n
+        };
+        for (size, dist_bits) in [(1usize, 4), (2, 4), (3, 1), (7, 4), (16, 1), (16, 2), (33, 4)] {
+            let mut p = BlockPool::with_index_dist_bits(size, dist_bits);
+            // Model: free stack, held refcounts, registry, LRU order.
+            let mut free: Vec<u32> = (0..size as u32).rev().collect();
+            let mut refs = vec![0u32; size];
+            let mut reg: HashMap<u64, u32> = HashMap::new();
+            let mut hash_of: HashMap<u32, u64> = HashMap::new();
+            let mut lru: VecDeque<u32> = VecDeque::new();
+            let mut held: Vec<u32> = Vec::new();
+            for _ in 0..4000 {
+                match rnd(6) {
+                    0 | 1 if p.available() > 0 => {
+                        let (mut out, mut ev) = (Vec::new(), Vec::new());
+                        p.allocate(1, &mut out, &mut ev);
+                        let b = match free.pop() {
+                            Some(b) => b,
+                            None => {
+                                let b = lru.pop_front().unwrap();
+                                let h = hash_of.remove(&b).unwrap();
+                                reg.remove(&h);
+                                assert_eq!(ev, vec![h]);
+                                b
+                            }
+                        };
+                        assert_eq!(out, vec![b]);
+                        refs[b as usize] = 1;
+                        held.push(b);
+                    }
+                    2 if !held.is_empty() => {
+                        // Few distinct hashes, so registrations collide often.
+                        let b = held[rnd(held.len() as u64) as usize];
+                        let h = rnd(3 * size as u64 + 1);
+                        let ok = !hash_of.contains_key(&b) && !reg.contains_key(&h);
+                        assert_eq!(p.register(b, h), ok);
+                        if ok {
+                            reg.insert(h, b);
+                            hash_of.insert(b, h);
+                        }
+                    }
+                    3 if !held.is_empty() => {
+                        let j = rnd(held.len() as u64) as usize;
+                        let b = held.swap_remove(j);
+                        p.unpin(b);
+                        refs[b as usize] -= 1;
+                        if refs[b as usize] == 0 {
+                            if hash_of.contains_key(&b) {
+                                lru.push_back(b);
+                            } else {
+                                free.push(b);
+                            }
+                        }
+                    }
+                    4 => {
+                        // A prefix hit on some registered block.
+                        let h = rnd(3 * size as u64 + 1);
+                        assert_eq!(p.lookup(h), reg.get(&h).copied());
+                        if let Some(&b) = reg.get(&h) {
+                            p.pin(b);
+                            if refs[b as usize] == 0 {
+                                lru.retain(|&c| c != b);
+                            }
+                            refs[b as usize] += 1;
+                            held.push(b);
+                        }
+                    }
+                    5 if rnd(50) == 0 => {
+                        assert_eq!(p.clear(), reg.len());
+                        free.extend(lru.drain(..));
+                        reg.clear();
+                        hash_of.clear();
+                    }
+                    _ => {}
+                }
+                p.check().unwrap();
+                assert_eq!(p.lru_order(), lru.iter().copied().collect::<Vec<_>>());
+                assert_eq!(p.num_free(), free.len());
+                assert_eq!(p.num_registered(), reg.len());
+                for (&h, &b) in &reg {
+                    assert_eq!(p.lookup(h), Some(b));
+                }
+            }
+        }
     }
 }

@@ -51,6 +51,20 @@ impl Slot {
         }
     }
 
+    /// Makes a finished slot (or a default one) a fresh slot for another request, keeping the
+    /// capacity of its buffers.
+    pub(crate) fn reset(&mut self, request_id: &str, lookahead: usize, extra_key: Option<u64>) {
+        self.request_id.clear();
+        self.request_id.push_str(request_id);
+        self.extra_key = extra_key;
+        self.tokens.clear();
+        self.pending = 0;
+        self.lookahead = lookahead;
+        self.reserved_lookahead = 0;
+        self.blocks.clear();
+        self.hashes.clear();
+    }
+
     pub fn request_id(&self) -> &str {
         &self.request_id
     }
