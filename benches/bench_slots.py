@@ -462,9 +462,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quick", action="store_true", help="B=64,256, K=3, 128 steps, 3 repeats (CI)")
     p.add_argument("--plot", metavar="PNG", help="write a bar chart (matplotlib)")
+    p.add_argument("--from-json", metavar="PATH",
+                   help="measure nothing: plot (--plot) the rows of an earlier --json run, e.g. with an "
+                        "interpreter that has matplotlib when vLLM's has not")
     p.add_argument("--json", metavar="PATH", help="write every row as JSON")
     p.add_argument("--no-progress", action="store_true")
     args = p.parse_args(argv)
+    if args.from_json:
+        saved = json.loads(open(args.from_json).read())
+        if not args.plot:
+            p.error("--from-json needs --plot")
+        plot([_SavedRow(**r) for r in saved["rows"]], args.plot, saved["args"]["events"])
+        return 0
     if args.quick:
         args.batch, args.k, args.steps, args.repeats = [64, 256], [3], 128, 3
     warmup = args.steps // 4 if args.warmup is None else args.warmup
@@ -547,11 +556,35 @@ def main(argv: list[str] | None = None) -> int:
                  "check": {x: v for x, v in r.check.items() if x not in ("final_blocks", "final_tokens")}}
                 for r in rows]}, f, indent=1)
     if args.plot:
-        plot(rows, args.plot, args.events)
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            hint = f" --json {args.json}" if args.json else " --json PATH"
+            print(f"matplotlib is not importable here: no plot. Rerun with{hint}, then "
+                  f"`python benches/bench_slots.py --from-json PATH --plot {args.plot}` with an interpreter that has it",
+                  file=sys.stderr)
+        else:
+            plot(rows, args.plot, args.events)
     return 0
 
 
-def plot(rows: list[Row], path: str, events: str) -> None:
+@dataclass
+class _SavedRow:
+    """A row of a --json file, for --from-json."""
+
+    batch: int
+    k: int
+    pool: str
+    impl: str
+    ns_per_request_step: float
+    num_blocks: int = 0
+    steps: int = 0
+    request_steps: int = 0
+    runs_ns: list[int] = field(default_factory=list)
+    check: dict[str, Any] = field(default_factory=dict)
+
+
+def plot(rows: list[Any], path: str, events: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -559,31 +592,31 @@ def plot(rows: list[Row], path: str, events: str) -> None:
 
     configs = sorted({(r.batch, r.k, r.pool) for r in rows}, key=lambda c: (c[0], c[1], c[2] != "roomy"))
     impls = [i for i in IMPLS if any(r.impl == i for r in rows)]
-    fig, ax = plt.subplots(figsize=(max(8, 1.3 * len(configs)), 5))
+    at = {(r.batch, r.k, r.pool, r.impl): r.ns_per_request_step for r in rows}
+    fig, ax = plt.subplots(figsize=(max(8.0, 1.2 * len(configs) + 2), 5.5))
     width = 0.8 / len(impls)
     for n, impl in enumerate(impls):
-        xs, ys = [], []
-        for c, conf in enumerate(configs):
-            r = next((r for r in rows if (r.batch, r.k, r.pool) == conf and r.impl == impl), None)
-            if r is not None:
-                xs.append(c + (n - (len(impls) - 1) / 2) * width)
-                ys.append(r.ns_per_request_step)
-        bars = ax.bar(xs, ys, width, label=impl)
-        if impl != "vllm":
-            for x, conf in zip(xs, [c for c in configs if any(r.impl == impl and (r.batch, r.k, r.pool) == c
-                                                                  for r in rows)]):
-                v = next((r for r in rows if (r.batch, r.k, r.pool) == conf and r.impl == "vllm"), None)
-                me = next(r for r in rows if (r.batch, r.k, r.pool) == conf and r.impl == impl)
-                if v is not None:
-                    ax.annotate(f"{v.ns_per_request_step / me.ns_per_request_step:.0f}x", (x, me.ns_per_request_step),
-                                ha="center", va="bottom", fontsize=7)
-        del bars
+        for c, (b, k, pool) in enumerate(configs):
+            ns = at.get((b, k, pool, impl))
+            if ns is None:
+                continue
+            x = c + (n - (len(impls) - 1) / 2) * width
+            ax.bar(x, ns, width, color=f"C{n}", label=impl if c == 0 or (b, k, pool, impl) not in at else None)
+            vllm = at.get((b, k, pool, "vllm"))
+            if vllm is not None and impl != "vllm":
+                ax.annotate(f"{vllm / ns:.0f}x", (x, ns), ha="center", va="bottom", fontsize=7)
+    handles, labels = ax.get_legend_handles_labels()
+    seen = {}
+    for h, lab in zip(handles, labels):
+        seen.setdefault(lab, h)
+    ax.legend(seen.values(), seen.keys())
     ax.set_yscale("log")
+    ax.set_ylim(bottom=10)
     ax.set_ylabel("ns per request-step (median, log scale)")
     ax.set_xticks(range(len(configs)))
     ax.set_xticklabels([f"B={b} K={k}\n{p}" for b, k, p in configs], fontsize=8)
-    ax.set_title(f"kvslots vs vLLM KVCacheManager, same EAGLE trace (events: {events}); labels: speed-up vs vLLM")
-    ax.legend()
+    ax.set_title(f"Same EAGLE trace through kvslots and vLLM's KVCacheManager (events: {events})\n"
+                 "labels: speed-up over vLLM, measured in the same run", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     print(f"wrote {path}")
