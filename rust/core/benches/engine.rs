@@ -86,7 +86,9 @@ fn bench_step(c: &mut Criterion) {
 }
 
 fn bench_hash(c: &mut Criterion) {
-    let tokens: Vec<u32> = (0..16u32).map(|i| i.wrapping_mul(2_654_435_761) % 32000).collect();
+    let tokens: Vec<u32> = (0..16u32)
+        .map(|i| i.wrapping_mul(2_654_435_761) % 32000)
+        .collect();
     let mut h = BlockHasher::new();
     let mut g = c.benchmark_group("hash");
     g.throughput(Throughput::Elements(16));

@@ -525,11 +525,11 @@ impl SlotManager {
         // Pass 2: lookahead changes and shrinks. Without new lookaheads nothing can shrink: a
         // slot's K is never below the K its capacity was reserved for outside a step.
         if let Some(l) = input.lookahead {
-            for j in 0..n {
+            for (j, &k) in l.iter().enumerate() {
                 let i = input.slots[j] as u32;
                 let target = self.targets[j];
                 let slot = self.live(i);
-                slot.lookahead = l[j] as usize;
+                slot.lookahead = k as usize;
                 if target < slot.blocks.len() && slot.lookahead < slot.reserved_lookahead {
                     let surplus = slot.blocks.len() - target;
                     self.shrink(i, surplus);

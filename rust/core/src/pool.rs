@@ -99,7 +99,7 @@ impl PrefixIndex {
         let id_bits = u32::BITS - (num_blocks as u32).leading_zeros();
         PrefixIndex {
             slots: vec![0; (2 * num_blocks).max(8)],
-            key: RandomState::new().hash_one(0x6b76_736c_6f74_73u64),
+            key: RandomState::new().hash_one(0x006b_7673_6c6f_7473_u64),
             id_bits,
             dist_bits: (u32::BITS - id_bits).min(max_dist_bits),
             len: 0,
@@ -521,8 +521,8 @@ impl BlockPool {
         for f in &mut on_free[self.fresh as usize..] {
             *f = true;
         }
-        for i in 0..n {
-            if on_free[i] && self.meta[i] != 0 {
+        for (i, (&free, &meta)) in on_free.iter().zip(&self.meta).enumerate() {
+            if free && meta != 0 {
                 return Err(format!("free block {i} is held or registered"));
             }
         }
@@ -540,8 +540,8 @@ impl BlockPool {
                 return Err(format!("cached block {b} is free, held or unregistered"));
             }
         }
-        for i in 0..n {
-            if self.meta[i] == 0 && !on_free[i] {
+        for (i, (&free, &meta)) in on_free.iter().zip(&self.meta).enumerate() {
+            if meta == 0 && !free {
                 return Err(format!(
                     "block {i} is lost: unreferenced, not free, not cached"
                 ));
@@ -563,12 +563,16 @@ impl BlockPool {
             if v & ix.tag_mask() != ix.tag_of(ix.mixed(self.hash[b]))
                 || ((v >> ix.id_bits) as usize & ix.dist_max()) != dist.min(ix.dist_max())
             {
-                return Err(format!("index slot {j} -> {b}: fingerprint or distance is wrong"));
+                return Err(format!(
+                    "index slot {j} -> {b}: fingerprint or distance is wrong"
+                ));
             }
             let mut k = home;
             while k != j {
                 if ix.slots[k] == 0 {
-                    return Err(format!("block {b} sits past an empty slot of its probe run"));
+                    return Err(format!(
+                        "block {b} sits past an empty slot of its probe run"
+                    ));
                 }
                 k = ix.next(k);
             }
@@ -639,7 +643,15 @@ mod tests {
             x ^= x << 17;
             x % n
         };
-        for (size, dist_bits) in [(1usize, 4), (2, 4), (3, 1), (7, 4), (16, 1), (16, 2), (33, 4)] {
+        for (size, dist_bits) in [
+            (1usize, 4),
+            (2, 4),
+            (3, 1),
+            (7, 4),
+            (16, 1),
+            (16, 2),
+            (33, 4),
+        ] {
             let mut p = BlockPool::with_index_dist_bits(size, dist_bits);
             // Model: free stack, held refcounts, registry, LRU order.
             let mut free: Vec<u32> = (0..size as u32).rev().collect();
