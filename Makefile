@@ -15,3 +15,8 @@ test:  ## the whole test suite: Rust engine tests, then pytest (with vLLM on CPU
 
 setup:
 	@VENV=$(VENV) scripts/setup.sh --with-vllm
+
+bench:  ## quick benchmarks: one EAGLE trace through kvslots and vLLM's KVCacheManager, then the engine's own figures
+	@VENV=$(VENV) scripts/setup.sh --with-vllm
+	$(PY) benches/bench_slots.py --quick
+	$(PY) benches/bench_engine.py --quick

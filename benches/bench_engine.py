@@ -304,6 +304,7 @@ def lifecycles(total: int, every: int) -> None:
     lens = rng.integers(64, 512, total)
     share = rng.random(total) < 0.3
     samples = []
+    print(f"    {0:>9,} lifecycles  RSS {rss() / 2**20:8.1f} MiB (the process, vLLM imported or not)", flush=True)
     t0 = time.perf_counter()
     for i in range(total):
         off, n = int(offs[i]), int(lens[i])

@@ -609,7 +609,7 @@ def plot(rows: list[Any], path: str, events: str) -> None:
     seen = {}
     for h, lab in zip(handles, labels):
         seen.setdefault(lab, h)
-    ax.legend(seen.values(), seen.keys())
+    ax.legend(seen.values(), seen.keys(), loc="upper left", bbox_to_anchor=(1.0, 1.0))
     ax.set_yscale("log")
     ax.set_ylim(bottom=10)
     ax.set_ylabel("ns per request-step (median, log scale)")
