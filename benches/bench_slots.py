@@ -102,16 +102,8 @@ def _tqdm(total: int, disable: bool):
 
 @dataclass
 class RunResult:
-    ns: int  # timed nanoseconds for the whole trace
+    ns: int  # nanoseconds of the timed steps (after the warm-up)
     check: dict[str, Any] = field(default_factory=dict)  # what the run did, for the cross-check
-
-
-def discard(m: Any) -> None:
-    d = getattr(m, "discard_events", None)
-    if d is not None:
-        d()
-    else:  # older builds: the same result, through Python objects
-        m.drain_raw_events()
 
 
 def _final_shape(blocks_of: Callable[[str], int], trace: Trace, running: list[int]) -> list[int]:
@@ -477,6 +469,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         args.batch, args.k, args.steps, args.repeats = [64, 256], [3], 128, 3
     warmup = args.steps // 4 if args.warmup is None else args.warmup
+    if not 0 <= warmup < args.steps:
+        p.error(f"--warmup must be in [0, --steps); got {warmup}")
     global clock
     clock = time.thread_time_ns if args.clock == "cpu" else time.perf_counter_ns
 
