@@ -200,3 +200,39 @@ def test_finished_request_blocks_are_stored_before_reuse(eagle_cfg):
     assert set(full_verified_hashes(h, a)) <= set(h.sched_side.host.registered_hashes())
     assert h.check_host_tier() >= 3 + 5
     assert b.num_computed_tokens > 5 * BLOCK_SIZE
+
+
+def test_failed_copies_are_reported_and_never_published(eagle_cfg):
+    h = harness(eagle_cfg, seed=9)
+    rng = random.Random(9)
+    tokens = prompt(rng, BLOCK_SIZE * 4 + 3)
+    _store_then_reset_device_cache(h, tokens)
+    stored = h.sched_side.host.registered_hashes()
+    copier = h.workers[0]._worker.copier
+
+    def broken(*a, **k):
+        raise RuntimeError("injected copy failure")
+
+    # A failing load: vLLM gets the device block ids to recompute, the host pins are released.
+    copier.load = broken
+    h.add("load-fails", tokens, max_tokens=2)
+    so = h.scheduler.schedule()
+    w = h.workers[0]
+    w.handle_preemptions(so.kv_connector_metadata)
+    w.bind_connector_metadata(so.kv_connector_metadata)
+    w.start_load_kv(None)
+    errors = w.get_block_ids_with_load_errors()
+    assert errors and errors == set(so.kv_connector_metadata.loads[0].device_blocks)
+    h.sched_side.complete(w.build_connector_worker_meta())
+    assert h.sched_side.host.num_held == 0 and h.sched_side.stats["failed_loads"] == 1
+    w.clear_connector_metadata()
+    # A failing store: the host block is given back and no BlockStored is published for it.
+    copier.store = broken
+    before = len(h.events)
+    h.add("store-fails", prompt(rng, BLOCK_SIZE * 3 + 1), max_tokens=4)
+    for _ in range(6):
+        h.step()
+    assert h.sched_side.stats["failed_stores"] > 0
+    assert h.sched_side.host.registered_hashes() == stored
+    assert not [e for e in h.events[before:] if type(e).__name__ == "BlockStored"]
+    assert h.sched_side.host.num_held == 0 and h.sched_side.host.num_storing == 0
