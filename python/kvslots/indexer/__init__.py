@@ -6,7 +6,21 @@ gaps, replays), :mod:`.backend` / :mod:`.redis_backend` (where the index lives),
 The index itself is Rust: ``kvslots._core.PrefixIndex``.
 """
 
+from typing import TYPE_CHECKING, Any
+
 from .config import IndexerConfig, WorkerSpec
-from .service import IndexerService
+
+if TYPE_CHECKING:
+    from .service import IndexerService
 
 __all__ = ["IndexerConfig", "IndexerService", "WorkerSpec"]
+
+
+def __getattr__(name: str) -> Any:
+    # The service needs the optional 'indexer' extra (FastAPI, prometheus_client, redis): import
+    # it on first use, so that `kvslots --help` and the other commands work without it.
+    if name == "IndexerService":
+        from .service import IndexerService
+
+        return IndexerService
+    raise AttributeError(name)

@@ -48,10 +48,15 @@ def run(args: argparse.Namespace) -> int:
         print(f"kvslots indexer: {e}", file=sys.stderr)
         return 2
     logging.basicConfig(level=cfg.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    import uvicorn
+    try:
+        import uvicorn
 
-    from .app import create_app
-    from .service import IndexerService
+        from .app import create_app
+        from .service import IndexerService
+    except ImportError as e:
+        print(f"kvslots indexer: {e.name} is missing; install the service's extra: pip install 'kvslots[indexer]'",
+              file=sys.stderr)
+        return 2
 
     service = IndexerService(cfg)
     if cfg.host not in ("127.0.0.1", "::1", "localhost"):
