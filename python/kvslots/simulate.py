@@ -180,9 +180,9 @@ def format_report(rep: SimReport) -> str:
         f"  blocks committed      {s['committed_blocks']} ({s['registered_blocks']} registered as prefix cache)",
         f"  tokens rolled back    {s['rolled_back_tokens']}",
         f"  blocks allocated      {s['allocated_blocks']}, released {s['released_blocks']}, evicted {s['evicted_blocks']}",
-        f"  events                " + ", ".join(f"{k} {v}" for k, v in rep.events.items()),
+        "  events                " + ", ".join(f"{k} {v}" for k, v in rep.events.items()),
         f"  pool at the end       free {rep.final['free']}, held {rep.final['held']}, cached {rep.final['cached']}",
-        f"  invariants            hold (checked after the run)",
+        "  invariants            hold (checked after the run)",
         f"  wall time             {rep.seconds:.3f} s",
     ]
     return "\n".join(lines)
