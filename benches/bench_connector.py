@@ -33,7 +33,7 @@ def scheduler_bench(args: argparse.Namespace) -> None:
     from vllm.v1.outputs import DraftTokenIds, KVConnectorOutput, ModelRunnerOutput
     from vllm.v1.structured_output import StructuredOutputManager
 
-    from kvslots.tiny import build_tiny_models
+    from kvslots._dev.tiny import build_tiny_models
     from vllm_harness import BLOCK_SIZE, DRAFT_BASE, Harness, engine_config, kv_cache_config, make_request
 
     models = build_tiny_models(args.models)
@@ -119,7 +119,7 @@ def scheduler_bench(args: argparse.Namespace) -> None:
 def _null_connector_class():
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
 
-    from kvslots.vllm.metadata import KVSlotsMetadata
+    from kvslots.vllm.connector.metadata import KVSlotsMetadata
 
     class NullConnector(KVConnectorBase_V1):
         def get_num_new_matched_tokens(self, request, num_computed_tokens):

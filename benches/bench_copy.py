@@ -25,7 +25,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from kvslots.transfer import BlockCopier
+from kvslots.vllm.transfer import BlockCopier
 
 KiB, MiB = 1 << 10, 1 << 20
 

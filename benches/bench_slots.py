@@ -3,7 +3,7 @@
 
   batch      kvslots SlotManager.step: one call per engine step for the whole batch (numpy arrays)
   per-req    kvslots per-request calls: commit / rollback / reserve for every request, every step
-  reference  kvslots.reference.ReferenceSlotManager (pure Python; slow, so capped: see --reference-max-batch)
+  reference  kvslots.slots.reference.ReferenceSlotManager (pure Python; slow, so capped: see --reference-max-batch)
   vllm       vLLM's own v1 KVCacheManager, driven as vLLM's scheduler drives it for EAGLE
 
 and printed as ns per request-step (median of --repeats runs) with the ratio to vLLM measured in
@@ -221,7 +221,7 @@ def run_per_request(trace: Trace, num_blocks: int, publish: bool, warmup: int) -
 
 
 def run_reference(trace: Trace, num_blocks: int, publish: bool, warmup: int) -> RunResult:
-    from kvslots.reference import ReferenceSlotManager
+    from kvslots.slots.reference import ReferenceSlotManager
 
     cfg = trace.cfg
     k = cfg.k

@@ -22,7 +22,7 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 def main() -> None:
     spec = json.loads(sys.argv[1])
-    from kvslots.tiny import build_tiny_models
+    from kvslots._dev.tiny import build_tiny_models
 
     models = build_tiny_models(spec["models"])
     import zmq

@@ -44,7 +44,7 @@ def test_tiny_host_cache_is_refused():
 
 
 def test_bad_key_stops_the_scheduler_at_start_up(tmp_path):
-    from kvslots.tiny import build_tiny_models
+    from kvslots._dev.tiny import build_tiny_models
     from vllm_harness import Harness, engine_config
 
     models = build_tiny_models(str(tmp_path))

@@ -11,7 +11,7 @@ import pytest
 
 vllm = pytest.importorskip("vllm", reason="vLLM is not installed (make test installs it)")
 
-from kvslots.tiny import build_tiny_models  # noqa: E402
+from kvslots._dev.tiny import build_tiny_models  # noqa: E402
 
 from vllm_harness import BLOCK_SIZE, DRAFT_BASE, Harness, engine_config  # noqa: E402
 

@@ -8,8 +8,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvslots.events import KVEventBatch, encode_batch
-from kvslots.publisher import END_SEQ
-from kvslots.subscriber import EventSubscriber, _Peer
+from kvslots.events.publisher import END_SEQ
+from kvslots.events.subscriber import EventSubscriber, _Peer
 
 
 class FakeDealer:

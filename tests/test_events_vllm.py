@@ -23,8 +23,8 @@ except ImportError as exc:  # only a missing vLLM skips; any other failure is an
 from kvslots import SlotManager
 from kvslots._core import encode_event_batch
 from kvslots.events import BlockStored, decode_batch
-from kvslots.publisher import EventPublisher
-from kvslots.subscriber import EventSubscriber
+from kvslots.events.publisher import EventPublisher
+from kvslots.events.subscriber import EventSubscriber
 
 from test_events_wire import mediums, ranks, raw_events
 

@@ -12,8 +12,8 @@ import zmq
 
 from kvslots import SlotManager
 from kvslots.events import BlockStored, KVEventBatch, decode_batch, encode_batch
-from kvslots.publisher import END_SEQ, EventPublisher, is_bind_endpoint, offset_endpoint_port
-from kvslots.subscriber import EventSubscriber
+from kvslots.events.publisher import END_SEQ, EventPublisher, is_bind_endpoint, offset_endpoint_port
+from kvslots.events.subscriber import EventSubscriber
 
 LOCAL = "tcp://127.0.0.1:0"
 

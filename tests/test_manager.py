@@ -19,7 +19,7 @@ from kvslots import (
     UnknownRequestError,
 )
 from kvslots.events import AllBlocksCleared, BlockRemoved, BlockStored
-from kvslots.reference import ReferenceSlotManager, block_hash
+from kvslots.slots.reference import ReferenceSlotManager, block_hash
 
 
 def state(m):

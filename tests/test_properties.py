@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 import kvslots
-from kvslots.reference import ReferenceSlotManager, block_hash
+from kvslots.slots.reference import ReferenceSlotManager, block_hash
 
 # CI runs at least 2,000 generated cases (KVSLOTS_HYPOTHESIS_EXAMPLES overrides).
 EXAMPLES = int(os.environ.get("KVSLOTS_HYPOTHESIS_EXAMPLES", "2000"))

@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvslots import ConfigError, SlotManager, SlotTracker, UnknownRequestError
-from kvslots.schedule import (
+from kvslots.config.schedule import (
     DEFAULT_FIELD,
     DynamicSDSchedule,
     apply_lookahead,

@@ -531,7 +531,7 @@ def test_vllm_parses_the_commands(vllm_parser, tmp_path, target, draft):
     from vllm.distributed.kv_events import ZmqEventPublisher
     from vllm.engine.arg_utils import AsyncEngineArgs
 
-    from kvslots.vllm.config import ConnectorConfig
+    from kvslots.config.connector import ConnectorConfig
 
     y = yaml_file(tmp_path, ENGINE_YAML.format(draft=draft))
     ckpt = speculator(tmp_path, verifier=target)
@@ -749,7 +749,7 @@ def free_port() -> int:
 def models(tmp_path_factory):
     if not HAVE_VLLM:
         pytest.skip("vLLM is not importable in this environment: the end-to-end server run needs it")
-    from kvslots.tiny import build_tiny_models
+    from kvslots._dev.tiny import build_tiny_models
 
     return build_tiny_models(str(tmp_path_factory.mktemp("tiny-serve")))
 
@@ -774,7 +774,7 @@ def test_serve_end_to_end(models, tmp_path):
     import zmq
 
     from kvslots.events import MEDIUM_CPU, MEDIUM_GPU, BlockStored, decode_batch
-    from kvslots.tiny import WORDS
+    from kvslots._dev.tiny import WORDS
 
     port, events_port = free_port(), free_port()
     argv = e2e_argv(models, port, events_port)

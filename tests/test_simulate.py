@@ -3,7 +3,7 @@
 import json
 
 from kvslots.cli import main
-from kvslots.simulate import SimConfig, run
+from kvslots._dev.simulate import SimConfig, run
 
 
 def test_simulation_completes_with_preemption_and_eviction():

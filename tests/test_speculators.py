@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from kvslots import ConfigError
-from kvslots.speculators import is_speculators_checkpoint, load_speculators_checkpoint
+from kvslots.config.speculators import is_speculators_checkpoint, load_speculators_checkpoint
 
 VERIFIER_CONFIG = {
     "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,

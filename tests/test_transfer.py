@@ -1,4 +1,4 @@
-"""Whole-block copies between KV layer tensors and the host region (kvslots.transfer), on CPU
+"""Whole-block copies between KV layer tensors and the host region (kvslots.vllm.transfer), on CPU
 tensors shaped like vLLM's caches: round trips, scattered and consecutive ids, every bad input a
 typed error that copies nothing, and random id sets against plain torch indexing."""
 
@@ -11,7 +11,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 
 from kvslots import InvalidArgumentError, _core
-from kvslots.transfer import BlockCopier, Transfer
+from kvslots.vllm.transfer import BlockCopier, Transfer
 
 ENGINES = ["rust", "torch"]  # "torch" is the gather/scatter logic the CUDA path runs
 

@@ -1,4 +1,4 @@
-"""TensorRT-LLM engine YAML -> vLLM engine arguments (kvslots.trtllm and `kvslots convert-config`)."""
+"""TensorRT-LLM engine YAML -> vLLM engine arguments (kvslots.config.trtllm and `kvslots convert-config`)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from kvslots import ConfigError, cli
-from kvslots.trtllm import (
+from kvslots.config.trtllm import (
     KV_CACHE_IGNORED,
     TOP_LEVEL_IGNORED,
     convert_trtllm_config,
@@ -877,13 +877,13 @@ def vllm():
 @pytest.mark.parametrize("text", [EAGLE3_ONE_MODEL, MTP_DEEPSEEK, WIDE_EP_DECODE, GPT_OSS_DECODE, LEGACY_PYTORCH_BACKEND],
                          ids=["eagle3", "mtp", "wide_ep", "gpt_oss", "legacy"])
 def test_vllm_parses_the_samples(vllm, text):
-    from kvslots.trtllm import check_with_vllm
+    from kvslots.config.trtllm import check_with_vllm
 
     check_with_vllm(convert_text(text))
 
 
 def test_vllm_parses_every_mapping(vllm):
-    from kvslots.trtllm import check_with_vllm
+    from kvslots.config.trtllm import check_with_vllm
 
     for doc, _ in MAPPINGS:
         check_with_vllm(convert_trtllm_config(doc))
@@ -904,7 +904,7 @@ def test_vllm_reads_our_yaml_config(vllm, tmp_path):
 
 
 def test_vllm_builds_eagle3_with_dynamic_schedule(vllm, tmp_path):
-    from kvslots.trtllm import check_with_vllm
+    from kvslots.config.trtllm import check_with_vllm
 
     target = draft_dir(tmp_path, "target", TINY_LLAMA)
     draft = draft_dir(tmp_path, "draft", TINY_EAGLE3)
@@ -925,7 +925,7 @@ def test_vllm_builds_eagle3_with_dynamic_schedule(vllm, tmp_path):
 
 
 def test_vllm_builds_mtp_for_deepseek(vllm, tmp_path):
-    from kvslots.trtllm import check_with_vllm
+    from kvslots.config.trtllm import check_with_vllm
 
     target = draft_dir(tmp_path, "dsv3", TINY_DEEPSEEK_V3)
     r = convert_trtllm_config({"max_batch_size": 8, "max_num_tokens": 512, "max_seq_len": 256,
@@ -943,7 +943,7 @@ def test_vllm_rejects_what_we_reject_and_lookup_agrees(vllm):
 
     from vllm.v1.spec_decode.dynamic.utils import build_dynamic_sd_schedule_lookup
 
-    from kvslots.schedule import DynamicSDSchedule
+    from kvslots.config.schedule import DynamicSDSchedule
 
     rng = random.Random(0)
     for _ in range(200):

@@ -22,7 +22,7 @@ PROMPT = 400
 
 @pytest.fixture(scope="module")
 def models_dir(tmp_path_factory):
-    from kvslots.tiny import build_tiny_models
+    from kvslots._dev.tiny import build_tiny_models
 
     root = str(tmp_path_factory.mktemp("tiny-engine"))
     build_tiny_models(root)

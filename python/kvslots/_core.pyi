@@ -47,7 +47,7 @@ def copy_blocks(
     copies over 4 MiB are split across up to ``threads`` threads. The GIL is released.
 
     Unsafe by contract: the addresses cannot be verified, so the caller must pass live host
-    memory that nothing else writes during the call (``kvslots.transfer.BlockCopier`` does).
+    memory that nothing else writes during the call (``kvslots.vllm.transfer.BlockCopier`` does).
     """
 
 class SlotInfo:

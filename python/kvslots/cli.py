@@ -9,11 +9,11 @@ import sys
 
 # Modules that contribute subcommands, in --help order.
 COMMAND_MODULES = [
-    "kvslots.simulate",
-    "kvslots.convert",
+    "kvslots._dev.simulate",
+    "kvslots.config.cli",
     "kvslots.indexer.cli",
-    "kvslots.serve",
-    "kvslots.demo",
+    "kvslots.serve.launcher",
+    "kvslots.demo.run",
 ]
 
 

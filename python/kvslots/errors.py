@@ -1,4 +1,15 @@
-"""Typed exceptions raised by kvslots.
+"""Typed exceptions raised by kvslots: one root, :class:`KVSlotsError`, and a subclass per kind.
+
+    KVSlotsError
+    ├── SlotError                  the slot core (request and block bookkeeping)
+    │   ├── UnknownRequestError, DuplicateRequestError, OutOfBlocksError,
+    │   │   InvalidRollbackError, CapacityExceededError
+    │   ├── InvalidArgumentError   a malformed argument (also a ValueError)
+    │   │   └── EventDecodeError   a KV event payload that does not decode
+    │   └── UnknownWorkerError, DuplicateWorkerError   the prefix index's workers
+    ├── ConfigError                a configuration kvslots cannot accept (also a ValueError)
+    │   └── ConnectorConfigError   the connector's kv_connector_extra_config
+    └── ServeError                 ``kvslots serve`` cannot build or run the vLLM command
 
 Every error carries the request it is about (``request_id``, ``None`` when the error concerns no
 single request) and the numbers involved as attributes; the message names them too. A call that
@@ -10,7 +21,7 @@ from __future__ import annotations
 from typing import Any
 
 
-class SlotError(Exception):
+class KVSlotsError(Exception):
     """Root of every kvslots error."""
 
     request_id: str | None
@@ -22,6 +33,10 @@ class SlotError(Exception):
         self.details = dict(details or {})
         for key, value in self.details.items():
             setattr(self, key, value)
+
+
+class SlotError(KVSlotsError):
+    """An error of the slot core: a request, block or argument it cannot accept."""
 
 
 class UnknownRequestError(SlotError, KeyError):
@@ -63,7 +78,7 @@ class InvalidArgumentError(SlotError, ValueError):
     """A malformed argument (negative count, wrong length, out-of-range token id, ...)."""
 
 
-class ConfigError(SlotError, ValueError):
+class ConfigError(KVSlotsError, ValueError):
     """A configuration kvslots cannot accept: a TRT-LLM engine YAML, a speculators checkpoint's
     config.json or a dynamic speculative-decoding schedule.
 
@@ -85,6 +100,16 @@ class ConfigError(SlotError, ValueError):
         self.reason = message
 
 
+class ConnectorConfigError(ConfigError):
+    """A bad ``kv_connector_extra_config`` of the KVSlotsConnector; the message names the key and
+    the value, and stops vLLM at start-up."""
+
+
+class ServeError(KVSlotsError):
+    """``kvslots serve`` cannot build or run the vLLM command (bad flags, a missing model
+    directory, conflicting options); the message says which."""
+
+
 class EventDecodeError(InvalidArgumentError):
     """A KV event payload that is not a msgpack ``KVEventBatch``; nothing of it was applied."""
 
@@ -101,6 +126,7 @@ class DuplicateWorkerError(SlotError):
 
 
 __all__ = [
+    "KVSlotsError",
     "SlotError",
     "UnknownRequestError",
     "DuplicateRequestError",
@@ -109,6 +135,8 @@ __all__ = [
     "CapacityExceededError",
     "InvalidArgumentError",
     "ConfigError",
+    "ConnectorConfigError",
+    "ServeError",
     "EventDecodeError",
     "UnknownWorkerError",
     "DuplicateWorkerError",

@@ -8,16 +8,14 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..errors import ConfigError
+
 TIERS = ("GPU", "CPU", "STORAGE")
 DEFAULT_WEIGHTS = {"GPU": 1.0, "CPU": 0.8, "STORAGE": 0.5}
 ADMIN_TOKEN_ENV = "KVSLOTS_INDEXER_ADMIN_TOKEN"
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$")
 _ENDPOINT = re.compile(r"^(tcp|ipc|inproc)://\S+$")
-
-
-class ConfigError(ValueError):
-    """A bad worker spec or setting; the message says which and why."""
 
 
 @dataclass(frozen=True)

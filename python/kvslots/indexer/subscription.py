@@ -3,7 +3,7 @@
 This module is the only place the indexer talks ZMQ. The service sees it through
 :class:`EventSink` (what it is told) and the small surface of :class:`ZmqSubscription`
 (``add``/``remove``/``start``/``stop``/``status``), so the loop can be swapped for
-``kvslots.subscriber`` without touching the service.
+``kvslots.events.subscriber`` without touching the service.
 
 Wire protocol (vLLM 0.32 ``ZmqEventPublisher``):
 - live: multipart ``(topic, seq as 8-byte big-endian, msgpack KVEventBatch)``;

@@ -1,11 +1,21 @@
-"""kvslots inside vLLM: the KVSlotsConnector (``--kv-transfer-config``).
+"""kvslots inside vLLM.
+
+- :class:`KVSlotsConnector` (``--kv-transfer-config``): the host tier under vLLM's manager
+  (:mod:`.connector`), with whole-block copies in :mod:`.transfer`.
 
 Loaded by module path (``"kv_connector_module_path": "kvslots.vllm"``) or, with kvslots
 installed, by name alone: the ``vllm.general_plugins`` entry point calls :func:`register`.
+Importing this package does not import vLLM; the classes load it on first access.
 """
 
-from .config import ConnectorConfig, ConnectorConfigError
-from .connector import KVSlotsConnector
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from ..config.connector import ConnectorConfig, ConnectorConfigError
+
+if TYPE_CHECKING:
+    from .connector import KVSlotsConnector
 
 CONNECTOR_NAME = "KVSlotsConnector"
 
@@ -17,6 +27,15 @@ def register() -> None:
 
     if CONNECTOR_NAME not in KVConnectorFactory._registry:
         KVConnectorFactory.register_connector(CONNECTOR_NAME, "kvslots.vllm.connector", CONNECTOR_NAME)
+
+
+def __getattr__(name: str) -> Any:
+    # vLLM resolves the connector class as an attribute of this module (kv_connector_module_path).
+    if name == "KVSlotsConnector":
+        from .connector import KVSlotsConnector
+
+        return KVSlotsConnector
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 __all__ = ["KVSlotsConnector", "ConnectorConfig", "ConnectorConfigError", "register", "CONNECTOR_NAME"]

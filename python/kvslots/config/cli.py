@@ -12,7 +12,7 @@ import argparse
 import shlex
 import sys
 
-from .errors import ConfigError
+from ..errors import ConfigError
 from .trtllm import ConversionResult, check_with_vllm, convert_trtllm_config
 
 

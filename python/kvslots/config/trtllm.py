@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .errors import ConfigError
+from ..errors import ConfigError
 from .schedule import SCHEDULE_KEY, DynamicSDSchedule
 from .speculators import SPECULATORS_METHODS, load_speculators_checkpoint
 

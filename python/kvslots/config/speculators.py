@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .errors import ConfigError
+from ..errors import ConfigError
 
 #: speculators_model_type -> (vLLM method, extra speculative-config keys). Mirrors the types
 #: vLLM 0.32's speculators loader accepts (eagle3, peagle, dflash, dflash2, dspark).

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from . import _core
-from .events import KVEvent, from_raw
+from .. import _core
+from ..events import KVEvent, from_raw
 
 
 class SlotManager(_core.SlotManager):
@@ -20,7 +20,7 @@ class SlotManager(_core.SlotManager):
     Events: :meth:`drain_events` returns vLLM-compatible structs; ``drain_events_msgpack(ts,
     medium, data_parallel_rank)`` returns the same batch already encoded as vLLM's msgpack
     ``KVEventBatch`` (by the Rust core, byte-identical to msgspec's), ready for
-    :class:`kvslots.publisher.EventPublisher`.
+    :class:`kvslots.events.publisher.EventPublisher`.
 
     Every method either succeeds or raises a :class:`kvslots.SlotError` subclass having changed
     nothing.

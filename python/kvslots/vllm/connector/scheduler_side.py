@@ -28,8 +28,8 @@ from typing import Any, Callable, Iterable
 
 import numpy as np
 
-from .._core import HostCache
-from ..events import external_block_hash
+from ..._core import HostCache
+from ...events import external_block_hash
 from .metadata import KVSlotsMetadata, KVSlotsWorkerMetadata, LoadSpec
 
 logger = logging.getLogger(__name__)

@@ -3,7 +3,7 @@
 Nothing is downloaded: the tokenizer is a `tokenizers` WordLevel model built in-process and
 wrapped in PreTrainedTokenizerFast. Used by the tests and the demo.
 
-    python -m kvslots.tiny DIR      # -> DIR/{target,eagle,eagle3}
+    python -m kvslots._dev.tiny DIR      # -> DIR/{target,eagle,eagle3}
 
 Checkpoint formats (vLLM 0.32):
   * target: plain LlamaForCausalLM (save_pretrained).  head_dim must be one of

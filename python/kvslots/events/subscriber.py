@@ -1,5 +1,5 @@
 """A client for KV event streams: vLLM's ``ZmqEventPublisher`` and kvslots' own
-:class:`~kvslots.publisher.EventPublisher` (same wire format).
+:class:`~kvslots.events.publisher.EventPublisher` (same wire format).
 
 It hands each publisher's batches to a callback exactly once and in sequence order, healing gaps
 from the publisher's replay socket::
@@ -51,7 +51,7 @@ from typing import Any
 import msgspec
 import zmq
 
-from .events import KVEventBatch
+from .codec import KVEventBatch
 
 log = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """Publishing KV event batches over ZMQ, on the wire exactly as vLLM's ``ZmqEventPublisher``.
 
-A subscriber built for vLLM reads this publisher, and :class:`kvslots.subscriber.EventSubscriber`
+A subscriber built for vLLM reads this publisher, and :class:`kvslots.events.subscriber.EventSubscriber`
 reads both. The protocol (vLLM 0.32):
 
 * PUB socket, one multipart message per batch: ``(topic, seq, payload)``; ``seq`` is an 8-byte
@@ -30,7 +30,7 @@ from typing import Any, Union
 import msgspec
 import zmq
 
-from .events import EventBatch
+from .codec import EventBatch
 
 log = logging.getLogger(__name__)
 

@@ -30,7 +30,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from .errors import ConfigError
+from ..errors import ConfigError
 
 SCHEDULE_KEY = "num_speculative_tokens_per_batch_size"
 DEFAULT_FIELD = f"speculative_config.{SCHEDULE_KEY}"

@@ -1,7 +1,7 @@
 """Settings of the KVSlotsConnector, read from ``kv_connector_extra_config``.
 
 Every key has a default, so an empty or absent extra config works. An unknown key or a bad value
-raises :class:`ConnectorConfigError` (a ``ValueError``) naming it, which stops vLLM
+raises :class:`~kvslots.errors.ConnectorConfigError` (a ``ValueError``) naming it, which stops vLLM
 at start-up.
 """
 
@@ -10,12 +10,10 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any
 
+from ..errors import ConnectorConfigError
+
 
 GIB = 1 << 30
-
-
-class ConnectorConfigError(ValueError):
-    """A bad ``kv_connector_extra_config``: the message names the key and the value."""
 
 
 @dataclass(frozen=True)

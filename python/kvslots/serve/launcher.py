@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import importlib.util
 import json
 import os
 import re
@@ -44,7 +43,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .errors import ConfigError
+from ..config.connector import ConnectorConfig, ConnectorConfigError
+from ..errors import ConfigError, ServeError
 
 PROG = "kvslots serve"
 
@@ -100,10 +100,6 @@ MERGED_OPTIONS = ("speculative-config", "kv-transfer-config", "kv-events-config"
 _VALUED_OPTIONS = {*MERGED_OPTIONS, "host", "port", "model", "data-parallel-size"}
 
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
-
-
-class ServeError(Exception):
-    """Bad ``kvslots serve`` input: one line naming the problem (exit status 2)."""
 
 
 # ----------------------------------------------------------------------------- the vLLM tail
@@ -310,22 +306,6 @@ def _check_model(model: str) -> tuple[str, bool]:
     return model, False
 
 
-def _connector_config_class() -> tuple[Any, type[Exception]]:
-    """kvslots.vllm.config.ConnectorConfig without importing vLLM (kvslots.vllm's package
-    imports the connector, which imports vLLM): the module is loaded from its file."""
-    mod = sys.modules.get("kvslots.vllm.config")
-    if mod is None:
-        name = "kvslots._serve_connector_config"
-        mod = sys.modules.get(name)
-        if mod is None:
-            spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name("vllm") / "config.py")
-            assert spec is not None and spec.loader is not None
-            mod = importlib.util.module_from_spec(spec)
-            sys.modules[name] = mod
-            spec.loader.exec_module(mod)
-    return mod.ConnectorConfig, mod.ConnectorConfigError
-
-
 def _short(value: Any) -> str:
     text = value if isinstance(value, str) else _dumps(value)
     return text if len(text) <= 80 else text[:77] + "..."
@@ -334,9 +314,9 @@ def _short(value: Any) -> str:
 def build_plan(args: argparse.Namespace, *, python: str | None = None) -> ServePlan:
     """The vLLM command for parsed ``kvslots serve`` options. Raises :class:`ServeError` (or
     :class:`~kvslots.ConfigError` from the converters) on bad input; imports no vLLM."""
-    from .schedule import DynamicSDSchedule
-    from .speculators import is_speculators_checkpoint
-    from .trtllm import convert_trtllm_config
+    from ..config.schedule import DynamicSDSchedule
+    from ..config.speculators import is_speculators_checkpoint
+    from ..config.trtllm import convert_trtllm_config
 
     notes: list[str] = []
     tail = list(args.vllm_args or [])
@@ -493,7 +473,7 @@ def build_plan(args: argparse.Namespace, *, python: str | None = None) -> ServeP
 
 
 def _engine_flag(key: str, value: Any) -> list[str]:
-    from .trtllm import _flag
+    from ..config.trtllm import _flag
 
     return _flag(key, value)
 
@@ -554,7 +534,6 @@ def _connector_config(args: argparse.Namespace, hints: dict[str, Any], tail_cfg:
         for k, v in tail_cfg.items():
             if k != "kv_connector_extra_config":
                 cfg[k] = v
-    ConnectorConfig, ConnectorConfigError = _connector_config_class()
     try:
         ConnectorConfig.from_extra_config(extra)
     except ConnectorConfigError as e:

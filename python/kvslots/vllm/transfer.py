@@ -41,8 +41,8 @@ from typing import Any, Literal
 import numpy as np
 import torch
 
-from . import _core
-from .errors import InvalidArgumentError
+from .. import _core
+from ..errors import InvalidArgumentError
 
 __all__ = ["BlockCopier", "Transfer"]
 

@@ -71,9 +71,9 @@ def _wait_healthy(base: str, proc: subprocess.Popen, timeout: float) -> None:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    from .indexer.config import IndexerConfig, WorkerSpec
-    from .indexer.service import IndexerService
-    from .tiny import build_tiny_models
+    from ..indexer.config import IndexerConfig, WorkerSpec
+    from ..indexer.service import IndexerService
+    from .._dev.tiny import build_tiny_models
 
     log = (lambda *a: None) if args.json else (lambda *a: print(*a, flush=True))
     models = build_tiny_models(args.cache_dir)

@@ -17,9 +17,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .errors import OutOfBlocksError
-from .events import AllBlocksCleared, BlockRemoved, BlockStored
-from .manager import SlotManager
+from ..errors import OutOfBlocksError
+from ..events import AllBlocksCleared, BlockRemoved, BlockStored
+from ..slots import SlotManager
 
 
 @dataclass

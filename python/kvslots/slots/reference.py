@@ -17,7 +17,7 @@ from typing import Any, Sequence
 
 import xxhash
 
-from .errors import (
+from ..errors import (
     CapacityExceededError,
     DuplicateRequestError,
     InvalidArgumentError,

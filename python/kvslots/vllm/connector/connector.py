@@ -26,11 +26,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from ..events import MEDIUM_CPU
-from .config import ConnectorConfig, ConnectorConfigError
+from ...events import MEDIUM_CPU
+from ...config.connector import ConnectorConfig, ConnectorConfigError
 from .metadata import KVSlotsMetadata, KVSlotsWorkerMetadata
-from .scheduler import SchedulerSide
-from .worker import WorkerSide
+from .scheduler_side import SchedulerSide
+from .worker_side import WorkerSide
 
 if TYPE_CHECKING:
     import torch
@@ -216,7 +216,7 @@ def _to_vllm_event(raw: tuple[Any, ...]) -> Any:
 
 
 def _make_publisher(cfg: ConnectorConfig, dp_rank: int) -> Any:
-    from ..publisher import EventPublisher
+    from ...events.publisher import EventPublisher
 
     return EventPublisher(cfg.events_endpoint or "", cfg.events_replay_endpoint, topic=cfg.events_topic,
                           data_parallel_rank=dp_rank, buffer_steps=cfg.events_buffer_steps, hwm=cfg.events_hwm)
