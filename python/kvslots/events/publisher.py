@@ -1,15 +1,9 @@
 """Publishing KV event batches over ZMQ, on the wire exactly as vLLM's ``ZmqEventPublisher``.
 
 A subscriber built for vLLM reads this publisher, and :class:`kvslots.events.subscriber.EventSubscriber`
-reads both. The protocol (vLLM 0.32):
-
-* PUB socket, one multipart message per batch: ``(topic, seq, payload)``; ``seq`` is an 8-byte
-  big-endian unsigned counter starting at 0 for each publisher instance, ``payload`` the msgpack
-  ``KVEventBatch``.
-* Optional ROUTER replay socket. A request is ``[b"", start]`` from a DEALER (a REQ socket adds
-  the empty frame itself) with ``start`` an 8-byte big-endian sequence number. The reply is one
-  message ``[b"", topic, seq, payload]`` per buffered batch with ``seq >= start``, in order, then
-  the end marker ``[b"", b"", (-1 as 8 signed big-endian bytes), b""]``.
+reads both. The frames (live PUB messages with 8-byte sequence numbers, replay requests and
+replies on an optional ROUTER socket, the end-of-replay marker) and the bind/connect rule are
+those of :mod:`.protocol`.
 
 Batches are queued by :meth:`EventPublisher.publish` (any thread; it only appends to a queue)
 and sent by one background thread that owns both sockets, because ZMQ sockets are not
@@ -31,43 +25,23 @@ import msgspec
 import zmq
 
 from .codec import EventBatch
+from .protocol import (
+    END_SEQ,
+    is_bind_endpoint,
+    is_ipv6,
+    live_message,
+    offset_endpoint_port,
+    parse_replay_request,
+    replay_end,
+    replay_reply,
+)
+
+# END_SEQ, is_bind_endpoint and offset_endpoint_port are defined in .protocol; importable here too.
+__all__ = ["END_SEQ", "EventPublisher", "is_bind_endpoint", "offset_endpoint_port"]
 
 log = logging.getLogger(__name__)
 
-#: Sequence number of the replay end marker, as vLLM writes it.
-END_SEQ = (-1).to_bytes(8, "big", signed=True)
-
 Payload = Union[EventBatch, msgspec.Struct, bytes, bytearray, memoryview]
-
-
-def offset_endpoint_port(endpoint: str | None, data_parallel_rank: int) -> str | None:
-    """The endpoint of data-parallel rank ``data_parallel_rank``, as vLLM derives it: a TCP port
-    is shifted by the rank (port 0 stays 0: the OS picks), an inproc name gets ``_dp<rank>``.
-    vLLM rejects ipc endpoints for ranks above 0; we suffix them like inproc names."""
-    if not endpoint or data_parallel_rank == 0:
-        return endpoint
-    if endpoint.startswith(("inproc://", "ipc://")) or "inproc" in endpoint:
-        return f"{endpoint}_dp{data_parallel_rank}"
-    if "tcp" in endpoint:
-        head, sep, port = endpoint.rpartition(":")
-        if not sep or not port.isdigit():
-            return endpoint
-        if int(port) == 0:
-            return endpoint
-        return f"{head}:{int(port) + data_parallel_rank}"
-    raise ValueError(f"invalid endpoint {endpoint!r}: expected tcp://, ipc:// or inproc://")
-
-
-def is_bind_endpoint(endpoint: str) -> bool:
-    """vLLM's rule (binds wildcard, IPv6-any, ipc and inproc addresses; connects to the rest),
-    plus: TCP port 0 binds, since only a bound socket can take an OS-chosen port."""
-    if "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://")):
-        return True
-    return endpoint.startswith("tcp://") and endpoint.rpartition(":")[2] == "0"
-
-
-def _is_ipv6(endpoint: str) -> bool:
-    return endpoint.startswith("tcp://") and ("[" in endpoint or "::" in endpoint)
 
 
 class EventPublisher:
@@ -158,7 +132,7 @@ class EventPublisher:
             self._pub = self._ctx.socket(zmq.PUB)
             self._pub.setsockopt(zmq.SNDHWM, hwm)
             self._pub.setsockopt(zmq.LINGER, linger_ms)
-            if _is_ipv6(ep):
+            if is_ipv6(ep):
                 self._pub.setsockopt(zmq.IPV6, 1)
             if is_bind_endpoint(ep) if bind is None else bind:
                 self._pub.bind(ep)
@@ -174,7 +148,7 @@ class EventPublisher:
                 # queue instead of ROUTER silently dropping past the default HWM of 1000.
                 self._replay.setsockopt(zmq.SNDHWM, 2 * (buffer_steps + 1))
                 self._replay.setsockopt(zmq.LINGER, 0)
-                if _is_ipv6(rep):
+                if is_ipv6(rep):
                     self._replay.setsockopt(zmq.IPV6, 1)
                 self._replay.bind(rep)
                 self.replay_endpoint = self._replay.getsockopt_string(zmq.LAST_ENDPOINT)
@@ -333,7 +307,7 @@ class EventPublisher:
             return
         assert self._pub is not None
         try:
-            self._pub.send_multipart((self._topic, seq.to_bytes(8, "big"), payload), copy=False)
+            self._pub.send_multipart(live_message(self._topic, seq, payload), copy=False)
             self._stats["published"] += 1
         except zmq.ZMQError:
             # PUB does not block or fail on slow peers; this is a closed or broken socket.
@@ -348,12 +322,12 @@ class EventPublisher:
                 frames = self._replay.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 return
-            if len(frames) != 3 or frames[1] != b"" or len(frames[2]) != 8:
+            request = parse_replay_request(frames)
+            if request is None:
                 self._stats["replay_malformed"] += 1
                 log.warning("malformed replay request (%d frames)", len(frames))
                 continue
-            client, _, start_bytes = frames
-            start = int.from_bytes(start_bytes, "big")
+            client, start = request
             self._stats["replay_requests"] += 1
             first = self._buffer[0][0] if self._buffer else 0
             skip = min(max(start - first, 0), len(self._buffer))
@@ -361,10 +335,10 @@ class EventPublisher:
                 # Buffered seqs are consecutive, so the first one to send is at start - first.
                 for seq, payload in islice(self._buffer, skip, None):
                     self._replay.send_multipart(
-                        (client, b"", self._topic, seq.to_bytes(8, "big"), payload), copy=False
+                        replay_reply(client, self._topic, seq, payload), copy=False
                     )
                     self._stats["replayed"] += 1
-                self._replay.send_multipart((client, b"", b"", END_SEQ, b""))
+                self._replay.send_multipart(replay_end(client))
             except zmq.ZMQError:
                 self._stats["errors"] += 1
                 log.exception("replay to a subscriber failed")

@@ -1,0 +1,126 @@
+"""The ZMQ framing of KV event streams, as vLLM 0.32's ``ZmqEventPublisher`` writes it, in one
+place: :mod:`.publisher` builds these frames, :mod:`.subscriber` parses them, and nothing else
+does either.
+
+* Live (PUB): ``(topic, seq, payload)``; ``seq`` is an 8-byte big-endian counter from 0 per
+  publisher instance, ``payload`` a msgpack ``KVEventBatch``.
+* Replay request (DEALER to ROUTER): ``(b"", start)``, ``start`` 8 bytes big-endian (a REQ
+  socket adds the empty frame itself).
+* Replay reply: ``(b"", topic, seq, payload)`` per buffered batch with ``seq >= start``, in
+  order, then the end marker ``(b"", b"", END_SEQ, b"")``. Older vLLMs leave out the topic
+  frame; subscribers accept both.
+* Who binds: :func:`is_bind_endpoint`; the ROUTER always binds, subscribers connect.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+#: The address schemes ZMQ event streams use.
+SCHEMES = ("tcp://", "ipc://", "inproc://")
+
+#: Sequence number of the replay end marker, as vLLM writes it (-1, 8 signed big-endian bytes).
+END_SEQ = (-1).to_bytes(8, "big", signed=True)
+
+Frames = Sequence[bytes]
+
+
+def seq_bytes(seq: int) -> bytes:
+    return seq.to_bytes(8, "big")
+
+
+def _seq(frame: bytes) -> int | None:
+    return int.from_bytes(frame, "big", signed=True) if len(frame) == 8 else None
+
+
+# ---- live stream ---------------------------------------------------------------------------
+
+
+def live_message(topic: bytes, seq: int, payload: bytes) -> tuple[bytes, bytes, bytes]:
+    return (topic, seq.to_bytes(8, "big"), payload)
+
+
+def parse_live(frames: Frames) -> tuple[int, bytes] | None:
+    """``(seq, payload)`` of a live message; None for anything that is not three frames with an
+    8-byte, non-negative sequence number."""
+    if len(frames) != 3:
+        return None
+    seq = _seq(frames[1])
+    if seq is None or seq < 0:
+        return None
+    return seq, frames[2]
+
+
+# ---- replay --------------------------------------------------------------------------------
+
+
+def replay_request(start: int) -> tuple[bytes, bytes]:
+    """What a DEALER sends to ask for every buffered batch from ``start`` on."""
+    return (b"", max(start, 0).to_bytes(8, "big"))
+
+
+def parse_replay_request(frames: Frames) -> tuple[bytes, int] | None:
+    """``(client identity, start)`` of a request as the ROUTER receives it; None if malformed."""
+    if len(frames) != 3 or frames[1] != b"" or len(frames[2]) != 8:
+        return None
+    return frames[0], int.from_bytes(frames[2], "big")
+
+
+def replay_reply(client: bytes, topic: bytes, seq: int, payload: bytes) -> tuple[bytes, ...]:
+    return (client, b"", topic, seq.to_bytes(8, "big"), payload)
+
+
+def replay_end(client: bytes) -> tuple[bytes, ...]:
+    return (client, b"", b"", END_SEQ, b"")
+
+
+def parse_replay_reply(frames: Frames) -> tuple[int, bytes] | None:
+    """``(seq, payload)`` of a reply as the DEALER receives it; ``seq`` is negative for the end
+    marker. None if malformed."""
+    if len(frames) == 4 and frames[0] == b"":  # vLLM 0.32: [b"", topic, seq, payload]
+        seq_frame, payload = frames[2], frames[3]
+    elif len(frames) == 3 and frames[0] == b"":  # older vLLM: [b"", seq, payload]
+        seq_frame, payload = frames[1], frames[2]
+    else:
+        return None
+    seq = _seq(seq_frame)
+    return None if seq is None else (seq, payload)
+
+
+# ---- addresses -----------------------------------------------------------------------------
+
+
+def vllm_binds(endpoint: str) -> bool:
+    """vLLM 0.32's rule (``ZmqEventPublisher._is_bind_endpoint``): a publisher binds wildcard,
+    IPv6-any, ipc and inproc addresses and connects to the rest."""
+    return "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://"))
+
+
+def is_bind_endpoint(endpoint: str) -> bool:
+    """:func:`vllm_binds`, plus: TCP port 0 binds, since only a bound socket can take an
+    OS-chosen port."""
+    if vllm_binds(endpoint):
+        return True
+    return endpoint.startswith("tcp://") and endpoint.rpartition(":")[2] == "0"
+
+
+def is_ipv6(endpoint: str) -> bool:
+    return endpoint.startswith("tcp://") and ("[" in endpoint or "::" in endpoint)
+
+
+def offset_endpoint_port(endpoint: str | None, data_parallel_rank: int) -> str | None:
+    """The endpoint of data-parallel rank ``data_parallel_rank``, as vLLM derives it: a TCP port
+    is shifted by the rank (port 0 stays 0: the OS picks), an inproc name gets ``_dp<rank>``.
+    vLLM rejects ipc endpoints for ranks above 0; we suffix them like inproc names."""
+    if not endpoint or data_parallel_rank == 0:
+        return endpoint
+    if endpoint.startswith(("inproc://", "ipc://")) or "inproc" in endpoint:
+        return f"{endpoint}_dp{data_parallel_rank}"
+    if "tcp" in endpoint:
+        head, sep, port = endpoint.rpartition(":")
+        if not sep or not port.isdigit():
+            return endpoint
+        if int(port) == 0:
+            return endpoint
+        return f"{head}:{int(port) + data_parallel_rank}"
+    raise ValueError(f"invalid endpoint {endpoint!r}: expected tcp://, ipc:// or inproc://")
