@@ -22,7 +22,7 @@ except ImportError as exc:  # only a missing vLLM skips; any other failure is an
 
 from kvslots import SlotManager
 from kvslots._core import encode_event_batch
-from kvslots.events import BlockStored, decode_batch
+from kvslots.events import BlockStored, decode_batch, from_raw
 from kvslots.events.publisher import EventPublisher
 from kvslots.events.subscriber import EventSubscriber
 
@@ -33,27 +33,8 @@ vllm_encoder = msgspec.msgpack.Encoder()
 
 
 def vllm_structs(raw, medium, as_bytes):
-    h = (lambda x: x.to_bytes(8, "big")) if as_bytes else (lambda x: x)
-    out = []
-    for ev in raw:
-        if ev[0] == "BlockStored":
-            _, hashes, parent, tokens, block_size, lora_id = ev
-            out.append(
-                vke.BlockStored(
-                    block_hashes=[h(x) for x in hashes],
-                    parent_block_hash=None if parent is None else h(parent),
-                    token_ids=list(tokens),
-                    block_size=block_size,
-                    lora_id=lora_id,
-                    medium=medium,
-                    lora_name=None,
-                )
-            )
-        elif ev[0] == "BlockRemoved":
-            out.append(vke.BlockRemoved(block_hashes=[h(x) for x in ev[1]], medium=medium))
-        else:
-            out.append(vke.AllBlocksCleared())
-    return out
+    """vLLM's own structs for the raw tuples, as the connector builds them (``from_raw``)."""
+    return [from_raw(ev, medium, hashes_as_bytes=as_bytes, structs=vke) for ev in raw]
 
 
 @settings(max_examples=150, deadline=None)

@@ -13,7 +13,6 @@ from hypothesis import strategies as st
 from kvslots import InvalidArgumentError, SlotManager
 from kvslots._core import encode_event_batch
 from kvslots.events import (
-    AllBlocksCleared,
     BlockRemoved,
     BlockStored,
     KVEventBatch,
@@ -42,34 +41,9 @@ mediums = st.none() | st.sampled_from(["GPU", "CPU"]) | st.text(max_size=300)
 ranks = st.none() | st.integers(-(2**63), 2**63 - 1)
 
 
-def _hash(h: int | None, as_bytes: bool) -> int | bytes | None:
-    if h is None or not as_bytes:
-        return h
-    return h.to_bytes(8, "big")
-
-
 def structs(raw: list[tuple], medium: str | None, as_bytes: bool) -> list:
-    """The vLLM structs that the raw tuples stand for (the Python path)."""
-    out = []
-    for ev in raw:
-        if ev[0] == "BlockStored":
-            _, hashes, parent, tokens, block_size, lora_id = ev
-            out.append(
-                BlockStored(
-                    [_hash(h, as_bytes) for h in hashes],
-                    _hash(parent, as_bytes),
-                    list(tokens),
-                    block_size,
-                    lora_id,
-                    medium,
-                    None,
-                )
-            )
-        elif ev[0] == "BlockRemoved":
-            out.append(BlockRemoved([_hash(h, as_bytes) for h in ev[1]], medium))
-        else:
-            out.append(AllBlocksCleared())
-    return out
+    """The structs that the raw tuples stand for (the Python path: ``from_raw``)."""
+    return [from_raw(ev, medium, hashes_as_bytes=as_bytes) for ev in raw]
 
 
 @settings(max_examples=300, deadline=None)

@@ -65,16 +65,37 @@ class KVEventBatch(EventBatch):
     events: list[BlockStored | BlockRemoved | AllBlocksCleared]  # type: ignore[assignment]
 
 
-def from_raw(raw: tuple[Any, ...], medium: str | None) -> KVEvent:
-    """Turns one event tuple from the Rust core into its struct."""
+def from_raw(
+    raw: tuple[Any, ...],
+    medium: str | None,
+    *,
+    hashes_as_bytes: bool = False,
+    structs: Any = None,
+) -> KVEvent:
+    """Turns one event tuple from the Rust core into its struct. This is the one place that
+    reads those tuples: ``("BlockStored", hashes, parent, tokens, block_size, lora_id)``,
+    ``("BlockRemoved", hashes)``, ``("AllBlocksCleared",)``.
+
+    ``hashes_as_bytes`` writes block hashes as 8 big-endian bytes (as the Rust encoder's
+    ``hashes_as_bytes``). ``structs`` is where the classes come from: any namespace with
+    ``BlockStored``, ``BlockRemoved`` and ``AllBlocksCleared`` of vLLM's fields, in vLLM's
+    order (``vllm.distributed.kv_events`` itself); by default the ones of this module.
+    """
     kind = raw[0]
     if kind == "BlockStored":
         _, hashes, parent, tokens, block_size, lora_id = raw
-        return BlockStored(hashes, parent, tokens, block_size, lora_id, medium, None)
+        if hashes_as_bytes:
+            hashes = [h.to_bytes(8, "big") for h in hashes]
+            parent = None if parent is None else parent.to_bytes(8, "big")
+        cls = BlockStored if structs is None else structs.BlockStored
+        return cls(hashes, parent, tokens, block_size, lora_id, medium, None)
     if kind == "BlockRemoved":
-        return BlockRemoved(raw[1], medium)
+        hashes = raw[1]
+        if hashes_as_bytes:
+            hashes = [h.to_bytes(8, "big") for h in hashes]
+        return (BlockRemoved if structs is None else structs.BlockRemoved)(hashes, medium)
     if kind == "AllBlocksCleared":
-        return AllBlocksCleared()
+        return (AllBlocksCleared if structs is None else structs.AllBlocksCleared)()
     raise ValueError(f"unknown event kind {kind!r}")
 
 
