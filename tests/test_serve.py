@@ -168,9 +168,25 @@ def test_speculative_config_passthrough_and_schedule(target, draft):
      "speculative_config.num_speculative_tokens_per_batch_size[0]"),
     ('{"method": "eagle", "model": "/nonexistent/draft", "num_speculative_tokens": 3}',
      "speculative_config.model: draft model directory '/nonexistent/draft' does not exist"),
+    # Not a local directory and not a Hub id either: a missing path, as for MODEL.
+    ('{"method": "eagle", "model": "drafts/eagle/v1", "num_speculative_tokens": 3}',
+     "speculative_config.model: draft model directory 'drafts/eagle/v1' does not exist"),
+    ('{"method": "eagle", "model": "my draft", "num_speculative_tokens": 3}',
+     "speculative_config.model: draft model directory 'my draft' does not exist"),
 ])
 def test_bad_speculative_config(target, capsys, text, expect):
     assert expect in error_line([target, "--speculative-config", text], capsys)
+
+
+def test_draft_that_is_a_file_or_a_hub_id(target, tmp_path, capsys):
+    (tmp_path / "draft.bin").write_text("x")
+    spec = {"method": "eagle", "model": str(tmp_path / "draft.bin"), "num_speculative_tokens": 3}
+    assert "speculative_config.model: draft model" in error_line(
+        [target, "--speculative-config", json.dumps(spec)], capsys)
+    assert "is not a directory" in error_line([target, "--speculative-config", json.dumps(spec)], capsys)
+    spec["model"] = "org/eagle-draft"  # vLLM looks it up
+    assert json_flag(plan_from_argv([target, "--speculative-config", json.dumps(spec)]).argv,
+                     "--speculative-config")["model"] == "org/eagle-draft"
 
 
 def test_model_errors(tmp_path, capsys):

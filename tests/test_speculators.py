@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from kvslots import ConfigError
+from kvslots.config.speculative import classify_model, is_hub_id
 from kvslots.config.speculators import is_speculators_checkpoint, load_speculators_checkpoint
 
 VERIFIER_CONFIG = {
@@ -116,6 +117,39 @@ def test_missing_local_verifier_is_an_error_naming_the_field(tmp_path):
     with pytest.raises(ConfigError) as ei:
         load_speculators_checkpoint(d, verifier="./missing")
     assert ei.value.field == "verifier"
+
+
+@pytest.mark.parametrize("declared", ["org/sub/model", "models/llama/8b", "my model", "org/..", "x/../y"])
+def test_verifier_that_is_neither_local_nor_a_hub_id_is_an_error(tmp_path, declared):
+    # Nothing of that name next to the checkpoint, and no Hub id is spelled so: it is a missing
+    # local path (the speculators reader once passed these to vLLM as Hub ids).
+    d = write_dir(tmp_path / "spec", spec_with(speculators_config__verifier__name_or_path=declared))
+    with pytest.raises(ConfigError) as ei:
+        load_speculators_checkpoint(d)
+    assert ei.value.field == "speculators_config.verifier.name_or_path"
+    assert "does not exist" in str(ei.value)
+
+
+def test_model_references_are_classified_in_one_place(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    plain = write_dir(tmp_path / "plain", VERIFIER_CONFIG)
+    spec = write_dir(tmp_path / "spec", SPECULATOR_CONFIG)
+    eagle = write_dir(tmp_path / "eagle", dict(VERIFIER_CONFIG, architectures=["EagleLlamaForCausalLM"]))
+    (tmp_path / "noconfig").mkdir()
+    (tmp_path / "file").write_text("x")
+    ref = classify_model("plain")
+    assert (ref.kind, ref.is_local, ref.has_config, ref.path) == ("dir", True, True, str(plain.resolve()))
+    assert not ref.is_speculators and ref.draft_method is None
+    assert classify_model(spec).is_speculators and classify_model(spec).draft_method[0] == "eagle3"
+    assert classify_model(eagle).draft_method[0] == "eagle"
+    ref = classify_model("noconfig")
+    assert ref.kind == "dir" and not ref.has_config and ref.config is None
+    assert classify_model("file").kind == "not_dir"
+    assert classify_model("../plain", base=tmp_path / "spec").path == str(plain.resolve())
+    for hub in ("meta-llama/Llama-3.1-8B-Instruct", "gpt2", "org/model.v2"):
+        assert classify_model(hub).kind == "hub" and is_hub_id(hub)
+    for missing in ("/nonexistent/llama", "./x", "../x", "~/nope-x", "a/b/c", "my model", "org/", "x/..", "-x"):
+        assert classify_model(missing).kind == "missing" and not is_hub_id(missing), missing
 
 
 def test_verifier_that_is_a_file_is_rejected(tmp_path):

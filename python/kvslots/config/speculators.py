@@ -14,30 +14,23 @@ vLLM detects such a directory when it is passed as the *model* and swaps in the 
 target, but it takes ``verifier.name_or_path`` verbatim: a relative local path is resolved
 against the server's working directory and vLLM rejects it ("Invalid repository ID or local
 directory"). :func:`load_speculators_checkpoint` resolves a local verifier against the checkpoint
-directory (or takes an explicit override), checks it exists, and returns the target model plus
+directory (or takes an explicit override), checks that it is a local directory or a Hub id
+(:func:`~kvslots.config.speculative.classify_model`), and returns the target model plus
 the explicit speculative config, so vLLM can be started as
 ``vllm serve <verifier> --speculative-config <json>`` without relying on its detection.
 """
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from ..errors import ConfigError
-
-#: speculators_model_type -> (vLLM method, extra speculative-config keys). Mirrors the types
-#: vLLM 0.32's speculators loader accepts (eagle3, peagle, dflash, dflash2, dspark).
-SPECULATORS_METHODS: dict[str, tuple[str, dict[str, Any]]] = {
-    "eagle3": ("eagle3", {}),
-    "peagle": ("eagle3", {"parallel_drafting": True}),
-    "dflash": ("dflash", {}),
-    "dflash2": ("dflash", {}),
-    "dspark": ("dspark", {}),
-}
+# What a checkpoint's type means to vLLM, and whether a directory is a checkpoint, are decided
+# in .speculative (with every other model-reference rule); re-exported here.
+from .speculative import SPECULATORS_METHODS, classify_model, is_speculators_checkpoint, read_model_config
 
 
 @dataclass
@@ -59,58 +52,22 @@ class SpeculatorsCheckpoint:
     warnings: list[str] = field(default_factory=list)
 
 
-def _read_config(model_dir: str | os.PathLike[str]) -> tuple[Path, dict[str, Any], str]:
-    path = Path(model_dir).expanduser()
-    if not path.is_dir():
-        raise ConfigError(f"speculators checkpoint {str(path)!r} is not a directory")
-    cfg_path = path / "config.json"
-    source = str(cfg_path)
-    if not cfg_path.is_file():
-        raise ConfigError("no config.json in the speculators checkpoint directory", source=str(path))
-    try:
-        doc = json.loads(cfg_path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError) as e:
-        raise ConfigError(f"cannot read: {e}", source=source) from e
-    except json.JSONDecodeError as e:
-        raise ConfigError(f"invalid JSON: {e.msg} at line {e.lineno} column {e.colno}",
-                          source=source) from e
-    if not isinstance(doc, dict):
-        raise ConfigError(f"config.json must be a JSON object, got {type(doc).__name__}", source=source)
-    return path.resolve(), doc, source
-
-
-def is_speculators_checkpoint(model_dir: str | os.PathLike[str]) -> bool:
-    """Whether ``model_dir`` is a local directory whose config.json has ``speculators_config``."""
-    try:
-        _, doc, _ = _read_config(model_dir)
-    except ConfigError:
-        return False
-    return doc.get("speculators_config") is not None
-
-
-def _looks_like_path(name: str) -> bool:
-    return name.startswith(("/", "./", "../", "~")) or name in (".", "..")
-
-
 def _resolve_verifier(
     declared: str, base: Path, field_name: str, source: str | None
 ) -> tuple[str, bool]:
-    """(target, is_local). A name is local when it exists relative to the checkpoint directory
-    or looks like a filesystem path; otherwise it is taken as a Hugging Face Hub id."""
-    expanded = Path(declared).expanduser()
-    candidate = expanded if expanded.is_absolute() else base / expanded
-    if candidate.exists():
-        if not candidate.is_dir():
-            raise ConfigError(f"local verifier {str(candidate)!r} is not a directory", field_name, source)
-        return str(candidate.resolve()), True
-    if _looks_like_path(declared):
+    """(target, is_local): a local directory (a relative name resolved against ``base``) or a
+    Hugging Face Hub id; anything else is an error suggesting an explicit verifier."""
+    ref = classify_model(declared, base=base)
+    if ref.kind == "not_dir":
+        raise ConfigError(f"local verifier {ref.path!r} is not a directory", field_name, source)
+    if ref.kind == "missing":
         raise ConfigError(
-            f"local verifier path {declared!r} does not exist (looked for {str(candidate)!r}); "
+            f"local verifier path {declared!r} does not exist (looked for {ref.path!r}); "
             "pass the target model explicitly (verifier=... / --verifier)",
             field_name,
             source,
         )
-    return declared, False
+    return (ref.path, True) if ref.is_local else (declared, False)
 
 
 def load_speculators_checkpoint(
@@ -127,7 +84,7 @@ def load_speculators_checkpoint(
 
     Raises :class:`~kvslots.ConfigError` naming the config.json field on a malformed config.
     """
-    base, doc, source = _read_config(model_dir)
+    base, doc, source = read_model_config(model_dir, "speculators checkpoint")
     spec = doc.get("speculators_config")
     if spec is None:
         raise ConfigError("not a speculators checkpoint: config.json has no speculators_config",

@@ -30,7 +30,9 @@ from typing import Any
 
 from ..errors import ConfigError
 from .schedule import SCHEDULE_KEY, DynamicSDSchedule
-from .speculators import SPECULATORS_METHODS, load_speculators_checkpoint
+from .speculative import classify_model
+from .speculators import load_speculators_checkpoint
+from .vllm_args import engine_flag
 
 # TRT-LLM's default max_batch_size (BaseLlmArgs) when the YAML does not set one.
 TRTLLM_DEFAULT_MAX_BATCH_SIZE = 2048
@@ -98,7 +100,7 @@ class ConversionResult:
         for key, value in self.engine_args.items():
             if key == "model":
                 continue
-            out.extend(_flag(key, value))
+            out.extend(engine_flag(key, value))
         return out
 
     def command(self, model: str | None = None, prefix: tuple[str, ...] = ("vllm", "serve")) -> list[str]:
@@ -148,17 +150,6 @@ class ConversionResult:
 def _short(value: Any, limit: int = 60) -> str:
     text = json.dumps(value, default=str) if not isinstance(value, str) else value
     return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
-def _flag(key: str, value: Any) -> list[str]:
-    name = "--" + key.replace("_", "-")
-    if isinstance(value, bool):
-        return [name] if value else ["--no-" + key.replace("_", "-")]
-    if isinstance(value, (list, tuple)):
-        return [name, *(str(v) for v in value)]
-    if isinstance(value, dict):
-        return [name, json.dumps(value, separators=(",", ":"))]
-    return [name, str(value)]
 
 
 def _yaml() -> Any:
@@ -1207,7 +1198,7 @@ def _eagle_method(dtype: str, model: str, one_model: bool | None) -> tuple[str, 
     one-model path exists only for EAGLE-3), "eagle" in the draft's name or
     ``eagle3_one_model: false``, and last TRT-LLM's default (EAGLE-3 on the PyTorch backend).
     """
-    ckpt = _eagle_from_checkpoint(model)
+    ckpt = classify_model(model).draft_method
     if ckpt is not None:
         method, why = ckpt
         if method != "eagle3" and (dtype == "Eagle3" or one_model is True):
@@ -1229,27 +1220,6 @@ def _eagle_method(dtype: str, model: str, one_model: bool | None) -> tuple[str, 
         "nothing says whether the draft is EAGLE or EAGLE-3: using eagle3 (TRT-LLM's PyTorch backend runs "
         "EAGLE-3 by default)"
     ]
-
-
-def _eagle_from_checkpoint(model: str) -> tuple[str, str] | None:
-    cfg_path = Path(model).expanduser() / "config.json"
-    try:
-        doc = json.loads(cfg_path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
-    if not isinstance(doc, dict):
-        return None
-    smt = doc.get("speculators_model_type")
-    if doc.get("speculators_config") is not None and smt in SPECULATORS_METHODS:
-        return SPECULATORS_METHODS[smt][0], f"speculators_model_type={smt}"
-    archs = [str(a) for a in doc.get("architectures") or []]
-    mtype = str(doc.get("model_type", ""))
-    if any("eagle3" in a.lower() for a in archs) or "eagle3" in mtype.lower() \
-            or "eagle_aux_hidden_state_layer_ids" in doc or "draft_vocab_size" in doc:
-        return "eagle3", "EAGLE-3 fields in its config.json"
-    if any("eagle" in a.lower() for a in archs) or mtype.lower() == "eagle":
-        return "eagle", "EAGLE architecture in its config.json"
-    return None
 
 
 # ------------------------------------------------------------------------------ public API

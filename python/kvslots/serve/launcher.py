@@ -40,10 +40,11 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
-from ..config.connector import ConnectorConfig, ConnectorConfigError
+from ..config.connector import GIB, ConnectorConfig, ConnectorConfigError
+from ..config.speculative import classify_model, resolve_speculative_config
+from ..config.vllm_args import brief, engine_flag, flag_name, to_json
 from ..errors import ConfigError, ServeError
 
 PROG = "kvslots serve"
@@ -63,8 +64,6 @@ DEFAULT_EVENTS_PORT = 5557
 LOOPBACK_BIND_HOST = "[::ffff:127.0.0.1]"
 DEFAULT_EVENTS_ENDPOINT = f"tcp://{LOOPBACK_BIND_HOST}:{DEFAULT_EVENTS_PORT}"
 DEFAULT_GRACE_S = 15.0
-
-GIB = 1 << 30
 
 #: Single-dash aliases of vLLM 0.32's serve arguments (the tests check this table against vLLM's
 #: parser). ``-O<n>`` is handled separately (vLLM rewrites it to --optimization-level).
@@ -98,9 +97,6 @@ VLLM_SHORT_OPTIONS: dict[str, str] = {
 MERGED_OPTIONS = ("speculative-config", "kv-transfer-config", "kv-events-config")
 #: vLLM arguments after ``--`` whose value kvslots serve reads (they take exactly one value).
 _VALUED_OPTIONS = {*MERGED_OPTIONS, "host", "port", "model", "data-parallel-size"}
-
-_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
-
 
 # ----------------------------------------------------------------------------- the vLLM tail
 
@@ -219,14 +215,6 @@ def _json_object(text: str, what: str) -> dict[str, Any]:
     return value
 
 
-def _flag_of(key: str) -> str:
-    return "--" + key.replace("_", "-")
-
-
-def _dumps(value: Any) -> str:
-    return json.dumps(value, separators=(",", ":"))
-
-
 # ----------------------------------------------------------------------------- the plan
 
 
@@ -287,35 +275,22 @@ def _default_replay(endpoint: str, dp_size: int) -> str | None:
     return f"tcp://127.0.0.1:{port}"
 
 
-def _looks_like_path(name: str) -> bool:
-    return name.startswith(("/", "./", "../", "~")) or name in (".", "..") or name.count("/") > 1
-
-
-def _check_model(model: str) -> tuple[str, bool]:
-    """(model as vLLM gets it, is_local). A local model must be a directory with config.json; a
-    name that does not exist locally must look like a Hugging Face Hub id."""
-    path = Path(model).expanduser()
-    if path.exists():
-        if not path.is_dir():
-            raise ServeError(f"model {model!r} is not a directory")
-        if not (path / "config.json").is_file():
-            raise ServeError(f"model directory {model!r} has no config.json")
-        return model, True
-    if _looks_like_path(model) or not _HUB_ID.match(model):
+def _check_model(model: str) -> tuple[str, bool, bool]:
+    """(model as vLLM gets it, is_local, is_speculators_checkpoint). A local model must be a
+    directory with config.json; a name that does not exist locally must be a Hugging Face Hub id."""
+    ref = classify_model(model)
+    if ref.kind == "not_dir":
+        raise ServeError(f"model {model!r} is not a directory")
+    if ref.kind == "missing":
         raise ServeError(f"model directory {model!r} does not exist")
-    return model, False
-
-
-def _short(value: Any) -> str:
-    text = value if isinstance(value, str) else _dumps(value)
-    return text if len(text) <= 80 else text[:77] + "..."
+    if ref.is_local and not ref.has_config:
+        raise ServeError(f"model directory {model!r} has no config.json")
+    return model, ref.is_local, ref.is_speculators
 
 
 def build_plan(args: argparse.Namespace, *, python: str | None = None) -> ServePlan:
     """The vLLM command for parsed ``kvslots serve`` options. Raises :class:`ServeError` (or
     :class:`~kvslots.ConfigError` from the converters) on bad input; imports no vLLM."""
-    from ..config.schedule import DynamicSDSchedule
-    from ..config.speculators import is_speculators_checkpoint
     from ..config.trtllm import convert_trtllm_config
 
     notes: list[str] = []
@@ -331,10 +306,9 @@ def build_plan(args: argparse.Namespace, *, python: str | None = None) -> ServeP
         raise ServeError("after --: --model conflicts with MODEL (give the model once, as MODEL)")
 
     # ------------------------------------------------------------------ model, YAML, speculators
-    model, local = _check_model(args.model)
+    model, local, speculators = _check_model(args.model)
     if not local:
         notes.append(f"note: MODEL {model} is not a local directory: vLLM looks it up on the Hugging Face Hub")
-    speculators = local and is_speculators_checkpoint(model)
     if args.verifier is not None and not speculators:
         raise ServeError(f"--verifier applies to a speculators checkpoint given as MODEL; {model!r} is not one")
     source: Any = args.extra_engine_args if args.extra_engine_args is not None else {}
@@ -348,7 +322,7 @@ def build_plan(args: argparse.Namespace, *, python: str | None = None) -> ServeP
     if speculators:
         target = engine_args.pop("model")
         notes.append(f"note: {model} is a speculators checkpoint: serving its verifier {target} with "
-                     f"speculative config {_short(engine_args.get('speculative_config'))}")
+                     f"speculative config {brief(engine_args.get('speculative_config'))}")
     else:
         yaml_model = engine_args.pop("model", None)
         if yaml_model is not None and yaml_model != model:
@@ -364,8 +338,8 @@ def build_plan(args: argparse.Namespace, *, python: str | None = None) -> ServeP
     for key in list(engine_args):
         name = key.replace("_", "-")
         if name in tail_names:
-            notes.append(f"note: after --: {_flag_of(key)} overrides the YAML's "
-                         f"{mapped_from.get(key, key)} ({key} = {_short(engine_args[key])})")
+            notes.append(f"note: after --: {flag_name(key)} overrides the YAML's "
+                         f"{mapped_from.get(key, key)} ({key} = {brief(engine_args[key])})")
             del engine_args[key]
 
     # ------------------------------------------------------------------ host and port
@@ -395,32 +369,10 @@ def build_plan(args: argparse.Namespace, *, python: str | None = None) -> ServeP
         raise ServeError("--speculative-config is given both before and after --; give it once")
     explicit_spec, spec_src = (flag_spec, "--speculative-config") if flag_spec is not None else (
         tail_spec, "after --: --speculative-config")
-    spec = yaml_spec
-    if explicit_spec is not None:
-        if speculators:
-            assert yaml_spec is not None
-            for locked in ("method", "model"):
-                if locked in explicit_spec and explicit_spec[locked] != yaml_spec.get(locked):
-                    raise ServeError(
-                        f"{spec_src}: {locked} {explicit_spec[locked]!r} conflicts with the speculators "
-                        f"checkpoint MODEL ({locked} {yaml_spec.get(locked)!r})")
-            changed = sorted(k for k in explicit_spec if yaml_spec.get(k) != explicit_spec[k])
-            if changed:
-                notes.append(f"note: {spec_src} overrides the checkpoint's {', '.join(changed)}")
-            spec = {**yaml_spec, **explicit_spec}
-        else:
-            if yaml_spec is not None:
-                notes.append(f"note: {spec_src} replaces the YAML's speculative_config "
-                             f"({_short(yaml_spec)})")
-            spec = explicit_spec
-    if spec is not None:
-        nst = spec.get("num_speculative_tokens")
-        if nst is not None and (isinstance(nst, bool) or not isinstance(nst, int) or nst < 1):
-            raise ServeError(f"speculative_config.num_speculative_tokens: must be an integer >= 1, got {nst!r}")
-        DynamicSDSchedule.from_speculative_config(spec)
-        draft = spec.get("model")
-        if isinstance(draft, str) and _looks_like_path(draft) and not Path(draft).expanduser().exists():
-            raise ServeError(f"speculative_config.model: draft model directory {draft!r} does not exist")
+    spec_notes: list[str] = []
+    spec = resolve_speculative_config(yaml_spec, explicit_spec, from_checkpoint=speculators,
+                                      explicit_source=spec_src, notes=spec_notes)
+    notes.extend(f"note: {n}" for n in spec_notes)
 
     # ------------------------------------------------------------------ data parallel size
     dp_size = engine_args.get("data_parallel_size") or 1
@@ -457,25 +409,19 @@ def build_plan(args: argparse.Namespace, *, python: str | None = None) -> ServeP
     if emit_port:
         argv += ["--port", str(port)]
     for key, value in engine_args.items():
-        argv += _engine_flag(key, value)
+        argv += engine_flag(key, value)
     if spec is not None:
-        argv += ["--speculative-config", _dumps(spec)]
+        argv += ["--speculative-config", to_json(spec)]
     if kv_transfer is not None:
-        argv += ["--kv-transfer-config", _dumps(kv_transfer)]
+        argv += ["--kv-transfer-config", to_json(kv_transfer)]
     if kv_events is not None:
-        argv += ["--kv-events-config", _dumps(kv_events)]
+        argv += ["--kv-events-config", to_json(kv_events)]
     argv += rest
     return ServePlan(
         argv=argv, env=dict(result.env), notes=notes, model=target, host=host, port=port,
         speculative_config=spec, kv_transfer_config=kv_transfer, kv_events_config=kv_events,
         tail=rest, speculators_checkpoint=model if speculators else None,
     )
-
-
-def _engine_flag(key: str, value: Any) -> list[str]:
-    from ..config.trtllm import _flag
-
-    return _flag(key, value)
 
 
 def _connector_config(args: argparse.Namespace, hints: dict[str, Any], tail_cfg: dict[str, Any] | None,
@@ -526,10 +472,10 @@ def _connector_config(args: argparse.Namespace, hints: dict[str, Any], tail_cfg:
             raise ServeError("after --: --kv-transfer-config: kv_connector_extra_config must be a JSON object")
         for k, v in tail_extra.items():
             if k in explicit and extra[k] != v:
-                raise ServeError(f"after --: --kv-transfer-config sets {k}={_dumps(v)}, conflicting with "
-                                 f"{k}={_dumps(extra[k])} from the kvslots serve flags")
+                raise ServeError(f"after --: --kv-transfer-config sets {k}={to_json(v)}, conflicting with "
+                                 f"{k}={to_json(extra[k])} from the kvslots serve flags")
             if k in extra and extra[k] != v:
-                notes.append(f"note: after --: --kv-transfer-config overrides {k} ({_dumps(extra[k])} -> {_dumps(v)})")
+                notes.append(f"note: after --: --kv-transfer-config overrides {k} ({to_json(extra[k])} -> {to_json(v)})")
         extra.update(tail_extra)
         for k, v in tail_cfg.items():
             if k != "kv_connector_extra_config":
@@ -570,10 +516,10 @@ def _events_config(args: argparse.Namespace, hints: dict[str, Any], tail_cfg: di
         cfg["topic"] = given["topic"]
     for k, v in (tail_cfg or {}).items():
         if k in given and given[k] != v:
-            raise ServeError(f"after --: --kv-events-config sets {k}={_dumps(v)}, conflicting with "
+            raise ServeError(f"after --: --kv-events-config sets {k}={to_json(v)}, conflicting with "
                              f"{_EVENT_FLAGS[k]} {given[k]}")
         if k in cfg and cfg[k] != v:
-            notes.append(f"note: after --: --kv-events-config overrides {k} ({_dumps(cfg[k])} -> {_dumps(v)})")
+            notes.append(f"note: after --: --kv-events-config overrides {k} ({to_json(cfg[k])} -> {to_json(v)})")
         cfg[k] = v
     if "replay_endpoint" not in cfg:
         cfg["replay_endpoint"] = (given["replay_endpoint"] if "replay_endpoint" in given

@@ -1,0 +1,218 @@
+"""Model references and speculative configs: the one home of both decisions.
+
+A *model reference* names a target, a draft or a verifier: ``kvslots serve``'s MODEL, a
+speculative config's ``model``, a TRT-LLM ``speculative_model_dir``, a speculators checkpoint's
+``verifier.name_or_path``. :func:`classify_model` says what it is (a :class:`ModelRef`):
+
+* ``"dir"``: an existing local directory (a relative name is looked up under ``base``, by default
+  the working directory). Its config.json, when readable, tells a speculators checkpoint
+  (``speculators_config``) and an EAGLE / EAGLE-3 draft apart (:attr:`ModelRef.draft_method`);
+* ``"not_dir"``: an existing path that is not a directory;
+* ``"hub"``: nothing there locally, and a well-formed Hugging Face Hub id (``name`` or
+  ``org/name``), which vLLM looks up itself;
+* ``"missing"``: nothing there locally, and no Hub id is spelled so (it starts with ``/``, ``./``,
+  ``../`` or ``~``, has more than one ``/``, a ``..``, or a character Hub ids do not have): a path
+  that does not exist.
+
+:func:`resolve_speculative_config` gives the dict vLLM takes as ``--speculative-config`` from a
+base config (a speculators checkpoint's or a converted TRT-LLM YAML's) and an explicit one, and
+validates it: ``num_speculative_tokens`` an integer >= 1, a dynamic schedule that fits it, a draft
+model that is a local directory or a Hub id.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ..errors import ConfigError
+from .schedule import DynamicSDSchedule
+from .vllm_args import brief
+
+#: speculators_model_type -> (vLLM method, extra speculative-config keys). Mirrors the types
+#: vLLM 0.32's speculators loader accepts (eagle3, peagle, dflash, dflash2, dspark).
+SPECULATORS_METHODS: dict[str, tuple[str, dict[str, Any]]] = {
+    "eagle3": ("eagle3", {}),
+    "peagle": ("eagle3", {"parallel_drafting": True}),
+    "dflash": ("dflash", {}),
+    "dflash2": ("dflash", {}),
+    "dspark": ("dspark", {}),
+}
+
+#: A Hugging Face Hub model id: ``name`` or ``org/name``.
+HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
+
+#: Keys of a speculators checkpoint's speculative config that an explicit one may not change.
+CHECKPOINT_LOCKED_KEYS = ("method", "model")
+
+
+def is_hub_id(name: str) -> bool:
+    """Whether ``name`` is spelled like a Hugging Face Hub model id (``org/name``, no ``..``)."""
+    return bool(HUB_ID.match(name)) and ".." not in name
+
+
+def read_model_config(
+    model_dir: str | os.PathLike[str], what: str = "model"
+) -> tuple[Path, dict[str, Any], str]:
+    """(absolute directory, its config.json object, the file's path). Raises
+    :class:`~kvslots.ConfigError` naming the directory or file (``what`` names the directory's
+    role in the messages) when it is not a directory or the file is missing, unreadable, not JSON
+    or not an object."""
+    path = Path(model_dir).expanduser()
+    if not path.is_dir():
+        raise ConfigError(f"{what} {str(path)!r} is not a directory")
+    cfg_path = path / "config.json"
+    source = str(cfg_path)
+    if not cfg_path.is_file():
+        raise ConfigError(f"no config.json in the {what} directory", source=str(path))
+    try:
+        doc = json.loads(cfg_path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"cannot read: {e}", source=source) from e
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"invalid JSON: {e.msg} at line {e.lineno} column {e.colno}",
+                          source=source) from e
+    if not isinstance(doc, dict):
+        raise ConfigError(f"config.json must be a JSON object, got {type(doc).__name__}", source=source)
+    return path.resolve(), doc, source
+
+
+@dataclass(frozen=True)
+class ModelRef:
+    """What a model reference names (see the module docstring)."""
+
+    name: str
+    """The reference as given."""
+    kind: str
+    """``"dir"``, ``"not_dir"``, ``"hub"`` or ``"missing"``."""
+    path: str
+    """The local path looked at (absolute; resolved for a ``"dir"``)."""
+    has_config: bool = False
+    """A ``"dir"`` with a config.json file."""
+    config: dict[str, Any] | None = None
+    """That config.json's object, ``None`` when it is absent or unreadable."""
+
+    @property
+    def is_local(self) -> bool:
+        return self.kind == "dir"
+
+    @property
+    def is_speculators(self) -> bool:
+        """A local directory whose config.json has ``speculators_config``."""
+        return self.config is not None and self.config.get("speculators_config") is not None
+
+    @property
+    def draft_method(self) -> tuple[str, str] | None:
+        """(vLLM method, the evidence) a local draft's config.json gives: a speculators
+        checkpoint's type, EAGLE-3 fields or architectures, an EAGLE architecture; ``None``
+        when it says nothing (or there is no readable config.json)."""
+        doc = self.config
+        if doc is None:
+            return None
+        smt = doc.get("speculators_model_type")
+        if doc.get("speculators_config") is not None and smt in SPECULATORS_METHODS:
+            return SPECULATORS_METHODS[smt][0], f"speculators_model_type={smt}"
+        archs = [str(a) for a in doc.get("architectures") or []]
+        mtype = str(doc.get("model_type", ""))
+        if any("eagle3" in a.lower() for a in archs) or "eagle3" in mtype.lower() \
+                or "eagle_aux_hidden_state_layer_ids" in doc or "draft_vocab_size" in doc:
+            return "eagle3", "EAGLE-3 fields in its config.json"
+        if any("eagle" in a.lower() for a in archs) or mtype.lower() == "eagle":
+            return "eagle", "EAGLE architecture in its config.json"
+        return None
+
+
+def classify_model(name: str | os.PathLike[str], *, base: str | os.PathLike[str] | None = None) -> ModelRef:
+    """What ``name`` refers to; a relative name is looked up under ``base`` (default: the working
+    directory). Reads only the local config.json; never raises for what it finds."""
+    text = os.fspath(name)
+    expanded = Path(text).expanduser()
+    candidate = expanded if expanded.is_absolute() or base is None else Path(base) / expanded
+    if candidate.exists():
+        if not candidate.is_dir():
+            return ModelRef(text, "not_dir", str(candidate.absolute()))
+        has_config = (candidate / "config.json").is_file()
+        config = None
+        if has_config:
+            try:
+                _, config, _ = read_model_config(candidate)
+            except ConfigError:
+                config = None
+        return ModelRef(text, "dir", str(candidate.resolve()), has_config, config)
+    kind = "hub" if is_hub_id(text) else "missing"
+    return ModelRef(text, kind, str(candidate.absolute()))
+
+
+def is_speculators_checkpoint(model_dir: str | os.PathLike[str]) -> bool:
+    """Whether ``model_dir`` is a local directory whose config.json has ``speculators_config``."""
+    return classify_model(model_dir).is_speculators
+
+
+def resolve_speculative_config(
+    base: Mapping[str, Any] | None,
+    explicit: Mapping[str, Any] | None = None,
+    *,
+    from_checkpoint: bool = False,
+    explicit_source: str = "--speculative-config",
+    notes: list[str] | None = None,
+) -> dict[str, Any] | None:
+    """The speculative config vLLM gets (``None``: no speculative decoding).
+
+    ``base`` is the config a speculators checkpoint (``from_checkpoint``) or a converted TRT-LLM
+    YAML gives, ``explicit`` one the user gave (``explicit_source`` names where). An explicit
+    config replaces a YAML's; over a checkpoint's it is merged, as vLLM does, and may not change
+    its ``method`` or ``model``. Either way, what is overridden is appended to ``notes``.
+
+    The result is validated: ``num_speculative_tokens`` an integer >= 1, a
+    ``num_speculative_tokens_per_batch_size`` schedule that fits it, and a ``model`` that is a
+    local directory or a Hub id. Raises :class:`~kvslots.ConfigError` naming the key.
+    """
+    said = notes if notes is not None else []
+    spec = dict(base) if base is not None else None
+    if explicit is not None:
+        if from_checkpoint and spec is not None:
+            for key in CHECKPOINT_LOCKED_KEYS:
+                if key in explicit and explicit[key] != spec.get(key):
+                    raise ConfigError(
+                        f"{key} {explicit[key]!r} conflicts with the speculators checkpoint MODEL "
+                        f"({key} {spec.get(key)!r})", source=explicit_source)
+            changed = sorted(k for k in explicit if spec.get(k) != explicit[k])
+            if changed:
+                said.append(f"{explicit_source} overrides the checkpoint's {', '.join(changed)}")
+            spec = {**spec, **explicit}
+        else:
+            if spec is not None:
+                said.append(f"{explicit_source} replaces the YAML's speculative_config ({brief(spec)})")
+            spec = dict(explicit)
+    if spec is None:
+        return None
+    nst = spec.get("num_speculative_tokens")
+    if nst is not None and (isinstance(nst, bool) or not isinstance(nst, int) or nst < 1):
+        raise ConfigError(f"must be an integer >= 1, got {nst!r}", "speculative_config.num_speculative_tokens")
+    DynamicSDSchedule.from_speculative_config(spec)
+    draft = spec.get("model")
+    if isinstance(draft, str):
+        ref = classify_model(draft)
+        if ref.kind == "missing":
+            raise ConfigError(f"draft model directory {draft!r} does not exist", "speculative_config.model")
+        if ref.kind == "not_dir":
+            raise ConfigError(f"draft model {draft!r} is not a directory", "speculative_config.model")
+    return spec
+
+
+__all__ = [
+    "CHECKPOINT_LOCKED_KEYS",
+    "HUB_ID",
+    "SPECULATORS_METHODS",
+    "ModelRef",
+    "classify_model",
+    "is_hub_id",
+    "is_speculators_checkpoint",
+    "read_model_config",
+    "resolve_speculative_config",
+]
