@@ -12,7 +12,7 @@ COMMAND_MODULES = [
     "kvslots._dev.simulate",
     "kvslots.config.cli",
     "kvslots.indexer.cli",
-    "kvslots.serve.launcher",
+    "kvslots.serve.cli",
     "kvslots.demo.run",
 ]
 

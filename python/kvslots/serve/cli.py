@@ -1,0 +1,166 @@
+"""The ``kvslots serve`` command line: its parser (everything after ``--`` is vLLM's) and the
+command, which prints the plan's vLLM command and runs it under the supervisor.
+
+    kvslots serve MODEL [--extra-engine-args FILE.yaml] [--speculative-config JSON]
+                        [--host-cache-gb N] [--connector-config JSON] [--no-connector]
+                        [--kv-events-endpoint EP] [--kv-events-replay-endpoint EP]
+                        [--kv-events-topic T] [--no-kv-events]
+                        [--host H] [--port P] [--dry-run] [-- VLLM_ARGS...]
+
+Bad input exits with status 2 and one line naming the problem.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from ..errors import ConfigError, ServeError
+from .events import DEFAULT_EVENTS_ENDPOINT
+from .plan import DEFAULT_HOST, DEFAULT_PORT, PROG, ServePlan, build_plan
+from .supervisor import DEFAULT_GRACE_S, supervise
+
+
+class _ServeParser(argparse.ArgumentParser):
+    """Everything after the first ``--`` is vLLM's (``vllm_args``); errors are one line."""
+
+    def parse_known_args(self, args: Sequence[str] | None = None, namespace: Any = None) -> Any:  # type: ignore[override]
+        args = list(sys.argv[1:] if args is None else args)
+        tail: list[str] = []
+        if "--" in args:
+            i = args.index("--")
+            args, tail = args[:i], args[i + 1:]
+        ns, extras = super().parse_known_args(args, namespace)
+        if extras:
+            flags = [a for a in extras if a.startswith("-")]
+            what = f"unknown option {flags[0]}" if flags else f"unexpected argument {extras[0]!r}"
+            self.error(f"{what} (vLLM's own arguments go after --)")
+        ns.vllm_args = tail
+        return ns, []
+
+    def error(self, message: str) -> Any:  # type: ignore[override]
+        print(f"{PROG}: error: {message}", file=sys.stderr)
+        raise SystemExit(2)
+
+
+def _positive_float(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not v > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    return v
+
+
+def _port(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port number") from None
+    if not 0 < v < 65536:
+        raise argparse.ArgumentTypeError(f"must be in 1..65535, got {v}")
+    return v
+
+
+def _add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", metavar="MODEL",
+                   help="target model directory (or Hugging Face Hub id); a speculators-format draft "
+                        "checkpoint is detected from its config.json and served with its verifier")
+    p.add_argument("--extra-engine-args", metavar="FILE.yaml",
+                   help="TensorRT-LLM engine YAML, converted to vLLM arguments (see kvslots convert-config)")
+    p.add_argument("--speculative-config", metavar="JSON",
+                   help="vLLM speculative config (JSON object); a num_speculative_tokens_per_batch_size "
+                        "schedule is validated. Replaces the YAML's; merged over a speculators checkpoint's")
+    p.add_argument("--verifier", metavar="MODEL",
+                   help="target model for a speculators checkpoint MODEL instead of its declared verifier")
+    g = p.add_argument_group("KVSlotsConnector")
+    g.add_argument("--host-cache-gb", type=_positive_float, metavar="N",
+                   help="host-memory tier per worker in GiB (default: the YAML's "
+                        "kv_cache_config.host_cache_size, else the connector's 4)")
+    g.add_argument("--connector-config", metavar="JSON",
+                   help="more kv_connector_extra_config keys, e.g. '{\"copy_threads\": 2}'")
+    g.add_argument("--no-connector", action="store_true", help="run vLLM without the KVSlotsConnector")
+    e = p.add_argument_group("KV events (vLLM's --kv-events-config)")
+    e.add_argument("--kv-events-endpoint", metavar="EP",
+                   help=f"ZMQ PUB endpoint (default {DEFAULT_EVENTS_ENDPOINT}: bound on 127.0.0.1). vLLM "
+                        "binds endpoints with '*' or '::' (tcp://*:5557: all interfaces) and connects to others")
+    e.add_argument("--kv-events-replay-endpoint", metavar="EP",
+                   help="ZMQ ROUTER replay endpoint, always bound (default tcp://127.0.0.1:<events port + "
+                        "data-parallel size>; 'none' for no replay)")
+    e.add_argument("--kv-events-topic", metavar="T", help="topic of the event messages (default: vLLM's, empty)")
+    e.add_argument("--no-kv-events", action="store_true", help="leave vLLM's KV events off")
+    s = p.add_argument_group("server")
+    s.add_argument("--host", help=f"address the HTTP server listens on (default {DEFAULT_HOST})")
+    s.add_argument("--port", type=_port, help=f"HTTP port (default {DEFAULT_PORT})")
+    s.add_argument("--grace-period", type=_positive_float, default=DEFAULT_GRACE_S, metavar="S",
+                   help=f"on Ctrl-C: SIGINT, then SIGTERM after S seconds, then SIGKILL after S more "
+                        f"(default {DEFAULT_GRACE_S:g})")
+    s.add_argument("--dry-run", action="store_true", help="print the vLLM command and exit")
+    s.add_argument("-q", "--quiet", action="store_true", help="do not print notes and warnings")
+
+
+_EPILOG = """\
+vLLM's own arguments go after --, e.g.
+  kvslots serve ./model --host-cache-gb 8 -- --max-model-len 4096 --enforce-eager
+Precedence: defaults < the YAML < kvslots serve flags < arguments after --. See docs/serve.md."""
+
+
+def make_parser(prog: str = PROG) -> argparse.ArgumentParser:
+    """A stand-alone ``kvslots serve`` parser (the same as the subcommand's)."""
+    p = _ServeParser(prog=prog, allow_abbrev=False, description=_DESCRIPTION, epilog=_EPILOG,
+                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    _add_arguments(p)
+    return p
+
+
+_DESCRIPTION = """\
+Start vLLM's OpenAI-compatible server with the KVSlotsConnector, a converted
+TensorRT-LLM engine YAML, speculative decoding and KV events. Prints the vLLM
+command first; Ctrl-C stops the server and every process it started."""
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    saved = sub._parser_class
+    sub._parser_class = _ServeParser
+    try:
+        p = sub.add_parser("serve", help="start vLLM with the KVSlotsConnector, converted config and KV events",
+                           description=_DESCRIPTION, epilog=_EPILOG, allow_abbrev=False,
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
+    finally:
+        sub._parser_class = saved
+    _add_arguments(p)
+    p.set_defaults(func=run)
+
+
+def plan_from_argv(argv: Sequence[str], *, python: str | None = None) -> ServePlan:
+    """Parses ``kvslots serve`` arguments (without ``serve``) and builds the plan."""
+    return build_plan(make_parser().parse_args(list(argv)), python=python)
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        plan = build_plan(args)
+    except (ServeError, ConfigError) as e:
+        print(f"{PROG}: error: {e}", file=sys.stderr)
+        return 2
+    if not args.quiet:
+        for line in plan.notes:
+            print(f"{PROG}: {line}", file=sys.stderr)
+    print(plan.shell(), flush=True)
+    if args.dry_run:
+        return 0
+    if not args.quiet:
+        sub = plan.events_subscribe_endpoint()
+        if sub:
+            replay = (plan.kv_events_config or {}).get("replay_endpoint")
+            print(f"{PROG}: KV events: subscribe at {sub}" + (f", replay at {replay}" if replay else ""),
+                  file=sys.stderr, flush=True)
+    sys.stderr.flush()
+    return supervise(plan.argv, env={**os.environ, **plan.env}, grace=args.grace_period)
+
+
+__all__ = ["add_parser", "make_parser", "plan_from_argv", "run"]

@@ -1,0 +1,83 @@
+"""The KV transfer config ``kvslots serve`` gives vLLM (``--kv-transfer-config``): the
+KVSlotsConnector with its extra config from the flags, the YAML's host cache size and the one
+after ``--``, checked by the connector's own :class:`~kvslots.config.ConnectorConfig`."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from ..config.connector import GIB, ConnectorConfig, ConnectorConfigError
+from ..config.vllm_args import to_json
+from ..errors import ServeError
+from .tail import json_object
+
+CONNECTOR_NAME = "KVSlotsConnector"
+CONNECTOR_MODULE = "kvslots.vllm"
+
+
+def connector_config(args: argparse.Namespace, hints: dict[str, Any], tail_cfg: dict[str, Any] | None,
+                      notes: list[str]) -> dict[str, Any] | None:
+    flag_extra: dict[str, Any] = {}
+    if args.connector_config is not None:
+        flag_extra = json_object(args.connector_config, "--connector-config")
+    if args.host_cache_gb is not None:
+        if "host_cache_gb" in flag_extra and flag_extra["host_cache_gb"] != args.host_cache_gb:
+            raise ServeError(f"--host-cache-gb {args.host_cache_gb:g} conflicts with --connector-config "
+                             f"host_cache_gb {flag_extra['host_cache_gb']}")
+        flag_extra["host_cache_gb"] = args.host_cache_gb
+
+    if args.no_connector:
+        if flag_extra:
+            given = "--host-cache-gb" if args.host_cache_gb is not None else "--connector-config"
+            raise ServeError(f"{given} configures the KVSlotsConnector, which --no-connector turns off")
+        if hints.get("host_cache_bytes"):
+            notes.append("note: the YAML's kv_cache_config.host_cache_size is unused: --no-connector")
+        return tail_cfg  # the user's own connector, if any, as given
+
+    extra: dict[str, Any] = {}
+    hinted = hints.get("host_cache_bytes")
+    if hinted is not None:
+        if hinted == 0:
+            notes.append("note: the YAML's kv_cache_config.host_cache_size is 0 (no host tier in TRT-LLM); "
+                         "the connector keeps its default size (--no-connector for none)")
+        elif args.host_cache_gb is not None or "host_cache_gb" in flag_extra or "host_cache_blocks" in flag_extra:
+            notes.append(f"note: the host cache size from the flags overrides the YAML's "
+                         f"kv_cache_config.host_cache_size ({hinted} bytes)")
+        else:
+            extra["host_cache_gb"] = hinted / GIB
+    extra.update(flag_extra)
+    explicit = set(flag_extra)
+
+    cfg: dict[str, Any] = {
+        "kv_connector": CONNECTOR_NAME,
+        "kv_connector_module_path": CONNECTOR_MODULE,
+        "kv_role": "kv_both",
+    }
+    if tail_cfg is not None:
+        name = tail_cfg.get("kv_connector")
+        if name not in (None, CONNECTOR_NAME):
+            raise ServeError(f"after --: --kv-transfer-config uses connector {name!r}; kvslots serve runs "
+                             f"{CONNECTOR_NAME} (add --no-connector to run your own)")
+        tail_extra = tail_cfg.get("kv_connector_extra_config") or {}
+        if not isinstance(tail_extra, dict):
+            raise ServeError("after --: --kv-transfer-config: kv_connector_extra_config must be a JSON object")
+        for k, v in tail_extra.items():
+            if k in explicit and extra[k] != v:
+                raise ServeError(f"after --: --kv-transfer-config sets {k}={to_json(v)}, conflicting with "
+                                 f"{k}={to_json(extra[k])} from the kvslots serve flags")
+            if k in extra and extra[k] != v:
+                notes.append(f"note: after --: --kv-transfer-config overrides {k} ({to_json(extra[k])} -> {to_json(v)})")
+        extra.update(tail_extra)
+        for k, v in tail_cfg.items():
+            if k != "kv_connector_extra_config":
+                cfg[k] = v
+    try:
+        ConnectorConfig.from_extra_config(extra)
+    except ConnectorConfigError as e:
+        raise ServeError(str(e)) from None
+    cfg["kv_connector_extra_config"] = extra
+    return cfg
+
+
+__all__ = ["CONNECTOR_MODULE", "CONNECTOR_NAME", "connector_config"]

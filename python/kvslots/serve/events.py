@@ -1,0 +1,104 @@
+"""The KV events config ``kvslots serve`` gives vLLM (``--kv-events-config``): where vLLM's
+publisher binds, the replay endpoint, and merging the one after ``--``.
+
+vLLM 0.32's ``ZmqEventPublisher`` binds an endpoint containing ``*`` or ``::`` (or ``ipc://`` /
+``inproc://``) and connects to any other, so the default endpoint is the IPv4-mapped loopback
+``tcp://[::ffff:127.0.0.1]:5557`` (bound as 127.0.0.1:5557); the replay socket always binds, by
+default on ``tcp://127.0.0.1:<port + data-parallel size>`` (vLLM adds the rank to both ports).
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+from typing import Any
+
+from ..config.vllm_args import to_json
+from ..errors import ServeError
+
+DEFAULT_EVENTS_PORT = 5557
+#: The IPv4-mapped IPv6 form of 127.0.0.1: it contains "::", so vLLM's publisher binds it (a plain
+#: tcp://127.0.0.1:5557 would be connected to), and ZMQ binds it as the IPv4 loopback address.
+LOOPBACK_BIND_HOST = "[::ffff:127.0.0.1]"
+DEFAULT_EVENTS_ENDPOINT = f"tcp://{LOOPBACK_BIND_HOST}:{DEFAULT_EVENTS_PORT}"
+
+
+
+def vllm_binds(endpoint: str) -> bool:
+    """vLLM 0.32's ZmqEventPublisher._is_bind_endpoint."""
+    return "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://"))
+
+
+_TCP_PORT = re.compile(r"^tcp://(.+):(\d+)$")
+
+
+def default_replay(endpoint: str, dp_size: int) -> str | None:
+    m = _TCP_PORT.match(endpoint)
+    if not m or int(m.group(2)) == 0:
+        return None
+    port = int(m.group(2)) + max(1, dp_size)
+    if port > 65535:
+        return None
+    return f"tcp://127.0.0.1:{port}"
+
+
+_EVENT_FLAGS = {"endpoint": "--kv-events-endpoint", "replay_endpoint": "--kv-events-replay-endpoint",
+                "topic": "--kv-events-topic"}
+
+
+def events_config(args: argparse.Namespace, hints: dict[str, Any], tail_cfg: dict[str, Any] | None,
+                   dp_size: int, notes: list[str]) -> dict[str, Any] | None:
+    given = {k: getattr(args, "kv_events_" + k) for k in _EVENT_FLAGS}
+    given = {k: v for k, v in given.items() if v is not None}
+    if args.no_kv_events:
+        if given:
+            raise ServeError(f"{_EVENT_FLAGS[next(iter(given))]} configures the KV events, which "
+                             "--no-kv-events turns off")
+        if hints.get("kv_events"):
+            notes.append("note: the YAML had TRT-LLM's KV cache events on; --no-kv-events leaves vLLM's off")
+        return tail_cfg  # the user's own --kv-events-config after --, if any, as given
+    if given.get("replay_endpoint", "").lower() == "none":
+        given["replay_endpoint"] = None
+    for k in ("endpoint", "replay_endpoint"):
+        v = given.get(k)
+        if v is not None and "://" not in v:
+            raise ServeError(f"{_EVENT_FLAGS[k]} {v!r}: must be a ZMQ endpoint such as tcp://*:{DEFAULT_EVENTS_PORT}")
+
+    cfg: dict[str, Any] = {"enable_kv_cache_events": True, "publisher": "zmq",
+                           "endpoint": given.get("endpoint", DEFAULT_EVENTS_ENDPOINT)}
+    if "topic" in given:
+        cfg["topic"] = given["topic"]
+    for k, v in (tail_cfg or {}).items():
+        if k in given and given[k] != v:
+            raise ServeError(f"after --: --kv-events-config sets {k}={to_json(v)}, conflicting with "
+                             f"{_EVENT_FLAGS[k]} {given[k]}")
+        if k in cfg and cfg[k] != v:
+            notes.append(f"note: after --: --kv-events-config overrides {k} ({to_json(cfg[k])} -> {to_json(v)})")
+        cfg[k] = v
+    if "replay_endpoint" not in cfg:
+        cfg["replay_endpoint"] = (given["replay_endpoint"] if "replay_endpoint" in given
+                                  else default_replay(str(cfg["endpoint"]), dp_size))
+    if cfg["replay_endpoint"] is None:
+        del cfg["replay_endpoint"]
+    ep = str(cfg["endpoint"])
+    if cfg.get("enable_kv_cache_events") and cfg.get("publisher") == "zmq" and not vllm_binds(ep):
+        m = _TCP_PORT.match(ep)
+        hint = f"tcp://{LOOPBACK_BIND_HOST}:{m.group(2)}" if m else "an endpoint with '*' or '::'"
+        notes.append(f"note: vLLM's publisher connects to {ep} (e.g. an XSUB proxy) instead of binding it: "
+                     f"it binds only endpoints with '*' or '::'; to bind on loopback use {hint}")
+    return cfg
+
+
+def subscribe_endpoint(cfg: dict[str, Any] | None) -> str | None:
+    """Where a subscriber on this host connects for the live events of ``cfg`` (None: events
+    off, or an endpoint vLLM connects to instead of binding)."""
+    if not cfg or not cfg.get("enable_kv_cache_events"):
+        return None
+    ep = str(cfg.get("endpoint", "tcp://*:5557"))
+    if not vllm_binds(ep):
+        return None
+    return ep.replace("*", "127.0.0.1").replace(LOOPBACK_BIND_HOST, "127.0.0.1")
+
+
+__all__ = ["DEFAULT_EVENTS_ENDPOINT", "LOOPBACK_BIND_HOST", "default_replay", "events_config",
+           "subscribe_endpoint", "vllm_binds"]

