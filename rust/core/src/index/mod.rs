@@ -24,14 +24,12 @@
 //! first block it holds on no tier. `blocks` is that prefix length; `tier_blocks[t]` is the
 //! longest prefix held entirely on tier `t`.
 
-pub mod wire;
-
 use rustc_hash::{FxHashMap, FxHashSet};
 use smallvec::SmallVec;
 use thiserror::Error;
 
 use crate::hash::BlockHasher;
-pub use wire::{lora_name_key, DecodeError, DecodedBatch, WireKind, WireMedium};
+pub use crate::wire::decode::{lora_name_key, DecodeError, DecodedBatch, WireKind, WireMedium};
 
 /// A storage tier, as named by the events' `medium` field.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
