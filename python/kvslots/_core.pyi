@@ -1,15 +1,33 @@
 """Type stubs for the Rust extension ``kvslots._core``."""
 
-from typing import Any, Sequence
+from typing import Any, Sequence, final
 
 import numpy as np
 import numpy.typing as npt
+from typing_extensions import Self, disjoint_base
+
+__all__ = [
+    "SlotManager",
+    "SlotTracker",
+    "SlotInfo",
+    "HostCache",
+    "PrefixIndex",
+    "ApplyStats",
+    "lora_key",
+    "block_hash",
+    "encode_event_batch",
+    "copy_blocks",
+    "__version__",
+]
 
 __version__: str
 
-IntSeq = Sequence[int] | npt.NDArray[np.integer[Any]]
+# Stub-only aliases (not in the extension): an integer sequence argument, and a
+# [gpu, cpu, storage] per-tier triple as the extension returns it.
+_IntSeq = Sequence[int] | npt.NDArray[np.integer[Any]]
+_TierBlocks = list[int]
 
-def block_hash(parent: int, tokens: IntSeq, lora_id: int | None = None) -> int:
+def block_hash(parent: int, tokens: _IntSeq, lora_id: int | None = None) -> int:
     """xxh3-64 over parent (u64 LE) || tokens (u32 LE) || lora_id (u64 LE, when given)."""
 
 def encode_event_batch(
@@ -33,8 +51,8 @@ def copy_blocks(
     dst_offset: int,
     dst_stride: int,
     block_bytes: int,
-    src_blocks: IntSeq,
-    dst_blocks: IntSeq,
+    src_blocks: _IntSeq,
+    dst_blocks: _IntSeq,
     threads: int = 1,
 ) -> int:
     """Copies whole blocks between two host memory regions; returns the bytes copied.
@@ -50,6 +68,7 @@ def copy_blocks(
     memory that nothing else writes during the call (``kvslots.vllm.transfer.BlockCopier`` does).
     """
 
+@final
 class SlotInfo:
     @property
     def committed(self) -> int: ...
@@ -66,20 +85,21 @@ class SlotInfo:
     @property
     def capacity(self) -> int: ...
 
+@disjoint_base
 class SlotManager:
-    def __init__(
-        self,
+    def __new__(
+        cls,
         num_blocks: int,
         block_size: int,
         *,
         hash_seed: int = 0,
         enable_prefix_caching: bool = True,
         max_tokens_per_slot: int | None = None,
-    ) -> None: ...
+    ) -> Self: ...
     def create(
         self,
         request_id: str,
-        prompt: IntSeq,
+        prompt: _IntSeq,
         *,
         lookahead: int = 0,
         match_prefix: bool = True,
@@ -90,7 +110,7 @@ class SlotManager:
         """Handle for :meth:`step` (rejected once the request finishes)."""
     def reserve(self, request_id: str, new_tokens: int) -> int:
         """Room for ``new_tokens`` pending positions plus the lookahead; returns blocks allocated."""
-    def commit(self, request_id: str, tokens: IntSeq) -> int:
+    def commit(self, request_id: str, tokens: _IntSeq) -> int:
         """Commits verified tokens; returns the number of blocks that became immutable."""
     def rollback(self, request_id: str, num_tokens: int) -> None:
         """Rolls back rejected speculative tokens."""
@@ -101,12 +121,12 @@ class SlotManager:
     def clear_cache(self) -> int: ...
     def step(
         self,
-        slot_ids: IntSeq,
-        num_accepted: IntSeq,
-        accepted_tokens: IntSeq,
-        num_rejected: IntSeq,
-        num_new_tokens: IntSeq,
-        lookahead: IntSeq | None = None,
+        slot_ids: _IntSeq,
+        num_accepted: _IntSeq,
+        accepted_tokens: _IntSeq,
+        num_rejected: _IntSeq,
+        num_new_tokens: _IntSeq,
+        lookahead: _IntSeq | None = None,
     ) -> tuple[npt.NDArray[np.uint32], npt.NDArray[np.uint32], npt.NDArray[np.uint32]]:
         """One engine step for a batch; returns (num_new_blocks, new_block_ids, num_committed_blocks)."""
     def block_table(self, request_id: str) -> list[int]: ...
@@ -158,15 +178,16 @@ class SlotManager:
     @staticmethod
     def metadata_bytes_per_block() -> int: ...
     def __len__(self) -> int: ...
-    def __contains__(self, request_id: str) -> bool: ...
+    def __contains__(self, request_id: str, /) -> bool: ...
 
+@final
 class SlotTracker:
-    def __init__(self, block_size: int, *, hash_seed: int = 0) -> None: ...
+    def __new__(cls, block_size: int, *, hash_seed: int = 0) -> Self: ...
     def add(self, request_id: str, *, lookahead: int = 0, lora_id: int | None = None) -> None: ...
     def blocks_needed(self, request_id: str, new_tokens: int) -> int: ...
-    def reserve(self, request_id: str, new_tokens: int, new_blocks: IntSeq) -> None: ...
+    def reserve(self, request_id: str, new_tokens: int, new_blocks: _IntSeq) -> None: ...
     def commit(
-        self, request_id: str, tokens: IntSeq, block_hashes: IntSeq | None = None
+        self, request_id: str, tokens: _IntSeq, block_hashes: _IntSeq | None = None
     ) -> list[tuple[int, int, int]]: ...
     def rollback(self, request_id: str, num_tokens: int) -> None: ...
     def set_lookahead(self, request_id: str, lookahead: int) -> list[int]: ...
@@ -176,6 +197,7 @@ class SlotTracker:
     def block_hashes(self, request_id: str) -> list[int]: ...
     def __len__(self) -> int: ...
 
+@final
 class HostCache:
     """The host-memory tier, keyed by external (vLLM) block hashes.
 
@@ -184,27 +206,27 @@ class HostCache:
     Loads pin their blocks from ``begin_load`` to ``end_load``.
     """
 
-    def __init__(self, num_blocks: int, block_size: int) -> None: ...
-    def match_prefix(self, block_hashes: IntSeq) -> int: ...
+    def __new__(cls, num_blocks: int, block_size: int) -> Self: ...
+    def match_prefix(self, block_hashes: _IntSeq) -> int: ...
     def contains(self, block_hash: int) -> bool: ...
     def num_pending_events(self) -> int: ...
     def lookup(self, block_hash: int) -> int | None: ...
-    def begin_load(self, request_id: str, block_hashes: IntSeq) -> list[int]: ...
-    def end_load(self, blocks: IntSeq) -> None: ...
-    def begin_store(self, block_hashes: IntSeq) -> list[tuple[int, int, int]]: ...
+    def begin_load(self, request_id: str, block_hashes: _IntSeq) -> list[int]: ...
+    def end_load(self, blocks: _IntSeq) -> None: ...
+    def begin_store(self, block_hashes: _IntSeq) -> list[tuple[int, int, int]]: ...
     def complete_store(
         self,
         stores: list[tuple[int, int]],
         parent_block_hash: int | None,
-        token_ids: IntSeq,
+        token_ids: _IntSeq,
         lora_id: int | None = None,
     ) -> None: ...
     def begin_store_run(
         self,
         step: int,
-        block_hashes: IntSeq,
+        block_hashes: _IntSeq,
         parent_block_hash: int | None,
-        token_ids: IntSeq,
+        token_ids: _IntSeq,
         lora_id: int | None = None,
     ) -> list[tuple[int, int]]: ...
     def complete_step(self, step: int, failed_blocks: list[int] = ...) -> int: ...
@@ -216,7 +238,7 @@ class HostCache:
     def events_msgpack(
         self,
         ts: float,
-        medium: str | None = "CPU",
+        medium: str | None = ...,
         data_parallel_rank: int | None = None,
         hashes_as_bytes: bool = False,
     ) -> bytes:
@@ -225,7 +247,7 @@ class HostCache:
     def drain_events_msgpack(
         self,
         ts: float,
-        medium: str | None = "CPU",
+        medium: str | None = ...,
         data_parallel_rank: int | None = None,
         hashes_as_bytes: bool = False,
     ) -> bytes:
@@ -248,8 +270,7 @@ class HostCache:
 
 # ---- prefix index of `kvslots indexer` ----
 
-TierBlocks = list[int]  # [gpu_blocks, cpu_blocks, storage_blocks]
-
+@final
 class ApplyStats:
     """What one `PrefixIndex.apply` did; skipped events and blocks are counted, never raised."""
 
@@ -272,17 +293,18 @@ class ApplyStats:
     @property
     def unknown_medium_events(self) -> int: ...
 
+@final
 class PrefixIndex:
     """Which (worker, tier) holds which block, keyed by a chained token hash. Thread-safe."""
 
-    def __init__(
-        self,
+    def __new__(
+        cls,
         *,
         capacity: int | None = None,
         tier_weights: dict[str, float] | None = None,
         hash_seed: int = 0,
         journal: bool = False,
-    ) -> None: ...
+    ) -> Self: ...
     def add_worker(self, name: str) -> None: ...
     def remove_worker(self, name: str) -> int: ...
     def clear_worker(self, name: str) -> int: ...
@@ -291,18 +313,18 @@ class PrefixIndex:
     def apply(self, worker: str, payload: bytes, default_tier: str = "GPU") -> ApplyStats:
         """Decodes one msgpack KVEventBatch and applies it; EventDecodeError applies nothing."""
     def lookup(
-        self, token_ids: IntSeq, block_size: int, lora_id: int | None = None, lora_name: str | None = None
-    ) -> list[tuple[str, int, TierBlocks, float]]:
+        self, token_ids: _IntSeq, block_size: int, lora_id: int | None = None, lora_name: str | None = None
+    ) -> list[tuple[str, int, _TierBlocks, float]]:
         """(worker, blocks, [gpu, cpu, storage] blocks, score) per worker holding block 0."""
     def chain_keys(
-        self, token_ids: IntSeq, block_size: int, lora_id: int | None = None, lora_name: str | None = None
+        self, token_ids: _IntSeq, block_size: int, lora_id: int | None = None, lora_name: str | None = None
     ) -> list[int]: ...
-    def score_blocks(self, blocks: list[dict[str, int]]) -> list[tuple[str, int, TierBlocks, float]]: ...
+    def score_blocks(self, blocks: list[dict[str, int]]) -> list[tuple[str, int, _TierBlocks, float]]: ...
     def take_changes(
         self,
-    ) -> tuple[list[tuple[str, int, int | None, tuple[int, int, int]]], list[tuple[int, str, int]]]: ...
-    def dump(self) -> list[tuple[str, int, int, tuple[int, int, int]]]: ...
-    def load(self, worker: str, entries: list[tuple[int, int, tuple[int, int, int]]]) -> None: ...
+    ) -> tuple[list[tuple[str, int, int | None, _TierBlocks]], list[tuple[int, str, int]]]: ...
+    def dump(self) -> list[tuple[str, int, int, _TierBlocks]]: ...
+    def load(self, worker: str, entries: Sequence[tuple[int, int, Sequence[int]]]) -> None: ...
     def stats(self) -> dict[str, int | None]: ...
     @property
     def tier_weights(self) -> list[tuple[str, float]]: ...

@@ -4,9 +4,10 @@
 //! free stack, prefix registry, LRU of cached blocks) and one [`Slot`] per request;
 //! [`SlotTracker`] applies the same slot rules over block ids owned by someone else (vLLM's
 //! device blocks). Both preallocate for the speculative lookahead, commit verified tokens into
-//! immutable hashed blocks, and roll back rejected draft tokens. [`wire`] encodes queued events
-//! in vLLM's KV event wire format (msgpack); [`copy_blocks`] moves whole KV blocks between a
-//! layer and the host tier.
+//! immutable hashed blocks, and roll back rejected draft tokens. [`wire`] is vLLM's KV event
+//! wire format (msgpack), by direction: [`wire::encode`] writes queued events, [`wire::decode`]
+//! reads them for the prefix [`index`] of the `kvslots indexer` service. [`copy_blocks`] moves
+//! whole KV blocks between a layer and the host tier.
 
 pub mod cache;
 pub mod copy;

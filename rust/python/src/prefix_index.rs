@@ -1,82 +1,18 @@
-//! `kvslots._core.PrefixIndex`: the indexer's in-memory prefix index. Conversions, exceptions and
-//! locking only; the index logic is `kvslots_core::index`.
+//! `kvslots._core.PrefixIndex`: the indexer's in-memory prefix index, and `lora_key`.
+//! Conversions, exceptions and locking only; the index logic is `kvslots_core::index`.
 
 use std::sync::{Mutex, MutexGuard};
 
 use kvslots_core::index::{
-    self as ix, lora_name_key, Change, EngineEntryView, IndexConfig, IndexError, Tier, NUM_TIERS,
+    self as ix, lora_name_key, Change, EngineEntryView, IndexConfig, Tier, NUM_TIERS,
 };
 use pyo3::prelude::*;
 use pyo3::sync::MutexExt;
 use pyo3::types::{PyDict, PyList, PyString, PyTuple};
 
-use crate::IntArg;
-
-pyo3::import_exception!(kvslots.errors, EventDecodeError);
-pyo3::import_exception!(kvslots.errors, UnknownWorkerError);
-pyo3::import_exception!(kvslots.errors, DuplicateWorkerError);
-pyo3::import_exception!(kvslots.errors, InvalidArgumentError);
-
-fn err(e: IndexError) -> PyErr {
-    let msg = e.to_string();
-    let none: Option<String> = None;
-    match e {
-        IndexError::Decode(_) => EventDecodeError::new_err((msg, none)),
-        IndexError::UnknownWorker { .. } => UnknownWorkerError::new_err((msg, none)),
-        IndexError::DuplicateWorker { .. } => DuplicateWorkerError::new_err((msg, none)),
-        IndexError::Invalid(_) => InvalidArgumentError::new_err((msg, none)),
-    }
-}
-
-fn invalid(msg: String) -> PyErr {
-    err(IndexError::Invalid(msg))
-}
-
-fn tier(name: &str) -> PyResult<Tier> {
-    Tier::parse(name).ok_or_else(|| invalid(format!("unknown tier {name:?} (GPU, CPU or STORAGE)")))
-}
-
-fn lora(lora_id: Option<u64>, lora_name: Option<&str>) -> Option<u64> {
-    lora_id.or_else(|| lora_name.map(lora_name_key))
-}
-
-/// What one `PrefixIndex.apply` did (a plain object: a dict per batch was a visible cost).
-#[pyclass(module = "kvslots._core", frozen, get_all)]
-pub struct ApplyStats {
-    events: u64,
-    stored_blocks: u64,
-    removed_blocks: u64,
-    cleared: u64,
-    /// Stored blocks whose parent hash the worker's map does not know (skipped).
-    orphan_blocks: u64,
-    /// Token-less stores and removals of hashes the worker's map lacks (skipped).
-    unresolved_blocks: u64,
-    /// Events with a field of the wrong type or inconsistent lengths (skipped).
-    invalid_events: u64,
-    /// Events of a type this version does not know (skipped).
-    unknown_events: u64,
-    /// Events naming a medium with no tier (skipped).
-    unknown_medium_events: u64,
-}
-
-#[pymethods]
-impl ApplyStats {
-    fn __repr__(&self) -> String {
-        format!(
-            "ApplyStats(events={}, stored_blocks={}, removed_blocks={}, cleared={}, orphan_blocks={}, \
-             unresolved_blocks={}, invalid_events={}, unknown_events={}, unknown_medium_events={})",
-            self.events,
-            self.stored_blocks,
-            self.removed_blocks,
-            self.cleared,
-            self.orphan_blocks,
-            self.unresolved_blocks,
-            self.invalid_events,
-            self.unknown_events,
-            self.unknown_medium_events
-        )
-    }
-}
+use crate::apply_stats::ApplyStats;
+use crate::convert::{block_size_arg, list_u32, lora, tier, IntArg};
+use crate::errors::{index_error, index_invalid};
 
 type Match = (String, u32, [u32; NUM_TIERS], f64);
 type PyMatch<'py> = (Bound<'py, PyString>, u32, [u32; NUM_TIERS], f64);
@@ -84,7 +20,7 @@ type PyMatch<'py> = (Bound<'py, PyString>, u32, [u32; NUM_TIERS], f64);
 /// In-memory prefix index: which (worker, tier) holds which block. Thread-safe: calls are
 /// serialized by an internal lock, and `apply` decodes and applies without the GIL.
 #[pyclass(module = "kvslots._core", frozen)]
-pub struct PrefixIndex {
+pub(crate) struct PrefixIndex {
     inner: Mutex<Inner>,
 }
 
@@ -150,7 +86,7 @@ impl PrefixIndex {
                 usize::try_from(c)
                     .ok()
                     .filter(|c| *c > 0)
-                    .ok_or_else(|| invalid(format!("capacity must be >= 1, got {c}")))?,
+                    .ok_or_else(|| index_invalid(format!("capacity must be >= 1, got {c}")))?,
             );
         }
         if let Some(w) = tier_weights {
@@ -162,7 +98,7 @@ impl PrefixIndex {
         }
         Ok(PrefixIndex {
             inner: Mutex::new(Inner {
-                ix: ix::PrefixIndex::new(cfg).map_err(err)?,
+                ix: ix::PrefixIndex::new(cfg).map_err(index_error)?,
                 names: Vec::new(),
             }),
         })
@@ -170,7 +106,7 @@ impl PrefixIndex {
 
     fn add_worker(&self, py: Python<'_>, name: &str) -> PyResult<()> {
         let mut g = self.lock(py);
-        let id = g.add_worker(name).map_err(err)? as usize;
+        let id = g.add_worker(name).map_err(index_error)? as usize;
         if g.names.len() <= id {
             g.names.resize_with(id + 1, || None);
         }
@@ -181,8 +117,8 @@ impl PrefixIndex {
     /// Forgets the worker and its entries; returns how many entries were dropped.
     fn remove_worker(&self, py: Python<'_>, name: &str) -> PyResult<usize> {
         let mut g = self.lock(py);
-        let id = g.worker_id(name).map_err(err)? as usize;
-        let n = g.remove_worker(name).map_err(err)?;
+        let id = g.worker_id(name).map_err(index_error)? as usize;
+        let n = g.remove_worker(name).map_err(index_error)?;
         if let Some(slot) = g.names.get_mut(id) {
             *slot = None;
         }
@@ -191,7 +127,7 @@ impl PrefixIndex {
 
     /// Drops the worker's entries (publisher restart, unrecoverable gap); keeps the worker.
     fn clear_worker(&self, py: Python<'_>, name: &str) -> PyResult<usize> {
-        self.lock(py).clear_worker(name).map_err(err)
+        self.lock(py).clear_worker(name).map_err(index_error)
     }
 
     fn workers(&self, py: Python<'_>) -> Vec<String> {
@@ -199,7 +135,7 @@ impl PrefixIndex {
     }
 
     fn worker_len(&self, py: Python<'_>, name: &str) -> PyResult<usize> {
-        self.lock(py).worker_len(name).map_err(err)
+        self.lock(py).worker_len(name).map_err(index_error)
     }
 
     /// Decodes one raw msgpack `KVEventBatch` payload and applies it for `worker`. Events
@@ -215,20 +151,12 @@ impl PrefixIndex {
     ) -> PyResult<ApplyStats> {
         let t = tier(default_tier)?;
         let mut g = self.lock(py);
-        let id = g.worker_id(worker).map_err(err)?;
+        let id = g.worker_id(worker).map_err(index_error)?;
         let g = &mut *g;
-        let st = py.detach(|| g.apply_payload(id, payload, t)).map_err(err)?;
-        Ok(ApplyStats {
-            events: st.events,
-            stored_blocks: st.stored_blocks,
-            removed_blocks: st.removed_blocks,
-            cleared: st.cleared,
-            orphan_blocks: st.orphan_blocks,
-            unresolved_blocks: st.unresolved_blocks,
-            invalid_events: st.invalid_events,
-            unknown_events: st.unknown_events,
-            unknown_medium_events: st.unknown_medium_events,
-        })
+        let st = py
+            .detach(|| g.apply_payload(id, payload, t))
+            .map_err(index_error)?;
+        Ok(st.into())
     }
 
     /// Per worker holding the prompt's first block:
@@ -275,7 +203,10 @@ impl PrefixIndex {
         }
         let tokens = IntArg::<u32>::extract(token_ids, "token_ids", None)?;
         let mut g = self.lock(py);
-        let res = g.lookup(tokens.as_slice(), bs, lora).map_err(err)?.to_vec();
+        let res = g
+            .lookup(tokens.as_slice(), bs, lora)
+            .map_err(index_error)?
+            .to_vec();
         Ok(Self::matches(py, &g, &res))
     }
 
@@ -293,7 +224,7 @@ impl PrefixIndex {
         let tokens = IntArg::<u32>::extract(token_ids, "token_ids", None)?;
         self.lock(py)
             .chain_keys(tokens.as_slice(), bs, lora(lora_id, lora_name))
-            .map_err(err)
+            .map_err(index_error)
     }
 
     /// Scores prompt blocks whose holders were fetched elsewhere: `blocks[i]` maps worker name
@@ -377,7 +308,7 @@ impl PrefixIndex {
         entries: Vec<(u64, u64, [u32; NUM_TIERS])>,
     ) -> PyResult<()> {
         let mut g = self.lock(py);
-        let id = g.worker_id(worker).map_err(err)?;
+        let id = g.worker_id(worker).map_err(index_error)?;
         for (engine, key, groups) in entries {
             g.load_entry(id, engine, EngineEntryView { key, groups });
         }
@@ -431,41 +362,8 @@ impl PrefixIndex {
     }
 }
 
-/// Item `j` of a list as a token id. Reads the item as a borrowed reference: the per-token
-/// incref/decref of a safe `get_item` was a visible share of a lookup.
-fn list_u32(list: &Bound<'_, PyList>, j: usize) -> PyResult<u32> {
-    let py = list.py();
-    // SAFETY: `list` is a live list and the GIL is held for the whole call; `j` is checked by
-    // PyList_GetItem (NULL + IndexError when out of range). The borrowed item stays alive while
-    // the list does, and we only read it.
-    let v = unsafe {
-        let item = pyo3::ffi::PyList_GetItem(list.as_ptr(), j as pyo3::ffi::Py_ssize_t);
-        if item.is_null() {
-            return Err(PyErr::fetch(py));
-        }
-        pyo3::ffi::PyLong_AsLongLong(item)
-    };
-    if v == -1 {
-        if let Some(e) = PyErr::take(py) {
-            return Err(invalid(format!("token_ids[{j}] must be an int: {e}")));
-        }
-    }
-    u32::try_from(v).map_err(|_| {
-        invalid(format!(
-            "token_ids[{j}] = {v} is out of range for a token id"
-        ))
-    })
-}
-
-fn block_size_arg(block_size: i64) -> PyResult<usize> {
-    usize::try_from(block_size)
-        .ok()
-        .filter(|b| *b > 0)
-        .ok_or_else(|| invalid(format!("block_size must be >= 1, got {block_size}")))
-}
-
 /// The LoRA key a lookup uses for a LoRA given by name only.
 #[pyfunction]
-pub fn lora_key(name: &str) -> u64 {
+pub(crate) fn lora_key(name: &str) -> u64 {
     lora_name_key(name)
 }

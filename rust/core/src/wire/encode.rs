@@ -1,4 +1,5 @@
-//! vLLM's KV event wire format, written straight from the event log.
+//! Encoding the engine's queued events in vLLM's KV event wire format, straight from the event
+//! log.
 //!
 //! vLLM publishes a `KVEventBatch` encoded by msgspec's msgpack encoder. The batch struct is
 //! `array_like`, so it is the array `[ts, events, data_parallel_rank]`; msgspec writes all three

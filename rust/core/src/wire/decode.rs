@@ -1,4 +1,5 @@
-//! Decoding vLLM's KV event batches (msgpack) straight into flat buffers.
+//! Decoding vLLM's KV event batches (msgpack) straight into flat buffers, for the prefix
+//! [`index`](crate::index).
 //!
 //! A batch is the msgpack array `[ts, events, data_parallel_rank?]`; each event is a map tagged by
 //! `"type"` (vLLM >= 0.10) or, from older vLLMs, a positional array whose first element is the tag.
@@ -21,6 +22,8 @@ use std::ops::Range;
 use rmp::Marker;
 use xxhash_rust::xxh3::xxh3_64;
 
+use crate::index::Tier;
+
 /// Which kind of event a record is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum WireKind {
@@ -36,7 +39,7 @@ pub enum WireKind {
 pub enum WireMedium {
     /// Absent or nil: the stream's default tier.
     Default,
-    Named(super::Tier),
+    Named(Tier),
     /// A medium name the index has no tier for.
     Unknown,
 }
@@ -314,7 +317,7 @@ impl DecodedBatch {
                     Val::Nil => WireMedium::Default,
                     Val::Str(s) => std::str::from_utf8(s)
                         .ok()
-                        .and_then(super::Tier::parse)
+                        .and_then(Tier::parse)
                         .map_or(WireMedium::Unknown, WireMedium::Named),
                     v => {
                         r.skip_rest(v)?;

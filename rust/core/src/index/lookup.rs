@@ -1,0 +1,103 @@
+//! Lookups: a prompt's chained keys, and the walk that scores every worker holding its first
+//! block.
+
+use super::{IndexError, IndexResult, PrefixIndex, WorkerMatch};
+
+impl PrefixIndex {
+    /// The chained keys of every full block of `tokens`.
+    pub fn chain_keys(
+        &mut self,
+        tokens: &[u32],
+        block_size: usize,
+        lora: Option<u64>,
+    ) -> IndexResult<Vec<u64>> {
+        if block_size == 0 {
+            return Err(IndexError::Invalid("block_size must be > 0".into()));
+        }
+        Ok(self
+            .hasher
+            .chain(self.cfg.hash_seed, tokens, block_size, lora))
+    }
+
+    /// Per worker holding at least the first block: the matched prefix and the score.
+    pub fn lookup(
+        &mut self,
+        tokens: &[u32],
+        block_size: usize,
+        lora: Option<u64>,
+    ) -> IndexResult<&[WorkerMatch]> {
+        if block_size == 0 {
+            return Err(IndexError::Invalid("block_size must be > 0".into()));
+        }
+        let mut blocks = tokens.chunks_exact(block_size);
+        Ok(self.lookup_by(lora, |buf| match blocks.next() {
+            Some(b) => {
+                buf.extend_from_slice(b);
+                true
+            }
+            None => false,
+        }))
+    }
+
+    /// [`lookup`](Self::lookup) with the prompt's blocks produced on demand: `next_block`
+    /// appends the next full block's tokens to the (cleared) buffer, or returns false when
+    /// there is none. The walk stops at the first block no worker holds, so a caller converting
+    /// tokens from elsewhere (Python) converts only the blocks that matter.
+    pub fn lookup_by(
+        &mut self,
+        lora: Option<u64>,
+        mut next_block: impl FnMut(&mut Vec<u32>) -> bool,
+    ) -> &[WorkerMatch] {
+        let mut scorer = std::mem::take(&mut self.scorer);
+        let mut touched = std::mem::take(&mut self.scratch_nodes);
+        let mut buf = std::mem::take(&mut self.scratch_tokens);
+        scorer.reset();
+        touched.clear();
+        let mut parent = self.cfg.hash_seed;
+        let mut blocks = 0u64;
+        // Keys chain, but probing consecutive keys is independent work: hash a run of blocks,
+        // then probe the run, so the CPU overlaps the cache misses. The run grows 1, 2, 4, 8 so
+        // a prompt that misses at its first block hashes nothing extra.
+        let mut run = [0u64; 8];
+        let mut slots = [None::<u32>; 8];
+        let mut want = 1usize;
+        'walk: loop {
+            let mut n = 0;
+            while n < want {
+                buf.clear();
+                if !next_block(&mut buf) {
+                    break;
+                }
+                parent = self.hasher.hash(parent, &buf, lora);
+                run[n] = parent;
+                n += 1;
+            }
+            if n == 0 {
+                break;
+            }
+            for j in 0..n {
+                slots[j] = self.blocks.keys.get(&run[j]).copied();
+            }
+            for &slot in &slots[..n] {
+                blocks += 1;
+                let Some(i) = slot else { break 'walk };
+                let holders = &self.blocks.nodes[i as usize].holders;
+                if !scorer.block(holders.iter().map(|h| (h.worker, h.tiers))) {
+                    break 'walk;
+                }
+                touched.push(i);
+            }
+            want = (want * 2).min(run.len());
+        }
+        // Most recent = first block, as when storing.
+        for &i in touched.iter().rev() {
+            self.blocks.touch(i);
+        }
+        self.totals.lookups += 1;
+        self.totals.lookup_blocks += blocks;
+        self.scratch_nodes = touched;
+        self.scratch_tokens = buf;
+        self.scorer = scorer;
+        self.scorer.results()
+    }
+}

@@ -1,0 +1,125 @@
+//! Scoring a prompt: per worker, the longest prefix held on any tier and on each tier, and the
+//! weighted score (the rule is in the [module docs](super)).
+
+use rustc_hash::FxHashMap;
+
+use super::{WorkerId, NUM_TIERS};
+
+/// One worker's match for a prompt.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct WorkerMatch {
+    pub worker: WorkerId,
+    /// Longest prefix (in blocks) the worker holds on any tier.
+    pub blocks: u32,
+    /// Longest prefix held entirely on each tier.
+    pub tier_blocks: [u32; NUM_TIERS],
+    pub score: f64,
+}
+
+/// The scoring walk, shared by the in-memory lookup and by callers that fetch holders
+/// elsewhere (the Redis backend): feed the holders of each prompt block in order.
+#[derive(Debug, Default, Clone)]
+pub struct Scorer {
+    weights: [f64; 8],
+    out: Vec<WorkerMatch>,
+    alive: Vec<u8>, // per entry of `out`: tiers still unbroken; 0 = the worker's prefix ended
+    slot_of: FxHashMap<WorkerId, u32>,
+    cur: Vec<u8>,
+    started: bool,
+    any_alive: bool,
+}
+
+impl Scorer {
+    pub fn new(tier_weights: [f64; NUM_TIERS]) -> Self {
+        let mut weights = [0.0; 8];
+        for (m, w) in weights.iter_mut().enumerate() {
+            *w = (0..NUM_TIERS)
+                .filter(|t| m & (1 << t) != 0)
+                .map(|t| tier_weights[t])
+                .fold(0.0, f64::max);
+        }
+        Scorer {
+            weights,
+            ..Default::default()
+        }
+    }
+
+    pub fn reset(&mut self) {
+        self.out.clear();
+        self.alive.clear();
+        self.slot_of.clear();
+        self.cur.clear();
+        self.started = false;
+        self.any_alive = false;
+    }
+
+    /// Whether another block can still extend some worker's prefix.
+    pub fn wants_more(&self) -> bool {
+        !self.started || self.any_alive
+    }
+
+    /// Feeds the holders `(worker, tiers)` of the next block (duplicates are OR-ed).
+    /// Returns whether some worker's prefix still continues.
+    pub fn block<I: IntoIterator<Item = (WorkerId, u8)>>(&mut self, holders: I) -> bool {
+        if !self.started {
+            self.started = true;
+            for (w, tiers) in holders {
+                if tiers == 0 {
+                    continue;
+                }
+                match self.slot_of.get(&w) {
+                    Some(&s) => self.cur[s as usize] |= tiers,
+                    None => {
+                        self.slot_of.insert(w, self.out.len() as u32);
+                        self.out.push(WorkerMatch {
+                            worker: w,
+                            blocks: 0,
+                            tier_blocks: [0; NUM_TIERS],
+                            score: 0.0,
+                        });
+                        self.alive.push(0b111);
+                        self.cur.push(tiers);
+                    }
+                }
+            }
+        } else {
+            if !self.any_alive {
+                return false;
+            }
+            for (w, tiers) in holders {
+                if let Some(&s) = self.slot_of.get(&w) {
+                    self.cur[s as usize] |= tiers;
+                }
+            }
+        }
+        let mut any = false;
+        for i in 0..self.out.len() {
+            let m = std::mem::take(&mut self.cur[i]) & 0b111;
+            if self.alive[i] == 0 {
+                continue;
+            }
+            if m == 0 {
+                self.alive[i] = 0;
+                continue;
+            }
+            let o = &mut self.out[i];
+            o.blocks += 1;
+            o.score += self.weights[m as usize];
+            let still = self.alive[i] & m;
+            for t in 0..NUM_TIERS {
+                if still & (1 << t) != 0 {
+                    o.tier_blocks[t] += 1;
+                }
+            }
+            // Keep a nonzero marker while the any-tier prefix continues.
+            self.alive[i] = still | 0b1000;
+            any = true;
+        }
+        self.any_alive = any;
+        any
+    }
+
+    pub fn results(&self) -> &[WorkerMatch] {
+        &self.out
+    }
+}

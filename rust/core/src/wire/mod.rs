@@ -1,0 +1,13 @@
+//! vLLM's KV event wire format: the msgpack `KVEventBatch` that vLLM's publisher sends, by
+//! direction.
+//!
+//! - [`encode`] writes the events the engine queued (slot manager, host cache), byte for byte as
+//!   vLLM's msgspec encoder would.
+//! - [`decode`] reads batches from any vLLM (and from kvslots) into flat buffers for the prefix
+//!   [`index`](crate::index).
+
+pub mod decode;
+pub mod encode;
+
+pub use decode::{lora_name_key, DecodeError, DecodedBatch, WireEvent, WireKind, WireMedium};
+pub use encode::{encode_batch, encode_owned, BatchMeta, EncodeError, HashFormat};

@@ -1,0 +1,42 @@
+//! `kvslots._core.SlotInfo`: a slot's counters, as `SlotManager.slot_info` and
+//! `SlotTracker.slot_info` return them.
+
+use kvslots_core as core;
+use pyo3::prelude::*;
+
+/// A slot's counters.
+#[pyclass(module = "kvslots._core", frozen, get_all, eq)]
+#[derive(Clone, PartialEq)]
+pub(crate) struct SlotInfo {
+    committed: usize,
+    pending: usize,
+    lookahead: usize,
+    reserved_lookahead: usize,
+    num_blocks: usize,
+    num_immutable: usize,
+    capacity: usize,
+}
+
+#[pymethods]
+impl SlotInfo {
+    fn __repr__(&self) -> String {
+        format!(
+            "SlotInfo(committed={}, pending={}, lookahead={}, reserved_lookahead={}, num_blocks={}, num_immutable={}, capacity={})",
+            self.committed, self.pending, self.lookahead, self.reserved_lookahead, self.num_blocks, self.num_immutable, self.capacity
+        )
+    }
+}
+
+impl From<core::SlotInfo> for SlotInfo {
+    fn from(i: core::SlotInfo) -> Self {
+        SlotInfo {
+            committed: i.committed,
+            pending: i.pending,
+            lookahead: i.lookahead,
+            reserved_lookahead: i.reserved_lookahead,
+            num_blocks: i.num_blocks,
+            num_immutable: i.num_immutable,
+            capacity: i.capacity,
+        }
+    }
+}
