@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvslots.events import KVEventBatch, encode_batch
-from kvslots.events.publisher import END_SEQ
+from kvslots.events.protocol import END_SEQ
 from kvslots.events.subscriber import EventSubscriber, _Peer
 
 
@@ -56,53 +56,63 @@ actions = st.lists(
 )
 
 
+class Model:
+    """One subscriber peer wired to a model publisher; ``run`` plays a script, then drains."""
+
+    def __init__(self, sub: EventSubscriber, buffer_steps: int, from_zero: bool) -> None:
+        self.sub = sub
+        self.peer = _Peer("w", "tcp://model:1", "tcp://model:2", b"", 0 if from_zero else None)
+        self.dealer = FakeDealer()
+        self.peer.dealer = self.dealer  # type: ignore[assignment]
+        sub._peers["w"] = sub._by_id["w"] = self.peer
+        if from_zero:
+            self.peer.next = 0
+            self.peer.fresh = True
+            sub._request_replay(self.peer)
+        self.pub = ModelPublisher(buffer_steps)
+        self.live: list[list[bytes]] = []
+        self.replay: list[list[bytes]] = []
+        self.served = 0
+        self.seen: set[int] = set()
+
+    def step(self, kind: str, arg) -> None:
+        if kind == "publish":
+            seq = self.pub.publish()
+            if arg:
+                self.live.append([b"", seq.to_bytes(8, "big"), self.pub.payloads[seq]])
+        elif kind == "live":
+            for _ in range(min(arg, len(self.live))):
+                frames = self.live.pop(0)
+                self.seen.add(int.from_bytes(frames[1], "big"))
+                self.sub._on_live_frames(self.peer, frames)
+        elif kind == "serve":
+            if self.served < len(self.dealer.requests):
+                self.replay.extend(self.pub.replay(self.dealer.requests[self.served]))
+                self.served += 1
+        else:
+            for _ in range(min(arg, len(self.replay))):
+                frames = self.replay.pop(0)
+                if frames[2] != END_SEQ:
+                    self.seen.add(int.from_bytes(frames[2], "big"))
+                self.sub._on_replay_frames(self.peer, frames)
+
+    def run(self, script) -> None:
+        for kind, arg in script:
+            self.step(kind, arg)
+        while self.live or self.replay or self.served < len(self.dealer.requests):
+            self.step("serve", 0)
+            self.step("replay", 10**9)
+            self.step("live", 10**9)
+
+
 @settings(max_examples=400, deadline=None)
 @given(actions, st.integers(1, 40), st.booleans())
 def test_ordered_exactly_once_under_drops_and_interleavings(script, buffer_steps, from_zero):
     applied: list[int] = []
     sub = EventSubscriber(lambda w, s, b: applied.append(s))
-    peer = _Peer("w", "tcp://model:1", "tcp://model:2", b"", 0 if from_zero else None)
-    dealer = FakeDealer()
-    peer.dealer = dealer  # type: ignore[assignment]
-    sub._peers["w"] = sub._by_id["w"] = peer
-    if from_zero:
-        peer.next = 0
-        sub._request_replay(peer)
-
-    pub = ModelPublisher(buffer_steps)
-    live: list[list[bytes]] = []
-    replay: list[list[bytes]] = []
-    served = 0
-    seen: set[int] = set()
-
-    def step(kind: str, arg) -> None:
-        nonlocal served
-        if kind == "publish":
-            seq = pub.publish()
-            if arg:
-                live.append([b"", seq.to_bytes(8, "big"), pub.payloads[seq]])
-        elif kind == "live":
-            for _ in range(min(arg, len(live))):
-                frames = live.pop(0)
-                seen.add(int.from_bytes(frames[1], "big"))
-                sub._on_live_frames(peer, frames)
-        elif kind == "serve":
-            if served < len(dealer.requests):
-                replay.extend(pub.replay(dealer.requests[served]))
-                served += 1
-        else:
-            for _ in range(min(arg, len(replay))):
-                frames = replay.pop(0)
-                if frames[2] != END_SEQ:
-                    seen.add(int.from_bytes(frames[2], "big"))
-                sub._on_replay_frames(peer, frames)
-
-    for kind, arg in script:
-        step(kind, arg)
-    while live or replay or served < len(dealer.requests):
-        step("serve", 0)
-        step("replay", 10**9)
-        step("live", 10**9)
+    m = Model(sub, buffer_steps, from_zero)
+    m.run(script)
+    peer, pub, seen = m.peer, m.pub, m.seen
 
     c = sub.counters
     assert applied == sorted(set(applied)), "in order, each once"
@@ -119,4 +129,42 @@ def test_ordered_exactly_once_under_drops_and_interleavings(script, buffer_steps
     if seen and buffer_steps >= pub.published:
         start = 0 if from_zero else applied[0]
         assert applied == list(range(start, max(seen) + 1))
+    sub.stop()
+
+
+# Scripts that lose batches for good: more publishing, more drops, small replay buffers.
+lossy_actions = st.lists(
+    st.one_of(
+        st.tuples(st.just("publish"), st.booleans()),
+        st.tuples(st.just("publish"), st.just(False)),
+        st.tuples(st.just("publish"), st.booleans()),
+        st.tuples(st.just("live"), st.integers(1, 4)),
+        st.tuples(st.just("serve"), st.just(0)),
+        st.tuples(st.just("replay"), st.integers(1, 4)),
+    ),
+    min_size=10,
+    max_size=120,
+)
+
+
+@settings(max_examples=400, deadline=None)
+@given(lossy_actions, st.integers(1, 8), st.booleans())
+def test_resync_on_loss_never_keeps_a_hole(script, buffer_steps, from_zero):
+    """With resync_on_loss (the indexer's mode), what the consumer holds between two resets is
+    a run of consecutive batches: a batch that cannot be had resets the stream instead of
+    being skipped, and the stream is rebuilt from the publisher's buffer."""
+    epochs: list[list[int]] = [[]]
+    sub = EventSubscriber(lambda w, s, b: epochs[-1].append(s),
+                          lambda w, last, new: epochs.append([]), resync_on_loss=True)
+    m = Model(sub, buffer_steps, from_zero)
+    m.run(script)
+    c = sub.counters
+    for run in filter(None, epochs):
+        assert run == list(range(run[0], run[0] + len(run))), epochs
+    assert len(epochs) == 1 + c["resets"] and c["resets"] == c["resyncs"]
+    assert c["malformed"] == 0 and not m.peer.replaying and not m.peer.held
+    if buffer_steps >= m.pub.published:
+        assert c["resets"] == 0 and c["lost"] == 0
+    if m.seen:  # the stream is applied up to the last batch that reached the subscriber
+        assert epochs[-1] and epochs[-1][-1] == max(m.seen), epochs
     sub.stop()

@@ -11,8 +11,10 @@ import pytest
 import zmq
 
 from kvslots import SlotManager
+from kvslots.errors import EventDecodeError
 from kvslots.events import BlockStored, KVEventBatch, decode_batch, encode_batch
-from kvslots.events.publisher import END_SEQ, EventPublisher, is_bind_endpoint, offset_endpoint_port
+from kvslots.events.protocol import END_SEQ, is_bind_endpoint, offset_endpoint_port
+from kvslots.events.publisher import EventPublisher
 from kvslots.events.subscriber import EventSubscriber
 
 LOCAL = "tcp://127.0.0.1:0"
@@ -256,6 +258,129 @@ def test_publisher_restart_is_detected(closing):
     wait_until(lambda: rec.seqs()[100:] == list(range(k)), sub)
     # Everything of the second life arrives once, in order (the start by replay).
     assert [b.ts for _, _, b in rec.batches[100:]] == [float(1000 + i) for i in range(k)]
+    assert sub.counters["resets"] == 1
+
+
+# ---- options for consumers that must never miss a batch (the indexer) -----------------------
+
+
+def test_raw_payloads_waiting_and_signals(closing):
+    pub = EventPublisher(LOCAL, LOCAL)
+    closing(pub)
+    for i in range(3):
+        pub.publish(batch(i))
+    pub.publish(b"\x92\x00\x00")  # msgpack, not a batch: the consumer says so
+    assert pub.flush(5)
+    got: list[tuple[int, bytes]] = []
+    counted: dict[str, int] = {}
+
+    def on_batch(worker, seq, payload):
+        assert isinstance(payload, bytes)
+        if payload == b"\x92\x00\x00":
+            raise EventDecodeError("not a batch")
+        got.append((seq, payload))
+
+    def on_count(worker, name, n):
+        counted[name] = counted.get(name, 0) + n
+
+    sub = EventSubscriber(on_batch, decode=False, on_count=on_count)
+    closing(sub)
+    sub.start()
+    # wait=: back once the catch-up replay is done, everything before it applied.
+    assert sub.add_publisher("w", pub.endpoint, pub.replay_endpoint, start_seq=0, wait=5)
+    assert [s for s, _ in got] == [0, 1, 2] and decode_batch(got[2][1]).ts == 2.0
+    st = sub.publisher_status("w")
+    assert st["next_seq"] == 4 and st["malformed"] == 1 and st["applied"] == 3
+    assert st["last_live_seq"] is None and not st["replaying"] and st["in_sync"]
+    assert counted == {k: v for k, v in sub.counters.items() if v}
+
+    assert sub.remove_publisher("w", wait=5)
+    pub.publish(batch(9))
+    assert pub.flush(5)
+    time.sleep(0.05)
+    assert len(got) == 3  # no callback once remove_publisher(wait=) returned
+
+    with pytest.raises(zmq.ZMQError):  # a connection that cannot be made is raised by wait=
+        sub.add_publisher("bad", "tcp://no such host:1", wait=5)
+    assert sub.publishers() == []
+
+
+def test_resync_on_loss_when_resuming_past_the_buffer(closing):
+    pub = EventPublisher(LOCAL, LOCAL, buffer_steps=3)
+    closing(pub)
+    for i in range(10):
+        pub.publish(batch(i))
+    assert pub.flush(5)
+    rec = Recorder()
+    sub = EventSubscriber(rec.on_batch, rec.on_reset, resync_on_loss=True)
+    closing(sub)
+    # The consumer holds 0..4 (a shared index resuming from its cursor): 5 and 6 are gone, so
+    # what it holds must be dropped and rebuilt from the buffer (7..9).
+    assert sub.add_publisher("w", pub.endpoint, pub.replay_endpoint, start_seq=5, wait=5)
+    assert rec.resets == [("w", 4, 7)] and rec.seqs() == [7, 8, 9]
+    c = sub.counters
+    assert c["resyncs"] == 1 and c["lost"] == 2 and c["resets"] == 1
+
+    # From nothing (start_seq=0), what precedes the buffer is no loss.
+    rec2 = Recorder()
+    sub2 = EventSubscriber(rec2.on_batch, rec2.on_reset, resync_on_loss=True)
+    closing(sub2)
+    assert sub2.add_publisher("w", pub.endpoint, pub.replay_endpoint, start_seq=0, wait=5)
+    assert rec2.resets == [] and rec2.seqs() == [7, 8, 9] and sub2.counters["gaps"] == 0
+
+
+def test_resuming_below_start_seq_is_a_restart(closing):
+    xpub, ep, _ = raw_xpub(closing)
+    rec = Recorder()
+    sub = EventSubscriber(rec.on_batch, rec.on_reset)
+    closing(sub)
+    # A consumer that resumes at 50, from a publisher that never showed it 49 or later: a live
+    # 3 is a new publisher instance, not a batch lagging behind a replay.
+    sub.add_publisher("w", ep, start_seq=50)
+    subscribed(xpub, sub)
+    xpub.send_multipart([b"", seqb(49), encode_batch(batch(49))])  # the last one we hold
+    xpub.send_multipart([b"", seqb(50), encode_batch(batch(50))])
+    wait_until(lambda: rec.seqs() == [50], sub)
+    assert sub.counters["duplicates"] == 1 and rec.resets == []
+
+    xpub, ep, _ = raw_xpub(closing)
+    sub2 = EventSubscriber(rec.on_batch, rec.on_reset)
+    closing(sub2)
+    sub2.add_publisher("v", ep, start_seq=50)
+    subscribed(xpub, sub2)
+    xpub.send_multipart([b"", seqb(3), encode_batch(batch(3))])
+    wait_until(lambda: rec.resets == [("v", 49, 3)], sub2)
+    wait_until(lambda: rec.seqs("v") == [3], sub2)
+
+
+def test_reset_on_reconnect_catches_a_restart_already_past_our_seq(closing):
+    pub1 = EventPublisher(LOCAL, LOCAL)
+    closing(pub1)
+    ep, rep = pub1.endpoint, pub1.replay_endpoint
+    rec = Recorder()
+    sub = EventSubscriber(rec.on_batch, rec.on_reset, replay_timeout_ms=1000, reset_on_reconnect=True)
+    closing(sub)
+    sub.add_publisher("w", ep, rep, start_seq=0)
+    n = sync_live(pub1, sub, rec)
+    pub1.shutdown()
+
+    # The new instance publishes more than the old one did before we hear from it: its
+    # numbers are past ours, so only the lost connection tells us it is not the old one.
+    pub2 = EventPublisher(ep, rep, bind=True)
+    closing(pub2)
+    for i in range(n + 5):
+        pub2.publish(batch(1000 + i))
+    assert pub2.flush(5)
+    k = n + 5
+    deadline = time.monotonic() + 5
+    while not rec.resets:
+        assert time.monotonic() < deadline, "restart never detected"
+        pub2.publish(batch(1000 + k))
+        k += 1
+        sub.poll_once(20)
+    assert rec.resets[0][:2] == ("w", n - 1)
+    wait_until(lambda: rec.seqs()[n:] == list(range(k)), sub)
+    assert [b.ts for _, _, b in rec.batches[n:]] == [float(1000 + i) for i in range(k)]
     assert sub.counters["resets"] == 1
 
 

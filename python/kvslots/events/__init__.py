@@ -1,6 +1,7 @@
-"""KV events in vLLM's wire format: the structs and codec (:mod:`.codec`), the ZMQ publisher
-(:mod:`.publisher`) and the subscriber (:mod:`.subscriber`). Every ZMQ / replay rule lives here
-once; the indexer subscribes through :mod:`.subscriber`."""
+"""KV events in vLLM's wire format: the structs and codec (:mod:`.codec`, whose ``from_raw`` is
+the one reader of the Rust core's event tuples), the ZMQ framing and bind rule
+(:mod:`.protocol`), the publisher (:mod:`.publisher`) and the subscriber (:mod:`.subscriber`).
+Every ZMQ / replay rule lives here once; the indexer subscribes through :mod:`.subscriber`."""
 
 from .codec import (
     MEDIUM_CPU,

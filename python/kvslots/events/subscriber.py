@@ -1,12 +1,12 @@
 """A client for KV event streams: vLLM's ``ZmqEventPublisher`` and kvslots' own
-:class:`~kvslots.events.publisher.EventPublisher` (same wire format).
+:class:`~kvslots.events.publisher.EventPublisher` (same wire format, :mod:`.protocol`).
 
 It hands each publisher's batches to a callback exactly once and in sequence order, healing gaps
 from the publisher's replay socket::
 
     def on_batch(worker_id, seq, batch):       # batch: kvslots.events.KVEventBatch
         ...
-    def on_reset(worker_id, last_seq, new_seq):  # the publisher restarted: drop its state
+    def on_reset(worker_id, last_seq, new_seq):  # drop what you hold of this publisher
         ...
 
     sub = EventSubscriber(on_batch, on_reset)
@@ -14,6 +14,9 @@ from the publisher's replay socket::
     sub.start()            # poll thread; callbacks run on it
     ...
     sub.stop()
+
+This is the one implementation of the subscriber side of the protocol; the indexer
+(``kvslots.indexer``) subscribes through it too.
 
 Per publisher, with ``next`` the sequence number expected next:
 
@@ -28,13 +31,24 @@ Per publisher, with ``next`` the sequence number expected next:
 
 The first batch seen fixes ``next`` unless ``start_seq`` was given to :meth:`add_publisher`; then
 the subscriber asks for a replay from ``start_seq`` at once (to catch up on a publisher that ran
-before it connected). Frames that are not ``(topic, 8-byte seq, payload)`` and payloads that do
-not decode are counted as ``malformed`` and skipped (an undecodable payload still uses up its
-sequence number, so it is not re-requested forever). Nothing a publisher sends stops the loop.
+before it connected, or to resume where an earlier subscriber stopped). A live ``seq`` below
+``start_seq`` from a publisher that never showed us a number at or past it is a restart too.
+Frames that are not ``(topic, 8-byte seq, payload)`` and payloads that do not decode are counted
+as ``malformed`` and skipped (an undecodable payload still uses up its sequence number, so it is
+not re-requested forever). Nothing a publisher sends stops the loop.
 
-A restart is only visible when the new stream's numbers are at or below the last applied one; a
-publisher that restarts and sends more batches than the old one did before we hear from it looks
-like a gap.
+Two options, for consumers whose state must never miss a batch (the indexer: a lost
+``BlockRemoved`` would leave a block claimed forever):
+
+* ``resync_on_loss``: batches that cannot be had (gone from the publisher's buffer, no replay
+  socket, replay timed out) are not skipped silently: ``on_reset`` is called and the stream is
+  rebuilt from what the publisher still buffers (counted as ``resyncs``). Missing batches before
+  the first one of a stream that starts from nothing (``start_seq=0``, or after a reset) are no
+  loss: the stream starts where the publisher's buffer does.
+* ``reset_on_reconnect``: the first live message after the connection to a publisher dropped
+  resets the stream (``on_reset``, then a replay from 0). vLLM's protocol has no incarnation id,
+  so without this a publisher that restarts and sends more batches than the old one did before
+  we hear from it looks like a gap.
 """
 
 from __future__ import annotations
@@ -50,29 +64,36 @@ from typing import Any
 
 import msgspec
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
+from ..errors import EventDecodeError
 from .codec import KVEventBatch
+from .protocol import SCHEMES, parse_live, parse_replay_reply, replay_request
 
 log = logging.getLogger(__name__)
 
-OnBatch = Callable[[Hashable, int, KVEventBatch], Any]
+OnBatch = Callable[[Hashable, int, Any], Any]
 OnReset = Callable[[Hashable, int, int], Any]
+OnCount = Callable[[Hashable, str, int], Any]
 
 COUNTERS = (
     "received",  # live messages with a well-formed (topic, seq, payload)
     "applied",  # batches handed to on_batch (live or replayed)
-    "gaps",  # sequence jumps seen
+    "gaps",  # sequence jumps seen on the live stream
     "replayed",  # batches applied from a replay
     "duplicates",  # batches dropped as already applied
-    "resets",  # publisher restarts detected
+    "resets",  # on_reset calls: publisher restarts (and resyncs)
     "malformed",  # frames or payloads skipped
     "lost",  # sequence numbers skipped because no replay could supply them
+    "resyncs",  # losses answered by a reset and a rebuild (resync_on_loss)
     "replay_requests",
     "replay_failures",  # replays that timed out
     "callback_errors",  # exceptions raised by on_batch / on_reset
 )
 
 _HELD_WINDOW = 64  # applied payloads kept to tell a duplicate from a restart
+
+_LIVE, _REPLAY, _MONITOR = 0, 1, 2  # what a registered socket is to its peer
 
 
 @dataclass
@@ -84,8 +105,14 @@ class _Peer:
     start_seq: int | None
     sub: zmq.Socket | None = None
     dealer: zmq.Socket | None = None
+    monitor: zmq.Socket | None = None
+    error: Exception | None = None  # why the sockets could not be opened
+    opened: bool = False  # sockets open, catch-up replay (start_seq) requested
     next: int | None = None
     live_last: int = -1  # last seq seen on the live stream (it only moves forward)
+    seen: bool = False  # this publisher instance has shown us a seq (live or replayed)
+    fresh: bool = False  # the stream starts from nothing: what precedes the buffer is no loss
+    reconnected: bool = False  # the live connection dropped since the last live message
     recent: deque[tuple[int, bytes]] = field(default_factory=lambda: deque(maxlen=_HELD_WINDOW))
     replaying: bool = False
     replay_deadline: float = 0.0
@@ -97,13 +124,19 @@ class _Peer:
 class EventSubscriber:
     """Subscribes to any number of KV event publishers; see the module docstring.
 
-    ``on_batch(worker_id, seq, batch)`` gets every batch once, in order, per publisher;
-    ``on_reset(worker_id, last_seq, new_seq)`` is called when a publisher restarted
-    (``last_seq`` is -1 if nothing had been applied). Both run on the polling thread (or in
-    :meth:`poll_once`); exceptions they raise are logged and counted, never propagated.
+    ``on_batch(worker_id, seq, batch)`` gets every batch once, in order, per publisher: a
+    decoded ``KVEventBatch``, or with ``decode=False`` the msgpack payload as ``bytes`` (for
+    consumers that decode it themselves). ``on_batch`` may raise
+    :class:`kvslots.EventDecodeError` to say a payload is not a batch: it is counted as
+    malformed. ``on_reset(worker_id, last_seq, new_seq)`` is called when the publisher's stream
+    starts over (``last_seq`` is -1 if nothing had been applied). ``on_count(worker_id, name,
+    n)`` is called whenever one of a publisher's ``COUNTERS`` grows by ``n`` (for metrics). All
+    run on the polling thread (or in :meth:`poll_once`); exceptions raised by ``on_batch`` and
+    ``on_reset`` are logged and counted, never propagated.
 
     ``replay_timeout_ms`` bounds the wait for a replay's next message; ``hwm`` is the receive
-    high-water mark of the SUB sockets.
+    high-water mark of the SUB sockets. ``resync_on_loss`` and ``reset_on_reconnect``: see the
+    module docstring.
     """
 
     def __init__(
@@ -114,20 +147,31 @@ class EventSubscriber:
         replay_timeout_ms: int = 2000,
         hwm: int = 100_000,
         context: zmq.Context | None = None,
+        decode: bool = True,
+        on_count: OnCount | None = None,
+        resync_on_loss: bool = False,
+        reset_on_reconnect: bool = False,
+        thread_name: str = "kvslots-event-subscriber",
     ) -> None:
         self._on_batch = on_batch
         self._on_reset = on_reset
+        self._on_count = on_count
+        self._resync_on_loss = resync_on_loss
+        self._reset_on_reconnect = reset_on_reconnect
+        self._thread_name = thread_name
         self._replay_timeout = replay_timeout_ms / 1000.0
         self._hwm = hwm
         self._own_ctx = context is None
         self._ctx = zmq.Context() if context is None else context
-        self._decoder = msgspec.msgpack.Decoder(KVEventBatch)
+        self._decoder = msgspec.msgpack.Decoder(KVEventBatch) if decode else None
 
         self._lock = threading.Lock()
         self._commands: deque[tuple[str, Any]] = deque()
+        self._queued = self._done = 0  # commands queued, and applied by the polling thread
         self._by_id: dict[Hashable, _Peer] = {}  # every added publisher (as callers see it)
         self._peers: dict[Hashable, _Peer] = {}  # owned by the polling thread
-        self._sockets: dict[zmq.Socket, tuple[_Peer, bool]] = {}  # socket -> (peer, is_replay)
+        self._sockets: dict[zmq.Socket, tuple[_Peer, int]] = {}  # socket -> (peer, _LIVE...)
+        self._monitors = 0  # monitor sockets registered
         self._poller = zmq.Poller()
         self._totals = dict.fromkeys(COUNTERS, 0)
         self._wake_r, self._wake_w = os.pipe()
@@ -138,6 +182,8 @@ class EventSubscriber:
         self._stopping = False
         self._closed = False
         self._cleanup_by_loop = False
+        self._progress = threading.Condition()  # notified after each round while _waiting
+        self._waiting = 0
 
     # ---- public API (any thread) ----------------------------------------------------------
 
@@ -149,14 +195,20 @@ class EventSubscriber:
         topic: str = "",
         *,
         start_seq: int | None = None,
-    ) -> None:
+        wait: float | None = None,
+    ) -> bool:
         """Connects to a publisher's PUB ``endpoint`` (and its ROUTER ``replay_endpoint``),
         subscribing to ``topic`` (a prefix; "" is everything). With ``start_seq`` the stream
-        is read from that sequence number on, replaying what was published before."""
+        is read from that sequence number on, replaying what was published before.
+
+        With ``wait`` (seconds), returns once the sockets are open and the catch-up replay is
+        done or given up (True), or when ``wait`` runs out (False); a connection that cannot be
+        made raises its ``zmq.ZMQError`` here, and the publisher is not added. Without it, the
+        sockets are opened by the polling thread later, and returns True."""
         if start_seq is not None and start_seq < 0:
             raise ValueError(f"start_seq must be >= 0, got {start_seq}")
         for ep in (endpoint, replay_endpoint):
-            if ep is not None and not ep.startswith(("tcp://", "ipc://", "inproc://")):
+            if ep is not None and not ep.startswith(SCHEMES):
                 raise ValueError(f"endpoint {ep!r} must start with tcp://, ipc:// or inproc://")
         with self._lock:
             if self._closed:
@@ -166,16 +218,29 @@ class EventSubscriber:
             peer = _Peer(worker_id, endpoint, replay_endpoint, topic.encode(), start_seq)
             self._by_id[worker_id] = peer
             self._commands.append(("add", peer))
+            self._queued += 1
         self._wake()
+        if wait is None:
+            return True
+        synced = self._wait_for(lambda: peer.error is not None or self._synced(peer), wait)
+        if peer.error is not None:
+            raise peer.error
+        return synced
 
-    def remove_publisher(self, worker_id: Hashable) -> None:
+    def remove_publisher(self, worker_id: Hashable, *, wait: float | None = None) -> bool:
         """Disconnects from a publisher; its held state and counters are dropped (the totals
-        keep what it contributed)."""
+        keep what it contributed). With ``wait`` (seconds), returns once the sockets are closed,
+        so that no callback for it runs any more (True), or when ``wait`` runs out (False)."""
         with self._lock:
             if self._by_id.pop(worker_id, None) is None:
                 raise KeyError(worker_id)
             self._commands.append(("remove", worker_id))
+            self._queued += 1
+            ticket = self._queued
         self._wake()
+        if wait is None:
+            return True
+        return self._wait_for(lambda: self._done >= ticket, wait)
 
     def publishers(self) -> list[Hashable]:
         with self._lock:
@@ -187,22 +252,29 @@ class EventSubscriber:
         return dict(self._totals)
 
     def publisher_counters(self, worker_id: Hashable) -> dict[str, int]:
-        with self._lock:
-            peer = self._by_id[worker_id]
-        return dict(peer.counters)
+        return dict(self._peer(worker_id).counters)
+
+    def publisher_status(self, worker_id: Hashable) -> dict[str, Any]:
+        """One publisher's stream: ``next_seq`` (None before its first batch),
+        ``last_live_seq`` (None before the first live message of this publisher instance),
+        ``replaying``, ``in_sync`` (see :meth:`in_sync`) and its counters."""
+        peer = self._peer(worker_id)
+        return {
+            "next_seq": peer.next,
+            "last_live_seq": peer.live_last if peer.live_last >= 0 else None,
+            "replaying": peer.replaying,
+            "in_sync": self._in_sync(peer),
+            **peer.counters,
+        }
 
     def next_seq(self, worker_id: Hashable) -> int | None:
         """The sequence number expected next from a publisher (None before its first batch)."""
-        with self._lock:
-            peer = self._by_id[worker_id]
-        return peer.next
+        return self._peer(worker_id).next
 
     def in_sync(self, worker_id: Hashable) -> bool:
         """Whether the publisher's stream is applied up to the last batch received: no replay
         under way and no batch held back waiting for one."""
-        with self._lock:
-            peer = self._by_id[worker_id]
-        return peer.sub is not None and not peer.replaying and not peer.held
+        return self._in_sync(self._peer(worker_id))
 
     def start(self) -> None:
         """Runs the poll loop on a background thread."""
@@ -211,8 +283,7 @@ class EventSubscriber:
                 raise RuntimeError("subscriber is stopped")
             if self._thread is not None:
                 raise RuntimeError("subscriber is already started")
-            self._thread = threading.Thread(target=self._run, name="kvslots-event-subscriber",
-                                            daemon=True)
+            self._thread = threading.Thread(target=self._run, name=self._thread_name, daemon=True)
         self._thread.start()
 
     def stop(self, timeout: float = 5.0) -> None:
@@ -262,31 +333,84 @@ class EventSubscriber:
             raise RuntimeError("subscriber runs its own poll thread (start() was called)")
         return self._poll(timeout_ms)
 
+    # ---- state, as other threads see it ---------------------------------------------------
+
+    def _peer(self, worker_id: Hashable) -> _Peer:
+        with self._lock:
+            return self._by_id[worker_id]
+
+    @staticmethod
+    def _in_sync(peer: _Peer) -> bool:
+        return peer.opened and not peer.replaying and not peer.held
+
+    @staticmethod
+    def _synced(peer: _Peer) -> bool:
+        return peer.opened and not peer.replaying
+
+    def _wait_for(self, done: Callable[[], bool], timeout: float) -> bool:
+        """Until ``done()`` (checked after each round of the loop) or ``timeout``. Without a
+        poll thread, runs the rounds itself; on the poll thread, does not wait."""
+        deadline = time.monotonic() + timeout
+        if self._thread is None:
+            while not done() and not self._closed:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._poll(min(10, max(1, int(left * 1000))))
+            return done()
+        if self._thread is threading.current_thread():
+            return done()
+        with self._progress:
+            self._waiting += 1
+            try:
+                while not done():
+                    left = deadline - time.monotonic()
+                    if left <= 0 or self._closed:
+                        return False
+                    self._progress.wait(min(left, 0.05))
+                return True
+            finally:
+                self._waiting -= 1
+
+    # ---- loop ----------------------------------------------------------------------------
+
     def _poll(self, timeout_ms: int) -> int:
         self._apply_commands()
+        self._notify_waiters()
         timeout = float(timeout_ms)
         now = time.monotonic()
         for peer in self._peers.values():
             if peer.replaying:
                 timeout = min(timeout, max(0.0, (peer.replay_deadline - now) * 1000.0))
         handled = 0
-        for sock, _ in self._poller.poll(timeout):
+        ready = self._poller.poll(timeout)
+        if self._monitors:
+            # Connection events first: they say how to read the live messages beside them.
+            ready.sort(key=lambda e: self._sockets.get(e[0], (None, _LIVE))[1] != _MONITOR)
+        for sock, _ in ready:
             if sock == self._wake_r:
                 self._drain_wake()
                 continue
             entry = self._sockets.get(sock)
             if entry is None:
                 continue
-            peer, is_replay = entry
-            handled += self._drain_socket(peer, sock, is_replay)
+            peer, kind = entry
+            if kind == _MONITOR:
+                self._on_monitor(peer, sock)
+            else:
+                handled += self._drain_socket(peer, sock, kind == _REPLAY)
         now = time.monotonic()
         for peer in list(self._peers.values()):
             if peer.replaying and now >= peer.replay_deadline:
                 log.warning("replay from %r timed out at seq %s", peer.worker_id, peer.next)
                 self._finish_replay(peer, ok=False)
+        self._notify_waiters()
         return handled
 
-    # ---- loop ----------------------------------------------------------------------------
+    def _notify_waiters(self) -> None:
+        if self._waiting:
+            with self._progress:
+                self._progress.notify_all()
 
     def _run(self) -> None:
         while not self._stopping:
@@ -317,12 +441,15 @@ class EventSubscriber:
                 if not self._commands:
                     return
                 op, arg = self._commands.popleft()
-            if op == "add":
-                self._open_peer(arg)
-            else:
-                peer = self._peers.pop(arg, None)
-                if peer is not None:
-                    self._close_peer(peer)
+            try:
+                if op == "add":
+                    self._open_peer(arg)
+                else:
+                    peer = self._peers.pop(arg, None)
+                    if peer is not None:
+                        self._close_peer(peer)
+            finally:
+                self._done += 1
 
     def _open_peer(self, peer: _Peer) -> None:
         sub = self._ctx.socket(zmq.SUB)
@@ -331,33 +458,51 @@ class EventSubscriber:
         sub.setsockopt(zmq.SUBSCRIBE, peer.topic)
         try:
             sub.connect(peer.endpoint)
-        except zmq.ZMQError:
+        except zmq.ZMQError as e:
             sub.close()
-            log.exception("cannot connect to %r at %s", peer.worker_id, peer.endpoint)
+            log.error("cannot connect to %r at %s: %s", peer.worker_id, peer.endpoint, e)
+            with self._lock:
+                if self._by_id.get(peer.worker_id) is peer:
+                    del self._by_id[peer.worker_id]
+            peer.error = e
             return
         peer.sub = sub
-        self._register(sub, peer, False)
+        self._register(sub, peer, _LIVE)
+        if self._reset_on_reconnect:
+            peer.monitor = sub.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+            self._register(peer.monitor, peer, _MONITOR)
         self._peers[peer.worker_id] = peer
         if peer.replay_endpoint is not None:
             self._new_dealer(peer)
         if peer.start_seq is not None:
             peer.next = peer.start_seq
+            peer.fresh = peer.start_seq == 0
             if peer.dealer is not None:
                 self._request_replay(peer)
+        peer.opened = True
 
     def _close_peer(self, peer: _Peer) -> None:
-        for sock in (peer.sub, peer.dealer):
+        peer.opened = False
+        if peer.monitor is not None and peer.sub is not None:
+            try:
+                peer.sub.disable_monitor()
+            except zmq.ZMQError:
+                pass
+        for sock in (peer.sub, peer.dealer, peer.monitor):
             if sock is not None:
                 self._unregister(sock)
                 sock.close(linger=0)
-        peer.sub = peer.dealer = None
+        peer.sub = peer.dealer = peer.monitor = None
 
-    def _register(self, sock: zmq.Socket, peer: _Peer, is_replay: bool) -> None:
-        self._sockets[sock] = (peer, is_replay)
+    def _register(self, sock: zmq.Socket, peer: _Peer, kind: int) -> None:
+        self._sockets[sock] = (peer, kind)
+        self._monitors += kind == _MONITOR
         self._poller.register(sock, zmq.POLLIN)
 
     def _unregister(self, sock: zmq.Socket) -> None:
-        if self._sockets.pop(sock, None) is not None:
+        entry = self._sockets.pop(sock, None)
+        if entry is not None:
+            self._monitors -= entry[1] == _MONITOR
             self._poller.unregister(sock)
 
     def _new_dealer(self, peer: _Peer) -> None:
@@ -377,13 +522,28 @@ class EventSubscriber:
             log.exception("cannot connect to the replay socket of %r", peer.worker_id)
             return
         peer.dealer = dealer
-        self._register(dealer, peer, True)
+        self._register(dealer, peer, _REPLAY)
+
+    def _on_monitor(self, peer: _Peer, sock: zmq.Socket) -> None:
+        while True:
+            try:
+                event = recv_monitor_message(sock, zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            if event["event"] == zmq.EVENT_DISCONNECTED:
+                log.info("publisher %r: connection lost", peer.worker_id)
+                peer.reconnected = True
 
     # ---- per-message logic ----------------------------------------------------------------
 
     def _count(self, peer: _Peer, name: str, n: int = 1) -> None:
         peer.counters[name] += n
         self._totals[name] += n
+        if self._on_count is not None:
+            try:
+                self._on_count(peer.worker_id, name, n)
+            except Exception:
+                log.exception("on_count callback failed")
 
     def _drain_socket(self, peer: _Peer, sock: zmq.Socket, is_replay: bool) -> int:
         n = 0
@@ -402,59 +562,71 @@ class EventSubscriber:
         return n
 
     def _on_live_frames(self, peer: _Peer, frames: list[bytes]) -> None:
-        if len(frames) != 3 or len(frames[1]) != 8:
+        msg = parse_live(frames)
+        if msg is None:
             self._count(peer, "malformed")
             return
         self._count(peer, "received")
-        self._on_live(peer, int.from_bytes(frames[1], "big"), frames[2])
+        self._on_live(peer, *msg)
 
     def _on_replay_frames(self, peer: _Peer, frames: list[bytes]) -> None:
-        # vLLM 0.32 replies [b"", topic, seq, payload]; older vLLM [b"", seq, payload].
-        if len(frames) == 4 and frames[0] == b"":
-            seq_bytes, payload = frames[2], frames[3]
-        elif len(frames) == 3 and frames[0] == b"":
-            seq_bytes, payload = frames[1], frames[2]
-        else:
+        msg = parse_replay_reply(frames)
+        if msg is None:
             self._count(peer, "malformed")
             return
-        if len(seq_bytes) != 8:
-            self._count(peer, "malformed")
-            return
-        seq = int.from_bytes(seq_bytes, "big", signed=True)
+        seq, payload = msg
         if not peer.replaying:
             return  # a late reply to a request we gave up on
         peer.replay_deadline = time.monotonic() + self._replay_timeout
         if seq < 0:
             self._finish_replay(peer, ok=True)
             return
+        peer.seen = True
         peer.replay_max = max(peer.replay_max, seq)
         assert peer.next is not None
         if seq < peer.next:
             self._count(peer, "duplicates")
             return
         if seq > peer.next:  # the publisher's buffer no longer reaches back to next
-            self._count(peer, "lost", seq - peer.next)
+            self._lose(peer, seq)
         if peer.held.pop(seq, None) is not None:
             self._count(peer, "duplicates")
         self._apply(peer, seq, payload, replayed=True)
 
     def _on_live(self, peer: _Peer, seq: int, payload: bytes) -> None:
+        if peer.reconnected:
+            peer.reconnected = False
+            if peer.live_last >= 0:
+                self._reset(peer, seq, payload, "reconnected; it may have restarted")
+                return
         if peer.next is None:
             peer.next = seq  # first contact: the stream starts here
         if seq < peer.next or seq <= peer.live_last:
             # Either the live stream lags behind a replay (a duplicate), or it went backwards:
             # one instance's live numbers only increase, so that is a restart, unless it is
-            # the very batch we already have under that number.
+            # the very batch we already have under that number. A publisher that never showed
+            # us a number cannot lag behind a replay: below start_seq, it restarted.
             known = self._known_payload(peer, seq)
-            duplicate = known == payload if known is not None else seq > peer.live_last
+            if known is not None:
+                duplicate = known == payload
+            elif not peer.seen:
+                duplicate = seq >= peer.next - 1
+            else:
+                duplicate = seq > peer.live_last
             if not duplicate:
-                self._reset(peer, seq, payload)
+                self._reset(peer, seq, payload, f"seq {seq} after {peer.next - 1}")
                 return
+            peer.seen = True
             self._count(peer, "duplicates")
             peer.live_last = max(peer.live_last, seq)
             return
-        if seq > max(peer.live_last, peer.next - 1) + 1:
-            self._count(peer, "gaps")  # counted here even while a replay is under way
+        if seq > max(peer.live_last, peer.next - 1) + 1 and not (
+            peer.live_last < 0 and (peer.replaying or peer.fresh)
+        ):
+            # Counted even while a replay is under way, but not for a stream's first live
+            # message while it catches up or starts from nothing (it joins, there is no gap).
+            self._count(peer, "gaps")
+        peer.seen = True
         peer.live_last = seq
         if peer.replaying:
             peer.held[seq] = payload
@@ -464,7 +636,7 @@ class EventSubscriber:
                 peer.held[seq] = payload
                 self._request_replay(peer)
                 return
-            self._count(peer, "lost", seq - peer.next)
+            self._lose(peer, seq)
         self._apply(peer, seq, payload)
 
     @staticmethod
@@ -479,16 +651,21 @@ class EventSubscriber:
                 break
         return None
 
-    def _reset(self, peer: _Peer, seq: int, payload: bytes) -> None:
+    def _notify_reset(self, peer: _Peer, new_seq: int, why: str) -> None:
         last = (peer.next or 0) - 1
         self._count(peer, "resets")
-        log.warning("publisher %r restarted: seq %d after %d", peer.worker_id, seq, last)
+        log.warning("publisher %r: stream starts over at seq %d after %d (%s)", peer.worker_id,
+                    new_seq, last, why)
         if self._on_reset is not None:
             try:
-                self._on_reset(peer.worker_id, last, seq)
+                self._on_reset(peer.worker_id, last, new_seq)
             except Exception:
                 self._count(peer, "callback_errors")
                 log.exception("on_reset callback failed")
+
+    def _reset(self, peer: _Peer, seq: int, payload: bytes, why: str) -> None:
+        """The publisher restarted: its new stream starts at 0."""
+        self._notify_reset(peer, seq, f"publisher restart: {why}")
         if peer.replaying:
             peer.replaying = False
             if peer.replay_endpoint is not None:
@@ -498,12 +675,28 @@ class EventSubscriber:
         # The new stream starts at 0; seqs before this one were missed while reconnecting.
         peer.next = 0
         peer.live_last = -1
+        peer.seen = False
+        peer.fresh = True
         self._on_live(peer, seq, payload)
+
+    def _lose(self, peer: _Peer, seq: int) -> bool:
+        """The batches from ``next`` up to ``seq`` cannot be had: counted as lost. With
+        ``resync_on_loss``, unless the stream starts from nothing, ``on_reset`` tells the
+        consumer to drop the publisher's state, and True is returned: what the publisher still
+        buffers rebuilds it."""
+        assert peer.next is not None
+        self._count(peer, "lost", seq - peer.next)
+        if not self._resync_on_loss or peer.fresh:
+            return False
+        self._count(peer, "resyncs")
+        self._notify_reset(peer, seq, f"batches {peer.next}..{seq - 1} are lost")
+        peer.recent.clear()
+        return True
 
     def _request_replay(self, peer: _Peer) -> None:
         assert peer.dealer is not None and peer.next is not None
         try:
-            peer.dealer.send_multipart((b"", peer.next.to_bytes(8, "big")), zmq.NOBLOCK)
+            peer.dealer.send_multipart(replay_request(peer.next), zmq.NOBLOCK)
         except zmq.ZMQError:
             log.warning("cannot send a replay request to %r", peer.worker_id)
             self._count(peer, "replay_failures")
@@ -528,7 +721,12 @@ class EventSubscriber:
                     # The replay was served before these were published: ask again.
                     self._request_replay(peer)
                     return
-                self._count(peer, "lost", seq - peer.next)
+                if self._lose(peer, seq) and retry and peer.dealer is not None:
+                    # Lost for good: start over from whatever the publisher still buffers.
+                    peer.next = 0
+                    peer.fresh = True
+                    self._request_replay(peer)
+                    return
             payload = peer.held.pop(seq)
             if seq < peer.next:
                 self._count(peer, "duplicates")
@@ -537,18 +735,25 @@ class EventSubscriber:
 
     def _apply(self, peer: _Peer, seq: int, payload: bytes, replayed: bool = False) -> None:
         peer.next = seq + 1
+        peer.fresh = False
         peer.recent.append((seq, payload))
-        try:
-            batch = self._decoder.decode(payload)
-        except (msgspec.DecodeError, msgspec.ValidationError):
-            self._count(peer, "malformed")
-            log.warning("undecodable batch %d from %r skipped", seq, peer.worker_id)
-            return
-        self._count(peer, "applied")
-        if replayed:
-            self._count(peer, "replayed")
+        batch: Any = payload
+        if self._decoder is not None:
+            try:
+                batch = self._decoder.decode(payload)
+            except (msgspec.DecodeError, msgspec.ValidationError):
+                self._count(peer, "malformed")
+                log.warning("undecodable batch %d from %r skipped", seq, peer.worker_id)
+                return
         try:
             self._on_batch(peer.worker_id, seq, batch)
+        except EventDecodeError as e:
+            self._count(peer, "malformed")
+            log.warning("batch %d from %r is not a batch: %s", seq, peer.worker_id, e)
+            return
         except Exception:
             self._count(peer, "callback_errors")
             log.exception("on_batch callback failed for %r seq %d", peer.worker_id, seq)
+        self._count(peer, "applied")
+        if replayed:
+            self._count(peer, "replayed")
