@@ -115,7 +115,11 @@ def test_replicas_share_one_index(cluster):
     cluster.publish([remove(1, P1, BS, [1])])
     cluster.converge(cb)
     assert [w["name"] for w in cb.get("/workers").json()] == ["a"]
-    assert cb.get("/workers").json()[0]["stream"]["applied_seq"] >= 2
+    # Replica b reads the stream status the writer publishes on each tick (0.25 s).
+    def streamed():
+        stream = cb.get("/workers").json()[0]["stream"]
+        return stream is not None and stream["applied_seq"] >= 2
+    wait_for(streamed, 5, "the writer's stream status to reach replica b")
 
 
 def test_redis_restart_marks_scores_stale_then_resyncs(cluster, redis_server):

@@ -11,7 +11,7 @@ from .._core import ApplyStats
 from .backend import TIER_NAMES, Backend, MemoryBackend, ScoreResult
 from .config import IndexerConfig, WorkerSpec
 from .metrics import Metrics
-from .subscription import ZmqSubscription
+from .subscription import Subscription
 
 log = logging.getLogger("kvslots.indexer")
 
@@ -31,7 +31,7 @@ class IndexerService:
         self.cfg = cfg
         self.metrics = Metrics()
         self.backend = backend or make_backend(cfg)
-        self.sub = ZmqSubscription(self, replay_timeout=cfg.replay_timeout)
+        self.sub = Subscription(self, replay_timeout=cfg.replay_timeout)
         self._subscribed: dict[str, WorkerSpec] = {}
         self._sync_lock = threading.Lock()
         self.started_at = time.time()
