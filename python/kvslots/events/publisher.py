@@ -14,7 +14,6 @@ the hot path builds no Python object per event.
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 from collections import deque
@@ -24,6 +23,7 @@ from typing import Any, Union
 import msgspec
 import zmq
 
+from ._wakeup import WakePipe
 from .codec import EventBatch
 from .protocol import (
     END_SEQ,
@@ -123,9 +123,7 @@ class EventPublisher:
 
         self._pub: zmq.Socket | None = None
         self._replay: zmq.Socket | None = None
-        self._wake_r, self._wake_w = os.pipe()
-        os.set_blocking(self._wake_r, False)
-        os.set_blocking(self._wake_w, False)
+        self._wakeup = WakePipe()
         try:
             ep = offset_endpoint_port(endpoint, data_parallel_rank)
             assert ep is not None
@@ -182,7 +180,7 @@ class EventPublisher:
             was_empty = not self._queue
             self._queue.append(batch)
         if was_empty:
-            self._wake()
+            self._wakeup.wake()
 
     def flush(self, timeout: float | None = None) -> bool:
         """Waits until every queued batch has been handed to ZMQ; False on timeout."""
@@ -215,7 +213,7 @@ class EventPublisher:
             self._closed = True
             self._not_full.notify_all()
         if first:
-            self._wake()
+            self._wakeup.wake()
         self._thread.join(timeout)
         if self._thread.is_alive():
             log.warning("event publisher thread did not stop within %.1f s", timeout)
@@ -243,15 +241,9 @@ class EventPublisher:
 
     # ---- sender thread ---------------------------------------------------------------------
 
-    def _wake(self) -> None:
-        try:
-            os.write(self._wake_w, b"\0")
-        except (BlockingIOError, OSError):
-            pass  # pipe full: the thread is already due to wake
-
     def _run(self) -> None:
         poller = zmq.Poller()
-        poller.register(self._wake_r, zmq.POLLIN)
+        poller.register(self._wakeup.fileno(), zmq.POLLIN)  # poll() answers with the fd
         if self._replay is not None:
             poller.register(self._replay, zmq.POLLIN)
         try:
@@ -266,14 +258,10 @@ class EventPublisher:
             ready = dict(poller.poll())
             if self._replay is not None and self._replay in ready:
                 self._serve_replays()
-            if self._wake_r in ready:
+            if self._wakeup.fileno() in ready:
                 # Drain the pipe before taking the queue: a publish() after this point
                 # writes a fresh wake-up byte.
-                try:
-                    while os.read(self._wake_r, 4096):
-                        pass
-                except BlockingIOError:
-                    pass
+                self._wakeup.drain()
         except Exception:  # never let the thread die: publish() would queue forever
             self._stats["errors"] += 1
             log.exception("event publisher loop error")
@@ -351,11 +339,6 @@ class EventPublisher:
 
     def _close_sockets(self) -> None:
         self._close_thread_sockets()
-        for fd in (self._wake_r, self._wake_w):
-            try:
-                os.close(fd)
-            except OSError:
-                pass
-        self._wake_r = self._wake_w = -1
+        self._wakeup.close()
         if self._own_ctx:
             self._ctx.term()

@@ -54,7 +54,6 @@ Two options, for consumers whose state must never miss a batch (the indexer: a l
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 from collections import deque
@@ -67,6 +66,7 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from ..errors import EventDecodeError
+from ._wakeup import WakePipe
 from .codec import KVEventBatch
 from .protocol import SCHEMES, parse_live, parse_replay_reply, replay_request
 
@@ -174,10 +174,8 @@ class EventSubscriber:
         self._monitors = 0  # monitor sockets registered
         self._poller = zmq.Poller()
         self._totals = dict.fromkeys(COUNTERS, 0)
-        self._wake_r, self._wake_w = os.pipe()
-        os.set_blocking(self._wake_r, False)
-        os.set_blocking(self._wake_w, False)
-        self._poller.register(self._wake_r, zmq.POLLIN)
+        self._wakeup = WakePipe()
+        self._poller.register(self._wakeup.fileno(), zmq.POLLIN)  # poll() answers with the fd
         self._thread: threading.Thread | None = None
         self._stopping = False
         self._closed = False
@@ -219,7 +217,7 @@ class EventSubscriber:
             self._by_id[worker_id] = peer
             self._commands.append(("add", peer))
             self._queued += 1
-        self._wake()
+        self._wakeup.wake()
         if wait is None:
             return True
         synced = self._wait_for(lambda: peer.error is not None or self._synced(peer), wait)
@@ -237,7 +235,7 @@ class EventSubscriber:
             self._commands.append(("remove", worker_id))
             self._queued += 1
             ticket = self._queued
-        self._wake()
+        self._wakeup.wake()
         if wait is None:
             return True
         return self._wait_for(lambda: self._done >= ticket, wait)
@@ -295,7 +293,7 @@ class EventSubscriber:
             self._closed = True
             self._stopping = True
             thread = self._thread
-        self._wake()
+        self._wakeup.wake()
         if thread is threading.current_thread():
             self._cleanup_by_loop = True  # called from a callback: the loop cleans up on exit
             return
@@ -310,8 +308,7 @@ class EventSubscriber:
         for peer in list(self._peers.values()):
             self._close_peer(peer)
         self._peers.clear()
-        for fd in (self._wake_r, self._wake_w):
-            os.close(fd)
+        self._wakeup.close()
         if self._own_ctx:
             self._ctx.term()
 
@@ -388,8 +385,8 @@ class EventSubscriber:
             # Connection events first: they say how to read the live messages beside them.
             ready.sort(key=lambda e: self._sockets.get(e[0], (None, _LIVE))[1] != _MONITOR)
         for sock, _ in ready:
-            if sock == self._wake_r:
-                self._drain_wake()
+            if sock == self._wakeup.fileno():
+                self._wakeup.drain()
                 continue
             entry = self._sockets.get(sock)
             if entry is None:
@@ -421,19 +418,6 @@ class EventSubscriber:
                 time.sleep(0.01)
         if self._cleanup_by_loop:
             self._cleanup()
-
-    def _wake(self) -> None:
-        try:
-            os.write(self._wake_w, b"\0")
-        except (BlockingIOError, OSError):
-            pass
-
-    def _drain_wake(self) -> None:
-        try:
-            while os.read(self._wake_r, 4096):
-                pass
-        except BlockingIOError:
-            pass
 
     def _apply_commands(self) -> None:
         while True:
