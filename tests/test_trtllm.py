@@ -381,6 +381,19 @@ def test_cuda_graph_sizes_follow_the_dynamic_schedule():
     assert any("dropped by vLLM" in w for w in r.warnings)
 
 
+def test_cuda_graph_max_batch_size_is_converted_without_trying_every_batch_size():
+    # The largest tokens per step over batch sizes 1..max_batch_size, with and without a schedule:
+    # found from the schedule's rows, so a huge max_batch_size converts at once.
+    spec = {"decoding_type": "MTP", "max_draft_len": 3, "draft_len_schedule": {4: 3, 16: 1}}
+    for mbs, expected in [(3, 12), (4, 16), (10, 20), (16, 32), (17, 32), (40, 40), (10**12, 10**12)]:
+        r = convert_trtllm_config({"max_batch_size": 64, "speculative_config": spec,
+                                   "cuda_graph_config": {"max_batch_size": mbs}})
+        assert r.engine_args["max_cudagraph_capture_size"] == expected, mbs
+    r = convert_trtllm_config({"speculative_config": {"decoding_type": "MTP", "max_draft_len": 3},
+                               "cuda_graph_config": {"max_batch_size": 10**12}})
+    assert r.engine_args["max_cudagraph_capture_size"] == 4 * 10**12
+
+
 def test_max_concurrency_becomes_a_schedule():
     r = convert_trtllm_config({"max_batch_size": 128, "speculative_config": {
         "decoding_type": "Eagle3", "max_draft_len": 4, "speculative_model_dir": "org/eagle3", "max_concurrency": 32}})

@@ -103,7 +103,10 @@ class CudaGraphKeys(ConverterBase):
                 self.ignore(g["max_batch_size_path"], g["max_batch_size"], "implied by the batch sizes")
         elif "max_batch_size" in g:
             mbs = g["max_batch_size"]
-            size = max(tokens(b) for b in range(1, mbs + 1))
+            # K is constant within a schedule row, so b * (1 + K) peaks at a row's last batch
+            # size or at mbs: no need to try every batch size up to mbs.
+            peaks = {min(end, mbs) for start, end, _ in self.schedule.rows if start <= mbs} if self.schedule else set()
+            size = max(tokens(b) for b in peaks | {mbs})
             self.map(g["max_batch_size_path"], "max_cudagraph_capture_size", size)
         else:
             return
