@@ -22,3 +22,27 @@ def test_demo_shows_host_tier_hits_acceptance_and_scores(tmp_path):
     before, after = r["indexer_before_reset"]["tiers"], r["indexer_after_reset"]["tiers"]
     assert before["GPU"]["tokens"] >= 320 and before["CPU"]["tokens"] >= 320
     assert after["GPU"]["tokens"] == 0 and after["CPU"]["tokens"] == before["CPU"]["tokens"]
+
+
+def test_a_server_that_does_not_come_up_is_one_error_line(capsys, monkeypatch):
+    import argparse
+
+    from kvslots.demo import run as demo
+    from kvslots.errors import ServeError
+
+    class Exited:
+        returncode = 3
+
+        def poll(self):
+            return 3
+
+    with pytest.raises(ServeError, match="exited with status 3 before it was ready"):
+        demo._wait_healthy("http://127.0.0.1:9", Exited(), timeout=5)
+
+    def fail(args):
+        raise ServeError("the server was not ready after 1 s (--timeout)")
+
+    monkeypatch.setattr(demo, "run", fail)
+    assert demo._main(argparse.Namespace(json=False)) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err == "kvslots demo: error: the server was not ready after 1 s (--timeout)\n"

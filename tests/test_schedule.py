@@ -75,6 +75,17 @@ def test_direct_construction_is_validated():
         DynamicSDSchedule(((1, 2, 5),), 3)
 
 
+def test_bad_query_arguments_are_config_errors():
+    s = DynamicSDSchedule.parse([[1, 4, 3], [5, 8, 1]], 3)
+    for call, field in [(lambda: s.k_for_batch_size(-1), "batch_size"), (lambda: s.k_for_batch_size("2"), "batch_size"),
+                        (lambda: s.dense(0), "max_batch_size"), (lambda: s.dense(2.5), "max_batch_size"),
+                        (lambda: lookahead_array(-1, 4), "lookahead"), (lambda: lookahead_array(1.5, 4), "lookahead"),
+                        (lambda: lookahead_array(s, -1), "batch_size")]:
+        with pytest.raises(ConfigError) as ei:
+            call()
+        assert ei.value.field == field and isinstance(ei.value, ValueError)
+
+
 def test_from_speculative_config():
     spec = {"method": "eagle3", "num_speculative_tokens": 4,
             "num_speculative_tokens_per_batch_size": [[1, 8, 4], [9, 32, 2]]}

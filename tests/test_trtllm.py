@@ -832,6 +832,26 @@ def test_cli_bad_input_exits_2_with_one_line(tmp_path, capsys, text, field):
     assert f"{field}: " in err
 
 
+def test_cli_unwritable_output_exits_2_with_one_line(tmp_path, capsys):
+    f = tmp_path / "cfg.yaml"
+    f.write_text("max_batch_size: 4\n")
+    code, out, err = run_cli(["convert-config", str(f), "-q", "-o", str(tmp_path / "no" / "such" / "out")], capsys)
+    assert code == 2 and out == ""
+    assert err.count("\n") == 1 and err.startswith("kvslots convert-config: error: ") and "cannot write" in err
+
+
+def test_api_misuse_raises_config_errors():
+    from kvslots.config.trtllm import check_with_vllm
+    from kvslots.errors import KVSlotsError
+
+    r = convert_trtllm_config({"max_batch_size": 4})
+    with pytest.raises(ConfigError, match="no model") as ei:
+        r.command()
+    assert ei.value.field == "model" and isinstance(ei.value, (KVSlotsError, ValueError))
+    with pytest.raises(ConfigError, match="needs a model"):  # before vLLM is imported
+        check_with_vllm(r, build=True)
+
+
 def test_cli_subprocess_exit_codes(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text("- 1\n- 2\n")

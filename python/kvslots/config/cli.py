@@ -12,8 +12,10 @@ import argparse
 import shlex
 import sys
 
-from ..errors import ConfigError
+from ..errors import ConfigError, KVSlotsError
 from .trtllm import ConversionResult, check_with_vllm, convert_trtllm_config
+
+PROG = "kvslots convert-config"
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -60,8 +62,8 @@ def run(args: argparse.Namespace) -> int:
             args.file, model=args.model, speculators_dir=args.speculators_dir, verifier=args.verifier
         )
         text = _render(result, args.format)
-    except ConfigError as e:
-        print(f"kvslots convert-config: error: {e}", file=sys.stderr)
+    except KVSlotsError as e:
+        print(f"{PROG}: error: {e}", file=sys.stderr)
         return 2
     if not args.quiet:
         for line in result.notes():
@@ -70,20 +72,24 @@ def run(args: argparse.Namespace) -> int:
         try:
             check_with_vllm(result)
         except ImportError as e:
-            print(f"kvslots convert-config: cannot check: vLLM is not importable ({e})", file=sys.stderr)
+            print(f"{PROG}: cannot check: vLLM is not importable ({e})", file=sys.stderr)
             return 1
         except ConfigError as e:
-            print(f"kvslots convert-config: vLLM check failed: {e}", file=sys.stderr)
+            print(f"{PROG}: vLLM check failed: {e}", file=sys.stderr)
             return 1
         except Exception as e:  # vLLM's own validation errors
-            print(f"kvslots convert-config: vLLM rejected the arguments: {type(e).__name__}: "
+            print(f"{PROG}: vLLM rejected the arguments: {type(e).__name__}: "
                   f"{str(e).splitlines()[0] if str(e) else ''}", file=sys.stderr)
             return 1
         if not args.quiet:
             print("checked: vLLM accepts the arguments", file=sys.stderr)
     if args.output:
-        with open(args.output, "w", encoding="utf-8") as f:
-            f.write(text)
+        try:
+            with open(args.output, "w", encoding="utf-8") as f:
+                f.write(text)
+        except OSError as e:
+            print(f"{PROG}: error: {args.output}: cannot write: {e.strerror or e}", file=sys.stderr)
+            return 2
     else:
         sys.stdout.write(text)
     return 0

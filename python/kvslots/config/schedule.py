@@ -181,7 +181,7 @@ class DynamicSDSchedule:
         0 requests: the first row's K)."""
         n = _strict_int(batch_size, "batch_size", "batch_size")
         if n < 0:
-            raise ValueError(f"batch_size must be >= 0, got {n}")
+            raise ConfigError(f"must be >= 0, got {n}", "batch_size")
         if n == 0:
             return self.rows[0][2]
         i = bisect.bisect_right(self._starts, n) - 1  # type: ignore[attr-defined]
@@ -189,8 +189,8 @@ class DynamicSDSchedule:
 
     def dense(self, max_batch_size: int) -> list[int]:
         """``[unused, K(1), K(2), ..., K(max_batch_size)]``: the lookup table vLLM's scheduler builds."""
-        if max_batch_size < 1:
-            raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
+        if _strict_int(max_batch_size, "max_batch_size", "max_batch_size") < 1:
+            raise ConfigError(f"must be >= 1, got {max_batch_size}", "max_batch_size")
         return [0] + [self.k_for_batch_size(n) for n in range(1, max_batch_size + 1)]
 
     @property
@@ -277,6 +277,16 @@ class LookaheadUpdate:
     freed_block_ids: tuple[int, ...] = ()
 
 
+def _lookahead(schedule: DynamicSDSchedule | int, batch_size: int) -> int:
+    """K for ``batch_size``: from the schedule, or the fixed K (an integer >= 0)."""
+    if isinstance(schedule, DynamicSDSchedule):
+        return schedule.k_for_batch_size(batch_size)
+    k = _strict_int(schedule, "lookahead", "lookahead")
+    if k < 0:
+        raise ConfigError(f"must be >= 0, got {k}", "lookahead")
+    return k
+
+
 def apply_lookahead(
     target: _LookaheadTarget,
     request_ids: Sequence[str],
@@ -297,12 +307,7 @@ def apply_lookahead(
     lookahead changes.
     """
     n = len(request_ids) if batch_size is None else batch_size
-    if isinstance(schedule, DynamicSDSchedule):
-        k = schedule.k_for_batch_size(n)
-    else:
-        k = _strict_int(schedule, "lookahead", "lookahead")
-        if k < 0:
-            raise ValueError(f"lookahead must be >= 0, got {k}")
+    k = _lookahead(schedule, n)
     for rid in request_ids:  # fail before changing anything
         target.slot_info(rid)
     freed = 0
@@ -323,9 +328,7 @@ def lookahead_array(
 ) -> np.ndarray:
     """The ``lookahead`` argument for :meth:`SlotManager.step`: K for ``batch_size``, repeated
     for ``num_requests`` (default ``batch_size``) requests, as uint32."""
-    k = schedule.k_for_batch_size(batch_size) if isinstance(schedule, DynamicSDSchedule) else int(schedule)
-    if k < 0:
-        raise ValueError(f"lookahead must be >= 0, got {k}")
+    k = _lookahead(schedule, batch_size)
     return np.full(batch_size if num_requests is None else num_requests, k, dtype=np.uint32)
 
 

@@ -25,6 +25,8 @@ import time
 import urllib.request
 from typing import Any
 
+from ..errors import KVSlotsError, ServeError
+
 BLOCK_SIZE = 32
 MODEL_NAME = "tiny"
 
@@ -61,13 +63,14 @@ def _wait_healthy(base: str, proc: subprocess.Popen, timeout: float) -> None:
     deadline = time.time() + timeout
     while time.time() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"kvslots serve exited with status {proc.returncode} before it was ready")
+            raise ServeError(f"kvslots serve exited with status {proc.returncode} before it was ready "
+                             "(--verbose shows its output)")
         try:
             urllib.request.urlopen(base + "/health", timeout=2)
             return
         except OSError:
             time.sleep(2)
-    raise TimeoutError(f"the server was not ready after {timeout:.0f} s")
+    raise ServeError(f"the server was not ready after {timeout:.0f} s (--timeout)")
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -197,6 +200,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def _main(args: argparse.Namespace) -> int:
-    report = run(args)
+    try:
+        report = run(args)
+    except KVSlotsError as e:
+        print(f"kvslots demo: error: {e}", file=sys.stderr)
+        return 2
     print(json.dumps(report, indent=2) if args.json else format_report(report))
     return 0

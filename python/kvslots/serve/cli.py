@@ -18,7 +18,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from ..errors import ConfigError, ServeError
+from ..errors import KVSlotsError
 from .events import DEFAULT_EVENTS_ENDPOINT
 from .plan import DEFAULT_HOST, DEFAULT_PORT, PROG, ServePlan, build_plan
 from .supervisor import DEFAULT_GRACE_S, supervise
@@ -144,7 +144,7 @@ def plan_from_argv(argv: Sequence[str], *, python: str | None = None) -> ServePl
 def run(args: argparse.Namespace) -> int:
     try:
         plan = build_plan(args)
-    except (ServeError, ConfigError) as e:
+    except KVSlotsError as e:  # ServeError, or a ConfigError from the converters: bad input
         print(f"{PROG}: error: {e}", file=sys.stderr)
         return 2
     if not args.quiet:

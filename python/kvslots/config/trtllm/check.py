@@ -37,12 +37,13 @@ def check_with_vllm(result: ConversionResult, *, model: str | None = None, build
     """
     import tempfile
 
+    m = model or result.model
+    if build and not m:
+        raise ConfigError("building the engine config needs a model (pass model=)", "model")
+
     from vllm.engine.arg_utils import EngineArgs
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
-    m = model or result.model
-    if build and not m:
-        raise ValueError("building the engine config needs a model (pass model=)")
     with tempfile.TemporaryDirectory(prefix="kvslots-check-") as tmp:
         if not build:
             Path(tmp, "config.json").write_text(json.dumps(_PLACEHOLDER_MODEL_CONFIG))

@@ -7,6 +7,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from ...errors import ConfigError
 from ..schedule import DynamicSDSchedule
 from ..vllm_args import engine_flag
 from .loader import yaml_module
@@ -81,7 +82,7 @@ class ConversionResult:
         """The full ``vllm serve MODEL FLAGS`` command line."""
         m = model or self.model
         if m is None:
-            raise ValueError("no model: pass model= (the TRT-LLM YAML names none)")
+            raise ConfigError("no model: pass model= (the TRT-LLM YAML names none)", "model", self.source)
         return [*prefix, str(m), *self.cli_args()]
 
     def to_json(self) -> str:
