@@ -4,12 +4,14 @@
 import contextlib
 import hmac
 import json
-from typing import Annotated, Any
+from typing import Annotated, Any, Callable
 
 from fastapi import Depends, FastAPI, Header, HTTPException, Request, Response
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from fastapi.routing import APIRoute
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 from ..errors import InvalidArgumentError
 from .config import ConfigError, WorkerSpec
@@ -17,6 +19,86 @@ from .service import IndexerService
 
 U32 = 2**32 - 1
 U64 = 2**64 - 1
+
+
+def _utf8(value: str) -> str:
+    """Refuses strings that cannot be UTF-8 (a lone surrogate from a JSON \\ud800 escape)."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError("must be valid Unicode (no lone surrogates)") from None
+    return value
+
+
+# Strict JSON types: "1", true and 2.0 are not token ids; a string must be encodable.
+TokenId = Annotated[int, Field(strict=True, ge=0, le=U32)]
+Text = Annotated[str, Field(strict=True), AfterValidator(_utf8)]
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not valid JSON")
+
+
+def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise ValueError(f"duplicate key {key!r}")
+        out[key] = value
+    return out
+
+
+def _strict_json(body: bytes) -> Any:
+    """RFC 8259 JSON: no NaN / Infinity, no duplicate keys, numbers that fit a float."""
+    try:
+        value = json.loads(body, parse_constant=_no_constant, object_pairs_hook=_no_duplicates,
+                           parse_float=_finite_float)
+    except (ValueError, RecursionError) as e:
+        # FastAPI turns a JSONDecodeError into a 422 naming the problem.
+        msg = "nesting too deep" if isinstance(e, RecursionError) else str(e)
+        raise json.JSONDecodeError(msg, "", 0) from None
+    return value
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if value in (float("inf"), float("-inf")):
+        raise ValueError(f"number {text[:40]} is out of range")
+    return value
+
+
+class _StrictJSONRequest(Request):
+    async def json(self) -> Any:
+        if not hasattr(self, "_json"):
+            self._json = _strict_json(await self.body())
+        return self._json
+
+
+class _StrictJSONRoute(APIRoute):
+    """Parses request bodies with :func:`_strict_json` (FastAPI's documented custom-route hook)."""
+
+    def get_route_handler(self) -> Callable:
+        handler = super().get_route_handler()
+
+        async def strict_handler(request: Request) -> Response:
+            return await handler(_StrictJSONRequest(request.scope, request.receive))
+
+        return strict_handler
+
+
+def _message(error: dict[str, Any]) -> str:
+    msg = str(error.get("msg", ""))
+    why = (error.get("ctx") or {}).get("error")
+    return f"{msg}: {why}" if isinstance(why, str) and why else msg
+
+
+def _safe(value: Any) -> Any:
+    """A JSON-safe echo of part of an error: strings with lone surrogates escaped."""
+    if isinstance(value, str):
+        return value.encode("utf-8", "backslashreplace").decode("utf-8")
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    return _safe(repr(value))
 
 
 class TierMatch(BaseModel):
@@ -47,11 +129,11 @@ class ScoreResponse(BaseModel):
 
 class WorkerIn(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    name: str = Field(max_length=128)
-    endpoint: str = Field(max_length=512, description="ZMQ PUB address, e.g. tcp://10.0.0.5:5557")
-    replay: str | None = Field(None, max_length=512, description="ZMQ ROUTER replay address")
-    topic: str = Field("", max_length=256)
-    tier: str = Field("GPU", description="Tier of events without a medium: GPU, CPU or STORAGE")
+    name: Text = Field(max_length=128)
+    endpoint: Text = Field(max_length=512, description="ZMQ PUB address, e.g. tcp://10.0.0.5:5557")
+    replay: Text | None = Field(None, max_length=512, description="ZMQ ROUTER replay address")
+    topic: Text = Field("", max_length=256)
+    tier: Text = Field("GPU", description="Tier of events without a medium: GPU, CPU or STORAGE")
 
 
 class WorkerOut(BaseModel):
@@ -71,12 +153,13 @@ def create_app(service: IndexerService, *, own_service: bool = False) -> FastAPI
 
     class ScoreRequest(BaseModel):
         model_config = ConfigDict(extra="forbid")
-        token_ids: list[Annotated[int, Field(ge=0, le=U32)]] = Field(
+        token_ids: list[TokenId] = Field(
             max_length=max_tokens, description=f"The prompt's token ids (at most {max_tokens})"
         )
-        lora_id: int | None = Field(None, ge=0, le=U64, description="LoRA adapter id, as the engine reports it")
-        lora_name: str | None = Field(None, max_length=256, description="LoRA name, when no id is given")
-        block_size: int | None = Field(None, ge=1, le=65536,
+        lora_id: int | None = Field(None, strict=True, ge=0, le=U64,
+                                    description="LoRA adapter id, as the engine reports it")
+        lora_name: Text | None = Field(None, max_length=256, description="LoRA name, when no id is given")
+        block_size: int | None = Field(None, strict=True, ge=1, le=65536,
                                        description=f"Tokens per block (default {cfg.block_size})")
 
     @contextlib.asynccontextmanager
@@ -99,6 +182,7 @@ def create_app(service: IndexerService, *, own_service: bool = False) -> FastAPI
             "needs a bearer token and is off unless one is configured."
         ),
     )
+    app.router.route_class = _StrictJSONRoute
     app.add_middleware(BodyLimit, max_bytes=cfg.max_body_bytes)
 
     def require_admin(authorization: str | None = Header(None)) -> None:
@@ -111,7 +195,15 @@ def create_app(service: IndexerService, *, own_service: bool = False) -> FastAPI
 
     @app.exception_handler(InvalidArgumentError)
     async def _invalid(_: Request, exc: InvalidArgumentError) -> JSONResponse:
-        return JSONResponse(status_code=422, content={"detail": str(exc)})
+        return JSONResponse(status_code=422, content={"detail": _safe(str(exc))})
+
+    @app.exception_handler(RequestValidationError)
+    async def _unprocessable(_: Request, exc: RequestValidationError) -> JSONResponse:
+        # FastAPI's own handler echoes the input back, which fails to serialize for NaN or a
+        # lone surrogate (a 500): answer what was wrong and where, without the input.
+        detail = [{"type": _safe(e.get("type", "")), "loc": [_safe(x) for x in e.get("loc", ())],
+                   "msg": _safe(_message(e))} for e in exc.errors()]
+        return JSONResponse(status_code=422, content={"detail": detail})
 
     @app.post("/score", response_model=ScoreResponse, summary="Score a prompt against every worker")
     def score(req: ScoreRequest) -> dict[str, Any]:
