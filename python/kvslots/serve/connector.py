@@ -10,7 +10,7 @@ from typing import Any
 from ..config.connector import GIB, ConnectorConfig, ConnectorConfigError
 from ..config.vllm_args import to_json
 from ..errors import ServeError
-from .tail import json_object
+from .tail import json_object, merge_over_flags
 
 CONNECTOR_NAME = "KVSlotsConnector"
 CONNECTOR_MODULE = "kvslots.vllm"
@@ -47,7 +47,6 @@ def connector_config(args: argparse.Namespace, hints: dict[str, Any], tail_cfg: 
         else:
             extra["host_cache_gb"] = hinted / GIB
     extra.update(flag_extra)
-    explicit = set(flag_extra)
 
     cfg: dict[str, Any] = {
         "kv_connector": CONNECTOR_NAME,
@@ -62,13 +61,8 @@ def connector_config(args: argparse.Namespace, hints: dict[str, Any], tail_cfg: 
         tail_extra = tail_cfg.get("kv_connector_extra_config") or {}
         if not isinstance(tail_extra, dict):
             raise ServeError("after --: --kv-transfer-config: kv_connector_extra_config must be a JSON object")
-        for k, v in tail_extra.items():
-            if k in explicit and extra[k] != v:
-                raise ServeError(f"after --: --kv-transfer-config sets {k}={to_json(v)}, conflicting with "
-                                 f"{k}={to_json(extra[k])} from the kvslots serve flags")
-            if k in extra and extra[k] != v:
-                notes.append(f"note: after --: --kv-transfer-config overrides {k} ({to_json(extra[k])} -> {to_json(v)})")
-        extra.update(tail_extra)
+        flags = {k: (v, f"{k}={to_json(v)} from the kvslots serve flags") for k, v in flag_extra.items()}
+        merge_over_flags(extra, tail_extra, "kv-transfer-config", flags, notes)
         for k, v in tail_cfg.items():
             if k != "kv_connector_extra_config":
                 cfg[k] = v

@@ -13,8 +13,8 @@ import argparse
 import re
 from typing import Any
 
-from ..config.vllm_args import to_json
 from ..errors import ServeError
+from .tail import merge_over_flags
 
 DEFAULT_EVENTS_PORT = 5557
 #: The IPv4-mapped IPv6 form of 127.0.0.1: it contains "::", so vLLM's publisher binds it (a plain
@@ -68,13 +68,8 @@ def events_config(args: argparse.Namespace, hints: dict[str, Any], tail_cfg: dic
                            "endpoint": given.get("endpoint", DEFAULT_EVENTS_ENDPOINT)}
     if "topic" in given:
         cfg["topic"] = given["topic"]
-    for k, v in (tail_cfg or {}).items():
-        if k in given and given[k] != v:
-            raise ServeError(f"after --: --kv-events-config sets {k}={to_json(v)}, conflicting with "
-                             f"{_EVENT_FLAGS[k]} {given[k]}")
-        if k in cfg and cfg[k] != v:
-            notes.append(f"note: after --: --kv-events-config overrides {k} ({to_json(cfg[k])} -> {to_json(v)})")
-        cfg[k] = v
+    flags = {k: (v, f"{_EVENT_FLAGS[k]} {v}") for k, v in given.items()}
+    merge_over_flags(cfg, tail_cfg or {}, "kv-events-config", flags, notes)
     if "replay_endpoint" not in cfg:
         cfg["replay_endpoint"] = (given["replay_endpoint"] if "replay_endpoint" in given
                                   else default_replay(str(cfg["endpoint"]), dp_size))

@@ -9,10 +9,11 @@ are read only for the arguments ``kvslots serve`` manages, and the JSON-valued o
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..config.vllm_args import to_json
 from ..errors import ServeError
 
 #: parser). ``-O<n>`` is handled separately (vLLM rewrites it to --optimization-level).
@@ -162,4 +163,20 @@ def json_object(text: str, what: str) -> dict[str, Any]:
     return value
 
 
-__all__ = ["MERGED_OPTIONS", "VLLM_SHORT_OPTIONS", "TailOption", "json_object", "scan_vllm_args", "tail_json"]
+def merge_over_flags(cfg: dict[str, Any], tail_cfg: Mapping[str, Any], option: str,
+                     flags: Mapping[str, tuple[Any, str]], notes: list[str]) -> None:
+    """Merges the keys of ``--<option>`` after ``--`` into ``cfg``, the one built from the flags.
+
+    The precedence rule of kvslots serve: a key a flag set explicitly (``flags``: key -> (its
+    value, how to name it)) given again with another value is an error; a key that replaces
+    another value is noted."""
+    for k, v in tail_cfg.items():
+        if k in flags and flags[k][0] != v:
+            raise ServeError(f"after --: --{option} sets {k}={to_json(v)}, conflicting with {flags[k][1]}")
+        if k in cfg and cfg[k] != v:
+            notes.append(f"note: after --: --{option} overrides {k} ({to_json(cfg[k])} -> {to_json(v)})")
+        cfg[k] = v
+
+
+__all__ = ["MERGED_OPTIONS", "VLLM_SHORT_OPTIONS", "TailOption", "json_object", "merge_over_flags", "scan_vllm_args",
+           "tail_json"]
