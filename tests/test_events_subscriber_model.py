@@ -1,6 +1,7 @@
 """The subscriber's sequencing logic against a model publisher: live messages dropped at random,
-replays served late and interleaved with the live stream in any order. No sockets: frames go
-straight into the handlers, so hypothesis can explore the orderings."""
+replays served late, interleaved with the live stream in any order, and missing replies (a
+ROUTER past its high-water mark drops them, end marker included). No sockets: frames go straight
+into the handlers, so hypothesis can explore the orderings."""
 
 from __future__ import annotations
 
@@ -51,29 +52,37 @@ actions = st.lists(
         st.tuples(st.just("live"), st.integers(1, 4)),
         st.tuples(st.just("serve"), st.just(0)),
         st.tuples(st.just("replay"), st.integers(1, 4)),
+        st.tuples(st.just("drop_reply"), st.integers(0, 50)),
     ),
     max_size=120,
 )
 
 
 class Model:
-    """One subscriber peer wired to a model publisher; ``run`` plays a script, then drains."""
+    """One subscriber peer wired to a model publisher; ``run`` plays a script, then drains,
+    timing out a replay that has nothing more coming."""
 
     def __init__(self, sub: EventSubscriber, buffer_steps: int, from_zero: bool) -> None:
         self.sub = sub
         self.peer = _Peer("w", "tcp://model:1", "tcp://model:2", b"", 0 if from_zero else None)
         self.dealer = FakeDealer()
         self.peer.dealer = self.dealer  # type: ignore[assignment]
+        sub._new_dealer = self.new_dealer  # type: ignore[method-assign]
         sub._peers["w"] = sub._by_id["w"] = self.peer
+        self.pub = ModelPublisher(buffer_steps)
+        self.live: list[list[bytes]] = []
+        self.replay: list[tuple[list[bytes], int]] = []  # (frames, place in its reply)
+        self.served = 0
+        self.seen: set[int] = set()
         if from_zero:
             self.peer.next = 0
             self.peer.fresh = True
             sub._request_replay(self.peer)
-        self.pub = ModelPublisher(buffer_steps)
-        self.live: list[list[bytes]] = []
-        self.replay: list[list[bytes]] = []
-        self.served = 0
-        self.seen: set[int] = set()
+
+    def new_dealer(self, peer: _Peer) -> None:
+        """A fresh socket: replies to the old one never arrive."""
+        self.replay.clear()
+        self.served = len(self.dealer.requests)
 
     def step(self, kind: str, arg) -> None:
         if kind == "publish":
@@ -87,11 +96,19 @@ class Model:
                 self.sub._on_live_frames(self.peer, frames)
         elif kind == "serve":
             if self.served < len(self.dealer.requests):
-                self.replay.extend(self.pub.replay(self.dealer.requests[self.served]))
+                reply = self.pub.replay(self.dealer.requests[self.served])
+                self.replay.extend((frames, i) for i, frames in enumerate(reply))
                 self.served += 1
+        elif kind == "drop_reply":
+            # Anything but the first message of a reply: a ROUTER drops only past its
+            # high-water mark, which the start of a reply does not reach.
+            if self.replay:
+                i = arg % len(self.replay)
+                if self.replay[i][1] > 0:
+                    del self.replay[i]
         else:
             for _ in range(min(arg, len(self.replay))):
-                frames = self.replay.pop(0)
+                frames, _ = self.replay.pop(0)
                 if frames[2] != END_SEQ:
                     self.seen.add(int.from_bytes(frames[2], "big"))
                 self.sub._on_replay_frames(self.peer, frames)
@@ -99,10 +116,14 @@ class Model:
     def run(self, script) -> None:
         for kind, arg in script:
             self.step(kind, arg)
-        while self.live or self.replay or self.served < len(self.dealer.requests):
-            self.step("serve", 0)
-            self.step("replay", 10**9)
-            self.step("live", 10**9)
+        while True:
+            while self.live or self.replay or self.served < len(self.dealer.requests):
+                self.step("serve", 0)
+                self.step("replay", 10**9)
+                self.step("live", 10**9)
+            if not self.peer.replaying:
+                break
+            self.sub._replay_timed_out(self.peer)  # nothing more is coming
 
 
 @settings(max_examples=400, deadline=None)
@@ -141,6 +162,7 @@ lossy_actions = st.lists(
         st.tuples(st.just("live"), st.integers(1, 4)),
         st.tuples(st.just("serve"), st.just(0)),
         st.tuples(st.just("replay"), st.integers(1, 4)),
+        st.tuples(st.just("drop_reply"), st.integers(0, 50)),
     ),
     min_size=10,
     max_size=120,

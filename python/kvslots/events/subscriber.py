@@ -116,7 +116,7 @@ class _Peer:
     recent: deque[tuple[int, bytes]] = field(default_factory=lambda: deque(maxlen=_HELD_WINDOW))
     replaying: bool = False
     replay_deadline: float = 0.0
-    replay_max: int = -1  # highest seq the current replay delivered
+    replay_got: bool = False  # the current replay delivered a batch (not just the end marker)
     held: dict[int, bytes] = field(default_factory=dict)
     counters: dict[str, int] = field(default_factory=lambda: dict.fromkeys(COUNTERS, 0))
 
@@ -399,8 +399,7 @@ class EventSubscriber:
         now = time.monotonic()
         for peer in list(self._peers.values()):
             if peer.replaying and now >= peer.replay_deadline:
-                log.warning("replay from %r timed out at seq %s", peer.worker_id, peer.next)
-                self._finish_replay(peer, ok=False)
+                self._replay_timed_out(peer)
         self._notify_waiters()
         return handled
 
@@ -565,14 +564,23 @@ class EventSubscriber:
         if seq < 0:
             self._finish_replay(peer, ok=True)
             return
+        first, peer.replay_got = not peer.replay_got, True
         peer.seen = True
-        peer.replay_max = max(peer.replay_max, seq)
         assert peer.next is not None
         if seq < peer.next:
             self._count(peer, "duplicates")
             return
-        if seq > peer.next:  # the publisher's buffer no longer reaches back to next
-            self._lose(peer, seq)
+        while seq > peer.next and peer.next in peer.held:  # live batches fill the hole
+            self._apply(peer, peer.next, peer.held.pop(peer.next))
+        if seq > peer.next:
+            if not first:
+                # A reply sends the buffered batches from next on without a hole: this one is
+                # in the stream, not in the buffer (a ROUTER past its high-water mark drops
+                # replies; vLLM's keeps the default of 1000). Held until a new request
+                # fetches the rest.
+                peer.held.setdefault(seq, payload)
+                return
+            self._lose(peer, seq)  # the publisher's buffer no longer reaches back to next
         if peer.held.pop(seq, None) is not None:
             self._count(peer, "duplicates")
         self._apply(peer, seq, payload, replayed=True)
@@ -688,8 +696,22 @@ class EventSubscriber:
             return
         self._count(peer, "replay_requests")
         peer.replaying = True
-        peer.replay_max = peer.next - 1
+        peer.replay_got = False
         peer.replay_deadline = time.monotonic() + self._replay_timeout
+
+    def _replay_timed_out(self, peer: _Peer) -> None:
+        if peer.replay_got and peer.replay_endpoint is not None:
+            # It delivered, then went quiet: the rest of it (or its end marker) was dropped on
+            # the way. Ask again from where we are, on a fresh socket (each retry advances).
+            log.info("replay from %r stalled at seq %s; asking again", peer.worker_id, peer.next)
+            peer.replaying = False
+            self._new_dealer(peer)
+            if peer.dealer is not None:
+                self._request_replay(peer)
+                return
+            peer.replaying = True
+        log.warning("replay from %r timed out at seq %s", peer.worker_id, peer.next)
+        self._finish_replay(peer, ok=False)
 
     def _finish_replay(self, peer: _Peer, *, ok: bool, retry: bool = True) -> None:
         """Ends the current replay and applies the held live batches in order."""
@@ -698,11 +720,12 @@ class EventSubscriber:
             self._new_dealer(peer)
         peer.replaying = False
         assert peer.next is not None
-        while peer.held:
-            seq = min(peer.held)
+        for seq in sorted(peer.held):
             if seq > peer.next:
-                if ok and retry and peer.dealer is not None and peer.next > peer.replay_max:
-                    # The replay was served before these were published: ask again.
+                if ok and retry and peer.dealer is not None:
+                    # The replay was served before these were published, or lost replies on
+                    # the way: ask again. (What the publisher no longer has shows as a hole
+                    # before the first reply.)
                     self._request_replay(peer)
                     return
                 if self._lose(peer, seq) and retry and peer.dealer is not None:
