@@ -488,6 +488,37 @@ def test_replay_socket_formats_garbage_and_timeout(closing, style):
     assert c["replay_failures"] == 1 and c["lost"] == 2 and c["gaps"] == 2
 
 
+def test_replies_dropped_by_the_router_are_asked_again(closing):
+    # vLLM's ROUTER keeps ZMQ's default send high-water mark, so a long replay can lose replies
+    # (its end marker too). They are still in the publisher's buffer: nothing is lost.
+    xpub, ep, ctx = raw_xpub(closing)
+    router = ctx.socket(zmq.ROUTER)
+    closing(router)
+    router.setsockopt(zmq.SNDHWM, 50)
+    router.bind(LOCAL)
+    payloads = [encode_batch(batch(i)) for i in range(400)]
+    rec = Recorder()
+    sub = EventSubscriber(rec.on_batch, rec.on_reset, replay_timeout_ms=200, resync_on_loss=True)
+    closing(sub)
+    sub.add_publisher("w", ep, router.getsockopt_string(zmq.LAST_ENDPOINT))
+    subscribed(xpub, sub)
+    xpub.send_multipart([b"", seqb(0), payloads[0]])
+    wait_until(lambda: rec.seqs() == [0], sub)
+    xpub.send_multipart([b"", seqb(399), payloads[399]])
+
+    def serve() -> bool:
+        while router.poll(0):
+            ident, _, start = router.recv_multipart()
+            for i in range(int.from_bytes(start, "big"), 400):
+                router.send_multipart([ident, b"", b"", seqb(i), payloads[i]], zmq.NOBLOCK)
+            router.send_multipart([ident, b"", b"", END_SEQ, b""], zmq.NOBLOCK)
+        return rec.seqs() == list(range(400)) and sub.in_sync("w")
+
+    wait_until(serve, sub, timeout=20)
+    c = sub.counters
+    assert c["lost"] == c["resets"] == c["replay_failures"] == 0 and c["replay_requests"] >= 1
+
+
 def test_replay_protocol_on_the_wire(closing):
     pub = EventPublisher(LOCAL, LOCAL, topic="kv")
     closing(pub)
