@@ -23,8 +23,10 @@ Per publisher, with ``next`` the sequence number expected next:
 * ``seq == next``: applied.
 * ``seq > next``: a gap. With a replay endpoint the subscriber asks for everything from ``next``,
   holds live batches meanwhile, applies the replayed ones in order and then the held ones; what
-  the publisher no longer buffers is counted as ``lost`` and skipped. Without one, the missing
-  batches are counted as lost at once.
+  the publisher no longer buffers (a hole before the first reply) is counted as ``lost`` and
+  skipped, while replies lost on the way (a ROUTER past its send high-water mark drops them,
+  vLLM's keeps ZMQ's default of 1000) are asked for again. Without a replay endpoint, the
+  missing batches are counted as lost at once.
 * ``seq < next``: a duplicate if its payload equals the one applied under that number (dropped);
   otherwise the publisher restarted (sequence numbers start again at 0 per publisher instance):
   ``on_reset`` is called, and the stream starts over from 0 (replaying 0.. if it can).
