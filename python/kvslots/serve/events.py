@@ -14,6 +14,7 @@ import re
 from typing import Any
 
 from ..errors import ServeError
+from ..events.protocol import vllm_binds
 from .tail import merge_over_flags
 
 DEFAULT_EVENTS_PORT = 5557
@@ -22,11 +23,6 @@ DEFAULT_EVENTS_PORT = 5557
 LOOPBACK_BIND_HOST = "[::ffff:127.0.0.1]"
 DEFAULT_EVENTS_ENDPOINT = f"tcp://{LOOPBACK_BIND_HOST}:{DEFAULT_EVENTS_PORT}"
 
-
-
-def vllm_binds(endpoint: str) -> bool:
-    """vLLM 0.32's ZmqEventPublisher._is_bind_endpoint."""
-    return "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://"))
 
 
 _TCP_PORT = re.compile(r"^tcp://(.+):(\d+)$")

@@ -17,7 +17,7 @@ import logging
 import time
 from typing import TYPE_CHECKING, Any, Iterable
 
-from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
+from vllm.distributed import kv_events
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
@@ -26,7 +26,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from ...events import MEDIUM_CPU
+from ...events import MEDIUM_CPU, from_raw
 from ...config.connector import ConnectorConfig, ConnectorConfigError
 from .metadata import KVSlotsMetadata, KVSlotsWorkerMetadata
 from .scheduler_side import SchedulerSide
@@ -140,7 +140,7 @@ class KVSlotsConnector(KVConnectorBase_V1):
             self._publisher.publish(host.events_msgpack(time.time(), MEDIUM_CPU, self._dp_rank))
         raw = host.drain_raw_events()
         # vLLM's stream: vLLM merges these into its own KV event batches (--kv-events-config).
-        return [_to_vllm_event(r) for r in raw]
+        return [from_raw(r, MEDIUM_CPU, structs=kv_events) for r in raw]
 
     def has_pending_push_work(self) -> bool:
         return self._sched is not None and self._sched.has_pending_work()
@@ -202,17 +202,6 @@ class _BlockIds:
 
     def __len__(self) -> int:
         return len(self._blocks)
-
-
-def _to_vllm_event(raw: tuple[Any, ...]) -> Any:
-    kind = raw[0]
-    if kind == "BlockStored":
-        _, hashes, parent, tokens, block_size, lora_id = raw
-        return BlockStored(block_hashes=hashes, parent_block_hash=parent, token_ids=tokens,
-                           block_size=block_size, lora_id=lora_id, medium=MEDIUM_CPU, lora_name=None)
-    if kind == "BlockRemoved":
-        return BlockRemoved(block_hashes=raw[1], medium=MEDIUM_CPU)
-    return AllBlocksCleared()
 
 
 def _make_publisher(cfg: ConnectorConfig, dp_rank: int) -> Any:
