@@ -2,13 +2,15 @@
 place: :mod:`.publisher` builds these frames, :mod:`.subscriber` parses them, and nothing else
 does either.
 
-* Live (PUB): ``(topic, seq, payload)``; ``seq`` is an 8-byte big-endian counter from 0 per
-  publisher instance, ``payload`` a msgpack ``KVEventBatch``.
+* Live (PUB): ``(topic, seq, payload)``; ``seq`` is an 8-byte big-endian unsigned counter from 0
+  per publisher instance (so up to ``SEQ_MAX``; nothing on the wire is negative), ``payload`` a
+  msgpack ``KVEventBatch``.
 * Replay request (DEALER to ROUTER): ``(b"", start)``, ``start`` 8 bytes big-endian (a REQ
   socket adds the empty frame itself).
 * Replay reply: ``(b"", topic, seq, payload)`` per buffered batch with ``seq >= start``, in
-  order, then the end marker ``(b"", b"", END_SEQ, b"")``. Older vLLMs leave out the topic
-  frame; subscribers accept both.
+  order, then the end marker ``(b"", b"", END_SEQ, b"")``: ``END_SEQ`` (all ones) with an empty
+  payload. Older vLLMs leave out the topic frame; subscribers accept both. A reply with the seq
+  ``END_SEQ`` and a payload is the batch ``SEQ_MAX``, not the end.
 * Who binds: :func:`is_bind_endpoint`; the ROUTER always binds, subscribers connect.
 """
 
@@ -19,8 +21,15 @@ from collections.abc import Sequence
 #: The address schemes ZMQ event streams use.
 SCHEMES = ("tcp://", "ipc://", "inproc://")
 
-#: Sequence number of the replay end marker, as vLLM writes it (-1, 8 signed big-endian bytes).
+#: The largest sequence number the 8-byte unsigned wire field holds.
+SEQ_MAX = 2**64 - 1
+
+#: Sequence frame of the replay end marker, as vLLM writes it (-1, 8 signed big-endian bytes;
+#: the same bytes as ``SEQ_MAX``: the empty payload is what tells the two apart).
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
+
+#: What :func:`parse_replay_reply` gives as the seq of the end marker (no wire seq is negative).
+REPLAY_END = -1
 
 Frames = Sequence[bytes]
 
@@ -30,7 +39,8 @@ def seq_bytes(seq: int) -> bytes:
 
 
 def _seq(frame: bytes) -> int | None:
-    return int.from_bytes(frame, "big", signed=True) if len(frame) == 8 else None
+    """The unsigned 8-byte big-endian sequence number of a frame; None if it is not 8 bytes."""
+    return int.from_bytes(frame, "big") if len(frame) == 8 else None
 
 
 # ---- live stream ---------------------------------------------------------------------------
@@ -41,12 +51,12 @@ def live_message(topic: bytes, seq: int, payload: bytes) -> tuple[bytes, bytes, 
 
 
 def parse_live(frames: Frames) -> tuple[int, bytes] | None:
-    """``(seq, payload)`` of a live message; None for anything that is not three frames with an
-    8-byte, non-negative sequence number."""
+    """``(seq, payload)`` of a live message (``0 <= seq <= SEQ_MAX``); None for anything that is
+    not three frames with an 8-byte sequence number."""
     if len(frames) != 3:
         return None
     seq = _seq(frames[1])
-    if seq is None or seq < 0:
+    if seq is None:
         return None
     return seq, frames[2]
 
@@ -55,8 +65,9 @@ def parse_live(frames: Frames) -> tuple[int, bytes] | None:
 
 
 def replay_request(start: int) -> tuple[bytes, bytes]:
-    """What a DEALER sends to ask for every buffered batch from ``start`` on."""
-    return (b"", max(start, 0).to_bytes(8, "big"))
+    """What a DEALER sends to ask for every buffered batch from ``start`` on (clamped to the
+    wire's range: a subscriber past ``SEQ_MAX`` asks from ``SEQ_MAX``)."""
+    return (b"", min(max(start, 0), SEQ_MAX).to_bytes(8, "big"))
 
 
 def parse_replay_request(frames: Frames) -> tuple[bytes, int] | None:
@@ -75,16 +86,20 @@ def replay_end(client: bytes) -> tuple[bytes, ...]:
 
 
 def parse_replay_reply(frames: Frames) -> tuple[int, bytes] | None:
-    """``(seq, payload)`` of a reply as the DEALER receives it; ``seq`` is negative for the end
-    marker. None if malformed."""
+    """``(seq, payload)`` of a reply as the DEALER receives it; ``seq`` is ``REPLAY_END`` for the
+    end marker (``END_SEQ`` with an empty payload), else ``0 <= seq <= SEQ_MAX``. None if
+    malformed."""
     if len(frames) == 4 and frames[0] == b"":  # vLLM 0.32: [b"", topic, seq, payload]
         seq_frame, payload = frames[2], frames[3]
     elif len(frames) == 3 and frames[0] == b"":  # older vLLM: [b"", seq, payload]
         seq_frame, payload = frames[1], frames[2]
     else:
         return None
-    seq = _seq(seq_frame)
-    return None if seq is None else (seq, payload)
+    if len(seq_frame) != 8:
+        return None
+    if seq_frame == END_SEQ and not payload:
+        return REPLAY_END, b""
+    return int.from_bytes(seq_frame, "big"), payload
 
 
 # ---- addresses -----------------------------------------------------------------------------

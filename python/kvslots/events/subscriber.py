@@ -18,7 +18,8 @@ from the publisher's replay socket::
 This is the one implementation of the subscriber side of the protocol; the indexer
 (``kvslots.indexer``) subscribes through it too.
 
-Per publisher, with ``next`` the sequence number expected next:
+Per publisher, with ``next`` the sequence number expected next (sequence numbers are the wire's
+unsigned 8-byte integers, 0 to 2**64-1, compared as such):
 
 * ``seq == next``: applied.
 * ``seq > next``: a gap. With a replay endpoint the subscriber asks for everything from ``next``,
@@ -39,14 +40,39 @@ Frames that are not ``(topic, 8-byte seq, payload)`` and payloads that do not de
 as ``malformed`` and skipped (an undecodable payload still uses up its sequence number, so it is
 not re-requested forever). Nothing a publisher sends stops the loop.
 
+Replays that fail (the server never answers, answers without the batches asked for, answers
+garbage or old batches, drops its end marker; the endpoint is wrong or unreachable) cost a
+bounded number of requests, and live batches keep being applied:
+
+* A request that moved the stream on (replayed batches, or showed a hole the publisher no longer
+  buffers) is followed at once by the next one if still needed. One that healed nothing is
+  retried after ``replay_backoff_ms``, doubling each time up to ``replay_backoff_max_ms``, with
+  jitter (a random 50-100% of the step).
+* Every request to a publisher also takes a token from its bucket (``replay_max_rate`` per
+  second, as many in a burst): no more than that goes out, whatever the stream does.
+* A gap is given up after ``replay_max_attempts`` requests in a row that healed nothing, after
+  a request that got no answer at all within ``replay_timeout_ms`` (the server is down or not
+  one; asking again would hold live batches back longer), when it has been open for
+  ``replay_max_wait_ms``, or when more than 100,000 batches are held back for it. Giving up is
+  logged once as an error and counted (``replay_given_up``); the live batches held back are
+  applied and the missing ones counted as ``lost`` (``resync_on_loss``: the stream starts over
+  from the held batches, see below). Then the publisher's replay endpoint is left alone for a
+  cool-down (``replay_backoff_max_ms``, doubling per gap given up in a row up to 60 s, with
+  jitter): gaps meanwhile are handled as if it had none (counted as ``replay_skipped``). A
+  replay that completes ends the streak.
+* Replies only keep a replay alive while they bring batches at or past ``next``: a server that
+  repeats old batches times out like a silent one. A reply further ahead of the live stream
+  than any queue could hold (a million batches, or 4 x ``hwm``) is malformed, not a jump.
+
 Two options, for consumers whose state must never miss a batch (the indexer: a lost
 ``BlockRemoved`` would leave a block claimed forever):
 
 * ``resync_on_loss``: batches that cannot be had (gone from the publisher's buffer, no replay
-  socket, replay timed out) are not skipped silently: ``on_reset`` is called and the stream is
-  rebuilt from what the publisher still buffers (counted as ``resyncs``). Missing batches before
-  the first one of a stream that starts from nothing (``start_seq=0``, or after a reset) are no
-  loss: the stream starts where the publisher's buffer does.
+  socket, replay given up) are not skipped silently: ``on_reset`` is called and the stream is
+  rebuilt (counted as ``resyncs``) from what the publisher still buffers, or after a replay
+  given up, from the batches that come next. Missing batches before the first one of a stream
+  that starts from nothing (``start_seq=0``, or after a reset) are no loss: the stream starts
+  where the publisher's buffer does.
 * ``reset_on_reconnect``: the first live message after the connection to a publisher dropped
   resets the stream (``on_reset``, then a replay from 0). vLLM's protocol has no incarnation id,
   so without this a publisher that restarts and sends more batches than the old one did before
@@ -56,6 +82,7 @@ Two options, for consumers whose state must never miss a batch (the indexer: a l
 from __future__ import annotations
 
 import logging
+import random
 import threading
 import time
 from collections import deque
@@ -70,7 +97,7 @@ from zmq.utils.monitor import recv_monitor_message
 from ..errors import EventDecodeError
 from ._wakeup import WakePipe
 from .codec import KVEventBatch
-from .protocol import SCHEMES, parse_live, parse_replay_reply, replay_request
+from .protocol import REPLAY_END, SCHEMES, SEQ_MAX, parse_live, parse_replay_reply, replay_request
 
 log = logging.getLogger(__name__)
 
@@ -88,12 +115,16 @@ COUNTERS = (
     "malformed",  # frames or payloads skipped
     "lost",  # sequence numbers skipped because no replay could supply them
     "resyncs",  # losses answered by a reset and a rebuild (resync_on_loss)
-    "replay_requests",
-    "replay_failures",  # replays that timed out
+    "replay_requests",  # replay requests sent
+    "replay_failures",  # replay requests unanswered (timed out) or that could not be sent
+    "replay_given_up",  # gaps whose replay was given up (attempts, time or answers exhausted)
+    "replay_skipped",  # gaps not replayed: the replay endpoint cools down after a give-up
     "callback_errors",  # exceptions raised by on_batch / on_reset
 )
 
 _HELD_WINDOW = 64  # applied payloads kept to tell a duplicate from a restart
+_MAX_HELD = 100_000  # batches held back for one replay; past it the replay is given up
+_COOLDOWN_MAX = 60.0  # seconds: the longest a replay endpoint is left alone after give-ups
 
 _LIVE, _REPLAY, _MONITOR = 0, 1, 2  # what a registered socket is to its peer
 
@@ -116,9 +147,20 @@ class _Peer:
     fresh: bool = False  # the stream starts from nothing: what precedes the buffer is no loss
     reconnected: bool = False  # the live connection dropped since the last live message
     recent: deque[tuple[int, bytes]] = field(default_factory=lambda: deque(maxlen=_HELD_WINDOW))
-    replaying: bool = False
-    replay_deadline: float = 0.0
+    replaying: bool = False  # a replay is under way: requested, or waiting to be (pending)
+    pending: bool = False  # the request waits for replay_deadline (backoff, rate cap)
+    replay_deadline: float = 0.0  # the current request times out, or the pending one is sent
     replay_got: bool = False  # the current replay delivered a batch (not just the end marker)
+    # One gap (or catch-up) and the requests made for it:
+    gap_since: float | None = None  # when its first request was wanted; None: no gap open
+    replay_from: int | None = None  # next when its last request was sent (None: none sent)
+    fails: int = 0  # its requests in a row that healed nothing
+    sent: int = 0  # its requests sent
+    # Across gaps:
+    tokens: float | None = None  # rate cap: requests that may be sent now (None: a full bucket)
+    tokens_at: float = 0.0
+    give_ups: int = 0  # gaps given up in a row (each doubles the cool-down)
+    cooldown_until: float = 0.0  # no replay requests before this: gaps are lost at once
     held: dict[int, bytes] = field(default_factory=dict)
     counters: dict[str, int] = field(default_factory=lambda: dict.fromkeys(COUNTERS, 0))
 
@@ -136,9 +178,14 @@ class EventSubscriber:
     run on the polling thread (or in :meth:`poll_once`); exceptions raised by ``on_batch`` and
     ``on_reset`` are logged and counted, never propagated.
 
-    ``replay_timeout_ms`` bounds the wait for a replay's next message; ``hwm`` is the receive
-    high-water mark of the SUB sockets. ``resync_on_loss`` and ``reset_on_reconnect``: see the
-    module docstring.
+    ``replay_timeout_ms`` bounds the wait for a replay's next useful message; ``hwm`` is the
+    receive high-water mark of the SUB sockets. ``resync_on_loss`` and ``reset_on_reconnect``:
+    see the module docstring. Bounds on replay traffic (see "Replays that fail" in the module
+    docstring): ``replay_max_attempts`` requests in a row that heal nothing give a gap up;
+    ``replay_backoff_ms`` is the wait before the first retry, doubling per retry up to
+    ``replay_backoff_max_ms`` (which also starts the cool-down after a give-up), each with
+    jitter; ``replay_max_rate`` caps the requests per second to one publisher (with a burst of
+    as many); ``replay_max_wait_ms`` caps how long one gap holds live batches back.
     """
 
     def __init__(
@@ -154,7 +201,20 @@ class EventSubscriber:
         resync_on_loss: bool = False,
         reset_on_reconnect: bool = False,
         thread_name: str = "kvslots-event-subscriber",
+        replay_max_attempts: int = 5,
+        replay_backoff_ms: int = 50,
+        replay_backoff_max_ms: int = 2000,
+        replay_max_rate: float = 5.0,
+        replay_max_wait_ms: int = 30_000,
     ) -> None:
+        if replay_max_attempts < 1:
+            raise ValueError(f"replay_max_attempts must be >= 1, got {replay_max_attempts}")
+        if not replay_max_rate > 0:
+            raise ValueError(f"replay_max_rate must be > 0, got {replay_max_rate}")
+        if replay_backoff_ms < 0 or replay_backoff_max_ms < replay_backoff_ms:
+            raise ValueError("need 0 <= replay_backoff_ms <= replay_backoff_max_ms")
+        if replay_timeout_ms <= 0 or replay_max_wait_ms <= 0:
+            raise ValueError("replay_timeout_ms and replay_max_wait_ms must be > 0")
         self._on_batch = on_batch
         self._on_reset = on_reset
         self._on_count = on_count
@@ -162,6 +222,15 @@ class EventSubscriber:
         self._reset_on_reconnect = reset_on_reconnect
         self._thread_name = thread_name
         self._replay_timeout = replay_timeout_ms / 1000.0
+        self._max_attempts = replay_max_attempts
+        self._backoff = replay_backoff_ms / 1000.0
+        self._backoff_max = replay_backoff_max_ms / 1000.0
+        self._rate = float(replay_max_rate)
+        self._burst = max(1.0, self._rate)
+        self._max_wait = replay_max_wait_ms / 1000.0
+        self._random = random.Random()  # jitter
+        # How far a replay may run ahead of the live stream (batches in flight to us).
+        self._max_ahead = max(2**20, 4 * hwm)
         self._hwm = hwm
         self._own_ctx = context is None
         self._ctx = zmq.Context() if context is None else context
@@ -205,8 +274,8 @@ class EventSubscriber:
         done or given up (True), or when ``wait`` runs out (False); a connection that cannot be
         made raises its ``zmq.ZMQError`` here, and the publisher is not added. Without it, the
         sockets are opened by the polling thread later, and returns True."""
-        if start_seq is not None and start_seq < 0:
-            raise ValueError(f"start_seq must be >= 0, got {start_seq}")
+        if start_seq is not None and not 0 <= start_seq <= SEQ_MAX + 1:
+            raise ValueError(f"start_seq must be in [0, 2**64], got {start_seq}")
         for ep in (endpoint, replay_endpoint):
             if ep is not None and not ep.startswith(SCHEMES):
                 raise ValueError(f"endpoint {ep!r} must start with tcp://, ipc:// or inproc://")
@@ -257,13 +326,16 @@ class EventSubscriber:
     def publisher_status(self, worker_id: Hashable) -> dict[str, Any]:
         """One publisher's stream: ``next_seq`` (None before its first batch),
         ``last_live_seq`` (None before the first live message of this publisher instance),
-        ``replaying``, ``in_sync`` (see :meth:`in_sync`) and its counters."""
+        ``replaying``, ``in_sync`` (see :meth:`in_sync`), ``replay_paused_s`` (seconds left of
+        the cool-down after a replay was given up: gaps are not replayed meanwhile) and its
+        counters."""
         peer = self._peer(worker_id)
         return {
             "next_seq": peer.next,
             "last_live_seq": peer.live_last if peer.live_last >= 0 else None,
             "replaying": peer.replaying,
             "in_sync": self._in_sync(peer),
+            "replay_paused_s": max(0.0, peer.cooldown_until - time.monotonic()),
             **peer.counters,
         }
 
@@ -502,9 +574,10 @@ class EventSubscriber:
         dealer.setsockopt(zmq.LINGER, 0)
         try:
             dealer.connect(peer.replay_endpoint)
-        except zmq.ZMQError:
+        except zmq.ZMQError as e:
             dealer.close()
-            log.exception("cannot connect to the replay socket of %r", peer.worker_id)
+            log.error("cannot connect to the replay socket of %r at %s: %s", peer.worker_id,
+                      peer.replay_endpoint, e)
             return
         peer.dealer = dealer
         self._register(dealer, peer, _REPLAY)
@@ -560,18 +633,24 @@ class EventSubscriber:
             self._count(peer, "malformed")
             return
         seq, payload = msg
-        if not peer.replaying:
-            return  # a late reply to a request we gave up on
-        peer.replay_deadline = time.monotonic() + self._replay_timeout
-        if seq < 0:
+        if not peer.replaying or peer.pending:
+            return  # a late reply to a request we gave up on, or that already ended
+        if seq == REPLAY_END:
             self._finish_replay(peer, ok=True)
+            return
+        if peer.live_last >= 0 and seq - peer.live_last > self._max_ahead:
+            # Further ahead of the live stream than any queue could hold: not a batch of this
+            # publisher (taking it would turn every live batch after it into a "duplicate").
+            self._count(peer, "malformed")
             return
         first, peer.replay_got = not peer.replay_got, True
         peer.seen = True
         assert peer.next is not None
         if seq < peer.next:
+            # Not progress: a server repeating old batches does not keep the replay alive.
             self._count(peer, "duplicates")
             return
+        peer.replay_deadline = self._reply_deadline(peer, time.monotonic())
         while seq > peer.next and peer.next in peer.held:  # live batches fill the hole
             self._apply(peer, peer.next, peer.held.pop(peer.next))
         if seq > peer.next:
@@ -581,6 +660,7 @@ class EventSubscriber:
                 # replies; vLLM's keeps the default of 1000). Held until a new request
                 # fetches the rest.
                 peer.held.setdefault(seq, payload)
+                self._check_held(peer)
                 return
             self._lose(peer, seq)  # the publisher's buffer no longer reaches back to next
         if peer.held.pop(seq, None) is not None:
@@ -624,12 +704,16 @@ class EventSubscriber:
         peer.live_last = seq
         if peer.replaying:
             peer.held[seq] = payload
+            self._check_held(peer)
             return
         if seq > peer.next:
             if peer.dealer is not None:
-                peer.held[seq] = payload
-                self._request_replay(peer)
-                return
+                if time.monotonic() >= peer.cooldown_until:
+                    peer.held[seq] = payload
+                    self._request_replay(peer)
+                    return
+                # The replay endpoint failed us just now: as if it had none, for a while.
+                self._count(peer, "replay_skipped")
             self._lose(peer, seq)
         self._apply(peer, seq, payload)
 
@@ -661,9 +745,10 @@ class EventSubscriber:
         """The publisher restarted: its new stream starts at 0."""
         self._notify_reset(peer, seq, f"publisher restart: {why}")
         if peer.replaying:
-            peer.replaying = False
-            if peer.replay_endpoint is not None:
-                self._new_dealer(peer)
+            sent, peer.replaying, peer.pending = not peer.pending, False, False
+            if sent and peer.replay_endpoint is not None:
+                self._new_dealer(peer)  # drops the replies to the old stream's request
+        self._end_gap(peer)
         peer.held.clear()
         peer.recent.clear()
         # The new stream starts at 0; seqs before this one were missed while reconnecting.
@@ -688,59 +773,154 @@ class EventSubscriber:
         return True
 
     def _request_replay(self, peer: _Peer) -> None:
-        assert peer.dealer is not None and peer.next is not None
+        """A replay from ``next`` is wanted (a gap, a catch-up, the rest of a replay): sends the
+        request now, schedules it (backoff after a request that healed nothing; the rate cap),
+        or gives the gap up (too many requests that healed nothing, or open too long)."""
+        assert peer.next is not None
+        now = time.monotonic()
+        if peer.gap_since is None:
+            peer.gap_since, peer.replay_from, peer.fails, peer.sent = now, None, 0, 0
+        elif peer.replay_from is not None:
+            # Progress: the last request moved the stream on (replayed batches, or a hole it
+            # showed to be gone from the publisher's buffer). Retries for progress are at once.
+            peer.fails = 0 if peer.next > peer.replay_from else peer.fails + 1
+        if peer.fails >= self._max_attempts:
+            self._give_up(peer, f"{peer.sent} replay requests, the last {peer.fails} healed nothing")
+            return
+        delay = 0.0
+        if peer.fails:
+            step = min(self._backoff_max, self._backoff * 2 ** (peer.fails - 1))
+            delay = step * self._random.uniform(0.5, 1.0)
+        delay = max(delay, self._token_wait(peer, now))
+        if now + delay >= peer.gap_since + self._max_wait:
+            self._give_up_late(peer)
+            return
+        if delay <= 0:
+            self._send_replay_request(peer)
+            return
+        peer.replaying = peer.pending = True  # live batches are held meanwhile
+        peer.replay_deadline = now + delay
+
+    def _token_wait(self, peer: _Peer, now: float) -> float:
+        """Refills the publisher's request bucket; seconds until it holds a request."""
+        if peer.tokens is None:
+            peer.tokens = self._burst
+        else:
+            peer.tokens = min(self._burst, peer.tokens + (now - peer.tokens_at) * self._rate)
+        peer.tokens_at = now
+        return 0.0 if peer.tokens >= 1.0 else (1.0 - peer.tokens) / self._rate
+
+    def _send_replay_request(self, peer: _Peer) -> None:
+        assert peer.next is not None
+        now = time.monotonic()
+        peer.pending = False
+        if peer.dealer is None:  # its socket could not be reopened
+            peer.replaying = False
+            self._give_up(peer, "no replay socket")
+            return
+        self._token_wait(peer, now)
+        peer.tokens = (peer.tokens or 0.0) - 1.0  # may go below 0 if sent when due: paid later
         try:
             peer.dealer.send_multipart(replay_request(peer.next), zmq.NOBLOCK)
-        except zmq.ZMQError:
-            log.warning("cannot send a replay request to %r", peer.worker_id)
+        except zmq.ZMQError as e:
             self._count(peer, "replay_failures")
-            self._finish_replay(peer, ok=False, retry=False)
+            peer.replaying = False
+            self._new_dealer(peer)  # drops whatever is queued on the old one
+            self._give_up(peer, f"cannot send a replay request: {e}")
             return
         self._count(peer, "replay_requests")
+        peer.sent += 1
+        peer.replay_from = peer.next
         peer.replaying = True
         peer.replay_got = False
-        peer.replay_deadline = time.monotonic() + self._replay_timeout
+        peer.replay_deadline = self._reply_deadline(peer, now)
+
+    def _reply_deadline(self, peer: _Peer, now: float) -> float:
+        """When the replay times out without a further useful reply: ``replay_timeout`` from
+        now, but no later than the gap's ``replay_max_wait`` (however much a replay streams)."""
+        deadline = now + self._replay_timeout
+        if peer.gap_since is not None:
+            deadline = min(deadline, peer.gap_since + self._max_wait)
+        return deadline
+
+    def _give_up_late(self, peer: _Peer) -> None:
+        self._give_up(peer, f"not healed within {self._max_wait:g} s ({peer.sent} requests)")
 
     def _replay_timed_out(self, peer: _Peer) -> None:
+        if peer.pending:  # not a timeout: the scheduled request is due
+            self._send_replay_request(peer)
+            return
+        if peer.gap_since is not None and time.monotonic() >= peer.gap_since + self._max_wait:
+            self._give_up_late(peer)  # however the replay was going
+            return
         if peer.replay_got and peer.replay_endpoint is not None:
             # It delivered, then went quiet: the rest of it (or its end marker) was dropped on
-            # the way. Ask again from where we are, on a fresh socket (each retry advances).
+            # the way. Ask again from where we are, on a fresh socket (a retry that advances
+            # is at once; one that does not backs off, and counts toward giving up).
             log.info("replay from %r stalled at seq %s; asking again", peer.worker_id, peer.next)
             peer.replaying = False
             self._new_dealer(peer)
-            if peer.dealer is not None:
-                self._request_replay(peer)
-                return
-            peer.replaying = True
-        log.warning("replay from %r timed out at seq %s", peer.worker_id, peer.next)
+            self._request_replay(peer)
+            return
+        # Nothing at all within the timeout: the server is down, busy, or not a replay server.
+        # Asking again would only hold live batches back longer.
+        self._count(peer, "replay_failures")
+        peer.replaying = False
+        self._new_dealer(peer)  # drops the request still queued if it never connected
+        self._give_up(peer, f"no answer within {self._replay_timeout:g} s")
+
+    def _give_up(self, peer: _Peer, why: str) -> None:
+        """The replay cannot heal the gap: logged (once per gap) and counted, the replay
+        endpoint is left alone for a cool-down, and the held live batches are applied, the
+        missing ones counted as lost (``resync_on_loss``: the stream starts over from them)."""
+        now = time.monotonic()
+        peer.give_ups += 1
+        cooldown = min(_COOLDOWN_MAX, self._backoff_max * 2 ** min(peer.give_ups - 1, 32))
+        cooldown *= self._random.uniform(0.5, 1.0)
+        peer.cooldown_until = now + cooldown
+        self._count(peer, "replay_given_up")
+        log.error("publisher %r: gave up the replay from seq %s (%s); applying the %d live "
+                  "batches held back, no replay requests for %.1f s", peer.worker_id, peer.next,
+                  why, len(peer.held), cooldown)
+        if peer.replaying and not peer.pending:
+            self._new_dealer(peer)  # late replies to the abandoned request are dropped with it
+        peer.replaying = peer.pending = False
+        self._end_gap(peer)
         self._finish_replay(peer, ok=False)
 
-    def _finish_replay(self, peer: _Peer, *, ok: bool, retry: bool = True) -> None:
-        """Ends the current replay and applies the held live batches in order."""
-        if peer.replaying and not ok:
-            self._count(peer, "replay_failures")
-            self._new_dealer(peer)
-        peer.replaying = False
+    @staticmethod
+    def _end_gap(peer: _Peer) -> None:
+        peer.gap_since = peer.replay_from = None
+        peer.fails = peer.sent = 0
+
+    def _check_held(self, peer: _Peer) -> None:
+        if len(peer.held) > _MAX_HELD:
+            self._give_up(peer, f"more than {_MAX_HELD} batches held back")
+
+    def _finish_replay(self, peer: _Peer, *, ok: bool) -> None:
+        """Ends the current replay and applies the held live batches in order. ``ok``: it ended
+        with its end marker (what it could not supply is asked for again); else it was given
+        up (what is missing is lost)."""
+        peer.replaying = peer.pending = False
         assert peer.next is not None
         for seq in sorted(peer.held):
             if seq > peer.next:
-                if ok and retry and peer.dealer is not None:
+                if ok and peer.dealer is not None:
                     # The replay was served before these were published, or lost replies on
                     # the way: ask again. (What the publisher no longer has shows as a hole
-                    # before the first reply.)
+                    # before the first reply.) A server that keeps answering without them
+                    # is given up after a few tries.
                     self._request_replay(peer)
                     return
-                if self._lose(peer, seq) and retry and peer.dealer is not None:
-                    # Lost for good: start over from whatever the publisher still buffers.
-                    peer.next = 0
-                    peer.fresh = True
-                    self._request_replay(peer)
-                    return
+                self._lose(peer, seq)  # resync_on_loss: the stream starts over from here
             payload = peer.held.pop(seq)
             if seq < peer.next:
                 self._count(peer, "duplicates")
                 continue
             self._apply(peer, seq, payload)
+        if ok:  # healed: the replay endpoint works
+            self._end_gap(peer)
+            peer.give_ups = 0
 
     def _apply(self, peer: _Peer, seq: int, payload: bytes, replayed: bool = False) -> None:
         peer.next = seq + 1

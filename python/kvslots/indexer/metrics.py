@@ -27,6 +27,12 @@ class Metrics:
         self.replays = Counter(f"{PREFIX}_replays", "Replay requests sent", ["worker"], registry=r)
         self.replay_failures = Counter(f"{PREFIX}_unhealed_gaps",
                                        "Gaps replay could not heal (worker entries rebuilt)", ["worker"], registry=r)
+        self.replays_given_up = Counter(
+            f"{PREFIX}_replay_given_up", "Gaps whose replay was given up (server silent, useless "
+            "answers, too many requests); logged as errors", ["worker"], registry=r)
+        self.replays_skipped = Counter(
+            f"{PREFIX}_replay_skipped", "Gaps not replayed while the replay endpoint cools down "
+            "after a give-up", ["worker"], registry=r)
         self.resets = Counter(f"{PREFIX}_resets", "Worker entries dropped (publisher restart, unhealed gap)",
                               ["worker"], registry=r)
         self.malformed = Counter(f"{PREFIX}_malformed_frames", "Frames or payloads skipped as malformed",
@@ -54,7 +60,8 @@ class Metrics:
 
     def signal(self, worker: str, what: str, n: int = 1) -> None:
         c = {"gap": self.gaps, "replay": self.replays, "replay_failed": self.replay_failures,
-             "reset": self.resets, "malformed": self.malformed}.get(what)
+             "reset": self.resets, "malformed": self.malformed,
+             "replay_given_up": self.replays_given_up, "replay_skipped": self.replays_skipped}.get(what)
         if c is not None:
             c.labels(worker).inc(n)
 

@@ -7,8 +7,13 @@ index needs it and adapts it to the service, which it sees through :class:`Event
 - payloads are handed over undecoded: the Rust ``PrefixIndex`` decodes the msgpack itself, and
   raises ``EventDecodeError`` for a payload that is not a batch (counted as malformed);
 - batches that cannot be had (gone from the publisher's buffer, no replay endpoint, replay
-  timed out) drop the worker's entries, which are rebuilt from what the publisher still buffers
-  (``resync_on_loss``): the index never keeps blocks whose removal it may have missed;
+  given up) drop the worker's entries, which are rebuilt from what the publisher still buffers,
+  or after a replay given up from the batches that follow (``resync_on_loss``): the index never
+  keeps blocks whose removal it may have missed;
+- replay traffic is bounded (backoff with jitter, a rate cap per worker, a gap given up after a
+  few useless requests, then a cool-down; see ``EventSubscriber``): a broken replay server costs
+  a few requests, counted in ``replay_given_up`` / ``replay_skipped``, and live batches keep
+  being applied;
 - the first live message after a lost connection is taken as a possible restart
   (``reset_on_reconnect``): entries dropped and rebuilt from the publisher's buffer;
 - when a worker is added, its publisher's buffer is replayed from where the sink says the index
@@ -38,6 +43,8 @@ SIGNALS = {
     "resyncs": "replay_failed",
     "resets": "reset",
     "malformed": "malformed",
+    "replay_given_up": "replay_given_up",
+    "replay_skipped": "replay_skipped",
 }
 
 
@@ -54,7 +61,8 @@ class EventSink(Protocol):
         """First seq the index does not have for this worker (0 when it has nothing)."""
 
     def on_signal(self, worker: str, what: str, n: int = 1) -> None:
-        """Counters: ``gap``, ``replay``, ``replay_failed``, ``malformed``, ``reset``."""
+        """Counters: ``gap``, ``replay``, ``replay_failed``, ``malformed``, ``reset``,
+        ``replay_given_up``, ``replay_skipped``."""
 
 
 class Subscription:
@@ -122,6 +130,9 @@ class Subscription:
                 "gaps": st["gaps"],
                 "replays": st["replay_requests"],
                 "unhealed_gaps": st["resyncs"],
+                "replays_given_up": st["replay_given_up"],
+                "replays_skipped": st["replay_skipped"],
+                "replay_paused_s": round(st["replay_paused_s"], 3),
                 "resets": st["resets"],
                 "malformed": st["malformed"],
                 "last_batch_at": self._last_batch_at.get(name),
