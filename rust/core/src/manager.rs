@@ -16,6 +16,9 @@ use crate::slot::{blocks_for, Slot, SlotInfo};
 /// A finished slot whose token buffer is larger than this is dropped rather than kept for reuse.
 const MAX_SPARE_TOKENS: usize = 1 << 18;
 
+/// The largest block size (events carry it as a u32).
+pub const MAX_BLOCK_SIZE: usize = u32::MAX as usize;
+
 /// Opaque handle of a live slot: generation in the high 32 bits, slab index in the low 32, so a
 /// handle kept past `finish` is rejected instead of silently naming a newer request.
 pub type SlotId = u64;
@@ -110,8 +113,14 @@ pub struct SlotManager {
 
 impl SlotManager {
     pub fn new(cfg: ManagerConfig) -> Result<Self> {
-        if cfg.block_size == 0 {
-            return Err(SlotError::invalid(None, "block_size must be at least 1"));
+        if cfg.block_size == 0 || cfg.block_size > MAX_BLOCK_SIZE {
+            return Err(SlotError::invalid(
+                None,
+                format!(
+                    "block_size must be in [1, {MAX_BLOCK_SIZE}], got {}",
+                    cfg.block_size
+                ),
+            ));
         }
         if cfg.num_blocks >= BlockPool::MAX_BLOCKS {
             return Err(SlotError::invalid(
@@ -327,10 +336,13 @@ impl SlotManager {
     pub fn reserve(&mut self, request_id: &str, new_tokens: usize) -> Result<usize> {
         let i = self.index_of(request_id)?;
         let slot = self.slots[i as usize].as_ref().expect("live");
-        self.check_len(slot, slot.committed() + slot.pending + new_tokens)?;
+        // A count past usize::MAX is over any limit and any pool: saturating keeps it so.
+        self.check_len(slot, slot.filled_after(new_tokens).unwrap_or(usize::MAX))?;
         let k = slot.lookahead;
-        let target = blocks_for(slot.tokens_needed(new_tokens, k), self.cfg.block_size);
-        let extra = target.saturating_sub(slot.blocks.len());
+        let extra = slot
+            .tokens_needed(new_tokens, k)
+            .map_or(usize::MAX, |t| blocks_for(t, self.cfg.block_size))
+            .saturating_sub(slot.blocks.len());
         if extra > self.pool.available() {
             return Err(self.out_of_blocks(request_id, extra, self.pool.available()));
         }
@@ -358,7 +370,7 @@ impl SlotManager {
         let slot = self.live(i);
         slot.check_rollback(n)?;
         slot.pending -= n;
-        self.stats.rolled_back_tokens += n as u64;
+        self.stats.rolled_back_tokens = self.stats.rolled_back_tokens.saturating_add(n as u64);
         Ok(())
     }
 
@@ -374,7 +386,7 @@ impl SlotManager {
         }
         slot.reserved_lookahead = k;
         // Capacity beyond committed + pending + k is no longer promised.
-        let surplus = slot.surplus_blocks(slot.committed() + slot.pending + k, bs);
+        let surplus = slot.surplus_blocks(slot.tokens_needed(0, k).unwrap_or(usize::MAX), bs);
         self.shrink(i, surplus);
         Ok(surplus)
     }
@@ -484,13 +496,19 @@ impl SlotManager {
                 });
             }
             let k = input.lookahead.map_or(slot.lookahead, |l| l[j] as usize);
-            let filled = slot.committed() + slot.pending - r + new;
+            // r <= pending - a <= pending, so only the additions can overflow; a count past
+            // usize::MAX is over any limit and any pool, and saturating keeps it so.
+            let filled = (slot.committed() + (slot.pending - r))
+                .checked_add(new)
+                .unwrap_or(usize::MAX);
             self.check_len(slot, filled)?;
-            let target = blocks_for(filled + k, bs);
+            let target = filled
+                .checked_add(k)
+                .map_or(usize::MAX, |t| blocks_for(t, bs));
             if target < slot.blocks.len() && k < slot.reserved_lookahead {
                 freed += slot.blocks.len() - target;
             }
-            needed += target.saturating_sub(slot.blocks.len());
+            needed = needed.saturating_add(target.saturating_sub(slot.blocks.len()));
             self.targets.push(target);
         }
         // Room: shrinks happen before any allocation, so their blocks count as available.
@@ -502,7 +520,7 @@ impl SlotManager {
                 let slot = self.slots[input.slots[j] as u32 as usize]
                     .as_ref()
                     .expect("live");
-                needed += self.targets[j].saturating_sub(slot.blocks.len());
+                needed = needed.saturating_add(self.targets[j].saturating_sub(slot.blocks.len()));
                 if needed > available {
                     let request = slot.request_id.clone();
                     return Err(self.out_of_blocks(&request, needed, available));
@@ -520,7 +538,7 @@ impl SlotManager {
             out.num_committed_blocks.push(c as u32);
             let r = input.num_rejected[j] as usize;
             self.live(i).pending -= r;
-            self.stats.rolled_back_tokens += r as u64;
+            self.stats.rolled_back_tokens = self.stats.rolled_back_tokens.saturating_add(r as u64);
         }
         // Pass 2: lookahead changes and shrinks. Without new lookaheads nothing can shrink: a
         // slot's K is never below the K its capacity was reserved for outside a step.
@@ -547,6 +565,7 @@ impl SlotManager {
             let extra = self.targets[j].saturating_sub(self.live(i).blocks.len());
             self.grow(i, extra);
             let slot = self.live(i);
+            // filled = committed + pending + new fitted in pass 0.
             slot.pending += input.num_new_tokens[j] as usize;
             slot.reserved_lookahead = slot.lookahead;
             out.new_block_ids
@@ -626,7 +645,10 @@ impl SlotManager {
         if let Some(p) = run_parent {
             self.events.finish_stored(p, slot.extra_key);
         }
-        self.stats.committed_tokens += tokens.len() as u64;
+        self.stats.committed_tokens = self
+            .stats
+            .committed_tokens
+            .saturating_add(tokens.len() as u64);
         self.stats.committed_blocks += count as u64;
         count
     }
@@ -640,10 +662,23 @@ impl SlotManager {
         for slot in self.slots.iter().flatten() {
             let rid = &slot.request_id;
             for &b in &slot.blocks {
-                holders[b as usize] += 1;
+                match holders.get_mut(b as usize) {
+                    Some(h) => *h = h.saturating_add(1),
+                    None => return Err(format!("{rid:?}: block {b} is outside the pool")),
+                }
             }
             let info = slot.info(bs);
-            if info.capacity < info.committed + info.pending + info.reserved_lookahead {
+            let promised = info
+                .committed
+                .checked_add(info.pending)
+                .and_then(|t| t.checked_add(info.reserved_lookahead));
+            let Some(promised) = promised else {
+                return Err(format!(
+                    "{rid:?}: committed {} + pending {} + lookahead {} overflows",
+                    info.committed, info.pending, info.reserved_lookahead
+                ));
+            };
+            if info.capacity < promised {
                 return Err(format!(
                     "{rid:?}: capacity {} < committed {} + pending {} + lookahead {}",
                     info.capacity, info.committed, info.pending, info.reserved_lookahead

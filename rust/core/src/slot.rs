@@ -92,13 +92,21 @@ impl Slot {
             reserved_lookahead: self.reserved_lookahead,
             num_blocks: self.blocks.len(),
             num_immutable: self.num_immutable(),
-            capacity: self.blocks.len() * block_size,
+            capacity: self.blocks.len().saturating_mul(block_size),
         }
     }
 
-    /// Tokens the slot must have room for after reserving `new_tokens` more with lookahead `k`.
-    pub fn tokens_needed(&self, new_tokens: usize, k: usize) -> usize {
-        self.committed() + self.pending + new_tokens + k
+    /// Tokens the slot must have room for after reserving `new_tokens` more with lookahead `k`;
+    /// `None` when the count does not fit in a `usize` (no pool could hold it).
+    pub fn tokens_needed(&self, new_tokens: usize, k: usize) -> Option<usize> {
+        self.filled_after(new_tokens)?.checked_add(k)
+    }
+
+    /// Committed + pending tokens after `new_tokens` more are reserved (`None`: overflow).
+    pub fn filled_after(&self, new_tokens: usize) -> Option<usize> {
+        self.committed()
+            .checked_add(self.pending)?
+            .checked_add(new_tokens)
     }
 
     pub fn check_commit(&self, n: usize) -> Result<()> {
@@ -140,6 +148,7 @@ impl Slot {
     /// The number of trailing mutable blocks beyond what `tokens` need.
     pub(crate) fn surplus_blocks(&self, tokens: usize, block_size: usize) -> usize {
         let keep = blocks_for(tokens, block_size).max(self.num_immutable());
+        // (`tokens` saturates at usize::MAX: then no block is surplus, which is exact.)
         self.blocks.len().saturating_sub(keep)
     }
 }

@@ -8,6 +8,7 @@ use std::collections::HashMap;
 
 use crate::error::{Result, SlotError};
 use crate::hash::BlockHasher;
+use crate::manager::MAX_BLOCK_SIZE;
 use crate::pool::BlockId;
 use crate::slot::{blocks_for, Slot, SlotInfo};
 
@@ -29,8 +30,11 @@ pub struct SlotTracker {
 
 impl SlotTracker {
     pub fn new(block_size: usize, hash_seed: u64) -> Result<Self> {
-        if block_size == 0 {
-            return Err(SlotError::invalid(None, "block_size must be at least 1"));
+        if block_size == 0 || block_size > MAX_BLOCK_SIZE {
+            return Err(SlotError::invalid(
+                None,
+                format!("block_size must be in [1, {MAX_BLOCK_SIZE}], got {block_size}"),
+            ));
         }
         Ok(SlotTracker {
             block_size,
@@ -87,11 +91,19 @@ impl SlotTracker {
     /// the lookahead) fit.
     pub fn blocks_needed(&self, request_id: &str, new_tokens: usize) -> Result<usize> {
         let slot = self.slot(request_id)?;
-        let target = blocks_for(
-            slot.tokens_needed(new_tokens, slot.lookahead),
-            self.block_size,
-        );
+        let target = blocks_for(Self::needed_tokens(slot, new_tokens)?, self.block_size);
         Ok(target.saturating_sub(slot.blocks.len()))
+    }
+
+    /// committed + pending + `new_tokens` + lookahead, or the error naming the overflow.
+    fn needed_tokens(slot: &Slot, new_tokens: usize) -> Result<usize> {
+        slot.tokens_needed(new_tokens, slot.lookahead)
+            .ok_or_else(|| SlotError::CapacityExceeded {
+                request: slot.request_id.clone(),
+                what: "committed + pending + new tokens + lookahead overflow a usize",
+                requested: u64::MAX,
+                limit: usize::MAX as u64,
+            })
     }
 
     /// Takes `new_blocks` from the owner and marks `new_tokens` positions pending. Fails (changing
@@ -105,8 +117,8 @@ impl SlotTracker {
         let bs = self.block_size;
         let slot = self.slot_mut(request_id)?;
         let k = slot.lookahead;
-        let needed = blocks_for(slot.tokens_needed(new_tokens, k), bs);
-        let have = slot.blocks.len() + new_blocks.len();
+        let needed = blocks_for(Self::needed_tokens(slot, new_tokens)?, bs);
+        let have = slot.blocks.len().saturating_add(new_blocks.len());
         if have < needed {
             return Err(SlotError::OutOfBlocks {
                 request: request_id.to_owned(),
@@ -188,9 +200,47 @@ impl SlotTracker {
             return Ok(Vec::new());
         }
         slot.reserved_lookahead = k;
-        let surplus = slot.surplus_blocks(slot.committed() + slot.pending + k, bs);
+        let surplus = slot.surplus_blocks(slot.tokens_needed(0, k).unwrap_or(usize::MAX), bs);
         let keep = slot.blocks.len() - surplus;
         Ok(slot.blocks.split_off(keep))
+    }
+
+    /// Checks every slot's accounting (tests and debugging): capacity covers committed +
+    /// pending + the reserved lookahead, and the immutable blocks are exactly the full
+    /// committed ones. All arithmetic is checked.
+    pub fn check_invariants(&self) -> std::result::Result<(), String> {
+        let bs = self.block_size;
+        for (rid, slot) in &self.slots {
+            let info = slot.info(bs);
+            let promised = info
+                .committed
+                .checked_add(info.pending)
+                .and_then(|t| t.checked_add(info.reserved_lookahead))
+                .ok_or_else(|| {
+                    format!(
+                        "{rid:?}: committed {} + pending {} + lookahead {} overflows",
+                        info.committed, info.pending, info.reserved_lookahead
+                    )
+                })?;
+            if info.capacity < promised {
+                return Err(format!(
+                    "{rid:?}: capacity {} < committed {} + pending {} + lookahead {}",
+                    info.capacity, info.committed, info.pending, info.reserved_lookahead
+                ));
+            }
+            if slot.hashes.len() != slot.committed() / bs || slot.hashes.len() > slot.blocks.len() {
+                return Err(format!(
+                    "{rid:?}: {} immutable blocks for {} committed tokens in {} blocks",
+                    slot.hashes.len(),
+                    slot.committed(),
+                    slot.blocks.len()
+                ));
+            }
+            if rid != &slot.request_id {
+                return Err(format!("{rid:?}: slot names {:?}", slot.request_id));
+            }
+        }
+        Ok(())
     }
 
     /// Forgets a request and returns its slot (block ids included) to the caller.
