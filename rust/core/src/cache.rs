@@ -6,7 +6,7 @@
 //! queues `BlockStored` once every worker has copied. A block is therefore never found by a
 //! lookup before its bytes are in place. Loads pin their source blocks until they finish.
 
-use std::collections::{BTreeMap, HashSet};
+use std::collections::{BTreeMap, HashMap};
 
 use crate::error::{Result, SlotError};
 use crate::events::EventLog;
@@ -29,7 +29,9 @@ pub struct HostCache {
     pool: BlockPool,
     block_size: usize,
     events: EventLog,
-    storing: HashSet<u64>,
+    /// Stores under way: hash -> (host block, the step whose run owns it, if any). A store
+    /// owned by a step run is completed or aborted by `complete_step` only.
+    storing: HashMap<u64, (BlockId, Option<u64>)>,
     /// Store runs by the step that copies them, completed together by `complete_step`.
     runs: BTreeMap<u64, Vec<StoreRun>>,
     evicted: Vec<u64>,
@@ -55,8 +57,14 @@ pub struct PendingStore {
 
 impl HostCache {
     pub fn new(num_blocks: usize, block_size: usize) -> Result<Self> {
-        if block_size == 0 {
-            return Err(SlotError::invalid(None, "block_size must be at least 1"));
+        if block_size == 0 || block_size > crate::manager::MAX_BLOCK_SIZE {
+            return Err(SlotError::invalid(
+                None,
+                format!(
+                    "block_size must be in [1, {}], got {block_size}",
+                    crate::manager::MAX_BLOCK_SIZE
+                ),
+            ));
         }
         if num_blocks >= BlockPool::MAX_BLOCKS {
             return Err(SlotError::invalid(
@@ -68,7 +76,7 @@ impl HostCache {
             pool: BlockPool::new(num_blocks),
             block_size,
             events: EventLog::new(block_size as u32),
-            storing: HashSet::new(),
+            storing: HashMap::new(),
             runs: BTreeMap::new(),
             evicted: Vec::new(),
             stats: CacheStats::default(),
@@ -146,7 +154,7 @@ impl HostCache {
         let mut out = Vec::new();
         let mut one = Vec::with_capacity(1);
         for (i, &h) in hashes.iter().enumerate() {
-            if self.pool.lookup(h).is_some() || self.storing.contains(&h) {
+            if self.pool.lookup(h).is_some() || self.storing.contains_key(&h) {
                 continue;
             }
             if self.pool.available() == 0 {
@@ -155,7 +163,7 @@ impl HostCache {
             }
             one.clear();
             self.pool.allocate(1, &mut one, &mut self.evicted);
-            self.storing.insert(h);
+            self.storing.insert(h, (one[0], None));
             out.push((
                 i,
                 PendingStore {
@@ -178,18 +186,34 @@ impl HostCache {
         token_ids: &[u32],
         lora_id: Option<u64>,
     ) -> Result<()> {
-        if token_ids.len() != stores.len() * self.block_size {
+        self.check_tokens(token_ids.len(), stores.len())?;
+        self.check_storing(stores, None)?;
+        self.complete_checked(stores, parent, token_ids, lora_id);
+        Ok(())
+    }
+
+    /// `token_ids` holds `block_size` tokens per block, or the error naming the counts.
+    fn check_tokens(&self, tokens: usize, blocks: usize) -> Result<()> {
+        if blocks.checked_mul(self.block_size) != Some(tokens) {
             return Err(SlotError::invalid(
                 None,
                 format!(
-                    "{} tokens given for {} blocks of {}",
-                    token_ids.len(),
-                    stores.len(),
+                    "{tokens} tokens given for {blocks} blocks of {}",
                     self.block_size
                 ),
             ));
         }
-        self.check_storing(stores)?;
+        Ok(())
+    }
+
+    /// `complete_store` once validated.
+    fn complete_checked(
+        &mut self,
+        stores: &[PendingStore],
+        parent: Option<u64>,
+        token_ids: &[u32],
+        lora_id: Option<u64>,
+    ) {
         let mut run_parent = None;
         for (j, s) in stores.iter().enumerate() {
             self.storing.remove(&s.hash);
@@ -212,7 +236,6 @@ impl HostCache {
             self.events.finish_stored(p, lora_id);
         }
         self.stats.stores_completed += stores.len() as u64;
-        Ok(())
     }
 
     /// Begins storing a request's blocks `hashes` (chain order; `parent` is the hash before the
@@ -227,18 +250,11 @@ impl HostCache {
         token_ids: &[u32],
         lora_id: Option<u64>,
     ) -> Result<Vec<(usize, BlockId)>> {
-        if token_ids.len() != hashes.len() * self.block_size {
-            return Err(SlotError::invalid(
-                None,
-                format!(
-                    "{} tokens given for {} blocks of {}",
-                    token_ids.len(),
-                    hashes.len(),
-                    self.block_size
-                ),
-            ));
-        }
+        self.check_tokens(token_ids.len(), hashes.len())?;
         let started = self.begin_store(hashes);
+        for (_, p) in &started {
+            self.storing.insert(p.hash, (p.block, Some(step)));
+        }
         let bs = self.block_size;
         let runs = self.runs.entry(step).or_default();
         let mut prev: Option<usize> = None;
@@ -267,15 +283,22 @@ impl HostCache {
     /// Completes every store run of `step`: registers and publishes them, except runs with a
     /// block in `failed_blocks`, which are aborted. Returns the number of blocks registered.
     pub fn complete_step(&mut self, step: u64, failed_blocks: &[BlockId]) -> Result<usize> {
-        let Some(runs) = self.runs.remove(&step) else {
+        let Some(runs) = self.runs.get(&step) else {
             return Ok(0);
         };
+        // Validate every run before touching any (they are the cache's own, so this holds
+        // unless the cache is corrupt), then apply them all.
+        for run in runs {
+            self.check_storing(&run.stores, Some(step))?;
+        }
+        let runs = self.runs.remove(&step).expect("checked above");
+        let failed: std::collections::HashSet<BlockId> = failed_blocks.iter().copied().collect();
         let mut done = 0;
         for run in runs {
-            if run.stores.iter().any(|s| failed_blocks.contains(&s.block)) {
-                self.abort_store(&run.stores)?;
+            if run.stores.iter().any(|s| failed.contains(&s.block)) {
+                self.abort_checked(&run.stores);
             } else {
-                self.complete_store(&run.stores, run.parent, &run.token_ids, run.lora_id)?;
+                self.complete_checked(&run.stores, run.parent, &run.token_ids, run.lora_id);
                 done += run.stores.len();
             }
         }
@@ -289,13 +312,17 @@ impl HostCache {
 
     /// Gives back the blocks of stores that failed or were cancelled.
     pub fn abort_store(&mut self, stores: &[PendingStore]) -> Result<()> {
-        self.check_storing(stores)?;
+        self.check_storing(stores, None)?;
+        self.abort_checked(stores);
+        Ok(())
+    }
+
+    fn abort_checked(&mut self, stores: &[PendingStore]) {
         for s in stores {
             self.storing.remove(&s.hash);
             self.pool.unpin(s.block);
         }
         self.stats.stores_aborted += stores.len() as u64;
-        Ok(())
     }
 
     /// Drops every cached block (held ones are unregistered and freed when released).
@@ -305,25 +332,75 @@ impl HostCache {
         n
     }
 
+    /// Every block is held at least as many times as it is listed (so releasing them all
+    /// cannot drop a refcount below zero).
     fn check_held(&self, blocks: &[BlockId]) -> Result<()> {
         let n = self.pool.num_blocks();
-        for &b in blocks {
-            if b as usize >= n || self.pool.refcount(b) == 0 {
+        let mut listed: HashMap<BlockId, u32> = HashMap::with_capacity(blocks.len());
+        for (i, &b) in blocks.iter().enumerate() {
+            if b as usize >= n {
                 return Err(SlotError::invalid(
                     None,
-                    format!("host block {b} is not held"),
+                    format!("blocks[{i}] = {b} is outside the host pool of {n} blocks"),
+                ));
+            }
+            let times = listed.entry(b).or_insert(0);
+            *times += 1;
+            if *times > self.pool.refcount(b) {
+                return Err(SlotError::invalid(
+                    None,
+                    format!(
+                        "blocks[{i}] = {b}: host block {b} is listed {times} time(s) but held {}",
+                        self.pool.refcount(b)
+                    ),
                 ));
             }
         }
         Ok(())
     }
 
-    fn check_storing(&self, stores: &[PendingStore]) -> Result<()> {
-        for s in stores {
-            if !self.storing.contains(&s.hash) {
+    /// Every store is under way with exactly this host block, owned by `step`'s run (or by no
+    /// run), and no hash or block is listed twice.
+    fn check_storing(&self, stores: &[PendingStore], step: Option<u64>) -> Result<()> {
+        let mut hashes = std::collections::HashSet::with_capacity(stores.len());
+        let mut blocks = std::collections::HashSet::with_capacity(stores.len());
+        for (i, s) in stores.iter().enumerate() {
+            match self.storing.get(&s.hash) {
+                None => {
+                    return Err(SlotError::invalid(
+                        None,
+                        format!("stores[{i}]: no store of hash {:#x} is under way", s.hash),
+                    ))
+                }
+                Some(&(b, _)) if b != s.block => {
+                    return Err(SlotError::invalid(
+                        None,
+                        format!(
+                            "stores[{i}]: hash {:#x} is being stored in host block {b}, not {}",
+                            s.hash, s.block
+                        ),
+                    ))
+                }
+                Some(&(_, owner)) if owner != step => {
+                    return Err(SlotError::invalid(
+                        None,
+                        format!(
+                            "stores[{i}]: hash {:#x} belongs to the store runs of step {}; \
+                             complete_step completes or aborts it",
+                            s.hash,
+                            owner.map_or("?".into(), |o| o.to_string())
+                        ),
+                    ))
+                }
+                Some(_) => {}
+            }
+            if !hashes.insert(s.hash) || !blocks.insert(s.block) {
                 return Err(SlotError::invalid(
                     None,
-                    format!("no store of hash {:#x} is under way", s.hash),
+                    format!(
+                        "stores[{i}] = (hash {:#x}, block {}) repeats an earlier store",
+                        s.hash, s.block
+                    ),
                 ));
             }
         }
