@@ -106,8 +106,13 @@ def test_lookup_inputs_and_errors():
         ix.lookup(["x"] * 16, 16)
     with pytest.raises(InvalidArgumentError, match="block_size"):
         ix.lookup(toks, 0)
-    # Tokens past the first unmatched block are never read (lookups convert lazily).
-    assert ix.lookup([99] * 16 + ["junk"], 16) == []
+    # Every token is checked before the walk: a refused lookup changes no counter and no
+    # recency, wherever the bad token is.
+    before = (ix.stats(), ix.dump())
+    for bad in ([99] * 16 + ["junk"], toks + [-1], toks + [2**32], toks + [True], toks + [1.0]):
+        with pytest.raises(InvalidArgumentError):
+            ix.lookup(bad, 16)
+    assert (ix.stats(), ix.dump()) == before
 
 
 def test_apply_errors_change_nothing():

@@ -10,7 +10,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 
-from kvslots import InvalidArgumentError, _core
+from kvslots import ArgumentTypeError, InvalidArgumentError, _core
 from kvslots.vllm.transfer import BlockCopier, Transfer
 
 ENGINES = ["rust", "torch"]  # "torch" is the gather/scatter logic the CUDA path runs
@@ -261,41 +261,99 @@ def test_random_copies_match_plain_torch_indexing(case):
 # ---- the raw binding ----
 
 
+def _regions(src, dst, bb=8):
+    return (_core.BlockRegion(src, block_bytes=bb, num_blocks=src.nbytes // bb),
+            _core.BlockRegion(dst, block_bytes=bb, num_blocks=dst.nbytes // bb))
+
+
 def test_core_copy_blocks_validates_before_copying():
     src = torch.arange(64, dtype=torch.uint8)
     dst = torch.zeros(32, dtype=torch.uint8)
-    args = (src.data_ptr(), src.nbytes, 0, 8, dst.data_ptr(), dst.nbytes, 0, 8, 8)
-    assert _core.copy_blocks(*args, [7, 0], [0, 3]) == 16
+    s, d = _regions(src, dst)
+    assert (s.num_blocks, d.num_blocks, s.device, s.dtype) == (8, 4, "cpu", "torch.uint8")
+    assert _core.copy_blocks(s, d, [7, 0], [0, 3]) == 16
     assert dst[:8].tolist() == list(range(56, 64)) and dst[24:].tolist() == list(range(8))
     dst.zero_()
     cases = [
-        ((*args, [0, 8], [0, 1]), "src_blocks[1] = 8: bytes 64..72 lie outside the src region of 64 bytes"),
-        ((*args, [0, 1], [4, 0]), "dst_blocks[0] = 4"),
-        ((*args, [0, -2], [0, 1]), "src_blocks[1] = -2 is a negative block id"),
-        ((*args, [0, 1], [1, 1]), "overlap"),
-        ((*args, [0], [0, 1]), "src_blocks has 1 ids but dst_blocks has 2"),
-        ((*args, [0], [0], 0), "threads must be at least 1"),
-        ((*args[:8], 0, [0], [0]), "block_bytes must be at least 1"),
-        ((src.data_ptr(), -1, *args[2:], [0], [0]), "src_len must be >= 0"),
-        ((0, 64, *args[2:], [0], [0]), "src_addr must be a non-null address"),
-        ((src.data_ptr(), 64, 0, 8, src.data_ptr() + 8, 16, 0, 8, 8, [0], [0]), "regions"),
-        ((*args, ["x"], [0]), "src_blocks[0] must be an integer"),
+        ((s, d, [0, 8], [0, 1]), "src_blocks[1] = 8 is outside the src region's 8 blocks"),
+        ((s, d, [0, 1], [4, 0]), "dst_blocks[0] = 4"),
+        ((s, d, [0, -2], [0, 1]), "src_blocks[1] must be >= 0, got -2"),
+        ((s, d, [0, 1], [1, 1]), "overlap"),
+        ((s, d, [0], [0, 1]), "src_blocks has 1 ids but dst_blocks has 2"),
+        ((s, d, [0], [0], 0), "threads must be at least 1"),
+        ((s, s, [0], [1]), "share memory"),
+        ((s, d, ["x"], [0]), "src_blocks[0] must be an int"),
+        ((s, _core.BlockRegion(dst, block_bytes=4, num_blocks=8), [0], [0]), "blocks are 8 bytes"),
     ]
     for call, fragment in cases:
         with pytest.raises(InvalidArgumentError) as e:
             _core.copy_blocks(*call)
         assert fragment in str(e.value), (fragment, str(e.value))
         assert not dst.any()
+    # No address is accepted anywhere: a copy names registered regions only.
+    with pytest.raises(InvalidArgumentError, match="must be a BlockRegion"):
+        _core.copy_blocks(src.data_ptr(), d, [0], [0])
+
+
+def test_block_region_checks_its_memory_and_layout():
+    t = torch.zeros(64, dtype=torch.uint8)
+    bad = [
+        (lambda: _core.BlockRegion(t, block_bytes=8, num_blocks=9), "do not fit"),
+        (lambda: _core.BlockRegion(t, block_bytes=8, num_blocks=8, offset=1), "do not fit"),
+        (lambda: _core.BlockRegion(t, block_bytes=8, num_blocks=2, stride=4), "overlap"),
+        (lambda: _core.BlockRegion(t, block_bytes=0, num_blocks=1), "block_bytes must be >= 1"),
+        (lambda: _core.BlockRegion(t, block_bytes=8, num_blocks=2**64), "out of range"),
+        (lambda: _core.BlockRegion(t[::2], block_bytes=8, num_blocks=1), "not contiguous"),
+        (lambda: _core.BlockRegion(np.zeros((4, 4))[:, 1], block_bytes=8, num_blocks=1), "not C-contiguous"),
+        (lambda: _core.BlockRegion(12345, block_bytes=8, num_blocks=1), "must be a numpy array or a CPU torch tensor"),
+        (lambda: _core.BlockRegion(bytearray(64), block_bytes=8, num_blocks=1), "must be a numpy array"),
+    ]
+    for make, fragment in bad:
+        with pytest.raises(InvalidArgumentError) as e:
+            make()
+        assert fragment in str(e.value), (fragment, str(e.value))
+
+    class Lying(torch.Tensor):
+        def data_ptr(self):  # pragma: no cover - never called
+            return 0xDEAD
+
+    with pytest.raises(InvalidArgumentError, match="CPU torch tensor|subclass"):
+        _core.BlockRegion(t.as_subclass(Lying), block_bytes=8, num_blocks=1)
+    t.data_ptr = lambda: 0xDEAD  # an instance attribute cannot redirect the region either
+    r = _core.BlockRegion(t, block_bytes=8, num_blocks=8)
+    src = np.arange(64, dtype=np.uint8)
+    ro = src.copy()
+    ro.flags.writeable = False
+    assert _core.copy_blocks(_core.BlockRegion(src, block_bytes=8, num_blocks=8), r, [1], [0]) == 8
+    assert torch.equal(t[:8], torch.arange(8, 16, dtype=torch.uint8))
+    with pytest.raises(InvalidArgumentError, match="read-only"):
+        _core.copy_blocks(r, _core.BlockRegion(ro, block_bytes=8, num_blocks=8), [0], [0])
+
+
+def test_block_region_refuses_memory_that_moved():
+    t = torch.zeros(64, dtype=torch.uint8)
+    src = np.ones(64, dtype=np.uint8)
+    s = _core.BlockRegion(src, block_bytes=8, num_blocks=8)
+    r = _core.BlockRegion(t, block_bytes=8, num_blocks=8)
+    t.resize_(8)  # storage may stay, but the region no longer fits
+    with pytest.raises(InvalidArgumentError, match="moved or shrank"):
+        _core.copy_blocks(s, r, [0], [7])
+    t.resize_(1 << 20)  # reallocated elsewhere
+    with pytest.raises(InvalidArgumentError, match="moved or shrank"):
+        _core.copy_blocks(s, r, [0], [7])
 
 
 def test_core_copy_blocks_accepts_numpy_ids_of_any_int_dtype():
     src = torch.arange(64, dtype=torch.uint8)
     dst = torch.zeros(64, dtype=torch.uint8)
-    for dt in (np.int64, np.int32, np.uint32, np.uint64):
+    s, d = _regions(src, dst)
+    for dt in (np.int64, np.int32, np.uint32, np.uint64, np.int8, np.uint16):
         dst.zero_()
-        n = _core.copy_blocks(src.data_ptr(), 64, 0, 8, dst.data_ptr(), 64, 0, 8, 8,
-                              np.array([1, 2], dtype=dt), np.array([5, 6], dtype=dt), 2)
+        n = _core.copy_blocks(s, d, np.array([1, 2], dtype=dt), np.array([5, 6], dtype=dt), 2)
         assert n == 16 and dst[40:56].tolist() == list(range(8, 24))
+    for bad in (np.array([1.0]), np.array([True]), np.array([[1]]), "ab", 3.0):
+        with pytest.raises(ArgumentTypeError):
+            _core.copy_blocks(s, d, bad, [0])
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

@@ -14,7 +14,9 @@ Every error is a :class:`KVSlotsError`.
 
 from ._core import HostCache, SlotInfo, SlotTracker, __version__, block_hash
 from .errors import (
+    ArgumentTypeError,
     CapacityExceededError,
+    ConcurrentUseError,
     ConfigError,
     ConnectorConfigError,
     DuplicateRequestError,
@@ -42,6 +44,8 @@ __all__ = [
     "InvalidRollbackError",
     "CapacityExceededError",
     "InvalidArgumentError",
+    "ArgumentTypeError",
+    "ConcurrentUseError",
     "ConfigError",
     "ConnectorConfigError",
     "ServeError",

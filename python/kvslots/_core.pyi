@@ -17,6 +17,7 @@ __all__ = [
     "block_hash",
     "encode_event_batch",
     "copy_blocks",
+    "BlockRegion",
     "__version__",
 ]
 
@@ -41,31 +42,49 @@ def encode_event_batch(
     """Raw event tuples (as ``drain_raw_events`` returns) as one msgpack ``KVEventBatch``,
     byte-identical to msgspec encoding the same vLLM structs."""
 
-def copy_blocks(
-    src_addr: int,
-    src_len: int,
-    src_offset: int,
-    src_stride: int,
-    dst_addr: int,
-    dst_len: int,
-    dst_offset: int,
-    dst_stride: int,
-    block_bytes: int,
-    src_blocks: _IntSeq,
-    dst_blocks: _IntSeq,
-    threads: int = 1,
-) -> int:
-    """Copies whole blocks between two host memory regions; returns the bytes copied.
+@final
+class BlockRegion:
+    """A host memory region split into blocks, registered once from the memory object itself.
 
-    For every i: ``dst[dst_offset + dst_blocks[i]*dst_stride :][:block_bytes] =
-    src[src_offset + src_blocks[i]*src_stride :][:block_bytes]``. Regions are raw addresses
-    (torch ``data_ptr()``) and lengths in bytes. Every range is checked first: an out-of-range or
-    negative id, overlapping destination blocks or overlapping regions raise
-    ``InvalidArgumentError`` and copy nothing. Runs of consecutive blocks become one memcpy;
-    copies over 4 MiB are split across up to ``threads`` threads. The GIL is released.
+    ``memory`` is a C-contiguous numpy array or a plain contiguous CPU ``torch.Tensor`` (its
+    address, size, dtype and device are read from the object, which the region keeps alive).
+    Block ``id`` (``0 <= id < num_blocks``) is the bytes ``offset + id * stride ..
+    + block_bytes`` (``stride`` defaults to ``block_bytes``); the whole layout is checked to lie
+    inside the memory.
+    """
 
-    Unsafe by contract: the addresses cannot be verified, so the caller must pass live host
-    memory that nothing else writes during the call (``kvslots.vllm.transfer.BlockCopier`` does).
+    def __new__(
+        cls, memory: Any, *, block_bytes: int, num_blocks: int, stride: int | None = None, offset: int = 0
+    ) -> Self: ...
+    @property
+    def memory(self) -> Any: ...
+    @property
+    def nbytes(self) -> int: ...
+    @property
+    def dtype(self) -> str: ...
+    @property
+    def device(self) -> str: ...
+    @property
+    def writable(self) -> bool: ...
+    @property
+    def num_blocks(self) -> int: ...
+    @property
+    def block_bytes(self) -> int: ...
+    @property
+    def stride(self) -> int: ...
+    @property
+    def offset(self) -> int: ...
+
+def copy_blocks(src: BlockRegion, dst: BlockRegion, src_blocks: _IntSeq, dst_blocks: _IntSeq, threads: int = 1) -> int:
+    """Copies block ``src_blocks[i]`` of ``src`` into block ``dst_blocks[i]`` of ``dst`` for
+    every i; returns the bytes copied.
+
+    No address crosses this call: ids are checked against the regions' block counts, the
+    regions' memory is re-read from their objects (it must not have moved or shrunk), block
+    sizes must match, the dst memory must be writable and the two memories distinct, and no dst
+    block may be written twice; any failure raises ``InvalidArgumentError`` having copied
+    nothing. Runs of consecutive blocks become one memcpy; copies over 4 MiB are split across
+    up to ``threads`` threads. The GIL is released during the copy.
     """
 
 @final
@@ -195,6 +214,7 @@ class SlotTracker:
     def slot_info(self, request_id: str) -> SlotInfo: ...
     def block_table(self, request_id: str) -> list[int]: ...
     def block_hashes(self, request_id: str) -> list[int]: ...
+    def check_invariants(self) -> str | None: ...
     def __len__(self) -> int: ...
 
 @final

@@ -5,7 +5,9 @@
     │   ├── UnknownRequestError, DuplicateRequestError, OutOfBlocksError,
     │   │   InvalidRollbackError, CapacityExceededError
     │   ├── InvalidArgumentError   a malformed argument (also a ValueError)
+    │   │   ├── ArgumentTypeError  an argument of the wrong type (also a TypeError)
     │   │   └── EventDecodeError   a KV event payload that does not decode
+    │   ├── ConcurrentUseError     an object already in use by a call of this or another thread
     │   └── UnknownWorkerError, DuplicateWorkerError   the prefix index's workers
     ├── ConfigError                a configuration kvslots cannot accept (also a ValueError)
     │   └── ConnectorConfigError   the connector's kv_connector_extra_config
@@ -78,6 +80,19 @@ class InvalidArgumentError(SlotError, ValueError):
     """A malformed argument (negative count, wrong length, out-of-range token id, ...)."""
 
 
+class ArgumentTypeError(InvalidArgumentError, TypeError):
+    """An argument of the wrong type (a float, bool or str where an int is expected, a
+    non-sequence where a sequence is, a numpy array of a non-integer dtype or of the wrong
+    shape). Also a :class:`TypeError`, so ``except TypeError`` still catches it."""
+
+
+class ConcurrentUseError(SlotError, RuntimeError):
+    """The object is in the middle of another call: a re-entrant call (an argument's
+    ``__index__`` or ``__iter__`` calling back into the same object) or, where an object does
+    not serialize its callers, a call from another thread. Nothing was changed; retry once the
+    other call has returned."""
+
+
 class ConfigError(KVSlotsError, ValueError):
     """A configuration kvslots cannot accept: a TRT-LLM engine YAML, a speculators checkpoint's
     config.json or a dynamic speculative-decoding schedule.
@@ -134,6 +149,8 @@ __all__ = [
     "InvalidRollbackError",
     "CapacityExceededError",
     "InvalidArgumentError",
+    "ArgumentTypeError",
+    "ConcurrentUseError",
     "ConfigError",
     "ConnectorConfigError",
     "ServeError",

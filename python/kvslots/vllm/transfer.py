@@ -14,7 +14,9 @@ layers alike), so one host block id covers the whole model.
 
 Engines.
 - CPU tensors (vLLM's CPU backend): ``kvslots._core.copy_blocks`` per segment, one memcpy per
-  run of consecutive blocks, the GIL released, optionally split across ``threads`` threads.
+  run of consecutive blocks, the GIL released, optionally split across ``threads`` threads. Each
+  segment and its slice of the host region are registered once as ``_core.BlockRegion`` (from
+  the tensors themselves); a copy names regions and block ids, never an address.
   Copies are synchronous: when ``store``/``load`` return, the bytes are in place.
 - CUDA tensors: a side ``torch.cuda.Stream`` and a pinned host region. Blocks are gathered on
   the GPU into a staging buffer (``index_select`` per segment) and moved with one
@@ -42,7 +44,7 @@ import numpy as np
 import torch
 
 from .. import _core
-from ..errors import InvalidArgumentError
+from ..errors import ArgumentTypeError, InvalidArgumentError
 
 __all__ = ["BlockCopier", "Transfer"]
 
@@ -109,6 +111,10 @@ class BlockCopier:
         engine: Literal["auto", "rust", "torch"] = "auto",
         staging_bytes: int = 64 << 20,
     ):
+        for name, value in (("num_device_blocks", num_device_blocks), ("num_host_blocks", num_host_blocks),
+                            ("threads", threads)):
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+                raise ArgumentTypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
         if num_device_blocks < 1 or num_host_blocks < 1:
             raise InvalidArgumentError(
                 f"num_device_blocks and num_host_blocks must be >= 1, got {num_device_blocks} "
@@ -163,6 +169,16 @@ class BlockCopier:
         self._host = torch.empty(
             (self._num_host_blocks, self._bytes_per_block), dtype=torch.uint8, pin_memory=pin_memory
         )
+
+        # (device region, host region) per segment: registered once, named by every copy.
+        self._regions: list[tuple[Any, Any]] = []
+        if self._engine == "rust":
+            for seg in self._segments:
+                dev = _core.BlockRegion(seg.tensor, block_bytes=seg.block_bytes, num_blocks=self._num_device_blocks,
+                                        offset=seg.dev_offset)
+                host = _core.BlockRegion(self._host, block_bytes=seg.block_bytes, num_blocks=self._num_host_blocks,
+                                         stride=self._bytes_per_block, offset=seg.host_offset)
+                self._regions.append((dev, host))
 
         self._stream = torch.cuda.Stream(self._device) if is_cuda else None
         self._chunk = max(1, min(self._num_host_blocks, staging_bytes // self._bytes_per_block))
@@ -319,17 +335,11 @@ class BlockCopier:
         return Transfer(nbytes, event)
 
     def _copy_rust(self, dev: np.ndarray, host: np.ndarray, to_host: bool) -> None:
-        h = self._host
-        h_addr, h_len, h_stride = h.data_ptr(), h.nbytes, self._bytes_per_block
-        for s in self._segments:
-            t_addr, t_len = s.tensor.data_ptr(), s.tensor.nbytes
-            bb = s.block_bytes
+        for dev_region, host_region in self._regions:
             if to_host:
-                _core.copy_blocks(t_addr, t_len, s.dev_offset, bb, h_addr, h_len, s.host_offset,
-                                  h_stride, bb, dev, host, self._threads)
+                _core.copy_blocks(dev_region, host_region, dev, host, self._threads)
             else:
-                _core.copy_blocks(h_addr, h_len, s.host_offset, h_stride, t_addr, t_len,
-                                  s.dev_offset, bb, bb, host, dev, self._threads)
+                _core.copy_blocks(host_region, dev_region, host, dev, self._threads)
 
     def _copy_torch(self, dev: np.ndarray, host: np.ndarray, to_host: bool) -> None:
         """Gather/scatter through a staging buffer on the layers' device, moving host rows in
@@ -381,7 +391,10 @@ def _as_ids(ids: Ids, name: str, limit: int, kind: str) -> np.ndarray:
     """A contiguous int64 array of ids in ``0..limit``, or a typed error naming the index."""
     if isinstance(ids, torch.Tensor):
         ids = ids.detach().cpu().numpy()
-    a = np.asarray(ids)
+    try:
+        a = np.asarray(ids)
+    except (TypeError, ValueError, OverflowError) as e:
+        raise ArgumentTypeError(f"{name} must be a 1-D sequence of integers, got {type(ids).__name__}") from e
     if a.size == 0:
         return np.empty(0, dtype=np.int64)
     if a.ndim != 1 or a.dtype.kind not in "iu":

@@ -259,7 +259,7 @@ impl HostCache {
         let runs = self.runs.entry(step).or_default();
         let mut prev: Option<usize> = None;
         for &(i, p) in &started {
-            if prev.is_none_or(|q| q + 1 != i) {
+            if prev.map_or(true, |q| q + 1 != i) {
                 let parent = if i == 0 { parent } else { Some(hashes[i - 1]) };
                 runs.push(StoreRun {
                     stores: Vec::new(),

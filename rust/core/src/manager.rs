@@ -435,7 +435,7 @@ impl SlotManager {
         let lens_ok = input.num_accepted.len() == n
             && input.num_rejected.len() == n
             && input.num_new_tokens.len() == n
-            && input.lookahead.is_none_or(|l| l.len() == n);
+            && input.lookahead.map_or(true, |l| l.len() == n);
         if !lens_ok {
             return Err(SlotError::invalid(
                 None,
@@ -498,9 +498,7 @@ impl SlotManager {
             let k = input.lookahead.map_or(slot.lookahead, |l| l[j] as usize);
             // r <= pending - a <= pending, so only the additions can overflow; a count past
             // usize::MAX is over any limit and any pool, and saturating keeps it so.
-            let filled = (slot.committed() + (slot.pending - r))
-                .checked_add(new)
-                .unwrap_or(usize::MAX);
+            let filled = (slot.committed() + (slot.pending - r)).saturating_add(new);
             self.check_len(slot, filled)?;
             let target = filled
                 .checked_add(k)

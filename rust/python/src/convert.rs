@@ -1,75 +1,43 @@
-//! Argument and result conversions between Python objects and kvslots-core types: integer
-//! sequences (borrowed numpy arrays or copied sequences), counts, event tuples and msgpack event
-//! batches, the prefix index's tier / LoRA / token arguments. Bad arguments raise
-//! `InvalidArgumentError` naming the argument.
+//! Argument and result conversions between Python objects and kvslots-core types.
+//!
+//! Every public argument arrives as a plain Python object and is converted here, before the
+//! object it is for is borrowed or locked: converting may run Python code (`__index__`,
+//! `__iter__`, `__repr__`), and that code may call back into the same object. A bad argument
+//! raises `ArgumentTypeError` (wrong type) or `InvalidArgumentError` (a value out of range),
+//! naming the argument and the value; nothing builtin (`TypeError`, `OverflowError`,
+//! `UnicodeEncodeError`) escapes.
+//!
+//! The rules, which the pure-Python reference model (`kvslots.slots.reference`) applies too:
+//! - an integer is an `int` (not a `bool`) or an object with `__index__` (numpy integers); a
+//!   float, even integral, is refused; the value must lie in the argument's range;
+//! - a flag is a `bool`;
+//! - a text argument is a `str` that encodes as UTF-8 (no lone surrogates);
+//! - an integer sequence is a 1-D numpy array of an integer dtype (any layout; copied) or any
+//!   iterable of integers; its items follow the integer rule.
 
 use kvslots_core as core;
-use kvslots_core::index::{lora_name_key, Tier};
-use numpy::{PyReadonlyArray1, PyUntypedArrayMethods};
+use numpy::{PyArrayDescrMethods, PyReadonlyArray1, PyUntypedArray, PyUntypedArrayMethods};
+use pyo3::exceptions::PyTypeError;
 use pyo3::prelude::*;
-use pyo3::types::{PyBytes, PyList, PyTuple};
+use pyo3::types::{PyBool, PyByteArray, PyBytes, PyFloat, PyInt, PyList, PyString, PyTuple};
 
-use crate::errors::{encode_error, index_invalid, invalid};
+use crate::errors::{encode_error, invalid, type_error, KVSlotsError};
 
-/// An integer sequence argument: a contiguous numpy array of the right dtype is borrowed as is;
-/// anything else (lists, other integer dtypes) is range-checked and copied.
-pub(crate) enum IntArg<'py, T: numpy::Element> {
-    Borrowed(PyReadonlyArray1<'py, T>),
-    Owned(Vec<T>),
-}
+/// At most this many characters of an argument's repr go into an error message.
+const SHOW_CHARS: usize = 80;
 
-impl<'py, T> IntArg<'py, T>
-where
-    T: numpy::Element + Copy + TryFrom<i128> + for<'a> FromPyObject<'a, 'py>,
-{
-    pub(crate) fn extract(
-        obj: &Bound<'py, PyAny>,
-        what: &str,
-        request: Option<&str>,
-    ) -> PyResult<Self> {
-        if let Ok(a) = obj.extract::<PyReadonlyArray1<'py, T>>() {
-            if a.is_contiguous() {
-                return Ok(IntArg::Borrowed(a));
-            }
-        }
-        // Generic path: numpy arrays of other dtypes and Python sequences, element by element.
-        let seq = obj.try_iter().map_err(|_| {
-            invalid(
-                request,
-                format!(
-                    "{what} must be a sequence of integers, got {}",
-                    type_name(obj)
-                ),
-            )
-        })?;
-        let mut out = Vec::new();
-        for (i, item) in seq.enumerate() {
-            let item = item?;
-            let v: i128 = item.extract().map_err(|_| {
-                invalid(
-                    request,
-                    format!("{what}[{i}] must be an integer, got {}", type_name(&item)),
-                )
-            })?;
-            let t = T::try_from(v).map_err(|_| {
-                invalid(
-                    request,
-                    format!(
-                        "{what}[{i}] = {v} is out of range for {}",
-                        std::any::type_name::<T>()
-                    ),
-                )
-            })?;
-            out.push(t);
-        }
-        Ok(IntArg::Owned(out))
-    }
-
-    pub(crate) fn as_slice(&self) -> &[T] {
-        match self {
-            IntArg::Borrowed(a) => a.as_slice().expect("checked contiguous"),
-            IntArg::Owned(v) => v,
-        }
+/// An argument's repr for an error message, shortened (`<T object>` if repr fails).
+pub(crate) fn show(obj: &Bound<'_, PyAny>) -> String {
+    let s = match obj.repr() {
+        Ok(r) => r.to_string_lossy().into_owned(),
+        Err(_) => format!("<{} object>", type_name(obj)),
+    };
+    if s.chars().count() > SHOW_CHARS {
+        let mut t: String = s.chars().take(SHOW_CHARS).collect();
+        t.push_str("...");
+        t
+    } else {
+        s
     }
 }
 
@@ -81,30 +49,436 @@ pub(crate) fn type_name(obj: &Bound<'_, PyAny>) -> String {
         .unwrap_or_else(|_| "?".into())
 }
 
-/// A non-negative count argument as `usize`.
-pub(crate) fn count(v: i64, what: &str, request: Option<&str>) -> PyResult<usize> {
-    usize::try_from(v).map_err(|_| invalid(request, format!("{what} must be >= 0, got {v}")))
+/// An error raised by Python code an argument ran (`__index__`, `__iter__`, ...): a kvslots
+/// error passes through (say, a re-entrant call refused), anything else becomes `wrap`'s
+/// kvslots error with the original as its cause.
+fn from_callback(py: Python<'_>, e: PyErr, wrap: PyErr) -> PyErr {
+    if e.is_instance_of::<KVSlotsError>(py) {
+        return e;
+    }
+    wrap.set_cause(py, Some(e));
+    wrap
 }
 
-/// Block ids as u64; negative ids are typed errors naming the index.
+// ---- integers ----
+
+/// An integer type an argument converts to, with its range for messages.
+pub(crate) trait IntRange: Copy + TryFrom<i128> {
+    const MIN: i128;
+    const MAX: i128;
+    const RANGE: &'static str;
+}
+macro_rules! int_range {
+    ($($t:ty => $r:expr),*) => {$(
+        impl IntRange for $t {
+            const MIN: i128 = <$t>::MIN as i128;
+            const MAX: i128 = <$t>::MAX as i128;
+            const RANGE: &'static str = $r;
+        }
+    )*};
+}
+int_range!(u8 => "[0, 2**8)", u32 => "[0, 2**32)", u64 => "[0, 2**64)", i64 => "[-2**63, 2**63)",
+           usize => "[0, 2**64)");
+
+/// The error for an integer argument out of its range.
+fn out_of_range<T: IntRange>(what: &str, shown: &str, request: Option<&str>) -> PyErr {
+    if T::MIN == 0 && shown.starts_with('-') {
+        invalid(
+            request,
+            format!(
+                "{what} must be >= 0, got {shown} (out of range {})",
+                T::RANGE
+            ),
+        )
+    } else {
+        invalid(
+            request,
+            format!("{what} = {shown} is out of range {}", T::RANGE),
+        )
+    }
+}
+
+/// An exact `int` (not a `bool`) as i128, `Err(None)` when it does not fit one.
+fn small_int(i: &Bound<'_, PyInt>) -> Option<i128> {
+    i.extract::<i128>().ok()
+}
+
+/// An integer argument: an `int` or an object with `__index__`, never a `bool` or a float.
+pub(crate) fn int<T: IntRange>(
+    obj: &Bound<'_, PyAny>,
+    what: &str,
+    request: Option<&str>,
+) -> PyResult<T> {
+    let py = obj.py();
+    let wrong = || {
+        type_error(
+            request,
+            format!(
+                "{what} must be an int, got {} {}",
+                type_name(obj),
+                show(obj)
+            ),
+        )
+    };
+    if obj.is_instance_of::<PyBool>() || obj.is_instance_of::<PyFloat>() {
+        return Err(wrong());
+    }
+    let owned;
+    let i = match obj.cast::<PyInt>() {
+        Ok(i) => i,
+        Err(_) => {
+            // __index__ (numpy integers): Python code, run before any borrow or lock.
+            // SAFETY: PyNumber_Index returns a new reference or NULL with an exception set.
+            let r = unsafe {
+                Bound::from_owned_ptr_or_err(py, pyo3::ffi::PyNumber_Index(obj.as_ptr()))
+            };
+            owned = match r {
+                Ok(v) => v,
+                Err(e) if e.is_instance_of::<PyTypeError>(py) => return Err(wrong()),
+                Err(e) => return Err(from_callback(py, e, wrong())),
+            };
+            if owned.is_instance_of::<PyBool>() {
+                return Err(wrong());
+            }
+            owned.cast::<PyInt>().map_err(|_| wrong())?
+        }
+    };
+    let shown = || i.to_string();
+    match small_int(i) {
+        Some(v) if (T::MIN..=T::MAX).contains(&v) => {
+            T::try_from(v).map_err(|_| out_of_range::<T>(what, &shown(), request))
+        }
+        _ => Err(out_of_range::<T>(what, &shown(), request)),
+    }
+}
+
+/// A non-negative count as `usize`.
+pub(crate) fn count(obj: &Bound<'_, PyAny>, what: &str, request: Option<&str>) -> PyResult<usize> {
+    int::<usize>(obj, what, request)
+}
+
+/// An optional integer: `None` stays `None`.
+pub(crate) fn opt_int<T: IntRange>(
+    obj: Option<&Bound<'_, PyAny>>,
+    what: &str,
+    request: Option<&str>,
+) -> PyResult<Option<T>> {
+    match obj {
+        Some(o) if !o.is_none() => int::<T>(o, what, request).map(Some),
+        _ => Ok(None),
+    }
+}
+
+/// A flag: a `bool`, nothing else.
+pub(crate) fn flag(obj: &Bound<'_, PyAny>, what: &str, request: Option<&str>) -> PyResult<bool> {
+    obj.cast::<PyBool>().map(|b| b.is_true()).map_err(|_| {
+        type_error(
+            request,
+            format!(
+                "{what} must be a bool, got {} {}",
+                type_name(obj),
+                show(obj)
+            ),
+        )
+    })
+}
+
+/// A float (an `int` is taken as its value; a `bool` is refused). NaN and infinities are
+/// floats too: the wire format carries them as they are.
+pub(crate) fn float_arg(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<f64> {
+    let wrong = || {
+        type_error(
+            None,
+            format!(
+                "{what} must be a float, got {} {}",
+                type_name(obj),
+                show(obj)
+            ),
+        )
+    };
+    if obj.is_instance_of::<PyBool>() {
+        return Err(wrong());
+    }
+    let v = if let Ok(f) = obj.cast::<PyFloat>() {
+        f.value()
+    } else if obj.is_instance_of::<PyInt>() {
+        obj.extract::<f64>()
+            .map_err(|_| invalid(None, format!("{what} = {} is too large", show(obj))))?
+    } else {
+        return Err(wrong());
+    };
+    Ok(v)
+}
+
+// ---- text ----
+
+/// A text argument: a `str` that encodes as UTF-8.
+pub(crate) fn text<'a>(obj: &'a Bound<'_, PyAny>, what: &str) -> PyResult<&'a str> {
+    let s = obj.cast::<PyString>().map_err(|_| {
+        type_error(
+            None,
+            format!("{what} must be a str, got {} {}", type_name(obj), show(obj)),
+        )
+    })?;
+    s.to_str().map_err(|_| {
+        invalid(
+            None,
+            format!(
+                "{what} must be valid Unicode text (no lone surrogates), got {}",
+                show(obj)
+            ),
+        )
+    })
+}
+
+/// An optional text argument.
+pub(crate) fn opt_text<'a>(
+    obj: Option<&'a Bound<'_, PyAny>>,
+    what: &str,
+) -> PyResult<Option<&'a str>> {
+    match obj {
+        Some(o) if !o.is_none() => text(o, what).map(Some),
+        _ => Ok(None),
+    }
+}
+
+/// A request id: a text argument named `request_id`.
+pub(crate) fn request_id<'a>(obj: &'a Bound<'_, PyAny>) -> PyResult<&'a str> {
+    text(obj, "request_id")
+}
+
+/// A bytes payload: `bytes` (borrowed, immutable) or `bytearray` (copied: another thread may
+/// change it).
+pub(crate) enum Payload<'a> {
+    Bytes(&'a [u8]),
+    Owned(Vec<u8>),
+}
+impl Payload<'_> {
+    pub(crate) fn as_slice(&self) -> &[u8] {
+        match self {
+            Payload::Bytes(b) => b,
+            Payload::Owned(v) => v,
+        }
+    }
+}
+pub(crate) fn payload<'a>(obj: &'a Bound<'_, PyAny>, what: &str) -> PyResult<Payload<'a>> {
+    if let Ok(b) = obj.cast::<PyBytes>() {
+        return Ok(Payload::Bytes(b.as_bytes()));
+    }
+    if let Ok(b) = obj.cast::<PyByteArray>() {
+        return Ok(Payload::Owned(b.to_vec()));
+    }
+    Err(type_error(
+        None,
+        format!(
+            "{what} must be bytes or bytearray, got {} {}",
+            type_name(obj),
+            show(obj)
+        ),
+    ))
+}
+
+// ---- integer sequences ----
+
+/// An integer sequence argument, always copied: the engine never reads memory another thread
+/// can change under it (a numpy array stays writable by others while a call runs).
+pub(crate) struct IntArg<T>(pub(crate) Vec<T>);
+
+/// Copies a 1-D numpy array of element type `$src` into `T`, range-checking each element.
+macro_rules! try_numpy {
+    ($arr:expr, $what:expr, $request:expr, $($src:ty),*) => {$(
+        if let Ok(a) = $arr.extract::<PyReadonlyArray1<'_, $src>>() {
+            let view = a.as_array();
+            let mut out = Vec::with_capacity(view.len());
+            for (i, &v) in view.iter().enumerate() {
+                match T::try_from(v as i128) {
+                    Ok(t) if (v as i128) >= T::MIN && (v as i128) <= T::MAX => out.push(t),
+                    _ => return Err(out_of_range::<T>(&format!("{}[{i}]", $what), &v.to_string(), $request)),
+                }
+            }
+            return Ok(IntArg(out));
+        }
+    )*};
+}
+
+impl<T: IntRange> IntArg<T> {
+    pub(crate) fn extract(
+        obj: &Bound<'_, PyAny>,
+        what: &str,
+        request: Option<&str>,
+    ) -> PyResult<Self> {
+        let py = obj.py();
+        if let Ok(arr) = obj.cast::<PyUntypedArray>() {
+            let dtype = arr.dtype();
+            let kind = dtype.kind();
+            if arr.ndim() != 1 {
+                return Err(type_error(
+                    request,
+                    format!(
+                        "{what} must be a 1-D array of integers, got shape {:?}",
+                        arr.shape()
+                    ),
+                ));
+            }
+            match kind {
+                b'i' | b'u' => {
+                    try_numpy!(arr, what, request, i64, u64, i32, u32, i16, u16, i8, u8);
+                    // A non-native byte order: read element by element below.
+                }
+                b'O' => {}
+                _ => {
+                    return Err(type_error(
+                        request,
+                        format!(
+                            "{what} must be integers, got a numpy array of dtype {}",
+                            dtype.str().map(|s| s.to_string()).unwrap_or_default()
+                        ),
+                    ))
+                }
+            }
+        }
+        let not_seq = || {
+            type_error(
+                request,
+                format!(
+                    "{what} must be a sequence of integers, got {} {}",
+                    type_name(obj),
+                    show(obj)
+                ),
+            )
+        };
+        if obj.is_instance_of::<PyString>() {
+            return Err(not_seq());
+        }
+        // Lists and tuples: read in place (no iterator protocol, no Python code but __index__).
+        if let Ok(list) = obj.cast::<PyList>() {
+            let mut out = Vec::with_capacity(list.len());
+            let mut i = 0;
+            // The list may change length while an item's __index__ runs: re-read the length.
+            while i < list.len() {
+                let item = list.get_item(i)?;
+                out.push(int::<T>(&item, &format!("{what}[{i}]"), request)?);
+                i += 1;
+            }
+            return Ok(IntArg(out));
+        }
+        if let Ok(t) = obj.cast::<PyTuple>() {
+            let mut out = Vec::with_capacity(t.len());
+            for (i, item) in t.iter().enumerate() {
+                out.push(int::<T>(&item, &format!("{what}[{i}]"), request)?);
+            }
+            return Ok(IntArg(out));
+        }
+        let seq = match obj.try_iter() {
+            Ok(s) => s,
+            Err(e) if e.is_instance_of::<PyTypeError>(py) => return Err(not_seq()),
+            Err(e) => return Err(from_callback(py, e, not_seq())),
+        };
+        let mut out = Vec::new();
+        for (i, item) in seq.enumerate() {
+            let item = item.map_err(|e| {
+                from_callback(
+                    py,
+                    e,
+                    invalid(request, format!("{what}: iterating it raised an error")),
+                )
+            })?;
+            out.push(int::<T>(&item, &format!("{what}[{i}]"), request)?);
+        }
+        Ok(IntArg(out))
+    }
+
+    pub(crate) fn as_slice(&self) -> &[T] {
+        &self.0
+    }
+}
+
+/// An optional integer sequence.
+pub(crate) fn opt_ints<T: IntRange>(
+    obj: Option<&Bound<'_, PyAny>>,
+    what: &str,
+    request: Option<&str>,
+) -> PyResult<Option<IntArg<T>>> {
+    match obj {
+        Some(o) if !o.is_none() => IntArg::<T>::extract(o, what, request).map(Some),
+        _ => Ok(None),
+    }
+}
+
+/// Block ids as u64; negative ids are errors naming the index.
 pub(crate) fn block_ids(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<Vec<u64>> {
-    let ids = IntArg::<i64>::extract(obj, what, None)?;
-    ids.as_slice()
-        .iter()
-        .enumerate()
-        .map(|(i, &v)| {
-            u64::try_from(v)
-                .map_err(|_| invalid(None, format!("{what}[{i}] = {v} is a negative block id")))
-        })
-        .collect()
+    IntArg::<u64>::extract(obj, what, None).map(|a| a.0)
+}
+
+/// A sequence of fixed-arity tuples (`[(hash, block)]`, `[(engine, key, groups)]`), each item
+/// converted by `item`.
+pub(crate) fn tuples<R>(
+    obj: &Bound<'_, PyAny>,
+    what: &str,
+    arity: usize,
+    mut item: impl FnMut(&[Bound<'_, PyAny>], &str) -> PyResult<R>,
+) -> PyResult<Vec<R>> {
+    let py = obj.py();
+    let not_seq = || {
+        type_error(
+            None,
+            format!(
+                "{what} must be a sequence of {arity}-tuples, got {} {}",
+                type_name(obj),
+                show(obj)
+            ),
+        )
+    };
+    if obj.is_instance_of::<PyString>() || obj.is_instance_of::<PyBytes>() {
+        return Err(not_seq());
+    }
+    let items: Vec<Bound<'_, PyAny>> = match obj.try_iter() {
+        Ok(it) => it
+            .collect::<PyResult<_>>()
+            .map_err(|e| from_callback(py, e, not_seq()))?,
+        Err(e) if e.is_instance_of::<PyTypeError>(py) => return Err(not_seq()),
+        Err(e) => return Err(from_callback(py, e, not_seq())),
+    };
+    let mut out = Vec::with_capacity(items.len());
+    for (i, it) in items.iter().enumerate() {
+        let name = format!("{what}[{i}]");
+        let fields: Vec<Bound<'_, PyAny>> = if let Ok(t) = it.cast::<PyTuple>() {
+            t.iter().collect()
+        } else if let Ok(l) = it.cast::<PyList>() {
+            l.iter().collect()
+        } else {
+            return Err(type_error(
+                None,
+                format!(
+                    "{name} must be a tuple of {arity}, got {} {}",
+                    type_name(it),
+                    show(it)
+                ),
+            ));
+        };
+        if fields.len() != arity {
+            return Err(invalid(
+                None,
+                format!(
+                    "{name} must have {arity} items, got {} ({})",
+                    fields.len(),
+                    show(it)
+                ),
+            ));
+        }
+        out.push(item(&fields, &name)?);
+    }
+    Ok(out)
 }
 
 /// `[(hash, block)]` pairs as the host cache's pending stores.
-pub(crate) fn pending(stores: Vec<(u64, u32)>) -> Vec<core::PendingStore> {
-    stores
-        .into_iter()
-        .map(|(hash, block)| core::PendingStore { hash, block })
-        .collect()
+pub(crate) fn pending(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<Vec<core::PendingStore>> {
+    tuples(obj, what, 2, |f, name| {
+        Ok(core::PendingStore {
+            hash: int::<u64>(&f[0], &format!("{name}[0] (hash)"), None)?,
+            block: int::<u32>(&f[1], &format!("{name}[1] (block)"), None)?,
+        })
+    })
 }
 
 // ---- events ----
@@ -151,25 +525,31 @@ pub(crate) fn events_to_py<'py>(
 /// One raw event tuple (the shape `drain_raw_events` returns) as an owned event.
 pub(crate) fn event_from_py(obj: &Bound<'_, PyAny>, i: usize) -> PyResult<core::KvEvent> {
     let bad = |what: String| invalid(None, format!("events[{i}]: {what}"));
-    let t = obj
-        .cast::<PyTuple>()
-        .map_err(|_| bad(format!("must be a tuple, got {}", type_name(obj))))?;
-    let kind: String = t
-        .get_item(0)
-        .and_then(|k| k.extract())
-        .map_err(|_| bad("must start with the event kind (a str)".into()))?;
+    let t = obj.cast::<PyTuple>().map_err(|_| {
+        type_error(
+            None,
+            format!(
+                "events[{i}] must be a tuple, got {} {}",
+                type_name(obj),
+                show(obj)
+            ),
+        )
+    })?;
+    let kind = match t.get_item(0) {
+        Ok(k) => text(&k, &format!("events[{i}][0] (the event kind)"))?.to_owned(),
+        Err(_) => return Err(bad("must start with the event kind (a str)".into())),
+    };
     let field = |j: usize, name: &str| -> PyResult<Bound<'_, PyAny>> {
         t.get_item(j)
             .map_err(|_| bad(format!("{kind} tuple has no {name} (item {j})")))
     };
     let u64s = |j: usize, name: &str| -> PyResult<Vec<u64>> {
         let v = field(j, name)?;
-        IntArg::<u64>::extract(&v, name, None).map(|a| a.as_slice().to_vec())
+        IntArg::<u64>::extract(&v, &format!("events[{i}].{name}"), None).map(|a| a.0)
     };
     let opt_u64 = |j: usize, name: &str| -> PyResult<Option<u64>> {
-        field(j, name)?
-            .extract::<Option<u64>>()
-            .map_err(|_| bad(format!("{name} must be None or an int in [0, 2**64)")))
+        let v = field(j, name)?;
+        opt_int::<u64>(Some(&v), &format!("events[{i}].{name}"), None)
     };
     let expect_len = |n: usize| -> PyResult<()> {
         if t.len() != n {
@@ -187,12 +567,17 @@ pub(crate) fn event_from_py(obj: &Bound<'_, PyAny>, i: usize) -> PyResult<core::
             Ok(core::KvEvent::BlockStored {
                 block_hashes: u64s(1, "block_hashes")?,
                 parent_block_hash: opt_u64(2, "parent_block_hash")?,
-                token_ids: IntArg::<u32>::extract(&tokens, "token_ids", None)?
-                    .as_slice()
-                    .to_vec(),
-                block_size: field(4, "block_size")?
-                    .extract::<u32>()
-                    .map_err(|_| bad("block_size must be an int in [0, 2**32)".into()))?,
+                token_ids: IntArg::<u32>::extract(
+                    &tokens,
+                    &format!("events[{i}].token_ids"),
+                    None,
+                )?
+                .0,
+                block_size: int::<u32>(
+                    &field(4, "block_size")?,
+                    &format!("events[{i}].block_size"),
+                    None,
+                )?,
                 lora_id: opt_u64(5, "lora_id")?,
             })
         }
@@ -210,26 +595,45 @@ pub(crate) fn event_from_py(obj: &Bound<'_, PyAny>, i: usize) -> PyResult<core::
     }
 }
 
-/// The batch-level values of an encoded event batch, from the Python arguments.
-pub(crate) fn batch_meta<'a>(
+/// The batch-level arguments of an encoded event batch, converted.
+pub(crate) struct MetaArgs<'a> {
     ts: f64,
     medium: Option<&'a str>,
     data_parallel_rank: Option<i64>,
     hashes_as_bytes: bool,
-) -> core::BatchMeta<'a> {
-    core::BatchMeta {
-        ts,
-        data_parallel_rank,
-        medium,
-        hash_format: if hashes_as_bytes {
-            core::HashFormat::Bytes
-        } else {
-            core::HashFormat::U64
-        },
+}
+
+impl<'a> MetaArgs<'a> {
+    pub(crate) fn extract(
+        ts: &Bound<'_, PyAny>,
+        medium: Option<&'a str>,
+        data_parallel_rank: Option<&Bound<'_, PyAny>>,
+        hashes_as_bytes: bool,
+    ) -> PyResult<Self> {
+        Ok(MetaArgs {
+            ts: float_arg(ts, "ts")?,
+            medium,
+            data_parallel_rank: opt_int::<i64>(data_parallel_rank, "data_parallel_rank", None)?,
+            hashes_as_bytes,
+        })
+    }
+
+    pub(crate) fn meta(&self) -> core::BatchMeta<'a> {
+        core::BatchMeta {
+            ts: self.ts,
+            data_parallel_rank: self.data_parallel_rank,
+            medium: self.medium,
+            hash_format: if self.hashes_as_bytes {
+                core::HashFormat::Bytes
+            } else {
+                core::HashFormat::U64
+            },
+        }
     }
 }
 
-/// Encodes a queued log into `buf` (reused scratch) with the GIL released; the log is unchanged.
+/// Encodes a queued log into `buf` (reused scratch); the log is unchanged. The GIL stays held:
+/// the log belongs to an object other threads may call.
 pub(crate) fn log_to_msgpack<'py>(
     py: Python<'py>,
     log: &core::EventLog,
@@ -237,54 +641,47 @@ pub(crate) fn log_to_msgpack<'py>(
     meta: core::BatchMeta<'_>,
 ) -> PyResult<Bound<'py, PyBytes>> {
     buf.clear();
-    py.detach(|| log.encode_msgpack(&meta, buf))
-        .map_err(encode_error)?;
+    log.encode_msgpack(&meta, buf).map_err(encode_error)?;
     Ok(PyBytes::new(py, buf))
 }
 
-// ---- prefix index arguments ----
+/// Converters for arguments that have a default other than `None` (`#[pyo3(from_py_with)]`:
+/// the runtime signature keeps its defaults, and a given value gets the same rules and errors
+/// as every other argument).
+pub(crate) mod arg {
+    use super::*;
 
-/// A tier name, as `Tier::parse` reads it (`GPU`, `CPU`, `STORAGE`; any case).
-pub(crate) fn tier(name: &str) -> PyResult<Tier> {
-    Tier::parse(name)
-        .ok_or_else(|| index_invalid(format!("unknown tier {name:?} (GPU, CPU or STORAGE)")))
-}
-
-/// The LoRA identity of a lookup: `lora_id`, else the key of `lora_name`.
-pub(crate) fn lora(lora_id: Option<u64>, lora_name: Option<&str>) -> Option<u64> {
-    lora_id.or_else(|| lora_name.map(lora_name_key))
-}
-
-/// Item `j` of a list as a token id. Reads the item as a borrowed reference: the per-token
-/// incref/decref of a safe `get_item` was a visible share of a lookup.
-pub(crate) fn list_u32(list: &Bound<'_, PyList>, j: usize) -> PyResult<u32> {
-    let py = list.py();
-    // SAFETY: `list` is a live list and the GIL is held for the whole call; `j` is checked by
-    // PyList_GetItem (NULL + IndexError when out of range). The borrowed item stays alive while
-    // the list does, and we only read it.
-    let v = unsafe {
-        let item = pyo3::ffi::PyList_GetItem(list.as_ptr(), j as pyo3::ffi::Py_ssize_t);
-        if item.is_null() {
-            return Err(PyErr::fetch(py));
-        }
-        pyo3::ffi::PyLong_AsLongLong(item)
-    };
-    if v == -1 {
-        if let Some(e) = PyErr::take(py) {
-            return Err(index_invalid(format!("token_ids[{j}] must be an int: {e}")));
-        }
+    pub(crate) fn hash_seed(o: &Bound<'_, PyAny>) -> PyResult<u64> {
+        int::<u64>(o, "hash_seed", None)
     }
-    u32::try_from(v).map_err(|_| {
-        index_invalid(format!(
-            "token_ids[{j}] = {v} is out of range for a token id"
-        ))
-    })
-}
-
-/// A block size argument: at least 1.
-pub(crate) fn block_size_arg(block_size: i64) -> PyResult<usize> {
-    usize::try_from(block_size)
-        .ok()
-        .filter(|b| *b > 0)
-        .ok_or_else(|| index_invalid(format!("block_size must be >= 1, got {block_size}")))
+    pub(crate) fn lookahead(o: &Bound<'_, PyAny>) -> PyResult<usize> {
+        count(o, "lookahead", None)
+    }
+    pub(crate) fn offset(o: &Bound<'_, PyAny>) -> PyResult<usize> {
+        count(o, "offset", None)
+    }
+    pub(crate) fn threads(o: &Bound<'_, PyAny>) -> PyResult<usize> {
+        count(o, "threads", None)
+    }
+    pub(crate) fn match_prefix(o: &Bound<'_, PyAny>) -> PyResult<bool> {
+        flag(o, "match_prefix", None)
+    }
+    pub(crate) fn enable_prefix_caching(o: &Bound<'_, PyAny>) -> PyResult<bool> {
+        flag(o, "enable_prefix_caching", None)
+    }
+    pub(crate) fn hashes_as_bytes(o: &Bound<'_, PyAny>) -> PyResult<bool> {
+        flag(o, "hashes_as_bytes", None)
+    }
+    pub(crate) fn journal(o: &Bound<'_, PyAny>) -> PyResult<bool> {
+        flag(o, "journal", None)
+    }
+    pub(crate) fn medium(o: &Bound<'_, PyAny>) -> PyResult<Option<String>> {
+        opt_text(Some(o), "medium").map(|m| m.map(str::to_owned))
+    }
+    pub(crate) fn default_tier(o: &Bound<'_, PyAny>) -> PyResult<String> {
+        text(o, "default_tier").map(str::to_owned)
+    }
+    pub(crate) fn failed_blocks(o: &Bound<'_, PyAny>) -> PyResult<Vec<u32>> {
+        IntArg::<u32>::extract(o, "failed_blocks", None).map(|a| a.0)
+    }
 }

@@ -1,103 +1,384 @@
-//! `kvslots._core.copy_blocks`: whole-block copies between two caller-given host memory regions
-//! (the host tier's transfers). Validates the regions, then hands slices to
-//! `kvslots_core::copy_blocks` with the GIL released.
+//! `kvslots._core.BlockRegion` and `kvslots._core.copy_blocks`: whole-block copies between
+//! registered host memory regions (the host tier's transfers).
+//!
+//! No address crosses a copy call. A region is registered once from the memory object itself
+//! (a numpy array through `__array_interface__`, or a CPU torch tensor through its own
+//! `data_ptr`, `nbytes`, `dtype` and `device`), together with its block layout; the region
+//! keeps the object alive. A copy names two regions and block ids, every id is checked against
+//! its region's block count, and the memory is read again from the object (it must not have
+//! moved or shrunk) before any byte moves.
 
 use kvslots_core as core;
+use numpy::{PyArrayDescrMethods, PyUntypedArray, PyUntypedArrayMethods};
 use pyo3::prelude::*;
 
-use crate::convert::{block_ids, count};
-use crate::errors::{invalid, slot_error};
+use crate::convert::{arg, block_ids, count, int, show, type_name};
+use crate::errors::{invalid, slot_error, type_error};
 
-/// A caller-given host memory region: address (torch `data_ptr()`) and length in bytes.
-fn host_region(addr: i128, len: i64, what: &str) -> PyResult<(usize, usize)> {
-    let len = count(len, &format!("{what}_len"), None)?;
-    let a = usize::try_from(addr).ok().filter(|&a| a != 0 || len == 0);
-    let Some(a) = a else {
-        return Err(invalid(
-            None,
-            format!("{what}_addr must be a non-null address, got {addr}"),
-        ));
-    };
-    // from_raw_parts needs the region to fit in isize and not wrap the address space.
-    if len > isize::MAX as usize || a.checked_add(len).is_none() {
-        return Err(invalid(
-            None,
-            format!("{what} region {a:#x} + {len} bytes wraps the address space"),
-        ));
-    }
-    Ok((a, len))
+/// Where a memory object's bytes are, read from the object itself.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Memory {
+    base: usize,
+    nbytes: usize,
+    writable: bool,
+    dtype: String,
+    device: String,
 }
 
-/// Copies whole blocks between two host memory regions given by address and length:
-/// `dst[dst_offset + dst_blocks[i] * dst_stride ..][..block_bytes] =
-///  src[src_offset + src_blocks[i] * src_stride ..][..block_bytes]`. Returns the bytes copied.
-///
-/// Every range is validated before anything is copied; the GIL is released during the copy.
-/// The addresses cannot be checked: the caller promises that both regions are live host memory
-/// (readable / writable) for the whole call and that nothing else writes them meanwhile.
+fn bad_memory(obj: &Bound<'_, PyAny>, why: &str) -> PyErr {
+    invalid(
+        None,
+        format!("memory ({} {}): {why}", type_name(obj), show(obj)),
+    )
+}
+
+/// A CPU torch tensor's memory (contiguous), or `None` when `obj` is not a torch tensor. Only
+/// a plain `torch.Tensor` or `torch.nn.Parameter` is accepted, and it is read through the
+/// tensor base class, so neither a subclass (`__torch_function__`) nor an instance attribute
+/// can substitute another address.
+fn torch_memory(obj: &Bound<'_, PyAny>) -> PyResult<Option<Memory>> {
+    let py = obj.py();
+    let ty = obj.get_type();
+    let module: String = ty.module().map(|m| m.to_string()).unwrap_or_default();
+    if !module.starts_with("torch") {
+        return Ok(None);
+    }
+    let torch = py.import("torch")?;
+    let tensor = torch.getattr("Tensor")?;
+    let parameter = torch.getattr("nn")?.getattr("Parameter")?;
+    if !ty.is(&tensor) && !ty.is(&parameter) {
+        if obj.is_instance(&tensor)? {
+            return Err(bad_memory(
+                obj,
+                "a torch.Tensor subclass; register a plain tensor (t.as_subclass(torch.Tensor))",
+            ));
+        }
+        return Ok(None);
+    }
+    let base_cls = torch.getattr("_C")?.getattr("TensorBase")?;
+    let method =
+        |name: &str| -> PyResult<Bound<'_, PyAny>> { base_cls.getattr(name)?.call1((obj,)) };
+    let prop = |name: &str| -> PyResult<Bound<'_, PyAny>> {
+        base_cls
+            .getattr(name)?
+            .call_method1("__get__", (obj, &base_cls))
+    };
+    let device = prop("device")?;
+    let device_str = device.str()?.to_string();
+    let device_type: String = device.getattr("type")?.extract()?;
+    if device_type != "cpu" {
+        return Err(bad_memory(
+            obj,
+            &format!("a tensor on {device_str}; copies need host (CPU) memory"),
+        ));
+    }
+    if !method("is_contiguous")?.is_truthy()? {
+        return Err(bad_memory(obj, "the tensor is not contiguous"));
+    }
+    let base = int::<usize>(&method("data_ptr")?, "memory.data_ptr()", None)?;
+    let nbytes = int::<usize>(&prop("nbytes")?, "memory.nbytes", None)?;
+    if base == 0 && nbytes > 0 {
+        return Err(bad_memory(obj, "its address is null"));
+    }
+    Ok(Some(Memory {
+        base,
+        nbytes,
+        writable: true,
+        dtype: prop("dtype")?.str()?.to_string(),
+        device: device_str,
+    }))
+}
+
+/// A C-contiguous numpy array's memory, read from the array struct itself.
+fn array_memory(obj: &Bound<'_, PyAny>) -> PyResult<Memory> {
+    let arr = obj.cast::<PyUntypedArray>().map_err(|_| {
+        type_error(
+            None,
+            format!(
+                "memory must be a numpy array or a CPU torch tensor, got {} {}",
+                type_name(obj),
+                show(obj)
+            ),
+        )
+    })?;
+    if !arr.is_c_contiguous() {
+        return Err(bad_memory(obj, "the array is not C-contiguous"));
+    }
+    let dtype = arr.dtype();
+    let nbytes = arr
+        .len()
+        .checked_mul(dtype.itemsize())
+        .ok_or_else(|| bad_memory(obj, "its size overflows"))?;
+    // SAFETY: `arr` is a live ndarray (checked by the cast); we read two fields of its struct.
+    let (base, flags) = unsafe {
+        let a = arr.as_array_ptr();
+        ((*a).fields.data as usize, (*a).fields.flags)
+    };
+    if base == 0 && nbytes > 0 {
+        return Err(bad_memory(obj, "its address is null"));
+    }
+    Ok(Memory {
+        base,
+        nbytes,
+        writable: flags & numpy::npyffi::NPY_ARRAY_WRITEABLE != 0,
+        dtype: dtype.str().map(|s| s.to_string()).unwrap_or_default(),
+        device: "cpu".into(),
+    })
+}
+
+fn memory_of(obj: &Bound<'_, PyAny>) -> PyResult<Memory> {
+    let m = match torch_memory(obj)? {
+        Some(m) => m,
+        None => array_memory(obj)?,
+    };
+    // from_raw_parts needs the region to fit in isize and not wrap the address space.
+    if m.nbytes > isize::MAX as usize || m.base.checked_add(m.nbytes).is_none() {
+        return Err(bad_memory(obj, "its bytes wrap the address space"));
+    }
+    Ok(m)
+}
+
+/// A host memory region split into blocks: block `id` (`0 <= id < num_blocks`) is the bytes
+/// `offset + id * stride .. + block_bytes` of `memory` (a numpy array or a CPU torch tensor,
+/// C-contiguous), all checked to lie inside it. Registered once; copies name block ids only.
+#[pyclass(module = "kvslots._core", frozen)]
+pub(crate) struct BlockRegion {
+    memory: Py<PyAny>,
+    mem: Memory,
+    num_blocks: usize,
+    block_bytes: usize,
+    stride: usize,
+    offset: usize,
+}
+
+#[pymethods]
+impl BlockRegion {
+    #[new]
+    #[pyo3(signature = (memory, *, block_bytes, num_blocks, stride=None, offset=0))]
+    fn new(
+        memory: &Bound<'_, PyAny>,
+        block_bytes: &Bound<'_, PyAny>,
+        num_blocks: &Bound<'_, PyAny>,
+        stride: Option<&Bound<'_, PyAny>>,
+        #[pyo3(from_py_with = arg::offset)] offset: usize,
+    ) -> PyResult<Self> {
+        let block_bytes = count(block_bytes, "block_bytes", None)?;
+        let num_blocks = count(num_blocks, "num_blocks", None)?;
+        let stride = match stride.filter(|s| !s.is_none()) {
+            Some(s) => count(s, "stride", None)?,
+            None => block_bytes,
+        };
+        if block_bytes == 0 {
+            return Err(invalid(None, "block_bytes must be >= 1, got 0".into()));
+        }
+        if stride < block_bytes {
+            return Err(invalid(
+                None,
+                format!("stride = {stride} is less than block_bytes = {block_bytes}: blocks would overlap"),
+            ));
+        }
+        let mem = memory_of(memory)?;
+        let end = match num_blocks {
+            0 => Some(offset),
+            n => (n - 1)
+                .checked_mul(stride)
+                .and_then(|x| x.checked_add(offset))
+                .and_then(|x| x.checked_add(block_bytes)),
+        };
+        if end.map_or(true, |e| e > mem.nbytes) {
+            return Err(invalid(
+                None,
+                format!(
+                    "num_blocks = {num_blocks} blocks of {block_bytes} bytes at offset {offset}, \
+                     stride {stride} do not fit in the memory's {} bytes",
+                    mem.nbytes
+                ),
+            ));
+        }
+        Ok(BlockRegion {
+            memory: memory.clone().unbind(),
+            mem,
+            num_blocks,
+            block_bytes,
+            stride,
+            offset,
+        })
+    }
+
+    /// The memory object (kept alive by the region).
+    #[getter]
+    fn memory(&self, py: Python<'_>) -> Py<PyAny> {
+        self.memory.clone_ref(py)
+    }
+    #[getter]
+    fn nbytes(&self) -> usize {
+        self.mem.nbytes
+    }
+    #[getter]
+    fn dtype(&self) -> &str {
+        &self.mem.dtype
+    }
+    #[getter]
+    fn device(&self) -> &str {
+        &self.mem.device
+    }
+    #[getter]
+    fn writable(&self) -> bool {
+        self.mem.writable
+    }
+    #[getter]
+    fn num_blocks(&self) -> usize {
+        self.num_blocks
+    }
+    #[getter]
+    fn block_bytes(&self) -> usize {
+        self.block_bytes
+    }
+    #[getter]
+    fn stride(&self) -> usize {
+        self.stride
+    }
+    #[getter]
+    fn offset(&self) -> usize {
+        self.offset
+    }
+    fn __repr__(&self) -> String {
+        format!(
+            "BlockRegion(num_blocks={}, block_bytes={}, stride={}, offset={}, nbytes={}, dtype={:?}, device={:?})",
+            self.num_blocks, self.block_bytes, self.stride, self.offset, self.mem.nbytes,
+            self.mem.dtype, self.mem.device
+        )
+    }
+}
+
+impl BlockRegion {
+    /// The region's memory as it is now: it must not have moved, shrunk or become read-only
+    /// since registration (a tensor resized in place, say).
+    fn current(&self, py: Python<'_>, which: &str) -> PyResult<Memory> {
+        let now = memory_of(self.memory.bind(py))?;
+        if now.base != self.mem.base || now.nbytes < self.mem.nbytes {
+            return Err(invalid(
+                None,
+                format!(
+                    "the {which} region's memory moved or shrank since it was registered \
+                     ({:#x}+{} bytes, now {:#x}+{}); register it again",
+                    self.mem.base, self.mem.nbytes, now.base, now.nbytes
+                ),
+            ));
+        }
+        Ok(now)
+    }
+
+    fn layout(&self) -> core::BlockLayout {
+        core::BlockLayout {
+            offset: self.offset,
+            stride: self.stride,
+        }
+    }
+}
+
+fn region<'a, 'py>(
+    obj: &'a Bound<'py, PyAny>,
+    what: &str,
+) -> PyResult<&'a Bound<'py, BlockRegion>> {
+    obj.cast::<BlockRegion>().map_err(|_| {
+        type_error(
+            None,
+            format!(
+                "{what} must be a BlockRegion, got {} {}",
+                type_name(obj),
+                show(obj)
+            ),
+        )
+    })
+}
+
+/// Block ids of a region, each checked against its block count.
+fn ids_in(obj: &Bound<'_, PyAny>, what: &str, r: &BlockRegion, which: &str) -> PyResult<Vec<u64>> {
+    let ids = block_ids(obj, what)?;
+    for (i, &b) in ids.iter().enumerate() {
+        if b >= r.num_blocks as u64 {
+            return Err(invalid(
+                None,
+                format!(
+                    "{what}[{i}] = {b} is outside the {which} region's {} blocks",
+                    r.num_blocks
+                ),
+            ));
+        }
+    }
+    Ok(ids)
+}
+
+/// Copies block `src_blocks[i]` of region `src` into block `dst_blocks[i]` of region `dst` for
+/// every i; returns the bytes copied. Everything is validated before the first byte moves; the
+/// GIL is released during the copy (the regions keep their memory objects alive; resizing or
+/// freeing a tensor's storage while a copy runs is the caller's to avoid, as with any torch op).
 #[pyfunction]
-#[pyo3(signature = (src_addr, src_len, src_offset, src_stride, dst_addr, dst_len, dst_offset, dst_stride, block_bytes, src_blocks, dst_blocks, threads=1))]
-#[allow(clippy::too_many_arguments)]
+#[pyo3(signature = (src, dst, src_blocks, dst_blocks, threads=1))]
 pub(crate) fn copy_blocks(
     py: Python<'_>,
-    src_addr: i128,
-    src_len: i64,
-    src_offset: i64,
-    src_stride: i64,
-    dst_addr: i128,
-    dst_len: i64,
-    dst_offset: i64,
-    dst_stride: i64,
-    block_bytes: i64,
+    src: &Bound<'_, PyAny>,
+    dst: &Bound<'_, PyAny>,
     src_blocks: &Bound<'_, PyAny>,
     dst_blocks: &Bound<'_, PyAny>,
-    threads: i64,
+    #[pyo3(from_py_with = arg::threads)] threads: usize,
 ) -> PyResult<usize> {
-    let (sa, sl) = host_region(src_addr, src_len, "src")?;
-    let (da, dl) = host_region(dst_addr, dst_len, "dst")?;
+    let src = region(src, "src")?.get();
+    let dst = region(dst, "dst")?.get();
+    let sb = ids_in(src_blocks, "src_blocks", src, "src")?;
+    let db = ids_in(dst_blocks, "dst_blocks", dst, "dst")?;
+    if threads == 0 {
+        return Err(invalid(None, "threads must be at least 1, got 0".into()));
+    }
+    if src.block_bytes != dst.block_bytes {
+        return Err(invalid(
+            None,
+            format!(
+                "the src region's blocks are {} bytes but the dst region's are {}",
+                src.block_bytes, dst.block_bytes
+            ),
+        ));
+    }
+    let sm = src.current(py, "src")?;
+    let dm = dst.current(py, "dst")?;
+    if !dm.writable {
+        return Err(invalid(None, "the dst region's memory is read-only".into()));
+    }
+    let (sa, sl, da, dl) = (sm.base, src.mem.nbytes, dm.base, dst.mem.nbytes);
     // A shared and a mutable slice over the same bytes would be undefined behaviour.
     if sl > 0 && dl > 0 && sa < da + dl && da < sa + sl {
         return Err(invalid(
             None,
             format!(
-                "src region {sa:#x}+{sl} and dst region {da:#x}+{dl} overlap; \
-                 copy_blocks needs two distinct regions"
+                "the src region ({sa:#x}+{sl}) and the dst region ({da:#x}+{dl}) share memory; \
+                 copy_blocks needs two distinct memories"
             ),
         ));
     }
     let spec = core::CopySpec {
-        block_bytes: count(block_bytes, "block_bytes", None)?,
-        src: core::BlockLayout {
-            offset: count(src_offset, "src_offset", None)?,
-            stride: count(src_stride, "src_stride", None)?,
-        },
-        dst: core::BlockLayout {
-            offset: count(dst_offset, "dst_offset", None)?,
-            stride: count(dst_stride, "dst_stride", None)?,
-        },
+        block_bytes: src.block_bytes,
+        src: src.layout(),
+        dst: dst.layout(),
     };
-    let threads = count(threads, "threads", None)?;
-    // Owned ids: nothing Python can mutate is read once the GIL is released.
-    let sb = block_ids(src_blocks, "src_blocks")?;
-    let db = block_ids(dst_blocks, "dst_blocks")?;
     py.detach(move || {
-        // SAFETY: both regions are non-null (or empty), fit in isize, do not overlap each other
-        // (checked above), and are live host memory for the duration of the call by this
-        // function's documented contract. The core touches only validated in-bounds ranges.
-        let (src, dst) = unsafe {
-            let src: &[u8] = if sl == 0 {
+        // SAFETY: both memories were read from their (live, kept-alive) objects just now,
+        // are non-null or empty, fit in isize without wrapping, and do not overlap each other.
+        // The core touches only the validated in-bounds ranges of registered blocks.
+        let (s, d) = unsafe {
+            let s: &[u8] = if sl == 0 {
                 &[]
             } else {
                 std::slice::from_raw_parts(sa as *const u8, sl)
             };
-            let dst: &mut [u8] = if dl == 0 {
+            let d: &mut [u8] = if dl == 0 {
                 &mut []
             } else {
                 std::slice::from_raw_parts_mut(da as *mut u8, dl)
             };
-            (src, dst)
+            (s, d)
         };
-        core::copy_blocks(src, dst, &spec, &sb, &db, threads)
+        core::copy_blocks(s, d, &spec, &sb, &db, threads)
     })
     .map_err(slot_error)
 }

@@ -8,6 +8,9 @@ use kvslots_core as core;
 use kvslots_core::index::IndexError;
 use pyo3::prelude::*;
 
+pyo3::import_exception!(kvslots.errors, KVSlotsError);
+pyo3::import_exception!(kvslots.errors, ArgumentTypeError);
+pyo3::import_exception!(kvslots.errors, ConcurrentUseError);
 pyo3::import_exception!(kvslots.errors, UnknownRequestError);
 pyo3::import_exception!(kvslots.errors, DuplicateRequestError);
 pyo3::import_exception!(kvslots.errors, OutOfBlocksError);
@@ -66,6 +69,47 @@ pub(crate) fn slot_error(e: core::SlotError) -> PyErr {
 /// An `InvalidArgumentError` for a bad argument, naming the request when there is one.
 pub(crate) fn invalid(request: Option<&str>, message: String) -> PyErr {
     slot_error(core::SlotError::invalid(request, message))
+}
+
+/// An `ArgumentTypeError` for an argument of the wrong type, naming the request when there is
+/// one.
+pub(crate) fn type_error(request: Option<&str>, message: String) -> PyErr {
+    let d: HashMap<&'static str, u64> = HashMap::new();
+    ArgumentTypeError::new_err((
+        format!("invalid argument{}: {message}", request_suffix(request)),
+        request.map(str::to_owned),
+        d,
+    ))
+}
+
+fn request_suffix(request: Option<&str>) -> String {
+    request.map_or(String::new(), |r| format!(" for request {r:?}"))
+}
+
+/// A `ConcurrentUseError`: `what` is in the middle of another call (a re-entrant call from an
+/// argument's Python code, or a call from another thread that the object does not wait for).
+pub(crate) fn busy(what: &str) -> PyErr {
+    let none: Option<String> = None;
+    ConcurrentUseError::new_err((
+        format!(
+            "{what} is in use by another call (re-entrant, from an argument's __index__, \
+             __iter__ or __repr__, or from another thread); nothing was changed"
+        ),
+        none,
+    ))
+}
+
+/// Borrows a pyclass for a call, refusing with `ConcurrentUseError` (not pyo3's RuntimeError)
+/// when another call holds it.
+pub(crate) fn borrow<'py, T: pyo3::PyClass>(slf: &Bound<'py, T>) -> PyResult<PyRef<'py, T>> {
+    slf.try_borrow().map_err(|_| busy(T::NAME))
+}
+
+/// Mutably borrows a pyclass for a call; see [`borrow`].
+pub(crate) fn borrow_mut<'py, T: pyo3::PyClass<Frozen = pyo3::pyclass::boolean_struct::False>>(
+    slf: &Bound<'py, T>,
+) -> PyResult<PyRefMut<'py, T>> {
+    slf.try_borrow_mut().map_err(|_| busy(T::NAME))
 }
 
 /// An event batch that cannot be encoded (a length over msgpack's limits).

@@ -3,16 +3,18 @@
 use kvslots_core as core;
 use pyo3::prelude::*;
 
-use crate::convert::IntArg;
+use crate::convert::{int, opt_int, IntArg};
 
 /// xxh3 chained block hash, identical to the engine's (for tests and tools).
 #[pyfunction]
 #[pyo3(signature = (parent, tokens, lora_id=None))]
 pub(crate) fn block_hash(
-    parent: u64,
+    parent: &Bound<'_, PyAny>,
     tokens: &Bound<'_, PyAny>,
-    lora_id: Option<u64>,
+    lora_id: Option<&Bound<'_, PyAny>>,
 ) -> PyResult<u64> {
+    let parent = int::<u64>(parent, "parent", None)?;
     let t = IntArg::<u32>::extract(tokens, "tokens", None)?;
-    Ok(core::block_hash(parent, t.as_slice(), lora_id))
+    let lora = opt_int::<u64>(lora_id, "lora_id", None)?;
+    Ok(core::block_hash(parent, t.as_slice(), lora))
 }

@@ -1,5 +1,7 @@
 //! `kvslots._core.HostCache`: the host-memory tier keyed by external (vLLM) block hashes. The
 //! cache rules are `kvslots_core::HostCache`'s.
+//!
+//! Arguments are converted before the cache is borrowed (see `slot_manager.rs`).
 
 use std::collections::HashMap;
 
@@ -7,8 +9,10 @@ use kvslots_core as core;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyList};
 
-use crate::convert::{batch_meta, count, events_to_py, log_to_msgpack, pending, IntArg};
-use crate::errors::slot_error;
+use crate::convert::{
+    self as conv, arg, count, events_to_py, int, log_to_msgpack, opt_int, pending, IntArg, MetaArgs,
+};
+use crate::errors::{borrow, borrow_mut, slot_error};
 
 /// The host-memory tier keyed by external (vLLM) block hashes. See kvslots-core's `HostCache`.
 #[pyclass(module = "kvslots._core")]
@@ -21,7 +25,7 @@ pub(crate) struct HostCache {
 #[pymethods]
 impl HostCache {
     #[new]
-    fn new(num_blocks: i64, block_size: i64) -> PyResult<Self> {
+    fn new(num_blocks: &Bound<'_, PyAny>, block_size: &Bound<'_, PyAny>) -> PyResult<Self> {
         let n = count(num_blocks, "num_blocks", None)?;
         let bs = count(block_size, "block_size", None)?;
         Ok(HostCache {
@@ -30,39 +34,49 @@ impl HostCache {
         })
     }
     /// Number of leading hashes whose blocks are complete in the cache.
-    fn match_prefix(&mut self, block_hashes: &Bound<'_, PyAny>) -> PyResult<usize> {
+    fn match_prefix(slf: &Bound<'_, Self>, block_hashes: &Bound<'_, PyAny>) -> PyResult<usize> {
         let h = IntArg::<u64>::extract(block_hashes, "block_hashes", None)?;
-        Ok(self.inner.match_prefix(h.as_slice()))
+        Ok(borrow_mut(slf)?.inner.match_prefix(h.as_slice()))
     }
-    fn contains(&self, block_hash: u64) -> bool {
-        self.inner.contains(block_hash)
+    fn contains(slf: &Bound<'_, Self>, block_hash: &Bound<'_, PyAny>) -> PyResult<bool> {
+        let h = int::<u64>(block_hash, "block_hash", None)?;
+        Ok(borrow(slf)?.inner.contains(h))
     }
-    fn num_pending_events(&self) -> usize {
-        self.inner.events().len()
+    fn num_pending_events(slf: &Bound<'_, Self>) -> PyResult<usize> {
+        Ok(borrow(slf)?.inner.events().len())
     }
     /// The host block holding a cached hash, if any.
-    fn lookup(&self, block_hash: u64) -> Option<u32> {
-        self.inner.pool().lookup(block_hash)
+    fn lookup(slf: &Bound<'_, Self>, block_hash: &Bound<'_, PyAny>) -> PyResult<Option<u32>> {
+        let h = int::<u64>(block_hash, "block_hash", None)?;
+        Ok(borrow(slf)?.inner.pool().lookup(h))
     }
     /// Pins the blocks of `block_hashes` for a load; returns their host block ids.
     fn begin_load(
-        &mut self,
-        request_id: &str,
+        slf: &Bound<'_, Self>,
+        request_id: &Bound<'_, PyAny>,
         block_hashes: &Bound<'_, PyAny>,
     ) -> PyResult<Vec<u32>> {
-        let h = IntArg::<u64>::extract(block_hashes, "block_hashes", Some(request_id))?;
-        self.inner
-            .begin_load(request_id, h.as_slice())
+        let rid = conv::request_id(request_id)?;
+        let h = IntArg::<u64>::extract(block_hashes, "block_hashes", Some(rid))?;
+        borrow_mut(slf)?
+            .inner
+            .begin_load(rid, h.as_slice())
             .map_err(slot_error)
     }
-    fn end_load(&mut self, blocks: &Bound<'_, PyAny>) -> PyResult<()> {
+    fn end_load(slf: &Bound<'_, Self>, blocks: &Bound<'_, PyAny>) -> PyResult<()> {
         let b = IntArg::<u32>::extract(blocks, "blocks", None)?;
-        self.inner.end_load(b.as_slice()).map_err(slot_error)
+        borrow_mut(slf)?
+            .inner
+            .end_load(b.as_slice())
+            .map_err(slot_error)
     }
     /// Takes host blocks for the hashes not cached nor being stored: [(index, hash, block)].
-    fn begin_store(&mut self, block_hashes: &Bound<'_, PyAny>) -> PyResult<Vec<(usize, u64, u32)>> {
+    fn begin_store(
+        slf: &Bound<'_, Self>,
+        block_hashes: &Bound<'_, PyAny>,
+    ) -> PyResult<Vec<(usize, u64, u32)>> {
         let h = IntArg::<u64>::extract(block_hashes, "block_hashes", None)?;
-        Ok(self
+        Ok(borrow_mut(slf)?
             .inner
             .begin_store(h.as_slice())
             .into_iter()
@@ -72,91 +86,105 @@ impl HostCache {
     /// Registers copied blocks [(hash, block)] of one request run and queues BlockStored.
     #[pyo3(signature = (stores, parent_block_hash, token_ids, lora_id=None))]
     fn complete_store(
-        &mut self,
-        stores: Vec<(u64, u32)>,
-        parent_block_hash: Option<u64>,
+        slf: &Bound<'_, Self>,
+        stores: &Bound<'_, PyAny>,
+        parent_block_hash: Option<&Bound<'_, PyAny>>,
         token_ids: &Bound<'_, PyAny>,
-        lora_id: Option<u64>,
+        lora_id: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<()> {
+        let stores = pending(stores, "stores")?;
+        let parent = opt_int::<u64>(parent_block_hash, "parent_block_hash", None)?;
         let t = IntArg::<u32>::extract(token_ids, "token_ids", None)?;
-        self.inner
-            .complete_store(&pending(stores), parent_block_hash, t.as_slice(), lora_id)
+        let lora = opt_int::<u64>(lora_id, "lora_id", None)?;
+        borrow_mut(slf)?
+            .inner
+            .complete_store(&stores, parent, t.as_slice(), lora)
             .map_err(slot_error)
     }
     /// Begins storing one request's blocks as part of `step`; returns [(index, host block)].
     #[pyo3(signature = (step, block_hashes, parent_block_hash, token_ids, lora_id=None))]
     fn begin_store_run(
-        &mut self,
-        step: u64,
+        slf: &Bound<'_, Self>,
+        step: &Bound<'_, PyAny>,
         block_hashes: &Bound<'_, PyAny>,
-        parent_block_hash: Option<u64>,
+        parent_block_hash: Option<&Bound<'_, PyAny>>,
         token_ids: &Bound<'_, PyAny>,
-        lora_id: Option<u64>,
+        lora_id: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Vec<(usize, u32)>> {
+        let step = int::<u64>(step, "step", None)?;
         let h = IntArg::<u64>::extract(block_hashes, "block_hashes", None)?;
+        let parent = opt_int::<u64>(parent_block_hash, "parent_block_hash", None)?;
         let t = IntArg::<u32>::extract(token_ids, "token_ids", None)?;
-        self.inner
-            .begin_store_run(step, h.as_slice(), parent_block_hash, t.as_slice(), lora_id)
+        let lora = opt_int::<u64>(lora_id, "lora_id", None)?;
+        borrow_mut(slf)?
+            .inner
+            .begin_store_run(step, h.as_slice(), parent, t.as_slice(), lora)
             .map_err(slot_error)
     }
     /// Completes every store run of `step` (aborting runs with a failed block); returns the
     /// number of blocks registered.
     #[pyo3(signature = (step, failed_blocks=Vec::new()))]
-    fn complete_step(&mut self, step: u64, failed_blocks: Vec<u32>) -> PyResult<usize> {
-        self.inner
+    fn complete_step(
+        slf: &Bound<'_, Self>,
+        step: &Bound<'_, PyAny>,
+        #[pyo3(from_py_with = arg::failed_blocks)] failed_blocks: Vec<u32>,
+    ) -> PyResult<usize> {
+        let step = int::<u64>(step, "step", None)?;
+        borrow_mut(slf)?
+            .inner
             .complete_step(step, &failed_blocks)
             .map_err(slot_error)
     }
     #[getter]
-    fn pending_steps(&self) -> usize {
-        self.inner.pending_steps()
+    fn pending_steps(slf: &Bound<'_, Self>) -> PyResult<usize> {
+        Ok(borrow(slf)?.inner.pending_steps())
     }
-    fn abort_store(&mut self, stores: Vec<(u64, u32)>) -> PyResult<()> {
-        self.inner.abort_store(&pending(stores)).map_err(slot_error)
+    fn abort_store(slf: &Bound<'_, Self>, stores: &Bound<'_, PyAny>) -> PyResult<()> {
+        let stores = pending(stores, "stores")?;
+        borrow_mut(slf)?
+            .inner
+            .abort_store(&stores)
+            .map_err(slot_error)
     }
-    fn clear(&mut self) -> usize {
-        self.inner.clear()
+    fn clear(slf: &Bound<'_, Self>) -> PyResult<usize> {
+        Ok(borrow_mut(slf)?.inner.clear())
     }
-    fn drain_raw_events<'py>(&mut self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
-        let list = events_to_py(py, self.inner.events())?;
-        self.inner.events_mut().clear();
+    fn drain_raw_events<'py>(slf: &Bound<'py, Self>) -> PyResult<Bound<'py, PyList>> {
+        let mut this = borrow_mut(slf)?;
+        let list = events_to_py(slf.py(), this.inner.events())?;
+        this.inner.events_mut().clear();
         Ok(list)
     }
     /// Queued events as one msgpack `KVEventBatch` (vLLM's wire format); the queue stays.
-    #[pyo3(signature = (ts, medium=Some("CPU"), data_parallel_rank=None, hashes_as_bytes=false))]
+    #[pyo3(signature = (ts, medium=Some("CPU".to_owned()), data_parallel_rank=None, hashes_as_bytes=false))]
     fn events_msgpack<'py>(
-        &mut self,
-        py: Python<'py>,
-        ts: f64,
-        medium: Option<&str>,
-        data_parallel_rank: Option<i64>,
-        hashes_as_bytes: bool,
+        slf: &Bound<'py, Self>,
+        ts: &Bound<'py, PyAny>,
+        #[pyo3(from_py_with = arg::medium)] medium: Option<String>,
+        data_parallel_rank: Option<&Bound<'py, PyAny>>,
+        #[pyo3(from_py_with = arg::hashes_as_bytes)] hashes_as_bytes: bool,
     ) -> PyResult<Bound<'py, PyBytes>> {
-        let meta = batch_meta(ts, medium, data_parallel_rank, hashes_as_bytes);
-        log_to_msgpack(py, self.inner.events(), &mut self.wire, meta)
+        Self::encode(slf, ts, medium, data_parallel_rank, hashes_as_bytes, false)
     }
     /// Like `events_msgpack`, then empties the queue (only when encoding succeeded).
-    #[pyo3(signature = (ts, medium=Some("CPU"), data_parallel_rank=None, hashes_as_bytes=false))]
+    #[pyo3(signature = (ts, medium=Some("CPU".to_owned()), data_parallel_rank=None, hashes_as_bytes=false))]
     fn drain_events_msgpack<'py>(
-        &mut self,
-        py: Python<'py>,
-        ts: f64,
-        medium: Option<&str>,
-        data_parallel_rank: Option<i64>,
-        hashes_as_bytes: bool,
+        slf: &Bound<'py, Self>,
+        ts: &Bound<'py, PyAny>,
+        #[pyo3(from_py_with = arg::medium)] medium: Option<String>,
+        data_parallel_rank: Option<&Bound<'py, PyAny>>,
+        #[pyo3(from_py_with = arg::hashes_as_bytes)] hashes_as_bytes: bool,
     ) -> PyResult<Bound<'py, PyBytes>> {
-        let bytes = self.events_msgpack(py, ts, medium, data_parallel_rank, hashes_as_bytes)?;
-        self.inner.events_mut().clear();
-        Ok(bytes)
+        Self::encode(slf, ts, medium, data_parallel_rank, hashes_as_bytes, true)
     }
-    fn registered_hashes(&self) -> Vec<u64> {
-        let mut v: Vec<u64> = self.inner.pool().registered_hashes().collect();
+    fn registered_hashes(slf: &Bound<'_, Self>) -> PyResult<Vec<u64>> {
+        let mut v: Vec<u64> = borrow(slf)?.inner.pool().registered_hashes().collect();
         v.sort_unstable();
-        v
+        Ok(v)
     }
-    fn stats(&self) -> HashMap<&'static str, u64> {
-        let s = self.inner.stats();
-        HashMap::from([
+    fn stats(slf: &Bound<'_, Self>) -> PyResult<HashMap<&'static str, u64>> {
+        let s = borrow(slf)?.inner.stats();
+        Ok(HashMap::from([
             ("lookups", s.lookups),
             ("hit_blocks", s.hit_blocks),
             ("stores_started", s.stores_started),
@@ -165,33 +193,53 @@ impl HostCache {
             ("stores_skipped_full", s.stores_skipped_full),
             ("loads_started", s.loads_started),
             ("evicted_blocks", s.evicted_blocks),
-        ])
+        ]))
     }
-    fn check_invariants(&self) -> Option<String> {
-        self.inner.pool().check().err()
-    }
-    #[getter]
-    fn num_blocks(&self) -> usize {
-        self.inner.pool().num_blocks()
+    fn check_invariants(slf: &Bound<'_, Self>) -> PyResult<Option<String>> {
+        Ok(borrow(slf)?.inner.pool().check().err())
     }
     #[getter]
-    fn block_size(&self) -> usize {
-        self.inner.block_size()
+    fn num_blocks(slf: &Bound<'_, Self>) -> PyResult<usize> {
+        Ok(borrow(slf)?.inner.pool().num_blocks())
     }
     #[getter]
-    fn num_free(&self) -> usize {
-        self.inner.pool().num_free()
+    fn block_size(slf: &Bound<'_, Self>) -> PyResult<usize> {
+        Ok(borrow(slf)?.inner.block_size())
     }
     #[getter]
-    fn num_held(&self) -> usize {
-        self.inner.pool().num_held()
+    fn num_free(slf: &Bound<'_, Self>) -> PyResult<usize> {
+        Ok(borrow(slf)?.inner.pool().num_free())
     }
     #[getter]
-    fn num_cached(&self) -> usize {
-        self.inner.pool().num_cached()
+    fn num_held(slf: &Bound<'_, Self>) -> PyResult<usize> {
+        Ok(borrow(slf)?.inner.pool().num_held())
     }
     #[getter]
-    fn num_storing(&self) -> usize {
-        self.inner.num_storing()
+    fn num_cached(slf: &Bound<'_, Self>) -> PyResult<usize> {
+        Ok(borrow(slf)?.inner.pool().num_cached())
+    }
+    #[getter]
+    fn num_storing(slf: &Bound<'_, Self>) -> PyResult<usize> {
+        Ok(borrow(slf)?.inner.num_storing())
+    }
+}
+
+impl HostCache {
+    fn encode<'py>(
+        slf: &Bound<'py, Self>,
+        ts: &Bound<'py, PyAny>,
+        medium: Option<String>,
+        data_parallel_rank: Option<&Bound<'py, PyAny>>,
+        hashes_as_bytes: bool,
+        drain: bool,
+    ) -> PyResult<Bound<'py, PyBytes>> {
+        let args = MetaArgs::extract(ts, medium.as_deref(), data_parallel_rank, hashes_as_bytes)?;
+        let mut this = borrow_mut(slf)?;
+        let this = &mut *this;
+        let bytes = log_to_msgpack(slf.py(), this.inner.events(), &mut this.wire, args.meta())?;
+        if drain {
+            this.inner.events_mut().clear();
+        }
+        Ok(bytes)
     }
 }

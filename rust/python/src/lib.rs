@@ -30,6 +30,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(prefix_index::lora_key, m)?)?;
     m.add_function(wrap_pyfunction!(hash::block_hash, m)?)?;
     m.add_function(wrap_pyfunction!(events::encode_event_batch, m)?)?;
+    m.add_class::<copy::BlockRegion>()?;
     m.add_function(wrap_pyfunction!(copy::copy_blocks, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())

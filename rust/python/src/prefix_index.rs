@@ -1,6 +1,7 @@
 //! `kvslots._core.PrefixIndex`: the indexer's in-memory prefix index, and `lora_key`.
 //! Conversions, exceptions and locking only; the index logic is `kvslots_core::index`.
 
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Mutex, MutexGuard};
 
 use kvslots_core::index::{
@@ -11,17 +12,109 @@ use pyo3::sync::MutexExt;
 use pyo3::types::{PyDict, PyList, PyString, PyTuple};
 
 use crate::apply_stats::ApplyStats;
-use crate::convert::{block_size_arg, list_u32, lora, tier, IntArg};
-use crate::errors::{index_error, index_invalid};
+use crate::convert::{
+    self as conv, arg, int, opt_int, opt_text, show, text, tuples, type_name, IntArg,
+};
+use crate::errors::{busy, index_error, index_invalid, type_error};
 
 type Match = (String, u32, [u32; NUM_TIERS], f64);
+type Entry = (String, u64, u64, [u32; NUM_TIERS]);
 type PyMatch<'py> = (Bound<'py, PyString>, u32, [u32; NUM_TIERS], f64);
 
 /// In-memory prefix index: which (worker, tier) holds which block. Thread-safe: calls are
-/// serialized by an internal lock, and `apply` decodes and applies without the GIL.
+/// serialized by an internal lock, and `apply` decodes and applies without the GIL. Every
+/// argument is converted before the lock is taken (converting may run Python code that calls
+/// back into the index), and a call made while the same thread holds the lock (a finalizer,
+/// say) is refused with `ConcurrentUseError` instead of deadlocking.
 #[pyclass(module = "kvslots._core", frozen)]
 pub(crate) struct PrefixIndex {
     inner: Mutex<Inner>,
+    /// The thread holding `inner` (its `thread_token`), 0 when none.
+    owner: AtomicUsize,
+}
+
+thread_local!(static TOKEN: u8 = const { 0 });
+
+/// A nonzero number unique to the calling thread while it lives.
+fn thread_token() -> usize {
+    TOKEN.with(|t| t as *const u8 as usize)
+}
+
+/// The index's lock, held by this thread.
+struct Guard<'a> {
+    guard: MutexGuard<'a, Inner>,
+    owner: &'a AtomicUsize,
+}
+impl Drop for Guard<'_> {
+    fn drop(&mut self) {
+        self.owner.store(0, Ordering::Release);
+    }
+}
+impl std::ops::Deref for Guard<'_> {
+    type Target = Inner;
+    fn deref(&self) -> &Inner {
+        &self.guard
+    }
+}
+impl std::ops::DerefMut for Guard<'_> {
+    fn deref_mut(&mut self) -> &mut Inner {
+        &mut self.guard
+    }
+}
+
+/// A tier name, as `Tier::parse` reads it (`GPU`, `CPU`, `STORAGE`; any case).
+fn tier(name: &str, what: &str) -> PyResult<Tier> {
+    Tier::parse(name).ok_or_else(|| {
+        index_invalid(format!(
+            "{what} = {name:?} is not a tier (GPU, CPU or STORAGE)"
+        ))
+    })
+}
+
+/// The LoRA identity of a lookup: `lora_id`, else the key of `lora_name`.
+fn lora(
+    lora_id: Option<&Bound<'_, PyAny>>,
+    lora_name: Option<&Bound<'_, PyAny>>,
+) -> PyResult<Option<u64>> {
+    let id = opt_int::<u64>(lora_id, "lora_id", None)?;
+    let name = opt_text(lora_name, "lora_name")?;
+    Ok(id.or_else(|| name.map(lora_name_key)))
+}
+
+/// A block size argument: at least 1.
+fn block_size_arg(obj: &Bound<'_, PyAny>) -> PyResult<usize> {
+    let b = conv::count(obj, "block_size", None)?;
+    if b == 0 {
+        return Err(index_invalid("block_size must be >= 1, got 0".into()));
+    }
+    Ok(b)
+}
+
+/// Token ids: a list is read in place (exact ints without any Python call, the common case
+/// of a JSON body), anything else through the generic conversion.
+fn token_ids(obj: &Bound<'_, PyAny>) -> PyResult<Vec<u32>> {
+    if let Ok(list) = obj.cast::<PyList>() {
+        let mut out = Vec::with_capacity(list.len());
+        let mut j = 0;
+        while j < list.len() {
+            let item = list.get_item(j)?;
+            let v = match item.cast::<pyo3::types::PyInt>() {
+                Ok(i) if !item.is_instance_of::<pyo3::types::PyBool>() => {
+                    i.extract::<u32>().map_err(|_| {
+                        index_invalid(format!(
+                            "token_ids[{j}] = {} is out of range for a token id [0, 2**32)",
+                            show(&item)
+                        ))
+                    })?
+                }
+                _ => int::<u32>(&item, &format!("token_ids[{j}]"), None)?,
+            };
+            out.push(v);
+            j += 1;
+        }
+        return Ok(out);
+    }
+    IntArg::<u32>::extract(obj, "token_ids", None).map(|a| a.0)
 }
 
 struct Inner {
@@ -44,13 +137,23 @@ impl std::ops::DerefMut for Inner {
 
 impl PrefixIndex {
     /// Takes the lock; waits without the GIL so a thread applying events (GIL released, lock
-    /// held) can always finish.
-    fn lock<'a>(&'a self, py: Python<'_>) -> MutexGuard<'a, Inner> {
+    /// held) can always finish. A thread that already holds it gets `ConcurrentUseError`.
+    fn lock<'a>(&'a self, py: Python<'_>) -> PyResult<Guard<'a>> {
+        let me = thread_token();
+        if self.owner.load(Ordering::Acquire) == me {
+            return Err(busy("PrefixIndex"));
+        }
         // Poisoning needs a panic inside the index, which does not happen on any input; should
         // one happen, keep serving rather than fail every later call.
-        self.inner
+        let guard = self
+            .inner
             .lock_py_attached(py)
-            .unwrap_or_else(|p| p.into_inner())
+            .unwrap_or_else(|p| p.into_inner());
+        self.owner.store(me, Ordering::Release);
+        Ok(Guard {
+            guard,
+            owner: &self.owner,
+        })
     }
 
     fn matches<'py>(py: Python<'py>, inner: &Inner, res: &[ix::WorkerMatch]) -> Vec<PyMatch<'py>> {
@@ -71,29 +174,44 @@ impl PrefixIndex {
     #[new]
     #[pyo3(signature = (*, capacity=None, tier_weights=None, hash_seed=0, journal=false))]
     fn new(
-        capacity: Option<i64>,
-        tier_weights: Option<&Bound<'_, PyDict>>,
-        hash_seed: u64,
-        journal: bool,
+        capacity: Option<&Bound<'_, PyAny>>,
+        tier_weights: Option<&Bound<'_, PyAny>>,
+        #[pyo3(from_py_with = arg::hash_seed)] hash_seed: u64,
+        #[pyo3(from_py_with = arg::journal)] journal: bool,
     ) -> PyResult<Self> {
         let mut cfg = IndexConfig {
             hash_seed,
             journal,
             ..Default::default()
         };
-        if let Some(c) = capacity {
-            cfg.capacity = Some(
-                usize::try_from(c)
-                    .ok()
-                    .filter(|c| *c > 0)
-                    .ok_or_else(|| index_invalid(format!("capacity must be >= 1, got {c}")))?,
-            );
+        if let Some(c) = opt_int::<usize>(capacity, "capacity", None)? {
+            if c == 0 {
+                return Err(index_invalid("capacity must be >= 1, got 0".into()));
+            }
+            cfg.capacity = Some(c);
         }
-        if let Some(w) = tier_weights {
-            for (k, v) in w.iter() {
-                let name: String = k.extract()?;
-                let weight: f64 = v.extract()?;
-                cfg.tier_weights[tier(&name)? as usize] = weight;
+        if let Some(w) = tier_weights.filter(|w| !w.is_none()) {
+            let d = w.cast::<PyDict>().map_err(|_| {
+                type_error(
+                    None,
+                    format!(
+                        "tier_weights must be a dict of tier name to weight, got {} {}",
+                        type_name(w),
+                        show(w)
+                    ),
+                )
+            })?;
+            for (k, v) in d.iter() {
+                let name = text(&k, "tier_weights key")?;
+                let what = format!("tier_weights[{name:?}]");
+                let t = tier(name, "tier_weights key")?;
+                let weight = conv::float_arg(&v, &what)?;
+                if !(weight >= 0.0 && weight.is_finite()) {
+                    return Err(index_invalid(format!(
+                        "{what} must be a finite weight >= 0, got {weight}"
+                    )));
+                }
+                cfg.tier_weights[t as usize] = weight;
             }
         }
         Ok(PrefixIndex {
@@ -101,11 +219,13 @@ impl PrefixIndex {
                 ix: ix::PrefixIndex::new(cfg).map_err(index_error)?,
                 names: Vec::new(),
             }),
+            owner: AtomicUsize::new(0),
         })
     }
 
-    fn add_worker(&self, py: Python<'_>, name: &str) -> PyResult<()> {
-        let mut g = self.lock(py);
+    fn add_worker(&self, py: Python<'_>, name: &Bound<'_, PyAny>) -> PyResult<()> {
+        let name = text(name, "name")?;
+        let mut g = self.lock(py)?;
         let id = g.add_worker(name).map_err(index_error)? as usize;
         if g.names.len() <= id {
             g.names.resize_with(id + 1, || None);
@@ -115,8 +235,9 @@ impl PrefixIndex {
     }
 
     /// Forgets the worker and its entries; returns how many entries were dropped.
-    fn remove_worker(&self, py: Python<'_>, name: &str) -> PyResult<usize> {
-        let mut g = self.lock(py);
+    fn remove_worker(&self, py: Python<'_>, name: &Bound<'_, PyAny>) -> PyResult<usize> {
+        let name = text(name, "name")?;
+        let mut g = self.lock(py)?;
         let id = g.worker_id(name).map_err(index_error)? as usize;
         let n = g.remove_worker(name).map_err(index_error)?;
         if let Some(slot) = g.names.get_mut(id) {
@@ -126,87 +247,63 @@ impl PrefixIndex {
     }
 
     /// Drops the worker's entries (publisher restart, unrecoverable gap); keeps the worker.
-    fn clear_worker(&self, py: Python<'_>, name: &str) -> PyResult<usize> {
-        self.lock(py).clear_worker(name).map_err(index_error)
+    fn clear_worker(&self, py: Python<'_>, name: &Bound<'_, PyAny>) -> PyResult<usize> {
+        let name = text(name, "name")?;
+        self.lock(py)?.clear_worker(name).map_err(index_error)
     }
 
-    fn workers(&self, py: Python<'_>) -> Vec<String> {
-        self.lock(py).worker_names().map(str::to_owned).collect()
+    fn workers(&self, py: Python<'_>) -> PyResult<Vec<String>> {
+        Ok(self.lock(py)?.worker_names().map(str::to_owned).collect())
     }
 
-    fn worker_len(&self, py: Python<'_>, name: &str) -> PyResult<usize> {
-        self.lock(py).worker_len(name).map_err(index_error)
+    fn worker_len(&self, py: Python<'_>, name: &Bound<'_, PyAny>) -> PyResult<usize> {
+        let name = text(name, "name")?;
+        self.lock(py)?.worker_len(name).map_err(index_error)
     }
 
     /// Decodes one raw msgpack `KVEventBatch` payload and applies it for `worker`. Events
     /// without a medium count for `default_tier`. Returns counters; raises `EventDecodeError`
     /// (and applies nothing) when the payload is not an event batch.
-    #[pyo3(signature = (worker, payload, default_tier="GPU"))]
+    #[pyo3(signature = (worker, payload, default_tier="GPU".to_owned()),
+           text_signature = "(self, worker, payload, default_tier='GPU')")]
     fn apply(
         &self,
         py: Python<'_>,
-        worker: &str,
-        payload: &[u8],
-        default_tier: &str,
+        worker: &Bound<'_, PyAny>,
+        payload: &Bound<'_, PyAny>,
+        #[pyo3(from_py_with = arg::default_tier)] default_tier: String,
     ) -> PyResult<ApplyStats> {
-        let t = tier(default_tier)?;
-        let mut g = self.lock(py);
+        let worker = text(worker, "worker")?;
+        let payload = conv::payload(payload, "payload")?;
+        let t = tier(&default_tier, "default_tier")?;
+        let mut g = self.lock(py)?;
         let id = g.worker_id(worker).map_err(index_error)?;
         let g = &mut *g;
+        let bytes = payload.as_slice();
         let st = py
-            .detach(|| g.apply_payload(id, payload, t))
+            .detach(|| g.apply_payload(id, bytes, t))
             .map_err(index_error)?;
         Ok(st.into())
     }
 
     /// Per worker holding the prompt's first block:
-    /// `(worker, blocks, (gpu_blocks, cpu_blocks, storage_blocks), score)`.
+    /// `(worker, blocks, (gpu_blocks, cpu_blocks, storage_blocks), score)`. The tokens are
+    /// converted (and checked) in full first, so a refused lookup changes no counter and no
+    /// recency.
     #[pyo3(signature = (token_ids, block_size, lora_id=None, lora_name=None))]
     fn lookup<'py>(
         &self,
         py: Python<'py>,
         token_ids: &Bound<'py, PyAny>,
-        block_size: i64,
-        lora_id: Option<u64>,
-        lora_name: Option<&str>,
+        block_size: &Bound<'py, PyAny>,
+        lora_id: Option<&Bound<'py, PyAny>>,
+        lora_name: Option<&Bound<'py, PyAny>>,
     ) -> PyResult<Vec<PyMatch<'py>>> {
+        let tokens = self::token_ids(token_ids)?;
         let bs = block_size_arg(block_size)?;
-        let lora = lora(lora_id, lora_name);
-        // A list (what JSON gives) is converted block by block, only as far as the walk goes.
-        if let Ok(list) = token_ids.cast::<PyList>() {
-            let n = list.len();
-            let mut pos = 0usize;
-            let mut failed: Option<PyErr> = None;
-            let mut g = self.lock(py);
-            let res = g
-                .lookup_by(lora, |buf| {
-                    if pos + bs > n {
-                        return false;
-                    }
-                    for j in pos..pos + bs {
-                        match list_u32(list, j) {
-                            Ok(t) => buf.push(t),
-                            Err(e) => {
-                                failed = Some(e);
-                                return false;
-                            }
-                        }
-                    }
-                    pos += bs;
-                    true
-                })
-                .to_vec();
-            if let Some(e) = failed {
-                return Err(e);
-            }
-            return Ok(Self::matches(py, &g, &res));
-        }
-        let tokens = IntArg::<u32>::extract(token_ids, "token_ids", None)?;
-        let mut g = self.lock(py);
-        let res = g
-            .lookup(tokens.as_slice(), bs, lora)
-            .map_err(index_error)?
-            .to_vec();
+        let lora = lora(lora_id, lora_name)?;
+        let mut g = self.lock(py)?;
+        let res = g.lookup(&tokens, bs, lora).map_err(index_error)?.to_vec();
         Ok(Self::matches(py, &g, &res))
     }
 
@@ -216,30 +313,51 @@ impl PrefixIndex {
         &self,
         py: Python<'_>,
         token_ids: &Bound<'_, PyAny>,
-        block_size: i64,
-        lora_id: Option<u64>,
-        lora_name: Option<&str>,
+        block_size: &Bound<'_, PyAny>,
+        lora_id: Option<&Bound<'_, PyAny>>,
+        lora_name: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Vec<u64>> {
+        let tokens = self::token_ids(token_ids)?;
         let bs = block_size_arg(block_size)?;
-        let tokens = IntArg::<u32>::extract(token_ids, "token_ids", None)?;
-        self.lock(py)
-            .chain_keys(tokens.as_slice(), bs, lora(lora_id, lora_name))
+        let lora = lora(lora_id, lora_name)?;
+        self.lock(py)?
+            .chain_keys(&tokens, bs, lora)
             .map_err(index_error)
     }
 
     /// Scores prompt blocks whose holders were fetched elsewhere: `blocks[i]` maps worker name
     /// to tier bitmask (bit 0 GPU, 1 CPU, 2 STORAGE). Same result shape as `lookup`.
-    fn score_blocks(&self, py: Python<'_>, blocks: &Bound<'_, PyList>) -> PyResult<Vec<Match>> {
-        let weights = self.lock(py).config().tier_weights;
+    fn score_blocks(&self, py: Python<'_>, blocks: &Bound<'_, PyAny>) -> PyResult<Vec<Match>> {
+        let not_list = || {
+            type_error(
+                None,
+                format!(
+                    "blocks must be a list of dicts (worker name -> tier mask), got {} {}",
+                    type_name(blocks),
+                    show(blocks)
+                ),
+            )
+        };
+        let list = blocks.cast::<PyList>().map_err(|_| not_list())?;
+        // Convert everything first: the dicts' keys and values may run Python code.
         let mut names: Vec<String> = Vec::new();
         let mut ids = std::collections::HashMap::<String, u32>::new();
-        let mut scorer = ix::Scorer::new(weights);
-        for block in blocks.iter() {
-            let d = block.cast::<PyDict>()?;
+        let mut converted: Vec<Vec<(u32, u8)>> = Vec::with_capacity(list.len());
+        for (i, block) in list.iter().enumerate() {
+            let d = block.cast::<PyDict>().map_err(|_| {
+                type_error(
+                    None,
+                    format!(
+                        "blocks[{i}] must be a dict, got {} {}",
+                        type_name(&block),
+                        show(&block)
+                    ),
+                )
+            })?;
             let mut holders = Vec::with_capacity(d.len());
             for (k, v) in d.iter() {
-                let name: String = k.extract()?;
-                let mask: u8 = v.extract()?;
+                let name = text(&k, &format!("blocks[{i}] key"))?.to_owned();
+                let mask: u8 = int::<u8>(&v, &format!("blocks[{i}][{name:?}]"), None)?;
                 let next = names.len() as u32;
                 let id = *ids.entry(name.clone()).or_insert_with(|| {
                     names.push(name);
@@ -247,6 +365,11 @@ impl PrefixIndex {
                 });
                 holders.push((id, mask & 0b111));
             }
+            converted.push(holders);
+        }
+        let weights = self.lock(py)?.config().tier_weights;
+        let mut scorer = ix::Scorer::new(weights);
+        for holders in converted {
             if !scorer.block(holders) {
                 break;
             }
@@ -269,7 +392,7 @@ impl PrefixIndex {
     /// `engine_changes = [(worker, engine_hash, key | None, (g_gpu, g_cpu, g_storage))]` and
     /// `holder_changes = [(key, worker, tier_mask)]` (mask 0 = gone). Needs `journal=True`.
     fn take_changes<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyTuple>> {
-        let changes = self.lock(py).take_changes();
+        let changes = self.lock(py)?.take_changes();
         let engines = PyList::empty(py);
         let holders = PyList::empty(py);
         for c in changes {
@@ -292,22 +415,34 @@ impl PrefixIndex {
     }
 
     /// Every entry: `[(worker, engine_hash, key, (g_gpu, g_cpu, g_storage))]`.
-    fn dump(&self, py: Python<'_>) -> Vec<(String, u64, u64, [u32; NUM_TIERS])> {
-        self.lock(py)
-            .dump()
-            .into_iter()
+    fn dump(&self, py: Python<'_>) -> PyResult<Vec<Entry>> {
+        let d = self.lock(py)?.dump();
+        Ok(d.into_iter()
             .map(|(w, e, v)| (w, e, v.key, v.groups))
-            .collect()
+            .collect())
     }
 
     /// Restores entries of one worker, as `dump` gives them: `[(engine_hash, key, groups)]`.
     fn load(
         &self,
         py: Python<'_>,
-        worker: &str,
-        entries: Vec<(u64, u64, [u32; NUM_TIERS])>,
+        worker: &Bound<'_, PyAny>,
+        entries: &Bound<'_, PyAny>,
     ) -> PyResult<()> {
-        let mut g = self.lock(py);
+        let worker = text(worker, "worker")?;
+        let entries = tuples(entries, "entries", 3, |f, name| {
+            let engine = int::<u64>(&f[0], &format!("{name}[0] (engine hash)"), None)?;
+            let key = int::<u64>(&f[1], &format!("{name}[1] (key)"), None)?;
+            let groups = IntArg::<u32>::extract(&f[2], &format!("{name}[2] (groups)"), None)?.0;
+            let groups: [u32; NUM_TIERS] = groups.try_into().map_err(|g: Vec<u32>| {
+                index_invalid(format!(
+                    "{name}[2] (groups) must have {NUM_TIERS} counts, got {}",
+                    g.len()
+                ))
+            })?;
+            Ok((engine, key, groups))
+        })?;
+        let mut g = self.lock(py)?;
         let id = g.worker_id(worker).map_err(index_error)?;
         for (engine, key, groups) in entries {
             g.load_entry(id, engine, EngineEntryView { key, groups });
@@ -317,7 +452,7 @@ impl PrefixIndex {
 
     fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let (s, cap) = {
-            let g = self.lock(py);
+            let g = self.lock(py)?;
             (g.stats(), g.config().capacity)
         };
         let d = PyDict::new(py);
@@ -339,31 +474,31 @@ impl PrefixIndex {
     }
 
     #[getter]
-    fn tier_weights(&self, py: Python<'_>) -> Vec<(&'static str, f64)> {
-        let w = self.lock(py).config().tier_weights;
-        Tier::ALL
+    fn tier_weights(&self, py: Python<'_>) -> PyResult<Vec<(&'static str, f64)>> {
+        let w = self.lock(py)?.config().tier_weights;
+        Ok(Tier::ALL
             .iter()
             .map(|t| (t.name(), w[*t as usize]))
-            .collect()
+            .collect())
     }
 
     #[getter]
-    fn capacity(&self, py: Python<'_>) -> Option<usize> {
-        self.lock(py).config().capacity
+    fn capacity(&self, py: Python<'_>) -> PyResult<Option<usize>> {
+        Ok(self.lock(py)?.config().capacity)
     }
 
     /// None when every internal link holds, else the first broken one (tests call it).
-    fn check_invariants(&self, py: Python<'_>) -> Option<String> {
-        self.lock(py).check_invariants().err()
+    fn check_invariants(&self, py: Python<'_>) -> PyResult<Option<String>> {
+        Ok(self.lock(py)?.check_invariants().err())
     }
 
-    fn __len__(&self, py: Python<'_>) -> usize {
-        self.lock(py).len()
+    fn __len__(&self, py: Python<'_>) -> PyResult<usize> {
+        Ok(self.lock(py)?.len())
     }
 }
 
 /// The LoRA key a lookup uses for a LoRA given by name only.
 #[pyfunction]
-pub(crate) fn lora_key(name: &str) -> u64 {
-    lora_name_key(name)
+pub(crate) fn lora_key(name: &Bound<'_, PyAny>) -> PyResult<u64> {
+    Ok(lora_name_key(text(name, "name")?))
 }

@@ -1,0 +1,556 @@
+"""Every public call of the extension, with arguments of every type and value: the only outcomes
+are success or a kvslots exception (``KVSlotsError``) with the object's state exactly as before.
+Also re-entrant arguments (``__index__`` / ``__iter__`` calling back into the same object) and
+concurrent use from several threads: no builtin exception, no "Already borrowed", no deadlock,
+no corruption.
+
+``KVSLOTS_HYPOTHESIS_EXAMPLES`` sets the number of generated cases per test (default 300).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import hypothesis.strategies as st
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+
+import kvslots
+from kvslots import _core
+from kvslots.errors import ArgumentTypeError, ConcurrentUseError, InvalidArgumentError, KVSlotsError
+
+EXAMPLES = int(os.environ.get("KVSLOTS_HYPOTHESIS_EXAMPLES", "300"))
+SETTINGS = settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck))
+
+
+class Index:
+    """An object with ``__index__`` (like a numpy integer)."""
+
+    def __init__(self, v):
+        self.v = v
+
+    def __index__(self):
+        return self.v
+
+    def __repr__(self):
+        return f"Index({self.v})"
+
+
+class Raising:
+    def __index__(self):
+        raise ZeroDivisionError("boom")
+
+    def __iter__(self):
+        raise ZeroDivisionError("boom")
+
+
+SPECIAL_INTS = [0, 1, 2, 3, 7, 2**31 - 1, 2**31, 2**32 - 1, 2**32, 2**62, 2**63 - 1, 2**63, 2**64 - 1, 2**64,
+                2**100, -1, -(2**63), -(2**64)]
+
+
+def _arrays():
+    base = st.lists(st.integers(0, 40), max_size=6)
+    return st.one_of(
+        base.map(lambda v: np.array(v, dtype=np.int64)),
+        base.map(lambda v: np.array(v, dtype=np.uint32)),
+        base.map(lambda v: np.array(v, dtype=np.int8)),
+        base.map(lambda v: np.array(v, dtype=np.uint64)),
+        base.map(lambda v: np.array(v + v, dtype=np.int32)[::2]),  # non-contiguous
+        base.map(lambda v: np.array(v, dtype=np.float64)),
+        base.map(lambda v: np.array(v, dtype=bool)),
+        base.map(lambda v: np.array(v, dtype=object)),
+        base.map(lambda v: np.array([v, v], dtype=np.int64)),  # 2-D
+        base.map(lambda v: np.array(v, dtype=">i4")),  # non-native byte order
+        st.just(np.array(5)),  # 0-d
+        st.just(np.array([-1, 2**40], dtype=np.int64)),
+    )
+
+
+SCALARS = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.sampled_from(SPECIAL_INTS),
+    st.integers(-5, 50),
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.sampled_from([float("nan"), 1.0, -0.0, 2.0**64]),
+    st.sampled_from(["a", "b", "", "x" * 300, "\ud800", "a\udfffb", "é", "GPU", "cpu"]),
+    st.binary(max_size=8),
+    st.sampled_from([Index(1), Index(-1), Index(2**64), Raising(), object(), np.int64(3), np.uint32(2),
+                     np.float32(1.0), np.bool_(True), {"a": 1}, {1, 2}]),
+)
+SEQS = st.one_of(
+    st.lists(st.integers(0, 40), max_size=10),
+    st.lists(st.sampled_from(SPECIAL_INTS), max_size=4),
+    st.lists(st.one_of(st.integers(0, 9), st.booleans(), st.floats(), st.text(max_size=2), st.none()), max_size=4),
+    st.lists(st.integers(0, 9), max_size=4).map(tuple),
+    st.lists(st.integers(0, 9), max_size=4).map(lambda v: (x for x in v)),
+    _arrays(),
+    st.sampled_from([[Index(2)], [Raising()], Raising(), "abc", b"\x01\x02", range(3), [[1, 2]]]),
+)
+ANY = st.one_of(SCALARS, SEQS)
+
+
+def _call(obj, name, args, kwargs, snapshot, check=None):
+    before = snapshot()
+    try:
+        getattr(obj, name)(*args, **kwargs)
+    except KVSlotsError as e:
+        assert not isinstance(e, ConcurrentUseError), (name, args, kwargs, e)
+        after = snapshot()
+        assert after == before, (name, args, kwargs, e)
+    except BaseException as e:  # noqa: BLE001 - the point of the test
+        pytest.fail(f"{name}{args!r} {kwargs!r} raised {type(e).__name__}: {e}")
+    if check is not None:
+        assert check() is None, (name, args, kwargs, check())
+
+
+# ---- SlotManager ----
+
+
+def _manager():
+    m = kvslots.SlotManager(16, 4, hash_seed=7)
+    m.create("a", [1, 2, 3, 4, 5, 6], lookahead=2)
+    m.reserve("a", 6)
+    m.commit("a", [1, 2, 3, 4, 5])
+    m.create("b", [1, 2, 3, 4, 9])
+    return m
+
+
+def _manager_state(m):
+    ids = sorted(m.request_ids())
+    per = [(r, m.slot_info(r), m.block_table(r), m.committed_tokens(r), m.block_hashes(r)) for r in ids]
+    return (per, m.stats(), m.num_free, m.num_held, m.num_cached, m.cached_blocks(), m.registered_hashes(),
+            m.num_pending_events(), bytes(m.events_msgpack(0.0)))
+
+
+MANAGER_CALLS = {
+    "create": 2, "slot_id": 1, "reserve": 2, "commit": 2, "rollback": 2, "set_lookahead": 2, "finish": 1,
+    "evict": 1, "step": 5, "block_table": 1, "slot_info": 1, "committed_tokens": 1, "block_hashes": 1,
+    "lookup": 1, "registered_hash": 1, "refcount": 1, "events_msgpack": 1, "__contains__": 1,
+}
+MANAGER_KWARGS = {
+    "create": ["lookahead", "match_prefix", "lora_id"],
+    "step": ["lookahead"],
+    "events_msgpack": ["medium", "data_parallel_rank", "hashes_as_bytes"],
+}
+
+
+def _args(data, n, valid):
+    return [data.draw(st.one_of(st.sampled_from(valid), ANY)) for _ in range(n)]
+
+
+@SETTINGS
+@given(data=st.data())
+def test_slot_manager_any_arguments(data):
+    m = _manager()
+    valid = ["a", "b", "c", 0, 1, 2, [1, 2], [0], m.slot_id("a"), [m.slot_id("a")], 0.5]
+    for _ in range(3):
+        name = data.draw(st.sampled_from(sorted(MANAGER_CALLS)))
+        args = _args(data, MANAGER_CALLS[name], valid)
+        kw = {k: data.draw(ANY) for k in MANAGER_KWARGS.get(name, []) if data.draw(st.booleans())}
+        _call(m, name, args, kw, lambda: _manager_state(m), m.check_invariants)
+
+
+@SETTINGS
+@given(args=st.lists(ANY, min_size=2, max_size=2), kw=st.dictionaries(
+    st.sampled_from(["hash_seed", "enable_prefix_caching", "max_tokens_per_slot"]), ANY))
+def test_constructors_any_arguments(args, kw):
+    for make in (kvslots.SlotManager, _core.SlotManager, _core.HostCache):
+        try:
+            make(*args, **(kw if make is not _core.HostCache else {}))
+        except KVSlotsError:
+            pass
+    try:
+        _core.SlotTracker(args[0], **({"hash_seed": kw["hash_seed"]} if "hash_seed" in kw else {}))
+    except KVSlotsError:
+        pass
+    try:
+        _core.PrefixIndex(capacity=args[0], tier_weights=args[1], hash_seed=kw.get("hash_seed", 0))
+    except KVSlotsError:
+        pass
+
+
+# ---- SlotTracker ----
+
+TRACKER_CALLS = {"add": 1, "blocks_needed": 2, "reserve": 3, "commit": 2, "rollback": 2, "set_lookahead": 2,
+                 "finish": 1, "slot_info": 1, "block_table": 1, "block_hashes": 1}
+
+
+def _tracker():
+    t = _core.SlotTracker(4)
+    t.add("a", lookahead=1)
+    t.reserve("a", 6, [10, 11])
+    t.commit("a", [1, 2, 3, 4, 5])
+    return t
+
+
+def _tracker_state(t):
+    out = [len(t)]
+    for r in ("a", "b", "c", ""):
+        try:
+            out.append((r, t.slot_info(r), t.block_table(r), t.block_hashes(r)))
+        except KVSlotsError:
+            out.append(r)
+    return out
+
+
+@SETTINGS
+@given(data=st.data())
+def test_slot_tracker_any_arguments(data):
+    t = _tracker()
+    valid = ["a", "b", 0, 1, 2, [1, 2], [7]]
+    for _ in range(3):
+        name = data.draw(st.sampled_from(sorted(TRACKER_CALLS)))
+        args = _args(data, TRACKER_CALLS[name], valid)
+        kw = {}
+        if name == "add" and data.draw(st.booleans()):
+            kw = {"lookahead": data.draw(ANY), "lora_id": data.draw(ANY)}
+        if name == "commit" and data.draw(st.booleans()):
+            kw = {"block_hashes": data.draw(ANY)}
+        _call(t, name, args, kw, lambda: _tracker_state(t), t.check_invariants)
+
+
+# ---- HostCache ----
+
+CACHE_CALLS = {"match_prefix": 1, "contains": 1, "lookup": 1, "begin_load": 2, "end_load": 1, "begin_store": 1,
+               "complete_store": 3, "begin_store_run": 4, "complete_step": 2, "abort_store": 1,
+               "events_msgpack": 1}
+
+
+def _cache():
+    c = _core.HostCache(8, 2)
+    s = c.begin_store([10, 20])
+    c.complete_store([(h, b) for _, h, b in s], None, [1, 2, 3, 4])
+    c.begin_load("r", [10])
+    c.begin_store([30])
+    c.begin_store_run(5, [40, 50], 30, [1, 2, 3, 4])
+    return c
+
+
+def _cache_state(c):
+    return (c.registered_hashes(), c.stats(), c.num_free, c.num_held, c.num_cached, c.num_storing,
+            c.pending_steps, c.num_pending_events(), [c.lookup(h) for h in (10, 20, 30, 40, 50)])
+
+
+@SETTINGS
+@given(data=st.data())
+def test_host_cache_any_arguments(data):
+    c = _cache()
+    blocks = sorted({c.lookup(10), c.lookup(20)})
+    valid = ["r", 10, 20, 30, 5, [10], [10, 20], blocks, [blocks[0], blocks[0]], [(30, 2)], [(30, 2), (30, 2)],
+             [1, 2], None]
+    for _ in range(3):
+        name = data.draw(st.sampled_from(sorted(CACHE_CALLS)))
+        args = _args(data, CACHE_CALLS[name], valid)
+        _call(c, name, args, {}, lambda: _cache_state(c), c.check_invariants)
+
+
+# ---- PrefixIndex, block_hash, encode_event_batch ----
+
+INDEX_CALLS = {"add_worker": 1, "remove_worker": 1, "clear_worker": 1, "worker_len": 1, "apply": 2, "lookup": 2,
+               "chain_keys": 2, "score_blocks": 1, "load": 2}
+
+
+def _index():
+    ix = _core.PrefixIndex(capacity=100)
+    ix.add_worker("w")
+    toks = list(range(8))
+    keys = ix.chain_keys(toks, 4)
+    ix.load("w", [(keys[0], keys[0], [1, 0, 0])])
+    return ix
+
+
+def _index_state(ix):
+    return (ix.workers(), ix.dump(), ix.stats(), len(ix))
+
+
+@SETTINGS
+@given(data=st.data())
+def test_prefix_index_any_arguments(data):
+    ix = _index()
+    payload = _core.encode_event_batch([("BlockStored", [1], None, [1, 2, 3, 4], 4, None)], 0.0)
+    valid = ["w", "v", list(range(8)), 4, payload, b"\x00", [{"w": 1}], [(1, 2, [1, 0, 0])]]
+    for _ in range(3):
+        name = data.draw(st.sampled_from(sorted(INDEX_CALLS)))
+        args = _args(data, INDEX_CALLS[name], valid)
+        kw = {}
+        if name in ("lookup", "chain_keys") and data.draw(st.booleans()):
+            kw = {"lora_id": data.draw(ANY), "lora_name": data.draw(ANY)}
+        if name == "apply" and data.draw(st.booleans()):
+            kw = {"default_tier": data.draw(ANY)}
+        # A lookup counts itself (stats) when it succeeds; only failures must change nothing.
+        _call(ix, name, args, kw, lambda: _index_state(ix), ix.check_invariants)
+
+
+@SETTINGS
+@given(args=st.lists(ANY, min_size=3, max_size=3), events=st.lists(
+    st.one_of(ANY, st.tuples(st.sampled_from(["BlockStored", "BlockRemoved", "AllBlocksCleared", "x", 1]),
+                             ANY, ANY, ANY, ANY, ANY)), max_size=3))
+def test_functions_any_arguments(args, events):
+    for call in (
+        lambda: _core.block_hash(args[0], args[1], args[2]),
+        lambda: _core.block_hash(args[0], args[1]),
+        lambda: _core.encode_event_batch(events, args[0], medium=args[1], data_parallel_rank=args[2]),
+        lambda: _core.encode_event_batch(args[0], 0.0, hashes_as_bytes=args[1]),
+        lambda: _core.lora_key(args[0]),
+    ):
+        try:
+            call()
+        except KVSlotsError:
+            pass
+
+
+@SETTINGS
+@given(args=st.lists(ANY, min_size=5, max_size=5))
+def test_copy_path_any_arguments(args):
+    src = np.arange(64, dtype=np.uint8)
+    dst = np.zeros(64, dtype=np.uint8)
+    s = _core.BlockRegion(src, block_bytes=8, num_blocks=8)
+    d = _core.BlockRegion(dst, block_bytes=8, num_blocks=8)
+    for call in (
+        lambda: _core.copy_blocks(s, d, args[0], args[1], args[2]),
+        lambda: _core.copy_blocks(args[0], d, [0], [0]),
+        lambda: _core.BlockRegion(args[0], block_bytes=args[1], num_blocks=args[2], stride=args[3], offset=args[4]),
+        lambda: _core.BlockRegion(src, block_bytes=args[1], num_blocks=args[2], stride=args[3], offset=args[4]),
+    ):
+        before = dst.copy()
+        try:
+            call()
+        except KVSlotsError:
+            assert np.array_equal(dst, before)
+    from kvslots.vllm.transfer import BlockCopier
+
+    import torch
+
+    layer = torch.zeros(4, 2, 3)
+    c = BlockCopier({"l": layer}, 4, 4)
+    for call in (lambda: c.store(args[0], args[1]), lambda: c.load(args[2], args[3])):
+        host = c.host.clone()
+        try:
+            call()
+        except KVSlotsError:
+            assert torch.equal(c.host, host)
+
+
+# ---- specific cases ----
+
+
+@pytest.mark.parametrize(
+    "call, kind",
+    [
+        (lambda m: m.reserve("a", 2**62), kvslots.OutOfBlocksError),
+        (lambda m: m.reserve("a", 2**64 - 1), kvslots.OutOfBlocksError),
+        (lambda m: m.reserve("a", 2**64), InvalidArgumentError),
+        (lambda m: m.reserve("a", 1.0), ArgumentTypeError),
+        (lambda m: m.reserve("a", True), ArgumentTypeError),
+        (lambda m: m.reserve("a", "1"), ArgumentTypeError),
+        (lambda m: m.reserve(5, 1), ArgumentTypeError),
+        (lambda m: m.reserve("\ud800", 1), InvalidArgumentError),
+        (lambda m: m.commit("a", np.array([1.5])), ArgumentTypeError),
+        (lambda m: m.commit("a", np.array([[1]])), ArgumentTypeError),
+        (lambda m: m.create("z", [1], lookahead=2**64), InvalidArgumentError),
+        (lambda m: m.create("z", [1], match_prefix=1), ArgumentTypeError),
+        (lambda m: m.create("z", [1], lora_id=-1), InvalidArgumentError),
+        (lambda m: m.lookup(2**64), InvalidArgumentError),
+        (lambda m: m.refcount(2**40), InvalidArgumentError),
+        (lambda m: m.events_msgpack("now"), ArgumentTypeError),
+        (lambda m: m.events_msgpack(0.0, medium=b"x"), ArgumentTypeError),
+        (lambda m: 5 in m, ArgumentTypeError),
+    ],
+)
+def test_bad_scalars_are_typed_and_change_nothing(call, kind):
+    m = _manager()
+    before = _manager_state(m)
+    with pytest.raises(kind) as e:
+        call(m)
+    assert isinstance(e.value, KVSlotsError)
+    assert _manager_state(m) == before
+    assert m.check_invariants() is None
+
+
+def test_huge_lookahead_then_commit_never_panics():
+    m = kvslots.SlotManager(8, 4)
+    m.create("a", [1, 2, 3], lookahead=2**62)
+    with pytest.raises(kvslots.OutOfBlocksError):
+        m.reserve("a", 3)
+    m.set_lookahead("a", 0)
+    m.reserve("a", 3)
+    m.commit("a", [1, 2, 3])
+    assert m.check_invariants() is None
+    t = _core.SlotTracker(4)
+    t.add("a", lookahead=2**64 - 1)
+    with pytest.raises(kvslots.CapacityExceededError):
+        t.blocks_needed("a", 2)
+    assert t.check_invariants() is None
+
+
+def test_reentrant_arguments():
+    m = _manager()
+
+    class Peek:
+        def __index__(self):
+            m.stats()
+            m.reserve("b", 1)  # a mutation from inside an argument: runs before the call borrows
+            return 1
+
+    m.reserve("a", Peek())
+    assert m.check_invariants() is None
+
+    class Finishing:
+        def __iter__(self):
+            m.finish("b")
+            return iter([1])
+
+    with pytest.raises(kvslots.UnknownRequestError):
+        m.commit("b", Finishing())
+    assert m.check_invariants() is None
+
+    ix = _index()
+
+    class IxPeek:
+        def __index__(self):
+            ix.stats()
+            return 1
+
+    def lookups():
+        ix.lookup([IxPeek()] * 8, 4)
+        ix.lookup(list(range(8)), IxPeek(), lora_id=IxPeek())
+        ix.chain_keys(np.array([IxPeek()] * 8, dtype=object), 4)
+        ix.load("w", [(IxPeek(), IxPeek(), [IxPeek(), 0, 0])])
+        ix.score_blocks([{"w": IxPeek()}])
+
+    t = threading.Thread(target=lookups, daemon=True)
+    t.start()
+    t.join(timeout=30)
+    assert not t.is_alive(), "re-entrant PrefixIndex call deadlocked"
+    assert ix.check_invariants() is None
+
+
+def test_index_raising_callbacks_become_typed():
+    m = _manager()
+    with pytest.raises(ArgumentTypeError) as e:
+        m.reserve("a", Raising())
+    assert isinstance(e.value.__cause__, ZeroDivisionError)
+    with pytest.raises(ArgumentTypeError):
+        m.commit("a", Raising())
+
+
+# ---- threads ----
+
+
+def _run_threads(target, n=4, seconds=30):
+    errors: list[BaseException] = []
+
+    def wrap(i):
+        try:
+            target(i)
+        except BaseException as e:  # noqa: BLE001
+            errors.append(e)
+
+    threads = [threading.Thread(target=wrap, args=(i,), daemon=True) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=seconds)
+        assert not t.is_alive(), "deadlock"
+    assert not errors, errors
+
+
+def test_step_arrays_mutated_by_another_thread():
+    m = kvslots.SlotManager(64, 4)
+    ids = []
+    for i in range(8):
+        m.create(f"r{i}", [1, 2, 3])
+        m.reserve(f"r{i}", 3)
+        m.commit(f"r{i}", [1, 2, 3])
+        ids.append(m.slot_id(f"r{i}"))
+    slots = np.array(ids, dtype=np.uint64)
+    zeros = np.zeros(8, dtype=np.uint32)
+    new = np.ones(8, dtype=np.uint32)
+    look = np.zeros(8, dtype=np.uint32)
+    stop = threading.Event()
+
+    def scribble(_):
+        rng = np.random.default_rng(0)
+        while not stop.is_set():
+            new[:] = rng.integers(0, 2**32, 8, dtype=np.uint32)  # ufunc loops may release the GIL
+            look[:] = rng.integers(0, 2**32, 8, dtype=np.uint32)
+            new[:] = 0
+            look[:] = 0
+
+    def stepper(_):
+        try:
+            for _ in range(2000):
+                try:
+                    m.step(slots, zeros, np.zeros(0, dtype=np.uint32), zeros, new, look)
+                except KVSlotsError:
+                    pass
+                for i in range(8):
+                    info = m.slot_info(f"r{i}")
+                    assert info.pending < 2**40, info
+                    if info.pending:
+                        m.rollback(f"r{i}", info.pending)
+                m.set_lookahead("r0", 0)
+        finally:
+            stop.set()
+
+    _run_threads(lambda i: scribble(i) if i == 0 else stepper(i), n=2)
+    assert m.check_invariants() is None
+
+
+def test_shared_objects_from_many_threads():
+    m = kvslots.SlotManager(256, 4)
+    c = _core.HostCache(64, 2)
+    t = _core.SlotTracker(4)
+    ix = _core.PrefixIndex()
+    ix.add_worker("w")
+
+    def work(k):
+        rng = np.random.default_rng(k)
+        for j in range(300):
+            rid = f"t{k}-{j % 5}"
+            try:
+                op = rng.integers(0, 9)
+                if op == 0:
+                    m.create(rid, list(rng.integers(0, 5, 9)), lookahead=1)
+                elif op == 1:
+                    m.reserve(rid, int(rng.integers(0, 6)))
+                elif op == 2:
+                    m.commit(rid, [1] * int(rng.integers(0, 3)))
+                elif op == 3:
+                    m.finish(rid)
+                elif op == 4:
+                    ids = [m.slot_id(r) for r in m.request_ids() if r.startswith(f"t{k}-")]
+                    z = np.zeros(len(ids), dtype=np.uint32)
+                    m.step(np.array(ids, dtype=np.uint64), z, [], z, z + 1)
+                    m.drain_events_msgpack(0.0)
+                elif op == 5:
+                    s = c.begin_store([k * 1000 + j])
+                    c.complete_store([(h, b) for _, h, b in s], None, [1, 2] * len(s))
+                    c.match_prefix([k * 1000 + j])
+                elif op == 6:
+                    t.add(rid)
+                    t.reserve(rid, 3, [1])
+                    t.commit(rid, [1, 2, 3])
+                    t.finish(rid)
+                elif op == 7:
+                    ix.apply("w", _core.encode_event_batch([("BlockStored", [k * 1000 + j], None, [1, 2], 2, None)],
+                                                           0.0))
+                    ix.lookup([1, 2, 3, 4], 2)
+                else:
+                    assert m.check_invariants() is None
+                    assert c.check_invariants() is None
+                    assert ix.check_invariants() is None
+                    m.stats(), len(m), c.stats(), ix.stats()
+            except ConcurrentUseError:
+                pytest.fail("a call was refused as concurrent although every call holds the GIL")
+            except KVSlotsError:
+                pass
+
+    _run_threads(work, n=4)
+    assert m.check_invariants() is None
+    assert c.check_invariants() is None
+    assert t.check_invariants() is None
+    assert ix.check_invariants() is None
