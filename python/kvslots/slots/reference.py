@@ -9,7 +9,7 @@ released tail first.
 
 from __future__ import annotations
 
-import math
+import operator
 import struct
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -18,16 +18,19 @@ from typing import Any, Sequence
 import xxhash
 
 from ..errors import (
+    ArgumentTypeError,
     CapacityExceededError,
     DuplicateRequestError,
     InvalidArgumentError,
     InvalidRollbackError,
+    KVSlotsError,
     OutOfBlocksError,
     UnknownRequestError,
 )
 
 U32 = 2**32
 U64 = 2**64
+MAX_BLOCKS = 2**31  # pools hold fewer blocks than this (the engine's refcount word keeps a flag bit)
 
 
 def block_hash(parent: int, tokens: Sequence[int], lora_id: int | None = None) -> int:
@@ -61,32 +64,105 @@ class _Slot:
     hashes: list[int] = field(default_factory=list)
 
 
+# ---- argument rules: the same as the extension's (rust/python/src/convert.rs) ----
+#
+# An integer is an ``int`` (not a ``bool``) or an object with ``__index__``; a float is refused.
+# A flag is a ``bool``. A request id is a ``str`` that encodes as UTF-8. An integer sequence is a
+# 1-D numpy array of an integer (or object) dtype, or any iterable of integers but a ``str``.
+# Wrong types raise ArgumentTypeError, values out of range InvalidArgumentError.
+
+
+def _ceil_div(a: int, b: int) -> int:
+    """Exact ceil(a / b) for ints of any size (no float rounding)."""
+    return -(-a // b)
+
+
+def _where(request_id: str | None) -> str:
+    return f" for request {request_id!r}" if request_id is not None else ""
+
+
+def _int(value: Any, what: str, lo: int, hi: int, request_id: str | None = None) -> int:
+    if isinstance(value, (bool, float)) or type(value).__name__ in ("bool_", "bool"):
+        raise ArgumentTypeError(f"invalid argument{_where(request_id)}: {what} must be an int, got "
+                                f"{type(value).__name__} {value!r}", request_id)
+    try:
+        v = operator.index(value)
+    except TypeError:
+        raise ArgumentTypeError(f"invalid argument{_where(request_id)}: {what} must be an int, got "
+                                f"{type(value).__name__}", request_id) from None
+    except KVSlotsError:
+        raise
+    except Exception as e:
+        raise ArgumentTypeError(f"invalid argument{_where(request_id)}: {what} must be an int", request_id) from e
+    if not lo <= v < hi:
+        if v < 0 <= lo:
+            raise InvalidArgumentError(f"invalid argument{_where(request_id)}: {what} must be >= 0, got {v}",
+                                       request_id)
+        raise InvalidArgumentError(f"invalid argument{_where(request_id)}: {what} = {v} is out of range",
+                                   request_id)
+    return v
+
+
 def _count(value: Any, what: str, request_id: str | None = None) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        try:
-            value = int(value)
-        except (TypeError, ValueError):
-            raise InvalidArgumentError(f"{what} must be an integer, got {type(value).__name__}", request_id) from None
-    if value < 0:
-        where = f" for request {request_id!r}" if request_id is not None else ""
-        raise InvalidArgumentError(f"invalid argument{where}: {what} must be >= 0, got {value}", request_id)
+    return _int(value, what, 0, U64, request_id)
+
+
+def _opt_int(value: Any, what: str, hi: int, request_id: str | None = None) -> int | None:
+    return None if value is None else _int(value, what, 0, hi, request_id)
+
+
+def _flag(value: Any, what: str) -> bool:
+    if not isinstance(value, bool):
+        raise ArgumentTypeError(f"invalid argument: {what} must be a bool, got {type(value).__name__} {value!r}")
+    return value
+
+
+def _request_id(value: Any) -> str:
+    if not isinstance(value, str):
+        raise ArgumentTypeError(f"invalid argument: request_id must be a str, got {type(value).__name__}")
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise InvalidArgumentError(f"invalid argument: request_id must be valid Unicode text, got {value!r}") from None
     return value
 
 
 def _ints(values: Any, what: str, bound: int, request_id: str | None = None) -> list[int]:
-    out = []
+    kind = getattr(getattr(values, "dtype", None), "kind", None)
+    if kind is not None and hasattr(values, "ndim"):
+        if values.ndim != 1:
+            raise ArgumentTypeError(f"invalid argument{_where(request_id)}: {what} must be a 1-D array", request_id)
+        if kind not in "iuO":
+            raise ArgumentTypeError(f"invalid argument{_where(request_id)}: {what} must be integers, got dtype "
+                                    f"{values.dtype}", request_id)
+        values = values.tolist() if kind in "iu" else list(values)
+    if isinstance(values, str):
+        raise ArgumentTypeError(f"invalid argument{_where(request_id)}: {what} must be a sequence of integers",
+                                request_id)
     try:
-        items = list(values)
+        items = iter(values)
     except TypeError:
-        raise InvalidArgumentError(f"{what} must be a sequence of integers", request_id) from None
-    for i, v in enumerate(items):
+        raise ArgumentTypeError(f"invalid argument{_where(request_id)}: {what} must be a sequence of integers",
+                                request_id) from None
+    except KVSlotsError:
+        raise
+    except Exception as e:
+        raise ArgumentTypeError(f"invalid argument{_where(request_id)}: {what} must be a sequence of integers",
+                                request_id) from e
+    out = []
+    i = 0
+    while True:
         try:
-            v = int(v)
-        except (TypeError, ValueError):
-            raise InvalidArgumentError(f"{what}[{i}] must be an integer", request_id) from None
-        if not 0 <= v < bound:
-            raise InvalidArgumentError(f"{what}[{i}] = {v} is out of range", request_id)
-        out.append(v)
+            v = next(items)
+        except StopIteration:
+            break
+        except KVSlotsError:
+            raise
+        except Exception as e:
+            raise InvalidArgumentError(f"invalid argument{_where(request_id)}: {what}: iterating it raised an error",
+                                       request_id) from e
+        out.append(_int(v, f"{what}[{i}]", 0, bound, request_id))
+        i += 1
     return out
 
 
@@ -102,11 +178,16 @@ class ReferenceSlotManager:
         enable_prefix_caching: bool = True,
         max_tokens_per_slot: int | None = None,
     ) -> None:
+        hash_seed = _int(hash_seed, "hash_seed", 0, U64)
+        enable_prefix_caching = _flag(enable_prefix_caching, "enable_prefix_caching")
         num_blocks = _count(num_blocks, "num_blocks")
         block_size = _count(block_size, "block_size")
-        if block_size == 0:
-            raise InvalidArgumentError("invalid argument: block_size must be at least 1")
-        if max_tokens_per_slot is not None and _count(max_tokens_per_slot, "max_tokens_per_slot") == 0:
+        max_tokens_per_slot = _opt_int(max_tokens_per_slot, "max_tokens_per_slot", U64)
+        if not 1 <= block_size < U32:
+            raise InvalidArgumentError(f"invalid argument: block_size must be in [1, {U32 - 1}], got {block_size}")
+        if num_blocks >= MAX_BLOCKS:
+            raise InvalidArgumentError(f"invalid argument: num_blocks must be below {MAX_BLOCKS} (got {num_blocks})")
+        if max_tokens_per_slot == 0:
             raise InvalidArgumentError("invalid argument: max_tokens_per_slot must be at least 1")
         self.num_blocks = num_blocks
         self.block_size = block_size
@@ -153,9 +234,10 @@ class ReferenceSlotManager:
         return len(self._slots)
 
     def __contains__(self, request_id: str) -> bool:
-        return request_id in self._slots
+        return _request_id(request_id) in self._slots
 
     def _slot(self, request_id: str) -> _Slot:
+        _request_id(request_id)
         try:
             return self._slots[request_id]
         except KeyError:
@@ -187,13 +269,19 @@ class ReferenceSlotManager:
         return sorted(self._registry)
 
     def lookup(self, block_hash: int) -> int | None:
-        return self._registry.get(block_hash)
+        return self._registry.get(_int(block_hash, "block_hash", 0, U64))
+
+    def _block_id(self, block_id: Any) -> int:
+        b = _int(block_id, "block_id", 0, U32)
+        if b >= self.num_blocks:
+            raise InvalidArgumentError(f"invalid argument: block id {b} is outside the pool of {self.num_blocks} blocks")
+        return b
 
     def registered_hash(self, block_id: int) -> int | None:
-        return self._hash_of.get(block_id)
+        return self._hash_of.get(self._block_id(block_id))
 
     def refcount(self, block_id: int) -> int:
-        return self._refcount[block_id]
+        return self._refcount[self._block_id(block_id)]
 
     def cached_blocks(self) -> list[int]:
         return list(self._lru)
@@ -287,8 +375,11 @@ class ReferenceSlotManager:
     # ---- operations ----
     def create(self, request_id: str, prompt: Sequence[int], *, lookahead: int = 0, match_prefix: bool = True,
                lora_id: int | None = None) -> int:
-        k = _count(lookahead, "lookahead", request_id)
+        k = _count(lookahead, "lookahead")
+        match_prefix = _flag(match_prefix, "match_prefix")
+        request_id = _request_id(request_id)
         prompt = _ints(prompt, "prompt", U32, request_id)
+        lora_id = _opt_int(lora_id, "lora_id", U64, request_id)
         if request_id in self._slots:
             raise DuplicateRequestError(f"request {request_id!r} already has a slot", request_id)
         s = _Slot(request_id, lora_id, k)
@@ -319,10 +410,11 @@ class ReferenceSlotManager:
         return len(s.tokens)
 
     def reserve(self, request_id: str, new_tokens: int) -> int:
+        request_id = _request_id(request_id)
         n = _count(new_tokens, "new_tokens", request_id)
         s = self._slot(request_id)
         self._check_len(s, len(s.tokens) + s.pending + n)
-        target = math.ceil((len(s.tokens) + s.pending + n + s.lookahead) / self.block_size)
+        target = _ceil_div(len(s.tokens) + s.pending + n + s.lookahead, self.block_size)
         extra = max(target - len(s.blocks), 0)
         if extra > self._available():
             raise self._out_of_blocks(request_id, extra, self._available())
@@ -332,6 +424,7 @@ class ReferenceSlotManager:
         return extra
 
     def commit(self, request_id: str, tokens: Sequence[int]) -> int:
+        request_id = _request_id(request_id)
         tokens = _ints(tokens, "tokens", U32, request_id)
         s = self._slot(request_id)
         self._check_commit(s, len(tokens))
@@ -373,6 +466,7 @@ class ReferenceSlotManager:
         return full - first
 
     def rollback(self, request_id: str, num_tokens: int) -> None:
+        request_id = _request_id(request_id)
         n = _count(num_tokens, "num_tokens", request_id)
         s = self._slot(request_id)
         if n > s.pending:
@@ -381,7 +475,7 @@ class ReferenceSlotManager:
         self._stats["rolled_back_tokens"] += n
 
     def _surplus(self, s: _Slot, tokens: int) -> int:
-        keep = max(math.ceil(tokens / self.block_size), len(s.hashes))
+        keep = max(_ceil_div(tokens, self.block_size), len(s.hashes))
         return max(len(s.blocks) - keep, 0)
 
     def _shrink(self, s: _Slot, surplus: int) -> None:
@@ -390,6 +484,7 @@ class ReferenceSlotManager:
         self._stats["released_blocks"] += surplus
 
     def set_lookahead(self, request_id: str, lookahead: int) -> int:
+        request_id = _request_id(request_id)
         k = _count(lookahead, "lookahead", request_id)
         s = self._slot(request_id)
         s.lookahead = k
@@ -468,7 +563,7 @@ class ReferenceSlotManager:
             k = s.lookahead if look is None else look[j]
             filled = len(s.tokens) + s.pending - rej[j] + new[j]
             self._check_len(s, filled)
-            target = math.ceil((filled + k) / bs)
+            target = _ceil_div(filled + k, bs)
             if target < len(s.blocks) and k < s.reserved_lookahead:
                 freed += len(s.blocks) - target
             targets.append(target)

@@ -1,0 +1,101 @@
+"""The pure-Python reference model and the Rust core agree on which calls are errors (and of
+which kvslots type) for every argument type and value, and on the results of the calls that
+succeed. ``KVSLOTS_HYPOTHESIS_EXAMPLES`` sets the number of generated cases (default 300)."""
+
+from __future__ import annotations
+
+import os
+
+import hypothesis.strategies as st
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+
+import kvslots
+from kvslots.errors import KVSlotsError
+from kvslots.slots.reference import ReferenceSlotManager
+
+EXAMPLES = int(os.environ.get("KVSLOTS_HYPOTHESIS_EXAMPLES", "300"))
+
+
+class Index:
+    def __init__(self, v):
+        self.v = v
+
+    def __index__(self):
+        return self.v
+
+
+SCALARS = [None, True, False, 0, 1, 3, 7, -1, 2**31, 2**32 - 1, 2**32, 2**62, 2**63, 2**64 - 1, 2**64, 2**100,
+           -(2**64), 1.0, 0.5, float("nan"), float("inf"), "a", "b", "", "\ud800", b"a", Index(2), Index(-1),
+           np.int64(2), np.uint8(3), np.float64(1.0), np.bool_(True), [1], [], (1, 2), object()]
+VALUES = st.one_of(
+    st.sampled_from(SCALARS),
+    st.lists(st.sampled_from([0, 1, 2, 3, -1, 2**32, 1.0, True, "x"]), max_size=4),
+    st.lists(st.integers(0, 5), max_size=4).map(lambda v: np.array(v, dtype=np.int32)),
+    st.lists(st.integers(0, 5), max_size=4).map(lambda v: np.array(v, dtype=np.float32)),
+)
+CALLS = {"create": 2, "reserve": 2, "commit": 2, "rollback": 2, "set_lookahead": 2, "finish": 1, "evict": 1,
+         "slot_id": 1, "slot_info": 1, "block_table": 1, "committed_tokens": 1, "block_hashes": 1, "lookup": 1,
+         "registered_hash": 1, "refcount": 1, "__contains__": 1}
+
+
+def outcome(obj, name, args, kwargs):
+    try:
+        r = getattr(obj, name)(*args, **kwargs)
+    except KVSlotsError as e:
+        return ("err", type(e).__name__)
+    if name == "slot_info":
+        r = tuple(getattr(r, f) for f in ("committed", "pending", "lookahead", "reserved_lookahead", "num_blocks",
+                                         "num_immutable", "capacity"))
+    return ("ok", r)
+
+
+def pair():
+    out = []
+    for cls in (kvslots.SlotManager, ReferenceSlotManager):
+        m = cls(12, 4, hash_seed=3)
+        m.create("a", [1, 2, 3, 4, 5], lookahead=1)
+        m.reserve("a", 5)
+        m.commit("a", [1, 2, 3, 4])
+        out.append(m)
+    return out
+
+
+@settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck))
+@given(data=st.data())
+def test_core_and_reference_agree_on_errors(data):
+    rust, ref = pair()
+    for _ in range(3):
+        name = data.draw(st.sampled_from(sorted(CALLS)))
+        args = [data.draw(st.one_of(st.sampled_from(["a", "b", 1, 2, [1, 2]]), VALUES)) for _ in range(CALLS[name])]
+        kw = {}
+        if name == "create":
+            kw = {k: data.draw(VALUES) for k in ("lookahead", "match_prefix", "lora_id") if data.draw(st.booleans())}
+        r, p = outcome(rust, name, args, kw), outcome(ref, name, args, kw)
+        assert r == p, (name, args, kw, r, p)
+
+
+@settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck))
+@given(args=st.lists(VALUES, min_size=2, max_size=2),
+       kw=st.dictionaries(st.sampled_from(["hash_seed", "enable_prefix_caching", "max_tokens_per_slot"]), VALUES))
+def test_constructors_agree(args, kw):
+    res = []
+    for cls in (kvslots.SlotManager, ReferenceSlotManager):
+        try:
+            m = cls(*args, **kw)
+            res.append(("ok", m.num_blocks, m.block_size))
+        except KVSlotsError as e:
+            res.append(("err", type(e).__name__))
+        except MemoryError:  # the reference allocates its pool eagerly; the engine lazily
+            pytest.skip("pool too large for the reference model")
+    assert res[0] == res[1], (args, kw, res)
+
+
+@pytest.mark.parametrize("n", [2**62, 2**63, 2**64 - 1, 3 * 2**62])
+def test_huge_counts_agree(n):
+    rust, ref = pair()
+    for name, args in [("set_lookahead", ("a", n)), ("reserve", ("a", n)), ("reserve", ("a", 1)),
+                       ("rollback", ("a", n)), ("set_lookahead", ("a", 0)), ("reserve", ("a", 1))]:
+        assert outcome(rust, name, args, {}) == outcome(ref, name, args, {}), (name, args)
+    assert rust.check_invariants() is None
