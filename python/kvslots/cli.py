@@ -1,11 +1,19 @@
 """The ``kvslots`` command line. Each subcommand lives in its own module, which provides
-``add_parser(subparsers)`` registering a parser whose ``func`` default runs it."""
+``add_parser(subparsers)`` registering a parser whose ``func`` default runs it.
+
+Errors have one home here: a :class:`~kvslots.KVSlotsError` a command raises (bad input: a
+ConfigError naming the file and field, a ServeError, ...) is one line on stderr,
+``kvslots COMMAND: error: MESSAGE`` (``kvslots indexer: MESSAGE``), and exit status 2
+(:func:`run_command`)."""
 
 from __future__ import annotations
 
 import argparse
 import importlib
 import sys
+from collections.abc import Callable
+
+from .errors import KVSlotsError
 
 # Modules that contribute subcommands, in --help order.
 COMMAND_MODULES = [
@@ -37,7 +45,34 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
-    return int(args.func(args) or 0)
+    return run_command(args.func, args, f"{parser.prog} {args.command}",
+                       label=getattr(args, "error_label", "error"))
+
+
+def one_line(text: str) -> str:
+    """``text`` with control characters (a newline in a file name) escaped: one line."""
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() or c == " " else repr(c)[1:-1] for c in text)
+
+
+def report_error(prog: str, error: KVSlotsError, label: str | None = "error") -> int:
+    """Prints ``PROG: LABEL: MESSAGE`` (``PROG: MESSAGE`` without a label) as one line on
+    stderr; returns exit status 2."""
+    head = f"{prog}: {label}: " if label else f"{prog}: "
+    print(head + one_line(str(error)), file=sys.stderr)
+    return 2
+
+
+def run_command(func: Callable[[argparse.Namespace], int | None], args: argparse.Namespace, prog: str,
+                label: str | None = "error") -> int:
+    """Runs a command: its status, or 2 after one line on stderr for a KVSlotsError. A
+    subcommand's parser may set the default ``error_label`` (``None``: ``kvslots indexer: ...``,
+    as that command has always written its errors)."""
+    try:
+        return int(func(args) or 0)
+    except KVSlotsError as e:
+        return report_error(prog, e, label)
 
 
 if __name__ == "__main__":

@@ -12,7 +12,7 @@ import argparse
 import shlex
 import sys
 
-from ..errors import ConfigError, KVSlotsError
+from ..errors import ConfigError
 from .trtllm import ConversionResult, check_with_vllm, convert_trtllm_config
 
 PROG = "kvslots convert-config"
@@ -57,14 +57,12 @@ def _render(result: ConversionResult, fmt: str) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    try:
-        result = convert_trtllm_config(
-            args.file, model=args.model, speculators_dir=args.speculators_dir, verifier=args.verifier
-        )
-        text = _render(result, args.format)
-    except KVSlotsError as e:
-        print(f"{PROG}: error: {e}", file=sys.stderr)
-        return 2
+    """The command; bad input raises a :class:`~kvslots.KVSlotsError`, which
+    :func:`kvslots.cli.main` prints as one line (exit status 2)."""
+    result = convert_trtllm_config(
+        args.file, model=args.model, speculators_dir=args.speculators_dir, verifier=args.verifier
+    )
+    text = _render(result, args.format)
     if not args.quiet:
         for line in result.notes():
             print(line, file=sys.stderr)
@@ -88,8 +86,7 @@ def run(args: argparse.Namespace) -> int:
             with open(args.output, "w", encoding="utf-8") as f:
                 f.write(text)
         except OSError as e:
-            print(f"{PROG}: error: {args.output}: cannot write: {e.strerror or e}", file=sys.stderr)
-            return 2
+            raise ConfigError(f"cannot write: {e.strerror or e}", None, args.output) from None
     else:
         sys.stdout.write(text)
     return 0

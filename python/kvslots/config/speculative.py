@@ -22,7 +22,6 @@ model that is a local directory or a Hub id.
 
 from __future__ import annotations
 
-import json
 import os
 import re
 from collections.abc import Mapping
@@ -31,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ConfigError
+from .loader import load_json
 from .schedule import DynamicSDSchedule
 from .vllm_args import brief
 
@@ -70,13 +70,7 @@ def read_model_config(
     source = str(cfg_path)
     if not cfg_path.is_file():
         raise ConfigError(f"no config.json in the {what} directory", source=str(path))
-    try:
-        doc = json.loads(cfg_path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError) as e:
-        raise ConfigError(f"cannot read: {e}", source=source) from e
-    except json.JSONDecodeError as e:
-        raise ConfigError(f"invalid JSON: {e.msg} at line {e.lineno} column {e.colno}",
-                          source=source) from e
+    doc = load_json(cfg_path)  # the limits and rules of kvslots.config.loader
     if not isinstance(doc, dict):
         raise ConfigError(f"config.json must be a JSON object, got {type(doc).__name__}", source=source)
     return path.resolve(), doc, source

@@ -6,7 +6,7 @@ import argparse
 import logging
 import sys
 
-from .config import ADMIN_TOKEN_ENV, ConfigError, build_config
+from .config import ADMIN_TOKEN_ENV, build_config
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -38,15 +38,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                                          "or --admin-token-file: arguments are visible to other users)")
     p.add_argument("--admin-token-file", metavar="FILE", help="read the admin token from FILE")
     p.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
-    p.set_defaults(func=run)
+    p.set_defaults(func=run, error_label=None)  # errors read "kvslots indexer: ..."
 
 
 def run(args: argparse.Namespace) -> int:
-    try:
-        cfg = build_config(args)
-    except (ConfigError, OSError) as e:
-        print(f"kvslots indexer: {e}", file=sys.stderr)
-        return 2
+    # A bad setting or --config file raises a ConfigError naming it; kvslots.cli.main prints it
+    # as one line, "kvslots indexer: FILE: PROBLEM", and exits with status 2.
+    cfg = build_config(args)
     logging.basicConfig(level=cfg.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         import uvicorn

@@ -8,6 +8,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..config.loader import brief, read_config_text
+from ..config.loader import load_yaml as load_config_yaml
 from ..errors import ConfigError
 
 TIERS = ("GPU", "CPU", "STORAGE")
@@ -122,6 +124,10 @@ class IndexerConfig:
             raise ConfigError(f"max_tokens {self.max_tokens}: must be in [1, 16777216]")
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"port {self.port}: must be in [0, 65535]")
+        if not 0 < self.replay_timeout <= MAX_REPLAY_TIMEOUT:
+            raise ConfigError(f"replay_timeout {self.replay_timeout}: must be in (0, {MAX_REPLAY_TIMEOUT:g}] seconds")
+        if self.log_level not in LOG_LEVELS:
+            raise ConfigError(f"log_level {self.log_level!r}: use one of {', '.join(LOG_LEVELS)}")
         if self.admin_token is not None and len(self.admin_token) < 16:
             raise ConfigError("admin token: use at least 16 characters")
 
@@ -137,13 +143,85 @@ def parse_weight(text: str) -> tuple[str, float]:
 
 
 def load_yaml(path: str) -> dict[str, Any]:
-    import yaml
-
-    with open(path, encoding="utf-8") as f:
-        data = yaml.safe_load(f) or {}
+    """The ``--config`` file: read and parsed under the limits and rules of
+    :mod:`kvslots.config.loader`; an empty file is an empty mapping."""
+    data = load_config_yaml(path)
+    if data is None:
+        return {}
     if not isinstance(data, dict):
-        raise ConfigError(f"{path}: the top level must be a mapping")
+        raise ConfigError(f"the top level must be a mapping, got {_kind(data)}", None, path)
     return data
+
+
+def _kind(value: Any) -> str:
+    return "null" if value is None else type(value).__name__
+
+
+LOG_LEVELS = ("debug", "info", "warning", "error")
+MAX_REPLAY_TIMEOUT = 3600.0
+
+
+def _typed(value: Any, key: str, kinds: tuple[type, ...], what: str, path: str) -> Any:
+    """``value`` if it is one of ``kinds`` (never a bool for a number), else a ConfigError."""
+    if isinstance(value, bool) and bool not in kinds or not isinstance(value, kinds):
+        raise ConfigError(f"must be {what}, got {_kind(value)} {brief(value)}", key, path)
+    return value
+
+
+#: The YAML's settings: (types accepted, what the message says). ``None`` is accepted where
+#: ``type(None)`` is listed.
+_YAML_SETTINGS: dict[str, tuple[tuple[type, ...], str]] = {
+    "host": ((str,), "a string"),
+    "port": ((int,), "an integer"),
+    "backend": ((str,), "a string"),
+    "redis_url": ((str,), "a string"),
+    "redis_namespace": ((str,), "a string"),
+    "capacity": ((int, type(None)), "an integer or null"),
+    "block_size": ((int,), "an integer"),
+    "max_tokens": ((int,), "an integer"),
+    "admin_token": ((str, type(None)), "a string or null"),
+    "replay_timeout": ((int, float), "a number"),
+    "log_level": ((str,), "a string"),
+}
+
+
+def _config_from_yaml(path: str) -> IndexerConfig:
+    """The settings the ``--config`` file gives over the defaults, validated: every problem is a
+    ConfigError naming the file (and the key)."""
+    data = load_yaml(path)
+    cfg = IndexerConfig()
+    unknown = set(data) - _YAML_KEYS
+    if unknown:
+        raise ConfigError(f"unknown keys {sorted(map(str, unknown))}", None, path)
+    workers = data.get("workers")
+    if workers is not None:
+        _typed(workers, "workers", (list,), "a list of mappings", path)
+    for i, d in enumerate(workers or []):
+        if not isinstance(d, dict):
+            raise ConfigError(f"must be a mapping, got {_kind(d)} {brief(d)}", f"workers[{i}]", path)
+        for k, v in d.items():
+            if not isinstance(k, str):
+                raise ConfigError(f"keys must be strings, got {_kind(k)} {brief(k)}", f"workers[{i}]", path)
+            if v is not None or k != "replay":
+                _typed(v, f"workers[{i}].{k}", (str, int), "a string", path)
+        try:
+            cfg.workers.append(WorkerSpec.from_dict(d))
+        except ConfigError as e:
+            raise ConfigError(str(e), None, path) from None
+    for k, (kinds, what) in _YAML_SETTINGS.items():
+        if k in data:
+            setattr(cfg, k, _typed(data[k], k, kinds, what, path))
+    weights = data.get("tier_weights")
+    if weights is not None:
+        _typed(weights, "tier_weights", (dict,), "a mapping of TIER: WEIGHT", path)
+        for t, w in weights.items():
+            _typed(w, f"tier_weights.{t}", (int, float), "a number", path)
+            cfg.tier_weights[str(t).upper()] = float(w)
+    try:
+        cfg.validate()
+    except ConfigError as e:
+        raise ConfigError(str(e), None, path) from None
+    return cfg
 
 
 _YAML_KEYS = {
@@ -154,21 +232,8 @@ _YAML_KEYS = {
 
 def build_config(args: Any) -> IndexerConfig:
     """Command-line arguments over the YAML file over defaults."""
-    cfg = IndexerConfig()
-    if getattr(args, "config", None):
-        data = load_yaml(args.config)
-        unknown = set(data) - _YAML_KEYS
-        if unknown:
-            raise ConfigError(f"{args.config}: unknown keys {sorted(unknown)}")
-        for d in data.get("workers") or []:
-            if not isinstance(d, dict):
-                raise ConfigError(f"{args.config}: each worker must be a mapping, got {d!r}")
-            cfg.workers.append(WorkerSpec.from_dict(d))
-        for k in _YAML_KEYS - {"workers", "tier_weights"}:
-            if k in data:
-                setattr(cfg, k, data[k])
-        for t, w in (data.get("tier_weights") or {}).items():
-            cfg.tier_weights[str(t).upper()] = float(w)
+    config = getattr(args, "config", None)
+    cfg = _config_from_yaml(config) if config else IndexerConfig()
     for text in getattr(args, "worker", None) or []:
         cfg.workers.append(WorkerSpec.parse(text))
     for text in getattr(args, "tier_weight", None) or []:
@@ -183,8 +248,7 @@ def build_config(args: Any) -> IndexerConfig:
         cfg.capacity = None if args.capacity == 0 else args.capacity
     token = getattr(args, "admin_token", None)
     if getattr(args, "admin_token_file", None):
-        with open(args.admin_token_file, encoding="utf-8") as f:
-            token = f.read().strip()
+        token = read_config_text(args.admin_token_file, max_bytes=4096).strip()
     cfg.admin_token = token or os.environ.get(ADMIN_TOKEN_ENV) or cfg.admin_token
     cfg.validate()
     return cfg

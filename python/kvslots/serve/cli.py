@@ -18,7 +18,6 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from ..errors import KVSlotsError
 from .events import DEFAULT_EVENTS_ENDPOINT
 from .plan import DEFAULT_HOST, DEFAULT_PORT, PROG, ServePlan, build_plan
 from .supervisor import DEFAULT_GRACE_S, supervise
@@ -142,11 +141,9 @@ def plan_from_argv(argv: Sequence[str], *, python: str | None = None) -> ServePl
 
 
 def run(args: argparse.Namespace) -> int:
-    try:
-        plan = build_plan(args)
-    except KVSlotsError as e:  # ServeError, or a ConfigError from the converters: bad input
-        print(f"{PROG}: error: {e}", file=sys.stderr)
-        return 2
+    # Bad input (a ServeError, or a ConfigError from the converters) raises; kvslots.cli.main
+    # prints it as one line and exits with status 2.
+    plan = build_plan(args)
     if not args.quiet:
         for line in plan.notes:
             print(f"{PROG}: {line}", file=sys.stderr)

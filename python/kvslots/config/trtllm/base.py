@@ -7,6 +7,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from ...errors import ConfigError
+from ..loader import brief
 from ..schedule import DynamicSDSchedule
 from .result import IgnoredKey, MappedKey
 
@@ -15,7 +16,7 @@ def describe(value: Any) -> str:
     """A value and its type, for error messages (``int 3``, ``null``)."""
     if value is None:
         return "null"
-    return f"{type(value).__name__} {value!r}"
+    return f"{type(value).__name__} {brief(value, 80)}"
 
 
 class ConverterBase:

@@ -51,13 +51,16 @@ class _Converter(EngineKeys, ParallelKeys, KvCacheKeys, CudaGraphKeys, Speculati
 
     def sweep(self, items: list[tuple[str, str, Any]]) -> None:
         """Reports every key no handler recorded (a null or empty value), so none vanishes."""
-        seen = [m.path for m in self.mapped] + [i.path for i in self.ignored]
+        seen = {m.path for m in self.mapped} | {i.path for i in self.ignored}
+        # Every proper prefix of a recorded path that ends before a "." (sets: linear, not
+        # paths x keys).
+        above = {q[:i] for q in seen for i, c in enumerate(q) if c == "."}
 
         def covered(path: str) -> bool:
-            return any(q == path or q.startswith(path + ".") for q in seen)
+            return path in seen or path in above
 
         def walk(path: str, value: Any) -> None:
-            if any(q == path for q in seen):
+            if path in seen:
                 return
             if isinstance(value, Mapping) and value:
                 for k, v in value.items():

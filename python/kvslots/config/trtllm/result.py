@@ -10,7 +10,7 @@ from typing import Any
 from ...errors import ConfigError
 from ..schedule import DynamicSDSchedule
 from ..vllm_args import engine_flag
-from .loader import yaml_module
+from ..loader import dump_json, yaml_module
 
 
 @dataclass(frozen=True)
@@ -86,8 +86,8 @@ class ConversionResult:
         return [*prefix, str(m), *self.cli_args()]
 
     def to_json(self) -> str:
-        """The engine arguments as JSON (``EngineArgs`` field names)."""
-        return json.dumps(self.engine_args, indent=2)
+        """The engine arguments as JSON (``EngineArgs`` field names); never a bare ``NaN``."""
+        return dump_json(self.engine_args, indent=2)
 
     def to_yaml(self) -> str:
         """The engine arguments as a ``vllm serve --config`` YAML (dashed option names)."""

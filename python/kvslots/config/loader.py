@@ -1,0 +1,457 @@
+"""Reading a configuration file kvslots is given a path to (a TRT-LLM engine YAML, the indexer's
+``--config`` YAML, a model's or speculators checkpoint's config.json): the one home of the limits
+and the strictness rules.
+
+Reading (:func:`read_config_text`): only a regular file (a directory, FIFO, device or socket is
+refused before anything is read, so ``/dev/zero`` or a FIFO cannot hang), at most
+:data:`MAX_BYTES`, UTF-8 (a leading BOM is dropped).
+
+Parsing (:func:`parse_yaml`, :func:`parse_json`): the JSON data model only (mappings, lists,
+strings, numbers, booleans, null), and
+
+* at most :data:`MAX_DEPTH` levels of nesting;
+* YAML: at most :data:`MAX_NODES` nodes with every alias expanded (a "billion laughs" alias bomb
+  is refused while it is read, in microseconds, not when it is later walked or written out), and
+  no alias inside the node it names (a recursive structure);
+* mapping keys are scalars (a list or mapping as a key is refused) of at most
+  :data:`MAX_KEY_CHARS` characters, given once (a key given twice is an error naming its line;
+  a key merged in with YAML's ``<<`` may be overridden);
+* numbers are finite (``.nan``, ``.inf``, ``1e999``, JSON's ``NaN`` are refused naming the
+  field) and integers fit in 64 bits;
+* YAML dates stay strings; ``!!binary``, ``!!set``, ``!!omap``, ``!!pairs`` and
+  ``!!timestamp`` are refused.
+
+Every failure is a :class:`~kvslots.ConfigError` whose ``source`` is the file.
+:func:`dump_json` writes JSON that never contains a bare ``NaN`` or ``Infinity``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import stat
+from collections.abc import Mapping
+from typing import Any
+
+from ..errors import ConfigError
+
+#: Largest configuration file read, in bytes.
+MAX_BYTES = 4 * 1024 * 1024
+#: Deepest nesting of mappings and lists.
+MAX_DEPTH = 64
+#: Most nodes (scalars, lists, mappings) in a document, YAML aliases expanded.
+MAX_NODES = 100_000
+#: Longest mapping key, in characters.
+MAX_KEY_CHARS = 1024
+#: Integers are 64-bit signed.
+INT_MIN, INT_MAX = -(2**63), 2**63 - 1
+
+_TAG = "tag:yaml.org,2002:"
+_REFUSED_TAGS = ("binary", "set", "omap", "pairs", "timestamp")
+
+
+def yaml_module() -> Any:
+    """PyYAML (a dependency), or a ConfigError saying how to install it."""
+    try:
+        import yaml
+    except ImportError as e:  # pragma: no cover - pyyaml is a dependency
+        raise ConfigError("PyYAML is needed to read or write YAML (pip install pyyaml)") from e
+    return yaml
+
+
+def brief(value: Any, limit: int = 60) -> str:
+    """``repr(value)``, shortened for a message."""
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+# --------------------------------------------------------------------------- reading
+
+_KINDS = (
+    (stat.S_ISDIR, "a directory"),
+    (stat.S_ISFIFO, "a FIFO"),
+    (stat.S_ISCHR, "a character device"),
+    (stat.S_ISBLK, "a block device"),
+    (stat.S_ISSOCK, "a socket"),
+)
+
+
+def read_config_text(path: str | os.PathLike[str], *, max_bytes: int = MAX_BYTES) -> str:
+    """The text of the regular file ``path`` (at most ``max_bytes``, UTF-8). Raises
+    :class:`ConfigError` with ``source`` the path: ``no such file``, ``is a directory``, ``not a
+    regular file (a FIFO)``, ``permission denied``, ``larger than ...``, ``not UTF-8 ...``."""
+    name = os.fspath(path)
+    source = name if isinstance(name, str) else os.fsdecode(name)
+    flags = os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOCTTY", 0) | getattr(os, "O_CLOEXEC", 0)
+    try:
+        fd = os.open(name, flags)  # O_NONBLOCK: opening a FIFO with no writer does not wait
+    except FileNotFoundError:
+        raise ConfigError("no such file", None, source) from None
+    except IsADirectoryError:
+        raise ConfigError("is a directory, not a file", None, source) from None
+    except PermissionError:
+        raise ConfigError("cannot read: permission denied", None, source) from None
+    except (OSError, ValueError) as e:  # ValueError: a NUL in the name
+        raise ConfigError(f"cannot read: {getattr(e, 'strerror', None) or e}", None, source) from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            kind = next((what for test, what in _KINDS if test(st.st_mode)), "not a plain file")
+            if kind == "a directory":
+                raise ConfigError("is a directory, not a file", None, source)
+            raise ConfigError(f"not a regular file ({kind})", None, source)
+        too_large = ConfigError(f"larger than {_size(max_bytes)}, the most kvslots reads", None, source)
+        if st.st_size > max_bytes:
+            raise too_large
+        chunks: list[bytes] = []
+        total = 0
+        while True:
+            chunk = os.read(fd, min(1 << 16, max_bytes + 1 - total))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            total += len(chunk)
+            if total > max_bytes:  # grew while read, or a /proc-like file with no size
+                raise too_large
+    except OSError as e:
+        raise ConfigError(f"cannot read: {e.strerror or e}", None, source) from None
+    finally:
+        os.close(fd)
+    data = b"".join(chunks)
+    try:
+        return data.decode("utf-8-sig")
+    except UnicodeDecodeError as e:
+        raise ConfigError(
+            f"not UTF-8 text (byte 0x{data[e.start]:02x} at offset {e.start})", None, source
+        ) from None
+
+
+def _size(n: int) -> str:
+    return f"{n // (1024 * 1024)} MiB" if n >= 1024 * 1024 and n % (1024 * 1024) == 0 else f"{n} bytes"
+
+
+# --------------------------------------------------------------------------- checking values
+
+
+def check_values(doc: Any, source: str | None = None, *, max_depth: int = MAX_DEPTH,
+                 max_nodes: int = MAX_NODES) -> None:
+    """Walks a loaded document (without recursion) and raises :class:`ConfigError`, naming the
+    field, for a non-finite number, an integer beyond 64 bits, a key longer than
+    :data:`MAX_KEY_CHARS`, nesting deeper than ``max_depth`` or more than ``max_nodes`` values.
+    Types other than the JSON ones are refused too."""
+    # Entries: (value, parent entry, the key or index in it, depth); a path is only spelled out
+    # for an error (spelling every path would cost depth x key length per value).
+    stack: list[tuple[Any, Any, Any, int]] = [(doc, None, None, 0)]
+    count = 0
+    while stack:
+        entry = stack.pop()
+        value, _, _, depth = entry
+        count += 1
+        if count > max_nodes:
+            raise ConfigError(f"more than {max_nodes} values; not a configuration file", None, source)
+        problem = _scalar_problem(value)
+        if problem:
+            raise ConfigError(problem, _path(entry), source)
+        if isinstance(value, (Mapping, list)):
+            if depth >= max_depth:
+                raise ConfigError(f"nested more than {max_depth} levels deep", _path(entry), source)
+            children: list[tuple[Any, Any, Any, int]] = []
+            if isinstance(value, Mapping):
+                for key, item in value.items():
+                    key_problem = _scalar_problem(key)
+                    if key_problem is None and isinstance(key, str) and len(key) > MAX_KEY_CHARS:
+                        key_problem = f"longer than {MAX_KEY_CHARS} characters"
+                    if key_problem or not (key is None or isinstance(key, (str, int, float))):
+                        raise ConfigError(f"key {brief(key)}: {key_problem or 'not a scalar'}",
+                                          _path(entry), source)
+                    children.append((item, entry, key, depth + 1))
+            else:
+                children = [(item, entry, i, depth + 1) for i, item in enumerate(value)]
+            stack.extend(reversed(children))
+        elif not (value is None or isinstance(value, (str, int, float))):
+            raise ConfigError(f"a {type(value).__name__} is not a configuration value", _path(entry), source)
+
+
+def _path(entry: tuple[Any, Any, Any, int]) -> str | None:
+    """The dotted path (``a.b[2].c``) of a :func:`check_values` entry; ``None`` for the root."""
+    parts: list[str] = []
+    while entry[1] is not None:
+        key = entry[2]
+        parent_is_list = isinstance(entry[1][0], list)
+        text = f"[{key}]" if parent_is_list else str(key)
+        if len(text) > 60:
+            text = text[:57] + "..."
+        parts.append(text if parent_is_list or entry[1][1] is None else "." + text)
+        entry = entry[1]
+    return "".join(reversed(parts)) or None
+
+
+def _scalar_problem(value: Any) -> str | None:
+    if isinstance(value, float) and not math.isfinite(value):
+        return f"must be a finite number, got {value}"
+    if isinstance(value, int) and not isinstance(value, bool) and not INT_MIN <= value <= INT_MAX:
+        return "integer out of range (more than 64 bits)"
+    return None
+
+
+# --------------------------------------------------------------------------- YAML
+
+
+class _Refused(Exception):
+    """A limit or rule of this module, raised while parsing; becomes a ConfigError."""
+
+    def __init__(self, problem: str, mark: Any = None):
+        super().__init__(problem)
+        self.problem = problem
+        self.mark = mark
+
+    def text(self) -> str:
+        return self.problem + (f" at line {self.mark.line + 1}" if self.mark is not None else "")
+
+
+_LOADER: Any = None
+
+
+def _loader_class() -> Any:
+    global _LOADER
+    if _LOADER is not None:
+        return _LOADER
+    yaml_module()  # a ConfigError saying how to install PyYAML when it is missing
+    from yaml.composer import Composer
+    from yaml.constructor import SafeConstructor
+    from yaml.events import AliasEvent, ScalarEvent
+    from yaml.nodes import MappingNode, ScalarNode, SequenceNode
+    from yaml.resolver import Resolver
+
+    class _Resolver(Resolver):
+        """YAML 1.1's implicit types less timestamps (a date stays a string)."""
+
+    _Resolver.yaml_implicit_resolvers = {
+        first: [(tag, rx) for tag, rx in resolvers if tag != _TAG + "timestamp"]
+        for first, resolvers in Resolver.yaml_implicit_resolvers.items()
+    }
+
+    class _Composer(Composer):
+        """Counts nodes (an alias counts as the nodes it names) and nesting while composing."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.kv_nodes = 0
+            self.kv_depth = 0
+            self.kv_sizes: dict[str, int] = {}
+            self.kv_max_nodes = MAX_NODES
+
+        def kv_count(self, n: int, mark: Any) -> None:
+            self.kv_nodes += n
+            if self.kv_nodes > self.kv_max_nodes:
+                raise _Refused(f"more than {self.kv_max_nodes} nodes with aliases expanded "
+                               "(an alias bomb?)", mark)
+
+        def compose_node(self, parent: Any, index: Any) -> Any:
+            event = self.peek_event()
+            if isinstance(event, AliasEvent):
+                if event.anchor in self.anchors:
+                    size = self.kv_sizes.get(event.anchor)
+                    if size is None:
+                        raise _Refused(f"alias *{event.anchor} inside the node it names", event.start_mark)
+                    self.kv_count(size, event.start_mark)
+                return super().compose_node(parent, index)
+            if self.kv_depth >= MAX_DEPTH and not isinstance(event, ScalarEvent):
+                raise _Refused(f"nested more than {MAX_DEPTH} levels deep", event.start_mark)
+            before = self.kv_nodes
+            self.kv_count(1, event.start_mark)
+            self.kv_depth += 1
+            try:
+                node = super().compose_node(parent, index)
+            finally:
+                self.kv_depth -= 1
+            if event.anchor is not None:
+                self.kv_sizes[event.anchor] = self.kv_nodes - before
+            return node
+
+    class _Constructor(SafeConstructor):
+        def kv_mapping(self, node: Any) -> dict[Any, Any]:
+            if not isinstance(node, MappingNode):
+                raise _Refused(f"expected a mapping, got a {node.id}", node.start_mark)
+            explicit = {id(k) for k, _ in node.value if k.tag != _TAG + "merge"}
+            self.flatten_mapping(node)
+            out: dict[Any, Any] = {}
+            given: set[Any] = set()
+            for key_node, value_node in node.value:
+                if not isinstance(key_node, ScalarNode):
+                    kind = "list" if isinstance(key_node, SequenceNode) else "mapping"
+                    raise _Refused(f"a {kind} as a mapping key (keys are strings or numbers)",
+                                   key_node.start_mark)
+                key = self.construct_object(key_node)
+                try:
+                    hash(key)
+                except TypeError:
+                    raise _Refused(f"a {type(key).__name__} as a mapping key", key_node.start_mark) from None
+                if id(key_node) in explicit:
+                    if key in given:
+                        raise _Refused(f"duplicate key {brief(key)}", key_node.start_mark)
+                    given.add(key)
+                out[key] = self.construct_object(value_node)
+            return out
+
+        def kv_int(self, node: Any) -> int:
+            try:
+                return SafeConstructor.construct_yaml_int(self, node)
+            except (ValueError, LookupError):  # LookupError: "!!int ''"
+                what = "integer with too many digits" if len(str(node.value)) > 1000 else \
+                    f"invalid integer {brief(node.value)}"
+                raise _Refused(what, node.start_mark) from None
+
+        def kv_float(self, node: Any) -> float:
+            try:
+                return SafeConstructor.construct_yaml_float(self, node)
+            except (ValueError, LookupError):
+                raise _Refused(f"invalid number {brief(node.value)}", node.start_mark) from None
+
+        def kv_bool(self, node: Any) -> bool:
+            try:
+                return SafeConstructor.construct_yaml_bool(self, node)
+            except LookupError:  # "!!bool maybe"
+                raise _Refused(f"invalid boolean {brief(node.value)}", node.start_mark) from None
+
+        def kv_refuse(self, node: Any) -> Any:
+            raise _Refused(f"YAML type !!{node.tag.rsplit(':', 1)[-1]} is not a configuration value",
+                           node.start_mark)
+
+    _Constructor.add_constructor(_TAG + "map", _Constructor.kv_mapping)
+    _Constructor.add_constructor(_TAG + "int", _Constructor.kv_int)
+    _Constructor.add_constructor(_TAG + "float", _Constructor.kv_float)
+    _Constructor.add_constructor(_TAG + "bool", _Constructor.kv_bool)
+    for name in _REFUSED_TAGS:
+        _Constructor.add_constructor(_TAG + name, _Constructor.kv_refuse)
+
+    try:
+        from yaml._yaml import CParser  # libyaml: the scanner and parser in C, ~4x faster
+    except ImportError:  # pragma: no cover - PyYAML without libyaml
+        CParser = None
+
+    if CParser is not None:
+        class _Loader(_Composer, CParser, _Constructor, _Resolver):  # type: ignore[misc,valid-type]
+            def __init__(self, stream: str) -> None:
+                CParser.__init__(self, stream)
+                _Composer.__init__(self)
+                _Constructor.__init__(self)
+                _Resolver.__init__(self)
+    else:  # pragma: no cover
+        from yaml.parser import Parser
+        from yaml.reader import Reader
+        from yaml.scanner import Scanner
+
+        class _Loader(Reader, Scanner, Parser, _Composer, _Constructor, _Resolver):  # type: ignore[no-redef]
+            def __init__(self, stream: str) -> None:
+                Reader.__init__(self, stream)
+                Scanner.__init__(self)
+                Parser.__init__(self)
+                _Composer.__init__(self)
+                _Constructor.__init__(self)
+                _Resolver.__init__(self)
+
+    _LOADER = _Loader
+    return _LOADER
+
+
+def parse_yaml(text: str, source: str | None = None, *, max_nodes: int = MAX_NODES) -> Any:
+    """Parses one YAML document under this module's rules; ``None`` for an empty one. A syntax
+    error or a broken rule is a :class:`ConfigError` naming the line (``source``: the file)."""
+    yaml = yaml_module()
+    loader = None
+    try:
+        loader = _loader_class()(text)  # PyYAML's own Reader checks the characters here
+        loader.kv_max_nodes = max_nodes
+        doc = loader.get_single_data()
+    except _Refused as e:
+        raise ConfigError(e.text(), None, source) from None
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" at line {mark.line + 1} column {mark.column + 1}" if mark is not None else ""
+        problem = getattr(e, "problem", None) or (str(e).splitlines() or [type(e).__name__])[0]
+        context = getattr(e, "context", None)
+        if isinstance(context, str) and context.startswith("expected"):  # a second document
+            problem = f"{context}, {problem}"
+        position = getattr(e, "position", None)  # a ReaderError: a character YAML does not allow
+        if mark is None and isinstance(position, int):
+            where = f" at offset {position}"
+        raise ConfigError(f"invalid YAML: {problem}{where}", None, source) from None
+    except RecursionError:  # not expected: MAX_DEPTH comes first
+        raise ConfigError("nested too deeply", None, source) from None
+    except (ValueError, LookupError, TypeError) as e:  # not expected: a constructor's own error
+        raise ConfigError(f"invalid YAML: {type(e).__name__}: {brief(str(e), 80)}", None, source) from None
+    finally:
+        if loader is not None:
+            loader.dispose()
+    check_values(doc, source, max_nodes=max_nodes)
+    return doc
+
+
+def load_yaml(path: str | os.PathLike[str]) -> Any:
+    """Reads (:func:`read_config_text`) and parses (:func:`parse_yaml`) a YAML file."""
+    text = read_config_text(path)
+    return parse_yaml(text, os.fsdecode(os.fspath(path)))
+
+
+# --------------------------------------------------------------------------- JSON
+
+
+def _json_object(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise _Refused(f"duplicate key {brief(key)}")
+        out[key] = value
+    return out
+
+
+def parse_json(text: str, source: str | None = None, *, max_nodes: int = MAX_NODES) -> Any:
+    """Parses JSON under this module's rules (no duplicate keys, no NaN or Infinity, bounded
+    nesting and size); a :class:`ConfigError` naming the line or the field otherwise."""
+    try:
+        doc = json.loads(text, object_pairs_hook=_json_object)
+    except _Refused as e:
+        raise ConfigError(e.text(), None, source) from None
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"invalid JSON: {e.msg} at line {e.lineno} column {e.colno}", None, source) from None
+    except RecursionError:
+        raise ConfigError(f"nested more than {MAX_DEPTH} levels deep", None, source) from None
+    except ValueError:  # an integer with more digits than Python converts
+        raise ConfigError("invalid JSON: an integer with too many digits", None, source) from None
+    check_values(doc, source, max_nodes=max_nodes)
+    return doc
+
+
+def load_json(path: str | os.PathLike[str]) -> Any:
+    """Reads (:func:`read_config_text`) and parses (:func:`parse_json`) a JSON file."""
+    text = read_config_text(path)
+    return parse_json(text, os.fsdecode(os.fspath(path)))
+
+
+def dump_json(value: Any, *, indent: int | None = None, **kw: Any) -> str:
+    """``json.dumps`` that never writes a bare ``NaN``/``Infinity`` (nor ``str()`` of an unknown
+    type): such a value is a :class:`ConfigError`."""
+    try:
+        return json.dumps(value, indent=indent, allow_nan=False, **kw)
+    except (ValueError, TypeError) as e:
+        raise ConfigError(f"cannot be written as JSON: {e}") from None
+
+
+__all__ = [
+    "INT_MAX",
+    "INT_MIN",
+    "MAX_BYTES",
+    "MAX_DEPTH",
+    "MAX_KEY_CHARS",
+    "MAX_NODES",
+    "check_values",
+    "dump_json",
+    "load_json",
+    "load_yaml",
+    "parse_json",
+    "parse_yaml",
+    "read_config_text",
+    "yaml_module",
+]

@@ -1,0 +1,426 @@
+"""Hostile configuration files through the real CLI (`kvslots convert-config`, `kvslots indexer
+--config`, `kvslots convert-config --speculators-dir`): the only outcomes are success, or one line
+on stderr naming the file and the problem and exit status 2 -- never a traceback, never a hang.
+The limits and rules are kvslots.config.loader's."""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+import os
+import random
+import re
+import subprocess
+import sys
+import tempfile
+import time
+import tracemalloc
+from pathlib import Path
+
+import pytest
+import yaml
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kvslots import cli
+from kvslots.config import loader
+from kvslots.config.trtllm import convert_trtllm_config
+from kvslots.errors import ConfigError, KVSlotsError, ServeError
+from kvslots.indexer.config import IndexerConfig, build_config
+
+ALIAS_BOMB = "".join(
+    f"{name}: &{name} [{', '.join([f'*{prev}'] * 9 if prev else ['lol'] * 9)}]\n"
+    for prev, name in zip([None, *"abcdefgh"], "abcdefghi")
+)
+assert len(ALIAS_BOMB.encode()) < 400  # ~342 bytes; 9**9 "lol"s expanded
+
+PREFIX = {"convert-config": "kvslots convert-config: error: ", "indexer": "kvslots indexer: "}
+
+
+def argv_for(command: str, path: str) -> list[str]:
+    if command == "convert-config":
+        return ["convert-config", path, "--format", "json"]
+    return ["indexer", "--config", path]
+
+
+@pytest.fixture
+def no_server(monkeypatch):
+    """`kvslots indexer` with a good config would serve forever: uvicorn.run returns at once."""
+    import uvicorn
+
+    monkeypatch.setattr(uvicorn, "run", lambda *a, **k: None)
+
+
+def run_cli(argv: list[str], capsys) -> tuple[int, str, str, float]:
+    capsys.readouterr()
+    start = time.perf_counter()
+    code = cli.main(argv)
+    elapsed = time.perf_counter() - start
+    out, err = capsys.readouterr()
+    return code, out, err, elapsed
+
+
+def shown(path: str) -> str:
+    """The file name as the error line shows it (control characters escaped)."""
+    return cli.one_line(path)
+
+
+def assert_one_line(command: str, path: str, code: int, out: str, err: str, problem: str | None = None) -> None:
+    assert code == 2, (code, out, err)
+    assert out == "", out
+    assert "Traceback" not in err, err
+    assert err.endswith("\n") and err.count("\n") == 1, err
+    assert err.startswith(f"{PREFIX[command]}{shown(path)}: "), err
+    if problem is not None:
+        assert problem in err, err
+
+
+# --------------------------------------------------------------------------- the hostile files
+# name -> (content for convert-config, content for the indexer, a fragment of the problem).
+# bytes are written as they are.
+
+DEEP_FLOW = "[" * 3000 + "]" * 3000
+DEEP_BLOCK = "".join(" " * i + "a:\n" for i in range(500))
+GARBAGE = bytes(random.Random(0).randrange(256) for _ in range(4096))
+
+BAD_CONTENT: dict[str, tuple[str | bytes, str | bytes, str]] = {
+    "wrong_type": ("max_batch_size: [1, 2]\n", "port: [1, 2]\n", "must be an integer"),
+    "wrong_type_str": ("max_batch_size: eight\n", "port: eighty\n", "must be an integer"),
+    "wrong_type_mapping": ("kv_cache_config: 3\n", "tier_weights: 3\n", "mapping"),
+    "wrong_type_workers": ("speculative_config: [1]\n", "workers: {a: 1}\n", "must be a"),
+    "worker_not_mapping": ("max_num_tokens: {a: 1}\n", "workers: [1]\n", "must be"),
+    "negative": ("max_batch_size: -4\n", "port: -1\n", "-"),
+    "negative_timeout": ("max_num_tokens: -1\n", "replay_timeout: -1\n", "-1"),
+    "huge_int": (f"max_batch_size: {2**70}\n", f"port: {2**70}\n", "integer out of range"),
+    "huge_int_digits": ("max_batch_size: " + "9" * 5000 + "\n", "port: " + "9" * 5000 + "\n", "too many digits"),
+    "huge_float": ("max_batch_size: 1.0e+999\n", "replay_timeout: 1.0e+999\n", "must be a finite number, got inf"),
+    "nan": ("kv_cache_config:\n  free_gpu_memory_fraction: .nan\n", "tier_weights: {CPU: .nan}\n",
+            "must be a finite number, got nan"),
+    "inf": ("max_batch_size: .inf\n", "replay_timeout: .inf\n", "must be a finite number, got inf"),
+    "neg_inf": ("x: [1, -.inf]\n", "tier_weights: {GPU: -.inf}\n", "must be a finite number, got -inf"),
+    "nan_key": (".nan: 1\n", ".nan: 1\n", "must be a finite number"),
+    "duplicate": ("max_batch_size: 8\nmax_batch_size: 16\n", "port: 1\nport: 2\n", "duplicate key"),
+    "duplicate_nested": ("kv_cache_config:\n  enable_block_reuse: true\n  enable_block_reuse: false\n",
+                         "workers:\n  - {name: a, name: b, endpoint: 'tcp://h:1'}\n", "duplicate key"),
+    "unhashable_list_key": ("? [1, 2]\n: x\n", "? [1, 2]\n: x\n", "a list as a mapping key"),
+    "unhashable_map_key": ("? {a: 1}\n: x\n", "{{a: 1}: 2}\n", "a mapping as a mapping key"),
+    "bad_utf8": (b"max_batch_size: \xff\xfe\n", b"port: \xc3\x28\n", "not UTF-8"),
+    "garbage": (GARBAGE, GARBAGE, "not UTF-8"),
+    "control_chars": ("a: \x00\x01\n", "port: \x07\n", "invalid YAML"),
+    "deep_flow": (DEEP_FLOW, DEEP_FLOW, "nested more than"),
+    "deep_block": (DEEP_BLOCK, DEEP_BLOCK, "nested more than"),
+    "alias_bomb": (ALIAS_BOMB, ALIAS_BOMB, "aliases expanded"),
+    "recursive_alias": ("a: &a [1, *a]\n", "workers: &w [*w]\n", "inside the node it names"),
+    "undefined_alias": ("a: *nope\n", "port: *nope\n", "invalid YAML"),
+    "binary_tag": ("model: !!binary aGVsbG8=\n", "host: !!binary aGVsbG8=\n", "!!binary"),
+    "set_tag": ("a: !!set {x, y}\n", "host: !!set {x}\n", "!!set"),
+    "python_tag": ("a: !!python/object/apply:os.system [echo hi]\n",
+                   "a: !!python/object/apply:os.system [echo hi]\n", "invalid YAML"),
+    "two_documents": ("a: 1\n---\nb: 2\n", "port: 1\n---\nport: 2\n", "single document"),
+    "syntax": ("max_batch_size: [1, 2\n", "port: [1\n", "invalid YAML"),
+    "top_list": ("- max_batch_size: 8\n", "- port: 1\n", "list"),
+    "top_scalar": ("just a string\n", "just a string\n", "str"),
+    "top_number": ("42\n", "42\n", "int"),
+    "long_key": ("? " + "k" * 5000 + "\n: 1\n", "? " + "k" * 5000 + "\n: 1\n", "longer than 1024"),
+    "unknown_keys": ("1: 2\n", "colour: red\n", ""),
+    "bad_value": ("kv_cache_config:\n  free_gpu_memory_fraction: 1.5\n", "backend: tape\n", ""),
+    "bad_worker": ("speculative_config: {decoding_type: Nope}\n",
+                   "workers:\n  - {name: 'a b', endpoint: 'http://x'}\n", ""),
+    "short_token": ("max_batch_size: true\n", "admin_token: short\n", ""),
+    "log_level": ("max_num_tokens: 1.5\n", "log_level: loud\n", ""),
+}
+
+
+def write(path: Path, content: str | bytes) -> str:
+    path.write_bytes(content if isinstance(content, bytes) else content.encode())
+    return str(path)
+
+
+@pytest.mark.parametrize("command", ["convert-config", "indexer"])
+@pytest.mark.parametrize("case", sorted(BAD_CONTENT))
+def test_bad_file_is_one_line_exit_2(tmp_path, capsys, command, case):
+    convert_text, indexer_text, problem = BAD_CONTENT[case]
+    path = write(tmp_path / f"{case}.yaml", convert_text if command == "convert-config" else indexer_text)
+    code, out, err, elapsed = run_cli(argv_for(command, path), capsys)
+    assert_one_line(command, path, code, out, err, problem or None)
+    assert elapsed < 5.0, elapsed
+
+
+@pytest.mark.parametrize("command", ["convert-config", "indexer"])
+def test_not_a_regular_file(tmp_path, capsys, command):
+    fifo = tmp_path / "fifo.yaml"
+    os.mkfifo(fifo)  # nobody writes to it: reading it would block forever
+    directory = tmp_path / "dir.yaml"
+    directory.mkdir()
+    for path, problem in [(str(fifo), "not a regular file (a FIFO)"),
+                          (str(directory), "is a directory"),
+                          ("/dev/zero", "not a regular file (a character device)"),
+                          (str(tmp_path / "missing.yaml"), "no such file")]:
+        code, out, err, elapsed = run_cli(argv_for(command, path), capsys)
+        assert_one_line(command, path, code, out, err, problem)
+        assert elapsed < 5.0
+
+
+@pytest.mark.parametrize("command", ["convert-config", "indexer"])
+def test_unreadable_and_oversized_files(tmp_path, capsys, monkeypatch, command):
+    big = tmp_path / "big.yaml"
+    with open(big, "wb") as f:
+        f.truncate(loader.MAX_BYTES + 1)  # sparse: nothing of it is read
+    code, out, err, _ = run_cli(argv_for(command, str(big)), capsys)
+    assert_one_line(command, str(big), code, out, err, "larger than 4 MiB")
+
+    secret = tmp_path / "secret.yaml"
+    secret.write_text("max_batch_size: 4\n")
+    secret.chmod(0)
+    if os.geteuid() == 0:  # root reads anything: make the open fail as it would for a user
+        real_open = os.open
+
+        def deny(name, *a, **k):
+            if os.fspath(name) == str(secret):
+                raise PermissionError(13, "Permission denied", str(secret))
+            return real_open(name, *a, **k)
+
+        monkeypatch.setattr(os, "open", deny)
+    code, out, err, _ = run_cli(argv_for(command, str(secret)), capsys)
+    assert_one_line(command, str(secret), code, out, err, "permission denied")
+
+
+@pytest.mark.parametrize("command", ["convert-config", "indexer"])
+def test_control_characters_in_the_file_name_stay_one_line(tmp_path, capsys, command):
+    path = write(tmp_path / "bad\nname\x1b[31m.yaml", "- 1\n")
+    code, out, err, _ = run_cli(argv_for(command, path), capsys)
+    assert_one_line(command, path, code, out, err)
+    assert "bad\\nname\\x1b[31m.yaml" in err
+
+
+@pytest.mark.parametrize("command", ["convert-config", "indexer"])
+@pytest.mark.parametrize("text", ["", "\n\n", "# only a comment\n", "~\n", "\ufeff# a BOM\n"])
+def test_empty_documents_succeed(tmp_path, capsys, no_server, command, text):
+    path = write(tmp_path / "empty.yaml", text)
+    code, out, err, _ = run_cli(argv_for(command, path), capsys)
+    assert code == 0, err
+    if command == "convert-config":
+        assert json.loads(out) == {} and "empty" in err
+
+
+def test_good_files_succeed(tmp_path, capsys, no_server):
+    path = write(tmp_path / "trt.yaml", "base: &b {enable_block_reuse: true}\nkv_cache_config:\n  <<: *b\n"
+                                        "  enable_block_reuse: false\nmax_batch_size: 8\nrevision: 2024-01-01\n")
+    code, out, err, _ = run_cli(argv_for("convert-config", path), capsys)
+    assert code == 0, err
+    args = json.loads(out)
+    assert args["max_num_seqs"] == 8 and args["revision"] == "2024-01-01"  # a date stays a string
+    path = write(tmp_path / "idx.yaml", "workers:\n  - {name: w0, endpoint: 'tcp://h:1', tier: cpu}\n"
+                                        "tier_weights: {cpu: 0.5}\nport: 9000\nreplay_timeout: 1\n")
+    code, out, err, _ = run_cli(argv_for("indexer", path), capsys)
+    assert code == 0, err
+
+
+# --------------------------------------------------------------------------- the alias bomb
+
+
+def test_alias_bomb_fails_fast_and_small(tmp_path, capsys):
+    path = write(tmp_path / "bomb.yaml", ALIAS_BOMB)
+    tracemalloc.start()
+    try:
+        for command in ("convert-config", "indexer"):
+            code, out, err, elapsed = run_cli(argv_for(command, path), capsys)
+            assert_one_line(command, path, code, out, err, "aliases expanded")
+            assert elapsed < 1.0, elapsed
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 32 * 1024 * 1024, peak
+    # A few shared aliases are fine.
+    doc = loader.parse_yaml("a: &a [1, 2, 3]\nb: *a\nc: *a\n")
+    assert doc == {"a": [1, 2, 3], "b": [1, 2, 3], "c": [1, 2, 3]}
+
+
+# --------------------------------------------------------------------------- subprocesses
+
+
+def run_kvslots(*argv: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "kvslots", *argv], capture_output=True, text=True,
+                          timeout=120, stdin=subprocess.DEVNULL)
+
+
+def test_subprocess_alias_bomb_fifo_and_deep_nesting(tmp_path):
+    bomb = write(tmp_path / "bomb.yaml", ALIAS_BOMB)
+    fifo = tmp_path / "fifo.yaml"
+    os.mkfifo(fifo)
+    deep = write(tmp_path / "deep.yaml", DEEP_FLOW)
+    unhashable = write(tmp_path / "unhashable.yaml", "? [1, 2]\n: x\n")
+    for command, path, problem in [("convert-config", bomb, "aliases expanded"),
+                                   ("convert-config", str(fifo), "not a regular file"),
+                                   ("convert-config", unhashable, "a list as a mapping key (keys are strings or numbers) at line 1"),
+                                   ("indexer", deep, "nested more than 64 levels deep"),
+                                   ("indexer", bomb, "aliases expanded")]:
+        start = time.monotonic()
+        p = run_kvslots(*argv_for(command, path))
+        assert time.monotonic() - start < 60
+        assert p.returncode == 2, (p.returncode, p.stderr)
+        assert p.stdout == "" and "Traceback" not in p.stderr
+        lines = p.stderr.splitlines()
+        assert len(lines) == 1 and lines[0].startswith(f"{PREFIX[command]}{path}: ") and problem in lines[0], p.stderr
+
+
+# --------------------------------------------------------------------------- config.json (speculators)
+
+
+@pytest.mark.parametrize("content, problem", [
+    ('{"speculators_config": {"x": NaN}}', "speculators_config.x: must be a finite number, got nan"),
+    ('{"a": 1, "a": 2}', "duplicate key 'a'"),
+    ("[" * 3000 + "]" * 3000, "nested more than"),
+    ('{"a": ' + "1" * 5000 + "}", "too many digits"),
+    ("[1, 2]", "must be a JSON object"),
+    ('{"a": 1', "invalid JSON"),
+    (b"\xff\xfe{}", "not UTF-8"),
+])
+def test_speculators_config_json(tmp_path, capsys, content, problem):
+    d = tmp_path / "spec"
+    d.mkdir()
+    cfg = write(d / "config.json", content)
+    yaml_path = write(tmp_path / "cfg.yaml", "max_batch_size: 4\n")
+    code, out, err, _ = run_cli(["convert-config", yaml_path, "--speculators-dir", str(d)], capsys)
+    assert code == 2 and out == "" and "Traceback" not in err and err.count("\n") == 1, err
+    assert err.startswith(f"kvslots convert-config: error: {cfg}: ") and problem in err, err
+
+
+# --------------------------------------------------------------------------- JSON output
+
+
+def test_json_output_never_has_bare_nan(tmp_path, capsys):
+    path = write(tmp_path / "nan.yaml", "speculative_config:\n  decoding_type: MTP\n  num_nextn_predict_layers: .nan\n")
+    code, out, err, _ = run_cli(["convert-config", path, "--format", "json"], capsys)
+    assert_one_line("convert-config", path, code, out, err, "speculative_config.num_nextn_predict_layers: must be a finite number")
+    result = convert_trtllm_config({"max_batch_size": 4})
+    result.engine_args["bogus"] = float("nan")  # whatever got in, JSON output refuses it
+    with pytest.raises(ConfigError, match="cannot be written as JSON"):
+        result.to_json()
+    with pytest.raises(ConfigError):
+        loader.dump_json({"a": [float("inf")]})
+    assert loader.dump_json({"a": 1.5}) == '{"a": 1.5}'
+
+
+# --------------------------------------------------------------------------- one error home
+
+
+def test_one_error_handler_in_main(capsys, monkeypatch):
+    from kvslots.config import cli as config_cli
+    from kvslots.demo import run as demo
+    from kvslots.serve import cli as serve_cli
+
+    for module in (config_cli, serve_cli, demo):
+        assert "except KVSlotsError" not in inspect.getsource(module), module.__name__
+
+    def boom(*a, **k):
+        raise ServeError("first line\nsecond line")
+
+    monkeypatch.setattr(config_cli, "convert_trtllm_config", boom)
+    code, out, err, _ = run_cli(["convert-config", "x.yaml"], capsys)
+    assert code == 2 and out == "" and err == "kvslots convert-config: error: first line\\nsecond line\n"
+    assert issubclass(ConfigError, KVSlotsError)
+
+
+# --------------------------------------------------------------------------- hypothesis
+
+
+def _vocabulary() -> list[str]:
+    """Key names and values the converter knows, read from its sources."""
+    import kvslots.config.trtllm as trtllm
+
+    words: set[str] = set()
+    for name in ("engine_keys", "parallel", "kv_cache", "cuda_graphs", "speculative", "keys", "converter"):
+        module = __import__(f"{trtllm.__name__}.{name}", fromlist=["_"])
+        words.update(re.findall(r'"([A-Za-z][A-Za-z0-9_]{1,40})"', inspect.getsource(module)))
+        words.update(m[2:] for m in re.findall(r"\bk_[a-z0-9_]+", inspect.getsource(module)))
+    return sorted(words)
+
+
+VOCAB = _vocabulary()
+INDEXER_KEYS = ["workers", "host", "port", "backend", "redis_url", "redis_namespace", "tier_weights",
+                "capacity", "block_size", "max_tokens", "admin_token", "replay_timeout", "log_level",
+                "name", "endpoint", "replay", "topic", "tier", "GPU", "CPU", "STORAGE"]
+
+scalars = st.one_of(
+    st.none(), st.booleans(), st.integers(min_value=-(2**70), max_value=2**70),
+    st.integers(min_value=-3, max_value=70000), st.floats(), st.text(max_size=12),
+    st.sampled_from(VOCAB + INDEXER_KEYS + ["tcp://h:1", "ipc:///tmp/x", "auto", "fp8", "Eagle", "MTP",
+                                            "memory", "redis", "info", "cpu", "0" * 20]),
+)
+keys = st.one_of(st.sampled_from(VOCAB + INDEXER_KEYS), st.text(max_size=6), st.integers(-2, 9))
+documents = st.recursive(
+    scalars,
+    lambda children: st.one_of(st.lists(children, max_size=5),
+                               st.dictionaries(keys, children, max_size=6)),
+    max_leaves=30,
+)
+TOKENS = ["a", "max_batch_size", "kv_cache_config", "speculative_config", "decoding_type", "Eagle", "MTP",
+          "max_draft_len", "cuda_graph_config", "batch_sizes", "workers", "port", "tier_weights", "name",
+          "endpoint", "tcp://h:1", ": ", ":", "\n", "  ", "    ", "- ", "[", "]", "{", "}", ", ", "&a ", "*a",
+          "&b ", "*b", "<<: ", "? ", ".nan", ".inf", "-.inf", "1.0e+999", str(2**64), "-1", "0", "1", "3.5",
+          "true", "null", "~", "!!set ", "!!binary ", "!!python/object:x ", "!!int ", "!!float ", "!!str ",
+          "!!map ", "!!seq ", "!foo ", "'", '"', "# c", "---\n", "...\n", "|\n", ">\n", "\t", "2024-01-01",
+          "%YAML 1.1\n", "\\", "é", "\x00", "\ufeff", "1:30", "0x1F", "0o17", "=", "<<"]
+yamlish = st.lists(st.one_of(st.sampled_from(TOKENS), st.text(max_size=3)), max_size=40).map("".join)
+
+HYPOTHESIS = settings(max_examples=150, deadline=None,
+                      suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+
+
+def _strict_json(text: str):
+    def refuse(name):
+        raise AssertionError(f"bare {name} in the JSON output")
+
+    return json.loads(text, parse_constant=refuse)
+
+
+def _convert_via_cli(capsys, text: str | bytes, fmt: str) -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        path = write(Path(tmp) / "doc.yaml", text)
+        code, out, err, elapsed = run_cli(["convert-config", path, "--format", fmt], capsys)
+    assert elapsed < 10.0
+    if code == 0:
+        if fmt == "json":
+            _strict_json(out)
+        return
+    assert_one_line("convert-config", path, code, out, err)
+
+
+def _indexer_config(text: str | bytes) -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        path = write(Path(tmp) / "idx.yaml", text)
+        try:
+            cfg = build_config(argparse.Namespace(config=path))
+        except ConfigError as e:
+            assert str(e).startswith(f"{path}: "), str(e)
+            return
+    assert isinstance(cfg, IndexerConfig)
+
+
+@HYPOTHESIS
+@given(text=yamlish, fmt=st.sampled_from(["flags", "json", "yaml"]))
+def test_random_yamlish_text_convert_config(capsys, text, fmt):
+    _convert_via_cli(capsys, text, fmt)
+
+
+@HYPOTHESIS
+@given(doc=documents, fmt=st.sampled_from(["flags", "json", "yaml"]))
+def test_random_documents_convert_config(capsys, doc, fmt):
+    _convert_via_cli(capsys, yaml.safe_dump(doc, allow_unicode=True), fmt)
+
+
+@HYPOTHESIS
+@given(doc=st.dictionaries(st.sampled_from(VOCAB), documents, max_size=6), fmt=st.sampled_from(["json", "flags"]))
+def test_random_trtllm_shaped_documents_convert_config(capsys, doc, fmt):
+    _convert_via_cli(capsys, yaml.safe_dump(doc, allow_unicode=True), fmt)
+
+
+@HYPOTHESIS
+@given(text=st.one_of(yamlish, documents.map(lambda d: yaml.safe_dump(d, allow_unicode=True)),
+                      st.dictionaries(st.sampled_from(INDEXER_KEYS), documents, max_size=6)
+                      .map(lambda d: yaml.safe_dump(d, allow_unicode=True)),
+                      st.binary(max_size=64)))
+def test_random_documents_indexer_config(text):
+    _indexer_config(text)
