@@ -407,19 +407,42 @@ def _json_object(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     return out
 
 
-def parse_json(text: str, source: str | None = None, *, max_nodes: int = MAX_NODES) -> Any:
-    """Parses JSON under this module's rules (no duplicate keys, no NaN or Infinity, bounded
-    nesting and size); a :class:`ConfigError` naming the line or the field otherwise."""
+def _refuse_constant(name: str) -> Any:
+    raise _Refused(f"{name} is not valid JSON (numbers must be finite)")
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if math.isinf(value):
+        raise _Refused(f"number {brief(text)} is out of range")
+    return value
+
+
+def loads_strict_json(text: str | bytes, source: str | None = None, *, finite: bool = True) -> Any:
+    """``json.loads`` under RFC 8259's rules, without walking the result: no duplicate keys, no
+    ``NaN``/``Infinity`` and no number that overflows a float (unless ``finite`` is False: then
+    :func:`check_values` refuses them later, naming the field), bounded nesting. The one strict
+    JSON parser (config files here, HTTP request bodies in the indexer); a :class:`ConfigError`
+    otherwise."""
+    hooks: dict[str, Any] = {"parse_constant": _refuse_constant, "parse_float": _finite_float} if finite else {}
     try:
-        doc = json.loads(text, object_pairs_hook=_json_object)
+        return json.loads(text, object_pairs_hook=_json_object, **hooks)
     except _Refused as e:
         raise ConfigError(e.text(), None, source) from None
     except json.JSONDecodeError as e:
         raise ConfigError(f"invalid JSON: {e.msg} at line {e.lineno} column {e.colno}", None, source) from None
     except RecursionError:
         raise ConfigError(f"nested more than {MAX_DEPTH} levels deep", None, source) from None
+    except UnicodeDecodeError:
+        raise ConfigError("invalid JSON: not UTF-8", None, source) from None
     except ValueError:  # an integer with more digits than Python converts
         raise ConfigError("invalid JSON: an integer with too many digits", None, source) from None
+
+
+def parse_json(text: str, source: str | None = None, *, max_nodes: int = MAX_NODES) -> Any:
+    """Parses JSON under this module's rules (:func:`loads_strict_json`, then bounded nesting and
+    size); a :class:`ConfigError` naming the line or the field otherwise."""
+    doc = loads_strict_json(text, source, finite=False)
     check_values(doc, source, max_nodes=max_nodes)
     return doc
 

@@ -13,6 +13,7 @@ from fastapi.routing import APIRoute
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
+from ..config.loader import loads_strict_json
 from ..errors import InvalidArgumentError
 from .config import ConfigError, WorkerSpec
 from .service import IndexerService
@@ -35,36 +36,13 @@ TokenId = Annotated[int, Field(strict=True, ge=0, le=U32)]
 Text = Annotated[str, Field(strict=True), AfterValidator(_utf8)]
 
 
-def _no_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not valid JSON")
-
-
-def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for key, value in pairs:
-        if key in out:
-            raise ValueError(f"duplicate key {key!r}")
-        out[key] = value
-    return out
-
-
 def _strict_json(body: bytes) -> Any:
-    """RFC 8259 JSON: no NaN / Infinity, no duplicate keys, numbers that fit a float."""
+    """The request body under kvslots' strict JSON rules (:func:`kvslots.config.loader.
+    loads_strict_json`); FastAPI turns the JSONDecodeError raised otherwise into a 422."""
     try:
-        value = json.loads(body, parse_constant=_no_constant, object_pairs_hook=_no_duplicates,
-                           parse_float=_finite_float)
-    except (ValueError, RecursionError) as e:
-        # FastAPI turns a JSONDecodeError into a 422 naming the problem.
-        msg = "nesting too deep" if isinstance(e, RecursionError) else str(e)
-        raise json.JSONDecodeError(msg, "", 0) from None
-    return value
-
-
-def _finite_float(text: str) -> float:
-    value = float(text)
-    if value in (float("inf"), float("-inf")):
-        raise ValueError(f"number {text[:40]} is out of range")
-    return value
+        return loads_strict_json(body)
+    except ConfigError as e:
+        raise json.JSONDecodeError(e.reason, "", 0) from None
 
 
 class _StrictJSONRequest(Request):
