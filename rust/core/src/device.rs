@@ -136,6 +136,10 @@ pub struct DeviceConfig {
     /// Keep the ids of newly allocated blocks for the workers to zero
     /// ([`DeviceAllocator::take_new_block_ids`]).
     pub record_new_blocks: bool,
+    /// A hit on a hash several blocks hold takes one a request already holds, when there is
+    /// one, rather than the oldest (vLLM's choice, which may pin a cached block and cost a free
+    /// one). Off: exactly vLLM's choice.
+    pub prefer_held_duplicates: bool,
 }
 
 /// One `allocate_slots` call, in vLLM's terms.
@@ -155,6 +159,10 @@ pub struct AllocArgs {
     /// Reserve the lookahead blocks instead of allocating them; see
     /// [`DeviceAllocator::materialize_lookahead`].
     pub defer_lookahead: bool,
+    /// The request is being admitted (waiting or preempted, not running): its fit check counts
+    /// the lookahead deferred requests did not take as held, as vLLM would hold it, so that
+    /// holding fewer blocks never admits more requests than vLLM (which would preempt more).
+    pub admission: bool,
     pub max_model_len: usize,
     /// Blocks to leave free for others (vLLM's `reserved_blocks`).
     pub reserved_blocks: usize,
@@ -190,6 +198,9 @@ struct Req {
     tracked: bool,
     /// Lookahead blocks reserved this step, not yet materialised.
     reserved: usize,
+    /// The table length vLLM's manager would have (it allocates the largest lookahead every
+    /// step and never shrinks a table); `shadow - blocks.len()` is this request's debt.
+    shadow: usize,
 }
 
 /// Counters since construction.
@@ -209,6 +220,7 @@ pub struct DeviceAllocator {
     enable_caching: bool,
     record_evictions: bool,
     record_new_blocks: bool,
+    prefer_held: bool,
     /// The full hash each registered block holds (stale otherwise). Zero pages until used.
     full: Vec<FullHash>,
     reqs: FxHashMap<Box<str>, u32>,
@@ -216,6 +228,9 @@ pub struct DeviceAllocator {
     free_slots: Vec<u32>,
     /// Lookahead blocks reserved by requests this step.
     step_reserved: usize,
+    /// Blocks vLLM would hold and this allocator does not (deferred lookahead for a smaller K):
+    /// the sum of the requests' `shadow - blocks.len()`. Admissions count them as held.
+    debt: usize,
     /// Holds handed out by [`DeviceAllocator::pop_blocks`] and not released yet.
     parked: FxHashMap<BlockId, u32>,
     evicted: Vec<FullHash>,
@@ -259,11 +274,13 @@ impl DeviceAllocator {
             enable_caching: cfg.enable_caching,
             record_evictions: cfg.record_evictions,
             record_new_blocks: cfg.record_new_blocks,
+            prefer_held: cfg.prefer_held_duplicates,
             full: vec![FullHash::EMPTY; cfg.num_blocks],
             reqs: FxHashMap::default(),
             slots: Vec::new(),
             free_slots: Vec::new(),
             step_reserved: 0,
+            debt: 0,
             parked: FxHashMap::default(),
             evicted: Vec::new(),
             new_block_ids: Vec::new(),
@@ -304,6 +321,10 @@ impl DeviceAllocator {
     /// Lookahead blocks reserved this step and not materialised.
     pub fn num_reserved_blocks(&self) -> usize {
         self.step_reserved
+    }
+    /// Blocks vLLM's manager would hold on top of these (deferred lookahead for a smaller K).
+    pub fn num_debt_blocks(&self) -> usize {
+        self.debt
     }
     /// vLLM's `get_usage`: the used share of the pool, the null block left out.
     pub fn usage(&self) -> f64 {
@@ -357,8 +378,20 @@ impl DeviceAllocator {
     /// The block registered under `h` that a hit would take.
     #[inline]
     fn find(&self, h: &FullHash) -> Option<BlockId> {
-        let b = self.pool.lookup(h.key())?;
-        (self.full[b as usize] == *h).then_some(b)
+        let first = self.pool.lookup(h.key())?;
+        if self.full[first as usize] != *h {
+            return None;
+        }
+        if self.prefer_held && self.pool.refcount(first) == 0 {
+            let mut b = first;
+            while let Some(next) = self.pool.next_duplicate(b) {
+                if self.pool.refcount(next) > 0 {
+                    return Some(next);
+                }
+                b = next;
+            }
+        }
+        Some(first)
     }
 
     /// The longest run of registered blocks from the start of `hashes`, at most `max_blocks`
@@ -546,7 +579,12 @@ impl DeviceAllocator {
         };
         let num_local = a.num_computed_tokens + a.num_hit_blocks * bs;
         let total_computed = (num_local + a.num_external_tokens).min(a.max_model_len);
-        let free = self.pool.available().saturating_sub(self.step_reserved);
+        let held_back = if a.admission {
+            self.debt.max(self.step_reserved)
+        } else {
+            self.step_reserved
+        };
+        let free = self.pool.available().saturating_sub(held_back);
         if let Some(full_tokens) = a.full_sequence_tokens {
             if to_allocate(full_tokens) + a.watermark_blocks > free {
                 self.scratch_ids = hits;
@@ -642,11 +680,18 @@ impl DeviceAllocator {
         }
         self.scratch_ids = hits;
         let new_range = self.take_blocks(s, new_blocks, true);
-        if a.defer_lookahead {
-            let r = cdiv(need_slot, bs).saturating_sub(self.slots[s].blocks.len());
-            self.step_reserved -= self.slots[s].reserved;
-            self.slots[s].reserved = r;
-            self.step_reserved += r;
+        {
+            let len = self.slots[s].blocks.len();
+            let r = &mut self.slots[s];
+            let before = r.shadow.saturating_sub(held);
+            r.shadow = r.shadow.max(len);
+            if a.defer_lookahead {
+                r.shadow = r.shadow.max(cdiv(need_slot, bs));
+                let res = cdiv(need_slot, bs).saturating_sub(len);
+                self.step_reserved = self.step_reserved - r.reserved + res;
+                r.reserved = res;
+            }
+            self.debt = self.debt - before + (r.shadow - len);
         }
         let commit = match commit_end {
             Some(end) => self.register(s, end, &commit_hashes),
@@ -779,7 +824,12 @@ impl DeviceAllocator {
         self.step_reserved -= reserved;
         self.slots[s].reserved = 0;
         // Reserved blocks were kept out of every fit check since: they are there.
-        Ok(self.take_blocks(s, n, true))
+        let r = self.take_blocks(s, n, true);
+        let slot = &mut self.slots[s];
+        let debt_before = slot.shadow.saturating_sub(held);
+        slot.shadow = slot.shadow.max(slot.blocks.len());
+        self.debt = self.debt - debt_before + (slot.shadow - slot.blocks.len());
+        Ok(r)
     }
 
     /// Gives back every reservation not materialised (the end of a step).
@@ -800,7 +850,9 @@ impl DeviceAllocator {
         self.free_slots.push(s as u32);
         let r = &mut self.slots[s];
         self.step_reserved -= r.reserved;
+        self.debt -= r.shadow.saturating_sub(r.blocks.len());
         r.reserved = 0;
+        r.shadow = 0;
         r.num_cached = 0;
         r.tracked = false;
         Some(s)
@@ -988,6 +1040,20 @@ impl DeviceAllocator {
             return Err(format!(
                 "requests reserve {reserved} lookahead blocks, counted {}",
                 self.step_reserved
+            ));
+        }
+        let debt: usize = self
+            .reqs
+            .values()
+            .map(|&s| {
+                let r = &self.slots[s as usize];
+                r.shadow.saturating_sub(r.blocks.len())
+            })
+            .sum();
+        if debt != self.debt || self.step_reserved > self.debt {
+            return Err(format!(
+                "lookahead debt {debt}, counted {} (reserved {})",
+                self.debt, self.step_reserved
             ));
         }
         for (b, &k) in holders.iter().enumerate() {

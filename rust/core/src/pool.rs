@@ -472,6 +472,14 @@ impl BlockPool {
         }
     }
 
+    /// The block registered under the same hash after `block` (pools with duplicates).
+    pub fn next_duplicate(&self, block: BlockId) -> Option<BlockId> {
+        match self.dup.get(block as usize) {
+            Some(&d) if d != 0 => Some(d - 1),
+            _ => None,
+        }
+    }
+
     /// Takes one block out of the registry (held blocks stay held, a cached one becomes free).
     /// Returns the hash it was registered under, `None` when it was not registered.
     pub fn unregister_block(&mut self, block: BlockId) -> Option<u64> {

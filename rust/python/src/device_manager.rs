@@ -267,6 +267,8 @@ impl DeviceKVManager {
             enable_caching: opt_flag(enable_caching, "enable_caching", None, true)?,
             record_evictions,
             record_new_blocks: opt_flag(record_new_blocks, "record_new_blocks", None, false)?,
+            // With deferred lookahead the schedule is kvslots' own: hits take held duplicates.
+            prefer_held_duplicates: defer_lookahead,
         };
         Ok(DeviceKVManager {
             max_model_len: count(max_model_len, "max_model_len", None)?,
@@ -384,7 +386,7 @@ impl DeviceKVManager {
         }
         let num_tokens = num_tokens(request, rid)?;
         let computed = count_attr(request, intern!(py, "num_computed_tokens"), rid)?;
-        let (watermark_blocks, _defer_mode, statuses) = {
+        let (watermark_blocks, defer_mode, statuses) = {
             let this = borrow(slf)?;
             let st: Vec<Py<PyAny>> = this
                 .watermark_statuses
@@ -395,8 +397,9 @@ impl DeviceKVManager {
         };
         let mut watermark = 0;
         let mut admission = false;
-        if watermark_blocks > 0 && scheduled {
-            // Waiting and preempted requests: vLLM's watermark applies.
+        if (watermark_blocks > 0 && scheduled) || defer_mode {
+            // Waiting and preempted requests: vLLM's watermark applies, and with deferred
+            // lookahead they are admitted as vLLM would admit them.
             let status = request.getattr(intern!(py, "status"))?;
             for s in &statuses {
                 if status.eq(s.bind(py))? {
@@ -434,6 +437,7 @@ impl DeviceKVManager {
             num_external_tokens: external,
             num_lookahead_tokens: lookahead,
             defer_lookahead: defer,
+            admission,
             max_model_len: this.max_model_len,
             reserved_blocks: reserved,
             watermark_blocks: watermark,
@@ -769,6 +773,10 @@ impl DeviceKVManager {
     }
     fn num_reserved_blocks(&self) -> usize {
         self.inner.num_reserved_blocks()
+    }
+    /// Blocks vLLM's manager would hold on top of these (deferred lookahead for a smaller K).
+    fn num_debt_blocks(&self) -> usize {
+        self.inner.num_debt_blocks()
     }
     fn num_registered_blocks(&self) -> usize {
         self.inner.pool().num_registered_blocks()

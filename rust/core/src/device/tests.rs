@@ -9,6 +9,7 @@ fn alloc(num_blocks: usize) -> DeviceAllocator {
         enable_caching: true,
         record_evictions: true,
         record_new_blocks: true,
+        prefer_held_duplicates: false,
     })
     .unwrap()
 }
@@ -366,7 +367,8 @@ fn bad_input_is_an_error_and_changes_nothing() {
         block_size: 4,
         enable_caching: true,
         record_evictions: false,
-        record_new_blocks: false
+        record_new_blocks: false,
+        prefer_held_duplicates: false,
     })
     .is_err());
     assert!(DeviceAllocator::new(DeviceConfig {
@@ -374,7 +376,8 @@ fn bad_input_is_an_error_and_changes_nothing() {
         block_size: 0,
         enable_caching: true,
         record_evictions: false,
-        record_new_blocks: false
+        record_new_blocks: false,
+        prefer_held_duplicates: false,
     })
     .is_err());
     assert!(
@@ -525,6 +528,7 @@ fn random_operations_keep_the_invariants() {
                     let _ = a.cache("nobody", rnd(50) as usize, 0, &hashes(&[1; 8]));
                     a.free("nobody");
                 }
+                9 if rnd(3) == 0 => a.release_reservations(),
                 9 if rnd(20) == 0 => {
                     let ok = a.reset_prefix_cache();
                     assert_eq!(ok, live.is_empty() && popped.is_empty());
