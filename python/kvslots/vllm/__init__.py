@@ -2,6 +2,9 @@
 
 - :class:`KVSlotsConnector` (``--kv-transfer-config``): the host tier under vLLM's manager
   (:mod:`.connector`), with whole-block copies in :mod:`.transfer`.
+- :class:`KVSlotsScheduler` (``--scheduler-cls kvslots.vllm.KVSlotsScheduler``): scheduler mode,
+  the Rust core allocates vLLM's device KV blocks (:mod:`.scheduler`); async variant
+  :class:`KVSlotsAsyncScheduler`.
 
 Loaded by module path (``"kv_connector_module_path": "kvslots.vllm"``) or, with kvslots
 installed, by name alone: the ``vllm.general_plugins`` entry point calls :func:`register`.
@@ -16,6 +19,7 @@ from ..config.connector import ConnectorConfig, ConnectorConfigError
 
 if TYPE_CHECKING:
     from .connector import KVSlotsConnector
+    from .scheduler import KVSlotsAsyncScheduler, KVSlotsScheduler
 
 CONNECTOR_NAME = "KVSlotsConnector"
 
@@ -35,7 +39,11 @@ def __getattr__(name: str) -> Any:
         from .connector import KVSlotsConnector
 
         return KVSlotsConnector
+    if name in ("KVSlotsScheduler", "KVSlotsAsyncScheduler"):
+        from . import scheduler
+
+        return getattr(scheduler, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-__all__ = ["KVSlotsConnector", "ConnectorConfig", "ConnectorConfigError", "register", "CONNECTOR_NAME"]
+__all__ = ["KVSlotsConnector", "KVSlotsScheduler", "KVSlotsAsyncScheduler", "ConnectorConfig", "ConnectorConfigError", "register", "CONNECTOR_NAME"]

@@ -7,10 +7,13 @@
 //! immutable hashed blocks, and roll back rejected draft tokens. [`wire`] is vLLM's KV event
 //! wire format (msgpack), by direction: [`wire::encode`] writes queued events, [`wire::decode`]
 //! reads them for the prefix [`index`] of the `kvslots indexer` service. [`copy_blocks`] moves
-//! whole KV blocks between a layer and the host tier.
+//! whole KV blocks between a layer and the host tier. [`DeviceAllocator`] is the allocator of an
+//! engine's device blocks (vLLM's KV cache manager in scheduler mode), keyed by the engine's own
+//! block hashes.
 
 pub mod cache;
 pub mod copy;
+pub mod device;
 pub mod error;
 pub mod events;
 pub mod hash;
@@ -23,6 +26,9 @@ pub mod wire;
 
 pub use cache::{CacheStats, HostCache, PendingStore};
 pub use copy::{copy_blocks, BlockLayout, CopySpec};
+pub use device::{
+    AllocArgs, Allocated, DeviceAllocator, DeviceConfig, DeviceStats, FullHash, HashSource,
+};
 pub use error::{Result, SlotError};
 pub use events::{EventLog, KvEvent, KvEventRef};
 pub use hash::{block_hash, BlockHasher};

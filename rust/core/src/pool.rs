@@ -42,6 +42,14 @@ pub struct BlockPool {
     index: PrefixIndex,
     /// Scratch: the blocks one allocation evicts.
     victims: Vec<u32>,
+    /// Duplicate chains (pools built with [`BlockPool::with_duplicates`], empty otherwise):
+    /// `dup[b]` is 1 + the next block registered under the same hash as `b`, 0 at a chain's
+    /// end. The index holds a chain's first block (the oldest registration); the others are
+    /// registered (flagged, cached when unreferenced, evicted one by one) but found only once
+    /// the blocks ahead of them leave the registry.
+    dup: Vec<u32>,
+    /// Registered blocks that are not first in their chain.
+    num_dups: usize,
 }
 
 /// splitmix64's finaliser: a bijection that spreads every input bit over the output.
@@ -197,6 +205,17 @@ impl PrefixIndex {
         prefetch(self.slots.as_ptr().wrapping_add(self.home(hash)));
     }
 
+    /// Points the entry of `old` (registered under `hash`) at `new`, registered under the same
+    /// hash: same home, same fingerprint, same distance.
+    fn replace(&mut self, old: BlockId, new: BlockId, hash: u64) {
+        let mut j = self.home(hash);
+        while self.id(self.slots[j]) != old + 1 {
+            j = self.next(j);
+        }
+        let id_mask = (1u32 << self.id_bits) - 1;
+        self.slots[j] = (self.slots[j] & !id_mask) | (new + 1);
+    }
+
     /// Removes `block`, registered under `hash`.
     fn remove(&mut self, block: BlockId, hash: u64, hashes: &[u64]) {
         let mut hole = self.home(hash);
@@ -242,6 +261,18 @@ impl BlockPool {
         Self::with_index_dist_bits(num_blocks, 4)
     }
 
+    /// A pool whose registry keeps several blocks under one hash, as vLLM's does: a block
+    /// filled with the same tokens as a registered one is registered too ([`register_or_chain`])
+    /// instead of staying private, and becomes the one hits find when the blocks registered
+    /// before it are evicted. Costs 4 bytes per block more.
+    ///
+    /// [`register_or_chain`]: BlockPool::register_or_chain
+    pub fn with_duplicates(num_blocks: usize) -> Self {
+        let mut p = Self::with_index_dist_bits(num_blocks, 4);
+        p.dup = vec![0; num_blocks];
+        p
+    }
+
     fn with_index_dist_bits(num_blocks: usize, dist_bits: u32) -> Self {
         assert!(num_blocks < Self::MAX_BLOCKS, "pool too large");
         BlockPool {
@@ -257,6 +288,8 @@ impl BlockPool {
             fresh: 0,
             index: PrefixIndex::new(num_blocks, dist_bits),
             victims: Vec::new(),
+            dup: Vec::new(),
+            num_dups: 0,
         }
     }
 
@@ -289,8 +322,13 @@ impl BlockPool {
     pub fn lookup(&self, hash: u64) -> Option<BlockId> {
         self.index.lookup(hash, &self.hash)
     }
+    /// Distinct registered hashes.
     pub fn num_registered(&self) -> usize {
         self.index.len
+    }
+    /// Registered blocks, duplicates included.
+    pub fn num_registered_blocks(&self) -> usize {
+        self.index.len + self.num_dups
     }
     pub fn registered_hashes(&self) -> impl Iterator<Item = u64> + '_ {
         self.index.blocks().map(|(_, b)| self.hash[b as usize])
@@ -405,13 +443,96 @@ impl BlockPool {
         }
     }
 
+    /// Registers a held block under `hash`, after the blocks already registered under it when
+    /// the pool keeps duplicates ([`BlockPool::with_duplicates`]; otherwise as
+    /// [`BlockPool::register`]). Returns false (and changes nothing) when the block is
+    /// registered already.
+    pub fn register_or_chain(&mut self, block: BlockId, hash: u64) -> bool {
+        let i = block as usize;
+        if self.meta[i] & REGISTERED != 0 {
+            return false;
+        }
+        if self.dup.is_empty() {
+            return self.register(block, hash);
+        }
+        match self.index.lookup(hash, &self.hash) {
+            None => self.register(block, hash),
+            Some(first) => {
+                let mut last = first;
+                while self.dup[last as usize] != 0 {
+                    last = self.dup[last as usize] - 1;
+                }
+                self.dup[last as usize] = block + 1;
+                self.dup[i] = 0;
+                self.meta[i] |= REGISTERED;
+                self.hash[i] = hash;
+                self.num_dups += 1;
+                true
+            }
+        }
+    }
+
+    /// The block registered under the same hash after `block` (pools with duplicates).
+    pub fn next_duplicate(&self, block: BlockId) -> Option<BlockId> {
+        match self.dup.get(block as usize) {
+            Some(&d) if d != 0 => Some(d - 1),
+            _ => None,
+        }
+    }
+
+    /// Takes one block out of the registry (held blocks stay held, a cached one becomes free).
+    /// Returns the hash it was registered under, `None` when it was not registered.
+    pub fn unregister_block(&mut self, block: BlockId) -> Option<u64> {
+        let i = block as usize;
+        if i >= self.num_blocks() || self.meta[i] & REGISTERED == 0 {
+            return None;
+        }
+        let hash = self.hash[i];
+        let cached = self.meta[i] & REFCOUNT == 0;
+        if cached {
+            self.unlink(block);
+        }
+        self.unregister(block);
+        if cached {
+            self.push_free(block);
+        }
+        Some(hash)
+    }
+
     fn unregister(&mut self, block: BlockId) {
         let i = block as usize;
         if self.meta[i] & REGISTERED == 0 {
             return;
         }
         self.meta[i] &= REFCOUNT;
-        self.index.remove(block, self.hash[i], &self.hash);
+        let hash = self.hash[i];
+        if !self.dup.is_empty() {
+            let next = std::mem::take(&mut self.dup[i]);
+            match self.index.lookup(hash, &self.hash) {
+                Some(first) if first == block => {
+                    if next != 0 {
+                        // The next duplicate takes the chain's place in the index.
+                        self.index.replace(block, next - 1, hash);
+                        self.num_dups -= 1;
+                        return;
+                    }
+                }
+                Some(first) => {
+                    // A duplicate: unlink it from its chain.
+                    let mut c = first;
+                    while self.dup[c as usize] != 0 && self.dup[c as usize] != block + 1 {
+                        c = self.dup[c as usize] - 1;
+                    }
+                    if self.dup[c as usize] == block + 1 {
+                        self.dup[c as usize] = next;
+                        self.num_dups -= 1;
+                    }
+                    return;
+                }
+                None => return,
+            }
+        }
+        self.index.remove(block, hash, &self.hash);
     }
 
     /// Evicts up to `n` least recently used cached blocks to the free stack.
@@ -440,11 +561,20 @@ impl BlockPool {
         for j in 0..self.index.slots.len() {
             let v = self.index.slots[j];
             if v != 0 {
-                self.meta[(self.index.id(v) - 1) as usize] &= REFCOUNT;
+                let mut b = (self.index.id(v) - 1) as usize;
+                self.meta[b] &= REFCOUNT;
+                if !self.dup.is_empty() {
+                    while self.dup[b] != 0 {
+                        let next = (std::mem::take(&mut self.dup[b]) - 1) as usize;
+                        self.meta[next] &= REFCOUNT;
+                        b = next;
+                    }
+                }
                 self.index.slots[j] = 0;
             }
         }
         self.index.len = 0;
+        self.num_dups = 0;
         n
     }
 
@@ -577,10 +707,44 @@ impl BlockPool {
                 k = ix.next(k);
             }
         }
-        let flagged = self.meta.iter().filter(|&&m| m & REGISTERED != 0).count();
-        if flagged != entries || entries != ix.len {
+        // Duplicate chains: every member registered under its first block's hash, once.
+        let mut chained = 0;
+        if !self.dup.is_empty() {
+            for (_, first) in ix.blocks() {
+                let h = self.hash[first as usize];
+                let mut b = first as usize;
+                while self.dup[b] != 0 {
+                    let next = (self.dup[b] - 1) as usize;
+                    if next >= n
+                        || indexed[next]
+                        || self.meta[next] & REGISTERED == 0
+                        || self.hash[next] != h
+                    {
+                        return Err(format!(
+                            "duplicate chain of block {first} is broken at {next}"
+                        ));
+                    }
+                    indexed[next] = true;
+                    chained += 1;
+                    b = next;
+                }
+            }
+            for (b, &d) in self.dup.iter().enumerate() {
+                if d != 0 && !indexed[b] {
+                    return Err(format!("block {b} links a chain it is not in"));
+                }
+            }
+        }
+        if chained != self.num_dups {
             return Err(format!(
-                "registered flags ({flagged}), index entries ({entries}) and count ({}) disagree",
+                "{chained} chained duplicates, counted {}",
+                self.num_dups
+            ));
+        }
+        let flagged = self.meta.iter().filter(|&&m| m & REGISTERED != 0).count();
+        if flagged != entries + chained || entries != ix.len {
+            return Err(format!(
+                "registered flags ({flagged}), index entries ({entries}) + duplicates ({chained}) and count ({}) disagree",
                 ix.len
             ));
         }
@@ -730,6 +894,110 @@ mod tests {
                 assert_eq!(p.num_registered(), reg.len());
                 for (&h, &b) in &reg {
                     assert_eq!(p.lookup(h), Some(b));
+                }
+            }
+        }
+    }
+
+    /// Duplicate chains against a model: a hash maps to the blocks registered under it in
+    /// registration order, hits find the first, evictions (LRU, explicit, clear) keep the rest.
+    #[test]
+    fn duplicate_chains_match_a_model() {
+        use std::collections::{HashMap, VecDeque};
+        let mut x = 0x1234_5678_9abc_def1u64;
+        let mut rnd = |n: u64| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x % n
+        };
+        for size in [1usize, 2, 5, 17, 40] {
+            let mut p = BlockPool::with_duplicates(size);
+            let mut chains: HashMap<u64, Vec<u32>> = HashMap::new();
+            let mut hash_of: HashMap<u32, u64> = HashMap::new();
+            let mut refs = vec![0u32; size];
+            let mut lru: VecDeque<u32> = VecDeque::new();
+            let mut held: Vec<u32> = Vec::new();
+            let forget =
+                |b: u32, chains: &mut HashMap<u64, Vec<u32>>, hash_of: &mut HashMap<u32, u64>| {
+                    if let Some(h) = hash_of.remove(&b) {
+                        let c = chains.get_mut(&h).unwrap();
+                        c.retain(|&y| y != b);
+                        if c.is_empty() {
+                            chains.remove(&h);
+                        }
+                    }
+                };
+            for _ in 0..5000 {
+                match rnd(7) {
+                    0 | 1 if p.available() > 0 => {
+                        let (mut out, mut ev) = (Vec::new(), Vec::new());
+                        let free_before = p.num_free();
+                        p.allocate(1, &mut out, &mut ev);
+                        let b = out[0];
+                        if free_before == 0 {
+                            let v = lru.pop_front().unwrap();
+                            assert_eq!(v, b, "the least recently used block is evicted");
+                            assert_eq!(ev, vec![hash_of[&v]]);
+                            forget(v, &mut chains, &mut hash_of);
+                        }
+                        refs[b as usize] = 1;
+                        held.push(b);
+                    }
+                    2 if !held.is_empty() => {
+                        let b = held[rnd(held.len() as u64) as usize];
+                        let h = rnd(4);
+                        let ok = !hash_of.contains_key(&b);
+                        assert_eq!(p.register_or_chain(b, h), ok);
+                        if ok {
+                            chains.entry(h).or_default().push(b);
+                            hash_of.insert(b, h);
+                        }
+                    }
+                    3 if !held.is_empty() => {
+                        let b = held.swap_remove(rnd(held.len() as u64) as usize);
+                        p.unpin(b);
+                        refs[b as usize] -= 1;
+                        if refs[b as usize] == 0 && hash_of.contains_key(&b) {
+                            lru.push_back(b);
+                        }
+                    }
+                    4 => {
+                        let h = rnd(4);
+                        let first = chains.get(&h).map(|c| c[0]);
+                        assert_eq!(p.lookup(h), first);
+                        if let Some(b) = first {
+                            p.pin(b);
+                            if refs[b as usize] == 0 {
+                                lru.retain(|&c| c != b);
+                            }
+                            refs[b as usize] += 1;
+                            held.push(b);
+                        }
+                    }
+                    5 => {
+                        let b = rnd(size as u64) as u32;
+                        let h = hash_of.get(&b).copied();
+                        assert_eq!(p.unregister_block(b), h);
+                        if h.is_some() {
+                            lru.retain(|&c| c != b);
+                            forget(b, &mut chains, &mut hash_of);
+                        }
+                    }
+                    6 if rnd(40) == 0 => {
+                        assert_eq!(p.clear(), chains.len());
+                        lru.clear();
+                        chains.clear();
+                        hash_of.clear();
+                    }
+                    _ => {}
+                }
+                p.check().unwrap();
+                assert_eq!(p.lru_order(), lru.iter().copied().collect::<Vec<_>>());
+                assert_eq!(p.num_registered(), chains.len());
+                assert_eq!(p.num_registered_blocks(), hash_of.len());
+                for (h, c) in &chains {
+                    assert_eq!(p.lookup(*h), Some(c[0]));
                 }
             }
         }

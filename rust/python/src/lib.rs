@@ -8,6 +8,7 @@
 mod apply_stats;
 mod convert;
 mod copy;
+mod device_manager;
 mod errors;
 mod events;
 mod hash;
@@ -32,6 +33,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(events::encode_event_batch, m)?)?;
     m.add_class::<copy::BlockRegion>()?;
     m.add_function(wrap_pyfunction!(copy::copy_blocks, m)?)?;
+    device_manager::register(m)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())
 }

@@ -1,0 +1,1090 @@
+//! The allocator of an engine's device KV blocks (vLLM's `KVCacheManager`, one full-attention
+//! KV cache group), keyed by the engine's own block hashes.
+//!
+//! Every block id the engine's workers write into comes from here. Block 0 is the null block
+//! (held for ever, never handed out). The rules are vLLM's, so that a scheduler driving this
+//! allocator schedules exactly what it schedules over vLLM's manager:
+//!
+//! - a request's blocks are a table that only grows while it runs (the workers' block tables
+//!   are append-only); [`DeviceAllocator::allocate`] tops it up to `computed + new + lookahead`
+//!   tokens, or says "does not fit" and changes nothing;
+//! - a block is registered (immutable, prefix-cacheable) once every position in it holds a
+//!   verified token, under the engine's hash of that block (`request.block_hashes[i]`). Several
+//!   blocks may hold the same hash (two requests filled the same prefix): they are all
+//!   registered, hits find the oldest, and each is evicted on its own (see
+//!   [`BlockPool::with_duplicates`]);
+//! - a finished request gives its blocks back tail first: unregistered ones become free,
+//!   registered ones cached, least recently freed evicted first, and only once no free block is
+//!   left;
+//! - speculative lookahead: with a dynamic speculative-decoding schedule the lookahead can be
+//!   reserved at allocation and materialised at the end of the step for the K of that step
+//!   ([`DeviceAllocator::materialize_lookahead`]), so a step never fails to place a draft token
+//!   and never holds slots for drafts it does not make.
+//!
+//! Registry keys are the low 64 bits of the engine's hash read big-endian (vLLM's external
+//! form, the key of its KV events and of the kvslots host tier); the full hash (up to 32 bytes)
+//! is kept per block and compared on every hit, so a 64-bit collision is a miss, never a
+//! wrong hit (the older holder of a colliding key is evicted when the newer one registers).
+//!
+//! Every operation validates its input and returns a typed error before changing anything.
+
+use std::ops::Range;
+
+use rustc_hash::FxHashMap;
+
+use crate::error::{Result, SlotError};
+use crate::pool::{BlockId, BlockPool};
+
+/// The null block: a placeholder id that is never allocated.
+pub const NULL_BLOCK: BlockId = 0;
+
+/// An engine block hash (vLLM's `BlockHash`, e.g. 32 bytes of SHA-256), stored inline.
+#[derive(Clone, Copy, PartialEq, Eq, Hash)]
+pub struct FullHash {
+    bytes: [u8; FullHash::MAX_LEN],
+    len: u8,
+}
+
+impl std::fmt::Debug for FullHash {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "FullHash(")?;
+        for b in self.as_bytes() {
+            write!(f, "{b:02x}")?;
+        }
+        write!(f, ")")
+    }
+}
+
+impl FullHash {
+    pub const MAX_LEN: usize = 32;
+    const EMPTY: FullHash = FullHash {
+        bytes: [0; FullHash::MAX_LEN],
+        len: 0,
+    };
+
+    /// A hash of 1 to 32 bytes; `None` otherwise.
+    pub fn from_bytes(b: &[u8]) -> Option<Self> {
+        if b.is_empty() || b.len() > Self::MAX_LEN {
+            return None;
+        }
+        let mut bytes = [0; Self::MAX_LEN];
+        bytes[..b.len()].copy_from_slice(b);
+        Some(FullHash {
+            bytes,
+            len: b.len() as u8,
+        })
+    }
+
+    /// An integer hash, as its 8 bytes big-endian.
+    pub fn from_u64(v: u64) -> Self {
+        Self::from_bytes(&v.to_be_bytes()).expect("8 bytes")
+    }
+
+    pub fn as_bytes(&self) -> &[u8] {
+        &self.bytes[..self.len as usize]
+    }
+
+    /// The registry key: the low 64 bits of the hash read big-endian (vLLM's
+    /// `maybe_convert_block_hash` with integer block hashes).
+    #[inline]
+    pub fn key(&self) -> u64 {
+        let b = self.as_bytes();
+        let tail = &b[b.len().saturating_sub(8)..];
+        tail.iter().fold(0u64, |acc, &x| (acc << 8) | x as u64)
+    }
+}
+
+/// A request's block hashes (vLLM's `request.block_hashes`), read by index. Reading may fail
+/// (a malformed element); the allocator reads everything it needs before it changes anything.
+pub trait HashSource {
+    fn len(&self) -> usize;
+    fn get(&self, i: usize) -> Result<FullHash>;
+    fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+impl HashSource for [FullHash] {
+    fn len(&self) -> usize {
+        <[FullHash]>::len(self)
+    }
+    fn get(&self, i: usize) -> Result<FullHash> {
+        self.as_ref()
+            .get(i)
+            .copied()
+            .ok_or_else(|| SlotError::invalid(None, format!("block hash {i} is missing")))
+    }
+}
+
+impl HashSource for Vec<FullHash> {
+    fn len(&self) -> usize {
+        self.as_slice().len()
+    }
+    fn get(&self, i: usize) -> Result<FullHash> {
+        HashSource::get(self.as_slice(), i)
+    }
+}
+
+#[derive(Debug, Clone)]
+pub struct DeviceConfig {
+    /// Blocks in the pool, the null block included (vLLM's `num_gpu_blocks`).
+    pub num_blocks: usize,
+    pub block_size: usize,
+    pub enable_caching: bool,
+    /// Keep the hashes of evicted blocks for BlockRemoved events ([`DeviceAllocator::drain_evicted`]).
+    pub record_evictions: bool,
+    /// Keep the ids of newly allocated blocks for the workers to zero
+    /// ([`DeviceAllocator::take_new_block_ids`]).
+    pub record_new_blocks: bool,
+    /// A hit on a hash several blocks hold takes one a request already holds, when there is
+    /// one, rather than the oldest (vLLM's choice, which may pin a cached block and cost a free
+    /// one). Off: exactly vLLM's choice.
+    pub prefer_held_duplicates: bool,
+}
+
+/// One `allocate_slots` call, in vLLM's terms.
+#[derive(Debug, Clone, Default)]
+pub struct AllocArgs {
+    /// `request.num_computed_tokens`.
+    pub num_computed_tokens: usize,
+    /// `request.num_tokens` (verified tokens: prompt and output, no drafts).
+    pub num_tokens: usize,
+    /// Tokens to compute this step (drafts included).
+    pub num_new_tokens: usize,
+    /// Local prefix-hit blocks (the first blocks of the request's hashes), new this call.
+    pub num_hit_blocks: usize,
+    /// Tokens the KV connector loads after the local hit.
+    pub num_external_tokens: usize,
+    pub num_lookahead_tokens: usize,
+    /// Reserve the lookahead blocks instead of allocating them; see
+    /// [`DeviceAllocator::materialize_lookahead`].
+    pub defer_lookahead: bool,
+    /// The request is being admitted (waiting or preempted, not running): its fit check counts
+    /// the lookahead deferred requests did not take as held, as vLLM would hold it, so that
+    /// holding fewer blocks never admits more requests than vLLM (which would preempt more).
+    pub admission: bool,
+    pub max_model_len: usize,
+    /// Blocks to leave free for others (vLLM's `reserved_blocks`).
+    pub reserved_blocks: usize,
+    /// Headroom to keep (vLLM's watermark, for waiting and preempted requests).
+    pub watermark_blocks: usize,
+    /// `Some(min(num_tokens, max_model_len))`: only allocate if the whole sequence fits.
+    pub full_sequence_tokens: Option<usize>,
+    /// Do not register blocks yet (an asynchronous KV load fills them later).
+    pub delay_cache_blocks: bool,
+    /// Tokens at the end that may still be re-prefilled (multi-module MTP), never registered.
+    pub num_reprefillable_tokens: usize,
+    /// Whether the blocks for external tokens are recorded for zeroing.
+    pub zero_external_blocks: bool,
+}
+
+/// What an allocation did: the table positions it added, the blocks it registered and how many
+/// cached blocks it evicted (their hashes wait in [`DeviceAllocator::drain_evicted`]).
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct Allocated {
+    /// Positions in the request's table allocated by `allocate_new_blocks` (vLLM's return value).
+    pub new_blocks: Range<usize>,
+    /// Positions newly registered (their hashes are `request.block_hashes[commit]`).
+    pub commit: Range<usize>,
+    pub evicted: usize,
+}
+
+#[derive(Debug, Default)]
+struct Req {
+    blocks: Vec<BlockId>,
+    /// Blocks at the front that are registered or were hits (vLLM's `num_cached_block`).
+    num_cached: usize,
+    /// vLLM tracks `num_cached_block` for this request (it had hits, external tokens or a commit).
+    tracked: bool,
+    /// Lookahead blocks reserved this step, not yet materialised.
+    reserved: usize,
+    /// The table length vLLM's manager would have (it allocates the largest lookahead every
+    /// step and never shrinks a table); `shadow - blocks.len()` is this request's debt.
+    shadow: usize,
+}
+
+/// Counters since construction.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct DeviceStats {
+    pub allocated_blocks: u64,
+    pub registered_blocks: u64,
+    pub evicted_blocks: u64,
+    pub hit_blocks: u64,
+    pub freed_requests: u64,
+}
+
+#[derive(Debug)]
+pub struct DeviceAllocator {
+    pool: BlockPool,
+    block_size: usize,
+    enable_caching: bool,
+    record_evictions: bool,
+    record_new_blocks: bool,
+    prefer_held: bool,
+    /// The full hash each registered block holds (stale otherwise). Zero pages until used.
+    full: Vec<FullHash>,
+    reqs: FxHashMap<Box<str>, u32>,
+    slots: Vec<Req>,
+    free_slots: Vec<u32>,
+    /// Lookahead blocks reserved by requests this step.
+    step_reserved: usize,
+    /// Blocks vLLM would hold and this allocator does not (deferred lookahead for a smaller K):
+    /// the sum of the requests' `shadow - blocks.len()`. Admissions count them as held.
+    debt: usize,
+    /// Holds handed out by [`DeviceAllocator::pop_blocks`] and not released yet.
+    parked: FxHashMap<BlockId, u32>,
+    evicted: Vec<FullHash>,
+    new_block_ids: Vec<BlockId>,
+    stats: DeviceStats,
+    // Scratch.
+    scratch_ids: Vec<BlockId>,
+    scratch_hashes: Vec<FullHash>,
+    scratch_keys: Vec<u64>,
+}
+
+fn cdiv(a: usize, b: usize) -> usize {
+    a.div_ceil(b)
+}
+
+impl DeviceAllocator {
+    pub fn new(cfg: DeviceConfig) -> Result<Self> {
+        if cfg.num_blocks == 0 || cfg.num_blocks >= BlockPool::MAX_BLOCKS {
+            return Err(SlotError::invalid(
+                None,
+                format!(
+                    "num_blocks must be in [1, {}) (block 0 is the null block), got {}",
+                    BlockPool::MAX_BLOCKS,
+                    cfg.num_blocks
+                ),
+            ));
+        }
+        if cfg.block_size == 0 || cfg.block_size > u32::MAX as usize {
+            return Err(SlotError::invalid(
+                None,
+                format!("block_size must be positive, got {}", cfg.block_size),
+            ));
+        }
+        let mut pool = BlockPool::with_duplicates(cfg.num_blocks);
+        let (mut out, mut ev) = (Vec::with_capacity(1), Vec::new());
+        pool.allocate(1, &mut out, &mut ev);
+        debug_assert_eq!(out, vec![NULL_BLOCK]);
+        Ok(DeviceAllocator {
+            pool,
+            block_size: cfg.block_size,
+            enable_caching: cfg.enable_caching,
+            record_evictions: cfg.record_evictions,
+            record_new_blocks: cfg.record_new_blocks,
+            prefer_held: cfg.prefer_held_duplicates,
+            full: vec![FullHash::EMPTY; cfg.num_blocks],
+            reqs: FxHashMap::default(),
+            slots: Vec::new(),
+            free_slots: Vec::new(),
+            step_reserved: 0,
+            debt: 0,
+            parked: FxHashMap::default(),
+            evicted: Vec::new(),
+            new_block_ids: Vec::new(),
+            stats: DeviceStats::default(),
+            scratch_ids: Vec::new(),
+            scratch_hashes: Vec::new(),
+            scratch_keys: Vec::new(),
+        })
+    }
+
+    // ---- queries ----
+
+    pub fn num_blocks(&self) -> usize {
+        self.pool.num_blocks()
+    }
+    pub fn block_size(&self) -> usize {
+        self.block_size
+    }
+    pub fn enable_caching(&self) -> bool {
+        self.enable_caching
+    }
+    /// Blocks an allocation may take: free plus cached (vLLM's `get_num_free_blocks`).
+    pub fn num_free_blocks(&self) -> usize {
+        self.pool.available()
+    }
+    /// Free blocks never registered, or unregistered.
+    pub fn num_uncached_free_blocks(&self) -> usize {
+        self.pool.num_free()
+    }
+    /// Registered blocks nobody holds (evictable).
+    pub fn num_cached_blocks(&self) -> usize {
+        self.pool.num_cached()
+    }
+    /// Blocks held by requests, the null block included.
+    pub fn num_held_blocks(&self) -> usize {
+        self.pool.num_held()
+    }
+    /// Lookahead blocks reserved this step and not materialised.
+    pub fn num_reserved_blocks(&self) -> usize {
+        self.step_reserved
+    }
+    /// Blocks vLLM's manager would hold on top of these (deferred lookahead for a smaller K).
+    pub fn num_debt_blocks(&self) -> usize {
+        self.debt
+    }
+    /// vLLM's `get_usage`: the used share of the pool, the null block left out.
+    pub fn usage(&self) -> f64 {
+        let total = self.num_blocks() - 1;
+        if total == 0 {
+            return 0.0;
+        }
+        1.0 - self.num_free_blocks() as f64 / total as f64
+    }
+    pub fn num_requests(&self) -> usize {
+        self.reqs.len()
+    }
+    pub fn contains(&self, request: &str) -> bool {
+        self.reqs.contains_key(request)
+    }
+    pub fn request_ids(&self) -> impl Iterator<Item = &str> + '_ {
+        self.reqs.keys().map(|k| &**k)
+    }
+    pub fn stats(&self) -> DeviceStats {
+        self.stats
+    }
+    pub fn pool(&self) -> &BlockPool {
+        &self.pool
+    }
+    /// The request's block table (empty when it holds none).
+    pub fn blocks(&self, request: &str) -> &[BlockId] {
+        match self.reqs.get(request) {
+            Some(&s) => &self.slots[s as usize].blocks,
+            None => &[],
+        }
+    }
+    /// vLLM's `num_cached_block[request]` (0 when untracked).
+    pub fn num_cached_in(&self, request: &str) -> usize {
+        self.reqs
+            .get(request)
+            .map_or(0, |&s| self.slots[s as usize].num_cached)
+    }
+    /// The full hash a block is registered under.
+    pub fn registered_hash(&self, block: BlockId) -> Option<FullHash> {
+        if block as usize >= self.num_blocks() {
+            return None;
+        }
+        self.pool
+            .is_registered(block)
+            .then(|| self.full[block as usize])
+    }
+    pub fn refcount(&self, block: BlockId) -> Option<u32> {
+        ((block as usize) < self.num_blocks()).then(|| self.pool.refcount(block))
+    }
+
+    /// The block registered under `h` that a hit would take.
+    #[inline]
+    fn find(&self, h: &FullHash) -> Option<BlockId> {
+        let first = self.pool.lookup(h.key())?;
+        if self.full[first as usize] != *h {
+            return None;
+        }
+        if self.prefer_held && self.pool.refcount(first) == 0 {
+            let mut b = first;
+            while let Some(next) = self.pool.next_duplicate(b) {
+                if self.pool.refcount(next) > 0 {
+                    return Some(next);
+                }
+                b = next;
+            }
+        }
+        Some(first)
+    }
+
+    /// The longest run of registered blocks from the start of `hashes`, at most `max_blocks`
+    /// (vLLM's `find_longest_cache_hit` for one full-attention group, before any EAGLE drop).
+    pub fn find_prefix<H: HashSource + ?Sized>(
+        &self,
+        hashes: &H,
+        max_blocks: usize,
+    ) -> Result<usize> {
+        if !self.enable_caching {
+            return Ok(0);
+        }
+        let n = max_blocks.min(hashes.len());
+        for i in 0..n {
+            let h = hashes.get(i)?;
+            if self.find(&h).is_none() {
+                return Ok(i);
+            }
+        }
+        Ok(n)
+    }
+
+    /// The ids of the first `n` blocks of a prefix hit (see [`DeviceAllocator::find_prefix`]).
+    pub fn prefix_block_ids<H: HashSource + ?Sized>(
+        &self,
+        hashes: &H,
+        n: usize,
+        out: &mut Vec<BlockId>,
+    ) -> Result<()> {
+        if n > hashes.len() {
+            return Err(SlotError::invalid(
+                None,
+                format!(
+                    "{n} hit blocks asked, the request has {} hashes",
+                    hashes.len()
+                ),
+            ));
+        }
+        let start = out.len();
+        for i in 0..n {
+            let h = hashes.get(i)?;
+            match self.find(&h) {
+                Some(b) => out.push(b),
+                None => {
+                    out.truncate(start);
+                    return Err(SlotError::invalid(
+                        None,
+                        format!("prefix block {i} is no longer cached"),
+                    ));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Blocks the request still needs to hold `num_tokens` tokens (vLLM's
+    /// `coordinator.get_num_blocks_to_allocate` with no new hits).
+    pub fn num_blocks_to_allocate(&self, request: &str, num_tokens: usize) -> usize {
+        let held = self.blocks(request).len();
+        cdiv(num_tokens, self.block_size).saturating_sub(held)
+    }
+
+    /// vLLM's `estimate_cached_tokens`: tokens covered by the request's last registered block.
+    pub fn estimate_cached_tokens(&self, request: &str) -> usize {
+        let blocks = self.blocks(request);
+        blocks
+            .iter()
+            .rposition(|&b| b != NULL_BLOCK && self.pool.is_registered(b))
+            .map_or(0, |i| (i + 1) * self.block_size)
+    }
+
+    // ---- allocation ----
+
+    fn slot_of(&self, request: &str) -> Option<usize> {
+        self.reqs.get(request).map(|&s| s as usize)
+    }
+
+    fn slot_or_insert(&mut self, request: &str) -> usize {
+        if let Some(s) = self.slot_of(request) {
+            return s;
+        }
+        let s = match self.free_slots.pop() {
+            Some(s) => s as usize,
+            None => {
+                self.slots.push(Req::default());
+                self.slots.len() - 1
+            }
+        };
+        self.reqs.insert(request.into(), s as u32);
+        s
+    }
+
+    /// Takes `n` blocks for the request (the caller checked they are available), recording
+    /// evictions and, when asked, the new ids for zeroing.
+    fn take_blocks(&mut self, slot: usize, n: usize, zero: bool) -> Range<usize> {
+        let start = self.slots[slot].blocks.len();
+        if n == 0 {
+            return start..start;
+        }
+        self.scratch_keys.clear();
+        let mut blocks = std::mem::take(&mut self.slots[slot].blocks);
+        self.pool.allocate(n, &mut blocks, &mut self.scratch_keys);
+        let k = self.scratch_keys.len();
+        if k > 0 {
+            self.stats.evicted_blocks += k as u64;
+            if self.record_evictions {
+                // The victims are the last `k` blocks taken, in eviction order.
+                for &v in &blocks[blocks.len() - k..] {
+                    self.evicted.push(self.full[v as usize]);
+                }
+            }
+        }
+        if zero && self.record_new_blocks {
+            self.new_block_ids.extend_from_slice(&blocks[start..]);
+        }
+        self.stats.allocated_blocks += n as u64;
+        self.slots[slot].blocks = blocks;
+        start..start + n
+    }
+
+    /// vLLM's `allocate_slots`. `Ok(None)`: it does not fit, nothing changed.
+    ///
+    /// `hashes` is the request's block hashes: the first `num_hit_blocks` name the prefix hit,
+    /// and the ones of the blocks this call registers are read too.
+    pub fn allocate<H: HashSource + ?Sized>(
+        &mut self,
+        request: &str,
+        a: &AllocArgs,
+        hashes: &H,
+    ) -> Result<Option<Allocated>> {
+        let bs = self.block_size;
+        let rid = Some(request);
+        if a.num_new_tokens == 0 && a.num_external_tokens == 0 && a.num_hit_blocks == 0 {
+            return Err(SlotError::invalid(
+                rid,
+                "num_new_tokens must be greater than 0 when there are no computed tokens to adopt",
+            ));
+        }
+        if a.num_hit_blocks > 0 && !self.enable_caching {
+            return Err(SlotError::invalid(
+                rid,
+                "prefix-hit blocks given while prefix caching is disabled",
+            ));
+        }
+        let slot = self.slot_of(request);
+        let (held, tracked) = slot.map_or((0, false), |s| {
+            (self.slots[s].blocks.len(), self.slots[s].tracked)
+        });
+        let adopt = a.num_hit_blocks > 0 || a.num_external_tokens > 0;
+        if adopt && tracked && a.num_hit_blocks > 0 {
+            return Err(SlotError::invalid(
+                rid,
+                format!(
+                    "{} new prefix-hit blocks for a request that already holds {held} blocks",
+                    a.num_hit_blocks
+                ),
+            ));
+        }
+        if adopt && !tracked && held > 0 {
+            return Err(SlotError::invalid(
+                rid,
+                format!("computed blocks to adopt for a request that already holds {held} blocks"),
+            ));
+        }
+        // Resolve the hit (read-only).
+        let mut hits = std::mem::take(&mut self.scratch_ids);
+        hits.clear();
+        if a.num_hit_blocks > 0 {
+            if let Err(e) = self.prefix_block_ids(hashes, a.num_hit_blocks, &mut hits) {
+                self.scratch_ids = hits;
+                return Err(match e {
+                    SlotError::InvalidArgument { message, .. } => SlotError::invalid(rid, message),
+                    e => e,
+                });
+            }
+        }
+        let evictable = hits.iter().filter(|&&b| self.pool.refcount(b) == 0).count();
+        let to_allocate = |num_tokens: usize| -> usize {
+            let required = cdiv(num_tokens, bs);
+            if tracked {
+                required.saturating_sub(held)
+            } else {
+                required.saturating_sub(hits.len() + held) + evictable
+            }
+        };
+        let num_local = a.num_computed_tokens + a.num_hit_blocks * bs;
+        let total_computed = (num_local + a.num_external_tokens).min(a.max_model_len);
+        let held_back = if a.admission {
+            self.debt.max(self.step_reserved)
+        } else {
+            self.step_reserved
+        };
+        let free = self.pool.available().saturating_sub(held_back);
+        if let Some(full_tokens) = a.full_sequence_tokens {
+            if to_allocate(full_tokens) + a.watermark_blocks > free {
+                self.scratch_ids = hits;
+                return Ok(None);
+            }
+        }
+        let main_tokens = total_computed + a.num_new_tokens;
+        let need_slot = (main_tokens + a.num_lookahead_tokens).min(a.max_model_len);
+        let n = to_allocate(need_slot);
+        if n + a.watermark_blocks + a.reserved_blocks > free {
+            self.scratch_ids = hits;
+            return Ok(None);
+        }
+        // What this call registers, read before anything changes.
+        let commit_end = if a.delay_cache_blocks || !self.enable_caching {
+            None
+        } else {
+            let to_cache = (total_computed + a.num_new_tokens).min(a.num_tokens);
+            Some(to_cache.saturating_sub(a.num_reprefillable_tokens) / bs)
+        };
+        let commit_start = if adopt && !tracked {
+            hits.len()
+        } else {
+            slot.map_or(0, |s| self.slots[s].num_cached)
+        };
+        let mut commit_hashes = std::mem::take(&mut self.scratch_hashes);
+        commit_hashes.clear();
+        if let Some(end) = commit_end {
+            for i in commit_start..end {
+                match hashes.get(i) {
+                    Ok(h) => commit_hashes.push(h),
+                    Err(e) => {
+                        self.scratch_ids = hits;
+                        self.scratch_hashes = commit_hashes;
+                        return Err(match e {
+                            SlotError::InvalidArgument { message, .. } => {
+                                SlotError::invalid(rid, message)
+                            }
+                            e => e,
+                        });
+                    }
+                }
+            }
+        }
+        // Blocks this call takes, by construction at most `n`: a hard check all the same, so
+        // a wrong argument can never reach the pool.
+        let ext_blocks = if adopt && !tracked && a.num_external_tokens > 0 {
+            cdiv(num_local + a.num_external_tokens, bs).saturating_sub(hits.len())
+        } else {
+            0
+        };
+        let table_after_adopt = held + hits.len() + ext_blocks;
+        let main_target = if a.defer_lookahead {
+            main_tokens.min(a.max_model_len)
+        } else {
+            need_slot
+        };
+        let new_blocks = cdiv(main_target, bs).saturating_sub(table_after_adopt);
+        if ext_blocks + new_blocks + evictable > self.pool.available() {
+            self.scratch_ids = hits;
+            self.scratch_hashes = commit_hashes;
+            return Err(SlotError::OutOfBlocks {
+                request: request.to_owned(),
+                needed: (ext_blocks + new_blocks + evictable) as u64,
+                available: self.pool.available() as u64,
+                total: self.num_blocks() as u64,
+            });
+        }
+        if let Some(end) = commit_end {
+            let table = table_after_adopt + new_blocks;
+            if end > table {
+                self.scratch_ids = hits;
+                self.scratch_hashes = commit_hashes;
+                return Err(SlotError::invalid(
+                    rid,
+                    format!("{end} blocks to register, the request holds {table}"),
+                ));
+            }
+        }
+
+        // ---- from here on nothing fails ----
+        let evicted_before = self.stats.evicted_blocks;
+        let s = self.slot_or_insert(request);
+        if adopt && !tracked {
+            for &b in &hits {
+                self.pool.pin(b);
+            }
+            self.stats.hit_blocks += hits.len() as u64;
+            self.slots[s].blocks.extend_from_slice(&hits);
+            self.slots[s].num_cached = hits.len();
+            self.slots[s].tracked = true;
+            self.take_blocks(s, ext_blocks, a.zero_external_blocks);
+        }
+        self.scratch_ids = hits;
+        let new_range = self.take_blocks(s, new_blocks, true);
+        {
+            let len = self.slots[s].blocks.len();
+            let r = &mut self.slots[s];
+            let before = r.shadow.saturating_sub(held);
+            r.shadow = r.shadow.max(len);
+            if a.defer_lookahead {
+                r.shadow = r.shadow.max(cdiv(need_slot, bs));
+                let res = cdiv(need_slot, bs).saturating_sub(len);
+                self.step_reserved = self.step_reserved - r.reserved + res;
+                r.reserved = res;
+            }
+            self.debt = self.debt - before + (r.shadow - len);
+        }
+        let commit = match commit_end {
+            Some(end) => self.register(s, end, &commit_hashes),
+            None => 0..0,
+        };
+        self.scratch_hashes = commit_hashes;
+        Ok(Some(Allocated {
+            new_blocks: new_range,
+            commit,
+            evicted: (self.stats.evicted_blocks - evicted_before) as usize,
+        }))
+    }
+
+    /// Registers the request's blocks `num_cached..end` under `hashes` (one per block).
+    fn register(&mut self, s: usize, end: usize, hashes: &[FullHash]) -> Range<usize> {
+        let start = self.slots[s].num_cached;
+        if start >= end {
+            return start..start;
+        }
+        debug_assert_eq!(hashes.len(), end - start);
+        for h in hashes {
+            self.pool.prefetch(h.key());
+        }
+        for (i, h) in (start..end).zip(hashes) {
+            let b = self.slots[s].blocks[i];
+            if b == NULL_BLOCK || self.pool.is_registered(b) {
+                continue;
+            }
+            let key = h.key();
+            if let Some(first) = self.pool.lookup(key) {
+                if self.full[first as usize] != *h {
+                    // A 64-bit key collision between different hashes: the older holders
+                    // leave the registry (BlockRemoved), so no hit can ever find the wrong one.
+                    while let Some(old) = self.pool.lookup(key) {
+                        let fh = self.full[old as usize];
+                        self.pool.unregister_block(old);
+                        self.stats.evicted_blocks += 1;
+                        if self.record_evictions {
+                            self.evicted.push(fh);
+                        }
+                    }
+                }
+            }
+            self.full[b as usize] = *h;
+            self.pool.register_or_chain(b, key);
+            self.stats.registered_blocks += 1;
+        }
+        self.slots[s].num_cached = end;
+        self.slots[s].tracked = true;
+        start..end
+    }
+
+    /// vLLM's `cache_blocks(request, num_tokens)`: registers the request's blocks up to
+    /// `num_tokens` tokens (less the re-prefillable tail). Returns the positions registered.
+    pub fn cache<H: HashSource + ?Sized>(
+        &mut self,
+        request: &str,
+        num_tokens: usize,
+        num_reprefillable_tokens: usize,
+        hashes: &H,
+    ) -> Result<Range<usize>> {
+        let Some(s) = self.slot_of(request) else {
+            return Ok(0..0);
+        };
+        if !self.enable_caching {
+            return Ok(0..0);
+        }
+        let end = num_tokens.saturating_sub(num_reprefillable_tokens) / self.block_size;
+        let start = self.slots[s].num_cached;
+        if start >= end {
+            return Ok(start..start);
+        }
+        if end > self.slots[s].blocks.len() {
+            return Err(SlotError::invalid(
+                Some(request),
+                format!(
+                    "{end} blocks to register, the request holds {}",
+                    self.slots[s].blocks.len()
+                ),
+            ));
+        }
+        let mut hs = std::mem::take(&mut self.scratch_hashes);
+        hs.clear();
+        for i in start..end {
+            match hashes.get(i) {
+                Ok(h) => hs.push(h),
+                Err(e) => {
+                    self.scratch_hashes = hs;
+                    return Err(e);
+                }
+            }
+        }
+        let r = self.register(s, end, &hs);
+        self.scratch_hashes = hs;
+        Ok(r)
+    }
+
+    /// Allocates the lookahead a deferred allocation reserved, up to `num_tokens` slots in all
+    /// (at most what it reserved), and gives back the rest of its reservation. Returns the
+    /// positions added to the request's table.
+    pub fn materialize_lookahead(
+        &mut self,
+        request: &str,
+        num_tokens: usize,
+    ) -> Result<Range<usize>> {
+        let Some(s) = self.slot_of(request) else {
+            return Err(SlotError::UnknownRequest {
+                request: request.to_owned(),
+            });
+        };
+        let held = self.slots[s].blocks.len();
+        let reserved = self.slots[s].reserved;
+        let n = cdiv(num_tokens, self.block_size).saturating_sub(held);
+        if n > reserved {
+            return Err(SlotError::CapacityExceeded {
+                request: request.to_owned(),
+                what: "lookahead blocks beyond the reservation",
+                requested: n as u64,
+                limit: reserved as u64,
+            });
+        }
+        if n > self.pool.available() {
+            return Err(SlotError::OutOfBlocks {
+                request: request.to_owned(),
+                needed: n as u64,
+                available: self.pool.available() as u64,
+                total: self.num_blocks() as u64,
+            });
+        }
+        self.step_reserved -= reserved;
+        self.slots[s].reserved = 0;
+        // Reserved blocks were kept out of every fit check since: they are there.
+        let r = self.take_blocks(s, n, true);
+        let slot = &mut self.slots[s];
+        let debt_before = slot.shadow.saturating_sub(held);
+        slot.shadow = slot.shadow.max(slot.blocks.len());
+        self.debt = self.debt - debt_before + (slot.shadow - slot.blocks.len());
+        Ok(r)
+    }
+
+    /// Gives back every reservation not materialised (the end of a step).
+    pub fn release_reservations(&mut self) {
+        if self.step_reserved == 0 {
+            return;
+        }
+        for r in &mut self.slots {
+            r.reserved = 0;
+        }
+        self.step_reserved = 0;
+    }
+
+    // ---- release ----
+
+    fn remove_slot(&mut self, request: &str) -> Option<usize> {
+        let s = self.reqs.remove(request)? as usize;
+        self.free_slots.push(s as u32);
+        let r = &mut self.slots[s];
+        self.step_reserved -= r.reserved;
+        self.debt -= r.shadow.saturating_sub(r.blocks.len());
+        r.reserved = 0;
+        r.shadow = 0;
+        r.num_cached = 0;
+        r.tracked = false;
+        Some(s)
+    }
+
+    /// vLLM's `free`: the request's blocks go back tail first (so its tail is evicted first).
+    /// Returns whether the request held a table.
+    pub fn free(&mut self, request: &str) -> bool {
+        let Some(s) = self.remove_slot(request) else {
+            return false;
+        };
+        let mut blocks = std::mem::take(&mut self.slots[s].blocks);
+        for &b in blocks.iter().rev() {
+            if b != NULL_BLOCK {
+                self.pool.unpin(b);
+            }
+        }
+        blocks.clear();
+        self.slots[s].blocks = blocks;
+        self.stats.freed_requests += 1;
+        true
+    }
+
+    /// vLLM's `pop_blocks_for_free`: forgets the request and hands its blocks (in table order)
+    /// to the caller, still held; give them back with [`DeviceAllocator::release`].
+    pub fn pop_blocks(&mut self, request: &str, out: &mut Vec<BlockId>) -> bool {
+        let Some(s) = self.remove_slot(request) else {
+            return false;
+        };
+        for &b in &self.slots[s].blocks {
+            *self.parked.entry(b).or_default() += 1;
+        }
+        out.append(&mut self.slots[s].blocks);
+        self.stats.freed_requests += 1;
+        true
+    }
+
+    /// Blocks popped and not released yet (holds counted once each).
+    pub fn num_parked_holds(&self) -> usize {
+        self.parked.values().map(|&k| k as usize).sum()
+    }
+
+    /// Releases holds handed out by [`DeviceAllocator::pop_blocks`], in the order given (the
+    /// first is evicted first; the null block is skipped). Every block must have been popped
+    /// as many times as it is released; nothing changes otherwise.
+    pub fn release(&mut self, blocks: &[BlockId]) -> Result<()> {
+        let mut need: FxHashMap<BlockId, u32> = FxHashMap::default();
+        for &b in blocks {
+            if b as usize >= self.num_blocks() {
+                return Err(SlotError::invalid(
+                    None,
+                    format!("block {b} is out of range (pool of {})", self.num_blocks()),
+                ));
+            }
+            if b != NULL_BLOCK {
+                *need.entry(b).or_default() += 1;
+            }
+        }
+        for (&b, &k) in &need {
+            let popped = self.parked.get(&b).copied().unwrap_or(0);
+            if popped < k {
+                return Err(SlotError::invalid(
+                    None,
+                    format!("block {b} released {k} time(s), popped {popped} time(s)"),
+                ));
+            }
+        }
+        for &b in blocks {
+            if b != NULL_BLOCK {
+                let k = self.parked.get_mut(&b).expect("validated");
+                *k -= 1;
+                if *k == 0 {
+                    self.parked.remove(&b);
+                }
+                self.pool.unpin(b);
+            }
+        }
+        Ok(())
+    }
+
+    /// vLLM's `evict_blocks`: takes these blocks out of the prefix registry (held ones stay
+    /// held). Returns how many were registered.
+    pub fn evict_blocks(&mut self, blocks: &[BlockId]) -> Result<usize> {
+        if let Some(&b) = blocks.iter().find(|&&b| b as usize >= self.num_blocks()) {
+            return Err(SlotError::invalid(
+                None,
+                format!("block {b} is out of range (pool of {})", self.num_blocks()),
+            ));
+        }
+        let mut n = 0;
+        for &b in blocks {
+            if b == NULL_BLOCK {
+                continue;
+            }
+            let fh = self.full[b as usize];
+            if self.pool.unregister_block(b).is_some() {
+                n += 1;
+                self.stats.evicted_blocks += 1;
+                if self.record_evictions {
+                    self.evicted.push(fh);
+                }
+            }
+        }
+        Ok(n)
+    }
+
+    /// vLLM's `reset_prefix_cache`: only when no request holds a block (the null block aside);
+    /// then every registration goes. Returns whether it did.
+    pub fn reset_prefix_cache(&mut self) -> bool {
+        if self.pool.num_held() != 1 {
+            return false;
+        }
+        self.pool.clear();
+        true
+    }
+
+    /// Hashes of the blocks evicted since the last call, in eviction order.
+    pub fn drain_evicted(&mut self, out: &mut Vec<FullHash>) {
+        out.append(&mut self.evicted);
+    }
+    pub fn num_evicted_pending(&self) -> usize {
+        self.evicted.len()
+    }
+
+    pub fn take_new_block_ids(&mut self, out: &mut Vec<BlockId>) {
+        out.append(&mut self.new_block_ids);
+    }
+    /// Records the request's blocks from table position `start` for zeroing again.
+    pub fn record_for_zeroing(&mut self, request: &str, start: usize) {
+        if !self.record_new_blocks {
+            return;
+        }
+        if let Some(s) = self.slot_of(request) {
+            let blocks = &self.slots[s].blocks;
+            let from = start.min(blocks.len());
+            self.new_block_ids.extend_from_slice(&blocks[from..]);
+        }
+    }
+
+    /// Full consistency check (tests): the pool's own invariants, every holder accounted for,
+    /// every registered block under the key of its full hash, and free + cached + held == pool.
+    pub fn check(&self) -> std::result::Result<(), String> {
+        self.pool.check()?;
+        let n = self.num_blocks();
+        let mut holders = vec![0u32; n];
+        holders[NULL_BLOCK as usize] = 1;
+        for (&b, &k) in &self.parked {
+            if b as usize >= n || b == NULL_BLOCK || k == 0 {
+                return Err(format!("parked hold on block {b} ({k})"));
+            }
+            holders[b as usize] += k;
+        }
+        let mut reserved = 0;
+        for (rid, &s) in &self.reqs {
+            let r = &self.slots[s as usize];
+            reserved += r.reserved;
+            if r.num_cached > r.blocks.len() {
+                return Err(format!(
+                    "request {rid:?}: {} cached blocks of {}",
+                    r.num_cached,
+                    r.blocks.len()
+                ));
+            }
+            let mut seen = rustc_hash::FxHashSet::default();
+            for (i, &b) in r.blocks.iter().enumerate() {
+                if b as usize >= n {
+                    return Err(format!("request {rid:?} holds block {b} out of range"));
+                }
+                if b == NULL_BLOCK {
+                    return Err(format!("request {rid:?} holds the null block"));
+                }
+                if !seen.insert(b) {
+                    return Err(format!("request {rid:?} holds block {b} twice"));
+                }
+                holders[b as usize] += 1;
+                if i >= r.num_cached && self.pool.is_registered(b) {
+                    return Err(format!(
+                        "request {rid:?}: block {b} at {i}, past its {} cached blocks, is registered",
+                        r.num_cached
+                    ));
+                }
+            }
+        }
+        if reserved != self.step_reserved {
+            return Err(format!(
+                "requests reserve {reserved} lookahead blocks, counted {}",
+                self.step_reserved
+            ));
+        }
+        let debt: usize = self
+            .reqs
+            .values()
+            .map(|&s| {
+                let r = &self.slots[s as usize];
+                r.shadow.saturating_sub(r.blocks.len())
+            })
+            .sum();
+        if debt != self.debt || self.step_reserved > self.debt {
+            return Err(format!(
+                "lookahead debt {debt}, counted {} (reserved {})",
+                self.debt, self.step_reserved
+            ));
+        }
+        for (b, &k) in holders.iter().enumerate() {
+            let rc = self.pool.refcount(b as BlockId);
+            if rc < k {
+                return Err(format!("block {b}: {k} holders, refcount {rc}"));
+            }
+            if rc > k {
+                return Err(format!(
+                    "block {b}: refcount {rc} but {k} holder(s): a leaked hold"
+                ));
+            }
+            if self.pool.is_registered(b as BlockId)
+                && self.full[b].key() != self.pool.registered_hash(b as BlockId).unwrap_or(0)
+            {
+                return Err(format!("block {b}: registry key is not its full hash's"));
+            }
+        }
+        let (free, cached, held) = (
+            self.pool.num_free(),
+            self.pool.num_cached(),
+            self.pool.num_held(),
+        );
+        if free + cached + held != n {
+            return Err(format!(
+                "free {free} + cached {cached} + held {held} != {n}"
+            ));
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,861 @@
+//! `kvslots._core.DeviceKVManager` and `KVBlocks`: the device-block allocator of scheduler mode
+//! (`kvslots_core::device`). Conversions only: a vLLM `Request` is read for the numbers and the
+//! block hashes an operation needs, the allocation rules are the core's.
+//!
+//! Arguments, and the request's fields, are converted before the manager is borrowed (see
+//! `slot_manager.rs`); the block hashes of a request are read from its `block_hashes` list
+//! while the core works (a list of `bytes`: no Python code runs).
+//!
+//! The hot calls vLLM's scheduler makes per request (`allocate_slots`, `get_blocks`,
+//! `get_block_ids`, `free`) are implemented here directly, so a call costs one Rust call and
+//! no Python frame; the rest of the manager interface is the Python subclass
+//! (`kvslots.vllm.scheduler.KVSlotsKVCacheManager`).
+
+use kvslots_core as core;
+use kvslots_core::device::{AllocArgs, DeviceAllocator, DeviceConfig, FullHash, HashSource};
+use pyo3::intern;
+use pyo3::prelude::*;
+use pyo3::types::{PyBytes, PyList, PyString, PyTuple};
+
+use crate::convert::{count, flag, show, text, type_name};
+use crate::errors::{borrow, borrow_mut, invalid, slot_error as err, type_error};
+
+/// A request's `block_hashes` list, fetched before the manager is borrowed.
+struct RequestHashes<'py> {
+    list: Bound<'py, PyAny>,
+}
+
+impl<'py> RequestHashes<'py> {
+    fn of(request: &Bound<'py, PyAny>, rid: &str) -> PyResult<Self> {
+        let list = request
+            .getattr(intern!(request.py(), "block_hashes"))
+            .map_err(|_| type_error(Some(rid), "request.block_hashes is missing".into()))?;
+        Ok(RequestHashes { list })
+    }
+}
+
+/// One engine block hash: `bytes` (vLLM's `BlockHash`) or an `int` (taken modulo 2**64).
+fn full_hash(item: &Bound<'_, PyAny>, i: usize) -> core::Result<FullHash> {
+    if let Ok(b) = item.cast::<PyBytes>() {
+        return FullHash::from_bytes(b.as_bytes()).ok_or_else(|| {
+            core::SlotError::invalid(
+                None,
+                format!(
+                    "block_hashes[{i}] must be 1 to {} bytes, got {}",
+                    FullHash::MAX_LEN,
+                    b.as_bytes().len()
+                ),
+            )
+        });
+    }
+    if item.is_instance_of::<pyo3::types::PyInt>() && !item.is_instance_of::<pyo3::types::PyBool>()
+    {
+        if let Ok(v) = item.extract::<i128>() {
+            return Ok(FullHash::from_u64(v as u64));
+        }
+    }
+    Err(core::SlotError::invalid(
+        None,
+        format!(
+            "block_hashes[{i}] must be bytes or an int, got {}",
+            type_name(item)
+        ),
+    ))
+}
+
+impl HashSource for RequestHashes<'_> {
+    fn len(&self) -> usize {
+        match self.list.cast::<PyList>() {
+            Ok(l) => l.len(),
+            Err(_) => self.list.len().unwrap_or(0),
+        }
+    }
+    fn get(&self, i: usize) -> core::Result<FullHash> {
+        let item = match self.list.cast::<PyList>() {
+            Ok(list) => list.get_item(i),
+            Err(_) => self.list.get_item(i),
+        }
+        .map_err(|_| core::SlotError::invalid(None, format!("block hash {i} is missing")))?;
+        full_hash(&item, i)
+    }
+}
+
+/// `request.request_id`, as an owned string (the request may be a duck-typed object).
+fn request_id_of(request: &Bound<'_, PyAny>) -> PyResult<String> {
+    let r = request
+        .getattr(intern!(request.py(), "request_id"))
+        .map_err(|_| {
+            type_error(
+                None,
+                format!("request must have a request_id, got {}", show(request)),
+            )
+        })?;
+    Ok(text(&r, "request.request_id")?.to_owned())
+}
+
+fn count_attr(obj: &Bound<'_, PyAny>, name: &Bound<'_, PyString>, rid: &str) -> PyResult<usize> {
+    let v = obj
+        .getattr(name)
+        .map_err(|_| type_error(Some(rid), format!("request.{name} is missing")))?;
+    count(&v, &format!("request.{name}"), Some(rid))
+}
+
+/// `request.num_tokens`, read from the list behind it when there is one.
+fn num_tokens(request: &Bound<'_, PyAny>, rid: &str) -> PyResult<usize> {
+    let py = request.py();
+    if let Ok(t) = request.getattr(intern!(py, "_all_token_ids")) {
+        if let Ok(l) = t.cast::<PyList>() {
+            return Ok(l.len());
+        }
+    }
+    count_attr(request, intern!(py, "num_tokens"), rid)
+}
+
+fn opt_count(obj: Option<&Bound<'_, PyAny>>, what: &str, rid: Option<&str>) -> PyResult<usize> {
+    match obj {
+        Some(o) if !o.is_none() => count(o, what, rid),
+        _ => Ok(0),
+    }
+}
+
+fn opt_flag(
+    obj: Option<&Bound<'_, PyAny>>,
+    what: &str,
+    rid: Option<&str>,
+    default: bool,
+) -> PyResult<bool> {
+    match obj {
+        Some(o) if !o.is_none() => flag(o, what, rid),
+        _ => Ok(default),
+    }
+}
+
+/// Block ids of one KV cache group, as vLLM's `KVCacheBlocks` hands them to the scheduler.
+/// Built in Rust from a request's table; a view, never a block object per id.
+#[pyclass(module = "kvslots._core", frozen)]
+pub(crate) struct KVBlocks {
+    ids: Vec<u32>,
+}
+
+#[pymethods]
+impl KVBlocks {
+    #[new]
+    #[pyo3(signature = (block_ids=Vec::new()))]
+    fn py_new(block_ids: Vec<u32>) -> Self {
+        KVBlocks { ids: block_ids }
+    }
+
+    /// `(ids,)`, one list per KV cache group (there is one); `None` with `allow_none` when empty.
+    #[pyo3(signature = (allow_none=false, *, group_ids=None))]
+    fn get_block_ids<'py>(
+        &self,
+        py: Python<'py>,
+        allow_none: bool,
+        group_ids: Option<Vec<usize>>,
+    ) -> PyResult<Option<Bound<'py, PyTuple>>> {
+        if let Some(g) = &group_ids {
+            if g.iter().any(|&i| i != 0) {
+                return Err(invalid(
+                    None,
+                    format!("KV cache group ids {g:?}: there is one group, 0"),
+                ));
+            }
+        }
+        let groups = group_ids.map_or(1, |g| g.len());
+        if allow_none && (self.ids.is_empty() || groups == 0) {
+            return Ok(None);
+        }
+        let lists: Vec<Bound<'py, PyList>> = (0..groups)
+            .map(|_| PyList::new(py, &self.ids))
+            .collect::<PyResult<_>>()?;
+        Ok(Some(PyTuple::new(py, lists)?))
+    }
+
+    /// Number of blocks (vLLM's `len(blocks.blocks[0])`).
+    #[getter]
+    fn num_blocks(&self) -> usize {
+        self.ids.len()
+    }
+
+    /// `self + other`: the blocks of both, in order.
+    fn __add__(&self, other: PyRef<'_, KVBlocks>) -> KVBlocks {
+        let mut ids = self.ids.clone();
+        ids.extend_from_slice(&other.ids);
+        KVBlocks { ids }
+    }
+
+    fn new_empty(&self) -> KVBlocks {
+        KVBlocks { ids: Vec::new() }
+    }
+
+    fn __repr__(&self) -> String {
+        format!("KVBlocks({:?})", self.ids)
+    }
+}
+
+impl KVBlocks {
+    #[allow(dead_code)]
+    pub(crate) fn ids(&self) -> &[u32] {
+        &self.ids
+    }
+}
+
+/// The device KV block allocator; `kvslots.vllm.scheduler.KVSlotsKVCacheManager` is its
+/// vLLM-facing subclass.
+#[pyclass(module = "kvslots._core", subclass)]
+pub(crate) struct DeviceKVManager {
+    inner: DeviceAllocator,
+    max_model_len: usize,
+    num_reprefillable: usize,
+    watermark_blocks: usize,
+    /// Request statuses the watermark applies to (WAITING, PREEMPTED).
+    watermark_statuses: Vec<Py<PyAny>>,
+    /// Call `self._on_alloc(request, start, end)` when an allocation registered or evicted.
+    hook: bool,
+    /// Reserve the lookahead and materialise it at the end of the step.
+    defer_lookahead: bool,
+    /// This step's deferred allocations: (request id, main tokens, lookahead tokens).
+    deferred: Vec<(String, usize, usize)>,
+    empty: Py<KVBlocks>,
+    last_commit: (usize, usize),
+    scratch: Vec<u32>,
+}
+
+impl DeviceKVManager {
+    fn blocks_of(&self, py: Python<'_>, rid: &str) -> PyResult<Py<KVBlocks>> {
+        let ids = self.inner.blocks(rid);
+        if ids.is_empty() {
+            return Ok(self.empty.clone_ref(py));
+        }
+        Py::new(py, KVBlocks { ids: ids.to_vec() })
+    }
+}
+
+/// Calls the subclass's event hook outside any borrow of the manager.
+fn call_hook(
+    slf: &Bound<'_, DeviceKVManager>,
+    request: &Bound<'_, PyAny>,
+    start: usize,
+    end: usize,
+) -> PyResult<()> {
+    slf.call_method1(intern!(slf.py(), "_on_alloc"), (request, start, end))?;
+    Ok(())
+}
+
+#[pymethods]
+impl DeviceKVManager {
+    #[new]
+    #[pyo3(signature = (num_blocks, block_size, *, max_model_len, enable_caching=None, record_evictions=None, record_new_blocks=None, num_reprefillable_tokens=None, watermark_blocks=None, defer_lookahead=None))]
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        py: Python<'_>,
+        num_blocks: &Bound<'_, PyAny>,
+        block_size: &Bound<'_, PyAny>,
+        max_model_len: &Bound<'_, PyAny>,
+        enable_caching: Option<&Bound<'_, PyAny>>,
+        record_evictions: Option<&Bound<'_, PyAny>>,
+        record_new_blocks: Option<&Bound<'_, PyAny>>,
+        num_reprefillable_tokens: Option<&Bound<'_, PyAny>>,
+        watermark_blocks: Option<&Bound<'_, PyAny>>,
+        defer_lookahead: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<Self> {
+        let record_evictions = opt_flag(record_evictions, "record_evictions", None, false)?;
+        let defer_lookahead = opt_flag(defer_lookahead, "defer_lookahead", None, false)?;
+        let cfg = DeviceConfig {
+            num_blocks: count(num_blocks, "num_blocks", None)?,
+            block_size: count(block_size, "block_size", None)?,
+            enable_caching: opt_flag(enable_caching, "enable_caching", None, true)?,
+            record_evictions,
+            record_new_blocks: opt_flag(record_new_blocks, "record_new_blocks", None, false)?,
+            // With deferred lookahead the schedule is kvslots' own: hits take held duplicates.
+            prefer_held_duplicates: defer_lookahead,
+        };
+        Ok(DeviceKVManager {
+            max_model_len: count(max_model_len, "max_model_len", None)?,
+            num_reprefillable: opt_count(
+                num_reprefillable_tokens,
+                "num_reprefillable_tokens",
+                None,
+            )?,
+            watermark_blocks: opt_count(watermark_blocks, "watermark_blocks", None)?,
+            inner: DeviceAllocator::new(cfg).map_err(err)?,
+            watermark_statuses: Vec::new(),
+            hook: record_evictions,
+            defer_lookahead,
+            deferred: Vec::new(),
+            empty: Py::new(py, KVBlocks { ids: Vec::new() })?,
+            last_commit: (0, 0),
+            scratch: Vec::new(),
+        })
+    }
+
+    /// The shared empty result (vLLM's `empty_kv_cache_blocks`).
+    #[getter]
+    fn empty_kv_cache_blocks(&self, py: Python<'_>) -> Py<KVBlocks> {
+        self.empty.clone_ref(py)
+    }
+
+    /// The request statuses the watermark applies to (vLLM: WAITING and PREEMPTED).
+    fn _set_watermark_statuses(slf: &Bound<'_, Self>, statuses: Vec<Py<PyAny>>) -> PyResult<()> {
+        borrow_mut(slf)?.watermark_statuses = statuses;
+        Ok(())
+    }
+
+    /// Whether allocations call `self._on_alloc(request, start, end)` when they register or
+    /// evict blocks (the subclass builds vLLM's KV events there).
+    #[getter(_hook)]
+    fn hook_flag(&self) -> bool {
+        self.hook
+    }
+    #[setter(_hook)]
+    fn set_hook_flag(&mut self, on: bool) {
+        self.hook = on;
+    }
+
+    /// vLLM's `KVCacheManager.allocate_slots`: the new blocks (the shared empty result when
+    /// none), or `None` when they do not fit (then nothing changed).
+    #[pyo3(signature = (request, num_new_tokens, num_new_computed_tokens=None, new_computed_blocks=None, num_lookahead_tokens=None, num_external_computed_tokens=None, delay_cache_blocks=None, num_encoder_tokens=None, full_sequence_must_fit=None, reserved_blocks=None, has_scheduled_reqs=None, skip_zeroing_group_ids=None))]
+    #[allow(clippy::too_many_arguments)]
+    fn allocate_slots<'py>(
+        slf: &Bound<'py, Self>,
+        request: &Bound<'py, PyAny>,
+        num_new_tokens: &Bound<'py, PyAny>,
+        num_new_computed_tokens: Option<&Bound<'py, PyAny>>,
+        new_computed_blocks: Option<&Bound<'py, PyAny>>,
+        num_lookahead_tokens: Option<&Bound<'py, PyAny>>,
+        num_external_computed_tokens: Option<&Bound<'py, PyAny>>,
+        delay_cache_blocks: Option<&Bound<'py, PyAny>>,
+        num_encoder_tokens: Option<&Bound<'py, PyAny>>,
+        full_sequence_must_fit: Option<&Bound<'py, PyAny>>,
+        reserved_blocks: Option<&Bound<'py, PyAny>>,
+        has_scheduled_reqs: Option<&Bound<'py, PyAny>>,
+        skip_zeroing_group_ids: Option<&Bound<'py, PyAny>>,
+    ) -> PyResult<Option<Py<KVBlocks>>> {
+        let py = slf.py();
+        // Every argument and request field first, then the manager.
+        let rid_owned = request_id_of(request)?;
+        let rid = rid_owned.as_str();
+        let r = Some(rid);
+        let new = count(num_new_tokens, "num_new_tokens", r)?;
+        let hit_tokens = opt_count(num_new_computed_tokens, "num_new_computed_tokens", r)?;
+        let lookahead = opt_count(num_lookahead_tokens, "num_lookahead_tokens", r)?;
+        let external = opt_count(
+            num_external_computed_tokens,
+            "num_external_computed_tokens",
+            r,
+        )?;
+        let delay = opt_flag(delay_cache_blocks, "delay_cache_blocks", r, false)?;
+        let full_seq = opt_flag(full_sequence_must_fit, "full_sequence_must_fit", r, false)?;
+        let reserved = opt_count(reserved_blocks, "reserved_blocks", r)?;
+        let scheduled = opt_flag(has_scheduled_reqs, "has_scheduled_reqs", r, true)?;
+        if opt_count(num_encoder_tokens, "num_encoder_tokens", r)? != 0 {
+            return Err(invalid(
+                r,
+                "encoder (cross-attention) tokens are not supported in scheduler mode".into(),
+            ));
+        }
+        let given = match new_computed_blocks {
+            Some(b) if !b.is_none() => match b.cast::<KVBlocks>() {
+                Ok(k) => k.get().ids.len(),
+                Err(_) => {
+                    return Err(type_error(
+                        r,
+                        format!(
+                            "new_computed_blocks must be KVBlocks from this manager, got {}",
+                            type_name(b)
+                        ),
+                    ))
+                }
+            },
+            _ => 0,
+        };
+        let mut zero_external = true;
+        if let Some(g) = skip_zeroing_group_ids {
+            if !g.is_none() {
+                for item in g.try_iter().map_err(|_| {
+                    type_error(
+                        r,
+                        "skip_zeroing_group_ids must be a sequence of ints".into(),
+                    )
+                })? {
+                    if count(&item?, "skip_zeroing_group_ids[i]", r)? == 0 {
+                        zero_external = false;
+                    }
+                }
+            }
+        }
+        let num_tokens = num_tokens(request, rid)?;
+        let computed = count_attr(request, intern!(py, "num_computed_tokens"), rid)?;
+        let (watermark_blocks, defer_mode, statuses) = {
+            let this = borrow(slf)?;
+            let st: Vec<Py<PyAny>> = this
+                .watermark_statuses
+                .iter()
+                .map(|s| s.clone_ref(py))
+                .collect();
+            (this.watermark_blocks, this.defer_lookahead, st)
+        };
+        let mut watermark = 0;
+        let mut admission = false;
+        if (watermark_blocks > 0 && scheduled) || defer_mode {
+            // Waiting and preempted requests: vLLM's watermark applies, and with deferred
+            // lookahead they are admitted as vLLM would admit them.
+            let status = request.getattr(intern!(py, "status"))?;
+            for s in &statuses {
+                if status.eq(s.bind(py))? {
+                    admission = true;
+                    break;
+                }
+            }
+            if admission && scheduled {
+                watermark = watermark_blocks;
+            }
+        }
+        let hashes = RequestHashes::of(request, rid)?;
+
+        let mut this = borrow_mut(slf)?;
+        let bs = this.inner.block_size();
+        if hit_tokens % bs != 0 {
+            return Err(invalid(
+                r,
+                format!("num_new_computed_tokens = {hit_tokens} is not a multiple of the block size {bs}"),
+            ));
+        }
+        let hits = hit_tokens / bs;
+        if given != hits {
+            return Err(invalid(
+                r,
+                format!("{given} computed blocks given for {hit_tokens} new computed tokens"),
+            ));
+        }
+        let defer = this.defer_lookahead && lookahead > 0 && !delay;
+        let a = AllocArgs {
+            num_computed_tokens: computed,
+            num_tokens,
+            num_new_tokens: new,
+            num_hit_blocks: hits,
+            num_external_tokens: external,
+            num_lookahead_tokens: lookahead,
+            defer_lookahead: defer,
+            admission,
+            max_model_len: this.max_model_len,
+            reserved_blocks: reserved,
+            watermark_blocks: watermark,
+            full_sequence_tokens: full_seq.then(|| num_tokens.min(this.max_model_len)),
+            delay_cache_blocks: delay,
+            num_reprefillable_tokens: this.num_reprefillable,
+            zero_external_blocks: zero_external,
+        };
+        let Some(done) = this.inner.allocate(rid, &a, &hashes).map_err(err)? else {
+            return Ok(None);
+        };
+        if defer {
+            let main = (computed + hits * bs + external).min(this.max_model_len) + new;
+            this.deferred.push((rid.to_owned(), main, lookahead));
+        }
+        this.last_commit = (done.commit.start, done.commit.end);
+        let out = if done.new_blocks.is_empty() {
+            this.empty.clone_ref(py)
+        } else {
+            let ids = this.inner.blocks(rid)[done.new_blocks.clone()].to_vec();
+            Py::new(py, KVBlocks { ids })?
+        };
+        let hook = this.hook && (!done.commit.is_empty() || done.evicted > 0);
+        drop(this);
+        if hook {
+            call_hook(slf, request, done.commit.start, done.commit.end)?;
+        }
+        Ok(Some(out))
+    }
+
+    /// vLLM's `cache_blocks(request, num_computed_tokens)`: registers the request's blocks full
+    /// of verified tokens. Returns the table positions registered.
+    fn cache_blocks<'py>(
+        slf: &Bound<'py, Self>,
+        request: &Bound<'py, PyAny>,
+        num_computed_tokens: &Bound<'py, PyAny>,
+    ) -> PyResult<(usize, usize)> {
+        let rid = request_id_of(request)?;
+        let n = count(num_computed_tokens, "num_computed_tokens", Some(&rid))?;
+        let hashes = RequestHashes::of(request, &rid)?;
+        let mut this = borrow_mut(slf)?;
+        let reprefill = this.num_reprefillable;
+        let done = this.inner.cache(&rid, n, reprefill, &hashes).map_err(err)?;
+        let hook = this.hook && (!done.is_empty() || this.inner.num_evicted_pending() > 0);
+        drop(this);
+        if hook {
+            call_hook(slf, request, done.start, done.end)?;
+        }
+        Ok((done.start, done.end))
+    }
+
+    /// The table positions the last allocation registered.
+    fn last_commit(&self) -> (usize, usize) {
+        self.last_commit
+    }
+
+    /// The longest prefix hit for the request (vLLM's `find_longest_cache_hit` for one
+    /// full-attention group): at most `max_blocks` blocks, the last dropped with `drop_last`
+    /// (EAGLE). The shared empty result when there is none.
+    #[pyo3(signature = (request, max_blocks, drop_last=None))]
+    fn computed_blocks(
+        slf: &Bound<'_, Self>,
+        request: &Bound<'_, PyAny>,
+        max_blocks: &Bound<'_, PyAny>,
+        drop_last: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<Py<KVBlocks>> {
+        let py = slf.py();
+        let rid = request_id_of(request).unwrap_or_default();
+        let max = match max_blocks.extract::<i64>() {
+            Ok(v) if v <= 0 => 0,
+            _ => count(max_blocks, "max_blocks", None)?,
+        };
+        let drop_last = opt_flag(drop_last, "drop_last", None, false)?;
+        let hashes = RequestHashes::of(request, &rid)?;
+        let mut this = borrow_mut(slf)?;
+        let mut n = this.inner.find_prefix(&hashes, max).map_err(err)?;
+        if drop_last && n > 0 {
+            n -= 1;
+        }
+        if n == 0 {
+            return Ok(this.empty.clone_ref(py));
+        }
+        let mut ids = std::mem::take(&mut this.scratch);
+        ids.clear();
+        let res = this.inner.prefix_block_ids(&hashes, n, &mut ids);
+        let out = res.map(|_| ids.clone());
+        this.scratch = ids;
+        Py::new(
+            py,
+            KVBlocks {
+                ids: out.map_err(err)?,
+            },
+        )
+    }
+
+    /// The request's blocks (the shared empty result when it holds none).
+    fn get_blocks(slf: &Bound<'_, Self>, request_id: &Bound<'_, PyAny>) -> PyResult<Py<KVBlocks>> {
+        let rid = text(request_id, "request_id")?;
+        borrow(slf)?.blocks_of(slf.py(), rid)
+    }
+
+    /// `(ids,)`: the request's block ids, one list per KV cache group.
+    fn get_block_ids<'py>(
+        slf: &Bound<'py, Self>,
+        request_id: &Bound<'py, PyAny>,
+    ) -> PyResult<Bound<'py, PyTuple>> {
+        let py = slf.py();
+        let rid = text(request_id, "request_id")?;
+        let this = borrow(slf)?;
+        PyTuple::new(py, [PyList::new(py, this.inner.blocks(rid))?])
+    }
+
+    /// The request's block ids as a flat list.
+    fn block_ids(slf: &Bound<'_, Self>, request_id: &Bound<'_, PyAny>) -> PyResult<Vec<u32>> {
+        let rid = text(request_id, "request_id")?;
+        Ok(borrow(slf)?.inner.blocks(rid).to_vec())
+    }
+
+    /// The request's block id at table position `i` (`None` past the end).
+    fn block_id(
+        slf: &Bound<'_, Self>,
+        request_id: &Bound<'_, PyAny>,
+        i: &Bound<'_, PyAny>,
+    ) -> PyResult<Option<u32>> {
+        let rid = text(request_id, "request_id")?;
+        let i = count(i, "i", Some(rid))?;
+        Ok(borrow(slf)?.inner.blocks(rid).get(i).copied())
+    }
+
+    fn num_request_blocks(slf: &Bound<'_, Self>, request_id: &Bound<'_, PyAny>) -> PyResult<usize> {
+        let rid = text(request_id, "request_id")?;
+        Ok(borrow(slf)?.inner.blocks(rid).len())
+    }
+
+    /// vLLM's `free(request)`: the request's blocks go back, tail first.
+    fn free(slf: &Bound<'_, Self>, request: &Bound<'_, PyAny>) -> PyResult<bool> {
+        let rid = request_id_of(request)?;
+        Ok(borrow_mut(slf)?.inner.free(&rid))
+    }
+
+    fn free_request(slf: &Bound<'_, Self>, request_id: &Bound<'_, PyAny>) -> PyResult<bool> {
+        let rid = text(request_id, "request_id")?;
+        Ok(borrow_mut(slf)?.inner.free(rid))
+    }
+
+    /// vLLM's `pop_blocks_for_free(request)`: the request's block ids, still held until
+    /// `release_blocks` gives them back.
+    fn pop_blocks_for_free(
+        slf: &Bound<'_, Self>,
+        request: &Bound<'_, PyAny>,
+    ) -> PyResult<Vec<u32>> {
+        let rid = request_id_of(request)?;
+        let mut out = Vec::new();
+        borrow_mut(slf)?.inner.pop_blocks(&rid, &mut out);
+        Ok(out)
+    }
+
+    /// Gives back blocks from `pop_blocks_for_free`, in the order given (first evicted first).
+    fn release_blocks(slf: &Bound<'_, Self>, blocks: &Bound<'_, PyAny>) -> PyResult<()> {
+        let ids = block_id_list(blocks, "blocks")?;
+        borrow_mut(slf)?.inner.release(&ids).map_err(err)
+    }
+
+    /// vLLM's `evict_blocks(block_ids)`: out of the prefix registry. Returns how many were in it.
+    fn evict_blocks(slf: &Bound<'_, Self>, block_ids: &Bound<'_, PyAny>) -> PyResult<usize> {
+        let ids = block_id_list(block_ids, "block_ids")?;
+        borrow_mut(slf)?.inner.evict_blocks(&ids).map_err(err)
+    }
+
+    /// Empties the prefix registry when no request holds a block; returns whether it did.
+    fn reset(slf: &Bound<'_, Self>) -> PyResult<bool> {
+        Ok(borrow_mut(slf)?.inner.reset_prefix_cache())
+    }
+
+    /// Blocks the request still needs for `num_tokens` tokens.
+    fn num_blocks_to_allocate(
+        slf: &Bound<'_, Self>,
+        request_id: &Bound<'_, PyAny>,
+        num_tokens: &Bound<'_, PyAny>,
+    ) -> PyResult<usize> {
+        let rid = text(request_id, "request_id")?;
+        let n = count(num_tokens, "num_tokens", Some(rid))?;
+        Ok(borrow(slf)?.inner.num_blocks_to_allocate(rid, n))
+    }
+
+    fn estimate_cached_tokens(
+        slf: &Bound<'_, Self>,
+        request: &Bound<'_, PyAny>,
+    ) -> PyResult<usize> {
+        let rid = request_id_of(request)?;
+        Ok(borrow(slf)?.inner.estimate_cached_tokens(&rid))
+    }
+
+    /// Materialises this step's deferred lookahead for the step's K: `lookahead_cut` is how
+    /// many lookahead tokens fewer than reserved the step needs (K max - K of the step).
+    /// `scheduled` says which requests are still scheduled (a container of request ids).
+    /// Returns `[(request_id, new ids)]` for the requests that got blocks; every reservation is
+    /// released.
+    fn finish_step(
+        slf: &Bound<'_, Self>,
+        lookahead_cut: &Bound<'_, PyAny>,
+        scheduled: &Bound<'_, PyAny>,
+    ) -> PyResult<Vec<(String, Vec<u32>)>> {
+        let cut = count(lookahead_cut, "lookahead_cut", None)?;
+        let deferred = std::mem::take(&mut borrow_mut(slf)?.deferred);
+        let mut live = Vec::with_capacity(deferred.len());
+        for d in deferred {
+            if scheduled.contains(d.0.as_str())? {
+                live.push(d);
+            }
+        }
+        let mut this = borrow_mut(slf)?;
+        let mut out = Vec::new();
+        let mut first_err = None;
+        for (rid, main, la) in live {
+            if !this.inner.contains(&rid) {
+                continue;
+            }
+            let need = (main + la.saturating_sub(cut)).min(this.max_model_len);
+            match this.inner.materialize_lookahead(&rid, need) {
+                Ok(r) if !r.is_empty() => {
+                    let ids = this.inner.blocks(&rid)[r].to_vec();
+                    out.push((rid, ids));
+                }
+                Ok(_) => {}
+                Err(e) => {
+                    first_err.get_or_insert(e);
+                }
+            }
+        }
+        this.inner.release_reservations();
+        match first_err {
+            Some(e) => Err(err(e)),
+            None => Ok(out),
+        }
+    }
+
+    fn num_deferred(&self) -> usize {
+        self.deferred.len()
+    }
+
+    /// Hashes of the blocks evicted since the last call (bytes), in eviction order.
+    fn drain_evicted<'py>(slf: &Bound<'py, Self>) -> PyResult<Vec<Bound<'py, PyBytes>>> {
+        let mut v = Vec::new();
+        borrow_mut(slf)?.inner.drain_evicted(&mut v);
+        Ok(v.iter()
+            .map(|h| PyBytes::new(slf.py(), h.as_bytes()))
+            .collect())
+    }
+
+    fn take_new_block_ids(slf: &Bound<'_, Self>) -> PyResult<Vec<u32>> {
+        let mut v = Vec::new();
+        borrow_mut(slf)?.inner.take_new_block_ids(&mut v);
+        Ok(v)
+    }
+
+    fn record_blocks_for_zeroing(
+        slf: &Bound<'_, Self>,
+        request_id: &Bound<'_, PyAny>,
+        start_token: &Bound<'_, PyAny>,
+    ) -> PyResult<()> {
+        let rid = text(request_id, "request_id")?;
+        let t = count(start_token, "start_token", Some(rid))?;
+        let mut this = borrow_mut(slf)?;
+        let bs = this.inner.block_size();
+        if t % bs != 0 {
+            return Err(invalid(
+                Some(rid),
+                format!("start_token {t} is not block aligned (block size {bs})"),
+            ));
+        }
+        this.inner.record_for_zeroing(rid, t / bs);
+        Ok(())
+    }
+
+    /// The full hash a block is registered under (`None` when it is not).
+    fn registered_hash<'py>(
+        slf: &Bound<'py, Self>,
+        block_id: &Bound<'py, PyAny>,
+    ) -> PyResult<Option<Bound<'py, PyBytes>>> {
+        let b = count(block_id, "block_id", None)?;
+        let b =
+            u32::try_from(b).map_err(|_| invalid(None, format!("block_id {b} is out of range")))?;
+        Ok(borrow(slf)?
+            .inner
+            .registered_hash(b)
+            .map(|h| PyBytes::new(slf.py(), h.as_bytes())))
+    }
+
+    fn refcount(slf: &Bound<'_, Self>, block_id: &Bound<'_, PyAny>) -> PyResult<u32> {
+        let b = count(block_id, "block_id", None)?;
+        let this = borrow(slf)?;
+        u32::try_from(b)
+            .ok()
+            .and_then(|b| this.inner.refcount(b))
+            .ok_or_else(|| {
+                invalid(
+                    None,
+                    format!(
+                        "block {b} is out of range (pool of {})",
+                        this.inner.num_blocks()
+                    ),
+                )
+            })
+    }
+
+    fn num_cached_in(slf: &Bound<'_, Self>, request_id: &Bound<'_, PyAny>) -> PyResult<usize> {
+        let rid = text(request_id, "request_id")?;
+        Ok(borrow(slf)?.inner.num_cached_in(rid))
+    }
+
+    /// Full consistency check: `None` when every invariant holds, else what is wrong.
+    fn check_invariants(&self) -> Option<String> {
+        self.inner.check().err()
+    }
+
+    #[getter]
+    fn usage(&self) -> f64 {
+        self.inner.usage()
+    }
+    /// Free plus cached blocks (vLLM's `get_num_free_blocks`).
+    fn num_free_blocks(&self) -> usize {
+        self.inner.num_free_blocks()
+    }
+    fn num_uncached_free_blocks(&self) -> usize {
+        self.inner.num_uncached_free_blocks()
+    }
+    fn num_cached_blocks(&self) -> usize {
+        self.inner.num_cached_blocks()
+    }
+    fn num_held_blocks(&self) -> usize {
+        self.inner.num_held_blocks()
+    }
+    fn num_reserved_blocks(&self) -> usize {
+        self.inner.num_reserved_blocks()
+    }
+    /// Blocks vLLM's manager would hold on top of these (deferred lookahead for a smaller K).
+    fn num_debt_blocks(&self) -> usize {
+        self.inner.num_debt_blocks()
+    }
+    fn num_registered_blocks(&self) -> usize {
+        self.inner.pool().num_registered_blocks()
+    }
+    fn num_parked_holds(&self) -> usize {
+        self.inner.num_parked_holds()
+    }
+    #[getter]
+    fn num_gpu_blocks(&self) -> usize {
+        self.inner.num_blocks()
+    }
+    #[getter]
+    fn block_size(&self) -> usize {
+        self.inner.block_size()
+    }
+    #[getter]
+    fn max_model_len(&self) -> usize {
+        self.max_model_len
+    }
+    fn request_ids(&self) -> Vec<String> {
+        self.inner.request_ids().map(str::to_owned).collect()
+    }
+    fn __contains__(slf: &Bound<'_, Self>, request_id: &Bound<'_, PyAny>) -> PyResult<bool> {
+        let rid = text(request_id, "request_id")?;
+        Ok(borrow(slf)?.inner.contains(rid))
+    }
+    fn device_stats(&self) -> std::collections::HashMap<&'static str, u64> {
+        let s = self.inner.stats();
+        std::collections::HashMap::from([
+            ("allocated_blocks", s.allocated_blocks),
+            ("registered_blocks", s.registered_blocks),
+            ("evicted_blocks", s.evicted_blocks),
+            ("hit_blocks", s.hit_blocks),
+            ("freed_requests", s.freed_requests),
+        ])
+    }
+    /// Bytes of allocator metadata per block (pool, registry, duplicate chains, full hashes).
+    #[staticmethod]
+    fn metadata_bytes_per_block() -> usize {
+        core::BlockPool::bytes_per_block() + 4 + std::mem::size_of::<FullHash>()
+    }
+}
+
+/// Block ids: ints, or objects with a `block_id` (vLLM's `KVCacheBlock`).
+fn block_id_list(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<Vec<u32>> {
+    let mut ids = Vec::new();
+    let it = obj.try_iter().map_err(|_| {
+        type_error(
+            None,
+            format!(
+                "{what} must be an iterable of block ids, got {}",
+                type_name(obj)
+            ),
+        )
+    })?;
+    for item in it {
+        let item = item?;
+        let v = if item.is_instance_of::<pyo3::types::PyInt>() {
+            count(&item, what, None)?
+        } else {
+            let b = item.getattr(intern!(item.py(), "block_id")).map_err(|_| {
+                type_error(
+                    None,
+                    format!("{what} must hold block ids, got {}", show(&item)),
+                )
+            })?;
+            count(&b, what, None)?
+        };
+        ids.push(
+            u32::try_from(v)
+                .map_err(|_| invalid(None, format!("{what}: block {v} is out of range")))?,
+        );
+    }
+    Ok(ids)
+}
+
+/// Adds the scheduler-mode classes to `kvslots._core`.
+pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<DeviceKVManager>()?;
+    m.add_class::<KVBlocks>()?;
+    Ok(())
+}
