@@ -85,6 +85,7 @@ class KVSlotsConnector(KVConnectorBase_V1):
             )
             if self.config.events_endpoint:
                 self._publisher = _make_publisher(self.config, self._dp_rank)
+            _warn_cpu_reservation(vllm_config)
         else:
             self._worker = WorkerSide(num_device_blocks=kv_cache_config.num_blocks,
                                       num_host_blocks=num_host, copy_threads=self.config.copy_threads)
@@ -202,6 +203,19 @@ class _BlockIds:
 
     def __len__(self) -> int:
         return len(self._blocks)
+
+
+def _warn_cpu_reservation(vllm_config: "VllmConfig") -> None:
+    """On vLLM's CPU backend, says when the workers lost a core to the connector reservation."""
+    from vllm.platforms import current_platform
+
+    from ..cpu_cores import reservation_warning
+
+    if current_platform.is_cpu():
+        pc = vllm_config.parallel_config
+        msg = reservation_warning(pc.tensor_parallel_size * pc.pipeline_parallel_size)
+        if msg:
+            logger.warning(msg)
 
 
 def _make_publisher(cfg: ConnectorConfig, dp_rank: int) -> Any:
