@@ -1,13 +1,16 @@
 """KVSlotsConnector benchmarks, each measured side by side with its peer in the same run.
 
-  scheduler   vLLM's real Scheduler at batch B (default 256), EAGLE K=3, decode steps with fake
-              outputs and 0.7 per-draft acceptance: time of schedule() + update_from_output() per
-              step with the connector vs without it. Target: at most +5%.
+  scheduler   vLLM's real Scheduler at batch B (default 256 and 1024), EAGLE K=3, decode steps
+              with fake outputs and 0.7 per-draft acceptance: time of schedule() +
+              update_from_output() per step with no connector, a do-nothing connector and the
+              KVSlotsConnector, interleaved in one process (none, null, kvslots, none, ...), thread
+              CPU time by default. Our own share is (kvslots - null) / none, per repeat; the
+              median and the spread over repeats are printed. Target: at most 3%.
   e2e         the real CPU engine on the tiny model: decode tokens/s with vs without the connector
               (target >= 97%), and time to first token for a repeated 2k-token prompt served from
               the host tier vs recomputed (target <= 0.5x).
 
-    python benches/bench_connector.py scheduler [--batch 256] [--steps 60] [--repeats 5]
+    python benches/bench_connector.py scheduler [--batch 256 1024] [--steps 200] [--repeats 9]
     python benches/bench_connector.py e2e [--prompt-len 2048]
 """
 
@@ -28,18 +31,25 @@ sys.path.insert(0, os.path.join(HERE, "..", "tests"))
 
 
 def scheduler_bench(args: argparse.Namespace) -> None:
+    from kvslots._dev.tiny import build_tiny_models
+
+    models = build_tiny_models(args.models)
+    clock = time.thread_time if args.clock == "cpu" else time.perf_counter
+    for batch in args.batch:
+        _scheduler_bench_one(args, models, batch, clock)
+
+
+def _scheduler_bench_one(args: argparse.Namespace, models: dict, batch: int, clock) -> None:
     from tqdm import tqdm
     from vllm.v1.core.sched.scheduler import Scheduler
     from vllm.v1.outputs import DraftTokenIds, KVConnectorOutput, ModelRunnerOutput
     from vllm.v1.structured_output import StructuredOutputManager
 
-    from kvslots._dev.tiny import build_tiny_models
     from vllm_harness import BLOCK_SIZE, DRAFT_BASE, Harness, engine_config, kv_cache_config, make_request
 
-    models = build_tiny_models(args.models)
-    num_blocks = args.batch * 40
-    cfg = engine_config(models["target"], models["eagle"], k=3, num_blocks=num_blocks, max_num_seqs=args.batch,
-                        max_num_batched_tokens=args.batch * 8 + 2048)
+    num_blocks = batch * 40
+    cfg = engine_config(models["target"], models["eagle"], k=3, num_blocks=num_blocks, max_num_seqs=batch,
+                        max_num_batched_tokens=batch * 8 + 2048)
 
     def run(mode: str, seed: int) -> float:
         rng = random.Random(seed)
@@ -59,19 +69,19 @@ def scheduler_bench(args: argparse.Namespace) -> None:
                               structured_output_manager=StructuredOutputManager(c), block_size=BLOCK_SIZE,
                               log_stats=args.log_stats)
             workers = []
-        for i in range(args.batch):
+        for i in range(batch):
             sched.add_request(make_request(f"r{i}", [rng.randrange(1, DRAFT_BASE) for _ in range(rng.randrange(200, 600))],
                                            max_tokens=10_000))
         timed = 0.0
         step, decoding_since = 0, None
         while decoding_since is None or step < decoding_since + args.warmup + args.steps:
             if decoding_since is None and sched.running and not any(r.is_prefill_chunk for r in sched.running) \
-                    and len(sched.running) == args.batch:
+                    and len(sched.running) == batch:
                 decoding_since = step  # steady state: every request decoding
             step += 1
-            t0 = time.perf_counter()
+            t0 = clock()
             so = sched.schedule()
-            t_sched = time.perf_counter() - t0
+            t_sched = clock() - t0
             worker_meta = None
             for w in workers:  # worker side: not scheduler time
                 w.handle_preemptions(so.kv_connector_metadata)
@@ -90,9 +100,9 @@ def scheduler_bench(args: argparse.Namespace) -> None:
             out = ModelRunnerOutput(req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
                                     sampled_token_ids=sampled,
                                     kv_connector_output=KVConnectorOutput(kv_connector_worker_meta=worker_meta))
-            t0 = time.perf_counter()
+            t0 = clock()
             sched.update_from_output(so, out)
-            t_update = time.perf_counter() - t0
+            t_update = clock() - t0
             running = [r.request_id for r in sched.running]
             sched.update_draft_token_ids(DraftTokenIds(running, [[rng.randrange(DRAFT_BASE, 2 * DRAFT_BASE) for _ in range(3)]
                                                                  for _ in running]))
@@ -100,20 +110,36 @@ def scheduler_bench(args: argparse.Namespace) -> None:
                 timed += t_sched + t_update
         return timed / args.steps
 
-    times: dict[str, list[float]] = {m: [] for m in args.modes.split(",")}
-    for rep in tqdm(range(args.repeats), desc=f"scheduler B={args.batch}"):
-        for mode in times:  # interleaved, to spread machine noise over all three
+    modes = args.modes.split(",")
+    times: dict[str, list[float]] = {m: [] for m in modes}
+    for rep in tqdm(range(args.repeats), desc=f"scheduler B={batch}", disable=not args.progress):
+        # Interleaved, and the order rotates each repeat, to spread machine noise over all three.
+        order = modes[rep % len(modes):] + modes[:rep % len(modes)]
+        for mode in order:
             times[mode].append(run(mode, rep))
+    clock_name = "thread CPU time" if args.clock == "cpu" else "wall clock"
+    print(f"vLLM Scheduler, batch {batch}, EAGLE K=3, {args.steps} decode steps x {args.repeats} interleaved repeats, "
+          f"{clock_name}; median (min-max) of the repeats:")
+    for mode, label in (("none", "without connector"), ("null", "do-nothing connector"), ("kvslots", "KVSlotsConnector")):
+        if mode in times:
+            t = times[mode]
+            print(f"  {label:28s} {statistics.median(t) * 1e3:8.3f} ms/step ({min(t) * 1e3:.3f}-{max(t) * 1e3:.3f})")
     if len(times) != 3:
-        for mode, t in times.items():
-            print(f"  {mode:28s}  {statistics.median(t) * 1e3:8.3f} ms/step")
         return
+    # Per repeat: the three runs of one repeat ran back to back, so their differences share noise.
+    own = [100 * (c - n) / b for b, n, c in zip(times["none"], times["null"], times["kvslots"])]
+    plumbing = [100 * (n / b - 1) for b, n in zip(times["none"], times["null"])]
+    total = [100 * (c / b - 1) for b, c in zip(times["none"], times["kvslots"])]
     b, n, c = (statistics.median(times[m]) for m in ("none", "null", "kvslots"))
-    print(f"vLLM Scheduler, batch {args.batch}, EAGLE K=3, {args.steps} decode steps x {args.repeats} repeats (median):")
-    print(f"  without connector             {b * 1e3:8.3f} ms/step")
-    print(f"  do-nothing connector          {n * 1e3:8.3f} ms/step   ({100 * (n / b - 1):+.1f}%: vLLM's own connector plumbing)")
-    print(f"  KVSlotsConnector              {c * 1e3:8.3f} ms/step   ({100 * (c / b - 1):+.1f}% in all)")
-    print(f"  KVSlots' own work             {100 * (c - n) / b:+.1f}% of the scheduler step   (target <= +5%)")
+    print(f"  vLLM's connector plumbing    {statistics.median(plumbing):+6.1f}% of the step (per-repeat median; "
+          f"{min(plumbing):+.1f} to {max(plumbing):+.1f})")
+    print(f"  KVSlotsConnector in all      {statistics.median(total):+6.1f}% ({min(total):+.1f} to {max(total):+.1f})")
+    print(f"  KVSlots' own work            {statistics.median(own):+6.1f}% of the scheduler step (per-repeat median; "
+          f"{min(own):+.1f} to {max(own):+.1f}); from the medians {100 * (c - n) / b:+.1f}%   (target <= +3%)")
+    if args.json:
+        with open(args.json, "a") as f:
+            f.write(json.dumps({"batch": batch, "clock": args.clock, "steps": args.steps, "times": times,
+                                "own_pct": own}) + "\n")
 
 
 def _null_connector_class():
@@ -184,10 +210,14 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="which", required=True)
     s = sub.add_parser("scheduler")
-    s.add_argument("--batch", type=int, default=256)
-    s.add_argument("--steps", type=int, default=60)
+    s.add_argument("--batch", type=int, nargs="+", default=[256, 1024])
+    s.add_argument("--steps", type=int, default=200)
     s.add_argument("--warmup", type=int, default=10)
-    s.add_argument("--repeats", type=int, default=5)
+    s.add_argument("--repeats", type=int, default=9)
+    s.add_argument("--clock", choices=("cpu", "wall"), default="cpu",
+                   help="thread CPU time (default: other processes on a shared machine count less) or wall clock")
+    s.add_argument("--json", metavar="FILE", help="append each batch's per-repeat times to FILE (JSON lines)")
+    s.add_argument("--progress", action="store_true", help="show a progress bar")
     s.add_argument("--log-stats", action="store_true", help="vLLM's stats on (same for every peer)")
     s.add_argument("--modes", default="none,null,kvslots", help="which peers to run (comma-separated)")
     e = sub.add_parser("e2e")
