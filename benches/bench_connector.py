@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import gc
 import json
 import os
 import random
@@ -55,9 +56,14 @@ def _scheduler_bench_one(args: argparse.Namespace, models: dict, batch: int, clo
         rng = random.Random(seed)
         c = copy.deepcopy(cfg)
         c.kv_transfer_config.kv_connector_extra_config = {"host_cache_blocks": num_blocks * 2}
+        hook_time = [0.0]
         if mode == "kvslots":
             h = Harness(c, num_blocks=num_blocks, seed=seed, log_stats=args.log_stats)
             sched, workers = h.scheduler, h.workers
+            if args.events == "off":  # nobody reads KV events: vLLM's publisher is off
+                h.connector._vllm_events = False
+                h.connector._sched.planner.events_wanted = False
+            _time_hooks(h.connector, hook_time, clock)
         else:
             if mode == "none":
                 c.kv_transfer_config = None
@@ -72,6 +78,10 @@ def _scheduler_bench_one(args: argparse.Namespace, models: dict, batch: int, clo
         for i in range(batch):
             sched.add_request(make_request(f"r{i}", [rng.randrange(1, DRAFT_BASE) for _ in range(rng.randrange(200, 600))],
                                            max_tokens=10_000))
+        # As vLLM's engine core does after start-up (freeze_gc_heap): the set-up's objects are
+        # not scanned by every collection. Same for every mode.
+        gc.collect()
+        gc.freeze()
         timed = 0.0
         step, decoding_since = 0, None
         while decoding_since is None or step < decoding_since + args.warmup + args.steps:
@@ -94,7 +104,7 @@ def _scheduler_bench_one(args: argparse.Namespace, models: dict, batch: int, clo
             for rid in ids:
                 spec = so.scheduled_spec_decode_tokens.get(rid, [])
                 a = 0
-                while a < len(spec) and rng.random() < 0.7:
+                while a < len(spec) and spec[a] >= 0 and rng.random() < 0.7:
                     a += 1
                 sampled.append(list(spec[:a]) + [rng.randrange(1, DRAFT_BASE)])
             out = ModelRunnerOutput(req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
@@ -106,11 +116,17 @@ def _scheduler_bench_one(args: argparse.Namespace, models: dict, batch: int, clo
             running = [r.request_id for r in sched.running]
             sched.update_draft_token_ids(DraftTokenIds(running, [[rng.randrange(DRAFT_BASE, 2 * DRAFT_BASE) for _ in range(3)]
                                                                  for _ in running]))
+            if decoding_since is not None and step == decoding_since + args.warmup:
+                hook_time[0] = 0.0  # the timed steps only
             if decoding_since is not None and step > decoding_since + args.warmup:
                 timed += t_sched + t_update
+        gc.unfreeze()
+        if mode == "kvslots":
+            hooks.append(hook_time[0] / args.steps)
         return timed / args.steps
 
     modes = args.modes.split(",")
+    hooks: list[float] = []  # per kvslots run: time inside the connector's scheduler-side hooks per step
     times: dict[str, list[float]] = {m: [] for m in modes}
     for rep in tqdm(range(args.repeats), desc=f"scheduler B={batch}", disable=not args.progress):
         # Interleaved, and the order rotates each repeat, to spread machine noise over all three.
@@ -124,6 +140,11 @@ def _scheduler_bench_one(args: argparse.Namespace, models: dict, batch: int, clo
         if mode in times:
             t = times[mode]
             print(f"  {label:28s} {statistics.median(t) * 1e3:8.3f} ms/step ({min(t) * 1e3:.3f}-{max(t) * 1e3:.3f})")
+    if hooks and "none" in times:
+        direct = [100 * hk / b for hk, b in zip(hooks, times["none"])]
+        print(f"  inside KVSlots' hooks         {statistics.median(hooks) * 1e6:7.1f} us/step = "
+              f"{statistics.median(direct):.2f}% of the step without connector (per-repeat median; "
+              f"{min(direct):.2f} to {max(direct):.2f}): timed directly, the least noisy figure")
     if len(times) != 3:
         return
     # Per repeat: the three runs of one repeat ran back to back, so their differences share noise.
@@ -139,7 +160,30 @@ def _scheduler_bench_one(args: argparse.Namespace, models: dict, batch: int, clo
     if args.json:
         with open(args.json, "a") as f:
             f.write(json.dumps({"batch": batch, "clock": args.clock, "steps": args.steps, "times": times,
-                                "own_pct": own}) + "\n")
+                                "own_pct": own, "hooks": hooks}) + "\n")
+
+
+#: The connector methods vLLM's scheduler calls (scheduler side).
+_SCHEDULER_HOOKS = ("get_num_new_matched_tokens", "update_state_after_alloc", "build_connector_meta",
+                    "update_connector_output", "request_finished", "take_events", "has_pending_push_work",
+                    "get_external_cache_hit_sources", "get_kv_connector_stats")
+
+
+def _time_hooks(connector, acc: list[float], clock) -> None:
+    """Wraps the connector's scheduler-side methods (on the instance) to add their time to acc[0]."""
+    for name in _SCHEDULER_HOOKS:
+        fn = getattr(connector, name, None)
+        if fn is None:
+            continue
+
+        def timed(*a, _fn=fn, **kw):
+            t0 = clock()
+            try:
+                return _fn(*a, **kw)
+            finally:
+                acc[0] += clock() - t0
+
+        setattr(connector, name, timed)
 
 
 def _null_connector_class():
@@ -218,6 +262,9 @@ def main() -> None:
                    help="thread CPU time (default: other processes on a shared machine count less) or wall clock")
     s.add_argument("--json", metavar="FILE", help="append each batch's per-repeat times to FILE (JSON lines)")
     s.add_argument("--progress", action="store_true", help="show a progress bar")
+    s.add_argument("--events", choices=("capture", "off"), default="capture",
+                   help="capture: the connector builds vLLM event objects for a reader (vLLM's own "
+                        "events stay off in every mode, so this is the stricter case); off: no reader")
     s.add_argument("--log-stats", action="store_true", help="vLLM's stats on (same for every peer)")
     s.add_argument("--modes", default="none,null,kvslots", help="which peers to run (comma-separated)")
     e = sub.add_parser("e2e")

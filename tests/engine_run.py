@@ -72,7 +72,7 @@ def main() -> None:
     conn = core.scheduler.connector
     if conn is not None:
         result["connector"] = dict(conn._sched.stats)
-        result["host"] = conn._sched.host.stats()
+        result["host"] = conn._sched.host.host_stats()
         result["host_blocks"] = len(conn._sched.host.registered_hashes())
         from kvslots.events import decode_batch
 

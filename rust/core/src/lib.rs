@@ -10,6 +10,7 @@
 //! whole KV blocks between a layer and the host tier.
 
 pub mod cache;
+pub mod connector;
 pub mod copy;
 pub mod error;
 pub mod events;
@@ -21,7 +22,8 @@ pub mod slot;
 pub mod tracker;
 pub mod wire;
 
-pub use cache::{CacheStats, HostCache, PendingStore};
+pub use cache::{CacheStats, HostCache, PendingStore, NO_SUCCESSOR};
+pub use connector::{ConnectorPlanner, PlannerConfig, PlannerStats, ReqSlot, StepPlan};
 pub use copy::{copy_blocks, BlockLayout, CopySpec};
 pub use error::{Result, SlotError};
 pub use events::{EventLog, KvEvent, KvEventRef};
