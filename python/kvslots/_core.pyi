@@ -310,7 +310,7 @@ class ConnectorPlanner:
     def track(self, request: Any) -> None: ...
     def build(
         self, scheduler_output: Any
-    ) -> tuple[int, npt.NDArray[np.int64], npt.NDArray[np.int64], list[tuple[str, list[int], list[int]]]]:
+    ) -> tuple[int, list[int], list[int], list[tuple[str, list[int], list[int]]]]:
         """One step: ``(step, store_device_blocks, store_host_blocks, [(request_id,
         device_blocks, host_blocks)])``."""
     def finish(self, request: Any, block_ids: _IntSeq) -> bool: ...

@@ -7,7 +7,6 @@ use std::collections::HashMap;
 use std::hash::{BuildHasherDefault, Hasher};
 
 use kvslots_core as core;
-use numpy::PyArray1;
 use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyList, PySet, PyString, PyTuple};
@@ -17,8 +16,8 @@ use crate::errors::{invalid, slot_error};
 
 type PyPlan<'py> = (
     u64,
-    Bound<'py, PyArray1<i64>>,
-    Bound<'py, PyArray1<i64>>,
+    Vec<u32>,
+    Vec<u32>,
     Vec<(Bound<'py, PyString>, Vec<u32>, Vec<u32>)>,
 );
 
@@ -536,7 +535,6 @@ impl ConnectorPlanner {
             return Err(e);
         }
         debug_assert_eq!(self.plan.step, step);
-        let to_i64 = |v: &[u32]| -> Vec<i64> { v.iter().map(|&x| x as i64).collect() };
         let loads = self
             .plan
             .loads
@@ -549,10 +547,11 @@ impl ConnectorPlanner {
                 )
             })
             .collect();
+        // Plain lists: vLLM pickles the metadata to its workers every step.
         Ok((
             step,
-            PyArray1::from_vec(py, to_i64(&self.plan.store_device)),
-            PyArray1::from_vec(py, to_i64(&self.plan.store_host)),
+            self.plan.store_device.clone(),
+            self.plan.store_host.clone(),
             loads,
         ))
     }

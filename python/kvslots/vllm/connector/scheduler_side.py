@@ -35,7 +35,7 @@ from typing import Any
 
 from ..._core import ConnectorPlanner
 from ...errors import KVSlotsError
-from .metadata import KVSlotsMetadata, KVSlotsWorkerMetadata, LoadSpec
+from .metadata import EMPTY_METADATA, KVSlotsMetadata, KVSlotsWorkerMetadata, LoadSpec
 
 logger = logging.getLogger(__name__)
 
@@ -93,6 +93,8 @@ class SchedulerSide:
     # ---- per step ----
     def build(self, scheduler_output: Any) -> KVSlotsMetadata:
         step, dev, host, loads = self.planner.build(scheduler_output)
+        if not dev and not loads:
+            return EMPTY_METADATA  # nothing to copy: one shared object, pickled by reference
         return KVSlotsMetadata(step=step, store_device_blocks=dev, store_host_blocks=host,
                                loads=[LoadSpec(r, d, h) for r, d, h in loads] if loads else [])
 
