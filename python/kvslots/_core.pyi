@@ -300,9 +300,11 @@ class ConnectorPlanner:
         block_size: int,
         num_host_blocks: int,
         eagle: bool,
-        expected_workers: int = 1,
-        max_decode_tokens: int = 1,
-    ) -> Self: ...
+        expected_workers: int | None = None,
+        max_decode_tokens: int | None = None,
+    ) -> Self:
+        """``expected_workers`` (default 1): worker ranks that must ack a step;
+        ``max_decode_tokens`` (default 1): 1 + K, informational."""
     def lookup(self, request: Any, num_computed_tokens: int) -> int:
         """Host-tier hit beyond vLLM's local hit, in tokens (for EAGLE, the last block only when
         the request's next token is the one recorded with it)."""
@@ -315,7 +317,11 @@ class ConnectorPlanner:
         device_blocks, host_blocks)])``."""
     def finish(self, request: Any, block_ids: _IntSeq) -> bool: ...
     def complete(
-        self, step: int, acks: int, failed_store_blocks: list[int] = ..., failed_loads: int = 0
+        self,
+        step: int,
+        acks: int,
+        failed_store_blocks: _IntSeq | None = None,
+        failed_loads: int | None = None,
     ) -> int: ...
     def has_pending_work(self) -> bool: ...
     @property

@@ -11,8 +11,11 @@ use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyList, PySet, PyString, PyTuple};
 
-use crate::convert::{batch_meta, count, events_to_py, log_to_msgpack, type_name, IntArg};
-use crate::errors::{invalid, slot_error};
+use crate::convert::{
+    self as conv, arg, count, events_to_py, flag, int, log_to_msgpack, opt_int, type_name, IntArg,
+    MetaArgs,
+};
+use crate::errors::{borrow, borrow_mut, invalid, slot_error};
 
 type PyPlan<'py> = (
     u64,
@@ -305,95 +308,9 @@ impl ConnectorPlanner {
             .get(slot as usize)
             .and_then(|o| o.as_ref().map(|o| o.clone_ref(py)))
     }
-}
 
-#[pymethods]
-impl ConnectorPlanner {
-    #[new]
-    #[pyo3(signature = (block_size, num_host_blocks, eagle, expected_workers=1, max_decode_tokens=1))]
-    fn new(
-        block_size: i64,
-        num_host_blocks: i64,
-        eagle: bool,
-        expected_workers: i64,
-        max_decode_tokens: i64,
-    ) -> PyResult<Self> {
-        let cfg = core::PlannerConfig {
-            block_size: count(block_size, "block_size", None)?,
-            num_host_blocks: count(num_host_blocks, "num_host_blocks", None)?,
-            eagle,
-            expected_workers: u32::try_from(count(expected_workers, "expected_workers", None)?)
-                .map_err(|_| invalid(None, "expected_workers is too large".into()))?,
-            max_decode_tokens: count(max_decode_tokens, "max_decode_tokens", None)?,
-        };
-        Ok(ConnectorPlanner {
-            inner: core::ConnectorPlanner::new(cfg).map_err(slot_error)?,
-            objs: Vec::new(),
-            id_objs: Vec::new(),
-            by_ptr: HashMap::default(),
-            plan: core::StepPlan::default(),
-            due: Vec::new(),
-            hashes: Vec::new(),
-            tokens: Vec::new(),
-            blocks: Vec::new(),
-            wire: Vec::new(),
-            events_wanted: true,
-        })
-    }
-
-    /// Host-tier hit of a waiting request beyond vLLM's local hit of `num_computed_tokens`, in
-    /// tokens (never the whole prompt; for EAGLE, the last block only when the next token is
-    /// the one recorded with it).
-    fn lookup(
-        &mut self,
-        py: Python<'_>,
-        request: &Bound<'_, PyAny>,
-        num_computed_tokens: i64,
-    ) -> PyResult<usize> {
-        let bs = self.inner.config().block_size;
-        let slot = self.slot_for(py, request)?;
-        let block_hashes = request.getattr(intern!(py, "block_hashes"))?;
-        let num_tokens = usize_attr(request, intern!(py, "num_tokens"))?;
-        let max_blocks = (num_tokens.saturating_sub(1) / bs).min(block_hashes.len()?);
-        let local = count(num_computed_tokens, "num_computed_tokens", None)? / bs;
-        if max_blocks <= local {
-            return Ok(0);
-        }
-        self.ensure_hashes(slot, &block_hashes, max_blocks)?;
-        let seq = tokens_of(request)?;
-        Ok(self
-            .inner
-            .lookup(slot, local, max_blocks, |p| token_at(&seq, p).ok()))
-    }
-
-    /// vLLM allocated the request's blocks (`device_blocks`: its whole block table):
-    /// mirrors it and pins the host blocks of its external hit for a load in the next step.
-    fn after_alloc(
-        &mut self,
-        py: Python<'_>,
-        request: &Bound<'_, PyAny>,
-        device_blocks: &Bound<'_, PyAny>,
-        num_external_tokens: i64,
-    ) -> PyResult<()> {
-        let slot = self.slot_for(py, request)?;
-        let n = count(num_external_tokens, "num_external_tokens", None)?;
-        if n == 0 {
-            return Ok(());
-        }
-        let dev = IntArg::<u32>::extract(device_blocks, "device_blocks", None)?;
-        self.inner
-            .plan_load(slot, dev.as_slice(), n)
-            .map_err(slot_error)
-    }
-
-    /// Starts mirroring a request without a lookup (vLLM allocated it without asking).
-    fn track(&mut self, py: Python<'_>, request: &Bound<'_, PyAny>) -> PyResult<()> {
-        self.slot_for(py, request).map(|_| ())
-    }
-
-    /// Plans one engine step from vLLM's `SchedulerOutput`: returns
-    /// `(step, store_device_blocks, store_host_blocks, [(request_id, device_blocks, host_blocks)])`.
-    fn build<'py>(
+    /// `build`: the planner is borrowed by the caller.
+    fn build_step<'py>(
         &mut self,
         py: Python<'py>,
         scheduler_output: &Bound<'py, PyAny>,
@@ -556,13 +473,12 @@ impl ConnectorPlanner {
         ))
     }
 
-    /// A finished request: its last verified blocks (of `block_ids`, its device blocks) are
-    /// stored at the start of the next step; the request is forgotten. Never holds blocks.
-    fn finish(
+    /// `finish`: the planner is borrowed by the caller.
+    fn finish_request(
         &mut self,
         py: Python<'_>,
         request: &Bound<'_, PyAny>,
-        block_ids: &Bound<'_, PyAny>,
+        block_ids: &[u32],
     ) -> PyResult<bool> {
         let rid_obj = request.getattr(intern!(py, "request_id"))?;
         let Some(slot) = self.inner.slot_of(rid_obj.cast::<PyString>()?.to_str()?) else {
@@ -574,68 +490,208 @@ impl ConnectorPlanner {
                 usize_attr(request, intern!(py, "num_in_flight_tokens")).unwrap_or(0),
             );
             let hashes = request.getattr(intern!(py, "block_hashes"))?;
-            let dev = IntArg::<u32>::extract(block_ids, "block_ids", None)?;
-            let dev = dev.as_slice().to_vec();
-            self.store_request(slot, request, verified, &hashes, Some(&dev), true)?;
+            self.store_request(slot, request, verified, &hashes, Some(block_ids), true)?;
             Ok(())
         })();
         self.inner.finish(slot);
         self.forget(slot);
         res.map(|_| true)
     }
+}
+
+#[pymethods]
+impl ConnectorPlanner {
+    #[new]
+    #[pyo3(signature = (block_size, num_host_blocks, eagle, expected_workers=None, max_decode_tokens=None))]
+    fn new(
+        block_size: &Bound<'_, PyAny>,
+        num_host_blocks: &Bound<'_, PyAny>,
+        eagle: &Bound<'_, PyAny>,
+        expected_workers: Option<&Bound<'_, PyAny>>,
+        max_decode_tokens: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<Self> {
+        let cfg = core::PlannerConfig {
+            block_size: count(block_size, "block_size", None)?,
+            num_host_blocks: count(num_host_blocks, "num_host_blocks", None)?,
+            eagle: flag(eagle, "eagle", None)?,
+            expected_workers: opt_int::<u32>(expected_workers, "expected_workers", None)?
+                .unwrap_or(1),
+            max_decode_tokens: opt_int::<usize>(max_decode_tokens, "max_decode_tokens", None)?
+                .unwrap_or(1),
+        };
+        Ok(ConnectorPlanner {
+            inner: core::ConnectorPlanner::new(cfg).map_err(slot_error)?,
+            objs: Vec::new(),
+            id_objs: Vec::new(),
+            by_ptr: HashMap::default(),
+            plan: core::StepPlan::default(),
+            due: Vec::new(),
+            hashes: Vec::new(),
+            tokens: Vec::new(),
+            blocks: Vec::new(),
+            wire: Vec::new(),
+            events_wanted: true,
+        })
+    }
+
+    /// Host-tier hit of a waiting request beyond vLLM's local hit of `num_computed_tokens`, in
+    /// tokens (never the whole prompt; for EAGLE, the last block only when the next token is
+    /// the one recorded with it). Reads the vLLM `Request` while the planner is borrowed.
+    fn lookup(
+        slf: &Bound<'_, Self>,
+        request: &Bound<'_, PyAny>,
+        num_computed_tokens: &Bound<'_, PyAny>,
+    ) -> PyResult<usize> {
+        let py = slf.py();
+        let num_computed = count(num_computed_tokens, "num_computed_tokens", None)?;
+        let mut this = borrow_mut(slf)?;
+        let this = &mut *this;
+        let bs = this.inner.config().block_size;
+        let slot = this.slot_for(py, request)?;
+        let block_hashes = request.getattr(intern!(py, "block_hashes"))?;
+        let num_tokens = usize_attr(request, intern!(py, "num_tokens"))?;
+        let max_blocks = (num_tokens.saturating_sub(1) / bs).min(block_hashes.len()?);
+        let local = num_computed / bs;
+        if max_blocks <= local {
+            return Ok(0);
+        }
+        this.ensure_hashes(slot, &block_hashes, max_blocks)?;
+        let seq = tokens_of(request)?;
+        Ok(this
+            .inner
+            .lookup(slot, local, max_blocks, |p| token_at(&seq, p).ok()))
+    }
+
+    /// vLLM allocated the request's blocks (`device_blocks`: its whole block table): pins the
+    /// host blocks of its external hit for a load in the next step.
+    fn after_alloc(
+        slf: &Bound<'_, Self>,
+        request: &Bound<'_, PyAny>,
+        device_blocks: &Bound<'_, PyAny>,
+        num_external_tokens: &Bound<'_, PyAny>,
+    ) -> PyResult<()> {
+        let py = slf.py();
+        let n = count(num_external_tokens, "num_external_tokens", None)?;
+        let dev = if n > 0 {
+            Some(IntArg::<u32>::extract(
+                device_blocks,
+                "device_blocks",
+                None,
+            )?)
+        } else {
+            None
+        };
+        let mut this = borrow_mut(slf)?;
+        let slot = this.slot_for(py, request)?;
+        match dev {
+            Some(d) => this
+                .inner
+                .plan_load(slot, d.as_slice(), n)
+                .map_err(slot_error),
+            None => Ok(()),
+        }
+    }
+
+    /// Starts mirroring a request without a lookup (vLLM allocated it without asking).
+    fn track(slf: &Bound<'_, Self>, request: &Bound<'_, PyAny>) -> PyResult<()> {
+        let py = slf.py();
+        borrow_mut(slf)?.slot_for(py, request).map(|_| ())
+    }
+
+    /// Plans one engine step from vLLM's `SchedulerOutput`: returns
+    /// `(step, store_device_blocks, store_host_blocks, [(request_id, device_blocks, host_blocks)])`.
+    fn build<'py>(
+        slf: &Bound<'py, Self>,
+        scheduler_output: &Bound<'py, PyAny>,
+    ) -> PyResult<PyPlan<'py>> {
+        let py = slf.py();
+        let mut this = borrow_mut(slf)?;
+        this.build_step(py, scheduler_output)
+    }
+
+    /// A finished request: its last verified blocks (of `block_ids`, its device blocks) are
+    /// stored at the start of the next step; the request is forgotten. Never holds blocks.
+    fn finish(
+        slf: &Bound<'_, Self>,
+        request: &Bound<'_, PyAny>,
+        block_ids: &Bound<'_, PyAny>,
+    ) -> PyResult<bool> {
+        let py = slf.py();
+        let dev = IntArg::<u32>::extract(block_ids, "block_ids", None)?;
+        let mut this = borrow_mut(slf)?;
+        this.finish_request(py, request, dev.as_slice())
+    }
 
     /// The workers' report for `step` (see `KVSlotsWorkerMetadata`); returns blocks registered.
-    #[pyo3(signature = (step, acks, failed_store_blocks=Vec::new(), failed_loads=0))]
+    #[pyo3(signature = (step, acks, failed_store_blocks=None, failed_loads=None))]
     fn complete(
-        &mut self,
-        step: u64,
-        acks: u32,
-        failed_store_blocks: Vec<u32>,
-        failed_loads: u64,
+        slf: &Bound<'_, Self>,
+        step: &Bound<'_, PyAny>,
+        acks: &Bound<'_, PyAny>,
+        failed_store_blocks: Option<&Bound<'_, PyAny>>,
+        failed_loads: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<usize> {
-        self.inner
-            .complete(step, acks, &failed_store_blocks, failed_loads)
+        let step = int::<u64>(step, "step", None)?;
+        let acks = int::<u32>(acks, "acks", None)?;
+        let failed = match failed_store_blocks {
+            Some(f) if !f.is_none() => IntArg::<u32>::extract(f, "failed_store_blocks", None)?.0,
+            _ => Vec::new(),
+        };
+        let failed_loads = opt_int::<u64>(failed_loads, "failed_loads", None)?.unwrap_or(0);
+        borrow_mut(slf)?
+            .inner
+            .complete(step, acks, &failed, failed_loads)
             .map_err(slot_error)
     }
 
-    fn has_pending_work(&self) -> bool {
-        self.inner.has_pending_work()
+    fn has_pending_work(slf: &Bound<'_, Self>) -> PyResult<bool> {
+        Ok(borrow(slf)?.inner.has_pending_work())
     }
     /// Whether anyone reads the host-tier events: when not, stores do not read the token ids
     /// the BlockStored events would carry (the events are to be dropped with discard_events).
     #[getter]
-    fn events_wanted(&self) -> bool {
-        self.events_wanted
+    fn events_wanted(slf: &Bound<'_, Self>) -> PyResult<bool> {
+        Ok(borrow(slf)?.events_wanted)
     }
     #[setter]
-    fn set_events_wanted(&mut self, wanted: bool) {
-        self.events_wanted = wanted;
+    fn set_events_wanted(slf: &Bound<'_, Self>, wanted: &Bound<'_, PyAny>) -> PyResult<()> {
+        let w = flag(wanted, "events_wanted", None)?;
+        borrow_mut(slf)?.events_wanted = w;
+        Ok(())
     }
     #[getter]
-    fn step(&self) -> u64 {
-        self.inner.step()
+    fn step(slf: &Bound<'_, Self>) -> PyResult<u64> {
+        Ok(borrow(slf)?.inner.step())
     }
     #[getter]
-    fn expected_workers(&self) -> u32 {
-        self.inner.config().expected_workers
+    fn expected_workers(slf: &Bound<'_, Self>) -> PyResult<u32> {
+        Ok(borrow(slf)?.inner.config().expected_workers)
     }
     #[setter]
-    fn set_expected_workers(&mut self, n: u32) {
-        self.inner.set_expected_workers(n);
+    fn set_expected_workers(slf: &Bound<'_, Self>, n: &Bound<'_, PyAny>) -> PyResult<()> {
+        let n = int::<u32>(n, "expected_workers", None)?;
+        borrow_mut(slf)?.inner.set_expected_workers(n);
+        Ok(())
     }
     #[getter]
-    fn num_tracked(&self) -> usize {
-        self.inner.num_tracked()
+    fn num_tracked(slf: &Bound<'_, Self>) -> PyResult<usize> {
+        Ok(borrow(slf)?.inner.num_tracked())
     }
     /// The device block ids mirrored for a request (None if not tracked).
-    fn device_blocks(&self, request_id: &str) -> Option<Vec<u32>> {
-        self.inner
-            .slot_of(request_id)
-            .map(|s| self.inner.device_blocks(s).to_vec())
+    fn device_blocks(
+        slf: &Bound<'_, Self>,
+        request_id: &Bound<'_, PyAny>,
+    ) -> PyResult<Option<Vec<u32>>> {
+        let rid = conv::request_id(request_id)?;
+        let this = borrow(slf)?;
+        Ok(this
+            .inner
+            .slot_of(rid)
+            .map(|s| this.inner.device_blocks(s).to_vec()))
     }
-    fn stats(&self) -> HashMap<&'static str, u64> {
-        let s = self.inner.stats();
-        HashMap::from([
+    fn stats(slf: &Bound<'_, Self>) -> PyResult<HashMap<&'static str, u64>> {
+        let s = borrow(slf)?.inner.stats();
+        Ok(HashMap::from([
             ("hit_tokens", s.hit_tokens),
             ("loaded_blocks", s.loaded_blocks),
             ("stored_blocks", s.stored_blocks),
@@ -645,31 +701,38 @@ impl ConnectorPlanner {
             ("last_blocks_served", s.last_blocks_served),
             ("last_blocks_dropped", s.last_blocks_dropped),
             ("checked", s.checked),
-        ])
+        ]))
     }
 
     // ---- the host tier ----
     /// Drops every cached host block (queues AllBlocksCleared).
-    fn clear(&mut self) -> usize {
-        self.inner.cache_mut().clear()
+    fn clear(slf: &Bound<'_, Self>) -> PyResult<usize> {
+        Ok(borrow_mut(slf)?.inner.cache_mut().clear())
     }
-    fn registered_hashes(&self) -> Vec<u64> {
-        let mut v: Vec<u64> = self.inner.cache().pool().registered_hashes().collect();
+    fn registered_hashes(slf: &Bound<'_, Self>) -> PyResult<Vec<u64>> {
+        let mut v: Vec<u64> = borrow(slf)?
+            .inner
+            .cache()
+            .pool()
+            .registered_hashes()
+            .collect();
         v.sort_unstable();
-        v
+        Ok(v)
     }
     /// The host block holding a cached hash, if any.
-    fn lookup_block(&self, block_hash: u64) -> Option<u32> {
-        self.inner.cache().pool().lookup(block_hash)
+    fn lookup_block(slf: &Bound<'_, Self>, block_hash: &Bound<'_, PyAny>) -> PyResult<Option<u32>> {
+        let h = int::<u64>(block_hash, "block_hash", None)?;
+        Ok(borrow(slf)?.inner.cache().pool().lookup(h))
     }
     /// The successor token recorded with a cached block (None: none recorded).
-    fn successor(&self, block_hash: u64) -> Option<u32> {
-        let s = self.inner.cache().successor(block_hash);
-        (s != core::NO_SUCCESSOR).then_some(s)
+    fn successor(slf: &Bound<'_, Self>, block_hash: &Bound<'_, PyAny>) -> PyResult<Option<u32>> {
+        let h = int::<u64>(block_hash, "block_hash", None)?;
+        let s = borrow(slf)?.inner.cache().successor(h);
+        Ok((s != core::NO_SUCCESSOR).then_some(s))
     }
-    fn host_stats(&self) -> HashMap<&'static str, u64> {
-        let s = self.inner.cache().stats();
-        HashMap::from([
+    fn host_stats(slf: &Bound<'_, Self>) -> PyResult<HashMap<&'static str, u64>> {
+        let s = borrow(slf)?.inner.cache().stats();
+        Ok(HashMap::from([
             ("lookups", s.lookups),
             ("hit_blocks", s.hit_blocks),
             ("stores_started", s.stores_started),
@@ -678,54 +741,62 @@ impl ConnectorPlanner {
             ("stores_skipped_full", s.stores_skipped_full),
             ("loads_started", s.loads_started),
             ("evicted_blocks", s.evicted_blocks),
-        ])
+        ]))
     }
-    fn check_invariants(&self) -> Option<String> {
-        self.inner.cache().pool().check().err()
-    }
-    #[getter]
-    fn num_host_blocks(&self) -> usize {
-        self.inner.cache().pool().num_blocks()
+    fn check_invariants(slf: &Bound<'_, Self>) -> PyResult<Option<String>> {
+        Ok(borrow(slf)?.inner.cache().pool().check().err())
     }
     #[getter]
-    fn num_held(&self) -> usize {
-        self.inner.cache().pool().num_held()
+    fn num_host_blocks(slf: &Bound<'_, Self>) -> PyResult<usize> {
+        Ok(borrow(slf)?.inner.cache().pool().num_blocks())
     }
     #[getter]
-    fn num_cached(&self) -> usize {
-        self.inner.cache().pool().num_cached()
+    fn num_held(slf: &Bound<'_, Self>) -> PyResult<usize> {
+        Ok(borrow(slf)?.inner.cache().pool().num_held())
     }
     #[getter]
-    fn num_storing(&self) -> usize {
-        self.inner.cache().num_storing()
+    fn num_cached(slf: &Bound<'_, Self>) -> PyResult<usize> {
+        Ok(borrow(slf)?.inner.cache().pool().num_cached())
+    }
+    #[getter]
+    fn num_storing(slf: &Bound<'_, Self>) -> PyResult<usize> {
+        Ok(borrow(slf)?.inner.cache().num_storing())
     }
 
     // ---- host-tier events ----
-    fn num_pending_events(&self) -> usize {
-        self.inner.cache().events().len()
+    fn num_pending_events(slf: &Bound<'_, Self>) -> PyResult<usize> {
+        Ok(borrow(slf)?.inner.cache().events().len())
     }
-    fn drain_raw_events<'py>(&mut self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
-        let list = events_to_py(py, self.inner.cache().events())?;
-        self.inner.cache_mut().events_mut().clear();
+    fn drain_raw_events<'py>(slf: &Bound<'py, Self>) -> PyResult<Bound<'py, PyList>> {
+        let mut this = borrow_mut(slf)?;
+        let list = events_to_py(slf.py(), this.inner.cache().events())?;
+        this.inner.cache_mut().events_mut().clear();
         Ok(list)
     }
     /// Queued events as one msgpack `KVEventBatch` (vLLM's wire format); the queue stays.
-    #[pyo3(signature = (ts, medium=Some("CPU"), data_parallel_rank=None, hashes_as_bytes=false))]
+    #[pyo3(signature = (ts, medium=Some("CPU".to_owned()), data_parallel_rank=None, hashes_as_bytes=false))]
     fn events_msgpack<'py>(
-        &mut self,
-        py: Python<'py>,
-        ts: f64,
-        medium: Option<&str>,
-        data_parallel_rank: Option<i64>,
-        hashes_as_bytes: bool,
+        slf: &Bound<'py, Self>,
+        ts: &Bound<'py, PyAny>,
+        #[pyo3(from_py_with = arg::medium)] medium: Option<String>,
+        data_parallel_rank: Option<&Bound<'py, PyAny>>,
+        #[pyo3(from_py_with = arg::hashes_as_bytes)] hashes_as_bytes: bool,
     ) -> PyResult<Bound<'py, PyBytes>> {
-        let meta = batch_meta(ts, medium, data_parallel_rank, hashes_as_bytes);
-        log_to_msgpack(py, self.inner.cache().events(), &mut self.wire, meta)
+        let args = MetaArgs::extract(ts, medium.as_deref(), data_parallel_rank, hashes_as_bytes)?;
+        let mut this = borrow_mut(slf)?;
+        let this = &mut *this;
+        log_to_msgpack(
+            slf.py(),
+            this.inner.cache().events(),
+            &mut this.wire,
+            args.meta(),
+        )
     }
     /// Drops the queued events (nobody reads them); returns how many there were.
-    fn discard_events(&mut self) -> usize {
-        let n = self.inner.cache().events().len();
-        self.inner.cache_mut().events_mut().clear();
-        n
+    fn discard_events(slf: &Bound<'_, Self>) -> PyResult<usize> {
+        let mut this = borrow_mut(slf)?;
+        let n = this.inner.cache().events().len();
+        this.inner.cache_mut().events_mut().clear();
+        Ok(n)
     }
 }
