@@ -308,6 +308,33 @@ def print_summary(s: dict, spec: ModelSpec) -> None:
               f"({min(h):.3f}-{max(h):.3f})")
 
 
+def plot(out: dict, path: str) -> None:
+    """Bar chart of the per-round ratios (connector / none) per model: output tok/s and mean TTFT,
+    median with the min-max range. Needs matplotlib (any interpreter: --from-json)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(out["summary"])
+    fig, axes = plt.subplots(1, 2, figsize=(9, 3.6))
+    for ax, key, label, target in ((axes[0], "tps_ratios", "output tok/s, kvslots / none", None),
+                                   (axes[1], "ttft_ratios", "mean TTFT, kvslots / none", None)):
+        meds = [med(out["summary"][n][key]) for n in names]
+        lo = [m - min(out["summary"][n][key]) for n, m in zip(names, meds)]
+        hi = [max(out["summary"][n][key]) - m for n, m in zip(names, meds)]
+        bars = ax.bar(names, meds, yerr=[lo, hi], capsize=6, color=["#4c72b0", "#dd8452"][: len(names)])
+        ax.axhline(1.0, color="black", linewidth=0.8)
+        for b, m in zip(bars, meds):
+            ax.text(b.get_x() + b.get_width() / 2, m, f"{m:.2f}x", ha="center", va="bottom")
+        ax.set_title(label, fontsize=10)
+    rounds = {n: len(out["summary"][n]["tps_ratios"]) for n in names}
+    fig.suptitle("kvslots serve, EAGLE K=3, prefix_repetition (vLLM's serving benchmark); median of "
+                 + ", ".join(f"{n} {r} rounds" for n, r in rounds.items()) + " (bars: min-max)", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", default="tiny,real", help="comma-separated: tiny, real")
@@ -324,7 +351,19 @@ def main() -> None:
     ap.add_argument("--start-timeout", type=float, default=600)
     ap.add_argument("--profile", metavar="DIR", help="cProfile the engine core and time the connector's hooks")
     ap.add_argument("--json", metavar="FILE", help="write every run and the summaries")
+    ap.add_argument("--plot", metavar="PNG", help="chart of the ratios (needs matplotlib)")
+    ap.add_argument("--from-json", metavar="FILE", help="only print and plot a saved run")
     args = ap.parse_args()
+    if args.from_json:
+        with open(args.from_json) as f:
+            out = json.load(f)
+        for name, s in out["summary"].items():
+            base = MODELS[name]
+            spec = ModelSpec(name, base.dims, s.get("prompts", base.prompts), s.get("concurrency", base.concurrency))
+            print_summary(s, spec)
+        if args.plot:
+            plot(out, args.plot)
+        return
     logdir = args.logdir or tempfile.mkdtemp(prefix="kvslots-served-")
     os.makedirs(logdir, exist_ok=True)
     out: dict = {"runs": {}, "summary": {}, "uptime_before": _uptime()}
@@ -348,6 +387,7 @@ def main() -> None:
                       f"host/device {r['host_tokens']:,.0f}/{r['device_tokens']:,.0f} (ideal {ideal[seed]:,}), "
                       f"failed {r['failed']}, {r['duration_s']:.0f} s; load {_uptime()}", flush=True)
         s = summarize(name, runs, ideal)
+        s["prompts"], s["concurrency"] = spec.prompts, spec.concurrency
         print_summary(s, spec)
         out["runs"][name], out["summary"][name] = runs, s
     out["uptime_after"] = _uptime()
@@ -355,6 +395,12 @@ def main() -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=1)
+    if args.plot:
+        try:
+            plot(out, args.plot)
+        except ImportError:
+            print("--plot needs matplotlib: save --json and render with --from-json FILE --plot PNG "
+                  "under an interpreter that has it")
 
 
 def _uptime() -> str:
