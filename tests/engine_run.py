@@ -52,7 +52,12 @@ def main() -> None:
             "kv_connector_extra_config": {"host_cache_gb": 0.05,
                                           "events_endpoint": f"tcp://*:{port}"},
         }
+    if spec.get("max_num_batched_tokens"):
+        kw["max_num_batched_tokens"] = spec["max_num_batched_tokens"]
     llm = LLM(**kw)
+    if spec.get("draft_kv"):
+        print("RESULT " + json.dumps(draft_kv(llm, spec)), flush=True)
+        return
     if spec.get("timing"):
         print("RESULT " + json.dumps(timing(llm, spec)), flush=True)
         return
@@ -72,7 +77,7 @@ def main() -> None:
     conn = core.scheduler.connector
     if conn is not None:
         result["connector"] = dict(conn._sched.stats)
-        result["host"] = conn._sched.host.stats()
+        result["host"] = conn._sched.host.host_stats()
         result["host_blocks"] = len(conn._sched.host.registered_hashes())
         from kvslots.events import decode_batch
 
@@ -87,6 +92,93 @@ def main() -> None:
         result["events"] = events
         result["publisher"] = conn._publisher.stats() if conn._publisher else None
     print("RESULT " + json.dumps(result), flush=True)
+
+
+def draft_kv(llm, spec: dict) -> dict:
+    """EAGLE last-block recovery, checked on the KV bytes. A long prompt P is computed (its full
+    blocks stored in the host tier), then repeated after a device cache reset (served from the
+    host tier); a prompt Q shares P's full blocks but not the token after them; then both are
+    recomputed from scratch (device and host reset) so that the host tier holds what a
+    recompute writes. Returns the host hits, the outputs, and per block whether the draft
+    layers' bytes of the served blocks equal the recompute's."""
+    import torch
+    from vllm import SamplingParams
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    from kvslots.events import external_block_hash
+
+    core = llm.llm_engine.engine_core.engine_core
+    sched = core.scheduler.connector._sched
+    planner = sched.planner
+    copier = get_kv_transfer_group()._worker.copier  # uni executor: the worker is in-process
+    target_layers = llm.llm_engine.vllm_config.model_config.hf_config.num_hidden_layers
+    names = sorted({seg.layer for seg in copier._segments})
+    draft = [n for n in names if not any(f"layers.{i}." in n for i in range(target_layers))]
+    target = [n for n in names if n not in draft]
+    hashes: dict[tuple, list[int]] = {}
+    lookup = sched.num_new_matched_tokens
+
+    def spy(request, n):  # records each prompt's block hashes (vLLM's, external form)
+        hashes[tuple(request.prompt_token_ids)] = [external_block_hash(h) for h in request.block_hashes]
+        return lookup(request, n)
+
+    sched.num_new_matched_tokens = spy
+    bs = 32
+    rng = random.Random(7)
+    n = spec.get("prompt_len", 400)
+    full = (n - 1) // bs
+    p = [rng.randrange(3, 2000) for _ in range(n)]
+    q = list(p)
+    q[full * bs] = 3 + (p[full * bs] - 2) % 1990  # another token right after the shared blocks
+    sp = SamplingParams(temperature=0, max_tokens=spec.get("max_tokens", 8), ignore_eos=True)
+
+    def run(prompt):
+        before = planner.stats()["hit_tokens"]
+        out = llm.generate([{"prompt_token_ids": prompt}], sp)
+        return list(out[0].outputs[0].token_ids), planner.stats()["hit_tokens"] - before
+
+    def host_blocks(prompt, layers):
+        """Per full block of the prompt: the named layers' bytes in its host block (or None)."""
+        out = []
+        for h in hashes[tuple(prompt)][:full]:
+            hb = planner.lookup_block(h)
+            view = copier.host_block_view(hb) if hb is not None else None
+            out.append(None if view is None else [view[name].clone() for name in layers])
+        return out
+
+    def same(a, b):
+        return a is not None and b is not None and all(torch.equal(x, y) for x, y in zip(a, b))
+
+    result: dict = {"draft_layers": draft, "target_layers": target, "full_blocks": full}
+    out_p, _ = run(p)
+    result["successors"] = [planner.successor(h) for h in hashes[tuple(p)][:full]]
+    result["expected_successors"] = [p[(i + 1) * bs] for i in range(full)]
+    stored_p = host_blocks(p, draft + target)
+    assert llm.reset_prefix_cache()
+    out_p2, hit_p = run(p)
+    assert llm.reset_prefix_cache()
+    out_q, hit_q = run(q)
+    # What a recompute writes: device and host emptied, each prompt computed alone.
+    assert llm.reset_prefix_cache(reset_connector=True)
+    out_p3, _ = run(p)
+    recomputed_p = host_blocks(p, draft + target)
+    assert llm.reset_prefix_cache(reset_connector=True)
+    out_q3, _ = run(q)
+    recomputed_q = host_blocks(q, draft + target)
+    nd = len(draft)
+    result.update(
+        hit_p=hit_p, hit_q=hit_q,
+        outputs={"p": out_p, "p_repeat": out_p2, "q": out_q, "p_recomputed": out_p3, "q_recomputed": out_q3},
+        # The blocks P's repeat loaded are the ones stored from P: equal to P's recompute?
+        p_draft_equal=[same(a and a[:nd], b and b[:nd]) for a, b in zip(stored_p, recomputed_p)],
+        p_target_equal=[same(a and a[nd:], b and b[nd:]) for a, b in zip(stored_p, recomputed_p)],
+        # P's stored blocks against Q's recompute: the last shared block's draft KV differs
+        # (its last position saw another next token), so serving it to Q would have been wrong.
+        pq_draft_equal=[same(a and a[:nd], b and b[:nd]) for a, b in zip(stored_p, recomputed_q)],
+        pq_target_equal=[same(a and a[nd:], b and b[nd:]) for a, b in zip(stored_p, recomputed_q)],
+        connector=dict(planner.stats()),
+    )
+    return result
 
 
 def timing(llm, spec: dict) -> dict:

@@ -91,23 +91,32 @@ def test_preemption_and_resume(eagle_cfg):
     assert h.sched_side.host.num_held == 0
 
 
-def _store_then_reset_device_cache(h: Harness, tokens: list[int]) -> None:
-    h.add("first", tokens, max_tokens=2)
+def _store_then_reset_device_cache(h: Harness, tokens: list[int]):
+    first = h.add("first", tokens, max_tokens=2)
     h.run_until_done()
     assert h.scheduler.reset_prefix_cache(), "device prefix cache reset"
+    return first
 
 
-@pytest.mark.parametrize("drop", [True, False])
-def test_external_hit_drops_last_block_for_eagle_and_loads_exact_kv(eagle_cfg, drop):
+@pytest.mark.parametrize("drop,next_token_matches", [(True, True), (True, False), (False, False)])
+def test_external_hit_serves_eagle_last_block_on_successor_match_and_loads_exact_kv(eagle_cfg, drop,
+                                                                                    next_token_matches):
     h = harness(eagle_cfg, extra={"host_cache_blocks": 256, "eagle_block_drop": drop}, seed=4)
     rng = random.Random(4)
     tokens = prompt(rng, BLOCK_SIZE * 5 + 7)
-    _store_then_reset_device_cache(h, tokens)
+    first = _store_then_reset_device_cache(h, tokens)
     stored_blocks = len(h.sched_side.host.registered_hashes())
     assert stored_blocks == 5
+    # Each host block recorded the token after it (the draft KV at its last position used it).
+    host = h.sched_side.host
+    hashes = full_verified_hashes(h, first)
+    assert [host.successor(x) for x in hashes[:5]] == [tokens[(i + 1) * BLOCK_SIZE] for i in range(5)]
+    if not next_token_matches:
+        # Same five blocks, another token after them: the EAGLE rule recomputes the last one.
+        tokens = tokens[: 5 * BLOCK_SIZE] + [(tokens[5 * BLOCK_SIZE] % (DRAFT_BASE - 2)) + 1] + tokens[5 * BLOCK_SIZE + 1:]
     second = h.add("second", tokens, max_tokens=2)
     so = h.step()
-    expected_hit = (stored_blocks - 1 if drop else stored_blocks) * BLOCK_SIZE
+    expected_hit = (stored_blocks - 1 if drop and not next_token_matches else stored_blocks) * BLOCK_SIZE
     new = [r for r in so.scheduled_new_reqs if r.req_id == "second"][0]
     assert new.num_computed_tokens == expected_hit
     # The loaded device blocks hold the original tokens, in every layer.

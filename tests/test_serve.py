@@ -42,6 +42,14 @@ TINY_LLAMA = {
 TINY_EAGLE = dict(TINY_LLAMA, num_hidden_layers=1)
 
 
+@pytest.fixture(autouse=True)
+def _cpu_reservation_already_set(monkeypatch):
+    """These tests check the plan as the user's flags make it: with VLLM_CPU_NUM_OF_RESERVED_CPU
+    set, kvslots serve adds nothing for vLLM's CPU core reservation (see
+    tests/test_connector_cpu_cores.py for what it adds otherwise)."""
+    monkeypatch.setenv("VLLM_CPU_NUM_OF_RESERVED_CPU", "1")
+
+
 def write_dir(path: Path, config: dict) -> str:
     path.mkdir(parents=True, exist_ok=True)
     (path / "config.json").write_text(json.dumps(config))

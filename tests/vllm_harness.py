@@ -108,8 +108,11 @@ class Harness:
                                    structured_output_manager=StructuredOutputManager(self.cfg),
                                    block_size=BLOCK_SIZE, log_stats=self.log_stats)
         self.connector = self.scheduler.connector  # type: ignore[assignment]
-        # The scheduler drains the connector's events into its publisher each step: capture them.
+        # The scheduler drains the connector's events into its publisher each step: capture them
+        # (the connector builds vLLM event objects only for a publisher that is on).
         self.scheduler.kv_event_publisher = _Capture(self.events)
+        self.connector._vllm_events = True
+        self.connector._sched.planner.events_wanted = True
         assert isinstance(self.connector, KVSlotsConnector)
         # One worker-side connector per (simulated) tensor-parallel rank, each with its own shard.
         self.workers, self.kv = [], []
@@ -169,7 +172,8 @@ class Harness:
                 sampled[rid] = []  # a prefill chunk samples nothing
                 continue
             accepted = 0
-            while accepted < len(spec) and self.rng.random() < self.acceptance:
+            # vLLM pads drafts it could not use with -1; a sampler never accepts those.
+            while accepted < len(spec) and spec[accepted] >= 0 and self.rng.random() < self.acceptance:
                 accepted += 1
             self.accepted[rid] = self.accepted.get(rid, 0) + accepted
             bonus = self.rng.randrange(1, DRAFT_BASE)
@@ -232,7 +236,7 @@ class Harness:
         host = self.sched_side.host
         assert sorted(stored) == host.registered_hashes(), "event stream != host registry"
         for h, tokens in stored.items():
-            hb = host.lookup(h)
+            hb = host.lookup_block(h)
             for rank, w in enumerate(self.workers):
                 region = w._worker.copier.host_block_view(hb)
                 for li, name in enumerate(LAYERS):

@@ -4,6 +4,11 @@ Nothing is downloaded: the tokenizer is a `tokenizers` WordLevel model built in-
 wrapped in PreTrainedTokenizerFast. Used by the tests and the demo.
 
     python -m kvslots._dev.tiny DIR      # -> DIR/{target,eagle,eagle3}
+    python -m kvslots._dev.tiny DIR --layers 8 --hidden 1024 --heads 16 --kv-heads 4
+                                         # the "realistic" model of benches/bench_served.py
+
+The default dimensions are the tiny ones (2 layers, hidden 128); :class:`Dims` sets others (the
+EAGLE heads follow the target's hidden size and heads). Weights are random either way.
 
 Checkpoint formats (vLLM 0.32):
   * target: plain LlamaForCausalLM (save_pretrained).  head_dim must be one of
@@ -27,9 +32,10 @@ Checkpoint formats (vLLM 0.32):
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
-import sys
+from dataclasses import asdict, dataclass
 
 import torch
 from safetensors.torch import save_file
@@ -43,6 +49,27 @@ HEAD_DIM = HIDDEN // HEADS  # 32 (CPU attn min head size)
 LAYERS = 2
 MAX_POS = 4096
 
+
+@dataclass(frozen=True)
+class Dims:
+    """A model's dimensions. head_dim = hidden // heads must be a CPU attention size (32, 64, ...)."""
+
+    layers: int = LAYERS
+    hidden: int = HIDDEN
+    heads: int = HEADS
+    kv_heads: int = KV_HEADS
+    intermediate: int = INTER
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+
+TINY = Dims()
+#: The benchmarks' "realistic" model: compute per KV byte closer to real serving (fp32, ~40M
+#: parameters without embeddings; MLP twice the hidden size, as the tiny one).
+REALISTIC = Dims(layers=8, hidden=1024, heads=16, kv_heads=4, intermediate=2048)
+
 WORDS = (
     "the quick brown fox jumps over lazy dog hello world kv cache slot manager "
     "speculative decoding draft token accept reject block hash prefix vllm rust "
@@ -50,17 +77,17 @@ WORDS = (
 ).split()
 
 
-def _llama_config(num_layers: int, **extra):
+def _llama_config(num_layers: int, dims: Dims = TINY, **extra):
     from transformers import LlamaConfig
 
     return LlamaConfig(
         vocab_size=VOCAB,
-        hidden_size=HIDDEN,
-        intermediate_size=INTER,
+        hidden_size=dims.hidden,
+        intermediate_size=dims.intermediate,
         num_hidden_layers=num_layers,
-        num_attention_heads=HEADS,
-        num_key_value_heads=KV_HEADS,
-        head_dim=HEAD_DIM,
+        num_attention_heads=dims.heads,
+        num_key_value_heads=dims.kv_heads,
+        head_dim=dims.head_dim,
         max_position_embeddings=MAX_POS,
         rms_norm_eps=1e-5,
         bos_token_id=1,
@@ -104,18 +131,20 @@ def _rand(*shape, std=0.02):
     return torch.randn(*shape) * std
 
 
-def build_target(out_dir: str, seed: int = 0) -> str:
+def build_target(out_dir: str, seed: int = 0, dims: Dims = TINY) -> str:
     from transformers import LlamaForCausalLM
 
     torch.manual_seed(seed)
     os.makedirs(out_dir, exist_ok=True)
-    cfg = _llama_config(LAYERS)
+    cfg = _llama_config(dims.layers, dims)
     model = LlamaForCausalLM(cfg).to(torch.float32)
-    # Larger init so greedy outputs are not all the same token.
+    # Larger init so greedy outputs are not all the same token (scaled so that wider models
+    # keep the tiny one's activation scale: std 0.2 at fan-in 128).
+    std = 0.2 * (HIDDEN / dims.hidden) ** 0.5
     with torch.no_grad():
         for p in model.parameters():
             if p.dim() > 1:
-                p.normal_(0.0, 0.2)
+                p.normal_(0.0, std)
     model.save_pretrained(out_dir, safe_serialization=True)
     build_tokenizer(out_dir)
     return out_dir
@@ -132,37 +161,40 @@ def _write(out_dir: str, cfg, tensors: dict[str, torch.Tensor], target_dir: str)
     build_tokenizer(out_dir)
 
 
-def _layer(prefix: str, qkv_in: int) -> dict[str, torch.Tensor]:
+def _layer(prefix: str, qkv_in: int, dims: Dims = TINY) -> dict[str, torch.Tensor]:
+    h, hd, inter = dims.hidden, dims.head_dim, dims.intermediate
     return {
-        f"{prefix}.self_attn.q_proj.weight": _rand(HEADS * HEAD_DIM, qkv_in),
-        f"{prefix}.self_attn.k_proj.weight": _rand(KV_HEADS * HEAD_DIM, qkv_in),
-        f"{prefix}.self_attn.v_proj.weight": _rand(KV_HEADS * HEAD_DIM, qkv_in),
-        f"{prefix}.self_attn.o_proj.weight": _rand(HIDDEN, HEADS * HEAD_DIM),
-        f"{prefix}.mlp.gate_proj.weight": _rand(INTER, HIDDEN),
-        f"{prefix}.mlp.up_proj.weight": _rand(INTER, HIDDEN),
-        f"{prefix}.mlp.down_proj.weight": _rand(HIDDEN, INTER),
-        f"{prefix}.post_attention_layernorm.weight": torch.ones(HIDDEN),
+        f"{prefix}.self_attn.q_proj.weight": _rand(dims.heads * hd, qkv_in),
+        f"{prefix}.self_attn.k_proj.weight": _rand(dims.kv_heads * hd, qkv_in),
+        f"{prefix}.self_attn.v_proj.weight": _rand(dims.kv_heads * hd, qkv_in),
+        f"{prefix}.self_attn.o_proj.weight": _rand(h, dims.heads * hd),
+        f"{prefix}.mlp.gate_proj.weight": _rand(inter, h),
+        f"{prefix}.mlp.up_proj.weight": _rand(inter, h),
+        f"{prefix}.mlp.down_proj.weight": _rand(h, inter),
+        f"{prefix}.post_attention_layernorm.weight": torch.ones(h),
     }
 
 
-def build_eagle(out_dir: str, target_dir: str, seed: int = 1) -> str:
+def build_eagle(out_dir: str, target_dir: str, seed: int = 1, dims: Dims = TINY) -> str:
     """EAGLE-1 head (EagleLlamaForCausalLM).  Shares embed_tokens and lm_head
     with the target (not stored)."""
     torch.manual_seed(seed)
-    cfg = _llama_config(1)
-    t = _layer("layers.0", HIDDEN)  # no input_layernorm on layer 0
-    t["fc.weight"] = _rand(HIDDEN, 2 * HIDDEN)
+    cfg = _llama_config(1, dims)
+    t = _layer("layers.0", dims.hidden, dims)  # no input_layernorm on layer 0
+    t["fc.weight"] = _rand(dims.hidden, 2 * dims.hidden)
     _write(out_dir, cfg, t, target_dir)
     return out_dir
 
 
 def build_eagle3(out_dir: str, target_dir: str, seed: int = 2,
-                 aux_layer_ids=(0, 1, 2)) -> str:
+                 aux_layer_ids=(0, 1, 2), dims: Dims = TINY) -> str:
     """EAGLE-3 head (Eagle3LlamaForCausalLM), same vocab as target (no d2t)."""
     torch.manual_seed(seed)
     n_aux = len(aux_layer_ids)
+    HIDDEN = dims.hidden  # noqa: N806 (the head's hidden size is the target's)
     cfg = _llama_config(
         1,
+        dims,
         draft_vocab_size=VOCAB,
         target_hidden_size=HIDDEN,
         eagle_aux_hidden_state_layer_ids=list(aux_layer_ids),
@@ -171,7 +203,7 @@ def build_eagle3(out_dir: str, target_dir: str, seed: int = 2,
             "use_aux_hidden_state": True,
         },
     )
-    t = _layer("midlayer", 2 * HIDDEN)
+    t = _layer("midlayer", 2 * HIDDEN, dims)
     t["midlayer.input_layernorm.weight"] = torch.ones(HIDDEN)
     t["midlayer.hidden_norm.weight"] = torch.ones(HIDDEN)
     t["norm.weight"] = torch.ones(HIDDEN)
@@ -181,20 +213,41 @@ def build_eagle3(out_dir: str, target_dir: str, seed: int = 2,
     return out_dir
 
 
-def build_tiny_models(root: str) -> dict[str, str]:
-    """Builds (once: a finished build is reused) the target, EAGLE and EAGLE-3 dirs under root."""
+def build_tiny_models(root: str, dims: Dims = TINY) -> dict[str, str]:
+    """Builds (once: a finished build of the same dimensions is reused) the target, EAGLE and
+    EAGLE-3 dirs under root."""
     paths = {name: os.path.join(root, name) for name in ("target", "eagle", "eagle3")}
     done = os.path.join(root, ".complete")
+    stamp = json.dumps(asdict(dims), sort_keys=True)
     if os.path.exists(done):
-        return paths
-    build_target(paths["target"])
-    build_eagle(paths["eagle"], paths["target"])
-    build_eagle3(paths["eagle3"], paths["target"])
+        with open(done) as f:
+            text = f.read().strip()
+        # "ok" marks a build of the tiny dimensions made before Dims existed.
+        if text == stamp or (text == "ok" and dims == TINY):
+            return paths
+        raise ValueError(f"{root} holds models of other dimensions ({text}), not {stamp}")
+    build_target(paths["target"], dims=dims)
+    build_eagle(paths["eagle"], paths["target"], dims=dims)
+    # The EAGLE-3 head reads three auxiliary hidden states: embeddings, layer L//2, last layer.
+    aux = (0, 1, 2) if dims.layers <= 2 else (0, dims.layers // 2, dims.layers)
+    build_eagle3(paths["eagle3"], paths["target"], aux_layer_ids=aux, dims=dims)
     with open(done, "w") as f:
-        f.write("ok\n")
+        f.write(stamp + "\n")
     return paths
 
 
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description="Build tiny random-weight models (target, EAGLE, EAGLE-3).")
+    ap.add_argument("root", nargs="?", default="/tmp/kvslots-tiny")
+    ap.add_argument("--layers", type=int, default=TINY.layers)
+    ap.add_argument("--hidden", type=int, default=TINY.hidden)
+    ap.add_argument("--heads", type=int, default=TINY.heads)
+    ap.add_argument("--kv-heads", type=int, default=TINY.kv_heads)
+    ap.add_argument("--intermediate", type=int, default=None, help="MLP size (default: 2 x hidden)")
+    a = ap.parse_args(argv)
+    dims = Dims(a.layers, a.hidden, a.heads, a.kv_heads, a.intermediate or 2 * a.hidden)
+    print(json.dumps(build_tiny_models(a.root, dims), indent=1))
+
+
 if __name__ == "__main__":
-    root = sys.argv[1] if len(sys.argv) > 1 else "/tmp/kvslots-tiny"
-    print(json.dumps(build_tiny_models(root), indent=1))
+    main()

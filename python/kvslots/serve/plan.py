@@ -21,7 +21,8 @@ from typing import Any
 from ..config.speculative import classify_model, resolve_speculative_config
 from ..config.vllm_args import brief, engine_flag, flag_name, to_json
 from ..errors import ServeError
-from .connector import connector_config
+from ..vllm.cpu_cores import connector_cpu_env, vllm_is_cpu_build
+from .connector import CONNECTOR_NAME, connector_config
 from .events import events_config, subscribe_endpoint
 from .tail import MERGED_OPTIONS, json_object, scan_vllm_args, tail_json
 
@@ -178,6 +179,16 @@ def build_plan(args: argparse.Namespace, *, python: str | None = None) -> ServeP
     # ------------------------------------------------------------------ KV connector
     kv_transfer = connector_config(args, result.kvslots, tail_json(opts, "kv-transfer-config"), notes)
 
+    # vLLM's CPU backend reserves a core per rank for any KV connector; ours needs none.
+    env = dict(result.env)
+    if kv_transfer is not None and kv_transfer.get("kv_connector") == CONNECTOR_NAME and vllm_is_cpu_build():
+        added = connector_cpu_env(_int_arg(opts, tail, engine_args, "tensor-parallel-size")
+                                  * _int_arg(opts, tail, engine_args, "pipeline-parallel-size"))
+        if added:
+            env.update(added)
+            notes.append(f"note: {', '.join(f'{k}={v}' for k, v in added.items())}: vLLM's CPU backend would "
+                         "reserve one more core per rank for the connector, which runs no thread of its own")
+
     # ------------------------------------------------------------------ KV events
     kv_events = events_config(args, result.kvslots, tail_json(opts, "kv-events-config"), dp_size, notes)
     if kv_events and kv_events.get("enable_kv_cache_events"):
@@ -211,10 +222,25 @@ def build_plan(args: argparse.Namespace, *, python: str | None = None) -> ServeP
         argv += ["--kv-events-config", to_json(kv_events)]
     argv += rest
     return ServePlan(
-        argv=argv, env=dict(result.env), notes=notes, model=target, host=host, port=port,
+        argv=argv, env=env, notes=notes, model=target, host=host, port=port,
         speculative_config=spec, kv_transfer_config=kv_transfer, kv_events_config=kv_events,
         tail=rest, speculators_checkpoint=model if speculators else None,
     )
+
+
+def _int_arg(opts: list[Any], tail: Any, engine_args: dict[str, Any], name: str) -> int:
+    """An integer engine argument: the last one after ``--``, else the converted YAML's, else 1."""
+    raw: Any = None
+    for o in opts:
+        if o.name == name and not o.keys and not o.negated:
+            _, eq, inline = o.text.partition("=")
+            raw = inline if eq else (tail[o.span[0] + 1] if o.span[0] + 1 < len(tail) else None)
+    if raw is None:
+        raw = engine_args.get(name.replace("-", "_"))
+    try:
+        return max(1, int(raw)) if raw is not None else 1
+    except (TypeError, ValueError):
+        return 1
 
 
 __all__ = ["DEFAULT_HOST", "DEFAULT_PORT", "PROG", "VLLM_SERVER_MODULE", "ServePlan", "build_plan"]

@@ -5,12 +5,22 @@
 //! stays unregistered while the copy runs, and [`HostCache::complete_store`] registers it and
 //! queues `BlockStored` once every worker has copied. A block is therefore never found by a
 //! lookup before its bytes are in place. Loads pin their source blocks until they finish.
+//!
+//! Successors. For EAGLE-family drafters the draft KV at a block's last position depends on the
+//! token that follows the block. A store run may record, per block, that following token (the
+//! *successor*) when the block's stored draft KV was written with it; [`HostCache::successor`]
+//! reads it back, so that the last block of a hit is served only to a request whose next token
+//! is the same ([`NO_SUCCESSOR`]: unknown, never served as a last block).
 
 use std::collections::{BTreeMap, HashMap};
 
 use crate::error::{Result, SlotError};
 use crate::events::EventLog;
 use crate::pool::{BlockId, BlockPool};
+
+/// The successor of a block whose draft KV at its last position is unknown or was written with
+/// a token that is not the block's real successor.
+pub const NO_SUCCESSOR: u32 = u32::MAX;
 
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct CacheStats {
@@ -35,6 +45,8 @@ pub struct HostCache {
     /// Store runs by the step that copies them, completed together by `complete_step`.
     runs: BTreeMap<u64, Vec<StoreRun>>,
     evicted: Vec<u64>,
+    /// Per host block: the successor recorded when it was registered ([`NO_SUCCESSOR`] if none).
+    succ: Vec<u32>,
     stats: CacheStats,
 }
 
@@ -45,6 +57,8 @@ struct StoreRun {
     parent: Option<u64>,
     token_ids: Vec<u32>,
     lora_id: Option<u64>,
+    /// Per block of `stores`: its successor, registered with it.
+    succ: Vec<u32>,
 }
 
 /// A block of one request being stored: the hash it will be registered under and the host
@@ -79,6 +93,7 @@ impl HostCache {
             storing: HashMap::new(),
             runs: BTreeMap::new(),
             evicted: Vec::new(),
+            succ: vec![NO_SUCCESSOR; num_blocks],
             stats: CacheStats::default(),
         })
     }
@@ -103,6 +118,15 @@ impl HostCache {
     }
     pub fn num_storing(&self) -> usize {
         self.storing.len()
+    }
+
+    /// The successor recorded with the cached block of `hash` ([`NO_SUCCESSOR`] if none, or if
+    /// the hash is not cached).
+    pub fn successor(&self, hash: u64) -> u32 {
+        match self.pool.lookup(hash) {
+            Some(b) => self.succ[b as usize],
+            None => NO_SUCCESSOR,
+        }
     }
 
     /// Number of leading `hashes` whose blocks are complete in the cache.
@@ -163,6 +187,7 @@ impl HostCache {
             }
             one.clear();
             self.pool.allocate(1, &mut one, &mut self.evicted);
+            self.succ[one[0] as usize] = NO_SUCCESSOR;
             self.storing.insert(h, (one[0], None));
             out.push((
                 i,
@@ -250,7 +275,34 @@ impl HostCache {
         token_ids: &[u32],
         lora_id: Option<u64>,
     ) -> Result<Vec<(usize, BlockId)>> {
+        let mut out = Vec::new();
+        self.begin_store_run_into(step, hashes, parent, token_ids, lora_id, None, &mut out)?;
+        Ok(out)
+    }
+
+    /// [`Self::begin_store_run`] with each block's successor (`successors[i]` for `hashes[i]`,
+    /// [`NO_SUCCESSOR`] where unknown; `None`: none known), appending (index, host block) to
+    /// `out`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn begin_store_run_into(
+        &mut self,
+        step: u64,
+        hashes: &[u64],
+        parent: Option<u64>,
+        token_ids: &[u32],
+        lora_id: Option<u64>,
+        successors: Option<&[u32]>,
+        out: &mut Vec<(usize, BlockId)>,
+    ) -> Result<()> {
         self.check_tokens(token_ids.len(), hashes.len())?;
+        if let Some(s) = successors {
+            if s.len() != hashes.len() {
+                return Err(SlotError::invalid(
+                    None,
+                    format!("{} successors given for {} blocks", s.len(), hashes.len()),
+                ));
+            }
+        }
         let started = self.begin_store(hashes);
         for (_, p) in &started {
             self.storing.insert(p.hash, (p.block, Some(step)));
@@ -266,18 +318,21 @@ impl HostCache {
                     parent,
                     token_ids: Vec::new(),
                     lora_id,
+                    succ: Vec::new(),
                 });
             }
             let run = runs.last_mut().expect("pushed above");
             run.stores.push(p);
             run.token_ids
                 .extend_from_slice(&token_ids[i * bs..(i + 1) * bs]);
+            run.succ.push(successors.map_or(NO_SUCCESSOR, |s| s[i]));
             prev = Some(i);
         }
         if runs.is_empty() {
             self.runs.remove(&step);
         }
-        Ok(started.into_iter().map(|(i, p)| (i, p.block)).collect())
+        out.extend(started.into_iter().map(|(i, p)| (i, p.block)));
+        Ok(())
     }
 
     /// Completes every store run of `step`: registers and publishes them, except runs with a
@@ -299,6 +354,12 @@ impl HostCache {
                 self.abort_checked(&run.stores);
             } else {
                 self.complete_checked(&run.stores, run.parent, &run.token_ids, run.lora_id);
+                for (s, &succ) in run.stores.iter().zip(&run.succ) {
+                    // Only where this run's block is the one registered under the hash.
+                    if self.pool.lookup(s.hash) == Some(s.block) {
+                        self.succ[s.block as usize] = succ;
+                    }
+                }
                 done += run.stores.len();
             }
         }

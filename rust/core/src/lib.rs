@@ -12,6 +12,7 @@
 //! block hashes.
 
 pub mod cache;
+pub mod connector;
 pub mod copy;
 pub mod device;
 pub mod error;
@@ -24,7 +25,8 @@ pub mod slot;
 pub mod tracker;
 pub mod wire;
 
-pub use cache::{CacheStats, HostCache, PendingStore};
+pub use cache::{CacheStats, HostCache, PendingStore, NO_SUCCESSOR};
+pub use connector::{ConnectorPlanner, PlannerConfig, PlannerStats, ReqSlot, StepPlan};
 pub use copy::{copy_blocks, BlockLayout, CopySpec};
 pub use device::{
     AllocArgs, Allocated, DeviceAllocator, DeviceConfig, DeviceStats, FullHash, HashSource,

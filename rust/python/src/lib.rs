@@ -6,6 +6,7 @@
 //! file only registers them in the module.
 
 mod apply_stats;
+mod connector;
 mod convert;
 mod copy;
 mod device_manager;
@@ -26,6 +27,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<slot_tracker::SlotTracker>()?;
     m.add_class::<slot_info::SlotInfo>()?;
     m.add_class::<host_cache::HostCache>()?;
+    m.add_class::<connector::ConnectorPlanner>()?;
     m.add_class::<prefix_index::PrefixIndex>()?;
     m.add_class::<apply_stats::ApplyStats>()?;
     m.add_function(wrap_pyfunction!(prefix_index::lora_key, m)?)?;

@@ -17,7 +17,7 @@ import logging
 import time
 from typing import TYPE_CHECKING, Any, Iterable
 
-from vllm.distributed import kv_events
+from vllm.distributed.kv_events import KVEventBatch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
@@ -26,7 +26,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from ...events import MEDIUM_CPU, from_raw
+from ...events import MEDIUM_CPU
 from ...config.connector import ConnectorConfig, ConnectorConfigError
 from .metadata import KVSlotsMetadata, KVSlotsWorkerMetadata
 from .scheduler_side import SchedulerSide
@@ -75,6 +75,10 @@ class KVSlotsConnector(KVConnectorBase_V1):
         self._worker: WorkerSide | None = None
         self._publisher: Any = None
         self._dp_rank = vllm_config.parallel_config.data_parallel_rank
+        events_cfg = getattr(vllm_config, "kv_events_config", None)
+        # vLLM publishes KV events (ours merged into its batches) only when enabled.
+        self._vllm_events = bool(events_cfg is not None and events_cfg.enable_kv_cache_events
+                                 and events_cfg.publisher != "null")
         if role == KVConnectorRole.SCHEDULER:
             self._sched = SchedulerSide(
                 block_size=self.block_size,
@@ -85,6 +89,9 @@ class KVSlotsConnector(KVConnectorBase_V1):
             )
             if self.config.events_endpoint:
                 self._publisher = _make_publisher(self.config, self._dp_rank)
+            # Without a reader, stores skip reading the token ids the events would carry.
+            self._sched.planner.events_wanted = self._vllm_events or self._publisher is not None
+            _warn_cpu_reservation(vllm_config)
         else:
             self._worker = WorkerSide(num_device_blocks=kv_cache_config.num_blocks,
                                       num_host_blocks=num_host, copy_threads=self.config.copy_threads)
@@ -105,24 +112,12 @@ class KVSlotsConnector(KVConnectorBase_V1):
         if num_external_tokens > 0:
             self._sched.after_alloc(request, blocks.get_block_ids()[0], num_external_tokens)
         else:
-            self._sched._state(request)  # track it for stores
+            self._sched.track(request)  # mirrored from now on, for stores
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
+        # One Rust call: mirrors the step's block tables, plans stores, loads and events.
         assert self._sched is not None
-        cached = scheduler_output.scheduled_cached_reqs
-        first = [r.req_id for r in scheduler_output.scheduled_new_reqs]
-        first.extend(cached.resumed_req_ids or ())
-        return self._sched.build(scheduler_output.preempted_req_ids or (), self._block_ids_of, first)
-
-    def _block_ids_of(self, req_id: str) -> Any:
-        """The request's device block ids, read lazily: the public get_block_ids() builds a list
-        of every block, which costs more than the rest of a step's bookkeeping."""
-        mgr = self._kv_cache_manager
-        assert mgr is not None, "vLLM did not bind its KV cache manager"
-        try:
-            return _BlockIds(mgr.coordinator.single_type_managers[0].req_to_blocks[req_id])
-        except (AttributeError, KeyError, IndexError):
-            return mgr.get_block_ids(req_id)[0]
+        return self._sched.build(scheduler_output)
 
     def update_connector_output(self, connector_output: "KVConnectorOutput") -> None:
         assert self._sched is not None
@@ -135,12 +130,22 @@ class KVSlotsConnector(KVConnectorBase_V1):
     def take_events(self) -> Iterable[Any]:
         assert self._sched is not None
         host = self._sched.host
-        if self._publisher is not None and host.num_pending_events():
+        if not host.num_pending_events():
+            return ()
+        payload = None
+        if self._publisher is not None:
             # Our own stream: the Rust core encodes the batch in vLLM's wire format directly.
-            self._publisher.publish(host.events_msgpack(time.time(), MEDIUM_CPU, self._dp_rank))
-        raw = host.drain_raw_events()
-        # vLLM's stream: vLLM merges these into its own KV event batches (--kv-events-config).
-        return [from_raw(r, MEDIUM_CPU, structs=kv_events) for r in raw]
+            payload = host.events_msgpack(time.time(), MEDIUM_CPU, self._dp_rank)
+            self._publisher.publish(payload)
+        if not self._vllm_events:
+            host.discard_events()  # vLLM publishes no KV events: nothing to build
+            return ()
+        # vLLM's stream (--kv-events-config): vLLM merges these into its own batches. msgspec
+        # decodes the core's msgpack straight into vLLM's event structs: no per-event Python.
+        if payload is None:
+            payload = host.events_msgpack(0.0, MEDIUM_CPU, None)
+        host.discard_events()
+        return _decode_events(payload)
 
     def has_pending_push_work(self) -> bool:
         return self._sched is not None and self._sched.has_pending_work()
@@ -189,19 +194,31 @@ class KVSlotsConnector(KVConnectorBase_V1):
         return self._worker.take_worker_meta() if self._worker is not None else None
 
 
-class _BlockIds:
-    """Block ids by index over vLLM's list of KVCacheBlock, without copying it."""
+_EVENT_DECODER: Any = None
 
-    __slots__ = ("_blocks",)
 
-    def __init__(self, blocks: Any) -> None:
-        self._blocks = blocks
+def _decode_events(payload: bytes) -> list[Any]:
+    """vLLM's own event structs (``BlockStored`` / ``BlockRemoved`` / ``AllBlocksCleared``) from
+    a msgpack ``KVEventBatch``, decoded by msgspec in C."""
+    global _EVENT_DECODER
+    if _EVENT_DECODER is None:
+        import msgspec
 
-    def __getitem__(self, i: int) -> int:
-        return self._blocks[i].block_id
+        _EVENT_DECODER = msgspec.msgpack.Decoder(KVEventBatch)
+    return _EVENT_DECODER.decode(payload).events
 
-    def __len__(self) -> int:
-        return len(self._blocks)
+
+def _warn_cpu_reservation(vllm_config: "VllmConfig") -> None:
+    """On vLLM's CPU backend, says when the workers lost a core to the connector reservation."""
+    from vllm.platforms import current_platform
+
+    from ..cpu_cores import reservation_warning
+
+    if current_platform.is_cpu():
+        pc = vllm_config.parallel_config
+        msg = reservation_warning(pc.tensor_parallel_size * pc.pipeline_parallel_size)
+        if msg:
+            logger.warning(msg)
 
 
 def _make_publisher(cfg: ConnectorConfig, dp_rank: int) -> Any:

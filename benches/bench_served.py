@@ -1,0 +1,412 @@
+"""Served traffic, with and without the KVSlotsConnector, driven by vLLM's own serving benchmark.
+
+For each model, ``--rounds`` rounds; each round runs both modes back to back (the order
+alternates from one round to the next), each on a fresh server:
+
+  server   ``kvslots serve MODEL`` (vLLM's OpenAI server; ``--no-connector`` for the baseline),
+           EAGLE K=3, 96 device blocks of 32 tokens (``--num-gpu-blocks-override``), fp32, eager,
+           vLLM's KV events on (as ``kvslots serve`` sets them), on free loopback ports;
+  client   ``vllm.benchmarks.serve`` in-process, dataset ``prefix_repetition``: 8 prefixes of
+           1,024 tokens, 64-token suffixes, 64 output tokens (``--ignore-eos``), all requests at
+           once under ``--max-concurrency``. The prefixes (256 blocks) do not fit in the 96
+           device blocks, so repeats must come from the host tier;
+  metrics  vLLM's /metrics before and after: ``prompt_tokens_cached_by_source{source=host|device}``,
+           ``prompt_tokens``, failed requests.
+
+Printed per model: output tok/s and mean TTFT of every run, the median over rounds of each
+mode, the spread (min-max), the ratios (connector / none, per round and the median), prompt
+tokens from host / device, and the hit rate against the ideal (every full block of a prompt
+that an earlier prompt shares, minus what EAGLE cannot serve: see ``ideal_cached_tokens``).
+
+    PYTHONPATH=python python benches/bench_served.py                          # both models, 3 rounds
+    PYTHONPATH=python python benches/bench_served.py --models tiny --rounds 7
+    PYTHONPATH=python python benches/bench_served.py --profile /tmp/prof      # cProfile the engine core
+
+The models are built locally (``kvslots._dev.tiny``): ``tiny`` (2 layers, hidden 128) and ``real``
+(8 layers, hidden 1024, 16 heads, 4 KV heads, MLP 2,048; fp32) with their EAGLE heads.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import io
+import json
+import os
+import re
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from dataclasses import dataclass
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+BLOCK = 32
+DEVICE_BLOCKS = 96
+
+MODES = ("none", "kvslots")
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    name: str
+    dims: dict
+    prompts: int
+    concurrency: int
+
+
+MODELS = {
+    "tiny": ModelSpec("tiny", {}, prompts=128, concurrency=8),
+    "real": ModelSpec("real", {"layers": 8, "hidden": 1024, "heads": 16, "kv_heads": 4, "intermediate": 2048},
+                      prompts=32, concurrency=4),
+}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def build_models(spec: ModelSpec, root: str) -> dict[str, str]:
+    from kvslots._dev.tiny import TINY, Dims, build_tiny_models
+
+    dims = Dims(**spec.dims) if spec.dims else TINY
+    return build_tiny_models(os.path.join(root, spec.name), dims)
+
+
+# ----------------------------------------------------------------------------- the server
+
+
+class Server:
+    """``kvslots serve`` in its own process group, stopped with SIGINT (then harder)."""
+
+    def __init__(self, models: dict[str, str], mode: str, args: argparse.Namespace, log_path: str) -> None:
+        self.port = free_port()
+        ev, replay = free_port(), free_port()
+        spec = {"method": "eagle", "model": models["eagle"], "num_speculative_tokens": 3}
+        cmd = [sys.executable, "-m", "kvslots", "serve", models["target"],
+               "--speculative-config", json.dumps(spec), "--port", str(self.port),
+               "--kv-events-endpoint", f"tcp://[::ffff:127.0.0.1]:{ev}",
+               "--kv-events-replay-endpoint", f"tcp://127.0.0.1:{replay}", "-q"]
+        if mode == "none":
+            cmd.append("--no-connector")
+        else:
+            cmd += ["--host-cache-gb", str(args.host_cache_gb)]
+        cmd += ["--", "--enforce-eager", "--dtype", "float32", "--block-size", str(BLOCK),
+                "--num-gpu-blocks-override", str(DEVICE_BLOCKS), "--max-model-len", "2048",
+                "--max-num-seqs", str(args.max_num_seqs), "--seed", "0", "--disable-uvicorn-access-log"]
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (os.path.join(ROOT, "python"), env.get("PYTHONPATH")) if p)
+        env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+        if args.profile:
+            env["PYTHONPATH"] = os.pathsep.join((os.path.join(HERE, "profiling"), env["PYTHONPATH"]))
+            env["KVSLOTS_PROFILE_DIR"] = os.path.join(args.profile, f"{mode}-{int(time.time())}")
+            os.makedirs(env["KVSLOTS_PROFILE_DIR"], exist_ok=True)
+            self.profile_dir = env["KVSLOTS_PROFILE_DIR"]
+        self.log = open(log_path, "w")
+        self.proc = subprocess.Popen(cmd, env=env, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def wait_ready(self, timeout: float) -> None:
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}; see {self.log.name}")
+            with contextlib.suppress(OSError):
+                with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
+                    if r.status == 200:
+                        return
+            time.sleep(1)
+        raise TimeoutError(f"server not ready after {timeout:.0f} s; see {self.log.name}")
+
+    def metrics(self) -> dict[str, float]:
+        with urllib.request.urlopen(self.url + "/metrics", timeout=30) as r:
+            return parse_metrics(r.read().decode())
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGINT)
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(30)
+        self.log.close()
+
+
+_METRIC = re.compile(r'^(vllm:[a-z_]+)(\{[^}]*\})?\s+([0-9.eE+-]+|NaN)$')
+
+
+def parse_metrics(text: str) -> dict[str, float]:
+    """The counters this bench reads, summed over engines: ``name`` or ``name{source}``."""
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        m = _METRIC.match(line)
+        if not m:
+            continue
+        name, labels, value = m.group(1), m.group(2) or "", float(m.group(3))
+        if name.endswith("_created"):
+            continue
+        name = name.removesuffix("_total")
+        src = re.search(r'source="([a-z_]+)"', labels)
+        key = f"{name}{{{src.group(1)}}}" if src else name
+        out[key] = out.get(key, 0.0) + value
+    return out
+
+
+# ----------------------------------------------------------------------------- the client
+
+
+def run_client(server: Server, model_dir: str, spec: ModelSpec, seed: int) -> dict:
+    from vllm.benchmarks.serve import add_cli_args, main_async
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    p = FlexibleArgumentParser()
+    add_cli_args(p)
+    args = p.parse_args([
+        "--backend", "vllm", "--base-url", server.url, "--model", model_dir,
+        "--dataset-name", "prefix_repetition", "--prefix-repetition-prefix-len", "1024",
+        "--prefix-repetition-suffix-len", "64", "--prefix-repetition-num-prefixes", "8",
+        "--prefix-repetition-output-len", "64", "--num-prompts", str(spec.prompts),
+        "--max-concurrency", str(spec.concurrency), "--ignore-eos", "--temperature", "0",
+        "--seed", str(seed), "--num-warmups", "0", "--disable-tqdm", "--percentile-metrics", "ttft,tpot,e2el",
+    ])
+    quiet = io.StringIO()
+    with contextlib.redirect_stdout(quiet):
+        result = asyncio.run(main_async(args))
+    return result
+
+
+def ideal_cached_tokens(prompts: list[list[int]], eagle: bool) -> int:
+    """Prompt tokens a perfect two-tier cache serves: for each prompt in arrival order, the full
+    blocks it shares with any earlier prompt (never the block holding its last token: vLLM
+    computes at least one), and for EAGLE-family drafters the last shared block only when the
+    token after it is the same too (its draft KV depends on that token)."""
+    seen: set[tuple[int, ...]] = set()
+    total = 0
+    for toks in prompts:
+        full = (len(toks) - 1) // BLOCK
+        hit = 0
+        while hit < full and tuple(toks[: (hit + 1) * BLOCK]) in seen:
+            hit += 1
+        if eagle and hit > 0:
+            nxt = tuple(toks[: hit * BLOCK + 1])
+            if nxt not in seen:
+                hit -= 1
+        total += hit * BLOCK
+        for b in range(1, len(toks) // BLOCK + 1):
+            seen.add(tuple(toks[: b * BLOCK]))
+            if b * BLOCK < len(toks):
+                seen.add(tuple(toks[: b * BLOCK + 1]))
+    return total
+
+
+def dataset_prompts(model_dir: str, spec: ModelSpec, seed: int) -> list[list[int]]:
+    """The benchmark's prompts as token ids, in the order it sends them (same seed, same sampler)."""
+    import random
+
+    import numpy as np
+    from vllm.benchmarks.datasets import PrefixRepetitionRandomDataset
+    from vllm.tokenizers import get_tokenizer
+
+    tok = get_tokenizer(model_dir)
+    random.seed(seed)
+    np.random.seed(seed)
+    ds = PrefixRepetitionRandomDataset(random_seed=seed)
+    reqs = ds.sample(tok, spec.prompts, prefix_len=1024, suffix_len=64, num_prefixes=8, output_len=64)
+    return [tok.encode(r.prompt, add_special_tokens=False) for r in reqs]
+
+
+# ----------------------------------------------------------------------------- one run
+
+
+def one_run(models: dict[str, str], spec: ModelSpec, mode: str, seed: int, args: argparse.Namespace,
+            logdir: str) -> dict:
+    log = os.path.join(logdir, f"{spec.name}-{mode}-{seed}-{int(time.time())}.log")
+    server = Server(models, mode, args, log)
+    try:
+        server.wait_ready(args.start_timeout)
+        before = server.metrics()
+        r = run_client(server, models["target"], spec, seed)
+        time.sleep(1.5)  # the engine's last stats reach /metrics
+        after = server.metrics()
+    finally:
+        server.stop()
+    d = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
+    out = {
+        "mode": mode, "seed": seed,
+        "output_tps": r["output_throughput"], "mean_ttft_ms": r["mean_ttft_ms"],
+        "median_ttft_ms": r["median_ttft_ms"], "mean_tpot_ms": r.get("mean_tpot_ms"),
+        "completed": r["completed"], "failed": r.get("failed", spec.prompts - r["completed"]),
+        "duration_s": r["duration"], "total_input_tokens": r["total_input_tokens"],
+        "host_tokens": d.get("vllm:prompt_tokens_cached_by_source{host}", 0.0),
+        "device_tokens": d.get("vllm:prompt_tokens_cached_by_source{device}", 0.0),
+        "prompt_tokens": d.get("vllm:prompt_tokens", 0.0),
+        "preemptions": d.get("vllm:num_preemptions", 0.0),
+        "accepted": d.get("vllm:spec_decode_num_accepted_tokens", 0.0),
+        "drafts": d.get("vllm:spec_decode_num_draft_tokens", 0.0),
+        "log": log,
+    }
+    if args.profile:
+        out["profile_dir"] = server.profile_dir
+    return out
+
+
+def med(xs: list[float]) -> float:
+    return statistics.median(xs) if xs else float("nan")
+
+
+def summarize(name: str, runs: list[dict], ideal: dict[int, int]) -> dict:
+    by = {m: [r for r in runs if r["mode"] == m] for m in MODES}
+    s: dict = {"model": name}
+    for m in MODES:
+        rs = by[m]
+        s[m] = {k: med([r[k] for r in rs]) for k in ("output_tps", "mean_ttft_ms", "host_tokens", "device_tokens")}
+        s[m]["tps_range"] = (min(r["output_tps"] for r in rs), max(r["output_tps"] for r in rs)) if rs else None
+        s[m]["ttft_range"] = (min(r["mean_ttft_ms"] for r in rs), max(r["mean_ttft_ms"] for r in rs)) if rs else None
+        s[m]["failed"] = sum(r["failed"] for r in rs)
+    pairs = [(a, b) for a in by["none"] for b in by["kvslots"] if a["seed"] == b["seed"]]
+    s["tps_ratios"] = [b["output_tps"] / a["output_tps"] for a, b in pairs]
+    s["ttft_ratios"] = [b["mean_ttft_ms"] / a["mean_ttft_ms"] for a, b in pairs]
+    hit = [(r["host_tokens"] + r["device_tokens"]) / ideal[r["seed"]] for r in by["kvslots"] if ideal.get(r["seed"])]
+    s["hit_vs_ideal"] = hit
+    s["ideal_tokens"] = med(list(ideal.values()))
+    return s
+
+
+def print_summary(s: dict, spec: ModelSpec) -> None:
+    print(f"\n== {s['model']}: {spec.prompts} prompts, concurrency {spec.concurrency}, EAGLE K=3, "
+          f"{DEVICE_BLOCKS} device blocks of {BLOCK}; median of {len(s['tps_ratios'])} rounds (min-max)")
+    print(f"  {'mode':14s} {'output tok/s':>22s} {'mean TTFT ms':>24s} {'host / device prompt tokens':>30s} failed")
+    for m in MODES:
+        x = s[m]
+        if x["tps_range"] is None:
+            continue
+        print(f"  {m:14s} {x['output_tps']:8.2f} ({x['tps_range'][0]:6.2f}-{x['tps_range'][1]:6.2f}) "
+              f"{x['mean_ttft_ms']:9.0f} ({x['ttft_range'][0]:6.0f}-{x['ttft_range'][1]:6.0f}) "
+              f"{x['host_tokens']:14,.0f} / {x['device_tokens']:9,.0f}   {x['failed']}")
+    if s["tps_ratios"]:
+        tr, fr = s["tps_ratios"], s["ttft_ratios"]
+        print(f"  kvslots / none: output tok/s {med(tr):.3f}x ({min(tr):.3f}-{max(tr):.3f}), "
+              f"mean TTFT {med(fr):.3f}x ({min(fr):.3f}-{max(fr):.3f})")
+        print("    per round: " + ", ".join(f"{a:.3f}/{b:.3f}" for a, b in zip(tr, fr)))
+    if s["hit_vs_ideal"]:
+        h = s["hit_vs_ideal"]
+        print(f"  cached prompt tokens (host + device) / ideal ({s['ideal_tokens']:,.0f}): {med(h):.3f} "
+              f"({min(h):.3f}-{max(h):.3f})")
+
+
+def plot(out: dict, path: str) -> None:
+    """Bar chart of the per-round ratios (connector / none) per model: output tok/s and mean TTFT,
+    median with the min-max range. Needs matplotlib (any interpreter: --from-json)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(out["summary"])
+    fig, axes = plt.subplots(1, 2, figsize=(9, 3.6))
+    for ax, key, label, target in ((axes[0], "tps_ratios", "output tok/s, kvslots / none", None),
+                                   (axes[1], "ttft_ratios", "mean TTFT, kvslots / none", None)):
+        meds = [med(out["summary"][n][key]) for n in names]
+        lo = [m - min(out["summary"][n][key]) for n, m in zip(names, meds)]
+        hi = [max(out["summary"][n][key]) - m for n, m in zip(names, meds)]
+        bars = ax.bar(names, meds, yerr=[lo, hi], capsize=6, color=["#4c72b0", "#dd8452"][: len(names)])
+        ax.axhline(1.0, color="black", linewidth=0.8)
+        for b, m in zip(bars, meds):
+            ax.text(b.get_x() + b.get_width() / 2, m, f"{m:.2f}x", ha="center", va="bottom")
+        ax.set_title(label, fontsize=10)
+    rounds = {n: len(out["summary"][n]["tps_ratios"]) for n in names}
+    fig.suptitle("kvslots serve, EAGLE K=3, prefix_repetition (vLLM's serving benchmark); median of "
+                 + ", ".join(f"{n} {r} rounds" for n, r in rounds.items()) + " (bars: min-max)", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", default="tiny,real", help="comma-separated: tiny, real")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--first", choices=MODES, default="none", help="mode run first in round 0")
+    ap.add_argument("--prompts", type=int, help="override the model's number of prompts")
+    ap.add_argument("--concurrency", type=int, help="override the model's max concurrency")
+    ap.add_argument("--seed", type=int, default=0, help="seed of round 0 (round r uses seed + r)")
+    ap.add_argument("--same-seed", action="store_true", help="every round uses the same prompts")
+    ap.add_argument("--max-num-seqs", type=int, default=16)
+    ap.add_argument("--host-cache-gb", type=float, default=1.0)
+    ap.add_argument("--model-root", default="/tmp/kvslots-served-models")
+    ap.add_argument("--logdir", default=None, help="server logs (default: a temporary directory)")
+    ap.add_argument("--start-timeout", type=float, default=600)
+    ap.add_argument("--profile", metavar="DIR", help="cProfile the engine core and time the connector's hooks")
+    ap.add_argument("--json", metavar="FILE", help="write every run and the summaries")
+    ap.add_argument("--plot", metavar="PNG", help="chart of the ratios (needs matplotlib)")
+    ap.add_argument("--from-json", metavar="FILE", help="only print and plot a saved run")
+    args = ap.parse_args()
+    if args.from_json:
+        with open(args.from_json) as f:
+            out = json.load(f)
+        for name, s in out["summary"].items():
+            base = MODELS[name]
+            spec = ModelSpec(name, base.dims, s.get("prompts", base.prompts), s.get("concurrency", base.concurrency))
+            print_summary(s, spec)
+        if args.plot:
+            plot(out, args.plot)
+        return
+    logdir = args.logdir or tempfile.mkdtemp(prefix="kvslots-served-")
+    os.makedirs(logdir, exist_ok=True)
+    out: dict = {"runs": {}, "summary": {}, "uptime_before": _uptime()}
+    print(f"bench_served: logs in {logdir}; load before: {out['uptime_before']}", flush=True)
+    for name in args.models.split(","):
+        spec = MODELS[name]
+        if args.prompts or args.concurrency:
+            spec = ModelSpec(spec.name, spec.dims, args.prompts or spec.prompts, args.concurrency or spec.concurrency)
+        models = build_models(spec, args.model_root)
+        runs: list[dict] = []
+        ideal: dict[int, int] = {}
+        order = list(MODES) if args.first == "none" else list(reversed(MODES))
+        for rnd in range(args.rounds):
+            seed = args.seed if args.same_seed else args.seed + rnd
+            if seed not in ideal:
+                ideal[seed] = ideal_cached_tokens(dataset_prompts(models["target"], spec, seed), eagle=True)
+            for mode in (order if rnd % 2 == 0 else order[::-1]):
+                r = one_run(models, spec, mode, seed, args, logdir)
+                runs.append(r)
+                print(f"  {name} round {rnd} {mode:8s}: {r['output_tps']:8.2f} tok/s, mean TTFT {r['mean_ttft_ms']:8.0f} ms, "
+                      f"host/device {r['host_tokens']:,.0f}/{r['device_tokens']:,.0f} (ideal {ideal[seed]:,}), "
+                      f"failed {r['failed']}, {r['duration_s']:.0f} s; load {_uptime()}", flush=True)
+        s = summarize(name, runs, ideal)
+        s["prompts"], s["concurrency"] = spec.prompts, spec.concurrency
+        print_summary(s, spec)
+        out["runs"][name], out["summary"][name] = runs, s
+    out["uptime_after"] = _uptime()
+    print(f"\nload after: {out['uptime_after']}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=1)
+    if args.plot:
+        try:
+            plot(out, args.plot)
+        except ImportError:
+            print("--plot needs matplotlib: save --json and render with --from-json FILE --plot PNG "
+                  "under an interpreter that has it")
+
+
+def _uptime() -> str:
+    with open("/proc/loadavg") as f:
+        return " ".join(f.read().split()[:3])
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,802 @@
+//! `kvslots._core.ConnectorPlanner`: the scheduler side of the KVSlotsConnector in one call per
+//! engine step. The planning rules are `kvslots_core::ConnectorPlanner`'s; this file reads
+//! vLLM's objects (the scheduler output's lists, `Request` attributes) without Python-level
+//! loops and hands the planner plain slices.
+
+use std::collections::HashMap;
+use std::hash::{BuildHasherDefault, Hasher};
+
+use kvslots_core as core;
+use pyo3::intern;
+use pyo3::prelude::*;
+use pyo3::types::{PyBytes, PyDict, PyList, PySet, PyString, PyTuple};
+
+use crate::convert::{
+    self as conv, arg, count, events_to_py, flag, int, log_to_msgpack, opt_int, type_name, IntArg,
+    MetaArgs,
+};
+use crate::errors::{borrow, borrow_mut, invalid, slot_error};
+
+type PyPlan<'py> = (
+    u64,
+    Vec<u32>,
+    Vec<u32>,
+    Vec<(Bound<'py, PyString>, Vec<u32>, Vec<u32>)>,
+);
+
+/// The host tier and a mirror of every request vLLM schedules; see kvslots-core's
+/// `ConnectorPlanner` for the rules.
+#[pyclass(module = "kvslots._core")]
+pub(crate) struct ConnectorPlanner {
+    inner: core::ConnectorPlanner,
+    /// The vLLM `Request` object of each planner slot (None when the slot is free).
+    objs: Vec<Option<Py<PyAny>>>,
+    /// The request id string object of each slot, held so that its address identifies it.
+    id_objs: Vec<Option<Py<PyAny>>>,
+    /// Request id objects by address: the scheduler output lists the same `str` objects every
+    /// step, so most lookups neither hash nor read the id's characters.
+    by_ptr: HashMap<usize, core::ReqSlot, BuildHasherDefault<PtrHasher>>,
+    plan: core::StepPlan,
+    due: Vec<core::ReqSlot>,
+    hashes: Vec<u64>,
+    tokens: Vec<u32>,
+    blocks: Vec<u32>,
+    wire: Vec<u8>,
+    /// Whether anyone reads the host-tier events (their token ids are read only then).
+    events_wanted: bool,
+}
+
+/// Hashes an object address (a multiply: addresses differ in their middle bits).
+#[derive(Default)]
+struct PtrHasher(u64);
+
+impl Hasher for PtrHasher {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+    fn write(&mut self, bytes: &[u8]) {
+        for &b in bytes {
+            self.0 = (self.0 ^ b as u64).wrapping_mul(0x100_0000_01b3);
+        }
+    }
+    fn write_usize(&mut self, v: usize) {
+        self.0 = ((v as u64) >> 4).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+    }
+}
+
+/// vLLM's 64-bit external form of a block hash (`maybe_convert_block_hash`): the low 64 bits of
+/// the hash bytes read big-endian, or of an int hash.
+fn external_hash(obj: &Bound<'_, PyAny>) -> PyResult<u64> {
+    if let Ok(b) = obj.cast::<PyBytes>() {
+        let bytes = b.as_bytes();
+        let tail = &bytes[bytes.len().saturating_sub(8)..];
+        return Ok(tail.iter().fold(0u64, |acc, &x| (acc << 8) | x as u64));
+    }
+    if let Ok(v) = obj.extract::<u64>() {
+        return Ok(v);
+    }
+    let masked = obj
+        .call_method1(intern!(obj.py(), "__and__"), (u64::MAX,))
+        .map_err(|_| {
+            invalid(
+                None,
+                format!("a block hash must be bytes or int, got {}", type_name(obj)),
+            )
+        })?;
+    masked.extract::<u64>()
+}
+
+/// Item `j` of a token sequence (a list read without a reference count change).
+fn token_at(seq: &Bound<'_, PyAny>, j: usize) -> PyResult<u32> {
+    if let Ok(list) = seq.cast::<PyList>() {
+        if j >= list.len() {
+            return Err(invalid(
+                None,
+                format!(
+                    "token position {j} is past the request's {} tokens",
+                    list.len()
+                ),
+            ));
+        }
+        // SAFETY: the list is alive and the GIL held; j < len was checked; the item is borrowed
+        // and only read.
+        let v = unsafe {
+            let item = pyo3::ffi::PyList_GetItem(list.as_ptr(), j as pyo3::ffi::Py_ssize_t);
+            if item.is_null() {
+                return Err(PyErr::fetch(seq.py()));
+            }
+            pyo3::ffi::PyLong_AsLongLong(item)
+        };
+        if v == -1 {
+            if let Some(e) = PyErr::take(seq.py()) {
+                return Err(e);
+            }
+        }
+        return u32::try_from(v).map_err(|_| {
+            invalid(
+                None,
+                format!(
+                    "token id {v} at position {j} of {} is out of range",
+                    list.len()
+                ),
+            )
+        });
+    }
+    seq.get_item(j)?.extract::<u32>()
+}
+
+/// The request's tokens as a sequence: vLLM's plain list behind the read-only view if present.
+fn tokens_of<'py>(req: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyAny>> {
+    let py = req.py();
+    match req.getattr(intern!(py, "_all_token_ids")) {
+        Ok(t) => Ok(t),
+        Err(_) => req.getattr(intern!(py, "all_token_ids")),
+    }
+}
+
+fn usize_attr(obj: &Bound<'_, PyAny>, name: &Bound<'_, PyString>) -> PyResult<usize> {
+    obj.getattr(name)?.extract::<usize>()
+}
+
+impl ConnectorPlanner {
+    fn slot_for(&mut self, py: Python<'_>, req: &Bound<'_, PyAny>) -> PyResult<core::ReqSlot> {
+        let rid_obj = req.getattr(intern!(py, "request_id"))?;
+        let rid = rid_obj.cast::<PyString>()?.to_str()?;
+        let existing = self.inner.slot_of(rid);
+        let fresh = match existing {
+            Some(s) => !self.objs[s as usize].as_ref().is_some_and(|o| o.is(req)),
+            None => true,
+        };
+        if !fresh {
+            return Ok(existing.expect("known"));
+        }
+        let prompt_len = usize_attr(req, intern!(py, "num_prompt_tokens"))?;
+        let lora = match req.getattr(intern!(py, "lora_request")) {
+            Ok(l) if !l.is_none() => l
+                .getattr(intern!(py, "lora_int_id"))?
+                .extract::<Option<u64>>()?,
+            _ => None,
+        };
+        if let Some(old) = existing {
+            self.forget(old);
+        }
+        let slot = self.inner.track(rid, prompt_len, lora, existing.is_some());
+        let i = slot as usize;
+        if self.objs.len() <= i {
+            self.objs.resize_with(i + 1, || None);
+            self.id_objs.resize_with(i + 1, || None);
+        }
+        self.objs[i] = Some(req.clone().unbind());
+        self.remember_id(slot, &rid_obj);
+        Ok(slot)
+    }
+
+    /// Drops the binding's references of a slot (its request and id objects).
+    fn forget(&mut self, slot: core::ReqSlot) {
+        let i = slot as usize;
+        if let Some(o) = self.objs.get_mut(i) {
+            *o = None;
+        }
+        if let Some(Some(id)) = self.id_objs.get_mut(i).map(Option::take) {
+            self.by_ptr.remove(&(id.as_ptr() as usize));
+        }
+    }
+
+    /// Makes `id` (held from now on) the id object of `slot` for address lookups.
+    fn remember_id(&mut self, slot: core::ReqSlot, id: &Bound<'_, PyAny>) {
+        let i = slot as usize;
+        if let Some(Some(old)) = self.id_objs.get(i) {
+            if old.as_ptr() == id.as_ptr() {
+                return;
+            }
+            self.by_ptr.remove(&(old.as_ptr() as usize));
+        }
+        self.by_ptr.insert(id.as_ptr() as usize, slot);
+        self.id_objs[i] = Some(id.clone().unbind());
+    }
+
+    /// The slot of a request id object: by address when it is the id object we hold (we hold a
+    /// reference, so no other object can live at that address), else by its characters.
+    #[inline]
+    fn slot_of_id(&mut self, id: &Bound<'_, PyAny>) -> PyResult<Option<core::ReqSlot>> {
+        if let Some(&s) = self.by_ptr.get(&(id.as_ptr() as usize)) {
+            return Ok(Some(s));
+        }
+        let Some(s) = self.inner.slot_of(id.cast::<PyString>()?.to_str()?) else {
+            return Ok(None);
+        };
+        self.remember_id(s, id);
+        Ok(Some(s))
+    }
+
+    /// Makes the planner hold the request's external hashes up to `n` blocks.
+    fn ensure_hashes(
+        &mut self,
+        slot: core::ReqSlot,
+        block_hashes: &Bound<'_, PyAny>,
+        n: usize,
+    ) -> PyResult<()> {
+        let known = self.inner.known_hashes(slot);
+        if known >= n {
+            return Ok(());
+        }
+        self.hashes.clear();
+        if let Ok(list) = block_hashes.cast::<PyList>() {
+            for j in known..n {
+                self.hashes.push(external_hash(&list.get_item(j)?)?);
+            }
+        } else {
+            for j in known..n {
+                self.hashes.push(external_hash(&block_hashes.get_item(j)?)?);
+            }
+        }
+        self.inner.extend_hashes(slot, &self.hashes);
+        Ok(())
+    }
+
+    /// Tokens `lo*bs .. min(hi*bs + 1, num_tokens)` of a request into `self.tokens`.
+    fn read_tokens(
+        &mut self,
+        seq: &Bound<'_, PyAny>,
+        lo: usize,
+        hi: usize,
+        num_tokens: usize,
+    ) -> PyResult<()> {
+        let bs = self.inner.config().block_size;
+        let end = (hi * bs + 1).min(num_tokens);
+        self.tokens.clear();
+        if !self.events_wanted {
+            // Nobody reads the BlockStored events: their token ids are not read either (only
+            // the successor, below). The events are dropped when taken.
+            self.tokens.resize((hi - lo) * bs, 0);
+        } else if let Ok(list) = seq.cast::<PyList>() {
+            if hi * bs > list.len() {
+                return Err(invalid(
+                    None,
+                    format!("{} tokens asked, the request has {}", hi * bs, list.len()),
+                ));
+            }
+            for j in lo * bs..hi * bs {
+                self.tokens.push(token_at(seq, j)?);
+            }
+        } else {
+            for j in lo * bs..hi * bs {
+                self.tokens.push(seq.get_item(j)?.extract::<u32>()?);
+            }
+        }
+        // The successor, when known and a real token (else none is recorded).
+        if end > hi * bs {
+            if let Ok(t) = token_at(seq, hi * bs) {
+                self.tokens.push(t);
+            }
+        }
+        Ok(())
+    }
+
+    /// Stores what is storable of a request now: blocks full of `verified` tokens. `device`:
+    /// the blocks to copy from (default: the mirrored table); `deferred`: at the next step.
+    #[allow(clippy::too_many_arguments)]
+    fn store_request(
+        &mut self,
+        slot: core::ReqSlot,
+        req: &Bound<'_, PyAny>,
+        verified: usize,
+        block_hashes: &Bound<'_, PyAny>,
+        device: Option<&[u32]>,
+        deferred: bool,
+    ) -> PyResult<usize> {
+        let bs = self.inner.config().block_size;
+        let n_hashes = block_hashes.len()?;
+        let lo = self.inner.next_block(slot);
+        let blocks = device.map_or(self.inner.device_blocks(slot).len(), <[u32]>::len);
+        let full = (verified / bs).min(n_hashes).min(blocks);
+        if full <= lo {
+            return Ok(0);
+        }
+        self.ensure_hashes(slot, block_hashes, full)?;
+        let seq = tokens_of(req)?;
+        let num_tokens = seq.len()?;
+        self.read_tokens(&seq, lo, full, num_tokens)?;
+        let tokens = std::mem::take(&mut self.tokens);
+        let r = self.inner.store(slot, full, &tokens, device, deferred);
+        self.tokens = tokens;
+        r.map_err(slot_error)
+    }
+
+    fn obj(&self, py: Python<'_>, slot: core::ReqSlot) -> Option<Py<PyAny>> {
+        self.objs
+            .get(slot as usize)
+            .and_then(|o| o.as_ref().map(|o| o.clone_ref(py)))
+    }
+
+    /// `build`: the planner is borrowed by the caller.
+    fn build_step<'py>(
+        &mut self,
+        py: Python<'py>,
+        scheduler_output: &Bound<'py, PyAny>,
+    ) -> PyResult<PyPlan<'py>> {
+        let step = self.inner.begin_step();
+        let scheduled = scheduler_output.getattr(intern!(py, "num_scheduled_tokens"))?;
+        let scheduled = scheduled.cast::<PyDict>()?;
+        let n_computed = intern!(py, "num_computed_tokens");
+        let n_inflight = intern!(py, "num_in_flight_tokens");
+        let n_tokens = intern!(py, "num_tokens");
+        let hashes_attr = intern!(py, "block_hashes");
+
+        // Preempted requests: vLLM freed their blocks in this schedule(); store their full
+        // verified blocks before this step's forward can reuse them.
+        let preempted = scheduler_output.getattr(intern!(py, "preempted_req_ids"))?;
+        if !preempted.is_none() {
+            for rid in preempted.try_iter()? {
+                let rid = rid?;
+                let Some(slot) = self.slot_of_id(&rid)? else {
+                    continue;
+                };
+                let Some(obj) = self.obj(py, slot) else {
+                    continue;
+                };
+                let req = obj.bind(py);
+                let num_tokens = usize_attr(req, n_tokens)?;
+                // The KV of at most computed_hi positions was written; vLLM verified all but
+                // the last sampled token (it reset num_computed_tokens when preempting).
+                let verified = self
+                    .inner
+                    .preempted_computed(slot)
+                    .min(num_tokens.saturating_sub(1));
+                let hashes = req.getattr(hashes_attr)?;
+                let n = self.store_request(slot, req, verified, &hashes, None, false)?;
+                self.inner.after_preemption(slot, n);
+            }
+        }
+
+        // New requests: their whole block table.
+        let new_reqs = scheduler_output.getattr(intern!(py, "scheduled_new_reqs"))?;
+        for nr in new_reqs.cast::<PyList>()?.iter() {
+            let rid_obj = nr.getattr(intern!(py, "req_id"))?;
+            let Some(slot) = self.slot_of_id(&rid_obj)? else {
+                continue;
+            };
+            let groups = nr.getattr(intern!(py, "block_ids"))?;
+            let ids = groups.get_item(0)?;
+            let dev = IntArg::<u32>::extract(&ids, "block_ids", None)?;
+            let nc = usize_attr(&nr, n_computed)?;
+            let sched = scheduled
+                .get_item(&rid_obj)?
+                .map_or(Ok(0), |v| v.extract::<usize>())?;
+            self.inner
+                .mirror(slot, dev.as_slice(), true, nc, Some(sched), true);
+        }
+
+        // Running and resumed requests: the blocks vLLM added this step.
+        let cached = scheduler_output.getattr(intern!(py, "scheduled_cached_reqs"))?;
+        let req_ids = cached.getattr(intern!(py, "req_ids"))?;
+        let req_ids = req_ids.cast::<PyList>()?;
+        let new_block_ids = cached.getattr(intern!(py, "new_block_ids"))?;
+        let new_block_ids = new_block_ids.cast::<PyList>()?;
+        let computed = cached.getattr(n_computed)?;
+        let computed = computed.cast::<PyList>()?;
+        let resumed = cached.getattr(intern!(py, "resumed_req_ids"))?;
+        let resumed = resumed.cast::<PySet>().ok();
+        let mut due = std::mem::take(&mut self.due);
+        due.clear();
+        for (i, rid_obj) in req_ids.iter().enumerate() {
+            let Some(slot) = self.slot_of_id(&rid_obj)? else {
+                continue;
+            };
+            let is_resumed = match &resumed {
+                Some(s) if !s.is_empty() => s.contains(&rid_obj)?,
+                _ => false,
+            };
+            self.blocks.clear();
+            let nb = new_block_ids.get_item(i)?;
+            if !nb.is_none() {
+                let group = nb
+                    .cast::<PyTuple>()
+                    .map(|t| t.get_item(0))
+                    .unwrap_or_else(|_| nb.get_item(0))?;
+                if let Ok(list) = group.cast::<PyList>() {
+                    for b in list.iter() {
+                        self.blocks.push(b.extract::<u32>()?);
+                    }
+                } else {
+                    let d = IntArg::<u32>::extract(&group, "new_block_ids", None)?;
+                    self.blocks.extend_from_slice(d.as_slice());
+                }
+            }
+            let nc = computed.get_item(i)?.extract::<usize>()?;
+            // The scheduled count matters only while prefilling (chunk ends, preemption).
+            let sched = if self.inner.prefilling(slot, nc) {
+                Some(
+                    scheduled
+                        .get_item(&rid_obj)?
+                        .map_or(Ok(0), |v| v.extract::<usize>())?,
+                )
+            } else {
+                None
+            };
+            let blocks = std::mem::take(&mut self.blocks);
+            if self
+                .inner
+                .mirror(slot, &blocks, is_resumed, nc, sched, is_resumed)
+            {
+                due.push(slot);
+            }
+            self.blocks = blocks;
+        }
+
+        // The candidates (a block may have filled): only they are read further.
+        let mut failed: Option<PyErr> = None;
+        for &slot in &due {
+            let Some(obj) = self.obj(py, slot) else {
+                continue;
+            };
+            let req = obj.bind(py);
+            let res = (|| -> PyResult<()> {
+                let nc = usize_attr(req, n_computed)?;
+                let verified = nc.saturating_sub(usize_attr(req, n_inflight).unwrap_or(0));
+                let hashes = req.getattr(hashes_attr)?;
+                // Nothing storable unless vLLM hashed the block (no token read then).
+                if hashes.len()? <= self.inner.next_block(slot) {
+                    return Ok(());
+                }
+                self.store_request(slot, req, verified, &hashes, None, false)?;
+                Ok(())
+            })();
+            if let Err(e) = res {
+                failed.get_or_insert(e);
+            }
+        }
+        self.due = due;
+        self.inner.end_step(&mut self.plan);
+        if let Some(e) = failed {
+            return Err(e);
+        }
+        debug_assert_eq!(self.plan.step, step);
+        let loads = self
+            .plan
+            .loads
+            .iter()
+            .map(|(slot, dev, host)| {
+                (
+                    PyString::new(py, self.inner.request_id(*slot)),
+                    dev.clone(),
+                    host.clone(),
+                )
+            })
+            .collect();
+        // Plain lists: vLLM pickles the metadata to its workers every step.
+        Ok((
+            step,
+            self.plan.store_device.clone(),
+            self.plan.store_host.clone(),
+            loads,
+        ))
+    }
+
+    /// `finish`: the planner is borrowed by the caller.
+    fn finish_request(
+        &mut self,
+        py: Python<'_>,
+        request: &Bound<'_, PyAny>,
+        block_ids: &[u32],
+    ) -> PyResult<bool> {
+        let rid_obj = request.getattr(intern!(py, "request_id"))?;
+        let Some(slot) = self.inner.slot_of(rid_obj.cast::<PyString>()?.to_str()?) else {
+            return Ok(false);
+        };
+        let res = (|| -> PyResult<()> {
+            let nc = usize_attr(request, intern!(py, "num_computed_tokens"))?;
+            let verified = nc.saturating_sub(
+                usize_attr(request, intern!(py, "num_in_flight_tokens")).unwrap_or(0),
+            );
+            let hashes = request.getattr(intern!(py, "block_hashes"))?;
+            self.store_request(slot, request, verified, &hashes, Some(block_ids), true)?;
+            Ok(())
+        })();
+        self.inner.finish(slot);
+        self.forget(slot);
+        res.map(|_| true)
+    }
+}
+
+#[pymethods]
+impl ConnectorPlanner {
+    #[new]
+    #[pyo3(signature = (block_size, num_host_blocks, eagle, expected_workers=None, max_decode_tokens=None))]
+    fn new(
+        block_size: &Bound<'_, PyAny>,
+        num_host_blocks: &Bound<'_, PyAny>,
+        eagle: &Bound<'_, PyAny>,
+        expected_workers: Option<&Bound<'_, PyAny>>,
+        max_decode_tokens: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<Self> {
+        let cfg = core::PlannerConfig {
+            block_size: count(block_size, "block_size", None)?,
+            num_host_blocks: count(num_host_blocks, "num_host_blocks", None)?,
+            eagle: flag(eagle, "eagle", None)?,
+            expected_workers: opt_int::<u32>(expected_workers, "expected_workers", None)?
+                .unwrap_or(1),
+            max_decode_tokens: opt_int::<usize>(max_decode_tokens, "max_decode_tokens", None)?
+                .unwrap_or(1),
+        };
+        Ok(ConnectorPlanner {
+            inner: core::ConnectorPlanner::new(cfg).map_err(slot_error)?,
+            objs: Vec::new(),
+            id_objs: Vec::new(),
+            by_ptr: HashMap::default(),
+            plan: core::StepPlan::default(),
+            due: Vec::new(),
+            hashes: Vec::new(),
+            tokens: Vec::new(),
+            blocks: Vec::new(),
+            wire: Vec::new(),
+            events_wanted: true,
+        })
+    }
+
+    /// Host-tier hit of a waiting request beyond vLLM's local hit of `num_computed_tokens`, in
+    /// tokens (never the whole prompt; for EAGLE, the last block only when the next token is
+    /// the one recorded with it). Reads the vLLM `Request` while the planner is borrowed.
+    fn lookup(
+        slf: &Bound<'_, Self>,
+        request: &Bound<'_, PyAny>,
+        num_computed_tokens: &Bound<'_, PyAny>,
+    ) -> PyResult<usize> {
+        let py = slf.py();
+        let num_computed = count(num_computed_tokens, "num_computed_tokens", None)?;
+        let mut this = borrow_mut(slf)?;
+        let this = &mut *this;
+        let bs = this.inner.config().block_size;
+        let slot = this.slot_for(py, request)?;
+        let block_hashes = request.getattr(intern!(py, "block_hashes"))?;
+        let num_tokens = usize_attr(request, intern!(py, "num_tokens"))?;
+        let max_blocks = (num_tokens.saturating_sub(1) / bs).min(block_hashes.len()?);
+        let local = num_computed / bs;
+        if max_blocks <= local {
+            return Ok(0);
+        }
+        this.ensure_hashes(slot, &block_hashes, max_blocks)?;
+        let seq = tokens_of(request)?;
+        Ok(this
+            .inner
+            .lookup(slot, local, max_blocks, |p| token_at(&seq, p).ok()))
+    }
+
+    /// vLLM allocated the request's blocks (`device_blocks`: its whole block table): pins the
+    /// host blocks of its external hit for a load in the next step.
+    fn after_alloc(
+        slf: &Bound<'_, Self>,
+        request: &Bound<'_, PyAny>,
+        device_blocks: &Bound<'_, PyAny>,
+        num_external_tokens: &Bound<'_, PyAny>,
+    ) -> PyResult<()> {
+        let py = slf.py();
+        let n = count(num_external_tokens, "num_external_tokens", None)?;
+        let dev = if n > 0 {
+            Some(IntArg::<u32>::extract(
+                device_blocks,
+                "device_blocks",
+                None,
+            )?)
+        } else {
+            None
+        };
+        let mut this = borrow_mut(slf)?;
+        let slot = this.slot_for(py, request)?;
+        match dev {
+            Some(d) => this
+                .inner
+                .plan_load(slot, d.as_slice(), n)
+                .map_err(slot_error),
+            None => Ok(()),
+        }
+    }
+
+    /// Starts mirroring a request without a lookup (vLLM allocated it without asking).
+    fn track(slf: &Bound<'_, Self>, request: &Bound<'_, PyAny>) -> PyResult<()> {
+        let py = slf.py();
+        borrow_mut(slf)?.slot_for(py, request).map(|_| ())
+    }
+
+    /// Plans one engine step from vLLM's `SchedulerOutput`: returns
+    /// `(step, store_device_blocks, store_host_blocks, [(request_id, device_blocks, host_blocks)])`.
+    fn build<'py>(
+        slf: &Bound<'py, Self>,
+        scheduler_output: &Bound<'py, PyAny>,
+    ) -> PyResult<PyPlan<'py>> {
+        let py = slf.py();
+        let mut this = borrow_mut(slf)?;
+        this.build_step(py, scheduler_output)
+    }
+
+    /// A finished request: its last verified blocks (of `block_ids`, its device blocks) are
+    /// stored at the start of the next step; the request is forgotten. Never holds blocks.
+    fn finish(
+        slf: &Bound<'_, Self>,
+        request: &Bound<'_, PyAny>,
+        block_ids: &Bound<'_, PyAny>,
+    ) -> PyResult<bool> {
+        let py = slf.py();
+        let dev = IntArg::<u32>::extract(block_ids, "block_ids", None)?;
+        let mut this = borrow_mut(slf)?;
+        this.finish_request(py, request, dev.as_slice())
+    }
+
+    /// The workers' report for `step` (see `KVSlotsWorkerMetadata`); returns blocks registered.
+    #[pyo3(signature = (step, acks, failed_store_blocks=None, failed_loads=None))]
+    fn complete(
+        slf: &Bound<'_, Self>,
+        step: &Bound<'_, PyAny>,
+        acks: &Bound<'_, PyAny>,
+        failed_store_blocks: Option<&Bound<'_, PyAny>>,
+        failed_loads: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<usize> {
+        let step = int::<u64>(step, "step", None)?;
+        let acks = int::<u32>(acks, "acks", None)?;
+        let failed = match failed_store_blocks {
+            Some(f) if !f.is_none() => IntArg::<u32>::extract(f, "failed_store_blocks", None)?.0,
+            _ => Vec::new(),
+        };
+        let failed_loads = opt_int::<u64>(failed_loads, "failed_loads", None)?.unwrap_or(0);
+        borrow_mut(slf)?
+            .inner
+            .complete(step, acks, &failed, failed_loads)
+            .map_err(slot_error)
+    }
+
+    fn has_pending_work(slf: &Bound<'_, Self>) -> PyResult<bool> {
+        Ok(borrow(slf)?.inner.has_pending_work())
+    }
+    /// Whether anyone reads the host-tier events: when not, stores do not read the token ids
+    /// the BlockStored events would carry (the events are to be dropped with discard_events).
+    #[getter]
+    fn events_wanted(slf: &Bound<'_, Self>) -> PyResult<bool> {
+        Ok(borrow(slf)?.events_wanted)
+    }
+    #[setter]
+    fn set_events_wanted(slf: &Bound<'_, Self>, wanted: &Bound<'_, PyAny>) -> PyResult<()> {
+        let w = flag(wanted, "events_wanted", None)?;
+        borrow_mut(slf)?.events_wanted = w;
+        Ok(())
+    }
+    #[getter]
+    fn step(slf: &Bound<'_, Self>) -> PyResult<u64> {
+        Ok(borrow(slf)?.inner.step())
+    }
+    #[getter]
+    fn expected_workers(slf: &Bound<'_, Self>) -> PyResult<u32> {
+        Ok(borrow(slf)?.inner.config().expected_workers)
+    }
+    #[setter]
+    fn set_expected_workers(slf: &Bound<'_, Self>, n: &Bound<'_, PyAny>) -> PyResult<()> {
+        let n = int::<u32>(n, "expected_workers", None)?;
+        borrow_mut(slf)?.inner.set_expected_workers(n);
+        Ok(())
+    }
+    #[getter]
+    fn num_tracked(slf: &Bound<'_, Self>) -> PyResult<usize> {
+        Ok(borrow(slf)?.inner.num_tracked())
+    }
+    /// The device block ids mirrored for a request (None if not tracked).
+    fn device_blocks(
+        slf: &Bound<'_, Self>,
+        request_id: &Bound<'_, PyAny>,
+    ) -> PyResult<Option<Vec<u32>>> {
+        let rid = conv::request_id(request_id)?;
+        let this = borrow(slf)?;
+        Ok(this
+            .inner
+            .slot_of(rid)
+            .map(|s| this.inner.device_blocks(s).to_vec()))
+    }
+    fn stats(slf: &Bound<'_, Self>) -> PyResult<HashMap<&'static str, u64>> {
+        let s = borrow(slf)?.inner.stats();
+        Ok(HashMap::from([
+            ("hit_tokens", s.hit_tokens),
+            ("loaded_blocks", s.loaded_blocks),
+            ("stored_blocks", s.stored_blocks),
+            ("preempted_stored_blocks", s.preempted_stored_blocks),
+            ("failed_loads", s.failed_loads),
+            ("failed_stores", s.failed_stores),
+            ("last_blocks_served", s.last_blocks_served),
+            ("last_blocks_dropped", s.last_blocks_dropped),
+            ("checked", s.checked),
+        ]))
+    }
+
+    // ---- the host tier ----
+    /// Drops every cached host block (queues AllBlocksCleared).
+    fn clear(slf: &Bound<'_, Self>) -> PyResult<usize> {
+        Ok(borrow_mut(slf)?.inner.cache_mut().clear())
+    }
+    fn registered_hashes(slf: &Bound<'_, Self>) -> PyResult<Vec<u64>> {
+        let mut v: Vec<u64> = borrow(slf)?
+            .inner
+            .cache()
+            .pool()
+            .registered_hashes()
+            .collect();
+        v.sort_unstable();
+        Ok(v)
+    }
+    /// The host block holding a cached hash, if any.
+    fn lookup_block(slf: &Bound<'_, Self>, block_hash: &Bound<'_, PyAny>) -> PyResult<Option<u32>> {
+        let h = int::<u64>(block_hash, "block_hash", None)?;
+        Ok(borrow(slf)?.inner.cache().pool().lookup(h))
+    }
+    /// The successor token recorded with a cached block (None: none recorded).
+    fn successor(slf: &Bound<'_, Self>, block_hash: &Bound<'_, PyAny>) -> PyResult<Option<u32>> {
+        let h = int::<u64>(block_hash, "block_hash", None)?;
+        let s = borrow(slf)?.inner.cache().successor(h);
+        Ok((s != core::NO_SUCCESSOR).then_some(s))
+    }
+    fn host_stats(slf: &Bound<'_, Self>) -> PyResult<HashMap<&'static str, u64>> {
+        let s = borrow(slf)?.inner.cache().stats();
+        Ok(HashMap::from([
+            ("lookups", s.lookups),
+            ("hit_blocks", s.hit_blocks),
+            ("stores_started", s.stores_started),
+            ("stores_completed", s.stores_completed),
+            ("stores_aborted", s.stores_aborted),
+            ("stores_skipped_full", s.stores_skipped_full),
+            ("loads_started", s.loads_started),
+            ("evicted_blocks", s.evicted_blocks),
+        ]))
+    }
+    fn check_invariants(slf: &Bound<'_, Self>) -> PyResult<Option<String>> {
+        Ok(borrow(slf)?.inner.cache().pool().check().err())
+    }
+    #[getter]
+    fn num_host_blocks(slf: &Bound<'_, Self>) -> PyResult<usize> {
+        Ok(borrow(slf)?.inner.cache().pool().num_blocks())
+    }
+    #[getter]
+    fn num_held(slf: &Bound<'_, Self>) -> PyResult<usize> {
+        Ok(borrow(slf)?.inner.cache().pool().num_held())
+    }
+    #[getter]
+    fn num_cached(slf: &Bound<'_, Self>) -> PyResult<usize> {
+        Ok(borrow(slf)?.inner.cache().pool().num_cached())
+    }
+    #[getter]
+    fn num_storing(slf: &Bound<'_, Self>) -> PyResult<usize> {
+        Ok(borrow(slf)?.inner.cache().num_storing())
+    }
+
+    // ---- host-tier events ----
+    fn num_pending_events(slf: &Bound<'_, Self>) -> PyResult<usize> {
+        Ok(borrow(slf)?.inner.cache().events().len())
+    }
+    fn drain_raw_events<'py>(slf: &Bound<'py, Self>) -> PyResult<Bound<'py, PyList>> {
+        let mut this = borrow_mut(slf)?;
+        let list = events_to_py(slf.py(), this.inner.cache().events())?;
+        this.inner.cache_mut().events_mut().clear();
+        Ok(list)
+    }
+    /// Queued events as one msgpack `KVEventBatch` (vLLM's wire format); the queue stays.
+    #[pyo3(signature = (ts, medium=Some("CPU".to_owned()), data_parallel_rank=None, hashes_as_bytes=false))]
+    fn events_msgpack<'py>(
+        slf: &Bound<'py, Self>,
+        ts: &Bound<'py, PyAny>,
+        #[pyo3(from_py_with = arg::medium)] medium: Option<String>,
+        data_parallel_rank: Option<&Bound<'py, PyAny>>,
+        #[pyo3(from_py_with = arg::hashes_as_bytes)] hashes_as_bytes: bool,
+    ) -> PyResult<Bound<'py, PyBytes>> {
+        let args = MetaArgs::extract(ts, medium.as_deref(), data_parallel_rank, hashes_as_bytes)?;
+        let mut this = borrow_mut(slf)?;
+        let this = &mut *this;
+        log_to_msgpack(
+            slf.py(),
+            this.inner.cache().events(),
+            &mut this.wire,
+            args.meta(),
+        )
+    }
+    /// Drops the queued events (nobody reads them); returns how many there were.
+    fn discard_events(slf: &Bound<'_, Self>) -> PyResult<usize> {
+        let mut this = borrow_mut(slf)?;
+        let n = this.inner.cache().events().len();
+        this.inner.cache_mut().events_mut().clear();
+        Ok(n)
+    }
+}
