@@ -105,6 +105,9 @@ class Server:
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(p for p in (os.path.join(ROOT, "python"), env.get("PYTHONPATH")) if p)
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+        for kv in (args.env or []) + ((args.env_none or []) if mode == "none" else (args.env_kvslots or [])):
+            k, _, v = kv.partition("=")
+            env[k] = v
         if args.profile:
             env["PYTHONPATH"] = os.pathsep.join((os.path.join(HERE, "profiling"), env["PYTHONPATH"]))
             env["KVSLOTS_PROFILE_DIR"] = os.path.join(args.profile, f"{mode}-{int(time.time())}")
@@ -351,6 +354,10 @@ def main() -> None:
     ap.add_argument("--start-timeout", type=float, default=600)
     ap.add_argument("--profile", metavar="DIR", help="cProfile the engine core and time the connector's hooks")
     ap.add_argument("--json", metavar="FILE", help="write every run and the summaries")
+    ap.add_argument("--env", action="append", metavar="K=V", help="environment of both servers")
+    ap.add_argument("--env-none", action="append", metavar="K=V", help="environment of the no-connector server")
+    ap.add_argument("--env-kvslots", action="append", metavar="K=V", help="environment of the connector server "
+                    "(e.g. VLLM_CPU_NUM_OF_RESERVED_CPU=0 reproduces vLLM's reservation without kvslots serve)")
     ap.add_argument("--plot", metavar="PNG", help="chart of the ratios (needs matplotlib)")
     ap.add_argument("--from-json", metavar="FILE", help="only print and plot a saved run")
     args = ap.parse_args()

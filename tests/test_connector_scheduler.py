@@ -85,9 +85,37 @@ def test_preemption_and_resume(eagle_cfg):
     reqs = [h.add(f"p{i}", prompt(rng, 50), max_tokens=60) for i in range(4)]
     h.run_until_done(max_steps=2000)
     assert sum(r.num_preemptions for r in reqs) > 0, "the test must cause preemption"
+    # Every host block holds exactly its tokens: the preempted requests' blocks were copied in
+    # the step that preempted them, before any forward reused them.
     h.check_host_tier()
     expected = set().union(*(full_verified_hashes(h, r) for r in reqs))
     assert expected <= set(h.sched_side.host.registered_hashes())
+    assert h.sched_side.host.num_held == 0
+    stats = h.sched_side.stats
+    assert stats["preempted_stored_blocks"] > 0, "preempted requests' blocks were stored"
+    assert stats["hit_tokens"] > 0, "resumed requests were served from the host tier"
+
+
+def test_preempted_request_is_stored_before_its_blocks_are_reused(eagle_cfg):
+    """The step that preempts a request stores its full verified blocks; on resume the request
+    is served from the host tier instead of recomputing them."""
+    h = harness(eagle_cfg, num_blocks=12, seed=8)
+    rng = random.Random(8)
+    reqs = [h.add(f"q{i}", prompt(rng, 70), max_tokens=80) for i in range(3)]
+    preempted_at = None
+    for _ in range(2000):
+        if not h.scheduler.has_requests():
+            break
+        before = h.sched_side.stats["preempted_stored_blocks"]
+        so = h.step()
+        if so.preempted_req_ids:
+            preempted_at = preempted_at or so
+            stored = h.sched_side.stats["preempted_stored_blocks"] - before
+            # The preempting step's own metadata carries the victims' blocks (copied first).
+            assert len(so.kv_connector_metadata.store_device_blocks) >= stored
+    assert preempted_at is not None, "the test must cause preemption"
+    h.check_host_tier()
+    assert h.sched_side.stats["preempted_stored_blocks"] > 0
     assert h.sched_side.host.num_held == 0
 
 
