@@ -150,6 +150,7 @@ class Run:
     hits: list[tuple[int, int]] = field(default_factory=list)  # (queries, hits) per stats drain
     preemptions: int = 0
     peak_blocks: int = 0
+    held_trace: list[int] = field(default_factory=list)  # blocks held after each schedule()
     steps: int = 0
 
     def __post_init__(self) -> None:
@@ -275,6 +276,7 @@ class Run:
         held = m.num_held_blocks() - 1 if self.kvslots else (
             m.block_pool.num_gpu_blocks - m.block_pool.get_num_free_blocks() - 1)
         self.peak_blocks = max(self.peak_blocks, held)
+        self.held_trace.append(held)
 
     def _after_update(self, outs: Any) -> None:
         for eco in outs.values():
