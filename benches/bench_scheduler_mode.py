@@ -266,7 +266,7 @@ def capacity_bench(args: argparse.Namespace, models: dict) -> dict[str, Any]:
     dyn = {(1, 8): 5, (9, 24): 3, (25, 64): 1}
     rows = []
     for dynamic in (True, False):
-        cfg = engine_config(models["target"], models["eagle"], k=5, num_blocks=4096, max_num_seqs=64,
+        cfg = engine_config(models["target"], models["eagle"], k=5, num_blocks=8192, max_num_seqs=64,
                             max_num_batched_tokens=2048, dynamic_sd=dyn if dynamic else None, kv_events=False)
         for acceptance in (0.6, 0.7, 0.8):
             for seed in range(args.capacity_seeds):
@@ -278,28 +278,33 @@ def capacity_bench(args: argparse.Namespace, models: dict) -> dict[str, Any]:
                     body = [rng.randrange(1, 5000) for _ in range(rng.randrange(32, 320))]
                     arrivals.append(Arrival(f"r{i}", rng.randrange(0, 60), pre + body, rng.randrange(32, 256)))
                 wl = Workload(arrivals, acceptance=acceptance, seed=seed)
-                num_blocks = args.capacity_blocks
-                a = Run(cfg, num_blocks, False, wl, check_every_step=False).run(max_steps=20_000)
-                b = Run(cfg, num_blocks, True, wl, check_every_step=False).run(max_steps=20_000)
-                assert {r: v for r, v in a.outputs.items()} == {r: v for r, v in b.outputs.items()}
-                rows.append({"dynamic": dynamic, "acceptance": acceptance, "seed": seed,
-                             "vllm_peak": a.peak_blocks, "kvslots_peak": b.peak_blocks,
-                             "vllm_mean": statistics.mean(a.held_trace), "kvslots_mean": statistics.mean(b.held_trace),
-                             "vllm_preemptions": a.preemptions, "kvslots_preemptions": b.preemptions,
-                             "vllm_steps": a.steps, "kvslots_steps": b.steps})
-    print(f"\nFreed capacity: 96 requests arriving over 60 steps, 60% sharing one of 4 prefixes, pool of "
-          f"{args.capacity_blocks} blocks of 16 tokens, EAGLE K<=5, {args.capacity_seeds} seeds per row (sums):")
-    print(f"  {'schedule':10s} {'accept':>6s} | {'peak blocks held':>22s} | {'mean blocks held':>22s} | "
-          f"{'preemptions':>17s} | {'steps':>13s}")
+                row: dict[str, Any] = {"dynamic": dynamic, "acceptance": acceptance, "seed": seed}
+                for pool, blocks in (("roomy", args.roomy_blocks), ("tight", args.capacity_blocks)):
+                    a = Run(cfg, blocks, False, wl, check_every_step=False).run(max_steps=20_000)
+                    b = Run(cfg, blocks, True, wl, check_every_step=False).run(max_steps=20_000)
+                    assert a.outputs == b.outputs, "the same tokens come out"
+                    row.update({f"{pool}_vllm_peak": a.peak_blocks, f"{pool}_kvslots_peak": b.peak_blocks,
+                                f"{pool}_vllm_mean": statistics.mean(a.held_trace),
+                                f"{pool}_kvslots_mean": statistics.mean(b.held_trace),
+                                f"{pool}_vllm_preemptions": a.preemptions,
+                                f"{pool}_kvslots_preemptions": b.preemptions,
+                                f"{pool}_vllm_steps": a.steps, f"{pool}_kvslots_steps": b.steps})
+                rows.append(row)
+    print(f"\nFreed capacity: 96 requests arriving over 60 steps, 60% sharing one of 4 prefixes, EAGLE K<=5 "
+          f"(dynamic: K 5/3/1 at batch 1-8/9-24/25-64), blocks of 16 tokens, {args.capacity_seeds} seeds per "
+          f"row (sums). Roomy pool ({args.roomy_blocks} blocks, nothing preempted): blocks held; tight pool "
+          f"({args.capacity_blocks} blocks): preemptions and steps.")
+    print(f"  {'schedule':10s} {'accept':>6s} | {'roomy: peak held':>22s} | {'roomy: mean held':>22s} | "
+          f"{'tight: preemptions':>18s} | {'tight: steps':>13s}")
     for dynamic in (True, False):
         for acceptance in (0.6, 0.7, 0.8):
             rs = [r for r in rows if r["dynamic"] == dynamic and r["acceptance"] == acceptance]
             s = {k: sum(r[k] for r in rs) for k in rs[0] if k not in ("dynamic", "acceptance", "seed")}
             print(f"  {'dynamic' if dynamic else 'static K=5':10s} {acceptance:6.1f} | "
-                  f"vLLM {s['vllm_peak']:5d} kvslots {s['kvslots_peak']:5d} | "
-                  f"vLLM {s['vllm_mean']:6.0f} kvslots {s['kvslots_mean']:6.0f} | "
-                  f"vLLM {s['vllm_preemptions']:3d} kvslots {s['kvslots_preemptions']:3d} | "
-                  f"{s['vllm_steps']:5d} / {s['kvslots_steps']:5d}")
+                  f"vLLM {s['roomy_vllm_peak']:5d} kvslots {s['roomy_kvslots_peak']:5d} | "
+                  f"vLLM {s['roomy_vllm_mean']:6.0f} kvslots {s['roomy_kvslots_mean']:6.0f} | "
+                  f"vLLM {s['tight_vllm_preemptions']:3d} kvslots {s['tight_kvslots_preemptions']:3d} | "
+                  f"{s['tight_vllm_steps']:5d} / {s['tight_kvslots_steps']:5d}")
     return {"rows": rows}
 
 
@@ -385,7 +390,8 @@ def main() -> None:
                     help="vLLM's stats on, as in a served engine (default on)")
     ap.add_argument("--kv-events", action="store_true", help="KV events on (both managers build them)")
     ap.add_argument("--capacity-seeds", type=int, default=3)
-    ap.add_argument("--capacity-blocks", type=int, default=900)
+    ap.add_argument("--capacity-blocks", type=int, default=900, help="the tight pool")
+    ap.add_argument("--roomy-blocks", type=int, default=8000, help="the pool nothing is preempted from")
     ap.add_argument("--models", default="/tmp/kvslots-tiny")
     ap.add_argument("--json", help="write the raw figures here")
     args = ap.parse_args()
