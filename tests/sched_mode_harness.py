@@ -150,6 +150,7 @@ class Run:
     hits: list[tuple[int, int]] = field(default_factory=list)  # (queries, hits) per stats drain
     preemptions: int = 0
     peak_blocks: int = 0
+    held_trace: list[int] = field(default_factory=list)  # blocks held after each schedule()
     steps: int = 0
 
     def __post_init__(self) -> None:
@@ -272,9 +273,19 @@ class Run:
             "k": so.num_spec_tokens_to_schedule,
         })
         m = self.scheduler.kv_cache_manager
+        conn = self.scheduler.connector
+        if conn is not None:
+            # The connector mirrors the block tables from the scheduler's output: it must see
+            # exactly the blocks the manager holds.
+            planner = conn._sched.planner
+            for rid in so.num_scheduled_tokens:
+                mirror = planner.device_blocks(rid)
+                if mirror is not None:
+                    assert list(mirror) == list(m.get_block_ids(rid)[0]), f"{rid}: connector mirror differs"
         held = m.num_held_blocks() - 1 if self.kvslots else (
             m.block_pool.num_gpu_blocks - m.block_pool.get_num_free_blocks() - 1)
         self.peak_blocks = max(self.peak_blocks, held)
+        self.held_trace.append(held)
 
     def _after_update(self, outs: Any) -> None:
         for eco in outs.values():

@@ -152,15 +152,16 @@ DYNAMIC = {(1, 2): 5, (3, 4): 3, (5, 16): 1}
 
 
 @SETTINGS
-@given(wl=workloads(), num_blocks=st.integers(14, 48), async_scheduling=st.booleans())
-def test_dynamic_sd_lookahead_for_the_step_k(models, wl, num_blocks, async_scheduling):
+@given(wl=workloads(), num_blocks=st.integers(17, 48), async_scheduling=st.booleans(),
+       connector=st.booleans())
+def test_dynamic_sd_lookahead_for_the_step_k(models, wl, num_blocks, async_scheduling, connector):
     """kvslots holds lookahead for the step's K only and admits as vLLM would (the lookahead it
     does not hold counts as held for admissions), so at the first step where the two runs
     differ kvslots has not preempted where vLLM did not: it preempted fewer requests (running
     ones fit in blocks vLLM holds for drafts it does not make) or got more prefix hits (fewer
     cached blocks were evicted). Past that point the runs are different schedules."""
     cfg = config(models, method="eagle", k=5, num_blocks=BIG_POOL, dynamic_sd=DYNAMIC,
-                 async_scheduling=async_scheduling, max_num_seqs=16)
+                 async_scheduling=async_scheduling, max_num_seqs=16, connector=connector)
     num_blocks = servable(wl, num_blocks)
     a = Run(cfg, num_blocks, False, wl).run()
     b = Run(cfg, num_blocks, True, wl).run()

@@ -3,9 +3,8 @@ tests, in all five speculative modes (none, EAGLE, EAGLE-3, draft model = target
 and without the KVSlotsConnector: ``--scheduler-cls kvslots.vllm.KVSlotsScheduler`` gives the
 same greedy tokens as vLLM's own KV cache manager, the same speculative-decoding counters
 (every draft accepted with draft model = target), the same prefix-cache counters and hits on a
-repeated prompt; with the connector on as well the same tokens and counters, and the repeat is
-served from the host tier after a device reset (that the connector is transparent over vLLM's
-own manager is tests/test_vllm_engine.py's subject).
+repeated prompt, and with the connector on the same against vLLM's manager with the connector,
+the repeat served from the host tier after a device reset.
 
 One process per mode (tests/sched_engine_run.py) runs its engines in turn (n-gram: one process
 per engine, vLLM 0.32 on CPU cannot build a second n-gram engine in a process).
@@ -47,25 +46,25 @@ def run_engines(models_dir: str, runs: list[dict]) -> list[dict]:
 
 @pytest.mark.parametrize("method", [None, "eagle", "eagle3", "draft_model", "ngram"])
 def test_scheduler_mode_serves_like_vllms_manager(models_dir, method):
-    runs = [{"method": method}, {"method": method, "kvslots": True},
-            {"method": method, "kvslots": True, "connector": True}]
+    runs = [{"method": method, "kvslots": kv, "connector": conn} for conn in (False, True) for kv in (False, True)]
     if method == "ngram":
-        vllm, kvslots, kvslots_conn = (run_engines(models_dir, [r])[0] for r in runs)
+        vllm, kvslots, vllm_conn, kvslots_conn = (run_engines(models_dir, [r])[0] for r in runs)
     else:
-        vllm, kvslots, kvslots_conn = run_engines(models_dir, runs)
-    assert vllm["manager"] == "KVCacheManager"
-    for ours in (kvslots, kvslots_conn):
+        vllm, kvslots, vllm_conn, kvslots_conn = run_engines(models_dir, runs)
+    for base, ours in ((vllm, kvslots), (vllm_conn, kvslots_conn)):
+        assert base["manager"] == "KVCacheManager"
         assert ours["manager"] == "KVSlotsKVCacheManager" and ours["scheduler"] == "KVSlotsScheduler"
-        assert ours["outputs"] == vllm["outputs"], "greedy tokens differ"
+        assert ours["outputs"] == base["outputs"], "greedy tokens differ"
+        assert ours["metrics"] == base["metrics"], "speculative-decoding or prefix-cache counters differ"
+        assert ours["cached_tokens"] == base["cached_tokens"], "prefix hits differ"
         assert ours["pool_whole"]
-    assert kvslots["metrics"] == vllm["metrics"], "speculative-decoding or prefix-cache counters differ"
-    assert kvslots["cached_tokens"] == vllm["cached_tokens"]
-    # With the connector: the same counters but for the repeat after the reset, which the host
-    # tier serves.
+    assert kvslots_conn["connector"] == vllm_conn["connector"], "the host tier served differently"
+    assert kvslots_conn["outputs"] == kvslots["outputs"], "the connector changed what is computed"
     out = kvslots["outputs"]
     assert out[0] == out[4] == out[5], "the repeated prompt decodes the same"
     # The repeat hit every full block of the prompt but the last token's, less the block EAGLE
-    # drops; after the device reset only the connector's host tier serves it.
+    # drops; after the device reset nothing (the connector's host tier serves it, with its own
+    # EAGLE rule: tests/test_vllm_engine.py).
     full = (PROMPT - 1) // BLOCK
     expect = (full - 1 if method in ("eagle", "eagle3") else full) * BLOCK
     assert kvslots["cached_tokens"][4] == expect

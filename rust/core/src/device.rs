@@ -57,6 +57,7 @@ impl std::fmt::Debug for FullHash {
 
 impl FullHash {
     pub const MAX_LEN: usize = 32;
+    #[cfg(test)]
     const EMPTY: FullHash = FullHash {
         bytes: [0; FullHash::MAX_LEN],
         len: 0,
@@ -91,6 +92,35 @@ impl FullHash {
         let b = self.as_bytes();
         let tail = &b[b.len().saturating_sub(8)..];
         tail.iter().fold(0u64, |acc, &x| (acc << 8) | x as u64)
+    }
+}
+
+/// One full hash per block, as plain zeroed arrays (so a pool of a million blocks costs no
+/// memory until its blocks are registered).
+#[derive(Debug)]
+struct FullHashes {
+    bytes: Vec<[u8; FullHash::MAX_LEN]>,
+    lens: Vec<u8>,
+}
+
+impl FullHashes {
+    fn new(n: usize) -> Self {
+        FullHashes {
+            bytes: vec![[0; FullHash::MAX_LEN]; n],
+            lens: vec![0; n],
+        }
+    }
+    #[inline]
+    fn get(&self, b: BlockId) -> FullHash {
+        FullHash {
+            bytes: self.bytes[b as usize],
+            len: self.lens[b as usize],
+        }
+    }
+    #[inline]
+    fn set(&mut self, b: BlockId, h: &FullHash) {
+        self.bytes[b as usize] = h.bytes;
+        self.lens[b as usize] = h.len;
     }
 }
 
@@ -184,6 +214,8 @@ pub struct AllocArgs {
 pub struct Allocated {
     /// Positions in the request's table allocated by `allocate_new_blocks` (vLLM's return value).
     pub new_blocks: Range<usize>,
+    /// The request's slot (see [`DeviceAllocator::slot_blocks`]).
+    pub slot: usize,
     /// Positions newly registered (their hashes are `request.block_hashes[commit]`).
     pub commit: Range<usize>,
     pub evicted: usize,
@@ -222,7 +254,7 @@ pub struct DeviceAllocator {
     record_new_blocks: bool,
     prefer_held: bool,
     /// The full hash each registered block holds (stale otherwise). Zero pages until used.
-    full: Vec<FullHash>,
+    full: FullHashes,
     reqs: FxHashMap<Box<str>, u32>,
     slots: Vec<Req>,
     free_slots: Vec<u32>,
@@ -275,7 +307,7 @@ impl DeviceAllocator {
             record_evictions: cfg.record_evictions,
             record_new_blocks: cfg.record_new_blocks,
             prefer_held: cfg.prefer_held_duplicates,
-            full: vec![FullHash::EMPTY; cfg.num_blocks],
+            full: FullHashes::new(cfg.num_blocks),
             reqs: FxHashMap::default(),
             slots: Vec::new(),
             free_slots: Vec::new(),
@@ -356,6 +388,12 @@ impl DeviceAllocator {
             None => &[],
         }
     }
+    /// The block table of the slot an allocation reported ([`Allocated::slot`]), valid until
+    /// the next call that frees a request.
+    pub fn slot_blocks(&self, slot: usize) -> &[BlockId] {
+        self.slots.get(slot).map_or(&[], |r| r.blocks.as_slice())
+    }
+
     /// vLLM's `num_cached_block[request]` (0 when untracked).
     pub fn num_cached_in(&self, request: &str) -> usize {
         self.reqs
@@ -367,9 +405,7 @@ impl DeviceAllocator {
         if block as usize >= self.num_blocks() {
             return None;
         }
-        self.pool
-            .is_registered(block)
-            .then(|| self.full[block as usize])
+        self.pool.is_registered(block).then(|| self.full.get(block))
     }
     pub fn refcount(&self, block: BlockId) -> Option<u32> {
         ((block as usize) < self.num_blocks()).then(|| self.pool.refcount(block))
@@ -379,7 +415,7 @@ impl DeviceAllocator {
     #[inline]
     fn find(&self, h: &FullHash) -> Option<BlockId> {
         let first = self.pool.lookup(h.key())?;
-        if self.full[first as usize] != *h {
+        if self.full.get(first) != *h {
             return None;
         }
         if self.prefer_held && self.pool.refcount(first) == 0 {
@@ -500,7 +536,7 @@ impl DeviceAllocator {
             if self.record_evictions {
                 // The victims are the last `k` blocks taken, in eviction order.
                 for &v in &blocks[blocks.len() - k..] {
-                    self.evicted.push(self.full[v as usize]);
+                    self.evicted.push(self.full.get(v));
                 }
             }
         }
@@ -667,7 +703,10 @@ impl DeviceAllocator {
 
         // ---- from here on nothing fails ----
         let evicted_before = self.stats.evicted_blocks;
-        let s = self.slot_or_insert(request);
+        let s = match slot {
+            Some(s) => s,
+            None => self.slot_or_insert(request),
+        };
         if adopt && !tracked {
             for &b in &hits {
                 self.pool.pin(b);
@@ -699,6 +738,7 @@ impl DeviceAllocator {
         };
         self.scratch_hashes = commit_hashes;
         Ok(Some(Allocated {
+            slot: s,
             new_blocks: new_range,
             commit,
             evicted: (self.stats.evicted_blocks - evicted_before) as usize,
@@ -722,11 +762,11 @@ impl DeviceAllocator {
             }
             let key = h.key();
             if let Some(first) = self.pool.lookup(key) {
-                if self.full[first as usize] != *h {
+                if self.full.get(first) != *h {
                     // A 64-bit key collision between different hashes: the older holders
                     // leave the registry (BlockRemoved), so no hit can ever find the wrong one.
                     while let Some(old) = self.pool.lookup(key) {
-                        let fh = self.full[old as usize];
+                        let fh = self.full.get(old);
                         self.pool.unregister_block(old);
                         self.stats.evicted_blocks += 1;
                         if self.record_evictions {
@@ -735,7 +775,7 @@ impl DeviceAllocator {
                     }
                 }
             }
-            self.full[b as usize] = *h;
+            self.full.set(b, h);
             self.pool.register_or_chain(b, key);
             self.stats.registered_blocks += 1;
         }
@@ -947,7 +987,7 @@ impl DeviceAllocator {
             if b == NULL_BLOCK {
                 continue;
             }
-            let fh = self.full[b as usize];
+            let fh = self.full.get(b);
             if self.pool.unregister_block(b).is_some() {
                 n += 1;
                 self.stats.evicted_blocks += 1;
@@ -1067,7 +1107,8 @@ impl DeviceAllocator {
                 ));
             }
             if self.pool.is_registered(b as BlockId)
-                && self.full[b].key() != self.pool.registered_hash(b as BlockId).unwrap_or(0)
+                && self.full.get(b as BlockId).key()
+                    != self.pool.registered_hash(b as BlockId).unwrap_or(0)
             {
                 return Err(format!("block {b}: registry key is not its full hash's"));
             }

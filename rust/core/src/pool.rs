@@ -455,9 +455,16 @@ impl BlockPool {
         if self.dup.is_empty() {
             return self.register(block, hash);
         }
-        match self.index.lookup(hash, &self.hash) {
-            None => self.register(block, hash),
-            Some(first) => {
+        match self.index.probe(hash, &self.hash) {
+            Probe::Vacant(slot, dist) => {
+                let tag = self.index.tag_of(self.index.mixed(hash));
+                self.index.slots[slot] = self.index.encode(tag, dist, block);
+                self.index.len += 1;
+                self.meta[i] |= REGISTERED;
+                self.hash[i] = hash;
+                true
+            }
+            Probe::Found(first) => {
                 let mut last = first;
                 while self.dup[last as usize] != 0 {
                     last = self.dup[last as usize] - 1;

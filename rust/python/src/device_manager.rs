@@ -20,17 +20,29 @@ use pyo3::types::{PyBytes, PyList, PyString, PyTuple};
 use crate::convert::{count, flag, show, text, type_name};
 use crate::errors::{borrow, borrow_mut, invalid, slot_error as err, type_error};
 
-/// A request's `block_hashes` list, fetched before the manager is borrowed.
-struct RequestHashes<'py> {
-    list: Bound<'py, PyAny>,
+/// A request's `block_hashes` list, read on first use (most decode steps read none). On a vLLM
+/// `Request` that is a plain attribute holding a list of `bytes`: no Python code runs.
+struct RequestHashes<'a, 'py> {
+    request: &'a Bound<'py, PyAny>,
+    list: std::cell::OnceCell<Bound<'py, PyAny>>,
 }
 
-impl<'py> RequestHashes<'py> {
-    fn of(request: &Bound<'py, PyAny>, rid: &str) -> PyResult<Self> {
-        let list = request
-            .getattr(intern!(request.py(), "block_hashes"))
-            .map_err(|_| type_error(Some(rid), "request.block_hashes is missing".into()))?;
-        Ok(RequestHashes { list })
+impl<'a, 'py> RequestHashes<'a, 'py> {
+    fn of(request: &'a Bound<'py, PyAny>, _rid: &str) -> PyResult<Self> {
+        Ok(RequestHashes {
+            request,
+            list: std::cell::OnceCell::new(),
+        })
+    }
+    fn list(&self) -> core::Result<&Bound<'py, PyAny>> {
+        if let Some(l) = self.list.get() {
+            return Ok(l);
+        }
+        let l = self
+            .request
+            .getattr(intern!(self.request.py(), "block_hashes"))
+            .map_err(|_| core::SlotError::invalid(None, "request.block_hashes is missing"))?;
+        Ok(self.list.get_or_init(|| l))
     }
 }
 
@@ -63,25 +75,28 @@ fn full_hash(item: &Bound<'_, PyAny>, i: usize) -> core::Result<FullHash> {
     ))
 }
 
-impl HashSource for RequestHashes<'_> {
+impl HashSource for RequestHashes<'_, '_> {
     fn len(&self) -> usize {
-        match self.list.cast::<PyList>() {
+        let Ok(l) = self.list() else { return 0 };
+        match l.cast::<PyList>() {
             Ok(l) => l.len(),
-            Err(_) => self.list.len().unwrap_or(0),
+            Err(_) => l.len().unwrap_or(0),
         }
     }
     fn get(&self, i: usize) -> core::Result<FullHash> {
-        let item = match self.list.cast::<PyList>() {
+        let l = self.list()?;
+        let item = match l.cast::<PyList>() {
             Ok(list) => list.get_item(i),
-            Err(_) => self.list.get_item(i),
+            Err(_) => l.get_item(i),
         }
         .map_err(|_| core::SlotError::invalid(None, format!("block hash {i} is missing")))?;
         full_hash(&item, i)
     }
 }
 
-/// `request.request_id`, as an owned string (the request may be a duck-typed object).
-fn request_id_of(request: &Bound<'_, PyAny>) -> PyResult<String> {
+/// `request.request_id` (the request may be a duck-typed object): the str object, kept alive
+/// for the call, so that its text is borrowed rather than copied.
+fn request_id_obj<'py>(request: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyString>> {
     let r = request
         .getattr(intern!(request.py(), "request_id"))
         .map_err(|_| {
@@ -90,14 +105,39 @@ fn request_id_of(request: &Bound<'_, PyAny>) -> PyResult<String> {
                 format!("request must have a request_id, got {}", show(request)),
             )
         })?;
-    Ok(text(&r, "request.request_id")?.to_owned())
+    text(&r, "request.request_id")?;
+    Ok(r.cast_into::<PyString>().expect("checked by text()"))
 }
 
-fn count_attr(obj: &Bound<'_, PyAny>, name: &Bound<'_, PyString>, rid: &str) -> PyResult<usize> {
+/// `request.request_id` as an owned string.
+fn request_id_of(request: &Bound<'_, PyAny>) -> PyResult<String> {
+    Ok(request_id_obj(request)?.to_str()?.to_owned())
+}
+
+/// A count, with a fast path for an exact `int` (the usual case); anything else goes through
+/// the project's conversion rules (and their errors).
+#[inline]
+fn fast_count(obj: &Bound<'_, PyAny>, what: &str, rid: Option<&str>) -> PyResult<usize> {
+    if obj.is_exact_instance_of::<pyo3::types::PyInt>() {
+        if let Ok(v) = obj.extract::<i64>() {
+            if v >= 0 {
+                return Ok(v as usize);
+            }
+        }
+    }
+    count(obj, what, rid)
+}
+
+fn count_attr(
+    obj: &Bound<'_, PyAny>,
+    name: &Bound<'_, PyString>,
+    what: &str,
+    rid: &str,
+) -> PyResult<usize> {
     let v = obj
         .getattr(name)
-        .map_err(|_| type_error(Some(rid), format!("request.{name} is missing")))?;
-    count(&v, &format!("request.{name}"), Some(rid))
+        .map_err(|_| type_error(Some(rid), format!("{what} is missing")))?;
+    fast_count(&v, what, Some(rid))
 }
 
 /// `request.num_tokens`, read from the list behind it when there is one.
@@ -108,12 +148,17 @@ fn num_tokens(request: &Bound<'_, PyAny>, rid: &str) -> PyResult<usize> {
             return Ok(l.len());
         }
     }
-    count_attr(request, intern!(py, "num_tokens"), rid)
+    count_attr(
+        request,
+        intern!(py, "num_tokens"),
+        "request.num_tokens",
+        rid,
+    )
 }
 
 fn opt_count(obj: Option<&Bound<'_, PyAny>>, what: &str, rid: Option<&str>) -> PyResult<usize> {
     match obj {
-        Some(o) if !o.is_none() => count(o, what, rid),
+        Some(o) if !o.is_none() => fast_count(o, what, rid),
         _ => Ok(0),
     }
 }
@@ -333,10 +378,10 @@ impl DeviceKVManager {
     ) -> PyResult<Option<Py<KVBlocks>>> {
         let py = slf.py();
         // Every argument and request field first, then the manager.
-        let rid_owned = request_id_of(request)?;
-        let rid = rid_owned.as_str();
+        let rid_obj = request_id_obj(request)?;
+        let rid = rid_obj.to_str()?;
         let r = Some(rid);
-        let new = count(num_new_tokens, "num_new_tokens", r)?;
+        let new = fast_count(num_new_tokens, "num_new_tokens", r)?;
         let hit_tokens = opt_count(num_new_computed_tokens, "num_new_computed_tokens", r)?;
         let lookahead = opt_count(num_lookahead_tokens, "num_lookahead_tokens", r)?;
         let external = opt_count(
@@ -385,19 +430,24 @@ impl DeviceKVManager {
             }
         }
         let num_tokens = num_tokens(request, rid)?;
-        let computed = count_attr(request, intern!(py, "num_computed_tokens"), rid)?;
-        let (watermark_blocks, defer_mode, statuses) = {
+        let computed = count_attr(
+            request,
+            intern!(py, "num_computed_tokens"),
+            "request.num_computed_tokens",
+            rid,
+        )?;
+        let (watermark_blocks, defer_mode) = {
             let this = borrow(slf)?;
-            let st: Vec<Py<PyAny>> = this
-                .watermark_statuses
-                .iter()
-                .map(|s| s.clone_ref(py))
-                .collect();
-            (this.watermark_blocks, this.defer_lookahead, st)
+            (this.watermark_blocks, this.defer_lookahead)
         };
         let mut watermark = 0;
         let mut admission = false;
         if (watermark_blocks > 0 && scheduled) || defer_mode {
+            let statuses: Vec<Py<PyAny>> = borrow(slf)?
+                .watermark_statuses
+                .iter()
+                .map(|s| s.clone_ref(py))
+                .collect();
             // Waiting and preempted requests: vLLM's watermark applies, and with deferred
             // lookahead they are admitted as vLLM would admit them.
             let status = request.getattr(intern!(py, "status"))?;
@@ -457,7 +507,7 @@ impl DeviceKVManager {
         let out = if done.new_blocks.is_empty() {
             this.empty.clone_ref(py)
         } else {
-            let ids = this.inner.blocks(rid)[done.new_blocks.clone()].to_vec();
+            let ids = this.inner.slot_blocks(done.slot)[done.new_blocks.clone()].to_vec();
             Py::new(py, KVBlocks { ids })?
         };
         let hook = this.hook && (!done.commit.is_empty() || done.evicted > 0);
@@ -686,6 +736,11 @@ impl DeviceKVManager {
         Ok(v.iter()
             .map(|h| PyBytes::new(slf.py(), h.as_bytes()))
             .collect())
+    }
+
+    /// Evicted hashes waiting in `drain_evicted`.
+    fn num_evicted_pending(&self) -> usize {
+        self.inner.num_evicted_pending()
     }
 
     fn take_new_block_ids(slf: &Bound<'_, Self>) -> PyResult<Vec<u32>> {

@@ -260,6 +260,7 @@ class KVSlotsKVCacheManager(DeviceKVManager):
         self.use_eagle = bool(group.is_eagle_group) or use_eagle
         self.log_stats = log_stats
         self.metrics_collector = None
+        self._stats_cls = PrefixCacheStats
         self.prefix_cache_stats = PrefixCacheStats() if log_stats else None
         self.num_kv_cache_groups = 1
         self.retained_hit_group_ids: tuple[int, ...] = ()
@@ -332,12 +333,10 @@ class KVSlotsKVCacheManager(DeviceKVManager):
 
     # ---- stats ----
     def make_prefix_cache_stats(self) -> Any:
-        from vllm.v1.metrics.stats import PrefixCacheStats
-
         if not self.log_stats:
             return None
         stats = self.prefix_cache_stats
-        self.prefix_cache_stats = PrefixCacheStats()
+        self.prefix_cache_stats = self._stats_cls()
         return stats
 
     def record_prefix_cache_stats(self, request: Any, num_hits: int) -> None:
@@ -445,6 +444,10 @@ class KVSlotsKVCacheManager(DeviceKVManager):
         return events
 
     def take_events(self) -> list[Any]:
+        if not self.enable_kv_cache_events:
+            if self.num_evicted_pending():
+                self.drain_evicted()
+            return []
         from vllm.distributed.kv_events import BlockStored
 
         events = self._take_raw_events()

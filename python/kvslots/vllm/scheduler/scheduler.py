@@ -91,12 +91,21 @@ class KVSlotsScheduler(Scheduler):
                     self.kv_cache_manager.num_gpu_blocks, self.kv_cache_manager.block_size,
                     " (lookahead for each step's K)" if defer else "")
 
+    def _build_kv_connector_meta(self, connector: Any, scheduler_output: Any) -> Any:
+        # The step's output is complete but for the connector's metadata: materialise the
+        # deferred lookahead now, so that the connector sees every block the workers will.
+        self._finish_deferred(scheduler_output)
+        return super()._build_kv_connector_meta(connector, scheduler_output)
+
     def schedule(self, *args: Any, **kwargs: Any) -> Any:
         out = super().schedule(*args, **kwargs)
+        self._finish_deferred(out)
+        return out
+
+    def _finish_deferred(self, scheduler_output: Any) -> None:
         m = self.kv_cache_manager
         if m.defer_lookahead and m.num_deferred():
-            m.finish_deferred(out, self.num_spec_tokens)
-        return out
+            m.finish_deferred(scheduler_output, self.num_spec_tokens)
 
 
 class KVSlotsAsyncScheduler(KVSlotsScheduler, AsyncScheduler):
