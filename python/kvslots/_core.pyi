@@ -12,6 +12,8 @@ __all__ = [
     "SlotInfo",
     "HostCache",
     "ConnectorPlanner",
+    "DiskIndex",
+    "DiskStore",
     "PrefixIndex",
     "ApplyStats",
     "lora_key",
@@ -367,6 +369,97 @@ class ConnectorPlanner:
     def discard_events(self) -> int: ...
 
 # ---- prefix index of `kvslots indexer` ----
+
+@final
+class DiskIndex:
+    """The disk tier's bookkeeping: ``num_slots`` block slots keyed by external block hashes,
+    LRU eviction of unpinned stored blocks, read pins, successors, ``STORAGE`` events.
+
+    Writes are two-phase: ``begin_write`` takes a slot (invisible to lookups) and
+    ``complete_write`` registers it (``BlockStored``) or frees it."""
+
+    def __new__(cls, num_slots: int, block_size: int) -> Self: ...
+    def begin_write(
+        self,
+        block_hash: int,
+        token_ids: _IntSeq,
+        successor: int | None = None,
+        parent_hash: int | None = None,
+        lora_id: int | None = None,
+    ) -> int | None: ...
+    def complete_write(self, slot: int, ok: bool) -> None: ...
+    def match_prefix(self, block_hashes: _IntSeq) -> int: ...
+    def contains(self, block_hash: int) -> bool: ...
+    def lookup(self, block_hash: int) -> int | None: ...
+    def successor(self, block_hash: int) -> int | None: ...
+    def begin_read(self, block_hashes: _IntSeq) -> list[int]: ...
+    def end_read(self, slots: _IntSeq) -> None: ...
+    def remove(self, block_hash: int) -> bool: ...
+    def clear(self) -> int: ...
+    def restore_from_file(
+        self, path: str, *, num_layers: int, bytes_per_block: int, dtype: str, fingerprint: int
+    ) -> tuple[int, int, str | None]: ...
+    def num_pending_events(self) -> int: ...
+    def discard_events(self) -> None: ...
+    def events_msgpack(
+        self,
+        ts: float,
+        medium: str | None = ...,
+        data_parallel_rank: int | None = None,
+        hashes_as_bytes: bool = False,
+        drain: bool = False,
+    ) -> bytes: ...
+    def stats(self) -> dict[str, int]: ...
+    def check_invariants(self) -> str | None: ...
+    @property
+    def num_slots(self) -> int: ...
+    @property
+    def num_stored(self) -> int: ...
+    @property
+    def num_writing(self) -> int: ...
+    @property
+    def num_free(self) -> int: ...
+
+@final
+class DiskStore:
+    """One worker's disk-tier file: checksummed records written by a background thread with a
+    bounded queue (a full queue drops the write), blocks read with positioned reads."""
+
+    def __new__(
+        cls,
+        path: str,
+        *,
+        num_slots: int,
+        block_size: int,
+        num_layers: int,
+        bytes_per_block: int,
+        dtype: str,
+        fingerprint: int,
+        queue_len: int | None = None,
+    ) -> Self: ...
+    @property
+    def opened(self) -> str: ...
+    @property
+    def bytes_per_block(self) -> int: ...
+    @property
+    def num_slots(self) -> int: ...
+    def submit(
+        self,
+        slot: int,
+        data: npt.NDArray[np.uint8],
+        block_hash: int,
+        token_ids: _IntSeq,
+        successor: int | None = None,
+        parent_hash: int | None = None,
+        lora_id: int | None = None,
+    ) -> bool: ...
+    def take_done(self) -> list[tuple[int, bool]]: ...
+    def read_into(
+        self, slots: _IntSeq, block_hashes: _IntSeq, out: npt.NDArray[np.uint8]
+    ) -> list[tuple[int, str]]: ...
+    def invalidate(self, slot: int) -> None: ...
+    def flush(self) -> None: ...
+    def stats(self) -> dict[str, int]: ...
 
 @final
 class ApplyStats:
