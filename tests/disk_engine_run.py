@@ -46,6 +46,7 @@ def main() -> None:
               disable_log_stats=False,
               speculative_config={"method": "eagle", "model": models["eagle"], "num_speculative_tokens": 3},
               kv_transfer_config={"kv_connector": "KVSlotsConnector", "kv_role": "kv_both",
+                                  "kv_load_failure_policy": "recompute",
                                   "kv_connector_extra_config": {"host_cache_blocks": 16, "disk_path": spec["disk"],
                                                                 "disk_blocks": 256}})
     conn = llm.llm_engine.engine_core.engine_core.scheduler.connector
@@ -66,11 +67,11 @@ def main() -> None:
         result["first"] = [gen([p])[0] for p in prompts]  # one at a time: 48 blocks through 16 host blocks
         pump()
         result["stored_after_fill"] = disk.index.num_stored
-    elif spec["phase"] == "corrupt":
+    done: list[int] = []
+    if spec["phase"] == "corrupt":
         from kvslots.vllm.connector.disk import external
 
         lookup = disk.lookup
-        done = []
 
         def spy(request, n, host):  # damages the first disk block of the second prompt once
             got = lookup(request, n, host)
@@ -79,7 +80,8 @@ def main() -> None:
                 slot = disk.index.lookup(external(request.block_hashes[k]))
                 stride = (os.path.getsize(disk.path) - 4096) // disk.index.num_slots
                 with open(disk.path, "r+b") as f:
-                    f.seek(4096 + slot * stride + stride - 64)  # a byte of the block's data
+                    header = (64 + 4 * BS + 63) // 64 * 64  # a record's header (disk/file.rs)
+                    f.seek(4096 + slot * stride + header + 1000)  # a byte of the block's data
                     b = f.read(1)
                     f.seek(-1, 1)
                     f.write(bytes([b[0] ^ 0x5A]))
@@ -94,6 +96,7 @@ def main() -> None:
     result["host_hit_tokens"] = conn._sched.stats["hit_tokens"]
     result["disk_stats"] = disk.metrics()
     result["warnings"] = [m for m in warnings.messages if "not loaded" in m]
+    result["corrupted"] = len(done) if spec["phase"] == "corrupt" else None
     result["by_source"] = {str(getattr(m, "labels", {})): getattr(m, "value", None) for m in llm.get_metrics()
                            if "cached_by_source" in m.name}
     print("RESULT " + json.dumps(result), flush=True)

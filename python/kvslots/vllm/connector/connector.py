@@ -124,6 +124,9 @@ class KVSlotsConnector(KVConnectorBase_V1):
             except OSError as e:
                 raise ConnectorConfigError(f"kv_connector_extra_config.disk_path={path!r}: {e}") from e
         logger.info("KVSlotsConnector (%s): disk tier of %d blocks in %s", role.name, n, path)
+        if getattr(self._kv_transfer_config, "kv_load_failure_policy", "recompute") != "recompute":
+            logger.warning("KVSlotsConnector: with a disk tier, set kv_transfer_config kv_load_failure_policy="
+                           "\"recompute\": a corrupt disk block then is recomputed instead of failing its request")
 
     @property
     def requires_kv_delivery(self) -> bool:

@@ -256,6 +256,7 @@ class DiskWorker:
                 if bad:
                     for i, why in bad:
                         corrupt.add(ld.hashes[lo + i])
+                        self.store.invalidate(slots[i])  # still pinned: not reused before this
                         if ld.hashes[lo + i] not in self._warned:
                             self._warned.add(ld.hashes[lo + i])
                             logger.warning("kvslots disk tier: block %#x of %s not loaded (%s); recomputed",
