@@ -44,6 +44,7 @@ def bench_io(args: argparse.Namespace) -> None:
     bpb = args.block_kib * 1024
     n = args.blocks
     d = args.dir or tempfile.mkdtemp(prefix="kvslots-bench-disk-")
+    os.makedirs(d, exist_ok=True)
     store = DiskStore(os.path.join(d, "tier.kvs"), num_slots=n, block_size=32, num_layers=1, bytes_per_block=bpb,
                       dtype="uint8", fingerprint=1, queue_len=n)
     data = np.random.default_rng(0).integers(0, 256, (n, bpb), dtype=np.uint8)
