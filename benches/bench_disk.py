@@ -12,9 +12,9 @@ are kvslots / plain per repeat. The page cache is not dropped (no root here): re
 memory for both, which the ratio compares like for like.
 
 ttft: one vLLM engine on CPU (tiny random-weight Llama, block size 32, the KVSlotsConnector with a
-64-block host tier and a disk tier). Each repeat uses fresh random prompts: recompute (a prompt
+160-block host tier and a disk tier). Each repeat uses fresh random prompts: recompute (a prompt
 never seen), host (a prompt computed, the device prefix cache reset), disk (a prompt computed,
-then pushed out of the host tier by another prompt, the device cache reset). TTFT =
+then pushed out of the host tier by three others, the device cache reset). TTFT =
 ``generate`` with ``max_tokens=1``. Median and min-max of the repeats; ratios against recompute.
 """
 
@@ -107,7 +107,7 @@ def bench_ttft(args: argparse.Namespace) -> None:
               distributed_executor_backend="uni", max_num_batched_tokens=args.prompt + 64,
               kv_transfer_config={"kv_connector": "KVSlotsConnector", "kv_role": "kv_both",
                                   "kv_load_failure_policy": "recompute",
-                                  "kv_connector_extra_config": {"host_cache_blocks": 64, "disk_path": disk,
+                                  "kv_connector_extra_config": {"host_cache_blocks": 160, "disk_path": disk,
                                                                 "disk_blocks": 1024}})
     conn = llm.llm_engine.engine_core.engine_core.scheduler.connector
     one = SamplingParams(temperature=0, max_tokens=1)
@@ -119,7 +119,7 @@ def bench_ttft(args: argparse.Namespace) -> None:
         llm.generate([{"prompt_token_ids": p}], one, use_tqdm=False)
         return time.perf_counter() - t0
 
-    def settle() -> None:  # engine steps so the writer's reports reach the scheduler
+    def settle() -> None:  # engine steps: deferred stores run, the writer's reports arrive
         for _ in range(2):
             time.sleep(0.2)
             llm.generate([{"prompt_token_ids": [5, 6, 7]}], one, use_tqdm=False)
@@ -131,15 +131,19 @@ def bench_ttft(args: argparse.Namespace) -> None:
         res["recompute"].append(ttft(fresh()))
         p = fresh()
         ttft(p)
-        ttft(fresh())  # pushes p out of the 64-block host tier, onto disk
+        settle()  # a finished request's blocks are stored at the next steps
+        for _ in range(3):  # 3 x 64 blocks push p out of the 160-block host tier, onto disk
+            ttft(fresh())
+            settle()
         settle()
-        llm.reset_prefix_cache()
+        assert llm.reset_prefix_cache()
         d0 = conn._disk_sched.stats["hit_tokens"]
         res["disk"].append(ttft(p))
         hits["disk"].append(conn._disk_sched.stats["hit_tokens"] - d0)
         q = fresh()
         ttft(q)
-        llm.reset_prefix_cache()
+        settle()
+        assert llm.reset_prefix_cache()
         h0 = conn._sched.stats["hit_tokens"]
         res["host"].append(ttft(q))
         hits["host"].append(conn._sched.stats["hit_tokens"] - h0)

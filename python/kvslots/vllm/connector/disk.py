@@ -253,6 +253,7 @@ class DiskWorker:
                 good = n if not bad else bad[0][0]
                 if good:
                     self.staging.load(list(range(good)), ld.device_blocks[lo:lo + good])
+                    self.staging.synchronize()  # the staging rows are read into again next
                 if bad:
                     for i, why in bad:
                         corrupt.add(ld.hashes[lo + i])
@@ -264,7 +265,6 @@ class DiskWorker:
                     # vLLM recomputes from the first failed block on.
                     load_errors.update(ld.device_blocks[lo + good:])
                     break
-        self.staging.synchronize()
 
     def take_done(self) -> list[tuple[int, bool]]:
         return self.store.take_done()
