@@ -11,6 +11,7 @@
     │   └── UnknownWorkerError, DuplicateWorkerError   the prefix index's workers
     ├── ConfigError                a configuration kvslots cannot accept (also a ValueError)
     │   └── ConnectorConfigError   the connector's kv_connector_extra_config
+    ├── DiskTierError              the disk tier's file (I/O)
     └── ServeError                 ``kvslots serve`` cannot build or run the vLLM command
 
 Every error carries the request it is about (``request_id``, ``None`` when the error concerns no
@@ -125,6 +126,11 @@ class ServeError(KVSlotsError):
     directory, conflicting options); the message says which."""
 
 
+class DiskTierError(KVSlotsError):
+    """The disk tier's file cannot be read or written (an I/O error); the message names the
+    file. A corrupt record is not an error: it is reported and recomputed."""
+
+
 class EventDecodeError(InvalidArgumentError):
     """A KV event payload that is not a msgpack ``KVEventBatch``; nothing of it was applied."""
 
@@ -154,6 +160,7 @@ __all__ = [
     "ConfigError",
     "ConnectorConfigError",
     "ServeError",
+    "DiskTierError",
     "EventDecodeError",
     "UnknownWorkerError",
     "DuplicateWorkerError",

@@ -34,6 +34,15 @@ class ConnectorConfig:
     events_topic: str = "kvslots"
     events_buffer_steps: int = 10_000
     events_hwm: int = 100_000
+    #: Disk tier under the host tier: a directory for one preallocated file per worker rank.
+    #: None (default): no disk tier.
+    disk_path: str | None = None
+    #: Size of the disk tier per worker, in GiB (ignored when disk_blocks is set).
+    disk_gb: float = 16.0
+    #: Size of the disk tier in blocks; overrides disk_gb.
+    disk_blocks: int | None = None
+    #: Blocks the background writer may hold queued; a spill finding the queue full is dropped.
+    disk_queue_len: int = 64
 
     @classmethod
     def from_extra_config(cls, extra: dict[str, Any] | None) -> "ConnectorConfig":
@@ -64,6 +73,18 @@ class ConnectorConfig:
             )
         return n
 
+    def num_disk_blocks(self, bytes_per_block: int) -> int:
+        """Disk-tier blocks for this worker, given the bytes of one block over all its layers."""
+        if self.disk_blocks is not None:
+            return self.disk_blocks
+        if bytes_per_block <= 0:
+            raise ConnectorConfigError(f"cannot size the disk tier: {bytes_per_block} bytes per block")
+        n = int(self.disk_gb * GIB) // bytes_per_block
+        if n < 1:
+            raise ConnectorConfigError(
+                f"kv_connector_extra_config.disk_gb={self.disk_gb} holds no block of {bytes_per_block} bytes")
+        return n
+
     def use_eagle_block_drop(self, vllm_says: bool) -> bool:
         return vllm_says if self.eagle_block_drop == "auto" else bool(self.eagle_block_drop)
 
@@ -72,6 +93,22 @@ def _check(key: str, value: Any) -> Any:
     def bad(why: str) -> ConnectorConfigError:
         return ConnectorConfigError(f"kv_connector_extra_config.{key}={value!r}: {why}")
 
+    if key == "disk_gb":
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < 1 << 20:
+            raise bad("must be a number of GiB > 0")
+        return float(value)
+    if key in ("disk_blocks", "disk_queue_len"):
+        if value is None and key == "disk_blocks":
+            return None
+        if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value < 1 << 31:
+            raise bad("must be an integer in [1, 2^31)")
+        return value
+    if key == "disk_path":
+        if value is None:
+            return None
+        if not isinstance(value, str) or not value.strip() or "\0" in value:
+            raise bad("must be a directory path")
+        return value
     if key == "host_cache_gb":
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
             raise bad("must be a number > 0")

@@ -6,6 +6,7 @@ Every ZMQ / replay rule lives here once; the indexer subscribes through :mod:`.s
 from .codec import (
     MEDIUM_CPU,
     MEDIUM_GPU,
+    MEDIUM_STORAGE,
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
@@ -23,6 +24,7 @@ from .codec import (
 __all__ = [
     "MEDIUM_CPU",
     "MEDIUM_GPU",
+    "MEDIUM_STORAGE",
     "AllBlocksCleared",
     "BlockRemoved",
     "BlockStored",

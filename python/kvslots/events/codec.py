@@ -15,6 +15,7 @@ ExternalBlockHash = Union[bytes, int]
 
 MEDIUM_GPU = "GPU"
 MEDIUM_CPU = "CPU"
+MEDIUM_STORAGE = "STORAGE"
 
 
 class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):  # type: ignore[call-arg]

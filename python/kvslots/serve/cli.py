@@ -2,7 +2,8 @@
 command, which prints the plan's vLLM command and runs it under the supervisor.
 
     kvslots serve MODEL [--extra-engine-args FILE.yaml] [--speculative-config JSON]
-                        [--host-cache-gb N] [--connector-config JSON] [--no-connector]
+                        [--host-cache-gb N] [--disk-path DIR] [--disk-gb N]
+                        [--connector-config JSON] [--no-connector]
                         [--kv-events-endpoint EP] [--kv-events-replay-endpoint EP]
                         [--kv-events-topic T] [--no-kv-events]
                         [--host H] [--port P] [--dry-run] [-- VLLM_ARGS...]
@@ -80,6 +81,10 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--host-cache-gb", type=_positive_float, metavar="N",
                    help="host-memory tier per worker in GiB (default: the YAML's "
                         "kv_cache_config.host_cache_size, else the connector's 4)")
+    g.add_argument("--disk-path", metavar="DIR",
+                   help="disk tier under the host tier: a directory for its file (default: no disk tier)")
+    g.add_argument("--disk-gb", type=_positive_float, metavar="N",
+                   help="disk tier size per worker in GiB (default 16; needs --disk-path)")
     g.add_argument("--connector-config", metavar="JSON",
                    help="more kv_connector_extra_config keys, e.g. '{\"copy_threads\": 2}'")
     g.add_argument("--no-connector", action="store_true", help="run vLLM without the KVSlotsConnector")

@@ -27,6 +27,17 @@ def connector_config(args: argparse.Namespace, hints: dict[str, Any], tail_cfg: 
                              f"host_cache_gb {flag_extra['host_cache_gb']}")
         flag_extra["host_cache_gb"] = args.host_cache_gb
 
+    # The disk tier's flags (kv_connector_extra_config disk_path / disk_gb).
+    for flag, key in (("disk_path", "disk_path"), ("disk_gb", "disk_gb")):
+        value = getattr(args, flag, None)
+        if value is not None:
+            if key in flag_extra and flag_extra[key] != value:
+                raise ServeError(f"--{flag.replace('_', '-')} {value} conflicts with --connector-config {key} "
+                                 f"{flag_extra[key]}")
+            flag_extra[key] = value
+    if getattr(args, "disk_gb", None) is not None and "disk_path" not in flag_extra:
+        raise ServeError("--disk-gb sizes the disk tier, which needs --disk-path")
+
     if args.no_connector:
         if flag_extra:
             given = "--host-cache-gb" if args.host_cache_gb is not None else "--connector-config"
@@ -71,6 +82,9 @@ def connector_config(args: argparse.Namespace, hints: dict[str, Any], tail_cfg: 
     except ConnectorConfigError as e:
         raise ServeError(str(e)) from None
     cfg["kv_connector_extra_config"] = extra
+    if extra.get("disk_path") is not None:
+        # A corrupt disk block is then recomputed, not a failed request.
+        cfg.setdefault("kv_load_failure_policy", "recompute")
     return cfg
 
 

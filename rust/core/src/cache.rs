@@ -48,6 +48,18 @@ pub struct HostCache {
     /// Per host block: the successor recorded when it was registered ([`NO_SUCCESSOR`] if none).
     succ: Vec<u32>,
     stats: CacheStats,
+    /// The disk tier's hook (None: off): what a block evicted from here needs to be spilled.
+    spill: Option<Spill>,
+}
+
+/// Per host block, its chain parent, LoRA id and tokens (kept only with a disk tier below), and
+/// the blocks evicted since the last [`HostCache::take_spills`].
+#[derive(Debug, Clone, Default)]
+struct Spill {
+    parent: Vec<Option<u64>>,
+    lora: Vec<Option<u64>>,
+    tokens: Vec<u32>,
+    evicted: Vec<(BlockId, crate::disk::BlockMeta)>,
 }
 
 /// Contiguous blocks of one request stored in one step, completed as one `BlockStored`.
@@ -95,6 +107,7 @@ impl HostCache {
             evicted: Vec::new(),
             succ: vec![NO_SUCCESSOR; num_blocks],
             stats: CacheStats::default(),
+            spill: None,
         })
     }
 
@@ -186,7 +199,11 @@ impl HostCache {
                 break;
             }
             one.clear();
+            let before = self.evicted.len();
             self.pool.allocate(1, &mut one, &mut self.evicted);
+            if self.evicted.len() > before {
+                self.note_spill(one[0], self.evicted[before]);
+            }
             self.succ[one[0] as usize] = NO_SUCCESSOR;
             self.storing.insert(h, (one[0], None));
             out.push((
@@ -256,6 +273,12 @@ impl HostCache {
                 self.events.finish_stored(p, lora_id);
             }
             self.pool.unpin(s.block);
+            if let Some(sp) = &mut self.spill {
+                let b = s.block as usize;
+                sp.parent[b] = if j == 0 { parent } else { Some(stores[j - 1].hash) };
+                sp.lora[b] = lora_id;
+                sp.tokens[b * self.block_size..(b + 1) * self.block_size].copy_from_slice(tokens);
+            }
         }
         if let Some(p) = run_parent {
             self.events.finish_stored(p, lora_id);
@@ -468,6 +491,46 @@ impl HostCache {
         self.check_held(&stores.iter().map(|s| s.block).collect::<Vec<_>>())
     }
 
+    /// Keeps, from now on, what a disk tier needs of each evicted block (its tokens, parent,
+    /// LoRA id and successor): see [`Self::take_spills`].
+    pub fn enable_spill(&mut self) {
+        if self.spill.is_none() {
+            let n = self.pool.num_blocks();
+            self.spill = Some(Spill {
+                parent: vec![None; n],
+                lora: vec![None; n],
+                tokens: vec![0; n * self.block_size],
+                evicted: Vec::new(),
+            });
+        }
+    }
+
+    /// Blocks evicted since the last call (spill enabled): (host block, what it held). The host
+    /// block's bytes stay valid until the copies of the step that reuses it run.
+    pub fn take_spills(&mut self) -> Vec<(BlockId, crate::disk::BlockMeta)> {
+        self.spill
+            .as_mut()
+            .map_or_else(Vec::new, |s| std::mem::take(&mut s.evicted))
+    }
+
+    fn note_spill(&mut self, block: BlockId, hash: u64) {
+        let bs = self.block_size;
+        let succ = self.succ[block as usize];
+        if let Some(sp) = &mut self.spill {
+            let b = block as usize;
+            sp.evicted.push((
+                block,
+                crate::disk::BlockMeta {
+                    hash,
+                    parent: sp.parent[b],
+                    lora: sp.lora[b],
+                    successor: succ,
+                    tokens: sp.tokens[b * bs..(b + 1) * bs].to_vec(),
+                },
+            ));
+        }
+    }
+
     fn flush_evicted(&mut self) {
         if !self.evicted.is_empty() {
             self.stats.evicted_blocks += self.evicted.len() as u64;
@@ -521,6 +584,25 @@ mod tests {
         c.abort_store(&[s[0].1]).unwrap();
         assert!(c.begin_load("r", &[30]).is_err());
         c.pool().check().unwrap();
+    }
+
+    #[test]
+    fn evicted_blocks_are_handed_to_the_disk_tier_with_tokens_parent_and_successor() {
+        let mut c = HostCache::new(2, 2).unwrap();
+        c.enable_spill();
+        c.begin_store_run_into(1, &[10, 20], Some(5), &[1, 2, 3, 4], Some(9), Some(&[3, 77]), &mut Vec::new())
+            .unwrap();
+        c.complete_step(1, &[]).unwrap();
+        assert!(c.take_spills().is_empty());
+        let got = c.begin_store(&[30]);
+        let spills = c.take_spills();
+        assert_eq!(spills.len(), 1);
+        let (b, m) = &spills[0];
+        assert_eq!(*b, got[0].1.block, "the evicted block is the one reused");
+        assert_eq!(
+            m,
+            &crate::disk::BlockMeta { hash: 10, parent: Some(5), lora: Some(9), successor: 3, tokens: vec![1, 2] }
+        );
     }
 
     #[test]

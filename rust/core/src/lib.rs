@@ -15,6 +15,7 @@ pub mod cache;
 pub mod connector;
 pub mod copy;
 pub mod device;
+pub mod disk;
 pub mod error;
 pub mod events;
 pub mod hash;
@@ -31,6 +32,8 @@ pub use copy::{copy_blocks, BlockLayout, CopySpec};
 pub use device::{
     AllocArgs, Allocated, DeviceAllocator, DeviceConfig, DeviceStats, FullHash, HashSource,
 };
+pub use disk::file::{DiskError, DiskFile, DiskWriter, Layout as DiskLayout, Opened};
+pub use disk::{BlockMeta, DiskIndex, DiskStats};
 pub use error::{Result, SlotError};
 pub use events::{EventLog, KvEvent, KvEventRef};
 pub use hash::{block_hash, BlockHasher};

@@ -743,6 +743,29 @@ impl ConnectorPlanner {
             ("evicted_blocks", s.evicted_blocks),
         ]))
     }
+    /// Disk tier below: from now on, blocks evicted from the host tier are kept for
+    /// `take_spills`.
+    fn enable_spill(slf: &Bound<'_, Self>) -> PyResult<()> {
+        borrow_mut(slf)?.inner.cache_mut().enable_spill();
+        Ok(())
+    }
+    /// Host blocks evicted since the last call: [(host block, hash, parent, lora_id,
+    /// successor or None, token ids)]. Their bytes stay valid until the next step's copies.
+    #[allow(clippy::type_complexity)]
+    fn take_spills(
+        slf: &Bound<'_, Self>,
+    ) -> PyResult<Vec<(u32, u64, Option<u64>, Option<u64>, Option<u32>, Vec<u32>)>> {
+        Ok(borrow_mut(slf)?
+            .inner
+            .cache_mut()
+            .take_spills()
+            .into_iter()
+            .map(|(b, m)| {
+                let succ = (m.successor != core::NO_SUCCESSOR).then_some(m.successor);
+                (b, m.hash, m.parent, m.lora, succ, m.tokens)
+            })
+            .collect())
+    }
     fn check_invariants(slf: &Bound<'_, Self>) -> PyResult<Option<String>> {
         Ok(borrow(slf)?.inner.cache().pool().check().err())
     }

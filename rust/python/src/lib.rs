@@ -10,6 +10,7 @@ mod connector;
 mod convert;
 mod copy;
 mod device_manager;
+mod disk_tier;
 mod errors;
 mod events;
 mod hash;
@@ -28,6 +29,8 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<slot_info::SlotInfo>()?;
     m.add_class::<host_cache::HostCache>()?;
     m.add_class::<connector::ConnectorPlanner>()?;
+    m.add_class::<disk_tier::DiskIndex>()?;
+    m.add_class::<disk_tier::DiskStore>()?;
     m.add_class::<prefix_index::PrefixIndex>()?;
     m.add_class::<apply_stats::ApplyStats>()?;
     m.add_function(wrap_pyfunction!(prefix_index::lora_key, m)?)?;

@@ -13,6 +13,7 @@ best-effort cache: a store that does not happen is a future miss, never an error
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from typing import TYPE_CHECKING, Any, Iterable
@@ -26,7 +27,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from ...events import MEDIUM_CPU
+from ...events import MEDIUM_CPU, MEDIUM_STORAGE
 from ...config.connector import ConnectorConfig, ConnectorConfigError
 from .metadata import KVSlotsMetadata, KVSlotsWorkerMetadata
 from .scheduler_side import SchedulerSide
@@ -96,6 +97,36 @@ class KVSlotsConnector(KVConnectorBase_V1):
             self._worker = WorkerSide(num_device_blocks=kv_cache_config.num_blocks,
                                       num_host_blocks=num_host, copy_threads=self.config.copy_threads)
         logger.info("KVSlotsConnector (%s): %d host blocks, eagle block drop %s", role.name, num_host, drop)
+        self._disk_sched: Any = None
+        self._disk_worker: Any = None
+        self._disk_corrupt: set[int] = set()
+        if self.config.disk_path is not None:
+            self._init_disk(vllm_config, kv_cache_config, role, drop)
+
+    def _init_disk(self, vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig", role: KVConnectorRole,
+                   eagle: bool) -> None:
+        from .disk import DiskLayout, DiskScheduler, DiskWorker
+
+        if vllm_config.parallel_config.world_size != 1:
+            raise ConnectorConfigError("kv_connector_extra_config.disk_path: the disk tier needs one worker rank "
+                                       f"(world size {vllm_config.parallel_config.world_size})")
+        bpb = bytes_per_block(kv_cache_config)
+        layout = DiskLayout.of(vllm_config, kv_cache_config, bpb)
+        n = self.config.num_disk_blocks(bpb)
+        path = self.config.disk_path or ""
+        if self._sched is not None:
+            self._disk_sched = DiskScheduler(self._sched.planner, directory=path, num_slots=n,
+                                             block_size=self.block_size, layout=layout, eagle=eagle)
+        else:
+            try:
+                self._disk_worker = DiskWorker(directory=path, num_slots=n, block_size=self.block_size,
+                                               layout=layout, queue_len=self.config.disk_queue_len)
+            except OSError as e:
+                raise ConnectorConfigError(f"kv_connector_extra_config.disk_path={path!r}: {e}") from e
+        logger.info("KVSlotsConnector (%s): disk tier of %d blocks in %s", role.name, n, path)
+        if getattr(self._kv_transfer_config, "kv_load_failure_policy", "recompute") != "recompute":
+            logger.warning("KVSlotsConnector: with a disk tier, set kv_transfer_config kv_load_failure_policy="
+                           "\"recompute\": a corrupt disk block then is recomputed instead of failing its request")
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -104,30 +135,69 @@ class KVSlotsConnector(KVConnectorBase_V1):
     # ---------------------------------------------------------------- scheduler side
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
         assert self._sched is not None
-        return self._sched.num_new_matched_tokens(request, num_computed_tokens), False
+        n = self._sched.num_new_matched_tokens(request, num_computed_tokens)
+        if self._disk_sched is not None:
+            n += self._disk_sched.lookup(request, num_computed_tokens, n)
+        return n, False
+
+    def get_external_cache_hit_sources(self, request: "Request", num_external_tokens: int) -> dict[Any, int]:
+        if self._disk_sched is None:
+            return super().get_external_cache_hit_sources(request, num_external_tokens)
+        host, disk = self._disk_sched.hit_sources(request.request_id, num_external_tokens)
+        out = {CacheHitSource.HOST: host, CacheHitSource.DISK: disk}
+        return {k: v for k, v in out.items() if v}
 
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks",
                                  num_external_tokens: int) -> None:
         assert self._sched is not None
-        if num_external_tokens > 0:
-            self._sched.after_alloc(request, blocks.get_block_ids()[0], num_external_tokens)
+        host_tokens = num_external_tokens
+        if self._disk_sched is not None and num_external_tokens > 0:
+            host_tokens = self._disk_sched.host_part(request, num_external_tokens)
+            self._disk_sched.after_alloc(request, blocks.get_block_ids()[0], num_external_tokens)
+        if host_tokens > 0:
+            self._sched.after_alloc(request, blocks.get_block_ids()[0], host_tokens)
         else:
             self._sched.track(request)  # mirrored from now on, for stores
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
         # One Rust call: mirrors the step's block tables, plans stores, loads and events.
         assert self._sched is not None
-        return self._sched.build(scheduler_output)
+        meta = self._sched.build(scheduler_output)
+        if self._disk_sched is not None:
+            disk = self._disk_sched.build(self._sched.step)
+            if disk is not None:
+                meta = dataclasses.replace(meta, step=self._sched.step, disk=disk)
+        return meta
 
     def update_connector_output(self, connector_output: "KVConnectorOutput") -> None:
         assert self._sched is not None
         self._sched.complete(connector_output.kv_connector_worker_meta)  # type: ignore[arg-type]
+        if self._disk_sched is not None and connector_output.kv_connector_worker_meta is not None:
+            self._disk_sched.complete(connector_output.kv_connector_worker_meta)
 
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         assert self._sched is not None
+        if self._disk_sched is not None:
+            self._disk_sched.forget(request.request_id)
         return self._sched.request_finished(request, block_ids), None
 
     def take_events(self) -> Iterable[Any]:
+        events = self._take_host_events()
+        if self._disk_sched is None or not self._disk_sched.index.num_pending_events():
+            return events
+        return [*events, *self._take_disk_events()]
+
+    def _take_disk_events(self) -> list[Any]:
+        # The disk tier's BlockStored / BlockRemoved, medium STORAGE, like the host tier's.
+        idx = self._disk_sched.index
+        if self._publisher is not None:
+            self._publisher.publish(idx.events_msgpack(time.time(), MEDIUM_STORAGE, self._dp_rank))
+        if not self._vllm_events:
+            idx.discard_events()
+            return []
+        return _decode_events(idx.events_msgpack(0.0, MEDIUM_STORAGE, None, drain=True))
+
+    def _take_host_events(self) -> Iterable[Any]:
         assert self._sched is not None
         host = self._sched.host
         if not host.num_pending_events():
@@ -164,11 +234,17 @@ class KVSlotsConnector(KVConnectorBase_V1):
     def register_kv_caches(self, kv_caches: dict[str, "torch.Tensor"]) -> None:
         assert self._worker is not None
         self._worker.register_kv_caches(kv_caches)
+        if self._disk_worker is not None:
+            self._disk_worker.register(kv_caches, self._worker.copier, self._worker.num_device_blocks,
+                                       self.config.copy_threads)
 
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
         # vLLM calls this at the start of every step, before the forward: the step's stores run
         # here, so blocks freed since the last step are copied before they can be overwritten.
         assert self._worker is not None and isinstance(kv_connector_metadata, KVSlotsMetadata)
+        if self._disk_worker is not None and kv_connector_metadata.disk is not None:
+            # Host blocks evicted to disk are read before this step's stores reuse them.
+            self._disk_worker.spill(kv_connector_metadata.disk)
         self._worker.store(kv_connector_metadata)
 
     def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
@@ -176,6 +252,10 @@ class KVSlotsConnector(KVConnectorBase_V1):
         meta = self._get_connector_metadata()
         assert isinstance(meta, KVSlotsMetadata)
         self._worker.load(meta)
+        if self._disk_worker is not None and meta.disk is not None and meta.disk.loads:
+            # Synchronous disk reads before the forward (vLLM's async loads are not used yet).
+            self._disk_worker.load(meta.disk, self._worker._load_errors, self._disk_corrupt)
+            self._worker._ack(meta.step)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return  # loads complete in start_load_kv, before any layer runs
@@ -191,7 +271,16 @@ class KVSlotsConnector(KVConnectorBase_V1):
         return self._worker.take_load_errors() if self._worker is not None else set()
 
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
-        return self._worker.take_worker_meta() if self._worker is not None else None
+        if self._worker is None:
+            return None
+        meta = self._worker.take_worker_meta()
+        if self._disk_worker is not None:
+            done = self._disk_worker.take_done()
+            if done or self._disk_corrupt:
+                meta = meta or KVSlotsWorkerMetadata()
+                meta.disk_done, meta.disk_corrupt, self._disk_corrupt = done, self._disk_corrupt, set()
+                meta.disk_stats = self._disk_worker.store.stats()
+        return meta
 
 
 _EVENT_DECODER: Any = None

@@ -36,9 +36,11 @@ class KVSlotsMetadata(KVConnectorMetadata):
     store_device_blocks: Sequence[int] | np.ndarray = field(default_factory=list)
     store_host_blocks: Sequence[int] | np.ndarray = field(default_factory=list)
     loads: list[LoadSpec] = field(default_factory=list)
+    #: The disk tier's spills and loads (``disk.DiskStepMeta``), None without any.
+    disk: Any = None
 
     def is_empty(self) -> bool:
-        return not (len(self.store_device_blocks) or self.loads)
+        return not (len(self.store_device_blocks) or self.loads or self.disk)
 
     def __reduce_ex__(self, protocol: Any) -> Any:
         if self is EMPTY_METADATA:
@@ -58,6 +60,10 @@ class KVSlotsWorkerMetadata(KVConnectorWorkerMetadata):
     acks: dict[int, int] = field(default_factory=dict)
     failed_store_host_blocks: dict[int, set[int]] = field(default_factory=dict)
     failed_loads: dict[int, set[str]] = field(default_factory=dict)
+    #: Disk tier: finished writes (slot, written), hashes of records found corrupt, writer stats.
+    disk_done: list[tuple[int, bool]] = field(default_factory=list)
+    disk_corrupt: set[int] = field(default_factory=set)
+    disk_stats: dict[str, int] = field(default_factory=dict)
 
     def aggregate(self, other: "KVConnectorWorkerMetadata") -> "KVSlotsWorkerMetadata":
         assert isinstance(other, KVSlotsWorkerMetadata)
@@ -69,4 +75,7 @@ class KVSlotsWorkerMetadata(KVConnectorWorkerMetadata):
             out.failed_store_host_blocks.setdefault(step, set()).update(blocks)
         for step, reqs in other.failed_loads.items():
             out.failed_loads.setdefault(step, set()).update(reqs)
+        out.disk_done = list(self.disk_done) + list(other.disk_done)
+        out.disk_corrupt = set(self.disk_corrupt) | set(other.disk_corrupt)
+        out.disk_stats = dict(self.disk_stats or other.disk_stats)
         return out

@@ -1,0 +1,670 @@
+//! The disk tier's storage: one preallocated file of fixed-size block records, positioned I/O
+//! (`pread` / `pwrite`), and a background writer with a bounded queue.
+//!
+//! Layout. A [`HEADER_LEN`]-byte file header (magic, format version, model fingerprint, KV
+//! layout: block size, layers, bytes per block, dtype; number of slots; its own checksum), then
+//! `num_slots` records of `stride` bytes (a multiple of 4096). A record is a header (magic, write
+//! sequence, hash, parent, LoRA id, successor, the block's tokens, the xxh3 of the data and the
+//! xxh3 of the header) followed by the block's bytes. A record is written with one `pwrite`;
+//! one torn by a crash fails its checksums and is discarded when scanned or read, so a `kill -9`
+//! loses only the records being written.
+
+use std::fs::{File, OpenOptions};
+use std::io;
+use std::os::unix::fs::FileExt;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::mpsc::{sync_channel, Receiver, SyncSender, TrySendError};
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+
+use xxhash_rust::xxh3::xxh3_64;
+
+use super::BlockMeta;
+
+pub const MAGIC: &[u8; 8] = b"KVSLDSK\0";
+pub const FORMAT_VERSION: u32 = 1;
+pub const HEADER_LEN: u64 = 4096;
+const RECORD_MAGIC: u32 = 0x5253_564b; // "KVSR"
+const RECORD_FIXED: usize = 64;
+/// Tokens a record can hold (block sizes above this are refused).
+pub const MAX_BLOCK_TOKENS: usize = 1 << 16;
+const DTYPE_LEN: usize = 32;
+const FLAG_PARENT: u32 = 1;
+const FLAG_LORA: u32 = 2;
+
+/// What the file belongs to: a record is served only to an engine with the same layout.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Layout {
+    /// A hash of the model and everything else that changes the KV bytes (the caller's).
+    pub fingerprint: u64,
+    pub block_size: u32,
+    pub num_layers: u32,
+    pub bytes_per_block: u64,
+    pub dtype: String,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum DiskError {
+    #[error("disk tier I/O error on {path}: {source}")]
+    Io { path: PathBuf, source: io::Error },
+    #[error("disk tier: {0}")]
+    Invalid(String),
+    #[error("disk record {slot} is corrupt: {why}")]
+    Corrupt { slot: u32, why: String },
+}
+
+/// How [`DiskFile::open`] found the file.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Opened {
+    Created,
+    /// The header matched: its records may be served.
+    Reused,
+    /// A file was there but did not match (the reason); it was started afresh.
+    Discarded(String),
+}
+
+fn round_up(x: u64, to: u64) -> u64 {
+    x.div_ceil(to) * to
+}
+
+impl Layout {
+    pub fn check(&self) -> Result<(), DiskError> {
+        if self.block_size == 0 || self.block_size as usize > MAX_BLOCK_TOKENS {
+            return Err(DiskError::Invalid(format!(
+                "block_size must be in [1, {MAX_BLOCK_TOKENS}], got {}",
+                self.block_size
+            )));
+        }
+        if self.bytes_per_block == 0 || self.bytes_per_block > (1 << 40) {
+            return Err(DiskError::Invalid(format!(
+                "bytes_per_block must be in [1, 2^40], got {}",
+                self.bytes_per_block
+            )));
+        }
+        if self.dtype.len() > DTYPE_LEN {
+            return Err(DiskError::Invalid(format!(
+                "dtype name longer than {DTYPE_LEN} bytes: {:?}",
+                self.dtype
+            )));
+        }
+        Ok(())
+    }
+    /// Bytes of a record header (fixed part and tokens), a multiple of 64.
+    pub fn record_header_len(&self) -> u64 {
+        round_up(RECORD_FIXED as u64 + 4 * self.block_size as u64, 64)
+    }
+    /// Bytes between record starts.
+    pub fn stride(&self) -> u64 {
+        round_up(self.record_header_len() + self.bytes_per_block, 4096)
+    }
+
+    fn header(&self, num_slots: u64) -> Vec<u8> {
+        let mut h = vec![0u8; HEADER_LEN as usize];
+        h[0..8].copy_from_slice(MAGIC);
+        h[8..12].copy_from_slice(&FORMAT_VERSION.to_le_bytes());
+        h[12..16].copy_from_slice(&self.block_size.to_le_bytes());
+        h[16..20].copy_from_slice(&self.num_layers.to_le_bytes());
+        h[24..32].copy_from_slice(&self.bytes_per_block.to_le_bytes());
+        h[32..40].copy_from_slice(&self.fingerprint.to_le_bytes());
+        h[40..48].copy_from_slice(&num_slots.to_le_bytes());
+        h[48..48 + self.dtype.len()].copy_from_slice(self.dtype.as_bytes());
+        let sum = xxh3_64(&h[..80]);
+        h[80..88].copy_from_slice(&sum.to_le_bytes());
+        h
+    }
+
+    /// Why `h` (a file header) does not belong to this layout and slot count, if it does not.
+    fn mismatch(&self, num_slots: u64, h: &[u8]) -> Option<String> {
+        if h.len() < 88 || &h[0..8] != MAGIC {
+            return Some("not a kvslots disk tier file (bad magic)".into());
+        }
+        let u32_at = |o: usize| u32::from_le_bytes(h[o..o + 4].try_into().unwrap());
+        let u64_at = |o: usize| u64::from_le_bytes(h[o..o + 8].try_into().unwrap());
+        if u64_at(80) != xxh3_64(&h[..80]) {
+            return Some("header checksum mismatch (torn or corrupt header)".into());
+        }
+        if u32_at(8) != FORMAT_VERSION {
+            return Some(format!(
+                "format version {} (this build writes {FORMAT_VERSION})",
+                u32_at(8)
+            ));
+        }
+        let want = self.header(num_slots);
+        let fields: [(&str, usize, usize); 6] = [
+            ("block size", 12, 16),
+            ("number of layers", 16, 20),
+            ("bytes per block", 24, 32),
+            ("model fingerprint", 32, 40),
+            ("number of slots", 40, 48),
+            ("dtype", 48, 80),
+        ];
+        for (name, a, b) in fields {
+            if h[a..b] != want[a..b] {
+                return Some(format!("{name} differs from this engine's"));
+            }
+        }
+        None
+    }
+}
+
+/// One record's header, as read back.
+fn encode_record_header(layout: &Layout, seq: u64, meta: &BlockMeta, data: &[u8], out: &mut [u8]) {
+    let mut flags = 0;
+    if meta.parent.is_some() {
+        flags |= FLAG_PARENT;
+    }
+    if meta.lora.is_some() {
+        flags |= FLAG_LORA;
+    }
+    out.fill(0);
+    out[0..4].copy_from_slice(&RECORD_MAGIC.to_le_bytes());
+    out[4..8].copy_from_slice(&flags.to_le_bytes());
+    out[8..16].copy_from_slice(&seq.to_le_bytes());
+    out[16..24].copy_from_slice(&meta.hash.to_le_bytes());
+    out[24..32].copy_from_slice(&meta.parent.unwrap_or(0).to_le_bytes());
+    out[32..40].copy_from_slice(&meta.lora.unwrap_or(0).to_le_bytes());
+    out[40..44].copy_from_slice(&meta.successor.to_le_bytes());
+    out[44..48].copy_from_slice(&(meta.tokens.len() as u32).to_le_bytes());
+    out[48..56].copy_from_slice(&xxh3_64(data).to_le_bytes());
+    let tok_end = RECORD_FIXED + 4 * meta.tokens.len();
+    for (i, t) in meta.tokens.iter().enumerate() {
+        out[RECORD_FIXED + 4 * i..RECORD_FIXED + 4 * i + 4].copy_from_slice(&t.to_le_bytes());
+    }
+    let _ = layout;
+    let sum = header_sum(out, tok_end);
+    out[56..64].copy_from_slice(&sum.to_le_bytes());
+}
+
+fn header_sum(h: &[u8], tok_end: usize) -> u64 {
+    let mut buf = Vec::with_capacity(tok_end);
+    buf.extend_from_slice(&h[..56]);
+    buf.extend_from_slice(&h[RECORD_FIXED..tok_end]);
+    xxh3_64(&buf)
+}
+
+/// (meta, seq, data checksum) of a record header, or why it is not a valid one.
+fn decode_record_header(layout: &Layout, h: &[u8]) -> Result<(BlockMeta, u64, u64), String> {
+    let u32_at = |o: usize| u32::from_le_bytes(h[o..o + 4].try_into().unwrap());
+    let u64_at = |o: usize| u64::from_le_bytes(h[o..o + 8].try_into().unwrap());
+    if u32_at(0) != RECORD_MAGIC {
+        return Err("no record".into());
+    }
+    let n = u32_at(44) as usize;
+    if n != layout.block_size as usize {
+        return Err(format!("{n} tokens in a record of block size {}", layout.block_size));
+    }
+    let tok_end = RECORD_FIXED + 4 * n;
+    if u64_at(56) != header_sum(h, tok_end) {
+        return Err("record header checksum mismatch".into());
+    }
+    let flags = u32_at(4);
+    let tokens = (0..n).map(|i| u32_at(RECORD_FIXED + 4 * i)).collect();
+    let meta = BlockMeta {
+        hash: u64_at(16),
+        parent: (flags & FLAG_PARENT != 0).then(|| u64_at(24)),
+        lora: (flags & FLAG_LORA != 0).then(|| u64_at(32)),
+        successor: u32_at(40),
+        tokens,
+    };
+    Ok((meta, u64_at(8), u64_at(48)))
+}
+
+/// The tier's file: fixed-size records at known offsets.
+#[derive(Debug)]
+pub struct DiskFile {
+    file: File,
+    path: PathBuf,
+    layout: Layout,
+    num_slots: u64,
+}
+
+impl DiskFile {
+    fn io(&self, e: io::Error) -> DiskError {
+        DiskError::Io {
+            path: self.path.clone(),
+            source: e,
+        }
+    }
+
+    /// Opens the tier's file for reading and writing: reused when its header matches `layout`
+    /// and `num_slots`, otherwise (missing, torn, other model or layout) started afresh. The
+    /// file is sized once to hold every slot.
+    pub fn open(path: &Path, layout: &Layout, num_slots: u64) -> Result<(DiskFile, Opened), DiskError> {
+        layout.check()?;
+        let io_err = |e| DiskError::Io {
+            path: path.to_path_buf(),
+            source: e,
+        };
+        let total = num_slots
+            .checked_mul(layout.stride())
+            .and_then(|b| b.checked_add(HEADER_LEN))
+            .filter(|&b| b < (1u64 << 62))
+            .ok_or_else(|| DiskError::Invalid(format!("{num_slots} slots do not fit in a file")))?;
+        let file = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(false)
+            .open(path)
+            .map_err(io_err)?;
+        let len = file.metadata().map_err(io_err)?.len();
+        let mut opened = Opened::Created;
+        if len > 0 {
+            let mut h = vec![0u8; HEADER_LEN.min(len) as usize];
+            file.read_exact_at(&mut h, 0).map_err(io_err)?;
+            match layout.mismatch(num_slots, &h) {
+                None if len == total => opened = Opened::Reused,
+                None => opened = Opened::Discarded(format!("file is {len} bytes, expected {total}")),
+                Some(why) => opened = Opened::Discarded(why),
+            }
+        }
+        if opened != Opened::Reused {
+            // Start afresh: no record of another layout can survive.
+            file.set_len(0).map_err(io_err)?;
+            file.set_len(total).map_err(io_err)?;
+            file.write_all_at(&layout.header(num_slots), 0).map_err(io_err)?;
+            file.sync_all().map_err(io_err)?;
+        }
+        Ok((
+            DiskFile {
+                file,
+                path: path.to_path_buf(),
+                layout: layout.clone(),
+                num_slots,
+            },
+            opened,
+        ))
+    }
+
+    /// Opens an existing file read-only, only if its header matches; else why not.
+    pub fn open_existing(path: &Path, layout: &Layout, num_slots: u64) -> Result<DiskFile, String> {
+        layout.check().map_err(|e| e.to_string())?;
+        let file = File::open(path).map_err(|e| format!("{}: {e}", path.display()))?;
+        let mut h = vec![0u8; HEADER_LEN as usize];
+        file.read_exact_at(&mut h, 0)
+            .map_err(|e| format!("{}: header: {e}", path.display()))?;
+        if let Some(why) = layout.mismatch(num_slots, &h) {
+            return Err(why);
+        }
+        Ok(DiskFile {
+            file,
+            path: path.to_path_buf(),
+            layout: layout.clone(),
+            num_slots,
+        })
+    }
+
+    pub fn layout(&self) -> &Layout {
+        &self.layout
+    }
+    pub fn num_slots(&self) -> u64 {
+        self.num_slots
+    }
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+    fn offset(&self, slot: u32) -> u64 {
+        HEADER_LEN + slot as u64 * self.layout.stride()
+    }
+    fn check_slot(&self, slot: u32) -> Result<(), DiskError> {
+        if slot as u64 >= self.num_slots {
+            return Err(DiskError::Invalid(format!(
+                "slot {slot} is outside the file's {} slots",
+                self.num_slots
+            )));
+        }
+        Ok(())
+    }
+
+    /// Every record whose header is intact: (slot, meta, seq). Block bytes are checked when
+    /// read. Returns also the number of slots with a damaged record header.
+    pub fn scan(&self) -> Result<(Vec<(u32, BlockMeta, u64)>, usize), DiskError> {
+        let hl = self.layout.record_header_len() as usize;
+        let mut buf = vec![0u8; hl];
+        let mut out = Vec::new();
+        let mut bad = 0;
+        for slot in 0..self.num_slots as u32 {
+            self.file
+                .read_exact_at(&mut buf, self.offset(slot))
+                .map_err(|e| self.io(e))?;
+            match decode_record_header(&self.layout, &buf) {
+                Ok((meta, seq, _)) => out.push((slot, meta, seq)),
+                Err(why) if why != "no record" => bad += 1,
+                Err(_) => {}
+            }
+        }
+        Ok((out, bad))
+    }
+
+    /// Writes one record (header and block bytes) with one positioned write.
+    pub fn write_record(&self, slot: u32, seq: u64, meta: &BlockMeta, data: &[u8], buf: &mut Vec<u8>) -> Result<(), DiskError> {
+        self.check_slot(slot)?;
+        if data.len() as u64 != self.layout.bytes_per_block || meta.tokens.len() != self.layout.block_size as usize {
+            return Err(DiskError::Invalid(format!(
+                "record of {} bytes and {} tokens for blocks of {} bytes and {} tokens",
+                data.len(),
+                meta.tokens.len(),
+                self.layout.bytes_per_block,
+                self.layout.block_size
+            )));
+        }
+        let hl = self.layout.record_header_len() as usize;
+        buf.clear();
+        buf.resize(hl + data.len(), 0);
+        encode_record_header(&self.layout, seq, meta, data, &mut buf[..hl]);
+        buf[hl..].copy_from_slice(data);
+        self.file.write_all_at(buf, self.offset(slot)).map_err(|e| self.io(e))
+    }
+
+    /// Reads the block of `slot` into `out` after checking that the record is intact and holds
+    /// `hash`. On a mismatch nothing is trusted: `Corrupt`.
+    pub fn read_block(&self, slot: u32, hash: u64, out: &mut [u8], buf: &mut Vec<u8>) -> Result<(), DiskError> {
+        self.check_slot(slot)?;
+        if out.len() as u64 != self.layout.bytes_per_block {
+            return Err(DiskError::Invalid(format!(
+                "read buffer of {} bytes for blocks of {}",
+                out.len(),
+                self.layout.bytes_per_block
+            )));
+        }
+        let hl = self.layout.record_header_len() as usize;
+        buf.clear();
+        buf.resize(hl, 0);
+        self.file
+            .read_exact_at(buf, self.offset(slot))
+            .map_err(|e| self.io(e))?;
+        let (meta, _, data_sum) =
+            decode_record_header(&self.layout, buf).map_err(|why| DiskError::Corrupt { slot, why })?;
+        if meta.hash != hash {
+            return Err(DiskError::Corrupt {
+                slot,
+                why: format!("holds hash {:#x}, not {hash:#x}", meta.hash),
+            });
+        }
+        self.file
+            .read_exact_at(out, self.offset(slot) + hl as u64)
+            .map_err(|e| self.io(e))?;
+        if xxh3_64(out) != data_sum {
+            return Err(DiskError::Corrupt {
+                slot,
+                why: "block data checksum mismatch".into(),
+            });
+        }
+        Ok(())
+    }
+
+    /// Makes a slot's record unreadable (its magic zeroed), so a restart does not bring it back.
+    pub fn invalidate(&self, slot: u32) -> Result<(), DiskError> {
+        self.check_slot(slot)?;
+        self.file
+            .write_all_at(&[0u8; 4], self.offset(slot))
+            .map_err(|e| self.io(e))
+    }
+
+    pub fn sync(&self) -> Result<(), DiskError> {
+        self.file.sync_data().map_err(|e| self.io(e))
+    }
+}
+
+/// Counters of the background writer.
+#[derive(Debug, Default)]
+pub struct WriterStats {
+    pub queued: AtomicUsize,
+    pub written_blocks: AtomicU64,
+    pub bytes_written: AtomicU64,
+    pub dropped_full: AtomicU64,
+    pub failed: AtomicU64,
+}
+
+enum Job {
+    Write {
+        slot: u32,
+        meta: BlockMeta,
+        data: Vec<u8>,
+    },
+    Invalidate(u32),
+    Flush(SyncSender<()>),
+}
+
+struct Shared {
+    stats: WriterStats,
+    /// (slot, written) per finished write, in order.
+    done: Mutex<Vec<(u32, bool)>>,
+    /// Buffers given back by the writer for the next submissions.
+    spare: Mutex<Vec<Vec<u8>>>,
+    seq: AtomicU64,
+}
+
+/// A thread that writes records with a bounded queue: [`DiskWriter::submit`] never waits; when
+/// the queue is full the write is dropped (counted) and the slot reported not written.
+pub struct DiskWriter {
+    file: Arc<DiskFile>,
+    tx: Option<SyncSender<Job>>,
+    shared: Arc<Shared>,
+    handle: Option<JoinHandle<()>>,
+}
+
+impl DiskWriter {
+    /// `next_seq`: above every sequence number in the file (from [`DiskFile::scan`]).
+    pub fn new(file: Arc<DiskFile>, queue_len: usize, next_seq: u64) -> Result<Self, DiskError> {
+        if queue_len == 0 {
+            return Err(DiskError::Invalid("queue_len must be at least 1".into()));
+        }
+        let (tx, rx) = sync_channel::<Job>(queue_len);
+        let shared = Arc::new(Shared {
+            stats: WriterStats::default(),
+            done: Mutex::new(Vec::new()),
+            spare: Mutex::new(Vec::new()),
+            seq: AtomicU64::new(next_seq),
+        });
+        let (f, s) = (file.clone(), shared.clone());
+        let handle = std::thread::Builder::new()
+            .name("kvslots-disk-writer".into())
+            .spawn(move || writer_loop(f, s, rx))
+            .map_err(|e| DiskError::Invalid(format!("cannot start the disk writer: {e}")))?;
+        Ok(DiskWriter {
+            file,
+            tx: Some(tx),
+            shared,
+            handle: Some(handle),
+        })
+    }
+
+    pub fn file(&self) -> &Arc<DiskFile> {
+        &self.file
+    }
+    pub fn stats(&self) -> &WriterStats {
+        &self.shared.stats
+    }
+
+    /// A buffer of one block's bytes to fill and pass to [`Self::submit`].
+    pub fn buffer(&self) -> Vec<u8> {
+        let mut b = self.shared.spare.lock().unwrap().pop().unwrap_or_default();
+        b.resize(self.file.layout().bytes_per_block as usize, 0);
+        b
+    }
+
+    /// Queues a record; false (the slot reported not written) when the queue is full.
+    pub fn submit(&self, slot: u32, meta: BlockMeta, data: Vec<u8>) -> bool {
+        let st = &self.shared.stats;
+        let tx = self.tx.as_ref().expect("open until dropped");
+        st.queued.fetch_add(1, Ordering::Relaxed);
+        match tx.try_send(Job::Write { slot, meta, data }) {
+            Ok(()) => true,
+            Err(TrySendError::Full(_)) | Err(TrySendError::Disconnected(_)) => {
+                st.queued.fetch_sub(1, Ordering::Relaxed);
+                st.dropped_full.fetch_add(1, Ordering::Relaxed);
+                self.shared.done.lock().unwrap().push((slot, false));
+                false
+            }
+        }
+    }
+
+    /// Queues the invalidation of a slot's record (waits for room: it is a few bytes).
+    pub fn invalidate(&self, slot: u32) {
+        let _ = self.tx.as_ref().expect("open").send(Job::Invalidate(slot));
+    }
+
+    /// Finished writes since the last call: (slot, written).
+    pub fn take_done(&self) -> Vec<(u32, bool)> {
+        std::mem::take(&mut *self.shared.done.lock().unwrap())
+    }
+
+    /// Waits until every queued job is on disk (tests, shutdown).
+    pub fn flush(&self) {
+        let (tx, rx) = sync_channel(1);
+        if self.tx.as_ref().expect("open").send(Job::Flush(tx)).is_ok() {
+            let _ = rx.recv();
+        }
+    }
+}
+
+impl Drop for DiskWriter {
+    fn drop(&mut self) {
+        self.tx = None;
+        if let Some(h) = self.handle.take() {
+            let _ = h.join();
+        }
+    }
+}
+
+fn writer_loop(file: Arc<DiskFile>, shared: Arc<Shared>, rx: Receiver<Job>) {
+    let mut buf = Vec::new();
+    while let Ok(job) = rx.recv() {
+        match job {
+            Job::Write { slot, meta, data } => {
+                let seq = shared.seq.fetch_add(1, Ordering::Relaxed);
+                let ok = file.write_record(slot, seq, &meta, &data, &mut buf).is_ok();
+                let st = &shared.stats;
+                if ok {
+                    st.written_blocks.fetch_add(1, Ordering::Relaxed);
+                    st.bytes_written.fetch_add(data.len() as u64, Ordering::Relaxed);
+                } else {
+                    st.failed.fetch_add(1, Ordering::Relaxed);
+                }
+                st.queued.fetch_sub(1, Ordering::Relaxed);
+                shared.done.lock().unwrap().push((slot, ok));
+                let mut spare = shared.spare.lock().unwrap();
+                if spare.len() < 64 {
+                    spare.push(data);
+                }
+            }
+            Job::Invalidate(slot) => {
+                let _ = file.invalidate(slot);
+            }
+            Job::Flush(ack) => {
+                let _ = file.sync();
+                let _ = ack.send(());
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn layout(fp: u64) -> Layout {
+        Layout {
+            fingerprint: fp,
+            block_size: 4,
+            num_layers: 2,
+            bytes_per_block: 1000,
+            dtype: "bfloat16".into(),
+        }
+    }
+    fn meta(h: u64) -> BlockMeta {
+        BlockMeta {
+            hash: h,
+            parent: (h > 1).then(|| h - 1),
+            lora: None,
+            successor: 7,
+            tokens: vec![h as u32; 4],
+        }
+    }
+    fn tmp(name: &str) -> PathBuf {
+        let d = std::env::temp_dir().join(format!("kvslots-disk-test-{}-{name}", std::process::id()));
+        let _ = std::fs::remove_file(&d);
+        d
+    }
+
+    #[test]
+    fn records_round_trip_and_survive_reopen() {
+        let p = tmp("rt");
+        let (f, o) = DiskFile::open(&p, &layout(1), 3).unwrap();
+        assert_eq!(o, Opened::Created);
+        let data: Vec<u8> = (0..1000).map(|i| i as u8).collect();
+        let mut buf = Vec::new();
+        f.write_record(2, 5, &meta(9), &data, &mut buf).unwrap();
+        let mut out = vec![0u8; 1000];
+        f.read_block(2, 9, &mut out, &mut buf).unwrap();
+        assert_eq!(out, data);
+        assert!(matches!(f.read_block(2, 8, &mut out, &mut buf), Err(DiskError::Corrupt { .. })));
+        assert!(matches!(f.read_block(1, 9, &mut out, &mut buf), Err(DiskError::Corrupt { .. })));
+        drop(f);
+        let (f, o) = DiskFile::open(&p, &layout(1), 3).unwrap();
+        assert_eq!(o, Opened::Reused);
+        let (recs, bad) = f.scan().unwrap();
+        assert_eq!((recs, bad), (vec![(2, meta(9), 5)], 0));
+        // Another model: discarded, nothing found.
+        drop(f);
+        let (f, o) = DiskFile::open(&p, &layout(2), 3).unwrap();
+        assert!(matches!(o, Opened::Discarded(ref w) if w.contains("fingerprint")), "{o:?}");
+        assert!(f.scan().unwrap().0.is_empty());
+        std::fs::remove_file(&p).unwrap();
+    }
+
+    #[test]
+    fn flipped_bytes_are_detected() {
+        let p = tmp("flip");
+        let (f, _) = DiskFile::open(&p, &layout(1), 2).unwrap();
+        let data = vec![3u8; 1000];
+        let mut buf = Vec::new();
+        f.write_record(0, 1, &meta(4), &data, &mut buf).unwrap();
+        f.write_record(1, 2, &meta(5), &data, &mut buf).unwrap();
+        let hl = layout(1).record_header_len();
+        // A data byte of slot 0 and a token of slot 1.
+        f.file.write_all_at(&[9], HEADER_LEN + hl + 10).unwrap();
+        f.file
+            .write_all_at(&[9], HEADER_LEN + layout(1).stride() + RECORD_FIXED as u64)
+            .unwrap();
+        let mut out = vec![0u8; 1000];
+        let e = f.read_block(0, 4, &mut out, &mut buf).unwrap_err();
+        assert!(e.to_string().contains("data checksum"), "{e}");
+        let (recs, bad) = f.scan().unwrap();
+        assert_eq!((recs.len(), bad), (1, 1), "slot 1's header is damaged");
+        std::fs::remove_file(&p).unwrap();
+    }
+
+    #[test]
+    fn writer_reports_every_submission_and_drops_when_full() {
+        let p = tmp("writer");
+        let (f, _) = DiskFile::open(&p, &layout(1), 64).unwrap();
+        let f = Arc::new(f);
+        let w = DiskWriter::new(f.clone(), 1, 1).unwrap();
+        let mut accepted = 0;
+        for s in 0..64u32 {
+            let mut b = w.buffer();
+            b.fill(s as u8);
+            accepted += w.submit(s, meta(s as u64 + 1), b) as u32;
+        }
+        w.flush();
+        let done = w.take_done();
+        assert_eq!(done.len(), 64, "every slot reported");
+        let ok: Vec<u32> = done.iter().filter(|d| d.1).map(|d| d.0).collect();
+        assert_eq!(ok.len() as u32, accepted);
+        assert_eq!(
+            w.stats().dropped_full.load(Ordering::Relaxed) as u32,
+            64 - accepted
+        );
+        let mut out = vec![0u8; 1000];
+        let mut buf = Vec::new();
+        for s in ok {
+            f.read_block(s, s as u64 + 1, &mut out, &mut buf).unwrap();
+            assert!(out.iter().all(|&b| b == s as u8));
+        }
+        drop(w);
+        std::fs::remove_file(&p).unwrap();
+    }
+}

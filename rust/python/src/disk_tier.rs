@@ -1,0 +1,409 @@
+//! `kvslots._core.DiskIndex` (the disk tier's bookkeeping) and `kvslots._core.DiskStore` (its
+//! file and background writer). The rules are kvslots-core's `disk` module's.
+
+use std::collections::HashMap;
+use std::path::Path;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+
+use kvslots_core as core;
+use numpy::{PyReadonlyArray1, PyReadwriteArray2, PyUntypedArrayMethods};
+use pyo3::prelude::*;
+use pyo3::types::PyBytes;
+
+use crate::convert::{arg, count, int, log_to_msgpack, opt_int, text, IntArg, MetaArgs};
+use crate::errors::{borrow, borrow_mut, invalid, slot_error, type_error};
+
+pyo3::import_exception!(kvslots.errors, DiskTierError);
+
+fn meta(
+    hash: &Bound<'_, PyAny>,
+    tokens: &Bound<'_, PyAny>,
+    successor: Option<&Bound<'_, PyAny>>,
+    parent: Option<&Bound<'_, PyAny>>,
+    lora_id: Option<&Bound<'_, PyAny>>,
+) -> PyResult<core::BlockMeta> {
+    Ok(core::BlockMeta {
+        hash: int::<u64>(hash, "block_hash", None)?,
+        parent: opt_int::<u64>(parent, "parent_hash", None)?,
+        lora: opt_int::<u64>(lora_id, "lora_id", None)?,
+        successor: match successor {
+            Some(s) if !s.is_none() => int::<u32>(s, "successor", None)?,
+            _ => core::NO_SUCCESSOR,
+        },
+        tokens: IntArg::<u32>::extract(tokens, "token_ids", None)?.as_slice().to_vec(),
+    })
+}
+
+fn layout(
+    block_size: &Bound<'_, PyAny>,
+    num_layers: &Bound<'_, PyAny>,
+    bytes_per_block: &Bound<'_, PyAny>,
+    dtype: &Bound<'_, PyAny>,
+    fingerprint: &Bound<'_, PyAny>,
+) -> PyResult<core::DiskLayout> {
+    let l = core::DiskLayout {
+        block_size: int::<u32>(block_size, "block_size", None)?,
+        num_layers: int::<u32>(num_layers, "num_layers", None)?,
+        bytes_per_block: int::<u64>(bytes_per_block, "bytes_per_block", None)?,
+        dtype: text(dtype, "dtype")?.to_owned(),
+        fingerprint: int::<u64>(fingerprint, "fingerprint", None)?,
+    };
+    l.check().map_err(|e| invalid(None, e.to_string()))?;
+    Ok(l)
+}
+
+fn disk_error(e: core::DiskError) -> PyErr {
+    match e {
+        core::DiskError::Invalid(m) => invalid(None, m),
+        e => DiskTierError::new_err(e.to_string()),
+    }
+}
+
+/// The disk tier's bookkeeping: slots keyed by external block hashes, LRU, read pins,
+/// successors, and its `STORAGE` events. See kvslots-core's `DiskIndex`.
+#[pyclass(module = "kvslots._core")]
+pub(crate) struct DiskIndex {
+    inner: core::DiskIndex,
+    wire: Vec<u8>,
+}
+
+#[pymethods]
+impl DiskIndex {
+    #[new]
+    fn new(num_slots: &Bound<'_, PyAny>, block_size: &Bound<'_, PyAny>) -> PyResult<Self> {
+        let n = count(num_slots, "num_slots", None)?;
+        let bs = count(block_size, "block_size", None)?;
+        Ok(DiskIndex {
+            inner: core::DiskIndex::new(n, bs).map_err(slot_error)?,
+            wire: Vec::new(),
+        })
+    }
+    /// Takes a slot to write a block into (evicting the least recently used unpinned one), or
+    /// None when the hash is on disk already or every slot is busy.
+    #[pyo3(signature = (block_hash, token_ids, successor=None, parent_hash=None, lora_id=None))]
+    fn begin_write(
+        slf: &Bound<'_, Self>,
+        block_hash: &Bound<'_, PyAny>,
+        token_ids: &Bound<'_, PyAny>,
+        successor: Option<&Bound<'_, PyAny>>,
+        parent_hash: Option<&Bound<'_, PyAny>>,
+        lora_id: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<Option<u32>> {
+        let m = meta(block_hash, token_ids, successor, parent_hash, lora_id)?;
+        borrow_mut(slf)?.inner.begin_write(m).map_err(slot_error)
+    }
+    fn complete_write(slf: &Bound<'_, Self>, slot: &Bound<'_, PyAny>, ok: bool) -> PyResult<()> {
+        let s = int::<u32>(slot, "slot", None)?;
+        borrow_mut(slf)?.inner.complete_write(s, ok).map_err(slot_error)
+    }
+    fn match_prefix(slf: &Bound<'_, Self>, block_hashes: &Bound<'_, PyAny>) -> PyResult<usize> {
+        let h = IntArg::<u64>::extract(block_hashes, "block_hashes", None)?;
+        Ok(borrow_mut(slf)?.inner.match_prefix(h.as_slice()))
+    }
+    fn contains(slf: &Bound<'_, Self>, block_hash: &Bound<'_, PyAny>) -> PyResult<bool> {
+        let h = int::<u64>(block_hash, "block_hash", None)?;
+        Ok(borrow(slf)?.inner.contains(h))
+    }
+    fn lookup(slf: &Bound<'_, Self>, block_hash: &Bound<'_, PyAny>) -> PyResult<Option<u32>> {
+        let h = int::<u64>(block_hash, "block_hash", None)?;
+        Ok(borrow(slf)?.inner.lookup(h))
+    }
+    /// The successor recorded with a stored block (None if none).
+    fn successor(slf: &Bound<'_, Self>, block_hash: &Bound<'_, PyAny>) -> PyResult<Option<u32>> {
+        let h = int::<u64>(block_hash, "block_hash", None)?;
+        let s = borrow(slf)?.inner.successor(h);
+        Ok((s != core::NO_SUCCESSOR).then_some(s))
+    }
+    fn begin_read(slf: &Bound<'_, Self>, block_hashes: &Bound<'_, PyAny>) -> PyResult<Vec<u32>> {
+        let h = IntArg::<u64>::extract(block_hashes, "block_hashes", None)?;
+        borrow_mut(slf)?.inner.begin_read(h.as_slice()).map_err(slot_error)
+    }
+    fn end_read(slf: &Bound<'_, Self>, slots: &Bound<'_, PyAny>) -> PyResult<()> {
+        let s = IntArg::<u32>::extract(slots, "slots", None)?;
+        borrow_mut(slf)?.inner.end_read(s.as_slice()).map_err(slot_error)
+    }
+    fn remove(slf: &Bound<'_, Self>, block_hash: &Bound<'_, PyAny>) -> PyResult<bool> {
+        let h = int::<u64>(block_hash, "block_hash", None)?;
+        Ok(borrow_mut(slf)?.inner.remove(h))
+    }
+    fn clear(slf: &Bound<'_, Self>) -> PyResult<usize> {
+        Ok(borrow_mut(slf)?.inner.clear())
+    }
+    /// Rebuilds the index from the tier's file (read-only; only on an empty index), if its
+    /// header matches this layout: (blocks restored, damaged records, why the file was not
+    /// used or None).
+    #[pyo3(signature = (path, *, num_layers, bytes_per_block, dtype, fingerprint))]
+    fn restore_from_file(
+        slf: &Bound<'_, Self>,
+        path: &Bound<'_, PyAny>,
+        num_layers: &Bound<'_, PyAny>,
+        bytes_per_block: &Bound<'_, PyAny>,
+        dtype: &Bound<'_, PyAny>,
+        fingerprint: &Bound<'_, PyAny>,
+    ) -> PyResult<(usize, usize, Option<String>)> {
+        let path = text(path, "path")?.to_owned();
+        let bs = borrow(slf)?.inner.block_size();
+        let bs = bs.into_pyobject(slf.py())?;
+        let l = layout(bs.as_any(), num_layers, bytes_per_block, dtype, fingerprint)?;
+        let n = borrow(slf)?.inner.num_slots() as u64;
+        let file = match core::DiskFile::open_existing(Path::new(&path), &l, n) {
+            Ok(f) => f,
+            Err(why) => return Ok((0, 0, Some(why))),
+        };
+        let (records, damaged) = slf.py().detach(|| file.scan()).map_err(disk_error)?;
+        let mut this = borrow_mut(slf)?;
+        let before = this.inner.num_stored();
+        this.inner.restore(records).map_err(slot_error)?;
+        Ok((this.inner.num_stored() - before, damaged, None))
+    }
+    fn num_pending_events(slf: &Bound<'_, Self>) -> PyResult<usize> {
+        Ok(borrow(slf)?.inner.events().len())
+    }
+    fn discard_events(slf: &Bound<'_, Self>) -> PyResult<()> {
+        borrow_mut(slf)?.inner.events_mut().clear();
+        Ok(())
+    }
+    /// The queued events as one msgpack `KVEventBatch` (medium "STORAGE" by default); with
+    /// `drain`, the queue is emptied once encoded.
+    #[pyo3(signature = (ts, medium=Some("STORAGE".to_owned()), data_parallel_rank=None, hashes_as_bytes=false, drain=false))]
+    fn events_msgpack<'py>(
+        slf: &Bound<'py, Self>,
+        ts: &Bound<'py, PyAny>,
+        #[pyo3(from_py_with = arg::medium)] medium: Option<String>,
+        data_parallel_rank: Option<&Bound<'py, PyAny>>,
+        #[pyo3(from_py_with = arg::hashes_as_bytes)] hashes_as_bytes: bool,
+        drain: bool,
+    ) -> PyResult<Bound<'py, PyBytes>> {
+        let args = MetaArgs::extract(ts, medium.as_deref(), data_parallel_rank, hashes_as_bytes)?;
+        let mut this = borrow_mut(slf)?;
+        let this = &mut *this;
+        let bytes = log_to_msgpack(slf.py(), this.inner.events(), &mut this.wire, args.meta())?;
+        if drain {
+            this.inner.events_mut().clear();
+        }
+        Ok(bytes)
+    }
+    fn stats(slf: &Bound<'_, Self>) -> PyResult<HashMap<&'static str, u64>> {
+        let this = borrow(slf)?;
+        let s = this.inner.stats();
+        Ok(HashMap::from([
+            ("capacity_blocks", this.inner.num_slots() as u64),
+            ("used_blocks", this.inner.num_stored() as u64),
+            ("writing_blocks", this.inner.num_writing() as u64),
+            ("lookups", s.lookups),
+            ("hit_blocks", s.hit_blocks),
+            ("writes_started", s.writes_started),
+            ("writes_completed", s.writes_completed),
+            ("writes_failed", s.writes_failed),
+            ("writes_skipped_full", s.writes_skipped_full),
+            ("reads_started", s.reads_started),
+            ("read_blocks", s.read_blocks),
+            ("evicted_blocks", s.evicted_blocks),
+            ("removed_blocks", s.removed_blocks),
+            ("restored_blocks", s.restored_blocks),
+        ]))
+    }
+    fn check_invariants(slf: &Bound<'_, Self>) -> PyResult<Option<String>> {
+        Ok(borrow(slf)?.inner.check().err())
+    }
+    #[getter]
+    fn num_slots(slf: &Bound<'_, Self>) -> PyResult<usize> {
+        Ok(borrow(slf)?.inner.num_slots())
+    }
+    #[getter]
+    fn num_stored(slf: &Bound<'_, Self>) -> PyResult<usize> {
+        Ok(borrow(slf)?.inner.num_stored())
+    }
+    #[getter]
+    fn num_writing(slf: &Bound<'_, Self>) -> PyResult<usize> {
+        Ok(borrow(slf)?.inner.num_writing())
+    }
+    #[getter]
+    fn num_free(slf: &Bound<'_, Self>) -> PyResult<usize> {
+        Ok(borrow(slf)?.inner.num_free())
+    }
+}
+
+/// The disk tier's file on one worker: records written by a background thread with a bounded
+/// queue (a full queue drops the write), blocks read with positioned reads, the GIL released.
+#[pyclass(module = "kvslots._core", frozen)]
+pub(crate) struct DiskStore {
+    writer: core::DiskWriter,
+    file: Arc<core::DiskFile>,
+    opened: String,
+    max_seq: u64,
+    bytes_read: AtomicU64,
+    read_blocks: AtomicU64,
+    corrupt_blocks: AtomicU64,
+}
+
+#[pymethods]
+impl DiskStore {
+    /// Opens (or creates, sized for `num_slots` blocks) the file at `path`. A file of another
+    /// model, layout or format is started afresh: `opened` says which happened.
+    #[new]
+    #[pyo3(signature = (path, *, num_slots, block_size, num_layers, bytes_per_block, dtype, fingerprint, queue_len=None))]
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        py: Python<'_>,
+        path: &Bound<'_, PyAny>,
+        num_slots: &Bound<'_, PyAny>,
+        block_size: &Bound<'_, PyAny>,
+        num_layers: &Bound<'_, PyAny>,
+        bytes_per_block: &Bound<'_, PyAny>,
+        dtype: &Bound<'_, PyAny>,
+        fingerprint: &Bound<'_, PyAny>,
+        queue_len: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<Self> {
+        let path = text(path, "path")?.to_owned();
+        let n = int::<u32>(num_slots, "num_slots", None)? as u64;
+        let l = layout(block_size, num_layers, bytes_per_block, dtype, fingerprint)?;
+        let q = match queue_len {
+            Some(q) if !q.is_none() => count(q, "queue_len", None)?,
+            _ => 64,
+        };
+        let (file, opened, max_seq) = py
+            .detach(|| -> Result<_, core::DiskError> {
+                let (f, o) = core::DiskFile::open(Path::new(&path), &l, n)?;
+                let max_seq = f.scan()?.0.iter().map(|r| r.2).max().unwrap_or(0);
+                Ok((f, o, max_seq))
+            })
+            .map_err(disk_error)?;
+        let file = Arc::new(file);
+        let writer = core::DiskWriter::new(file.clone(), q, max_seq + 1).map_err(disk_error)?;
+        let opened = match opened {
+            core::Opened::Created => "created".to_owned(),
+            core::Opened::Reused => "reused".to_owned(),
+            core::Opened::Discarded(why) => format!("discarded: {why}"),
+        };
+        Ok(DiskStore {
+            writer,
+            file,
+            opened,
+            max_seq,
+            bytes_read: AtomicU64::new(0),
+            read_blocks: AtomicU64::new(0),
+            corrupt_blocks: AtomicU64::new(0),
+        })
+    }
+    /// "created", "reused" or "discarded: <why>".
+    #[getter]
+    fn opened(&self) -> String {
+        self.opened.clone()
+    }
+    #[getter]
+    fn bytes_per_block(&self) -> u64 {
+        self.file.layout().bytes_per_block
+    }
+    #[getter]
+    fn num_slots(&self) -> u64 {
+        self.file.num_slots()
+    }
+    /// Queues the record of one block (its bytes copied now): False when the queue is full
+    /// (the slot is then reported not written by `take_done`).
+    #[pyo3(signature = (slot, data, block_hash, token_ids, successor=None, parent_hash=None, lora_id=None))]
+    #[allow(clippy::too_many_arguments)]
+    fn submit(
+        &self,
+        slot: &Bound<'_, PyAny>,
+        data: PyReadonlyArray1<'_, u8>,
+        block_hash: &Bound<'_, PyAny>,
+        token_ids: &Bound<'_, PyAny>,
+        successor: Option<&Bound<'_, PyAny>>,
+        parent_hash: Option<&Bound<'_, PyAny>>,
+        lora_id: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<bool> {
+        let s = int::<u32>(slot, "slot", None)?;
+        if s as u64 >= self.file.num_slots() {
+            return Err(invalid(None, format!("slot {s} is outside the file's {} slots", self.file.num_slots())));
+        }
+        let m = meta(block_hash, token_ids, successor, parent_hash, lora_id)?;
+        let l = self.file.layout();
+        if m.tokens.len() != l.block_size as usize {
+            return Err(invalid(None, format!("{} tokens for a block of {}", m.tokens.len(), l.block_size)));
+        }
+        let src = data
+            .as_slice()
+            .map_err(|_| type_error(None, "data must be a contiguous uint8 array".into()))?;
+        if src.len() as u64 != l.bytes_per_block {
+            return Err(invalid(None, format!("data of {} bytes for blocks of {}", src.len(), l.bytes_per_block)));
+        }
+        let mut buf = self.writer.buffer();
+        buf.copy_from_slice(src);
+        Ok(self.writer.submit(s, m, buf))
+    }
+    /// Writes finished since the last call: [(slot, written)].
+    fn take_done(&self) -> Vec<(u32, bool)> {
+        self.writer.take_done()
+    }
+    /// Reads blocks `slots[i]` (which must hold `block_hashes[i]`) into `out[i]` (a C-contiguous
+    /// uint8 array [n, bytes_per_block]) with the GIL released. Returns [(i, why)] for blocks
+    /// whose record is corrupt, torn or of another hash: their `out` rows are not to be used.
+    fn read_into(
+        &self,
+        py: Python<'_>,
+        slots: &Bound<'_, PyAny>,
+        block_hashes: &Bound<'_, PyAny>,
+        mut out: PyReadwriteArray2<'_, u8>,
+    ) -> PyResult<Vec<(usize, String)>> {
+        let s = IntArg::<u32>::extract(slots, "slots", None)?.as_slice().to_vec();
+        let h = IntArg::<u64>::extract(block_hashes, "block_hashes", None)?.as_slice().to_vec();
+        let bpb = self.file.layout().bytes_per_block as usize;
+        if s.len() != h.len() || out.shape() != [s.len(), bpb] {
+            return Err(invalid(
+                None,
+                format!("{} slots, {} hashes and an output of shape {:?} (want [{}, {bpb}])", s.len(), h.len(), out.shape(), s.len()),
+            ));
+        }
+        let dst = out
+            .as_slice_mut()
+            .map_err(|_| type_error(None, "out must be a C-contiguous uint8 array".into()))?;
+        let file = &self.file;
+        let res = py.detach(|| -> Result<Vec<(usize, String)>, core::DiskError> {
+            let mut buf = Vec::new();
+            let mut bad = Vec::new();
+            for (i, (&slot, &hash)) in s.iter().zip(&h).enumerate() {
+                match file.read_block(slot, hash, &mut dst[i * bpb..(i + 1) * bpb], &mut buf) {
+                    Ok(()) => {}
+                    Err(e @ core::DiskError::Corrupt { .. }) => bad.push((i, e.to_string())),
+                    Err(e) => return Err(e),
+                }
+            }
+            Ok(bad)
+        });
+        let bad = res.map_err(disk_error)?;
+        let good = (s.len() - bad.len()) as u64;
+        self.read_blocks.fetch_add(good, Ordering::Relaxed);
+        self.bytes_read.fetch_add(good * bpb as u64, Ordering::Relaxed);
+        self.corrupt_blocks.fetch_add(bad.len() as u64, Ordering::Relaxed);
+        Ok(bad)
+    }
+    /// Queues making a slot's record unreadable (a block that left the tier).
+    fn invalidate(&self, slot: &Bound<'_, PyAny>) -> PyResult<()> {
+        let s = int::<u32>(slot, "slot", None)?;
+        if s as u64 >= self.file.num_slots() {
+            return Err(invalid(None, format!("slot {s} is outside the file's {} slots", self.file.num_slots())));
+        }
+        self.writer.invalidate(s);
+        Ok(())
+    }
+    /// Waits until every queued write is on disk.
+    fn flush(&self, py: Python<'_>) {
+        py.detach(|| self.writer.flush())
+    }
+    fn stats(&self) -> HashMap<&'static str, u64> {
+        let w = self.writer.stats();
+        HashMap::from([
+            ("queue_depth", w.queued.load(Ordering::Relaxed) as u64),
+            ("written_blocks", w.written_blocks.load(Ordering::Relaxed)),
+            ("bytes_written", w.bytes_written.load(Ordering::Relaxed)),
+            ("dropped_full", w.dropped_full.load(Ordering::Relaxed)),
+            ("write_failures", w.failed.load(Ordering::Relaxed)),
+            ("read_blocks", self.read_blocks.load(Ordering::Relaxed)),
+            ("bytes_read", self.bytes_read.load(Ordering::Relaxed)),
+            ("corrupt_blocks", self.corrupt_blocks.load(Ordering::Relaxed)),
+            ("max_seq_at_open", self.max_seq),
+        ])
+    }
+}

@@ -1,0 +1,74 @@
+"""The disk tier's settings: the connector's extra-config keys (validated, off by default) and
+the ``kvslots serve`` flags that set them."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from kvslots import cli
+from kvslots.config.connector import ConnectorConfig
+from kvslots.errors import ConnectorConfigError
+from kvslots.serve import plan_from_argv
+
+TINY = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64, "intermediate_size": 128,
+        "num_attention_heads": 4, "num_key_value_heads": 4, "num_hidden_layers": 2, "vocab_size": 1000,
+        "max_position_embeddings": 512, "torch_dtype": "float32"}
+
+
+@pytest.fixture(autouse=True)
+def _reserved(monkeypatch):
+    monkeypatch.setenv("VLLM_CPU_NUM_OF_RESERVED_CPU", "1")
+
+
+@pytest.fixture
+def target(tmp_path: Path) -> str:
+    (tmp_path / "t").mkdir()
+    (tmp_path / "t" / "config.json").write_text(json.dumps(TINY))
+    return str(tmp_path / "t")
+
+
+def test_disk_keys_default_off_and_size_the_tier() -> None:
+    cfg = ConnectorConfig.from_extra_config({})
+    assert cfg.disk_path is None
+    cfg = ConnectorConfig.from_extra_config({"disk_path": "/x", "disk_gb": 1})
+    assert cfg.num_disk_blocks(1 << 20) == 1024
+    assert ConnectorConfig.from_extra_config({"disk_path": "/x", "disk_blocks": 7}).num_disk_blocks(1 << 20) == 7
+    with pytest.raises(ConnectorConfigError, match="holds no block"):
+        ConnectorConfig.from_extra_config({"disk_gb": 1e-9}).num_disk_blocks(1 << 20)
+
+
+@pytest.mark.parametrize("extra", [{"disk_path": ""}, {"disk_path": 3}, {"disk_path": "a\0b"}, {"disk_gb": 0},
+                                   {"disk_gb": -1.0}, {"disk_gb": float("nan")}, {"disk_gb": float("inf")},
+                                   {"disk_gb": True}, {"disk_gb": "8"}, {"disk_blocks": 0}, {"disk_blocks": 2.5},
+                                   {"disk_blocks": 1 << 40}, {"disk_queue_len": -3}, {"disk_queue_len": None}])
+def test_bad_disk_values_are_refused(extra: dict) -> None:
+    with pytest.raises(ConnectorConfigError, match=next(iter(extra))):
+        ConnectorConfig.from_extra_config(extra)
+
+
+def test_serve_flags_set_the_disk_keys_and_recompute_on_load_failure(target: str, tmp_path: Path) -> None:
+    d = str(tmp_path / "disk")
+    plan = plan_from_argv([target, "--disk-path", d, "--disk-gb", "2"])
+    kv = plan.kv_transfer_config
+    assert kv["kv_connector_extra_config"] == {"disk_path": d, "disk_gb": 2.0}
+    assert kv["kv_load_failure_policy"] == "recompute"
+    plan = plan_from_argv([target])
+    assert "disk_path" not in plan.kv_transfer_config["kv_connector_extra_config"]
+    assert "kv_load_failure_policy" not in plan.kv_transfer_config
+
+
+@pytest.mark.parametrize("argv, word", [(["--disk-gb", "2"], "needs --disk-path"),
+                                        (["--disk-gb", "-1", "--disk-path", "/x"], "--disk-gb"),
+                                        (["--disk-path", "/x", "--connector-config", '{"disk_path": "/y"}'],
+                                         "conflicts"),
+                                        (["--disk-path", "/x", "--no-connector"], "--no-connector")])
+def test_bad_serve_disk_flags_exit_2_with_one_line(target: str, argv: list, word: str, capsys) -> None:
+    try:
+        rc = cli.main(["serve", target, *argv, "--dry-run"])
+    except SystemExit as e:
+        rc = e.code
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1 and word in err[0], err

@@ -1,0 +1,62 @@
+"""The disk tier in a real vLLM engine on CPU (tiny random-weight models, EAGLE drafter), each
+phase in its own process (tests/disk_engine_run.py): prompts overflow a 16-block host tier, the
+device prefix cache is reset, and the repeats are served from disk with identical outputs; a
+restarted engine finds the disk tier again; a corrupt record is recomputed with one warning."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+FULL_BLOCKS = (400 - 1) // 32  # served blocks of a 400-token prompt
+
+
+@pytest.fixture(scope="module")
+def models_dir(tmp_path_factory):
+    from kvslots._dev.tiny import build_tiny_models
+
+    root = str(tmp_path_factory.mktemp("tiny-disk"))
+    build_tiny_models(root)
+    return root
+
+
+def run(models: str, disk: str, phase: str) -> dict:
+    spec = {"models": models, "disk": disk, "phase": phase}
+    proc = subprocess.run([sys.executable, os.path.join(HERE, "disk_engine_run.py"), json.dumps(spec)],
+                          capture_output=True, text=True, timeout=900)
+    lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, f"engine run failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    return json.loads(lines[-1][len("RESULT "):])
+
+
+def disk_source(r: dict) -> int:
+    return sum(v for k, v in r["by_source"].items() if "'disk'" in k)
+
+
+def test_disk_tier_serves_hits_survives_a_restart_and_recomputes_a_corrupt_block(models_dir, tmp_path):
+    disk = str(tmp_path / "disk")
+    fill = run(models_dir, disk, "fill")
+    assert fill["restored"] == 0
+    assert fill["again"] == fill["first"][:2], "outputs served from disk equal the computed ones"
+    # 4 prompts x 12 blocks through a 16-block host tier: the first two prompts are on disk only.
+    assert fill["stored_after_fill"] >= 2 * FULL_BLOCKS
+    assert fill["disk_hit_tokens"] == 2 * FULL_BLOCKS * 32 and fill["host_hit_tokens"] == 0
+    assert disk_source(fill) == fill["disk_hit_tokens"], "vLLM counts them under source 'disk'"
+    assert fill["disk_stats"]["disk_worker_bytes_written"] > 0 and fill["warnings"] == []
+
+    again = run(models_dir, disk, "restart")
+    assert again["restored"] == fill["disk_stats"]["disk_used_blocks"]
+    assert again["again"] == fill["first"][:2]
+    assert again["disk_hit_tokens"] == 2 * FULL_BLOCKS * 32 and disk_source(again) == again["disk_hit_tokens"]
+
+    bad = run(models_dir, disk, "corrupt")
+    assert bad["corrupted"] == 1
+    assert bad["again"] == fill["first"][:2], "the corrupt block is recomputed, the output is unchanged"
+    assert len(bad["warnings"]) == 1, bad["warnings"]
+    assert bad["disk_stats"]["disk_corrupt_blocks"] == 1
+    assert bad["disk_stats"]["disk_worker_corrupt_blocks"] == 1

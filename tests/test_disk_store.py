@@ -1,0 +1,277 @@
+"""The disk tier's storage and bookkeeping through the extension: records round-trip and survive
+a reopen, a mismatched header or a damaged record is never served, a kill -9 while writing loses
+at most the records in flight, hostile arguments raise kvslots errors, and ``DiskIndex`` agrees
+with a small reference model (hypothesis)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import msgspec
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from kvslots import KVSlotsError
+from kvslots._core import DiskIndex, DiskStore
+
+BS = 4
+BPB = 3000
+LAYOUT = dict(block_size=BS, num_layers=2, bytes_per_block=BPB, dtype="float32", fingerprint=1234)
+
+
+def store(path: Path, n: int = 8, **kw) -> DiskStore:
+    return DiskStore(str(path), num_slots=n, **{**LAYOUT, **kw})
+
+
+def block(h: int) -> np.ndarray:
+    return np.random.default_rng(h).integers(0, 256, BPB, dtype=np.uint8)
+
+
+def write(s: DiskStore, slot: int, h: int) -> None:
+    assert s.submit(slot, block(h), h, [h] * BS, successor=h + 1, parent_hash=h - 1 if h else None)
+
+
+def restore(path: Path, n: int = 8, **kw) -> tuple[DiskIndex, tuple[int, int, str | None]]:
+    idx = DiskIndex(n, BS)
+    args = {k: v for k, v in {**LAYOUT, **kw}.items() if k != "block_size"}
+    return idx, idx.restore_from_file(str(path), **args)
+
+
+def test_records_round_trip_and_are_found_again_after_a_restart(tmp_path: Path) -> None:
+    p = tmp_path / "tier.kvs"
+    s = store(p)
+    assert s.opened == "created"
+    for slot, h in [(0, 10), (3, 11), (5, 12)]:
+        write(s, slot, h)
+    s.flush()
+    assert sorted(s.take_done()) == [(0, True), (3, True), (5, True)]
+    out = np.zeros((2, BPB), np.uint8)
+    assert s.read_into([3, 5], [11, 12], out) == []
+    assert (out[0] == block(11)).all() and (out[1] == block(12)).all()
+    st_ = s.stats()
+    assert st_["bytes_written"] == 3 * BPB and st_["bytes_read"] == 2 * BPB and st_["queue_depth"] == 0
+    del s
+    # A restart with the same layout: the index is rebuilt, each block published on STORAGE.
+    idx, (n, damaged, why) = restore(p)
+    assert (n, damaged, why) == (3, 0, None)
+    assert idx.match_prefix([10, 11, 12, 13]) == 3
+    assert idx.successor(11) == 12
+    from vllm.distributed.kv_events import KVEventBatch
+
+    batch = msgspec.msgpack.decode(idx.events_msgpack(1.0, drain=True), type=KVEventBatch)
+    assert [e.medium for e in batch.events] == ["STORAGE"] * 3
+    assert sorted(e.block_hashes[0] for e in batch.events) == [10, 11, 12]
+    assert idx.num_pending_events() == 0
+    s = store(p)
+    assert s.opened == "reused"
+    out = np.zeros((1, BPB), np.uint8)
+    assert s.read_into([idx.lookup(12)], [12], out) == [] and (out[0] == block(12)).all()
+
+
+@pytest.mark.parametrize("change, word", [({"fingerprint": 99}, "fingerprint"), ({"dtype": "bfloat16"}, "dtype"),
+                                          ({"num_layers": 3}, "layers"), ({"bytes_per_block": 4096}, "bytes per block")])
+def test_a_file_of_another_model_or_layout_is_never_served(tmp_path: Path, change: dict, word: str) -> None:
+    p = tmp_path / "tier.kvs"
+    s = store(p)
+    write(s, 0, 7)
+    s.flush()
+    del s
+    idx, (n, _, why) = restore(p, **change)
+    assert n == 0 and why is not None and word in why
+    s = store(p, **change)
+    assert s.opened.startswith("discarded") and word in s.opened
+    # Started afresh: the old record is gone for the old layout too.
+    _, (n, _, why) = restore(p)
+    assert n == 0 and why is not None
+
+
+def test_a_torn_header_or_damaged_record_is_detected(tmp_path: Path) -> None:
+    p = tmp_path / "tier.kvs"
+    s = store(p)
+    for slot in range(3):
+        write(s, slot, 20 + slot)
+    s.flush()
+    stride = (p.stat().st_size - 4096) // 8
+    hdr = (64 + 4 * BS + 63) // 64 * 64  # a record's header: 64 fixed bytes + tokens, 64-aligned
+    with open(p, "r+b") as f:
+        f.seek(4096 + 1 * stride + hdr + 100)  # a data byte of slot 1
+        b = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([b[0] ^ 0xFF]))
+        f.seek(4096 + 2 * stride + 64)  # a token of slot 2: its header fails
+        f.write(b"\xff")
+    out = np.zeros((3, BPB), np.uint8)
+    bad = s.read_into([0, 1, 2], [20, 21, 22], out)
+    assert [i for i, _ in bad] == [1, 2]
+    assert "checksum" in bad[0][1]
+    assert s.stats()["corrupt_blocks"] == 2
+    idx, (n, damaged, why) = restore(p)
+    assert (n, damaged, why) == (2, 1, None), "slot 2's header is damaged; slot 1's is caught on read"
+    # A record of another hash is not served either.
+    assert s.read_into([0], [21], out[:1])[0][1].find("hash") >= 0
+    # A torn file header: the file is not used.
+    with open(p, "r+b") as f:
+        f.seek(20)
+        f.write(b"\x01")
+    _, (n, _, why) = restore(p)
+    assert n == 0 and "checksum" in why
+
+
+WRITER = textwrap.dedent("""
+    import sys, numpy as np
+    from kvslots._core import DiskStore
+    s = DiskStore(sys.argv[1], num_slots=256, block_size=4, num_layers=2, bytes_per_block=3000,
+                  dtype="float32", fingerprint=1234, queue_len=8)
+    print("ready", flush=True)
+    i = 0
+    while True:
+        h = 1000 + i
+        data = np.full(3000, h % 251, np.uint8)
+        s.submit(i % 256, data, h, [h] * 4)
+        i += 1
+""")
+
+
+def test_kill_9_while_writing_loses_at_most_the_records_in_flight(tmp_path: Path) -> None:
+    p = tmp_path / "tier.kvs"
+    proc = subprocess.Popen([sys.executable, "-c", WRITER, str(p)], stdout=subprocess.PIPE,
+                            env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert proc.stdout is not None and proc.stdout.readline().strip() == b"ready"
+    time.sleep(1.0)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    idx, (n, damaged, why) = restore(p, n=256)
+    assert why is None and n > 0
+    s = store(p, n=256)
+    assert s.opened == "reused"
+    # Every restored block either reads back exactly what was written, or is reported.
+    restored = [(idx.lookup(h), h) for h in _hashes_of(idx)]
+    slots = [x[0] for x in restored]
+    hashes = [x[1] for x in restored]
+    out = np.zeros((len(slots), BPB), np.uint8)
+    bad = s.read_into(slots, hashes, out)
+    assert len(bad) + damaged <= 1, f"at most the one record being written when killed: {bad}, {damaged}"
+    good = set(range(len(slots))) - {i for i, _ in bad}
+    for i in good:
+        assert (out[i] == hashes[i] % 251).all()
+
+
+def _hashes_of(idx: DiskIndex) -> list[int]:
+    from vllm.distributed.kv_events import KVEventBatch
+
+    batch = msgspec.msgpack.decode(idx.events_msgpack(0.0), type=KVEventBatch)
+    return [e.block_hashes[0] for e in batch.events]
+
+
+def test_hostile_arguments_raise_kvslots_errors_and_change_nothing(tmp_path: Path) -> None:
+    p = tmp_path / "tier.kvs"
+    s = store(p)
+    good = block(1)
+    with pytest.raises(KVSlotsError):
+        s.submit(8, good, 1, [1] * BS)  # slot out of range
+    with pytest.raises(KVSlotsError):
+        s.submit(-1, good, 1, [1] * BS)
+    with pytest.raises(KVSlotsError):
+        s.submit(0, good[:-1], 1, [1] * BS)  # short data
+    with pytest.raises(KVSlotsError):
+        s.submit(0, good, 1, [1] * (BS + 1))
+    with pytest.raises(KVSlotsError):
+        s.submit(0, good, -5, [1] * BS)
+    with pytest.raises(KVSlotsError):
+        s.submit(0, good, 1, [1, 2, "x", 4])
+    with pytest.raises((KVSlotsError, TypeError)):
+        s.submit(0, np.zeros(BPB, np.float32), 1, [1] * BS)
+    out = np.zeros((1, BPB), np.uint8)
+    with pytest.raises(KVSlotsError):
+        s.read_into([0, 1], [1], out)
+    with pytest.raises(KVSlotsError):
+        s.read_into([99], [1], out)
+    with pytest.raises(KVSlotsError):
+        s.read_into([0], [1], np.zeros((1, BPB), np.uint8)[:, ::-1].copy()[:, :BPB - 1])
+    s.flush()
+    assert s.take_done() == [] and s.stats()["written_blocks"] == 0
+    for bad in [dict(bytes_per_block=0), dict(block_size=0), dict(dtype="x" * 40), dict(fingerprint=-1),
+                dict(num_slots=float("nan")), dict(queue_len=0)]:
+        with pytest.raises(KVSlotsError):
+            DiskStore(str(tmp_path / "other.kvs"), **{"num_slots": 4, **LAYOUT, **bad})
+    with pytest.raises(KVSlotsError):
+        DiskStore(str(tmp_path / "no-such-dir" / "x.kvs"), num_slots=4, **LAYOUT)
+    idx = DiskIndex(2, BS)
+    with pytest.raises(KVSlotsError):
+        idx.begin_write(1, [1] * (BS - 1))
+    with pytest.raises(KVSlotsError):
+        idx.complete_write(0, True)
+    with pytest.raises(KVSlotsError):
+        idx.begin_read([1])
+    with pytest.raises(KVSlotsError):
+        idx.end_read([0])
+    with pytest.raises(KVSlotsError):
+        DiskIndex(-1, BS)
+    assert idx.num_free == 2 and idx.check_invariants() is None
+
+
+class Model:
+    """Reference: stored hashes oldest-used first, writes under way, read pins."""
+
+    def __init__(self, cap: int) -> None:
+        self.cap, self.lru, self.writing, self.pins = cap, [], {}, {}
+
+    def begin_write(self, h: int) -> bool:
+        if h in self.lru or h in self.writing.values():
+            return False
+        if len(self.lru) + len(self.writing) == self.cap:
+            victims = [x for x in self.lru if not self.pins.get(x)]
+            if not victims:
+                return False
+            self.lru.remove(victims[0])
+        return True
+
+
+@settings(max_examples=150, deadline=None)
+@given(cap=st.integers(1, 5), ops=st.lists(st.tuples(st.sampled_from("wcrem"), st.integers(0, 9), st.booleans()),
+                                            max_size=60))
+def test_disk_index_agrees_with_the_reference_model(cap: int, ops: list) -> None:
+    idx, m = DiskIndex(cap, 1), Model(cap)
+    reads: list[tuple[list[int], int]] = []
+    for kind, h, flag in ops:
+        if kind == "w":
+            expect = m.begin_write(h)
+            slot = idx.begin_write(h, [h])
+            assert (slot is not None) == expect
+            if slot is not None:
+                m.writing[slot] = h
+        elif kind == "c" and m.writing:
+            slot = sorted(m.writing)[h % len(m.writing)]
+            hh = m.writing.pop(slot)
+            ok = flag or h % 3 != 0
+            idx.complete_write(slot, ok)
+            if ok:
+                m.lru.append(hh)
+        elif kind == "r":
+            if h in m.lru:
+                reads.append((idx.begin_read([h]), h))
+                m.pins[h] = m.pins.get(h, 0) + 1
+                m.lru.remove(h)
+                m.lru.append(h)
+            else:
+                with pytest.raises(KVSlotsError):
+                    idx.begin_read([h])
+        elif kind == "e" and reads:
+            slots, hh = reads.pop(h % len(reads))
+            idx.end_read(slots)
+            m.pins[hh] -= 1
+        elif kind == "m":
+            expect = h in m.lru and not m.pins.get(h)
+            assert idx.remove(h) == expect
+            if expect:
+                m.lru.remove(h)
+        assert idx.num_stored == len(m.lru) and idx.num_writing == len(m.writing)
+        assert idx.match_prefix(m.lru) == len(m.lru)
+        assert idx.check_invariants() is None
