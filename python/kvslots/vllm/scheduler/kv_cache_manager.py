@@ -445,7 +445,7 @@ class KVSlotsKVCacheManager(DeviceKVManager):
             lora_id=lora.adapter_id if lora else None,
             medium=MEDIUM_GPU,
             lora_name=lora.name if lora else None,
-            extra_keys=to_event_extra_keys(extra),
+            extra_keys=kcu.to_event_extra_keys(extra),
             group_idx=0,
             session_id=getattr(request, "session_id", None),
         )
