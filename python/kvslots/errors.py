@@ -10,7 +10,8 @@
     │   ├── ConcurrentUseError     an object already in use by a call of this or another thread
     │   └── UnknownWorkerError, DuplicateWorkerError   the prefix index's workers
     ├── ConfigError                a configuration kvslots cannot accept (also a ValueError)
-    │   └── ConnectorConfigError   the connector's kv_connector_extra_config
+    │   ├── ConnectorConfigError   the connector's kv_connector_extra_config
+    │   └── UnsupportedVLLMVersionError   not vLLM 0.32.x or 0.33.x (kvslots.vllm.compat)
     └── ServeError                 ``kvslots serve`` cannot build or run the vLLM command
 
 Every error carries the request it is about (``request_id``, ``None`` when the error concerns no

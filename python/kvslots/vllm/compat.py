@@ -29,6 +29,12 @@ SUPPORTED_RANGE = "0.32.x, 0.33.x"
 class UnsupportedVLLMVersionError(ConfigError):
     """The installed vLLM is not one kvslots supports; attribute ``version`` (the string)."""
 
+    version: str
+
+    def __init__(self, message: str, *, version: str) -> None:
+        super().__init__(message)
+        self.version = version
+
 
 @dataclasses.dataclass(frozen=True)
 class VLLMFeatures:
@@ -76,7 +82,7 @@ def parse_series(version: str) -> tuple[int, int]:
     if m is None:
         raise UnsupportedVLLMVersionError(
             f"cannot read the vLLM version {version!r}; kvslots supports vLLM {SUPPORTED_RANGE}",
-            details={"version": str(version)})
+            version=str(version))
     return int(m.group(1)), int(m.group(2))
 
 
@@ -102,7 +108,7 @@ def features_for(version: str) -> VLLMFeatures:
     if row is None:
         raise UnsupportedVLLMVersionError(
             f"vLLM {version} is not supported: kvslots supports vLLM {SUPPORTED_RANGE}",
-            details={"version": version})
+            version=version)
     return row
 
 
@@ -114,7 +120,7 @@ def features() -> VLLMFeatures:
     if version is None:
         raise UnsupportedVLLMVersionError(
             f"vLLM is not installed: kvslots supports vLLM {SUPPORTED_RANGE}",
-            details={"version": ""})
+            version="")
     return features_for(version)
 
 
