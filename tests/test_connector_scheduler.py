@@ -102,10 +102,10 @@ def test_preempted_request_is_stored_before_its_blocks_are_reused(eagle_cfg):
     # Whether a victim still has unstored verified blocks when it is preempted depends on the
     # schedule, which differs between vLLM versions: try workloads until one has (each of them
     # checked in full).
-    for seed in (8, 3, 9, 10, 11):
+    for seed, n_reqs, n_prompt, n_out in ((8, 3, 70, 80), (3, 4, 50, 60), (9, 3, 70, 80)):
         h = harness(eagle_cfg, num_blocks=12, seed=seed)
         rng = random.Random(seed)
-        reqs = [h.add(f"q{i}", prompt(rng, 70), max_tokens=80) for i in range(3)]
+        reqs = [h.add(f"q{i}", prompt(rng, n_prompt), max_tokens=n_out) for i in range(n_reqs)]
         preempted_at = None
         for _ in range(2000):
             if not h.scheduler.has_requests():
