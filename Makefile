@@ -9,7 +9,7 @@ PY033 := $(VENV033)/bin/python
 # already does 100 per test). Engine-level tests run against 0.32 only (the newest CPU build).
 TESTS_033 := tests/test_connector_scheduler.py tests/test_events_vllm.py tests/test_vllm033_lookahead.py \
 	tests/test_scheduler_mode_manager.py tests/test_scheduler_mode_differential.py
-SCHED_EXAMPLES_033 ?= 10
+SCHED_EXAMPLES_033 ?= 5
 
 .PHONY: demo test test-033 setup bench
 
