@@ -1,17 +1,31 @@
 # The two commands of the README; each does all the set-up it needs first.
 VENV ?= .venv
 PY := $(VENV)/bin/python
+# The second environment: vLLM 0.33 (scheduler level only: a CUDA build, used on CPU).
+VENV033 ?= .venv-033
+PY033 := $(VENV033)/bin/python
+# What runs against vLLM 0.33 as well: the scheduler-level connector tests, the events and
+# indexer tests that touch vLLM's event classes, and scheduler mode (fewer examples: the 0.32 run
+# already does 100 per test). Engine-level tests run against 0.32 only (the newest CPU build).
+TESTS_033 := tests/test_vllm033_compat.py tests/test_connector_scheduler.py tests/test_events_vllm.py tests/test_vllm033_lookahead.py \
+	tests/test_scheduler_mode_manager.py tests/test_scheduler_mode_differential.py
+SCHED_EXAMPLES_033 ?= 5
 
-.PHONY: demo test setup bench
+.PHONY: demo test test-033 setup bench
 
 demo:  ## the main job: a tiny local model served with the connector, KV events and the indexer
 	@VENV=$(VENV) scripts/setup.sh --with-vllm
 	$(PY) -m kvslots demo
 
-test:  ## the whole test suite: Rust engine tests, then pytest (with vLLM on CPU)
-	@VENV=$(VENV) scripts/setup.sh --with-vllm
+test:  ## the whole test suite: Rust engine tests, pytest with vLLM 0.32 (CPU), then the scheduler-level tests again with vLLM 0.33
+	@VENV=$(VENV) VENV033=$(VENV033) scripts/setup.sh --with-vllm --with-vllm-033
 	cargo test -p kvslots-core --release -q
 	$(PY) -m pytest -q
+	VLLM_TARGET_DEVICE=cpu KVSLOTS_SCHED_EXAMPLES=$(SCHED_EXAMPLES_033) $(PY033) -m pytest -q -p no:cacheprovider $(TESTS_033)
+
+test-033:  ## only the vLLM 0.33 part of `make test`
+	@VENV=$(VENV) VENV033=$(VENV033) scripts/setup.sh --with-vllm --with-vllm-033
+	VLLM_TARGET_DEVICE=cpu KVSLOTS_SCHED_EXAMPLES=$(SCHED_EXAMPLES_033) $(PY033) -m pytest -q -p no:cacheprovider $(TESTS_033)
 
 setup:
 	@VENV=$(VENV) scripts/setup.sh --with-vllm

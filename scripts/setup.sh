@@ -3,15 +3,21 @@
 #   Debian packages (scripts/system-deps.txt), uv, the virtualenv $VENV (default .venv) with the
 #   Python deps, optionally vLLM for CPU (--with-vllm, for the tests), and the Rust extension
 #   built in release mode and installed editable.
+#   --with-vllm-033 also builds a second environment $VENV033 (default .venv-033) with vLLM 0.33
+#   (scripts/install-vllm.sh --vllm-033) that sees this checkout's kvslots, for the tests that
+#   run against both vLLM versions (see the Makefile).
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="${VENV:-$ROOT/.venv}"
+VENV033="${VENV033:-$ROOT/.venv-033}"
 WITH_VLLM=0
+WITH_VLLM_033=0
 for arg in "$@"; do
   case "$arg" in
     --with-vllm) WITH_VLLM=1 ;;
-    *) echo "usage: $0 [--with-vllm]" >&2; exit 2 ;;
+    --with-vllm-033) WITH_VLLM_033=1 ;;
+    *) echo "usage: $0 [--with-vllm] [--with-vllm-033]" >&2; exit 2 ;;
   esac
 done
 log() { printf '[setup] %s\n' "$*" >&2; }
@@ -49,4 +55,12 @@ if [[ ! -f "$stamp" ]] || [[ -n "$(find "$ROOT/rust" "$ROOT/Cargo.toml" "$ROOT/p
   log "building the Rust extension (release)"
   (cd "$ROOT" && VIRTUAL_ENV="$VENV" "$VENV/bin/maturin" develop --release --uv -q)
   touch "$stamp"
+fi
+
+if ((WITH_VLLM_033)); then
+  VENV="$VENV033" "$ROOT/scripts/install-vllm.sh" --vllm-033
+  VIRTUAL_ENV="$VENV033" uv pip install -q --python "$VENV033/bin/python" -r "$ROOT/requirements/dev.txt"
+  # kvslots itself: this checkout's package, with the extension the build above put there.
+  site="$("$VENV033/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
+  echo "$ROOT/python" >"$site/kvslots.pth"
 fi

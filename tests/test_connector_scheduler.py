@@ -96,6 +96,36 @@ def test_preemption_and_resume(eagle_cfg):
     assert stats["hit_tokens"] > 0, "resumed requests were served from the host tier"
 
 
+def test_preempted_request_is_stored_before_its_blocks_are_reused(eagle_cfg):
+    """The step that preempts a request stores its full verified blocks; on resume the request
+    is served from the host tier instead of recomputing them."""
+    # Whether a victim still has unstored verified blocks when it is preempted depends on the
+    # schedule, which differs between vLLM versions: try workloads until one has (each of them
+    # checked in full).
+    for seed, n_reqs, n_prompt, n_out in ((8, 3, 70, 80), (3, 4, 50, 60), (9, 3, 70, 80)):
+        h = harness(eagle_cfg, num_blocks=12, seed=seed)
+        rng = random.Random(seed)
+        reqs = [h.add(f"q{i}", prompt(rng, n_prompt), max_tokens=n_out) for i in range(n_reqs)]
+        preempted_at = None
+        for _ in range(2000):
+            if not h.scheduler.has_requests():
+                break
+            before = h.sched_side.stats["preempted_stored_blocks"]
+            so = h.step()
+            if so.preempted_req_ids:
+                preempted_at = preempted_at or so
+                stored = h.sched_side.stats["preempted_stored_blocks"] - before
+                # The preempting step's own metadata carries the victims' blocks (copied first).
+                assert len(so.kv_connector_metadata.store_device_blocks) >= stored
+        assert preempted_at is not None, "the test must cause preemption"
+        h.check_host_tier()
+        assert h.sched_side.host.num_held == 0
+        assert not h.scheduler.has_requests() and all(r.is_finished() for r in reqs)
+        if h.sched_side.stats["preempted_stored_blocks"] > 0:
+            break
+    assert h.sched_side.stats["preempted_stored_blocks"] > 0, "no workload stored a victim's blocks"
+
+
 def _store_then_reset_device_cache(h: Harness, tokens: list[int]):
     first = h.add("first", tokens, max_tokens=2)
     h.run_until_done()

@@ -519,17 +519,18 @@ def vllm_parser():
         pytest.skip("vLLM is not importable in this environment: the checks with vLLM's argument parser and "
                     "config classes and the end-to-end server run need it")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from vllm.entrypoints.launchers.cli_args import make_arg_parser
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
-    return make_arg_parser(FlexibleArgumentParser())
+    from kvslots.vllm.compat import cli_args_module
+
+    return cli_args_module().make_arg_parser(FlexibleArgumentParser())
 
 
 def vllm_parse(parser, plan):
-    from vllm.entrypoints.launchers.cli_args import validate_parsed_serve_args
+    from kvslots.vllm.compat import cli_args_module
 
     ns = parser.parse_args(plan.vllm_args)
-    validate_parsed_serve_args(ns)
+    cli_args_module().validate_parsed_serve_args(ns)
     return ns
 
 

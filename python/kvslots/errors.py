@@ -10,7 +10,8 @@
     │   ├── ConcurrentUseError     an object already in use by a call of this or another thread
     │   └── UnknownWorkerError, DuplicateWorkerError   the prefix index's workers
     ├── ConfigError                a configuration kvslots cannot accept (also a ValueError)
-    │   └── ConnectorConfigError   the connector's kv_connector_extra_config
+    │   ├── ConnectorConfigError   the connector's kv_connector_extra_config
+    │   └── UnsupportedVLLMVersionError   not vLLM 0.32.x or 0.33.x (kvslots.vllm.compat)
     ├── DiskTierError              the disk tier's file (I/O)
     └── ServeError                 ``kvslots serve`` cannot build or run the vLLM command
 
@@ -121,6 +122,16 @@ class ConnectorConfigError(ConfigError):
     the value, and stops vLLM at start-up."""
 
 
+class UnsupportedVLLMVersionError(ConfigError):
+    """The installed vLLM is not one kvslots supports; attribute ``version`` (the string)."""
+
+    version: str
+
+    def __init__(self, message: str, *, version: str) -> None:
+        super().__init__(message)
+        self.version = version
+
+
 class ServeError(KVSlotsError):
     """``kvslots serve`` cannot build or run the vLLM command (bad flags, a missing model
     directory, conflicting options); the message says which."""
@@ -159,6 +170,7 @@ __all__ = [
     "ConcurrentUseError",
     "ConfigError",
     "ConnectorConfigError",
+    "UnsupportedVLLMVersionError",
     "ServeError",
     "DiskTierError",
     "EventDecodeError",

@@ -1,6 +1,11 @@
-"""KV cache events, field for field as vLLM's ``vllm.distributed.kv_events`` (vLLM 0.32).
+"""KV cache events, field for field as vLLM's ``vllm.distributed.kv_events`` (vLLM 0.32 and 0.33).
 
-A router that decodes vLLM's events decodes ours with the same decoder, and these structs decode
+vLLM 0.33 added ``BlockStored.lookahead_token_ids`` (the tokens after each block that its hash
+covers, one list per block, for EAGLE engines with lookahead block hashes). Decoding reads both
+layouts. Encoding follows the event: a ``BlockStored`` without lookahead tokens is written byte
+for byte as vLLM 0.32 writes it (a fixmap header); one with them as vLLM 0.33 writes it (0.33's
+struct has 15 fields plus the tag, so msgspec gives every ``BlockStored`` a map16 header, with or
+without lookahead tokens; a byte comparison against 0.33's encoder must allow for that). A router that decodes vLLM's events decodes ours with the same decoder, and these structs decode
 vLLM's. Block hashes are unsigned 64-bit integers by default (vLLM's external form); bytes are
 accepted too.
 """
@@ -45,6 +50,30 @@ class BlockStored(KVCacheEvent):
     locality: str | None = None
     ownership: str | None = None
     session_id: str | None = None
+    lookahead_token_ids: list[list[int]] | None = None
+
+
+class _BlockStored032(KVCacheEvent, tag="BlockStored"):  # type: ignore[call-arg]
+    """vLLM 0.32's layout (14 fields: msgspec writes a fixmap header), for events without
+    lookahead tokens."""
+
+    block_hashes: list[ExternalBlockHash]
+    parent_block_hash: ExternalBlockHash | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None
+    medium: str | None
+    lora_name: str | None
+    extra_keys: list[tuple[Any, ...] | None] | None = None
+    group_idx: int | None = None
+    kv_cache_spec_kind: str | None = None
+    kv_cache_spec_sliding_window: int | None = None
+    locality: str | None = None
+    ownership: str | None = None
+    session_id: str | None = None
+
+
+_FIELDS_032 = _BlockStored032.__struct_fields__
 
 
 class BlockRemoved(KVCacheEvent):
@@ -104,7 +133,18 @@ _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(KVEventBatch)
 
 
+def _wire_event(ev: Any) -> Any:
+    if type(ev) is BlockStored and ev.lookahead_token_ids is None:
+        return _BlockStored032(*(getattr(ev, f) for f in _FIELDS_032))
+    return ev
+
+
 def encode_batch(batch: KVEventBatch) -> bytes:
+    """The batch's msgpack; each ``BlockStored`` in the layout of the vLLM that could have
+    written it (see the module docs)."""
+    events = batch.events
+    if any(type(ev) is BlockStored and ev.lookahead_token_ids is None for ev in events):
+        batch = msgspec.structs.replace(batch, events=[_wire_event(ev) for ev in events])
     return _encoder.encode(batch)
 
 

@@ -24,7 +24,7 @@ import msgspec
 import zmq
 
 from ._wakeup import WakePipe
-from .codec import EventBatch
+from .codec import EventBatch, encode_batch
 from .protocol import (
     END_SEQ,
     is_bind_endpoint,
@@ -281,7 +281,12 @@ class EventPublisher:
 
     def _send(self, item: Payload) -> None:
         try:
-            payload = item if isinstance(item, bytes) else self._encoder.encode(item)
+            if isinstance(item, bytes):
+                payload = item
+            elif isinstance(item, EventBatch):
+                payload = encode_batch(item)  # each BlockStored in its vLLM version's layout
+            else:
+                payload = self._encoder.encode(item)
         except Exception:  # a batch msgspec cannot encode: skip it, without using up a seq
             self._stats["errors"] += 1
             log.exception("cannot encode event batch; skipped")

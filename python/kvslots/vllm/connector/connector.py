@@ -29,6 +29,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from ...events import MEDIUM_CPU, MEDIUM_STORAGE
 from ...config.connector import ConnectorConfig, ConnectorConfigError
+from ..compat import check_supported
 from .metadata import KVSlotsMetadata, KVSlotsWorkerMetadata
 from .scheduler_side import SchedulerSide
 from .worker_side import WorkerSide
@@ -57,6 +58,7 @@ class KVSlotsConnector(KVConnectorBase_V1):
 
     def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole,
                  kv_cache_config: "KVCacheConfig") -> None:
+        check_supported()
         super().__init__(vllm_config, role, kv_cache_config)
         self.config = ConnectorConfig.from_extra_config(self._kv_transfer_config.kv_connector_extra_config)
         self.block_size = vllm_config.cache_config.block_size
@@ -237,6 +239,22 @@ class KVSlotsConnector(KVConnectorBase_V1):
         if self._disk_worker is not None:
             self._disk_worker.register(kv_caches, self._worker.copier, self._worker.num_device_blocks,
                                        self.config.copy_threads)
+
+    # Sleep mode (vLLM 0.33 calls these; 0.32 has no such hooks). Sleep level >= 1 already resets
+    # the connector (reset_cache: the host tier is dropped and AllBlocksCleared published, as the
+    # weights may change before wake-up). The worker drops its views of the device KV tensors,
+    # whose memory is released or remapped while asleep, and rebuilds them on wake-up.
+    @classmethod
+    def supports_sleep_mode(cls, kv_transfer_config: Any) -> bool:
+        return True
+
+    def unregister_kv_caches(self) -> None:
+        if self._worker is not None:
+            self._worker.unregister_kv_caches()
+
+    def restore_kv_caches(self) -> None:
+        if self._worker is not None:
+            self._worker.restore_kv_caches()
 
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
         # vLLM calls this at the start of every step, before the forward: the step's stores run

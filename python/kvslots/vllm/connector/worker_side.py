@@ -21,15 +21,32 @@ class WorkerSide:
         self.num_host_blocks = num_host_blocks
         self.copy_threads = copy_threads
         self.copier: Any = None
+        self._kv_caches: dict[str, Any] | None = None
+        self._asleep_caches: dict[str, Any] | None = None
         self._meta = KVSlotsWorkerMetadata()
         self._load_errors: set[int] = set()
         self.stats = {"stored_blocks": 0, "loaded_blocks": 0, "failed_stores": 0, "failed_loads": 0}
+
+    def unregister_kv_caches(self) -> None:
+        """Sleep: forget the device tensors (their memory goes away or is remapped) and the host
+        region with them; the scheduler side has cleared the host tier. Idempotent."""
+        if self.copier is not None:
+            self._asleep_caches = self._kv_caches
+            self.copier = None
+
+    def restore_kv_caches(self) -> None:
+        """Wake-up: the same tensors (vLLM remaps their memory at the same addresses) are
+        registered again with an empty host region. Idempotent."""
+        if self.copier is None and self._asleep_caches is not None:
+            caches, self._asleep_caches = self._asleep_caches, None
+            self.register_kv_caches(caches)
 
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         from ..transfer import BlockCopier
 
         # Every attention layer vLLM registered, the draft model's layers included: a host block
         # holds the target's and the drafter's KV, so a restored prefix drafts like a computed one.
+        self._kv_caches = kv_caches
         self.copier = BlockCopier(kv_caches, self.num_device_blocks, self.num_host_blocks,
                                   threads=self.copy_threads)
         logger.info("kvslots: %d layers, %d host blocks of %d bytes", len(kv_caches),

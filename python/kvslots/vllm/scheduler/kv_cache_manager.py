@@ -247,7 +247,7 @@ class KVSlotsKVCacheManager(DeviceKVManager):
                  enable_kv_cache_events: bool = False, dcp_world_size: int = 1, pcp_world_size: int = 1,
                  metrics_collector: Any = None, watermark: float = 0.0,
                  enable_mamba_shared_prefix_checkpoint: bool = False, *, defer_lookahead: bool = False,
-                 **_: Any) -> None:
+                 num_hash_lookahead_tokens: int = 0, **_: Any) -> None:
         from vllm.v1.kv_cache_interface import get_kv_cache_spec_kind, get_kv_cache_spec_sliding_window
         from vllm.v1.metrics.stats import PrefixCacheStats
         from vllm.v1.request import RequestStatus
@@ -269,6 +269,10 @@ class KVSlotsKVCacheManager(DeviceKVManager):
         self.num_reprefillable_tokens = max(0, num_prefill_lookahead - 1)
         self.records_new_block_ids = bool(getattr(kv_cache_config, "needs_kv_cache_zeroing", False))
         self.defer_lookahead = defer_lookahead
+        # vLLM 0.33 (EAGLE, no connector): each block hash also covers the next L tokens, so
+        # request.block_hashes only reaches a block once L tokens follow it; the Rust core
+        # commits only blocks that have a hash. Events carry those tokens (lookahead_token_ids).
+        self.num_hash_lookahead_tokens = int(num_hash_lookahead_tokens or 0)
         self.kv_cache_event_metadata = (
             (get_kv_cache_spec_kind(group.kv_cache_spec).value,
              get_kv_cache_spec_sliding_window(group.kv_cache_spec)),)
@@ -286,20 +290,23 @@ class KVSlotsKVCacheManager(DeviceKVManager):
     def prefix_cache_lookup_enabled(self, request: Any) -> bool:
         return self.enable_caching and not request.skip_reading_prefix_cache
 
-    def get_computed_blocks(self, request: Any) -> tuple[KVBlocks, int, int]:
+    def get_computed_blocks(self, request: Any, max_cache_hit_length: int | None = None) -> tuple[KVBlocks, int, int]:
         """The longest prefix-cache hit (full blocks, never the whole prompt: the last token is
-        recomputed), the last block dropped for EAGLE-family drafters, as vLLM does."""
+        recomputed), the last block dropped for EAGLE-family drafters, as vLLM does.
+        ``max_cache_hit_length`` (vLLM 0.33) caps the hit; 0.32 never passes it."""
         if not self.enable_caching or request.skip_reading_prefix_cache:
             return self.empty_kv_cache_blocks, 0, 0
-        blocks = self.computed_blocks(request, (request.num_tokens - 1) // self.block_size, self.use_eagle)
+        limit = request.num_tokens - 1 if max_cache_hit_length is None else max_cache_hit_length
+        blocks = self.computed_blocks(request, max(0, int(limit)) // self.block_size, self.use_eagle)
         n = blocks.num_blocks
         if (n and self.enable_kv_cache_events
                 and getattr(request, "kv_cache_report_mode", "incremental") == "full"):
             self._emit_cached_block_events(request, n)
         return blocks, n * self.block_size, 0
 
-    def get_computed_blocks_for_connector(self, request: Any) -> tuple[KVBlocks, int, int, bool]:
-        return (*self.get_computed_blocks(request), False)
+    def get_computed_blocks_for_connector(self, request: Any, max_cache_hit_length: int | None = None
+                                          ) -> tuple[KVBlocks, int, int, bool]:
+        return (*self.get_computed_blocks(request, max_cache_hit_length), False)
 
     def truncate_computed_blocks(self, blocks: KVBlocks, num_computed_tokens: int) -> KVBlocks:
         bs = self.block_size
@@ -407,18 +414,30 @@ class KVSlotsKVCacheManager(DeviceKVManager):
 
     def _stored_event(self, request: Any, start: int, end: int, parent_index: int) -> Any:
         from vllm.distributed.kv_events import MEDIUM_GPU, BlockStored
-        from vllm.v1.core.kv_cache_utils import generate_block_hash_extra_keys, to_event_extra_keys
+        from vllm.v1.core import kv_cache_utils as kcu
 
         bs = self.block_size
         hashes = request.block_hashes
         ext = self._ext
         extra: list[Any] = []
         mm_idx = 0
+        la = self.num_hash_lookahead_tokens
+        lookahead: dict[str, Any] = {}
+        if la:
+            # As vLLM 0.33's block pool: extra keys over the hashed window, the tokens after
+            # each block in lookahead_token_ids.
+            toks = request.all_token_ids
+            lookahead["lookahead_token_ids"] = [list(toks[(i + 1) * bs:(i + 1) * bs + la])
+                                                for i in range(start, end)]
         for i in range(start, end):
-            keys, mm_idx = generate_block_hash_extra_keys(request, i * bs, (i + 1) * bs, mm_idx)
+            if la:
+                keys, mm_idx = kcu.generate_lookahead_block_hash_extra_keys(
+                    request, i * bs, (i + 1) * bs, (i + 1) * bs + la, mm_idx)
+            else:
+                keys, mm_idx = kcu.generate_block_hash_extra_keys(request, i * bs, (i + 1) * bs, mm_idx)
             extra.append(keys)
         lora = request.lora_request
-        return BlockStored(
+        return BlockStored(**lookahead,
             block_hashes=[ext(h) for h in hashes[start:end]],
             parent_block_hash=ext(hashes[parent_index - 1]) if parent_index > 0 else None,
             token_ids=request.all_token_ids[start * bs:end * bs],
@@ -426,7 +445,7 @@ class KVSlotsKVCacheManager(DeviceKVManager):
             lora_id=lora.adapter_id if lora else None,
             medium=MEDIUM_GPU,
             lora_name=lora.name if lora else None,
-            extra_keys=to_event_extra_keys(extra),
+            extra_keys=kcu.to_event_extra_keys(extra),
             group_idx=0,
             session_id=getattr(request, "session_id", None),
         )

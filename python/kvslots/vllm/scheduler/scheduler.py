@@ -28,23 +28,20 @@ import vllm.v1.core.sched.scheduler as _sched_mod
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
 
+from ..compat import SUPPORTED, check_supported
 from .kv_cache_manager import KVSlotsKVCacheManager, SchedulerModeError
 
 logger = logging.getLogger(__name__)
 
 #: vLLM versions scheduler mode is tested against (its scheduler interface is not public).
-SUPPORTED_VLLM = ("0.32.",)
+SUPPORTED_VLLM = tuple(f"{a}.{b}." for a, b in SUPPORTED)
 
 _construct_lock = threading.Lock()
 
 
 def _check_vllm_version() -> None:
-    import vllm
-
-    version = getattr(vllm, "__version__", "?")
-    if not version.startswith(SUPPORTED_VLLM):
-        logger.warning("kvslots scheduler mode is tested with vLLM %s; this is vLLM %s",
-                       " / ".join(v + "x" for v in SUPPORTED_VLLM), version)
+    # An unsupported vLLM stops here, naming the supported range (kvslots.vllm.compat).
+    check_supported()
 
 
 def _check_config(vllm_config: Any) -> None:

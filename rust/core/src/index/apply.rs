@@ -8,6 +8,7 @@ use super::{
     ApplyStats, DecodedBatch, IndexError, IndexResult, PrefixIndex, Tier, WireKind, WireMedium,
     WorkerId, NUM_TIERS,
 };
+use crate::wire::Lookahead;
 
 #[inline]
 fn group_bit(group: u64) -> u32 {
@@ -18,7 +19,7 @@ fn group_bit(group: u64) -> u32 {
 /// mixed with the block's extra keys (multimodal hashes, cache salt) so such blocks only ever
 /// match requests carrying the same extras, never a plain token lookup.
 #[inline]
-fn block_extra(lora: Option<u64>, extra: Option<u64>) -> Option<u64> {
+pub(super) fn block_extra(lora: Option<u64>, extra: Option<u64>) -> Option<u64> {
     match extra {
         None => lora,
         Some(e) => {
@@ -30,6 +31,29 @@ fn block_extra(lora: Option<u64>, extra: Option<u64>) -> Option<u64> {
         }
     }
 }
+
+/// The extra of a lookahead-hashed block (vLLM 0.33, `lookahead_token_ids`): its extra keys
+/// mixed with the hash of the tokens after it, so the block only matches a prompt that goes on
+/// with those tokens, as the engine's own lookahead hash only matches such a request. Also
+/// computed from a prompt's tokens by the lookup.
+#[inline]
+pub(super) fn lookahead_extra(extra: Option<u64>, la: Option<&Lookahead>) -> Option<u64> {
+    match la {
+        None => extra,
+        Some(l) if l.len == 0 => extra,
+        Some(l) => {
+            let mut b = [0u8; 21];
+            b[0] = 0x1A;
+            b[1..9].copy_from_slice(&extra.unwrap_or(u64::MAX).to_le_bytes());
+            b[9..17].copy_from_slice(&l.hash.to_le_bytes());
+            b[17..].copy_from_slice(&l.len.to_le_bytes());
+            Some(xxhash_rust::xxh3::xxh3_64(&b))
+        }
+    }
+}
+
+/// Longest lookahead the index keeps track of (the lookup tries each length it has seen).
+pub const MAX_LOOKAHEAD: u32 = 64;
 
 impl PrefixIndex {
     /// Decodes a raw msgpack payload (one `KVEventBatch`) and applies it for `worker`.
@@ -95,6 +119,7 @@ impl PrefixIndex {
                     ev.block_size,
                     ev.lora,
                     batch.event_extras(ev),
+                    batch.event_lookahead(ev),
                     &mut st,
                 ),
                 WireKind::Removed => {
@@ -138,6 +163,7 @@ impl PrefixIndex {
         block_size: u64,
         lora: Option<u64>,
         extras: &[Option<u64>],
+        lookahead: &[Lookahead],
         st: &mut ApplyStats,
     ) {
         let n = hashes.len();
@@ -168,6 +194,18 @@ impl PrefixIndex {
             st.invalid_events += 1;
             return;
         }
+        if !lookahead.is_empty()
+            && (lookahead.len() != n || lookahead.iter().any(|l| l.len > MAX_LOOKAHEAD))
+        {
+            st.invalid_events += 1;
+            return;
+        }
+        for l in lookahead {
+            if l.len > 0 {
+                // The lookup tries a key chain per lookahead length seen.
+                self.lookahead_lens |= 1u64 << (l.len - 1);
+            }
+        }
         let mut parent_key = match parent {
             None => self.cfg.hash_seed,
             Some(p) => match self.resolve(worker, p) {
@@ -183,7 +221,10 @@ impl PrefixIndex {
         touched.clear();
         keys.clear();
         for (i, block) in tokens.chunks_exact(bs).enumerate() {
-            let extra = block_extra(lora, extras.get(i).copied().flatten());
+            let extra = block_extra(
+                lora,
+                lookahead_extra(extras.get(i).copied().flatten(), lookahead.get(i)),
+            );
             parent_key = self.hasher.hash(parent_key, block, extra);
             keys.push(parent_key);
         }

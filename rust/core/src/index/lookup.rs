@@ -1,7 +1,9 @@
 //! Lookups: a prompt's chained keys, and the walk that scores every worker holding its first
 //! block.
 
-use super::{IndexError, IndexResult, PrefixIndex, WorkerMatch};
+use super::apply::{block_extra, lookahead_extra};
+use super::{IndexError, IndexResult, PrefixIndex, WorkerId, WorkerMatch};
+use crate::wire::{lookahead_hash, Lookahead};
 
 impl PrefixIndex {
     /// The chained keys of every full block of `tokens`.
@@ -28,6 +30,9 @@ impl PrefixIndex {
     ) -> IndexResult<&[WorkerMatch]> {
         if block_size == 0 {
             return Err(IndexError::Invalid("block_size must be > 0".into()));
+        }
+        if self.lookahead_lens != 0 {
+            return Ok(self.lookup_lookahead(tokens, block_size, lora));
         }
         let mut blocks = tokens.chunks_exact(block_size);
         Ok(self.lookup_by(lora, |buf| match blocks.next() {
@@ -97,6 +102,77 @@ impl PrefixIndex {
         self.totals.lookup_blocks += blocks;
         self.scratch_nodes = touched;
         self.scratch_tokens = buf;
+        self.scorer = scorer;
+        self.scorer.results()
+    }
+
+    /// [`lookup`](Self::lookup) once blocks hashed with lookahead tokens (vLLM 0.33, EAGLE
+    /// without a connector) were stored: besides the plain key chain, one chain per lookahead
+    /// length `L` seen, where block `i` is keyed with the `L` prompt tokens after it. A worker
+    /// holds block `i` if it holds it on any chain; a lookahead-hashed block matches only a
+    /// prompt that goes on with the tokens its hash covers (and has them), as in the engine.
+    fn lookup_lookahead(
+        &mut self,
+        tokens: &[u32],
+        block_size: usize,
+        lora: Option<u64>,
+    ) -> &[WorkerMatch] {
+        let mut scorer = std::mem::take(&mut self.scorer);
+        let mut touched = std::mem::take(&mut self.scratch_nodes);
+        scorer.reset();
+        touched.clear();
+        let lens: Vec<usize> = (1..=64usize)
+            .filter(|l| self.lookahead_lens & (1u64 << (l - 1)) != 0)
+            .collect();
+        // parents[0]: the plain chain; parents[1 + j]: the chain of lookahead length lens[j].
+        let mut parents: Vec<Option<u64>> = vec![Some(self.cfg.hash_seed); 1 + lens.len()];
+        let mut holders: Vec<(WorkerId, u8)> = Vec::new();
+        let mut blocks = 0u64;
+        for (i, block) in tokens.chunks_exact(block_size).enumerate() {
+            let end = (i + 1) * block_size;
+            holders.clear();
+            for (c, parent) in parents.iter_mut().enumerate() {
+                let Some(p) = *parent else { continue };
+                let extra = if c == 0 {
+                    lora
+                } else {
+                    let l = lens[c - 1];
+                    let Some(after) = tokens.get(end..end + l) else {
+                        *parent = None; // the prompt has no L tokens after this block
+                        continue;
+                    };
+                    let la = Lookahead {
+                        len: l as u32,
+                        hash: lookahead_hash(after),
+                    };
+                    block_extra(lora, lookahead_extra(None, Some(&la)))
+                };
+                let key = self.hasher.hash(p, block, extra);
+                match self.blocks.keys.get(&key) {
+                    Some(&n) => {
+                        *parent = Some(key);
+                        holders.extend(
+                            self.blocks.nodes[n as usize]
+                                .holders
+                                .iter()
+                                .map(|h| (h.worker, h.tiers)),
+                        );
+                        touched.push(n);
+                    }
+                    None => *parent = None,
+                }
+            }
+            blocks += 1;
+            if !scorer.block(holders.iter().copied()) {
+                break;
+            }
+        }
+        for &i in touched.iter().rev() {
+            self.blocks.touch(i);
+        }
+        self.totals.lookups += 1;
+        self.totals.lookup_blocks += blocks;
+        self.scratch_nodes = touched;
         self.scorer = scorer;
         self.scorer.results()
     }

@@ -78,6 +78,9 @@ pub struct PrefixIndex {
     dirty_holders: FxHashSet<(u64, WorkerId)>,
     evictions: u64,
     totals: TotalStats,
+    /// Bit `L - 1` set once a block hashed with `L` lookahead tokens was stored (vLLM 0.33);
+    /// zero keeps lookups on the plain key chain only.
+    lookahead_lens: u64,
 }
 
 impl PrefixIndex {
@@ -111,6 +114,7 @@ impl PrefixIndex {
             dirty_holders: FxHashSet::default(),
             evictions: 0,
             totals: TotalStats::default(),
+            lookahead_lens: 0,
         })
     }
 

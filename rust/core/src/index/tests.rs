@@ -923,3 +923,89 @@ fn token_ids_in_every_integer_width() {
     );
     assert_eq!(ix.resolve(w, 9), ix.resolve(w, 1));
 }
+
+/// vLLM 0.33's `lookahead_token_ids`, in the map form (by name, any position) and in the
+/// positional form (15th field): a lookahead-hashed block only matches a prompt that goes on
+/// with its lookahead tokens; a plain lookup of the same tokens ending at the block does not.
+#[test]
+fn lookahead_hashed_blocks_match_only_with_their_next_tokens() {
+    #[derive(Serialize)]
+    struct StoredLa {
+        #[serde(rename = "type")]
+        ty: &'static str,
+        lookahead_token_ids: Vec<Vec<u32>>,
+        block_hashes: Vec<u64>,
+        parent_block_hash: Option<u64>,
+        token_ids: Vec<u32>,
+        block_size: u32,
+        lora_id: Option<u64>,
+        medium: Option<&'static str>,
+        lora_name: Option<&'static str>,
+    }
+    let mut ix = index();
+    let a = ix.add_worker("a").unwrap();
+    let b = ix.add_worker("b").unwrap();
+    let ev = StoredLa {
+        ty: "BlockStored",
+        lookahead_token_ids: vec![vec![5], vec![9]],
+        block_hashes: vec![11, 12],
+        parent_block_hash: None,
+        token_ids: T[..8].to_vec(),
+        block_size: 4,
+        lora_id: None,
+        medium: None,
+        lora_name: None,
+    };
+    let p = rmp_serde::to_vec_named(&(1.0, [ev], 0u32)).unwrap();
+    let st = ix.apply_payload(a, &p, Tier::Gpu).unwrap();
+    assert_eq!((st.stored_blocks, st.invalid_events), (2, 0));
+    // Positional: tag, 14 fields of 0.32/0.33, then lookahead_token_ids.
+    let p = rmp_serde::to_vec(&(
+        0.0,
+        ((
+            "BlockStored",
+            [21u64, 22],
+            None::<u64>,
+            &T[..8],
+            4u32,
+            None::<u64>,
+            None::<&str>,
+            None::<&str>,
+            None::<u8>,
+            0u32,
+            None::<&str>,
+            None::<u32>,
+            None::<&str>,
+            None::<&str>,
+            None::<&str>,
+            [[5u32, 6], [9, 10]],
+        ),),
+    ))
+    .unwrap();
+    let st = ix.apply_payload(b, &p, Tier::Gpu).unwrap();
+    assert_eq!((st.stored_blocks, st.invalid_events), (2, 0));
+    ix.check_invariants().unwrap();
+    let blocks = |ix: &mut PrefixIndex, t: &[u32]| -> Vec<(String, u32)> {
+        look(ix, t, 4).into_iter().map(|m| (m.0, m.1)).collect()
+    };
+    let s = |v: &[(&str, u32)]| -> Vec<(String, u32)> {
+        v.iter().map(|(n, k)| (n.to_string(), *k)).collect()
+    };
+    assert_eq!(blocks(&mut ix, &T[..10]), s(&[("a", 2), ("b", 2)]));
+    assert_eq!(blocks(&mut ix, &T[..9]), s(&[("a", 2), ("b", 1)]));
+    assert_eq!(blocks(&mut ix, &T[..8]), s(&[("a", 1), ("b", 1)]));
+    assert_eq!(
+        blocks(&mut ix, &[1, 2, 3, 4, 0, 6, 7, 8, 9, 10]),
+        Vec::new()
+    );
+    assert_eq!(
+        blocks(&mut ix, &[1, 2, 3, 4, 5, 6, 7, 8, 0, 10]),
+        s(&[("a", 1), ("b", 1)])
+    );
+    // Removing by engine hash works as for any block.
+    let st = ix
+        .apply_payload(a, &batch(&[removed(&[12], None)]), Tier::Gpu)
+        .unwrap();
+    assert_eq!(st.removed_blocks, 1);
+    assert_eq!(blocks(&mut ix, &T[..10]), s(&[("a", 1), ("b", 2)]));
+}

