@@ -58,6 +58,7 @@ def _scheduler_bench_one(args: argparse.Namespace, models: dict, batch: int, clo
         c = copy.deepcopy(cfg)
         c.kv_transfer_config.kv_connector_extra_config = {"host_cache_blocks": num_blocks * 2}
         hook_time = [0.0]
+        per_hook: dict[str, float] = {}
         if mode == "kvslots":
             h = Harness(c, num_blocks=num_blocks, seed=seed, log_stats=args.log_stats)
             sched, workers = h.scheduler, h.workers
@@ -67,7 +68,9 @@ def _scheduler_bench_one(args: argparse.Namespace, models: dict, batch: int, clo
             if args.events == "off":  # nobody reads KV events: vLLM's publisher is off
                 h.connector._vllm_events = False
                 h.connector._sched.planner.events_wanted = False
-            _time_hooks(h.connector, hook_time, clock)
+            # perf_counter, not the step's clock: thread_time is a system call here (~3.4 us,
+            # no vDSO on this VM), and a dozen per step would be charged to kvslots alone.
+            _time_hooks(h.connector, hook_time, per_hook)
         else:
             if mode == "none":
                 c.kv_transfer_config = None
@@ -122,15 +125,19 @@ def _scheduler_bench_one(args: argparse.Namespace, models: dict, batch: int, clo
                                                                  for _ in running]))
             if decoding_since is not None and step == decoding_since + args.warmup:
                 hook_time[0] = 0.0  # the timed steps only
+                per_hook.clear()
             if decoding_since is not None and step > decoding_since + args.warmup:
                 timed += t_sched + t_update
         gc.unfreeze()
         if mode == "kvslots":
             hooks.append(hook_time[0] / args.steps)
+            for name, t in per_hook.items():
+                hook_split.setdefault(name, []).append(t / args.steps)
         return timed / args.steps
 
     modes = args.modes.split(",")
     hooks: list[float] = []  # per kvslots run: time inside the connector's scheduler-side hooks per step
+    hook_split: dict[str, list[float]] = {}  # the same, per hook
     times: dict[str, list[float]] = {m: [] for m in modes}
     for rep in tqdm(range(args.repeats), desc=f"scheduler B={batch}", disable=not args.progress):
         # Interleaved, and the order rotates each repeat, to spread machine noise over all three.
@@ -148,7 +155,12 @@ def _scheduler_bench_one(args: argparse.Namespace, models: dict, batch: int, clo
         direct = [100 * hk / b for hk, b in zip(hooks, times["none"])]
         print(f"  inside KVSlots' hooks         {statistics.median(hooks) * 1e6:7.1f} us/step = "
               f"{statistics.median(direct):.2f}% of the step without connector (per-repeat median; "
-              f"{min(direct):.2f} to {max(direct):.2f}): timed directly, the least noisy figure")
+              f"{min(direct):.2f} to {max(direct):.2f}): timed directly (wall clock), the least noisy figure")
+    elif hooks:
+        print(f"  inside KVSlots' hooks         {statistics.median(hooks) * 1e6:7.1f} us/step (wall clock)")
+    if hooks:
+        for name, ts in sorted(hook_split.items(), key=lambda kv: -statistics.median(kv[1])):
+            print(f"    {name:30s} {statistics.median(ts) * 1e6:7.1f} us/step ({min(ts) * 1e6:.1f}-{max(ts) * 1e6:.1f})")
     if len(times) != 3:
         return
     # Per repeat: the three runs of one repeat ran back to back, so their differences share noise.
@@ -164,7 +176,8 @@ def _scheduler_bench_one(args: argparse.Namespace, models: dict, batch: int, clo
     if args.json:
         with open(args.json, "a") as f:
             f.write(json.dumps({"batch": batch, "clock": args.clock, "steps": args.steps, "times": times,
-                                "own_pct": own, "hooks": hooks}) + "\n")
+                                "own_pct": own, "hooks": hooks, "hook_split": hook_split,
+                                "events": args.events}) + "\n")
 
 
 class _DropPublisher:
@@ -181,19 +194,23 @@ _SCHEDULER_HOOKS = ("get_num_new_matched_tokens", "update_state_after_alloc", "b
                     "get_external_cache_hit_sources", "get_kv_connector_stats")
 
 
-def _time_hooks(connector, acc: list[float], clock) -> None:
-    """Wraps the connector's scheduler-side methods (on the instance) to add their time to acc[0]."""
+def _time_hooks(connector, acc: list[float], per_hook: dict[str, float]) -> None:
+    """Wraps the connector's scheduler-side methods (on the instance) to add their wall time to
+    acc[0] and to per_hook[name] (perf_counter: ~40 ns a call here)."""
+    clock = time.perf_counter
     for name in _SCHEDULER_HOOKS:
         fn = getattr(connector, name, None)
         if fn is None:
             continue
 
-        def timed(*a, _fn=fn, **kw):
+        def timed(*a, _fn=fn, _name=name, **kw):
             t0 = clock()
             try:
                 return _fn(*a, **kw)
             finally:
-                acc[0] += clock() - t0
+                dt = clock() - t0
+                acc[0] += dt
+                per_hook[_name] = per_hook.get(_name, 0.0) + dt
 
         setattr(connector, name, timed)
 
