@@ -375,11 +375,16 @@ def main() -> None:
     ap.add_argument("--env-kvslots", action="append", metavar="K=V", help="environment of the connector server "
                     "(e.g. VLLM_CPU_NUM_OF_RESERVED_CPU=0 reproduces vLLM's reservation without kvslots serve)")
     ap.add_argument("--plot", metavar="PNG", help="chart of the ratios (needs matplotlib)")
-    ap.add_argument("--from-json", metavar="FILE", help="only print and plot a saved run")
+    ap.add_argument("--from-json", metavar="FILE", nargs="+",
+                    help="only print and plot saved runs (several files: their models together)")
     args = ap.parse_args()
     if args.from_json:
-        with open(args.from_json) as f:
-            out = json.load(f)
+        out = {"runs": {}, "summary": {}}
+        for path in args.from_json:
+            with open(path) as f:
+                one = json.load(f)
+            out["runs"].update(one["runs"])
+            out["summary"].update(one["summary"])
         for name, s in out["summary"].items():
             base = MODELS[name]
             spec = ModelSpec(name, base.dims, s.get("prompts", base.prompts), s.get("concurrency", base.concurrency))
@@ -415,17 +420,23 @@ def main() -> None:
         s["prompts"], s["concurrency"] = spec.prompts, spec.concurrency
         print_summary(s, spec)
         out["runs"][name], out["summary"][name] = runs, s
+        _save(out, args.json)  # after each model: a run cut short keeps what it measured
     out["uptime_after"] = _uptime()
     print(f"\nload after: {out['uptime_after']}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(out, f, indent=1)
+    _save(out, args.json)
     if args.plot:
         try:
             plot(out, args.plot)
         except ImportError:
             print("--plot needs matplotlib: save --json and render with --from-json FILE --plot PNG "
                   "under an interpreter that has it")
+
+
+def _save(out: dict, path: str | None) -> None:
+    if path:
+        with open(path + ".tmp", "w") as f:
+            json.dump(out, f, indent=1)
+        os.replace(path + ".tmp", path)
 
 
 def _rounds(text: str) -> dict[str, int]:
