@@ -69,7 +69,7 @@ def _scheduler_bench_one(args: argparse.Namespace, models: dict, batch: int, clo
                 h.connector._vllm_events = False
                 h.connector._sched.planner.events_wanted = False
             # Timed with the step's clock (thread CPU time: wall clock counts other processes on
-            # a shared machine). thread_time is a system call here (~3.4 us, no vDSO on this VM):
+            # a shared machine). thread_time is a system call on this VM (0.5-3.4 us measured):
             # its cost is taken out of the hooks' figure and out of kvslots' step time below.
             _time_hooks(h.connector, hook_time, per_hook, clock, clock_cost)
         else:
