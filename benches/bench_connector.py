@@ -283,6 +283,11 @@ def e2e_bench(args: argparse.Namespace) -> None:
         for conn in ((False, True) if rep % 2 == 0 else (True, False)):
             runs[conn].append(run(method="eagle", connector=conn, prompt_len=args.prompt_len, timing=True,
                                   decode_tokens=args.decode_tokens))
+        # Each pair as it completes: a run stopped early keeps what it measured.
+        b, c = runs[False][-1], runs[True][-1]
+        print(f"  pair {rep}: decode tokens/s {b['decode_tps']:.1f} without, {c['decode_tps']:.1f} with "
+              f"(ratio {c['decode_tps'] / b['decode_tps']:.3f}); repeated-prompt TTFT {b['ttft_repeat_s'] * 1e3:.1f} / "
+              f"{c['ttft_repeat_s'] * 1e3:.1f} ms", flush=True)
     med = statistics.median
     tps = [c["decode_tps"] / b["decode_tps"] for b, c in zip(runs[False], runs[True])]
     ttft = [c["ttft_repeat_s"] / b["ttft_repeat_s"] for b, c in zip(runs[False], runs[True])]
