@@ -57,7 +57,8 @@ def _scheduler_bench_one(args: argparse.Namespace, models: dict, batch: int, clo
         rng = random.Random(seed)
         c = copy.deepcopy(cfg)
         c.kv_transfer_config.kv_connector_extra_config = {"host_cache_blocks": num_blocks * 2}
-        hook_time = [0.0]
+        hook_time = [0.0, 0]  # seconds, calls
+        per_hook: dict[str, float] = {}
         if mode == "kvslots":
             h = Harness(c, num_blocks=num_blocks, seed=seed, log_stats=args.log_stats)
             sched, workers = h.scheduler, h.workers
@@ -67,7 +68,10 @@ def _scheduler_bench_one(args: argparse.Namespace, models: dict, batch: int, clo
             if args.events == "off":  # nobody reads KV events: vLLM's publisher is off
                 h.connector._vllm_events = False
                 h.connector._sched.planner.events_wanted = False
-            _time_hooks(h.connector, hook_time, clock)
+            # Timed with the step's clock (thread CPU time: wall clock counts other processes on
+            # a shared machine). thread_time is a system call on this VM (0.5-3.4 us measured):
+            # its cost is taken out of the hooks' figure and out of kvslots' step time below.
+            _time_hooks(h.connector, hook_time, per_hook, clock, clock_cost)
         else:
             if mode == "none":
                 c.kv_transfer_config = None
@@ -122,15 +126,23 @@ def _scheduler_bench_one(args: argparse.Namespace, models: dict, batch: int, clo
                                                                  for _ in running]))
             if decoding_since is not None and step == decoding_since + args.warmup:
                 hook_time[0] = 0.0  # the timed steps only
+                hook_time[1] = 0
+                per_hook.clear()
             if decoding_since is not None and step > decoding_since + args.warmup:
                 timed += t_sched + t_update
         gc.unfreeze()
         if mode == "kvslots":
+            # The wrappers' own clock calls (two per hook call) ran inside the timed steps.
+            timed -= 2 * clock_cost * hook_time[1]
             hooks.append(hook_time[0] / args.steps)
+            for name, t in per_hook.items():
+                hook_split.setdefault(name, []).append(t / args.steps)
         return timed / args.steps
 
+    clock_cost = _clock_cost(clock)
     modes = args.modes.split(",")
     hooks: list[float] = []  # per kvslots run: time inside the connector's scheduler-side hooks per step
+    hook_split: dict[str, list[float]] = {}  # the same, per hook
     times: dict[str, list[float]] = {m: [] for m in modes}
     for rep in tqdm(range(args.repeats), desc=f"scheduler B={batch}", disable=not args.progress):
         # Interleaved, and the order rotates each repeat, to spread machine noise over all three.
@@ -138,6 +150,7 @@ def _scheduler_bench_one(args: argparse.Namespace, models: dict, batch: int, clo
         for mode in order:
             times[mode].append(run(mode, rep))
     clock_name = "thread CPU time" if args.clock == "cpu" else "wall clock"
+    clock_name += f" (one clock call {clock_cost * 1e6:.2f} us, taken out of the hooks' figures)"
     print(f"vLLM Scheduler, batch {batch}, EAGLE K=3, {args.steps} decode steps x {args.repeats} interleaved repeats, "
           f"{clock_name}; median (min-max) of the repeats:")
     for mode, label in (("none", "without connector"), ("null", "do-nothing connector"), ("kvslots", "KVSlotsConnector")):
@@ -149,6 +162,11 @@ def _scheduler_bench_one(args: argparse.Namespace, models: dict, batch: int, clo
         print(f"  inside KVSlots' hooks         {statistics.median(hooks) * 1e6:7.1f} us/step = "
               f"{statistics.median(direct):.2f}% of the step without connector (per-repeat median; "
               f"{min(direct):.2f} to {max(direct):.2f}): timed directly, the least noisy figure")
+    elif hooks:
+        print(f"  inside KVSlots' hooks         {statistics.median(hooks) * 1e6:7.1f} us/step")
+    if hooks:
+        for name, ts in sorted(hook_split.items(), key=lambda kv: -statistics.median(kv[1])):
+            print(f"    {name:30s} {statistics.median(ts) * 1e6:7.1f} us/step ({min(ts) * 1e6:.1f}-{max(ts) * 1e6:.1f})")
     if len(times) != 3:
         return
     # Per repeat: the three runs of one repeat ran back to back, so their differences share noise.
@@ -164,7 +182,8 @@ def _scheduler_bench_one(args: argparse.Namespace, models: dict, batch: int, clo
     if args.json:
         with open(args.json, "a") as f:
             f.write(json.dumps({"batch": batch, "clock": args.clock, "steps": args.steps, "times": times,
-                                "own_pct": own, "hooks": hooks}) + "\n")
+                                "own_pct": own, "hooks": hooks, "hook_split": hook_split,
+                                "events": args.events}) + "\n")
 
 
 class _DropPublisher:
@@ -181,19 +200,33 @@ _SCHEDULER_HOOKS = ("get_num_new_matched_tokens", "update_state_after_alloc", "b
                     "get_external_cache_hit_sources", "get_kv_connector_stats")
 
 
-def _time_hooks(connector, acc: list[float], clock) -> None:
-    """Wraps the connector's scheduler-side methods (on the instance) to add their time to acc[0]."""
+def _clock_cost(clock) -> float:
+    """One call of ``clock``, measured: the median gap between two back-to-back calls."""
+    gaps = []
+    for _ in range(2001):
+        t0 = clock()
+        gaps.append(clock() - t0)
+    return statistics.median(gaps)
+
+
+def _time_hooks(connector, acc: list, per_hook: dict[str, float], clock, cost: float) -> None:
+    """Wraps the connector's scheduler-side methods (on the instance) to add their time to
+    acc[0], their calls to acc[1] and their time to per_hook[name]. A measured interval holds
+    about one clock call (the end of the first, the start of the second): ``cost`` is taken off."""
     for name in _SCHEDULER_HOOKS:
         fn = getattr(connector, name, None)
         if fn is None:
             continue
 
-        def timed(*a, _fn=fn, **kw):
+        def timed(*a, _fn=fn, _name=name, **kw):
             t0 = clock()
             try:
                 return _fn(*a, **kw)
             finally:
-                acc[0] += clock() - t0
+                dt = max(clock() - t0 - cost, 0.0)
+                acc[0] += dt
+                acc[1] += 1
+                per_hook[_name] = per_hook.get(_name, 0.0) + dt
 
         setattr(connector, name, timed)
 
@@ -250,6 +283,11 @@ def e2e_bench(args: argparse.Namespace) -> None:
         for conn in ((False, True) if rep % 2 == 0 else (True, False)):
             runs[conn].append(run(method="eagle", connector=conn, prompt_len=args.prompt_len, timing=True,
                                   decode_tokens=args.decode_tokens))
+        # Each pair as it completes: a run stopped early keeps what it measured.
+        b, c = runs[False][-1], runs[True][-1]
+        print(f"  pair {rep}: decode tokens/s {b['decode_tps']:.1f} without, {c['decode_tps']:.1f} with "
+              f"(ratio {c['decode_tps'] / b['decode_tps']:.3f}); repeated-prompt TTFT {b['ttft_repeat_s'] * 1e3:.1f} / "
+              f"{c['ttft_repeat_s'] * 1e3:.1f} ms", flush=True)
     med = statistics.median
     tps = [c["decode_tps"] / b["decode_tps"] for b, c in zip(runs[False], runs[True])]
     ttft = [c["ttft_repeat_s"] / b["ttft_repeat_s"] for b, c in zip(runs[False], runs[True])]

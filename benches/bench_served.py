@@ -20,7 +20,14 @@ that an earlier prompt shares, minus what EAGLE cannot serve: see ``ideal_cached
 
     PYTHONPATH=python python benches/bench_served.py                          # both models, 3 rounds
     PYTHONPATH=python python benches/bench_served.py --models tiny --rounds 7
+    PYTHONPATH=python python benches/bench_served.py --rounds tiny=4,real=3 --json r.json --plot r.png
     PYTHONPATH=python python benches/bench_served.py --profile /tmp/prof      # cProfile the engine core
+    PYTHONPATH=python python benches/bench_served.py --slot-manager kvslots   # both servers in scheduler mode
+
+``--slot-manager {vllm,kvslots}`` picks the device KV manager of both servers (default ``vllm``:
+vLLM's own, so the connector is compared with plain vLLM). It is passed on to ``kvslots serve``
+only when given, because ``kvslots serve --slot-manager`` lands on another branch; without it,
+serve runs vLLM's manager.
 
 The models are built locally (``kvslots._dev.tiny``): ``tiny`` (2 layers, hidden 128) and ``real``
 (8 layers, hidden 1024, 16 heads, 4 KV heads, MLP 2,048; fp32) with their EAGLE heads.
@@ -95,6 +102,10 @@ class Server:
                "--speculative-config", json.dumps(spec), "--port", str(self.port),
                "--kv-events-endpoint", f"tcp://[::ffff:127.0.0.1]:{ev}",
                "--kv-events-replay-endpoint", f"tcp://127.0.0.1:{replay}", "-q"]
+        if args.slot_manager is not None:
+            # Only when given: ``kvslots serve`` gains --slot-manager on another branch; without
+            # it, serve runs vLLM's own manager (connector mode), which is what "vllm" means here.
+            cmd += ["--slot-manager", args.slot_manager]
         if mode == "none":
             cmd.append("--no-connector")
         else:
@@ -341,12 +352,17 @@ def plot(out: dict, path: str) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", default="tiny,real", help="comma-separated: tiny, real")
-    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--rounds", type=_rounds, default=_rounds("3"),
+                    help="rounds per model: N for every model, or per model as tiny=4,real=3")
     ap.add_argument("--first", choices=MODES, default="none", help="mode run first in round 0")
     ap.add_argument("--prompts", type=int, help="override the model's number of prompts")
     ap.add_argument("--concurrency", type=int, help="override the model's max concurrency")
     ap.add_argument("--seed", type=int, default=0, help="seed of round 0 (round r uses seed + r)")
     ap.add_argument("--same-seed", action="store_true", help="every round uses the same prompts")
+    ap.add_argument("--slot-manager", choices=("kvslots", "vllm"), default=None,
+                    help="device KV manager of both servers: vllm (vLLM's own; the connector is compared "
+                         "with plain vLLM) or kvslots (scheduler mode). Default: vllm, and then nothing is "
+                         "passed to kvslots serve; when given, passed as kvslots serve --slot-manager")
     ap.add_argument("--max-num-seqs", type=int, default=16)
     ap.add_argument("--host-cache-gb", type=float, default=1.0)
     ap.add_argument("--model-root", default="/tmp/kvslots-served-models")
@@ -359,11 +375,16 @@ def main() -> None:
     ap.add_argument("--env-kvslots", action="append", metavar="K=V", help="environment of the connector server "
                     "(e.g. VLLM_CPU_NUM_OF_RESERVED_CPU=0 reproduces vLLM's reservation without kvslots serve)")
     ap.add_argument("--plot", metavar="PNG", help="chart of the ratios (needs matplotlib)")
-    ap.add_argument("--from-json", metavar="FILE", help="only print and plot a saved run")
+    ap.add_argument("--from-json", metavar="FILE", nargs="+",
+                    help="only print and plot saved runs (several files: their models together)")
     args = ap.parse_args()
     if args.from_json:
-        with open(args.from_json) as f:
-            out = json.load(f)
+        out = {"runs": {}, "summary": {}}
+        for path in args.from_json:
+            with open(path) as f:
+                one = json.load(f)
+            out["runs"].update(one["runs"])
+            out["summary"].update(one["summary"])
         for name, s in out["summary"].items():
             base = MODELS[name]
             spec = ModelSpec(name, base.dims, s.get("prompts", base.prompts), s.get("concurrency", base.concurrency))
@@ -373,8 +394,10 @@ def main() -> None:
         return
     logdir = args.logdir or tempfile.mkdtemp(prefix="kvslots-served-")
     os.makedirs(logdir, exist_ok=True)
-    out: dict = {"runs": {}, "summary": {}, "uptime_before": _uptime()}
-    print(f"bench_served: logs in {logdir}; load before: {out['uptime_before']}", flush=True)
+    out: dict = {"runs": {}, "summary": {}, "uptime_before": _uptime(),
+                 "slot_manager": args.slot_manager or "vllm"}
+    print(f"bench_served: slot manager {out['slot_manager']}; logs in {logdir}; load before: {out['uptime_before']}",
+          flush=True)
     for name in args.models.split(","):
         spec = MODELS[name]
         if args.prompts or args.concurrency:
@@ -383,7 +406,7 @@ def main() -> None:
         runs: list[dict] = []
         ideal: dict[int, int] = {}
         order = list(MODES) if args.first == "none" else list(reversed(MODES))
-        for rnd in range(args.rounds):
+        for rnd in range(args.rounds.get(name, args.rounds.get("*", 3))):
             seed = args.seed if args.same_seed else args.seed + rnd
             if seed not in ideal:
                 ideal[seed] = ideal_cached_tokens(dataset_prompts(models["target"], spec, seed), eagle=True)
@@ -397,17 +420,39 @@ def main() -> None:
         s["prompts"], s["concurrency"] = spec.prompts, spec.concurrency
         print_summary(s, spec)
         out["runs"][name], out["summary"][name] = runs, s
+        _save(out, args.json)  # after each model: a run cut short keeps what it measured
     out["uptime_after"] = _uptime()
     print(f"\nload after: {out['uptime_after']}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(out, f, indent=1)
+    _save(out, args.json)
     if args.plot:
         try:
             plot(out, args.plot)
         except ImportError:
             print("--plot needs matplotlib: save --json and render with --from-json FILE --plot PNG "
                   "under an interpreter that has it")
+
+
+def _save(out: dict, path: str | None) -> None:
+    if path:
+        with open(path + ".tmp", "w") as f:
+            json.dump(out, f, indent=1)
+        os.replace(path + ".tmp", path)
+
+
+def _rounds(text: str) -> dict[str, int]:
+    """``--rounds``: "3" (every model) or "tiny=4,real=3"."""
+    out: dict[str, int] = {}
+    try:
+        for part in text.split(","):
+            name, eq, n = part.rpartition("=")
+            if eq and name not in MODELS:
+                raise ValueError(f"unknown model {name!r}")
+            out[name if eq else "*"] = int(n)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"--rounds {text!r}: {e}") from None
+    if any(n < 1 for n in out.values()):
+        raise argparse.ArgumentTypeError(f"--rounds {text!r}: at least 1 round")
+    return out
 
 
 def _uptime() -> str:

@@ -1,0 +1,117 @@
+"""The served benchmark's own logic (no server started): options, the ideal hit count, metrics,
+summaries and saved results. The figures themselves come from benches/bench_served.py runs."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+BENCHES = os.path.join(HERE, "..", "benches")
+sys.path.insert(0, BENCHES)
+
+import bench_served as bs  # noqa: E402
+
+
+def test_rounds_option():
+    assert bs._rounds("3") == {"*": 3}
+    assert bs._rounds("tiny=4,real=3") == {"tiny": 4, "real": 3}
+    assert bs._rounds("2,real=1") == {"*": 2, "real": 1}
+    for bad in ("", "x", "tiny=0", "-1", "huge=3", "tiny=", "tiny=1.5"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            bs._rounds(bad)
+
+
+def test_ideal_counts_shared_full_blocks_and_the_eagle_successor():
+    b = bs.BLOCK
+    p = list(range(1, 3 * b + 6))  # 3 full blocks and 5 more tokens
+    # Second copy: every full block shared; the token after the third is the same too.
+    assert bs.ideal_cached_tokens([p, list(p)], eagle=False) == 3 * b
+    assert bs.ideal_cached_tokens([p, list(p)], eagle=True) == 3 * b
+    # Same 3 blocks, another token right after them: EAGLE cannot serve the third.
+    q = p[: 3 * b] + [9999] + p[3 * b + 1:]
+    assert bs.ideal_cached_tokens([p, q], eagle=False) == 3 * b
+    assert bs.ideal_cached_tokens([p, q], eagle=True) == 2 * b
+    # The block holding the prompt's last token is never served.
+    r = p[: 2 * b]
+    assert bs.ideal_cached_tokens([p, r], eagle=False) == 1 * b
+    assert bs.ideal_cached_tokens([[5] * b], eagle=False) == 0
+
+
+def test_parse_metrics_sums_engines_and_splits_sources():
+    text = "\n".join([
+        "# HELP vllm:prompt_tokens_total x",
+        'vllm:prompt_tokens_total{engine="0",model_name="m"} 100.0',
+        'vllm:prompt_tokens_total{engine="1",model_name="m"} 50.0',
+        'vllm:prompt_tokens_created{engine="0"} 1.7e9',
+        'vllm:prompt_tokens_cached_by_source_total{engine="0",source="host"} 64.0',
+        'vllm:prompt_tokens_cached_by_source_total{engine="0",source="device"} 32.0',
+        'vllm:num_preemptions_total{engine="0"} NaN',
+        "not_vllm_metric 5",
+    ])
+    m = bs.parse_metrics(text)
+    assert m["vllm:prompt_tokens"] == 150.0
+    assert m["vllm:prompt_tokens_cached_by_source{host}"] == 64.0
+    assert m["vllm:prompt_tokens_cached_by_source{device}"] == 32.0
+    assert "vllm:prompt_tokens_created" not in m and "not_vllm_metric" not in m
+
+
+def _run(mode, seed, tps, ttft, host=0.0, dev=0.0, failed=0):
+    return {"mode": mode, "seed": seed, "output_tps": tps, "mean_ttft_ms": ttft,
+            "host_tokens": host, "device_tokens": dev, "failed": failed}
+
+
+def test_summary_pairs_rounds_by_seed(tmp_path):
+    runs = [_run("none", 0, 100, 1000, 0, 50), _run("kvslots", 0, 110, 500, 100, 40),
+            _run("kvslots", 1, 90, 800, 120, 30, failed=1), _run("none", 1, 100, 1000, 0, 60)]
+    s = bs.summarize("tiny", runs, {0: 150, 1: 160})
+    assert s["tps_ratios"] == pytest.approx([1.1, 0.9])
+    assert s["ttft_ratios"] == pytest.approx([0.5, 0.8])
+    assert s["hit_vs_ideal"] == pytest.approx([140 / 150, 150 / 160])
+    assert s["kvslots"]["failed"] == 1 and s["none"]["failed"] == 0
+    assert s["kvslots"]["tps_range"] == (90, 110)
+    # Saved, then read back by --from-json with another file's model merged in.
+    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    bs._save({"runs": {"tiny": runs}, "summary": {"tiny": s}}, str(a))
+    s_real = bs.summarize("real", [_run("none", 0, 10, 9000), _run("kvslots", 0, 22, 3000)], {0: 0})
+    bs._save({"runs": {"real": []}, "summary": {"real": s_real}}, str(b))
+    assert not os.path.exists(str(a) + ".tmp")
+    p = subprocess.run([sys.executable, os.path.join(BENCHES, "bench_served.py"), "--from-json", str(a), str(b)],
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    assert "== tiny" in p.stdout and "== real" in p.stdout
+    assert "output tok/s 1.000x (0.900-1.100)" in p.stdout
+    assert "output tok/s 2.200x" in p.stdout
+    json.loads(a.read_text())
+
+
+def test_slot_manager_is_passed_only_when_given(tmp_path, monkeypatch):
+    started = []
+
+    class FakePopen:
+        def __init__(self, cmd, **kw):
+            started.append(cmd)
+
+    monkeypatch.setattr(bs.subprocess, "Popen", FakePopen)
+    models = {"target": "/m/t", "eagle": "/m/e"}
+    base = dict(host_cache_gb=1.0, max_num_seqs=16, env=None, env_none=None, env_kvslots=None, profile=None)
+    for given, mode in ((None, "none"), (None, "kvslots"), ("vllm", "kvslots"), ("kvslots", "none")):
+        args = argparse.Namespace(slot_manager=given, **base)
+        bs.Server(models, mode, args, str(tmp_path / "log"))
+        cmd = started[-1]
+        serve_args = cmd[: cmd.index("--")]
+        if given is None:
+            assert "--slot-manager" not in cmd
+        else:
+            i = serve_args.index("--slot-manager")
+            assert serve_args[i + 1] == given
+        assert ("--no-connector" in serve_args) == (mode == "none")
+    monkeypatch.setattr(sys, "argv", ["bench_served.py", "--slot-manager", "bogus"])
+    with pytest.raises(SystemExit) as e:
+        bs.main()
+    assert e.value.code == 2
