@@ -911,7 +911,8 @@ def test_serve_end_to_end(models, tmp_path):
         assert shlex.split(cmd_line)[1:3] == ["-m", VLLM_SERVER_MODULE]
         # Scheduler mode by default: vLLM loaded kvslots' scheduler class (and says so).
         assert flag(shlex.split(cmd_line), "--scheduler-cls") == "kvslots.vllm.KVSlotsScheduler"
-        assert "Using custom scheduler class kvslots.vllm.KVSlotsScheduler" in tail(), tail()
+        log.flush()
+        assert "Using custom scheduler class kvslots.vllm.KVSlotsScheduler" in (tmp_path / "serve.log").read_text(), tail()
 
         prompt = " ".join(WORDS * 3)  # > 3 blocks of 32 tokens
         for _ in range(2):  # the repeat hits the device prefix cache; its steps complete the host stores
