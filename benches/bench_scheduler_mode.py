@@ -12,6 +12,13 @@ manager, side by side in one run.
                 method, is subtracted) over the step time of that instrumented run.
             Printed: median and spread (min..max) of the ratios kvslots / vLLM over the repeats.
             Targets: manager share at least 10x smaller, steps/s at least 1.4x.
+  call      The decode-step allocate_slots call alone (the one vLLM's scheduler makes for every
+            running request every step), on the thread's CPU clock without a per-call timer:
+            both schedulers brought to batch-B EAGLE K=3 decoding as in `step`, then
+            allocate_slots(request, 1, num_lookahead_tokens=3) over the batch (its slots are
+            there already: the steady-state call of a step that adds no block), interleaved
+            repeats. The instrumented share of `step` puts a timer around every call, whose
+            cost on a loaded VM is close to kvslots' whole call; this one has none.
   capacity  An EAGLE trace (requests arriving over time, shared prefixes, acceptance 0.6, 0.7,
             0.8) with a dynamic speculative-decoding schedule (K 5 / 3 / 1 as the batch grows)
             through the real Scheduler in a pool small enough to preempt, once per manager (the
@@ -23,7 +30,7 @@ manager, side by side in one run.
             --pool-repeats times; wall clock and CPU time), fresh and after every block has been
             allocated, registered and freed once (first repeat).
 
-    PYTHONPATH=python /work/main/.venv/bin/python benches/bench_scheduler_mode.py [step|capacity|pool|all]
+    PYTHONPATH=python /work/main/.venv/bin/python benches/bench_scheduler_mode.py [step|call|capacity|pool|all]
         [--batch 256] [--steps 40] [--repeats 7] [--json FILE]
 """
 
@@ -260,6 +267,46 @@ def step_bench(args: argparse.Namespace, models: dict) -> dict[str, Any]:
             "instrumentation_cost_ns": {k: v * 1e9 for k, v in args.cost.items()}}
 
 
+# ----------------------------------------------------------------------------------------- call
+def call_bench(args: argparse.Namespace, models: dict) -> dict[str, Any]:
+    from sched_mode_harness import engine_config
+
+    nb = args.batch * 80
+    cfg = engine_config(models["target"], models["eagle"], k=3, num_blocks=nb, max_num_seqs=args.batch,
+                        max_num_batched_tokens=max(8192, args.batch * 8), kv_events=args.kv_events)
+    cfg.cache_config.num_gpu_blocks = nb
+    scheds = {}
+    for name in ("vllm", "kvslots"):
+        sched, rng = build_scheduler(cfg, nb, name == "kvslots", args.batch, args.log_stats)
+        while any(r.is_prefill_chunk for r in sched.running) or len(sched.running) < args.batch:
+            one_step(sched, rng, 3)
+        for _ in range(args.warmup):
+            one_step(sched, rng, 3)
+        scheds[name] = sched
+    gc.collect()
+    gc.freeze()
+    loops = 20
+    ns: dict[str, list[float]] = {"vllm": [], "kvslots": []}
+    for _ in range(args.repeats):
+        for name in ("vllm", "kvslots"):  # interleaved
+            alloc = scheds[name].kv_cache_manager.allocate_slots
+            reqs = list(scheds[name].running)
+            t = CLOCK()
+            for _ in range(loops):
+                for r in reqs:
+                    alloc(r, 1, num_lookahead_tokens=3)
+            ns[name].append((CLOCK() - t) / loops / len(reqs) * 1e9)
+    gc.unfreeze()
+    ratio = [v / k for v, k in zip(ns["vllm"], ns["kvslots"])]
+    print(f"\nDecode-step allocate_slots(request, 1, num_lookahead_tokens=3), batch {args.batch}, no block added, "
+          f"{args.repeats} interleaved repeats x {loops} passes, thread CPU clock:")
+    for name in ("vllm", "kvslots"):
+        xs = ns[name]
+        print(f"  {name:8s} {statistics.median(xs):7.0f} ns/call (min {min(xs):.0f}, max {max(xs):.0f})")
+    print(f"  vLLM / kvslots: {spread(ratio)}")
+    return {"ns_per_call": ns, "ratio": ratio}
+
+
 # ------------------------------------------------------------------------------------- capacity
 def capacity_bench(args: argparse.Namespace, models: dict) -> dict[str, Any]:
     from sched_mode_harness import Arrival, Run, Workload, engine_config
@@ -405,7 +452,7 @@ def pool_bench(args: argparse.Namespace) -> dict[str, Any]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("what", nargs="?", default="all", choices=["step", "capacity", "pool", "all"])
+    ap.add_argument("what", nargs="?", default="all", choices=["step", "call", "capacity", "pool", "all"])
     ap.add_argument("--batch", type=int, default=256)
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--warmup", type=int, default=10)
@@ -426,6 +473,8 @@ def main() -> None:
     result: dict[str, Any] = {}
     if args.what in ("step", "all"):
         result["step"] = step_bench(args, models)
+    if args.what in ("call", "all"):
+        result["call"] = call_bench(args, models)
     if args.what in ("capacity", "all"):
         result["capacity"] = capacity_bench(args, models)
     if args.what in ("pool", "all"):
