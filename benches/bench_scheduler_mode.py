@@ -470,18 +470,18 @@ def main() -> None:
     from kvslots._dev.tiny import build_tiny_models
 
     models = build_tiny_models(args.models)
-    result: dict[str, Any] = {}
-    if args.what in ("step", "all"):
-        result["step"] = step_bench(args, models)
-    if args.what in ("call", "all"):
-        result["call"] = call_bench(args, models)
-    if args.what in ("capacity", "all"):
-        result["capacity"] = capacity_bench(args, models)
-    if args.what in ("pool", "all"):
-        result["pool"] = pool_bench(args)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=1)
+    result: dict[str, Any] = {"argv": sys.argv[1:]}
+
+    def save() -> None:  # after every part, so an interrupted run keeps what it measured
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(result, f, indent=1)
+
+    for part, fn in (("step", lambda: step_bench(args, models)), ("call", lambda: call_bench(args, models)),
+                     ("capacity", lambda: capacity_bench(args, models)), ("pool", lambda: pool_bench(args))):
+        if args.what in (part, "all"):
+            result[part] = fn()
+            save()
 
 
 if __name__ == "__main__":

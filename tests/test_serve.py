@@ -967,6 +967,9 @@ def test_serve_end_to_end(models, tmp_path):
     finally:
         sub.close(0)
         if serve.poll() is None:
+            # An assertion before the Ctrl-C check: vLLM runs in its own process group, so
+            # collect its processes too or they outlive the test.
+            pids |= set(descendants(serve.pid))
             os.killpg(serve.pid, signal.SIGKILL)
             serve.wait()
         for pid in pids:
