@@ -12,6 +12,13 @@ manager, side by side in one run.
                 method, is subtracted) over the step time of that instrumented run.
             Printed: median and spread (min..max) of the ratios kvslots / vLLM over the repeats.
             Targets: manager share at least 10x smaller, steps/s at least 1.4x.
+  call      The decode-step allocate_slots call alone (the one vLLM's scheduler makes for every
+            running request every step), on the thread's CPU clock without a per-call timer:
+            both schedulers brought to batch-B EAGLE K=3 decoding as in `step`, then
+            allocate_slots(request, 1, num_lookahead_tokens=3) over the batch (its slots are
+            there already: the steady-state call of a step that adds no block), interleaved
+            repeats. The instrumented share of `step` puts a timer around every call, whose
+            cost on a loaded VM is close to kvslots' whole call; this one has none.
   capacity  An EAGLE trace (requests arriving over time, shared prefixes, acceptance 0.6, 0.7,
             0.8) with a dynamic speculative-decoding schedule (K 5 / 3 / 1 as the batch grows)
             through the real Scheduler in a pool small enough to preempt, once per manager (the
@@ -19,10 +26,11 @@ manager, side by side in one run.
             at peak, mean blocks held per step and preemptions. With a static K the two managers
             schedule identically (the control rows).
   pool      Building a pool of 1M blocks: time and resident memory per block, kvslots'
-            DeviceKVManager vs vLLM's KVCacheManager (each in a fresh process), fresh and after
-            every block has been allocated, registered and freed once.
+            DeviceKVManager vs vLLM's KVCacheManager (each in a fresh process, interleaved,
+            --pool-repeats times; wall clock and CPU time), fresh and after every block has been
+            allocated, registered and freed once (first repeat).
 
-    PYTHONPATH=python /work/main/.venv/bin/python benches/bench_scheduler_mode.py [step|capacity|pool|all]
+    PYTHONPATH=python /work/main/.venv/bin/python benches/bench_scheduler_mode.py [step|call|capacity|pool|all]
         [--batch 256] [--steps 40] [--repeats 7] [--json FILE]
 """
 
@@ -259,6 +267,46 @@ def step_bench(args: argparse.Namespace, models: dict) -> dict[str, Any]:
             "instrumentation_cost_ns": {k: v * 1e9 for k, v in args.cost.items()}}
 
 
+# ----------------------------------------------------------------------------------------- call
+def call_bench(args: argparse.Namespace, models: dict) -> dict[str, Any]:
+    from sched_mode_harness import engine_config
+
+    nb = args.batch * 80
+    cfg = engine_config(models["target"], models["eagle"], k=3, num_blocks=nb, max_num_seqs=args.batch,
+                        max_num_batched_tokens=max(8192, args.batch * 8), kv_events=args.kv_events)
+    cfg.cache_config.num_gpu_blocks = nb
+    scheds = {}
+    for name in ("vllm", "kvslots"):
+        sched, rng = build_scheduler(cfg, nb, name == "kvslots", args.batch, args.log_stats)
+        while any(r.is_prefill_chunk for r in sched.running) or len(sched.running) < args.batch:
+            one_step(sched, rng, 3)
+        for _ in range(args.warmup):
+            one_step(sched, rng, 3)
+        scheds[name] = sched
+    gc.collect()
+    gc.freeze()
+    loops = 20
+    ns: dict[str, list[float]] = {"vllm": [], "kvslots": []}
+    for _ in range(args.repeats):
+        for name in ("vllm", "kvslots"):  # interleaved
+            alloc = scheds[name].kv_cache_manager.allocate_slots
+            reqs = list(scheds[name].running)
+            t = CLOCK()
+            for _ in range(loops):
+                for r in reqs:
+                    alloc(r, 1, num_lookahead_tokens=3)
+            ns[name].append((CLOCK() - t) / loops / len(reqs) * 1e9)
+    gc.unfreeze()
+    ratio = [v / k for v, k in zip(ns["vllm"], ns["kvslots"])]
+    print(f"\nDecode-step allocate_slots(request, 1, num_lookahead_tokens=3), batch {args.batch}, no block added, "
+          f"{args.repeats} interleaved repeats x {loops} passes, thread CPU clock:")
+    for name in ("vllm", "kvslots"):
+        xs = ns[name]
+        print(f"  {name:8s} {statistics.median(xs):7.0f} ns/call (min {min(xs):.0f}, max {max(xs):.0f})")
+    print(f"  vLLM / kvslots: {spread(ratio)}")
+    return {"ns_per_call": ns, "ratio": ratio}
+
+
 # ------------------------------------------------------------------------------------- capacity
 def capacity_bench(args: argparse.Namespace, models: dict) -> dict[str, Any]:
     from sched_mode_harness import Arrival, Run, Workload, engine_config
@@ -323,13 +371,17 @@ from kvslots.vllm.scheduler import KVSlotsKVCacheManager
 cfg = KVCacheConfig(num_blocks=n, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(["l"],
       FullAttentionSpec(block_size=16, num_kv_heads=1, head_size=2, dtype=torch.float32))])
 cls = KVSlotsKVCacheManager if which == "kvslots" else KVCacheManager
+fill = sys.argv[3] == "fill"
 gc.collect()
 r0 = rss()
-t0 = time.perf_counter()
+t0, c0 = time.perf_counter(), time.thread_time()
 m = cls(kv_cache_config=cfg, max_model_len=1 << 30, scheduler_block_size=16, hash_block_size=16,
         enable_caching=True, use_eagle=True, log_stats=True)
-dt = time.perf_counter() - t0
+dt, dc = time.perf_counter() - t0, time.thread_time() - c0
 r1 = rss()
+if not fill:
+    print("POOL " + json.dumps({"build_s": dt, "build_cpu_s": dc, "rss_fresh": r1 - r0}))
+    sys.exit(0)
 # Use every block once: one request per 4096 blocks, its full blocks registered, then freed
 # (every block ends cached, so all metadata and the registry are touched).
 from vllm.utils.hashing import sha256
@@ -352,36 +404,55 @@ for i in range((n - 1) // per):
     m.free(r)
 t_fill = time.perf_counter() - t1
 r2 = rss()
-print("POOL " + json.dumps({"build_s": dt, "rss_fresh": r1 - r0, "rss_used": r2 - r0, "fill_s": t_fill}))
+print("POOL " + json.dumps({"build_s": dt, "build_cpu_s": dc, "rss_fresh": r1 - r0, "rss_used": r2 - r0,
+                           "fill_s": t_fill}))
 """
 
 
 def pool_bench(args: argparse.Namespace) -> dict[str, Any]:
-    out: dict[str, Any] = {}
+    """Each build in a fresh process, interleaved (vLLM, kvslots, ...) over --pool-repeats; the
+    first repeat also uses every block once (RSS after use, fill time)."""
+    runs: dict[str, list[dict[str, float]]] = {}
     env = dict(os.environ)
+    for rep in range(args.pool_repeats):
+        for n in (100_000, 1_000_000):
+            for which in ("vllm", "kvslots"):
+                p = subprocess.run([sys.executable, "-c", POOL_CHILD, which, str(n), "fill" if rep == 0 else "build"],
+                                   capture_output=True, text=True, env=env, timeout=1800)
+                line = [l for l in p.stdout.splitlines() if l.startswith("POOL ")]
+                assert p.returncode == 0 and line, p.stderr[-3000:]
+                runs.setdefault(f"{which}-{n}", []).append(json.loads(line[0][5:]))
+        print(f"  pool repeat {rep + 1}/{args.pool_repeats}: 1M blocks build vLLM "
+              f"{runs['vllm-1000000'][-1]['build_s'] * 1e3:.0f} ms, kvslots "
+              f"{runs['kvslots-1000000'][-1]['build_s'] * 1e3:.1f} ms wall "
+              f"({runs['kvslots-1000000'][-1]['build_cpu_s'] * 1e3:.1f} ms CPU)", flush=True)
+
+    def med(xs: list[float]) -> str:
+        return f"{statistics.median(xs):.2f} ({min(xs):.2f}..{max(xs):.2f})"
+
+    print(f"\nPool construction (fresh process each, {args.pool_repeats} interleaved repeats: median (min..max); "
+          f"wall clock and the building thread's CPU time; RSS from /proc/self/statm):")
+    out: dict[str, Any] = {"runs": runs}
     for n in (100_000, 1_000_000):
-        for which in ("vllm", "kvslots"):
-            p = subprocess.run([sys.executable, "-c", POOL_CHILD, which, str(n)], capture_output=True, text=True,
-                               env=env, timeout=1800)
-            line = [l for l in p.stdout.splitlines() if l.startswith("POOL ")]
-            assert p.returncode == 0 and line, p.stderr[-3000:]
-            out[f"{which}-{n}"] = json.loads(line[0][5:])
-    print("\nPool construction (fresh process each; RSS from /proc/self/statm):")
-    for n in (100_000, 1_000_000):
-        v, k = out[f"vllm-{n}"], out[f"kvslots-{n}"]
-        print(f"  {n:>9,d} blocks: build vLLM {v['build_s'] * 1e3:8.1f} ms, kvslots {k['build_s'] * 1e3:6.2f} ms "
-              f"({v['build_s'] / max(k['build_s'], 1e-9):,.0f}x); RSS/block fresh vLLM {v['rss_fresh'] / n:6.1f} B, "
-              f"kvslots {k['rss_fresh'] / n:5.1f} B; after every block used once vLLM {v['rss_used'] / n:6.1f} B, "
-              f"kvslots {k['rss_used'] / n:5.1f} B")
-    k1 = out["kvslots-1000000"]
-    print(f"  target: a 1M-block pool ready in under 50 ms: {k1['build_s'] * 1e3:.2f} ms "
-          f"({'met' if k1['build_s'] < 0.05 else 'MISSED'})")
+        v, k = runs[f"vllm-{n}"], runs[f"kvslots-{n}"]
+        ratio = [a["build_s"] / max(b["build_s"], 1e-9) for a, b in zip(v, k)]
+        print(f"  {n:>9,d} blocks: build ms wall vLLM {med([r['build_s'] * 1e3 for r in v])}, kvslots "
+              f"{med([r['build_s'] * 1e3 for r in k])}; CPU vLLM {med([r['build_cpu_s'] * 1e3 for r in v])}, "
+              f"kvslots {med([r['build_cpu_s'] * 1e3 for r in k])}; vLLM / kvslots wall {spread(ratio)}")
+        print(f"  {'':>9s}         RSS/block fresh vLLM {med([r['rss_fresh'] / n for r in v])} B, kvslots "
+              f"{med([r['rss_fresh'] / n for r in k])} B; after every block used once vLLM {v[0]['rss_used'] / n:.1f} B, "
+              f"kvslots {k[0]['rss_used'] / n:.1f} B")
+    k1 = runs["kvslots-1000000"]
+    wall = statistics.median(r["build_s"] for r in k1)
+    cpu = statistics.median(r["build_cpu_s"] for r in k1)
+    print(f"  target: a 1M-block pool ready in under 50 ms: median {wall * 1e3:.1f} ms wall "
+          f"({'met' if wall < 0.05 else 'MISSED'}), {cpu * 1e3:.1f} ms CPU ({'met' if cpu < 0.05 else 'MISSED'})")
     return out
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("what", nargs="?", default="all", choices=["step", "capacity", "pool", "all"])
+    ap.add_argument("what", nargs="?", default="all", choices=["step", "call", "capacity", "pool", "all"])
     ap.add_argument("--batch", type=int, default=256)
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--warmup", type=int, default=10)
@@ -392,22 +463,25 @@ def main() -> None:
     ap.add_argument("--capacity-seeds", type=int, default=3)
     ap.add_argument("--capacity-blocks", type=int, default=900, help="the tight pool")
     ap.add_argument("--roomy-blocks", type=int, default=8000, help="the pool nothing is preempted from")
+    ap.add_argument("--pool-repeats", type=int, default=7)
     ap.add_argument("--models", default="/tmp/kvslots-tiny")
     ap.add_argument("--json", help="write the raw figures here")
     args = ap.parse_args()
     from kvslots._dev.tiny import build_tiny_models
 
     models = build_tiny_models(args.models)
-    result: dict[str, Any] = {}
-    if args.what in ("step", "all"):
-        result["step"] = step_bench(args, models)
-    if args.what in ("capacity", "all"):
-        result["capacity"] = capacity_bench(args, models)
-    if args.what in ("pool", "all"):
-        result["pool"] = pool_bench(args)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=1)
+    result: dict[str, Any] = {"argv": sys.argv[1:]}
+
+    def save() -> None:  # after every part, so an interrupted run keeps what it measured
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(result, f, indent=1)
+
+    for part, fn in (("step", lambda: step_bench(args, models)), ("call", lambda: call_bench(args, models)),
+                     ("capacity", lambda: capacity_bench(args, models)), ("pool", lambda: pool_bench(args))):
+        if args.what in (part, "all"):
+            result[part] = fn()
+            save()
 
 
 if __name__ == "__main__":

@@ -18,7 +18,7 @@ from __future__ import annotations
 import copy
 import hashlib
 import struct
-from collections import deque
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -94,6 +94,26 @@ def _u(*parts: Any) -> int:
     return struct.unpack("<Q", h)[0]
 
 
+_RUN_CONFIGS: "OrderedDict[tuple[int, int], tuple[Any, Any]]" = OrderedDict()
+
+
+def run_config(cfg: Any, num_blocks: int) -> Any:
+    """``cfg`` for a pool of ``num_blocks``: a deep copy, shared by the runs over that pool size
+    (a deep copy of a VllmConfig costs more than a small case's run; schedulers and connectors
+    only read it, which tests/test_scheduler_mode_differential.py checks)."""
+    key = (id(cfg), num_blocks)
+    hit = _RUN_CONFIGS.get(key)
+    if hit is not None and hit[0] is cfg:
+        _RUN_CONFIGS.move_to_end(key)
+        return hit[1]
+    out = copy.deepcopy(cfg)
+    out.cache_config.num_gpu_blocks = num_blocks
+    _RUN_CONFIGS[key] = (cfg, out)
+    if len(_RUN_CONFIGS) > 64:
+        _RUN_CONFIGS.popitem(last=False)
+    return out
+
+
 @dataclass
 class Arrival:
     rid: str
@@ -154,8 +174,7 @@ class Run:
     steps: int = 0
 
     def __post_init__(self) -> None:
-        cfg = copy.deepcopy(self.cfg)
-        cfg.cache_config.num_gpu_blocks = self.num_blocks
+        cfg = run_config(self.cfg, self.num_blocks)
         self.block_size = cfg.cache_config.block_size
         kcc = kv_cache_config(self.num_blocks, self.block_size)
         if self.kvslots:

@@ -138,10 +138,13 @@ def test_defaults(target):
         "enable_kv_cache_events": True, "publisher": "zmq",
         "endpoint": "tcp://[::ffff:127.0.0.1]:5557", "replay_endpoint": "tcp://127.0.0.1:5558"}
     assert "--speculative-config" not in a
+    # Scheduler mode is the default: the kvslots Rust core allocates vLLM's device KV blocks.
+    assert flag(a, "--scheduler-cls") == "kvslots.vllm.KVSlotsScheduler"
+    assert plan.slot_manager == "kvslots" and plan.scheduler_cls == "kvslots.vllm.KVSlotsScheduler"
     assert plan.env == {} and plan.notes == []
     assert plan.events_subscribe_endpoint() == "tcp://127.0.0.1:5557"
     # Every JSON-valued flag appears exactly once.
-    for name in ("--kv-transfer-config", "--kv-events-config", "--model", "--host", "--port"):
+    for name in ("--kv-transfer-config", "--kv-events-config", "--model", "--host", "--port", "--scheduler-cls"):
         assert a.count(name) == 1
 
 
@@ -351,6 +354,67 @@ def test_speculators_errors(tmp_path, target, capsys):
     assert "--verifier applies to a speculators checkpoint" in error_line([target, "--verifier", target], capsys)
     missing = speculator(tmp_path / "m", verifier="./no-such-verifier")
     assert "speculators_config.verifier.name_or_path" in error_line([missing], capsys)
+
+
+# --------------------------------------------------------------------------- the slot manager
+
+KV_SCHED = "kvslots.vllm.KVSlotsScheduler"
+
+
+@pytest.mark.parametrize("argv, manager, cls, note", [
+    ([], "kvslots", KV_SCHED, None),
+    (["--slot-manager", "kvslots"], "kvslots", KV_SCHED, None),
+    (["--slot-manager", "vllm"], "vllm", None, None),
+    (["--slot-manager=vllm", "--no-connector"], "vllm", None, None),
+    # kvslots' own classes after --, with or without the flag: run as given, not added twice.
+    (["--", "--scheduler-cls", "kvslots.vllm.KVSlotsAsyncScheduler"], "kvslots", "kvslots.vllm.KVSlotsAsyncScheduler", None),
+    (["--slot-manager", "kvslots", "--", "--scheduler_cls=kvslots.vllm.scheduler.KVSlotsScheduler"], "kvslots",
+     "kvslots.vllm.scheduler.KVSlotsScheduler", None),
+    # The user's own scheduler class after -- replaces the default scheduler mode (noted) ...
+    (["--", "--scheduler-cls", "my_pkg.MyScheduler"], "custom", "my_pkg.MyScheduler",
+     "after --: --scheduler-cls my_pkg.MyScheduler replaces kvslots scheduler mode"),
+    # ... and goes with --slot-manager vllm silently.
+    (["--slot-manager", "vllm", "--", "--scheduler-cls", "my_pkg.MyScheduler"], "vllm", "my_pkg.MyScheduler", None),
+])
+def test_slot_manager(target, argv, manager, cls, note):
+    plan = plan_from_argv([target, *argv])
+    a = plan.argv
+    assert plan.slot_manager == manager and plan.scheduler_cls == cls
+    # Exactly one --scheduler-cls in vLLM's arguments, in whatever form it was given.
+    assert [o.value for o in scan_vllm_args(plan.vllm_args) if o.name == "scheduler-cls"] == ([cls] if cls else [])
+    if note is None:
+        assert not any("scheduler" in n for n in plan.notes), plan.notes
+    else:
+        assert any(note in n for n in plan.notes), plan.notes
+    # The choice does not touch the connector or the events.
+    assert json_flag(a, "--kv-events-config")["enable_kv_cache_events"] is True
+    assert (plan.kv_transfer_config is None) == ("--no-connector" in argv)
+
+
+def test_slot_manager_in_help_and_dry_run(target, capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["serve", "--help"])
+    out = capsys.readouterr().out
+    assert "--slot-manager {kvslots,vllm}" in out and KV_SCHED in " ".join(out.split())
+    assert "--slot-manager vllm keeps vLLM's own" in " ".join(out.split())
+    rc, out, err = serve_cli([target, "--dry-run"], capsys)
+    assert rc == 0 and shlex.split(out.strip())[-2:] == ["--scheduler-cls", KV_SCHED]
+    rc, out, err = serve_cli([target, "--dry-run", "--slot-manager", "vllm"], capsys)
+    assert rc == 0 and "--scheduler-cls" not in out
+
+
+@pytest.mark.parametrize("argv, expect", [
+    (["--slot-manager", "vllm", "--", "--scheduler-cls", KV_SCHED],
+     f"--slot-manager vllm conflicts with --scheduler-cls {KV_SCHED} after --"),
+    (["--slot-manager", "kvslots", "--", "--scheduler-cls", "my_pkg.MyScheduler"],
+     "--slot-manager kvslots conflicts with --scheduler-cls my_pkg.MyScheduler after --"),
+    (["--slot-manager", "Kvslots"], "argument --slot-manager: invalid choice: 'Kvslots'"),
+    (["--slot-manager"], "argument --slot-manager: expected one argument"),
+    (["--", "--scheduler-cls"], "after --: --scheduler-cls needs a value"),
+    (["--", "--scheduler-cls", " "], "after --: --scheduler-cls is empty"),
+])
+def test_slot_manager_errors(target, capsys, argv, expect):
+    assert expect in error_line([target, *argv], capsys)
 
 
 # --------------------------------------------------------------------------- the connector
@@ -569,7 +633,8 @@ def test_vllm_parses_the_commands(vllm_parser, tmp_path, target, draft):
         [target, "--extra-engine-args", y, "--connector-config", '{"copy_threads": 2}',
          "--kv-events-endpoint", "tcp://*:6100", "--kv-events-topic", "kv", "--", "--max-model-len", "512"],
         [ckpt, "--speculative-config", '{"num_speculative_tokens": 2}', "--kv-events-replay-endpoint", "none"],
-        [target, "--no-connector", "--no-kv-events", "--", "-tp", "1"],
+        [target, "--no-connector", "--no-kv-events", "--slot-manager", "vllm", "--", "-tp", "1"],
+        [target, "--", "--scheduler-cls", "kvslots.vllm.KVSlotsAsyncScheduler"],
         [target, "--", "--kv-transfer-config.kv_connector_extra_config.copy_threads", "3",
          "--kv-events-config.buffer_steps", "7", "-sc.method", "ngram", "-sc.num_speculative_tokens", "2",
          "--port=8200"],
@@ -579,6 +644,7 @@ def test_vllm_parses_the_commands(vllm_parser, tmp_path, target, draft):
         ns = vllm_parse(vllm_parser, plan)
         assert ns.model == plan.model and ns.port == plan.port and ns.host == plan.host
         assert ns.speculative_config == plan.speculative_config
+        assert ns.scheduler_cls == plan.scheduler_cls
         if plan.kv_transfer_config is None:
             assert ns.kv_transfer_config is None
         else:
@@ -643,6 +709,17 @@ def test_vllm_builds_the_engine_config(vllm_parser, models):
     assert cfg.kv_transfer_config.kv_connector == "KVSlotsConnector"
     assert cfg.kv_events_config.enable_kv_cache_events and cfg.cache_config.enable_prefix_caching
     assert cfg.cache_config.block_size == 32 and cfg.model_config.max_model_len == 1024
+    # Scheduler mode by default; vLLM's CPU platform turns async scheduling off, and the class
+    # picks its variant from that.
+    from kvslots.vllm import KVSlotsScheduler
+
+    assert cfg.scheduler_config.get_scheduler_cls() is KVSlotsScheduler
+    assert cfg.scheduler_config.async_scheduling is False
+    plan = plan_from_argv(e2e_argv(models, 8000, 5557, "--slot-manager", "vllm"))
+    cfg = AsyncEngineArgs.from_cli_args(vllm_parse(vllm_parser, plan)).create_engine_config()
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    assert cfg.scheduler_config.get_scheduler_cls() is Scheduler
 
 
 # =========================================================================== the supervisor
@@ -779,11 +856,11 @@ def models(tmp_path_factory):
     return build_tiny_models(str(tmp_path_factory.mktemp("tiny-serve")))
 
 
-def e2e_argv(models: dict, port: int, events_port: int) -> list[str]:
+def e2e_argv(models: dict, port: int, events_port: int, *flags: str) -> list[str]:
     spec = {"method": "eagle", "model": models["eagle"], "num_speculative_tokens": 3}
     return [models["target"], "--speculative-config", json.dumps(spec), "--port", str(port),
             "--kv-events-endpoint", f"tcp://[::ffff:127.0.0.1]:{events_port}", "--host-cache-gb", "0.25",
-            "--", "--enforce-eager", "--max-model-len", "1024", "--block-size", "32", "--dtype", "float32"]
+            *flags, "--", "--enforce-eager", "--max-model-len", "1024", "--block-size", "32", "--dtype", "float32"]
 
 
 def post(url: str, body: dict, timeout: float = 120) -> dict:
@@ -793,7 +870,7 @@ def post(url: str, body: dict, timeout: float = 120) -> dict:
 
 
 def test_serve_end_to_end(models, tmp_path):
-    """kvslots serve starts vLLM on CPU with the connector, EAGLE and KV events; the server
+    """kvslots serve starts vLLM on CPU in scheduler mode with the connector, EAGLE and KV events; the server
     answers, device- and host-tier events arrive on the (loopback-bound) publisher and replay,
     and Ctrl-C stops everything."""
     import zmq
@@ -833,6 +910,10 @@ def test_serve_end_to_end(models, tmp_path):
         t_ready = time.time()
         cmd_line = (tmp_path / "serve.log").read_text().splitlines()[0]
         assert shlex.split(cmd_line)[1:3] == ["-m", VLLM_SERVER_MODULE]
+        # Scheduler mode by default: vLLM loaded kvslots' scheduler class (and says so).
+        assert flag(shlex.split(cmd_line), "--scheduler-cls") == "kvslots.vllm.KVSlotsScheduler"
+        log.flush()
+        assert "Using custom scheduler class kvslots.vllm.KVSlotsScheduler" in (tmp_path / "serve.log").read_text(), tail()
 
         prompt = " ".join(WORDS * 3)  # > 3 blocks of 32 tokens
         for _ in range(2):  # the repeat hits the device prefix cache; its steps complete the host stores
@@ -887,6 +968,9 @@ def test_serve_end_to_end(models, tmp_path):
     finally:
         sub.close(0)
         if serve.poll() is None:
+            # An assertion before the Ctrl-C check: vLLM runs in its own process group, so
+            # collect its processes too or they outlive the test.
+            pids |= set(descendants(serve.pid))
             os.killpg(serve.pid, signal.SIGKILL)
             serve.wait()
         for pid in pids:

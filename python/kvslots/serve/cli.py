@@ -2,7 +2,7 @@
 command, which prints the plan's vLLM command and runs it under the supervisor.
 
     kvslots serve MODEL [--extra-engine-args FILE.yaml] [--speculative-config JSON]
-                        [--host-cache-gb N] [--disk-path DIR] [--disk-gb N]
+                        [--slot-manager {kvslots,vllm}] [--host-cache-gb N] [--disk-path DIR] [--disk-gb N]
                         [--connector-config JSON] [--no-connector]
                         [--kv-events-endpoint EP] [--kv-events-replay-endpoint EP]
                         [--kv-events-topic T] [--no-kv-events]
@@ -20,7 +20,15 @@ from collections.abc import Sequence
 from typing import Any
 
 from .events import DEFAULT_EVENTS_ENDPOINT
-from .plan import DEFAULT_HOST, DEFAULT_PORT, PROG, ServePlan, build_plan
+from .plan import (
+    DEFAULT_HOST,
+    DEFAULT_PORT,
+    PROG,
+    SCHEDULER_CLS,
+    SLOT_MANAGERS,
+    ServePlan,
+    build_plan,
+)
 from .supervisor import DEFAULT_GRACE_S, supervise
 
 
@@ -77,6 +85,16 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
                         "schedule is validated. Replaces the YAML's; merged over a speculators checkpoint's")
     p.add_argument("--verifier", metavar="MODEL",
                    help="target model for a speculators checkpoint MODEL instead of its declared verifier")
+    m = p.add_argument_group("device KV blocks")
+    # default None, not "kvslots": an explicit --slot-manager that contradicts a --scheduler-cls
+    # after -- is an error, the default is not.
+    m.add_argument("--slot-manager", choices=SLOT_MANAGERS, default=None,
+                   help=f"who allocates vLLM's device KV blocks. kvslots (default): scheduler mode, the "
+                        f"kvslots Rust core is vLLM's KV cache manager (--scheduler-cls {SCHEDULER_CLS}, "
+                        "its async variant when vLLM schedules asynchronously); vllm: vLLM's own KV cache "
+                        "manager. Use vllm for what scheduler mode refuses at start-up (hybrid models, "
+                        "sliding window, encoder caches, ...). A --scheduler-cls after -- replaces the "
+                        "default; contradicting an explicit --slot-manager is an error")
     g = p.add_argument_group("KVSlotsConnector")
     g.add_argument("--host-cache-gb", type=_positive_float, metavar="N",
                    help="host-memory tier per worker in GiB (default: the YAML's "
@@ -121,17 +139,21 @@ def make_parser(prog: str = PROG) -> argparse.ArgumentParser:
     return p
 
 
-_DESCRIPTION = """\
-Start vLLM's OpenAI-compatible server with the KVSlotsConnector, a converted
-TensorRT-LLM engine YAML, speculative decoding and KV events. Prints the vLLM
-command first; Ctrl-C stops the server and every process it started."""
+_DESCRIPTION = f"""\
+Start vLLM's OpenAI-compatible server in kvslots scheduler mode: the kvslots
+Rust core allocates vLLM's device KV blocks (vLLM's --scheduler-cls
+{SCHEDULER_CLS}); --slot-manager vllm keeps vLLM's own
+KV cache manager. With the KVSlotsConnector, a converted TensorRT-LLM engine
+YAML, speculative decoding and KV events. Prints the vLLM command first; Ctrl-C
+stops the server and every process it started."""
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     saved = sub._parser_class
     sub._parser_class = _ServeParser
     try:
-        p = sub.add_parser("serve", help="start vLLM with the KVSlotsConnector, converted config and KV events",
+        p = sub.add_parser("serve", help="start vLLM in kvslots scheduler mode with the KVSlotsConnector, "
+                                         "converted config and KV events",
                            description=_DESCRIPTION, epilog=_EPILOG, allow_abbrev=False,
                            formatter_class=argparse.RawDescriptionHelpFormatter)
     finally:

@@ -7,7 +7,9 @@ importing vLLM. docs/serve.md has the rules; in short:
   and an argument after ``--``) is an error;
 * ``--speculative-config`` (:func:`~kvslots.config.speculative.resolve_speculative_config`),
   ``--kv-transfer-config`` (:mod:`.connector`) and ``--kv-events-config`` (:mod:`.events`) after
-  ``--`` are merged into the ones kvslots serve builds, so the command carries exactly one of each.
+  ``--`` are merged into the ones kvslots serve builds, so the command carries exactly one of each;
+* ``--slot-manager`` (default ``kvslots``: scheduler mode, vLLM's ``--scheduler-cls``
+  :data:`SCHEDULER_CLS`) against a ``--scheduler-cls`` after ``--``: see :func:`_slot_manager`.
 """
 
 from __future__ import annotations
@@ -35,6 +37,14 @@ VLLM_SERVER_MODULE = "vllm.entrypoints.openai.api_server"
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8000
 
+#: vLLM's ``--scheduler-cls`` for scheduler mode. The class itself builds its async-scheduling
+#: variant when vLLM turns async scheduling on (EAGLE on GPU; vLLM's CPU platform turns it off),
+#: which is decided after the command line is parsed, so one name serves both.
+SCHEDULER_CLS = "kvslots.vllm.KVSlotsScheduler"
+#: ``--slot-manager`` values: who allocates vLLM's device KV blocks.
+SLOT_MANAGERS = ("kvslots", "vllm")
+DEFAULT_SLOT_MANAGER = "kvslots"
+
 
 @dataclass
 class ServePlan:
@@ -52,6 +62,11 @@ class ServePlan:
     kv_events_config: dict[str, Any] | None
     tail: list[str]
     speculators_checkpoint: str | None = None
+    #: "kvslots" (scheduler mode), "vllm" (vLLM's own KV cache manager) or "custom" (a
+    #: ``--scheduler-cls`` after ``--`` that is not kvslots', run as given)
+    slot_manager: str = DEFAULT_SLOT_MANAGER
+    #: the ``--scheduler-cls`` vLLM gets (from kvslots serve or after ``--``); None: vLLM's default
+    scheduler_cls: str | None = None
 
     @property
     def vllm_args(self) -> list[str]:
@@ -80,6 +95,42 @@ def _check_model(model: str) -> tuple[str, bool, bool]:
     if ref.is_local and not ref.has_config:
         raise ServeError(f"model directory {model!r} has no config.json")
     return model, ref.is_local, ref.is_speculators
+
+
+def _is_kvslots_scheduler(name: str) -> bool:
+    """Whether a ``--scheduler-cls`` value names a kvslots scheduler (scheduler mode)."""
+    module, _, cls = name.strip().rpartition(".")
+    return (module == "kvslots" or module.startswith("kvslots.")) and cls in (
+        "KVSlotsScheduler", "KVSlotsAsyncScheduler")
+
+
+def _slot_manager(flag: str | None, tail_cls: str | None, notes: list[str]) -> tuple[str, str | None]:
+    """(slot manager, the ``--scheduler-cls`` kvslots serve adds or None).
+
+    ``--slot-manager`` and a ``--scheduler-cls`` after ``--`` set the same thing, so the usual
+    precedence applies: given both explicitly and disagreeing is an error; a ``--scheduler-cls``
+    after ``--`` with the default slot manager is respected (it replaces scheduler mode, noted)."""
+    if flag is not None and flag not in SLOT_MANAGERS:  # argparse's choices stop this first
+        raise ServeError(f"--slot-manager must be one of {', '.join(SLOT_MANAGERS)}, got {flag!r}")
+    if tail_cls is None:
+        manager = flag or DEFAULT_SLOT_MANAGER
+        return manager, (SCHEDULER_CLS if manager == "kvslots" else None)
+    if not tail_cls.strip():
+        raise ServeError("after --: --scheduler-cls is empty")
+    ours = _is_kvslots_scheduler(tail_cls)
+    if flag == "vllm" and ours:
+        raise ServeError(f"--slot-manager vllm conflicts with --scheduler-cls {tail_cls} after -- "
+                         "(kvslots' scheduler mode); give one of them")
+    if flag == "kvslots" and not ours:
+        raise ServeError(f"--slot-manager kvslots conflicts with --scheduler-cls {tail_cls} after --: scheduler "
+                         f"mode is vLLM's --scheduler-cls {SCHEDULER_CLS}; give one of them")
+    if ours:
+        return "kvslots", None
+    if flag is None:
+        notes.append(f"note: after --: --scheduler-cls {tail_cls} replaces kvslots scheduler mode "
+                     f"({SCHEDULER_CLS}); kvslots does not allocate the device KV blocks")
+        return "custom", None
+    return "vllm", None  # --slot-manager vllm with the user's own scheduler class
 
 
 def build_plan(args: argparse.Namespace, *, python: str | None = None) -> ServePlan:
@@ -176,6 +227,10 @@ def build_plan(args: argparse.Namespace, *, python: str | None = None) -> ServeP
         except ValueError:
             pass
 
+    # ------------------------------------------------------------------ slot manager (scheduler mode)
+    tail_cls = tail_value("scheduler-cls")
+    slot_manager, scheduler_cls = _slot_manager(getattr(args, "slot_manager", None), tail_cls, notes)
+
     # ------------------------------------------------------------------ KV connector
     kv_transfer = connector_config(args, result.kvslots, tail_json(opts, "kv-transfer-config"), notes)
 
@@ -220,11 +275,14 @@ def build_plan(args: argparse.Namespace, *, python: str | None = None) -> ServeP
         argv += ["--kv-transfer-config", to_json(kv_transfer)]
     if kv_events is not None:
         argv += ["--kv-events-config", to_json(kv_events)]
+    if scheduler_cls is not None:
+        argv += ["--scheduler-cls", scheduler_cls]
     argv += rest
     return ServePlan(
         argv=argv, env=env, notes=notes, model=target, host=host, port=port,
         speculative_config=spec, kv_transfer_config=kv_transfer, kv_events_config=kv_events,
         tail=rest, speculators_checkpoint=model if speculators else None,
+        slot_manager=slot_manager, scheduler_cls=scheduler_cls if scheduler_cls is not None else tail_cls,
     )
 
 
@@ -243,4 +301,5 @@ def _int_arg(opts: list[Any], tail: Any, engine_args: dict[str, Any], name: str)
         return 1
 
 
-__all__ = ["DEFAULT_HOST", "DEFAULT_PORT", "PROG", "VLLM_SERVER_MODULE", "ServePlan", "build_plan"]
+__all__ = ["DEFAULT_HOST", "DEFAULT_PORT", "DEFAULT_SLOT_MANAGER", "PROG", "SCHEDULER_CLS", "SLOT_MANAGERS",
+           "VLLM_SERVER_MODULE", "ServePlan", "build_plan"]

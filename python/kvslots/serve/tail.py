@@ -46,7 +46,7 @@ VLLM_SHORT_OPTIONS: dict[str, str] = {
 #: JSON-valued vLLM arguments kvslots serve builds itself and merges with the ones after ``--``.
 MERGED_OPTIONS = ("speculative-config", "kv-transfer-config", "kv-events-config")
 #: vLLM arguments after ``--`` whose value kvslots serve reads (they take exactly one value).
-_VALUED_OPTIONS = {*MERGED_OPTIONS, "host", "port", "model", "data-parallel-size"}
+_VALUED_OPTIONS = {*MERGED_OPTIONS, "host", "port", "model", "data-parallel-size", "scheduler-cls"}
 
 
 @dataclass

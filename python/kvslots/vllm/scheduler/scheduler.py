@@ -50,6 +50,11 @@ def _check_config(vllm_config: Any) -> None:
         raise SchedulerModeError(
             "kvslots scheduler mode does not support encoder-decoder models (encoder KV caches); "
             "use --slot-manager vllm (vLLM's own KV cache manager)")
+    if getattr(vllm_config, "diffusion_config", None) is not None:
+        # vLLM picks its diffusion scheduler only when no --scheduler-cls is given.
+        raise SchedulerModeError(
+            "kvslots scheduler mode does not support diffusion models (vLLM's diffusion scheduler); "
+            "use --slot-manager vllm (vLLM's own KV cache manager)")
     if getattr(vllm_config, "is_mm_encoder_only", False):
         raise SchedulerModeError(
             "kvslots scheduler mode does not support encoder-only multimodal instances; "
