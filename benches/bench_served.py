@@ -25,9 +25,8 @@ that an earlier prompt shares, minus what EAGLE cannot serve: see ``ideal_cached
     PYTHONPATH=python python benches/bench_served.py --slot-manager kvslots   # both servers in scheduler mode
 
 ``--slot-manager {vllm,kvslots}`` picks the device KV manager of both servers (default ``vllm``:
-vLLM's own, so the connector is compared with plain vLLM). It is passed on to ``kvslots serve``
-only when given, because ``kvslots serve --slot-manager`` lands on another branch; without it,
-serve runs vLLM's manager.
+vLLM's own, so the connector is compared with plain vLLM). It is always passed on to
+``kvslots serve``, whose own default is scheduler mode.
 
 The models are built locally (``kvslots._dev.tiny``): ``tiny`` (2 layers, hidden 128) and ``real``
 (8 layers, hidden 1024, 16 heads, 4 KV heads, MLP 2,048; fp32) with their EAGLE heads.
@@ -102,10 +101,8 @@ class Server:
                "--speculative-config", json.dumps(spec), "--port", str(self.port),
                "--kv-events-endpoint", f"tcp://[::ffff:127.0.0.1]:{ev}",
                "--kv-events-replay-endpoint", f"tcp://127.0.0.1:{replay}", "-q"]
-        if args.slot_manager is not None:
-            # Only when given: ``kvslots serve`` gains --slot-manager on another branch; without
-            # it, serve runs vLLM's own manager (connector mode), which is what "vllm" means here.
-            cmd += ["--slot-manager", args.slot_manager]
+        # Always explicit: kvslots serve's own default is scheduler mode.
+        cmd += ["--slot-manager", args.slot_manager]
         if mode == "none":
             cmd.append("--no-connector")
         else:
@@ -359,10 +356,10 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, help="override the model's max concurrency")
     ap.add_argument("--seed", type=int, default=0, help="seed of round 0 (round r uses seed + r)")
     ap.add_argument("--same-seed", action="store_true", help="every round uses the same prompts")
-    ap.add_argument("--slot-manager", choices=("kvslots", "vllm"), default=None,
-                    help="device KV manager of both servers: vllm (vLLM's own; the connector is compared "
-                         "with plain vLLM) or kvslots (scheduler mode). Default: vllm, and then nothing is "
-                         "passed to kvslots serve; when given, passed as kvslots serve --slot-manager")
+    ap.add_argument("--slot-manager", choices=("kvslots", "vllm"), default="vllm",
+                    help="device KV manager of both servers, passed as kvslots serve --slot-manager: "
+                         "vllm (default: vLLM's own; the connector is compared with plain vLLM) or "
+                         "kvslots (scheduler mode)")
     ap.add_argument("--max-num-seqs", type=int, default=16)
     ap.add_argument("--host-cache-gb", type=float, default=1.0)
     ap.add_argument("--model-root", default="/tmp/kvslots-served-models")
@@ -395,7 +392,7 @@ def main() -> None:
     logdir = args.logdir or tempfile.mkdtemp(prefix="kvslots-served-")
     os.makedirs(logdir, exist_ok=True)
     out: dict = {"runs": {}, "summary": {}, "uptime_before": _uptime(),
-                 "slot_manager": args.slot_manager or "vllm"}
+                 "slot_manager": args.slot_manager}
     print(f"bench_served: slot manager {out['slot_manager']}; logs in {logdir}; load before: {out['uptime_before']}",
           flush=True)
     for name in args.models.split(","):

@@ -90,7 +90,7 @@ def test_summary_pairs_rounds_by_seed(tmp_path):
     json.loads(a.read_text())
 
 
-def test_slot_manager_is_passed_only_when_given(tmp_path, monkeypatch):
+def test_slot_manager_is_always_passed(tmp_path, monkeypatch):
     started = []
 
     class FakePopen:
@@ -100,16 +100,13 @@ def test_slot_manager_is_passed_only_when_given(tmp_path, monkeypatch):
     monkeypatch.setattr(bs.subprocess, "Popen", FakePopen)
     models = {"target": "/m/t", "eagle": "/m/e"}
     base = dict(host_cache_gb=1.0, max_num_seqs=16, env=None, env_none=None, env_kvslots=None, profile=None)
-    for given, mode in ((None, "none"), (None, "kvslots"), ("vllm", "kvslots"), ("kvslots", "none")):
+    for given, mode in (("vllm", "none"), ("vllm", "kvslots"), ("kvslots", "kvslots"), ("kvslots", "none")):
         args = argparse.Namespace(slot_manager=given, **base)
         bs.Server(models, mode, args, str(tmp_path / "log"))
         cmd = started[-1]
         serve_args = cmd[: cmd.index("--")]
-        if given is None:
-            assert "--slot-manager" not in cmd
-        else:
-            i = serve_args.index("--slot-manager")
-            assert serve_args[i + 1] == given
+        i = serve_args.index("--slot-manager")
+        assert serve_args[i + 1] == given
         assert ("--no-connector" in serve_args) == (mode == "none")
     monkeypatch.setattr(sys, "argv", ["bench_served.py", "--slot-manager", "bogus"])
     with pytest.raises(SystemExit) as e:
