@@ -880,7 +880,8 @@ def test_serve_end_to_end(models, tmp_path):
 
     port, events_port = free_port(), free_port()
     argv = e2e_argv(models, port, events_port)
-    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", HF_HUB_OFFLINE="1",
+    # Unbuffered: the log lines asserted below must be in the file when the server is up.
+    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1",
                PYTHONPATH=os.pathsep.join(p for p in [PKG_ROOT, os.environ.get("PYTHONPATH")] if p))
     log = open(tmp_path / "serve.log", "w+")
     ctx = zmq.Context.instance()
@@ -912,8 +913,16 @@ def test_serve_end_to_end(models, tmp_path):
         assert shlex.split(cmd_line)[1:3] == ["-m", VLLM_SERVER_MODULE]
         # Scheduler mode by default: vLLM loaded kvslots' scheduler class (and says so).
         assert flag(shlex.split(cmd_line), "--scheduler-cls") == "kvslots.vllm.KVSlotsScheduler"
-        log.flush()
-        assert "Using custom scheduler class kvslots.vllm.KVSlotsScheduler" in (tmp_path / "serve.log").read_text(), tail()
+        # The engine core says so (its line may come a little after /health).
+        want = ("Using custom scheduler class kvslots.vllm.KVSlotsScheduler",)
+        deadline = time.time() + 30
+        def said() -> bool:
+            log.flush()
+            text = (tmp_path / "serve.log").read_text()
+            return all(w in text for w in want)
+        while not said() and time.time() < deadline:
+            time.sleep(0.5)
+        assert said(), tail()
 
         prompt = " ".join(WORDS * 3)  # > 3 blocks of 32 tokens
         for _ in range(2):  # the repeat hits the device prefix cache; its steps complete the host stores
