@@ -6,7 +6,7 @@ VENV033 ?= .venv-033
 PY033 := $(VENV033)/bin/python
 # What runs against vLLM 0.33 as well: the scheduler-level connector tests, the events and
 # indexer tests that touch vLLM's event classes, and scheduler mode (fewer examples: the 0.32 run
-# already does 100 per test). Engine-level tests run against 0.32 only (the newest CPU build).
+# already does 300 per test). Engine-level tests run against 0.32 only (the newest CPU build).
 TESTS_033 := tests/test_vllm033_compat.py tests/test_connector_scheduler.py tests/test_events_vllm.py tests/test_vllm033_lookahead.py \
 	tests/test_scheduler_mode_manager.py tests/test_scheduler_mode_differential.py
 SCHED_EXAMPLES_033 ?= 5
