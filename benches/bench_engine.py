@@ -12,7 +12,7 @@
   pool     building a pool of 1M blocks, vs vLLM's BlockPool of 1M blocks   target: < 10 ms
   rss      RSS over 1M request lifecycles (create / reserve / commit / finish)  target: flat
 
-  PYTHONPATH=python /work/main/.venv/bin/python benches/bench_engine.py [--quick] [--no-cargo]
+  PYTHONPATH=python .venv/bin/python benches/bench_engine.py [--quick] [--no-cargo]
 
 Without vLLM importable the vLLM columns are skipped. --no-cargo reads criterion's last results
 (target/criterion) instead of running `cargo bench`.

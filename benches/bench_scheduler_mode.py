@@ -30,7 +30,7 @@ manager, side by side in one run.
             --pool-repeats times; wall clock and CPU time), fresh and after every block has been
             allocated, registered and freed once (first repeat).
 
-    PYTHONPATH=python /work/main/.venv/bin/python benches/bench_scheduler_mode.py [step|call|capacity|pool|all]
+    PYTHONPATH=python .venv/bin/python benches/bench_scheduler_mode.py [step|call|capacity|pool|all]
         [--batch 256] [--steps 40] [--repeats 7] [--json FILE]
 """
 

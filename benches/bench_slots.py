@@ -28,7 +28,7 @@ objects, which also hashes their prompts, the trace's numpy arrays -- is outside
              blocks, num_lookahead_tokens=K); take_events() with --events publish.
 
 Run with vLLM's interpreter so (d) is measured:
-  PYTHONPATH=python /work/main/.venv/bin/python benches/bench_slots.py --quick
+  PYTHONPATH=python .venv/bin/python benches/bench_slots.py --quick
 """
 
 from __future__ import annotations
