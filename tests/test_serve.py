@@ -880,8 +880,10 @@ def test_serve_end_to_end(models, tmp_path):
 
     port, events_port = free_port(), free_port()
     argv = e2e_argv(models, port, events_port)
-    # Unbuffered: the log lines asserted below must be in the file when the server is up.
+    # Unbuffered, at vLLM's default level (other test modules lower it in this process): the log
+    # lines asserted below must be in the file when the server is up.
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1",
+               VLLM_LOGGING_LEVEL="INFO",
                PYTHONPATH=os.pathsep.join(p for p in [PKG_ROOT, os.environ.get("PYTHONPATH")] if p))
     log = open(tmp_path / "serve.log", "w+")
     ctx = zmq.Context.instance()
