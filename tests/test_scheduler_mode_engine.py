@@ -8,14 +8,20 @@ the repeat served from the host tier after a device reset.
 
 One process per mode (tests/sched_engine_run.py) runs its engines in turn (n-gram: one process
 per engine, vLLM 0.32 on CPU cannot build a second n-gram engine in a process).
+
+A model scheduler mode refuses (a sliding-window layer) stops the engine at start-up with the
+error that names the feature and says to use ``--slot-manager vllm``.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -95,3 +101,65 @@ def test_dynamic_speculative_decoding_lookahead_in_the_engine(models_dir):
     assert ours["outputs"] == base["outputs"]
     assert ours["metrics"] == base["metrics"]
     assert ours["pool_whole"]
+
+
+_START = """
+import sys
+
+
+def main():
+    from vllm import LLM
+
+    LLM(model=sys.argv[1], dtype="float32", block_size=32, max_model_len=512, max_num_seqs=2,
+        enforce_eager=True, distributed_executor_backend="uni",
+        scheduler_cls="kvslots.vllm.KVSlotsScheduler")
+    print("ENGINE STARTED", flush=True)
+
+
+if __name__ == "__main__":
+    main()
+"""
+
+
+def test_refused_feature_stops_the_engine_at_start_up(models_dir, tmp_path):
+    """The tiny target with its first layer made sliding-window (two KV cache groups, a hybrid
+    model) in vLLM's real engine, its engine core in a process of its own as ``vllm serve`` runs
+    it, with the kvslots scheduler: start-up fails with the SchedulerModeError that names the
+    feature and says to use ``--slot-manager vllm``, without hanging, and leaves no process."""
+    from kvslots._dev.tiny import build_tiny_models
+
+    model = tmp_path / "sliding"
+    shutil.copytree(build_tiny_models(models_dir)["target"], model)
+    cfg = json.loads((model / "config.json").read_text())
+    cfg["layer_types"] = ["sliding_attention"] + ["full_attention"] * (cfg["num_hidden_layers"] - 1)
+    cfg["sliding_window"] = 64
+    (model / "config.json").write_text(json.dumps(cfg))
+    script = tmp_path / "start_engine.py"
+    script.write_text(_START)
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_LOGGING_LEVEL": "INFO"}
+    env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
+    # A session of its own: every process the engine starts is in its process group.
+    proc = subprocess.Popen([sys.executable, str(script), str(model)], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=600)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        pytest.fail("the engine hung at start-up")
+    assert "ENGINE STARTED" not in out and proc.returncode != 0, out[-4000:]
+    refusals = [line for line in out.splitlines() if "SchedulerModeError:" in line]
+    assert refusals, f"no SchedulerModeError in the engine's output:\n{out[-4000:]}"
+    assert all("2 KV cache groups" in line and "SlidingWindowSpec" in line
+               and "use --slot-manager vllm" in line for line in refusals), refusals
+    # The engine core and its worker went with the front end.
+    deadline = time.monotonic() + 15
+    while True:
+        try:
+            os.killpg(proc.pid, 0)
+        except ProcessLookupError:
+            break
+        if time.monotonic() > deadline:
+            os.killpg(proc.pid, signal.SIGKILL)
+            pytest.fail("the failed engine left processes behind")
+        time.sleep(0.2)

@@ -195,10 +195,6 @@ pub struct AllocArgs {
     /// Reserve the lookahead blocks instead of allocating them; see
     /// [`DeviceAllocator::materialize_lookahead`].
     pub defer_lookahead: bool,
-    /// The request is being admitted (waiting or preempted, not running): its fit check counts
-    /// the lookahead deferred requests did not take as held, as vLLM would hold it, so that
-    /// holding fewer blocks never admits more requests than vLLM (which would preempt more).
-    pub admission: bool,
     pub max_model_len: usize,
     /// Blocks to leave free for others (vLLM's `reserved_blocks`).
     pub reserved_blocks: usize,
@@ -267,7 +263,8 @@ pub struct DeviceAllocator {
     /// Lookahead blocks reserved by requests this step.
     step_reserved: usize,
     /// Blocks vLLM would hold and this allocator does not (deferred lookahead for a smaller K):
-    /// the sum of the requests' `shadow - blocks.len()`. Admissions count them as held.
+    /// the sum of the requests' `shadow - blocks.len()`. Every fit check counts the other
+    /// requests' debt as held (see [`DeviceAllocator::allocate`]).
     debt: usize,
     /// Holds handed out by [`DeviceAllocator::pop_blocks`] and not released yet.
     parked: FxHashMap<BlockId, u32>,
@@ -621,11 +618,19 @@ impl DeviceAllocator {
         };
         let num_local = a.num_computed_tokens + a.num_hit_blocks * bs;
         let total_computed = (num_local + a.num_external_tokens).min(a.max_model_len);
-        let held_back = if a.admission {
-            self.debt.max(self.step_reserved)
-        } else {
-            self.step_reserved
-        };
+        // The lookahead other requests hold in vLLM's manager and not here (their debt) is held
+        // for this fit check, as it is in vLLM: a request grows into its own debt only (vLLM's
+        // table already has those blocks). So a request fits exactly where it would fit over
+        // vLLM's manager from the same state, admissions and running requests alike. Letting
+        // running requests grow into the others' debt avoids a preemption at that step, but
+        // changes the schedule's shape (a smaller batch gets a larger K, an async step runs
+        // where vLLM's waits for deferred frees), and summed over workloads that preempted
+        // more often than vLLM (tests/test_scheduler_mode_differential.py).
+        let (own_debt, own_reserved) = slot.map_or((0, 0), |s| {
+            let r = &self.slots[s];
+            (r.shadow.saturating_sub(r.blocks.len()), r.reserved)
+        });
+        let held_back = (self.debt - own_debt).max(self.step_reserved - own_reserved);
         let free = self.pool.available().saturating_sub(held_back);
         if let Some(full_tokens) = a.full_sequence_tokens {
             if to_allocate(full_tokens) + a.watermark_blocks > free {

@@ -436,29 +436,21 @@ impl DeviceKVManager {
             "request.num_computed_tokens",
             rid,
         )?;
-        let (watermark_blocks, defer_mode) = {
-            let this = borrow(slf)?;
-            (this.watermark_blocks, this.defer_lookahead)
-        };
+        let watermark_blocks = borrow(slf)?.watermark_blocks;
         let mut watermark = 0;
-        let mut admission = false;
-        if (watermark_blocks > 0 && scheduled) || defer_mode {
+        if watermark_blocks > 0 && scheduled {
             let statuses: Vec<Py<PyAny>> = borrow(slf)?
                 .watermark_statuses
                 .iter()
                 .map(|s| s.clone_ref(py))
                 .collect();
-            // Waiting and preempted requests: vLLM's watermark applies, and with deferred
-            // lookahead they are admitted as vLLM would admit them.
+            // Waiting and preempted requests: vLLM's watermark applies.
             let status = request.getattr(intern!(py, "status"))?;
             for s in &statuses {
                 if status.eq(s.bind(py))? {
-                    admission = true;
+                    watermark = watermark_blocks;
                     break;
                 }
-            }
-            if admission && scheduled {
-                watermark = watermark_blocks;
             }
         }
         let hashes = RequestHashes::of(request, rid)?;
@@ -487,7 +479,6 @@ impl DeviceKVManager {
             num_external_tokens: external,
             num_lookahead_tokens: lookahead,
             defer_lookahead: defer,
-            admission,
             max_model_len: this.max_model_len,
             reserved_blocks: reserved,
             watermark_blocks: watermark,

@@ -305,9 +305,22 @@ fn deferred_lookahead_is_reserved_then_materialised_for_the_step_k() {
         a.materialize_lookahead("a", 9).is_err(),
         "nothing reserved any more"
     );
-    a.allocate("c", &args(0, 0, 4), &[FullHash::EMPTY; 0][..])
+    // vLLM's manager would still hold a's second block (its lookahead for K = 5): a debt,
+    // held for every other request's fit check, so "c" does not take the last free block...
+    assert_eq!(a.num_debt_blocks(), 1);
+    assert_eq!(a.num_free_blocks(), 1);
+    assert_eq!(
+        a.allocate("c", &args(0, 0, 4), &[FullHash::EMPTY; 0][..])
+            .unwrap(),
+        None
+    );
+    // ... while "a" grows into its own debt, as into the block vLLM's table already has.
+    let r = a
+        .allocate("a", &args(2, 3, 4), &[FullHash::EMPTY; 0][..])
         .unwrap()
         .unwrap();
+    assert_eq!(r.new_blocks, 1..2);
+    assert_eq!(a.num_debt_blocks(), 0);
     a.check().unwrap();
     // A request freed while reserving gives its reservation back.
     a.free("b");
