@@ -368,6 +368,14 @@ class ConnectorPlanner:
         data_parallel_rank: int | None = None,
         hashes_as_bytes: bool = False,
     ) -> bytes: ...
+    def drain_events_msgpack(
+        self,
+        ts: float,
+        medium: str | None = ...,
+        data_parallel_rank: int | None = None,
+        hashes_as_bytes: bool = False,
+    ) -> bytes:
+        """Like ``events_msgpack``, then empties the queue."""
     def discard_events(self) -> int: ...
 
 # ---- prefix index of `kvslots indexer` ----

@@ -104,6 +104,9 @@ struct Hot {
     /// While prefilling: num_computed + scheduled at its last scheduled step, the most positions
     /// whose KV that step can have written (usize::MAX once decoding: vLLM's count is exact).
     computed_hi: usize,
+    /// Once decoding: the request cannot be a store candidate while the planner's scheduled-token
+    /// sum (`ConnectorPlanner::cum`) is below this, so its computed count need not be read.
+    read_at: u64,
 }
 
 #[derive(Debug, Clone, Default)]
@@ -143,6 +146,9 @@ pub struct ConnectorPlanner {
     out_host: Vec<BlockId>,
     scratch: Vec<(usize, BlockId)>,
     succ: Vec<u32>,
+    /// The sum over built steps of the most tokens any request was scheduled in that step: a
+    /// request's computed count grows by at most this much between two steps.
+    cum: u64,
     stats: PlannerStats,
 }
 
@@ -174,6 +180,7 @@ impl ConnectorPlanner {
             out_host: Vec::new(),
             scratch: Vec::new(),
             succ: Vec::new(),
+            cum: 0,
             stats: PlannerStats::default(),
         })
     }
@@ -256,6 +263,7 @@ impl ConnectorPlanner {
             store_at: self.cfg.block_size,
             first_step: next_step,
             computed_hi: 0,
+            read_at: 0,
         };
         let r = &mut self.reqs[slot as usize];
         r.id.clear();
@@ -415,6 +423,11 @@ impl ConnectorPlanner {
             h.computed_hi = usize::MAX;
         }
         let candidate = !first && h.first_step != step && num_computed >= h.store_at;
+        // Its computed count grows by at most the step's largest scheduled count per step: no
+        // need to read it again before the sum of those reaches the next block's end.
+        h.read_at = self
+            .cum
+            .saturating_add(h.store_at.saturating_sub(num_computed) as u64);
         if replace || !new_blocks.is_empty() || bad_tail.is_some() {
             let r = &mut self.reqs[slot as usize];
             if replace {
@@ -433,6 +446,32 @@ impl ConnectorPlanner {
             self.stats.checked += 1;
         }
         candidate
+    }
+
+    /// Whether a scheduled request can be mirrored without its computed count: it is decoding
+    /// and cannot have a new full block yet (then [`Self::append_blocks`] replaces
+    /// [`Self::mirror`]; it is not a candidate). Exact: never true of a would-be candidate,
+    /// given [`Self::note_max_scheduled`] after each step's mirroring.
+    #[inline]
+    pub fn skippable(&self, slot: ReqSlot) -> bool {
+        let h = &self.hot[slot as usize];
+        h.computed_hi == usize::MAX && self.cum < h.read_at
+    }
+
+    /// Appends the device blocks vLLM gave a [`Self::skippable`] request this step.
+    #[inline]
+    pub fn append_blocks(&mut self, slot: ReqSlot, new_blocks: &[BlockId]) {
+        if !new_blocks.is_empty() {
+            self.reqs[slot as usize]
+                .blocks
+                .extend_from_slice(new_blocks);
+        }
+    }
+
+    /// The most tokens vLLM scheduled for any one request in the step being built (call once
+    /// per step, after the mirroring): bounds how far computed counts can move by the next.
+    pub fn note_max_scheduled(&mut self, max_scheduled: usize) {
+        self.cum = self.cum.saturating_add(max_scheduled as u64);
     }
 
     /// The blocks `(lo, hi)` of a request that may be stored now: full of `verified` tokens,

@@ -125,6 +125,16 @@ fn token_at(seq: &Bound<'_, PyAny>, j: usize) -> PyResult<u32> {
     seq.get_item(j)?.extract::<u32>()
 }
 
+/// A token read that is not a u32 (a pending Python error, e.g. not an int, is replaced).
+#[cold]
+fn token_error(py: Python<'_>, v: i64, j: usize, len: usize) -> PyErr {
+    let _ = PyErr::take(py);
+    invalid(
+        None,
+        format!("token id {v} at position {j} of {len} is not a token id (an int in 0..2**32)"),
+    )
+}
+
 /// The request's tokens as a sequence: vLLM's plain list behind the read-only view if present.
 fn tokens_of<'py>(req: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyAny>> {
     let py = req.py();
@@ -132,6 +142,42 @@ fn tokens_of<'py>(req: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyAny>> {
         Ok(t) => Ok(t),
         Err(_) => req.getattr(intern!(py, "all_token_ids")),
     }
+}
+
+/// Item `i` of a list, borrowed (no reference count change: the object is not touched).
+#[inline]
+fn borrowed_item(list: &Bound<'_, PyList>, i: usize) -> PyResult<*mut pyo3::ffi::PyObject> {
+    // SAFETY: the list is alive and the GIL held; PyList_GetItem checks the index.
+    let p = unsafe { pyo3::ffi::PyList_GetItem(list.as_ptr(), i as pyo3::ffi::Py_ssize_t) };
+    if p.is_null() {
+        return Err(PyErr::fetch(list.py()));
+    }
+    Ok(p)
+}
+
+/// The largest value of vLLM's `num_scheduled_tokens` (0 if empty), read without touching its
+/// keys (the values of a decoding batch are small cached ints).
+fn max_scheduled(scheduled: &Bound<'_, PyDict>) -> PyResult<usize> {
+    let mut pos: pyo3::ffi::Py_ssize_t = 0;
+    let mut key: *mut pyo3::ffi::PyObject = std::ptr::null_mut();
+    let mut value: *mut pyo3::ffi::PyObject = std::ptr::null_mut();
+    let mut max = 0usize;
+    // SAFETY: the dict is alive and the GIL held; nothing here runs Python code that could
+    // mutate it; key and value are borrowed and only read.
+    unsafe {
+        while pyo3::ffi::PyDict_Next(scheduled.as_ptr(), &mut pos, &mut key, &mut value) != 0 {
+            let v = pyo3::ffi::PyLong_AsSsize_t(value);
+            if v < 0 {
+                let _ = PyErr::take(scheduled.py());
+                return Err(invalid(
+                    None,
+                    "num_scheduled_tokens: every value must be a non-negative int".to_owned(),
+                ));
+            }
+            max = max.max(v as usize);
+        }
+    }
+    Ok(max)
 }
 
 fn usize_attr(obj: &Bound<'_, PyAny>, name: &Bound<'_, PyString>) -> PyResult<usize> {
@@ -256,8 +302,21 @@ impl ConnectorPlanner {
                     format!("{} tokens asked, the request has {}", hi * bs, list.len()),
                 ));
             }
+            // One pass over the list's items, borrowed.
             for j in lo * bs..hi * bs {
-                self.tokens.push(token_at(seq, j)?);
+                let v = unsafe {
+                    // SAFETY: the list is alive and the GIL held; j < hi * bs <= len was checked
+                    // and nothing in this loop runs Python code; the item is borrowed and read.
+                    let item = pyo3::ffi::PyList_GetItem(list.as_ptr(), j as pyo3::ffi::Py_ssize_t);
+                    if item.is_null() {
+                        return Err(PyErr::fetch(seq.py()));
+                    }
+                    pyo3::ffi::PyLong_AsLongLong(item)
+                };
+                match u32::try_from(v) {
+                    Ok(t) => self.tokens.push(t),
+                    Err(_) => return Err(token_error(seq.py(), v, j, list.len())),
+                }
             }
         } else {
             for j in lo * bs..hi * bs {
@@ -379,17 +438,34 @@ impl ConnectorPlanner {
         let resumed = resumed.cast::<PySet>().ok();
         let mut due = std::mem::take(&mut self.due);
         due.clear();
-        for (i, rid_obj) in req_ids.iter().enumerate() {
-            let Some(slot) = self.slot_of_id(&rid_obj)? else {
-                continue;
+        let any_resumed = resumed.as_ref().is_some_and(|s| !s.is_empty());
+        // Items are read borrowed and by address: a decoding request that cannot have filled a
+        // block touches neither its id string nor its computed count (memory the scheduler's
+        // own work has mostly evicted by now), only the None of its new block ids.
+        let n_cached = req_ids.len();
+        for i in 0..n_cached {
+            let rid_ptr = borrowed_item(req_ids, i)?;
+            let slot = match self.by_ptr.get(&(rid_ptr as usize)) {
+                Some(&s) => s,
+                None => {
+                    // SAFETY: a live item of the list, which the GIL keeps alive.
+                    let rid_obj = unsafe { Bound::from_borrowed_ptr(py, rid_ptr) };
+                    match self.slot_of_id(&rid_obj)? {
+                        Some(s) => s,
+                        None => continue,
+                    }
+                }
             };
-            let is_resumed = match &resumed {
-                Some(s) if !s.is_empty() => s.contains(&rid_obj)?,
-                _ => false,
+            let nb_ptr = borrowed_item(new_block_ids, i)?;
+            let is_resumed = any_resumed && {
+                // SAFETY: as above.
+                let rid_obj = unsafe { Bound::from_borrowed_ptr(py, rid_ptr) };
+                resumed.as_ref().expect("any_resumed").contains(&rid_obj)?
             };
             self.blocks.clear();
-            let nb = new_block_ids.get_item(i)?;
-            if !nb.is_none() {
+            if nb_ptr != unsafe { pyo3::ffi::Py_None() } {
+                // SAFETY: as above.
+                let nb = unsafe { Bound::from_borrowed_ptr(py, nb_ptr) };
                 let group = nb
                     .cast::<PyTuple>()
                     .map(|t| t.get_item(0))
@@ -403,9 +479,15 @@ impl ConnectorPlanner {
                     self.blocks.extend_from_slice(d.as_slice());
                 }
             }
+            if !is_resumed && self.inner.skippable(slot) {
+                self.inner.append_blocks(slot, &self.blocks);
+                continue;
+            }
             let nc = computed.get_item(i)?.extract::<usize>()?;
             // The scheduled count matters only while prefilling (chunk ends, preemption).
             let sched = if self.inner.prefilling(slot, nc) {
+                // SAFETY: as above.
+                let rid_obj = unsafe { Bound::from_borrowed_ptr(py, rid_ptr) };
                 Some(
                     scheduled
                         .get_item(&rid_obj)?
@@ -423,6 +505,7 @@ impl ConnectorPlanner {
             }
             self.blocks = blocks;
         }
+        self.inner.note_max_scheduled(max_scheduled(scheduled)?);
 
         // The candidates (a block may have filled): only they are read further.
         let mut failed: Option<PyErr> = None;
@@ -814,6 +897,27 @@ impl ConnectorPlanner {
             &mut this.wire,
             args.meta(),
         )
+    }
+    /// Like ``events_msgpack``, then empties the queue (one call per step for the connector).
+    #[pyo3(signature = (ts, medium=Some("CPU".to_owned()), data_parallel_rank=None, hashes_as_bytes=false))]
+    fn drain_events_msgpack<'py>(
+        slf: &Bound<'py, Self>,
+        ts: &Bound<'py, PyAny>,
+        #[pyo3(from_py_with = arg::medium)] medium: Option<String>,
+        data_parallel_rank: Option<&Bound<'py, PyAny>>,
+        #[pyo3(from_py_with = arg::hashes_as_bytes)] hashes_as_bytes: bool,
+    ) -> PyResult<Bound<'py, PyBytes>> {
+        let args = MetaArgs::extract(ts, medium.as_deref(), data_parallel_rank, hashes_as_bytes)?;
+        let mut this = borrow_mut(slf)?;
+        let this = &mut *this;
+        let out = log_to_msgpack(
+            slf.py(),
+            this.inner.cache().events(),
+            &mut this.wire,
+            args.meta(),
+        )?;
+        this.inner.cache_mut().events_mut().clear();
+        Ok(out)
     }
     /// Drops the queued events (nobody reads them); returns how many there were.
     fn discard_events(slf: &Bound<'_, Self>) -> PyResult<usize> {

@@ -215,7 +215,7 @@ class KVSlotsConnector(KVConnectorBase_V1):
         # vLLM's stream (--kv-events-config): vLLM merges these into its own batches. msgspec
         # decodes the core's msgpack straight into vLLM's event structs: no per-event Python.
         if payload is None:
-            payload = host.events_msgpack(0.0, MEDIUM_CPU, None)
+            return _decode_events(host.drain_events_msgpack(0.0, MEDIUM_CPU, None))  # one call
         host.discard_events()
         return _decode_events(payload)
 

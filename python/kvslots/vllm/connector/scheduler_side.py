@@ -106,12 +106,13 @@ class SchedulerSide:
 
     def complete(self, meta: KVSlotsWorkerMetadata | None) -> None:
         """Applies the workers' reports: a step's copies are done once every rank acked it."""
-        if meta is None:
+        if meta is None or not meta.acks:
             return
+        failed_stores, failed_loads = meta.failed_store_host_blocks, meta.failed_loads
         for step, n in meta.acks.items():
-            failed = meta.failed_store_host_blocks.get(step)
-            self.planner.complete(step, n, sorted(failed) if failed else [],
-                                  len(meta.failed_loads.get(step, ())))
+            failed = failed_stores.get(step) if failed_stores else None
+            self.planner.complete(step, n, sorted(failed) if failed else None,
+                                  len(failed_loads[step]) if failed_loads and step in failed_loads else 0)
 
     def has_pending_work(self) -> bool:
         return self.planner.has_pending_work()
