@@ -115,6 +115,20 @@ impl DiskIndex {
         let s = borrow(slf)?.inner.successor(h);
         Ok((s != core::NO_SUCCESSOR).then_some(s))
     }
+    /// What a stored block's record carries: (token ids, successor or None, parent hash or
+    /// None, LoRA id or None); None if the hash is not stored.
+    #[allow(clippy::type_complexity)]
+    fn block_meta(
+        slf: &Bound<'_, Self>,
+        block_hash: &Bound<'_, PyAny>,
+    ) -> PyResult<Option<(Vec<u32>, Option<u32>, Option<u64>, Option<u64>)>> {
+        let h = int::<u64>(block_hash, "block_hash", None)?;
+        let this = borrow(slf)?;
+        Ok(this.inner.lookup(h).and_then(|s| this.inner.meta(s)).map(|m| {
+            let succ = (m.successor != core::NO_SUCCESSOR).then_some(m.successor);
+            (m.tokens.clone(), succ, m.parent, m.lora)
+        }))
+    }
     fn begin_read(slf: &Bound<'_, Self>, block_hashes: &Bound<'_, PyAny>) -> PyResult<Vec<u32>> {
         let h = IntArg::<u64>::extract(block_hashes, "block_hashes", None)?;
         borrow_mut(slf)?.inner.begin_read(h.as_slice()).map_err(slot_error)
@@ -387,6 +401,11 @@ impl DiskStore {
         }
         self.writer.invalidate(s);
         Ok(())
+    }
+    /// Queues dropping every record (the header stays): after a prefix-cache reset nothing
+    /// written before it may be found again, not even after a restart.
+    fn wipe(&self) {
+        self.writer.wipe();
     }
     /// Waits until every queued write is on disk.
     fn flush(&self, py: Python<'_>) {
