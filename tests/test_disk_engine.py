@@ -49,6 +49,9 @@ def test_disk_tier_serves_hits_survives_a_restart_and_recomputes_a_corrupt_block
     assert fill["disk_hit_tokens"] == 2 * FULL_BLOCKS * 32 and fill["host_hit_tokens"] == 0
     assert disk_source(fill) == fill["disk_hit_tokens"], "vLLM counts them under source 'disk'"
     assert fill["disk_stats"]["disk_worker_bytes_written"] > 0 and fill["warnings"] == []
+    # Per-tier figures on vLLM's own metrics (KVSlotsConnector.build_prom_metrics).
+    cap = {k: v for k, v in fill["tier_metrics"].items() if k.startswith("vllm:kvslots_tier_capacity_blocks")}
+    assert sorted(cap.values()) == [16, 256], fill["tier_metrics"]
 
     again = run(models_dir, disk, "restart")
     # Blocks a hit moved up to the host tier left the index, but their records stay readable

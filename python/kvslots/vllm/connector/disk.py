@@ -218,7 +218,7 @@ class DiskScheduler:
 
     def reset(self) -> int:
         """The prefix cache was reset (the weights may change): every block leaves the tier
-        (``AllBlocksCleared``, medium ``STORAGE``), the workers wipe the file (nothing comes
+        (one ``BlockRemoved``, medium ``STORAGE``: ``AllBlocksCleared`` carries no medium), the workers wipe the file (nothing comes
         back after a restart), writes and reads under way register and promote nothing."""
         n = self.index.clear()
         self._stale_writes.update(self._writing)
