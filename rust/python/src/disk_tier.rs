@@ -105,6 +105,12 @@ impl DiskIndex {
         let h = int::<u64>(block_hash, "block_hash", None)?;
         Ok(borrow(slf)?.inner.contains(h))
     }
+    /// Of `block_hashes`, those stored or being written (in order).
+    fn held(slf: &Bound<'_, Self>, block_hashes: &Bound<'_, PyAny>) -> PyResult<Vec<u64>> {
+        let h = IntArg::<u64>::extract(block_hashes, "block_hashes", None)?;
+        let this = borrow(slf)?;
+        Ok(h.as_slice().iter().copied().filter(|&x| this.inner.holds(x)).collect())
+    }
     fn lookup(slf: &Bound<'_, Self>, block_hash: &Bound<'_, PyAny>) -> PyResult<Option<u32>> {
         let h = int::<u64>(block_hash, "block_hash", None)?;
         Ok(borrow(slf)?.inner.lookup(h))

@@ -301,7 +301,9 @@ class DiskScheduler:
         tier (moved up by a hit, or stored again from the device) leaves the disk tier
         (``BlockRemoved``, medium ``STORAGE``) once no read pins it and its write is done. If
         the host tier evicts it first, the disk copy is its only one and stays."""
-        self._leaving.update(self.planner.take_registered())
+        registered = self.planner.take_registered()
+        if registered:  # one call filters them: most were never on disk
+            self._leaving.update(self.index.held(registered))
         if not self._leaving:
             return
         writing = set(self._writing.values())
