@@ -308,7 +308,7 @@ class KVSlotsConnector(KVConnectorBase_V1):
             self._disk_worker.start(meta.disk)  # async: finished in get_finished
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        if self._disk_worker is None or not self._disk_worker.num_pending:
+        if self._disk_worker is None or self._worker is None or not self._disk_worker.num_pending:
             return None, None
         # Disk reads done since the last step: copied to the device here, at the step boundary,
         # their failed blocks reported by get_block_ids_with_load_errors in this same pass.

@@ -403,7 +403,7 @@ class DiskWorker:
             got = self.store.read_rows([ld.slots[i] for i in up], [ld.hashes[i] for i in up], self.host_np,
                                        [ld.host_blocks[i] for i in up])
             bad += [(up[j], why) for j, why in got]
-        if own:
+        if rows is not None:
             got = self.store.read_rows([ld.slots[i] for i in own], [ld.hashes[i] for i in own], rows,
                                        list(range(len(own))))
             bad += [(own[j], why) for j, why in got]

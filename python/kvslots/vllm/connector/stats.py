@@ -80,7 +80,8 @@ class KVSlotsPromMetrics(KVConnectorPromMetrics):
                  per_engine_labelvalues: dict[int, list[object]]) -> None:
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
         names = labelnames + ["tier"]
-        self._gauges = {n: self._gauge_cls(name=f"vllm:kvslots_tier_{n}", documentation=doc, labelnames=names,
+        gauge: Any = self._gauge_cls  # vLLM's (multiprocess-aware) Gauge class
+        self._gauges = {n: gauge(name=f"vllm:kvslots_tier_{n}", documentation=doc, labelnames=names,
                                            multiprocess_mode="mostrecent") for n, doc in GAUGES.items()}
         self._counters = {n: self._counter_cls(name=f"vllm:kvslots_tier_{n}", documentation=doc, labelnames=names)
                           for n, doc in COUNTERS.items()}
