@@ -196,3 +196,16 @@ def test_a_connector_reset_clears_the_disk_tier_and_its_file(plain_cfg, tmp_path
     so = h.step()
     assert so.num_scheduled_tokens.get("a2") == PROMPT, "no hit left: computed in full"
     assert a2.status == RequestStatus.RUNNING
+
+
+def test_after_a_wake_up_the_disk_worker_uses_the_new_host_region(plain_cfg, tmp_path):
+    import numpy as np
+
+    h = disk_harness(plain_cfg, tmp_path)
+    w = h.workers[0]
+    old = w._disk_worker.host_np
+    w.unregister_kv_caches()
+    w.restore_kv_caches()
+    assert w._disk_worker.copier is w._worker.copier
+    new = w._worker.copier.host.numpy()
+    assert np.shares_memory(w._disk_worker.host_np, new) and not np.shares_memory(old, new)

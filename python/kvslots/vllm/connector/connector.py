@@ -288,6 +288,10 @@ class KVSlotsConnector(KVConnectorBase_V1):
     def restore_kv_caches(self) -> None:
         if self._worker is not None:
             self._worker.restore_kv_caches()
+            if self._disk_worker is not None and self._worker.copier is not None:
+                # The host region is new: spills and disk reads must use it, not the old one.
+                self._disk_worker.register(self._worker._kv_caches or {}, self._worker.copier,
+                                           self._worker.num_device_blocks, self.config.copy_threads)
 
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
         # vLLM calls this at the start of every step, before the forward: the step's stores run
