@@ -99,6 +99,8 @@ def main() -> None:
     result["corrupted"] = len(done) if spec["phase"] == "corrupt" else None
     result["by_source"] = {str(getattr(m, "labels", {})): getattr(m, "value", None) for m in llm.get_metrics()
                            if "cached_by_source" in m.name}
+    result["tier_metrics"] = {f"{m.name}{sorted(getattr(m, 'labels', {}).items())}": getattr(m, "value", None)
+                              for m in llm.get_metrics() if "kvslots_tier" in m.name}
     print("RESULT " + json.dumps(result), flush=True)
 
 

@@ -275,3 +275,32 @@ def test_disk_index_agrees_with_the_reference_model(cap: int, ops: list) -> None
         assert idx.num_stored == len(m.lru) and idx.num_writing == len(m.writing)
         assert idx.match_prefix(m.lru) == len(m.lru)
         assert idx.check_invariants() is None
+
+
+def test_read_rows_lands_each_block_in_its_row_across_reader_threads(tmp_path: Path) -> None:
+    from kvslots.errors import KVSlotsError
+
+    s = store(tmp_path / "tier.kvs", n=16)
+    for slot in range(12):
+        write(s, slot, 100 + slot)
+    s.flush()
+    s.take_done()
+    out = np.zeros((20, BPB), np.uint8)
+    rows = [19, 0, 7, 3, 12, 5, 1, 16, 9, 2, 18, 4]
+    assert s.read_rows(list(range(12)), [100 + i for i in range(12)], out, rows) == []
+    for slot, r in enumerate(rows):
+        assert (out[r] == block(100 + slot)).all()
+    assert not out[[6, 8, 10, 11, 13, 14, 15, 17]].any(), "other rows untouched"
+    # A wrong hash is reported with its index, wherever its row is; the others still land.
+    out[:] = 0
+    bad = s.read_rows([4, 9, 10], [104, 999, 110], out, [2, 0, 1])
+    assert [i for i, _ in bad] == [1] and (out[2] == block(104)).all() and (out[1] == block(110)).all()
+    for rows_bad in ([0, 0, 1], [0, 1, 20]):  # repeated or outside: refused, nothing read
+        out[:] = 0
+        try:
+            s.read_rows([4, 9, 10], [104, 109, 110], out, rows_bad)
+        except KVSlotsError:
+            pass
+        else:
+            raise AssertionError(f"rows {rows_bad} accepted")
+        assert not out.any()

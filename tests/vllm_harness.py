@@ -150,6 +150,7 @@ class Harness:
         # blocks nobody writes this step).
         worker_meta = None
         finished_sending: set[str] | None = None
+        finished_recving: set[str] | None = None
         invalid: set[int] = set()
         for w in self.workers:
             # As vLLM's model runner: handle_preemptions first thing in the step, then
@@ -183,9 +184,11 @@ class Harness:
                 w.start_load_kv(None)
         for w in self.workers:
             w.wait_for_save()
-            fs, _ = w.get_finished(so.finished_req_ids)
+            fs, fr = w.get_finished(so.finished_req_ids)
             if fs:
                 finished_sending = (finished_sending or set()) | fs  # vLLM counts every rank
+            if fr:  # async loads (the disk tier: one rank only)
+                finished_recving = (finished_recving or set()) | fr
             invalid |= w.get_block_ids_with_load_errors()
             m = w.build_connector_worker_meta()
             if m is not None:
@@ -196,7 +199,8 @@ class Harness:
             req_ids=req_ids,
             req_id_to_index={r: i for i, r in enumerate(req_ids)},
             sampled_token_ids=[sampled[r] for r in req_ids],
-            kv_connector_output=KVConnectorOutput(finished_sending=finished_sending, invalid_block_ids=invalid,
+            kv_connector_output=KVConnectorOutput(finished_sending=finished_sending, finished_recving=finished_recving,
+                                                  invalid_block_ids=invalid,
                                                   kv_connector_worker_meta=worker_meta),
         )
         self.scheduler.update_from_output(so, out)

@@ -60,6 +60,9 @@ struct Spill {
     lora: Vec<Option<u64>>,
     tokens: Vec<u32>,
     evicted: Vec<(BlockId, crate::disk::BlockMeta)>,
+    /// Hashes registered since the last [`HostCache::take_registered`]: the disk tier drops
+    /// its copy of a block that entered this tier (a block lives in one tier at a time).
+    registered: Vec<u64>,
 }
 
 /// Contiguous blocks of one request stored in one step, completed as one `BlockStored`.
@@ -234,6 +237,32 @@ impl HostCache {
         Ok(())
     }
 
+    /// [`Self::complete_store`] with each block's successor (`successors[i]` for `stores[i]`,
+    /// [`NO_SUCCESSOR`] where unknown): a block promoted from the disk tier keeps the successor
+    /// its record carried, so the EAGLE last-block rule serves it as before.
+    pub fn complete_store_with_successors(
+        &mut self,
+        stores: &[PendingStore],
+        parent: Option<u64>,
+        token_ids: &[u32],
+        lora_id: Option<u64>,
+        successors: &[u32],
+    ) -> Result<()> {
+        if successors.len() != stores.len() {
+            return Err(SlotError::invalid(
+                None,
+                format!("{} successors given for {} blocks", successors.len(), stores.len()),
+            ));
+        }
+        self.complete_store(stores, parent, token_ids, lora_id)?;
+        for (s, &succ) in stores.iter().zip(successors) {
+            if self.pool.lookup(s.hash) == Some(s.block) {
+                self.succ[s.block as usize] = succ;
+            }
+        }
+        Ok(())
+    }
+
     /// `token_ids` holds `block_size` tokens per block, or the error naming the counts.
     fn check_tokens(&self, tokens: usize, blocks: usize) -> Result<()> {
         if blocks.checked_mul(self.block_size) != Some(tokens) {
@@ -269,6 +298,9 @@ impl HostCache {
                     });
                 }
                 self.events.push_stored_block(s.hash, tokens);
+                if let Some(sp) = &mut self.spill {
+                    sp.registered.push(s.hash);
+                }
             } else if let Some(p) = run_parent.take() {
                 self.events.finish_stored(p, lora_id);
             }
@@ -501,6 +533,7 @@ impl HostCache {
                 lora: vec![None; n],
                 tokens: vec![0; n * self.block_size],
                 evicted: Vec::new(),
+                registered: Vec::new(),
             });
         }
     }
@@ -511,6 +544,13 @@ impl HostCache {
         self.spill
             .as_mut()
             .map_or_else(Vec::new, |s| std::mem::take(&mut s.evicted))
+    }
+
+    /// Hashes registered since the last call (spill enabled; see `Spill::registered`).
+    pub fn take_registered(&mut self) -> Vec<u64> {
+        self.spill
+            .as_mut()
+            .map_or_else(Vec::new, |s| std::mem::take(&mut s.registered))
     }
 
     fn note_spill(&mut self, block: BlockId, hash: u64) {
@@ -603,6 +643,24 @@ mod tests {
             m,
             &crate::disk::BlockMeta { hash: 10, parent: Some(5), lora: Some(9), successor: 3, tokens: vec![1, 2] }
         );
+    }
+
+    #[test]
+    fn promoted_blocks_keep_their_successor_and_are_reported_registered() {
+        let mut c = HostCache::new(2, 2).unwrap();
+        c.enable_spill();
+        let got = c.begin_store(&[10, 20]);
+        let stores: Vec<_> = got.iter().map(|g| g.1).collect();
+        assert!(c.complete_store_with_successors(&stores, Some(5), &[1, 2, 3, 4], None, &[3]).is_err(), "one per block");
+        assert_eq!(c.match_prefix(&[10]), 0, "nothing registered by the refused call");
+        c.complete_store_with_successors(&stores, Some(5), &[1, 2, 3, 4], None, &[3, NO_SUCCESSOR]).unwrap();
+        assert_eq!((c.successor(10), c.successor(20)), (3, NO_SUCCESSOR));
+        assert_eq!(c.take_registered(), vec![10, 20]);
+        assert!(c.take_registered().is_empty());
+        // An aborted promotion registers nothing and frees its block.
+        let got = c.begin_store(&[30]);
+        c.abort_store(&[got[0].1]).unwrap();
+        assert!(c.take_registered().is_empty() && !c.contains(30));
     }
 
     #[test]

@@ -849,6 +849,56 @@ impl ConnectorPlanner {
             })
             .collect())
     }
+    /// Disk tier below: hashes registered in the host tier since the last call.
+    fn take_registered(slf: &Bound<'_, Self>) -> PyResult<Vec<u64>> {
+        Ok(borrow_mut(slf)?.inner.cache_mut().take_registered())
+    }
+    /// Disk tier below: takes host blocks (evicting least recently used ones, spilled like any
+    /// eviction) for blocks a disk hit moves up: [(index into `block_hashes`, host block)] for
+    /// those not cached nor being stored, as far as blocks can be taken. They stay unregistered
+    /// (and pinned) until `complete_promote` or `abort_promote`.
+    fn begin_promote(slf: &Bound<'_, Self>, block_hashes: &Bound<'_, PyAny>) -> PyResult<Vec<(usize, u32)>> {
+        let h = IntArg::<u64>::extract(block_hashes, "block_hashes", None)?;
+        Ok(borrow_mut(slf)?
+            .inner
+            .cache_mut()
+            .begin_store(h.as_slice())
+            .into_iter()
+            .map(|(i, p)| (i, p.block))
+            .collect())
+    }
+    /// Registers promoted blocks (a contiguous run of one chain: `parent_hash` before the
+    /// first, `block_size` tokens per block, a successor or None per block): one `BlockStored`.
+    #[pyo3(signature = (block_hashes, host_blocks, token_ids, successors, parent_hash=None, lora_id=None))]
+    fn complete_promote(
+        slf: &Bound<'_, Self>,
+        block_hashes: &Bound<'_, PyAny>,
+        host_blocks: &Bound<'_, PyAny>,
+        token_ids: &Bound<'_, PyAny>,
+        successors: &Bound<'_, PyAny>,
+        parent_hash: Option<&Bound<'_, PyAny>>,
+        lora_id: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<()> {
+        let stores = pending(block_hashes, host_blocks)?;
+        let tokens = IntArg::<u32>::extract(token_ids, "token_ids", None)?;
+        let mut succ = Vec::with_capacity(stores.len());
+        for (i, s) in successors.try_iter()?.enumerate() {
+            let s = s?;
+            succ.push(if s.is_none() { core::NO_SUCCESSOR } else { int::<u32>(&s, &format!("successors[{i}]"), None)? });
+        }
+        let parent = opt_int::<u64>(parent_hash, "parent_hash", None)?;
+        let lora = opt_int::<u64>(lora_id, "lora_id", None)?;
+        borrow_mut(slf)?
+            .inner
+            .cache_mut()
+            .complete_store_with_successors(&stores, parent, tokens.as_slice(), lora, &succ)
+            .map_err(slot_error)
+    }
+    /// Gives back the host blocks of promotions that did not happen (a failed disk read).
+    fn abort_promote(slf: &Bound<'_, Self>, block_hashes: &Bound<'_, PyAny>, host_blocks: &Bound<'_, PyAny>) -> PyResult<()> {
+        let stores = pending(block_hashes, host_blocks)?;
+        borrow_mut(slf)?.inner.cache_mut().abort_store(&stores).map_err(slot_error)
+    }
     fn check_invariants(slf: &Bound<'_, Self>) -> PyResult<Option<String>> {
         Ok(borrow(slf)?.inner.cache().pool().check().err())
     }
@@ -926,4 +976,14 @@ impl ConnectorPlanner {
         this.inner.cache_mut().events_mut().clear();
         Ok(n)
     }
+}
+
+/// (hash, host block) pairs of promotions under way.
+fn pending(block_hashes: &Bound<'_, PyAny>, host_blocks: &Bound<'_, PyAny>) -> PyResult<Vec<core::PendingStore>> {
+    let h = IntArg::<u64>::extract(block_hashes, "block_hashes", None)?;
+    let b = IntArg::<u32>::extract(host_blocks, "host_blocks", None)?;
+    if h.as_slice().len() != b.as_slice().len() {
+        return Err(invalid(None, format!("{} hashes and {} host blocks", h.as_slice().len(), b.as_slice().len())));
+    }
+    Ok(h.as_slice().iter().zip(b.as_slice()).map(|(&hash, &block)| core::PendingStore { hash, block }).collect())
 }

@@ -105,6 +105,12 @@ impl DiskIndex {
         let h = int::<u64>(block_hash, "block_hash", None)?;
         Ok(borrow(slf)?.inner.contains(h))
     }
+    /// Of `block_hashes`, those stored or being written (in order).
+    fn held(slf: &Bound<'_, Self>, block_hashes: &Bound<'_, PyAny>) -> PyResult<Vec<u64>> {
+        let h = IntArg::<u64>::extract(block_hashes, "block_hashes", None)?;
+        let this = borrow(slf)?;
+        Ok(h.as_slice().iter().copied().filter(|&x| this.inner.holds(x)).collect())
+    }
     fn lookup(slf: &Bound<'_, Self>, block_hash: &Bound<'_, PyAny>) -> PyResult<Option<u32>> {
         let h = int::<u64>(block_hash, "block_hash", None)?;
         Ok(borrow(slf)?.inner.lookup(h))
@@ -114,6 +120,20 @@ impl DiskIndex {
         let h = int::<u64>(block_hash, "block_hash", None)?;
         let s = borrow(slf)?.inner.successor(h);
         Ok((s != core::NO_SUCCESSOR).then_some(s))
+    }
+    /// What a stored block's record carries: (token ids, successor or None, parent hash or
+    /// None, LoRA id or None); None if the hash is not stored.
+    #[allow(clippy::type_complexity)]
+    fn block_meta(
+        slf: &Bound<'_, Self>,
+        block_hash: &Bound<'_, PyAny>,
+    ) -> PyResult<Option<(Vec<u32>, Option<u32>, Option<u64>, Option<u64>)>> {
+        let h = int::<u64>(block_hash, "block_hash", None)?;
+        let this = borrow(slf)?;
+        Ok(this.inner.lookup(h).and_then(|s| this.inner.meta(s)).map(|m| {
+            let succ = (m.successor != core::NO_SUCCESSOR).then_some(m.successor);
+            (m.tokens.clone(), succ, m.parent, m.lora)
+        }))
     }
     fn begin_read(slf: &Bound<'_, Self>, block_hashes: &Bound<'_, PyAny>) -> PyResult<Vec<u32>> {
         let h = IntArg::<u64>::extract(block_hashes, "block_hashes", None)?;
@@ -345,39 +365,23 @@ impl DiskStore {
         py: Python<'_>,
         slots: &Bound<'_, PyAny>,
         block_hashes: &Bound<'_, PyAny>,
-        mut out: PyReadwriteArray2<'_, u8>,
+        out: PyReadwriteArray2<'_, u8>,
     ) -> PyResult<Vec<(usize, String)>> {
-        let s = IntArg::<u32>::extract(slots, "slots", None)?.as_slice().to_vec();
-        let h = IntArg::<u64>::extract(block_hashes, "block_hashes", None)?.as_slice().to_vec();
-        let bpb = self.file.layout().bytes_per_block as usize;
-        if s.len() != h.len() || out.shape() != [s.len(), bpb] {
-            return Err(invalid(
-                None,
-                format!("{} slots, {} hashes and an output of shape {:?} (want [{}, {bpb}])", s.len(), h.len(), out.shape(), s.len()),
-            ));
-        }
-        let dst = out
-            .as_slice_mut()
-            .map_err(|_| type_error(None, "out must be a C-contiguous uint8 array".into()))?;
-        let file = &self.file;
-        let res = py.detach(|| -> Result<Vec<(usize, String)>, core::DiskError> {
-            let mut buf = Vec::new();
-            let mut bad = Vec::new();
-            for (i, (&slot, &hash)) in s.iter().zip(&h).enumerate() {
-                match file.read_block(slot, hash, &mut dst[i * bpb..(i + 1) * bpb], &mut buf) {
-                    Ok(()) => {}
-                    Err(e @ core::DiskError::Corrupt { .. }) => bad.push((i, e.to_string())),
-                    Err(e) => return Err(e),
-                }
-            }
-            Ok(bad)
-        });
-        let bad = res.map_err(disk_error)?;
-        let good = (s.len() - bad.len()) as u64;
-        self.read_blocks.fetch_add(good, Ordering::Relaxed);
-        self.bytes_read.fetch_add(good * bpb as u64, Ordering::Relaxed);
-        self.corrupt_blocks.fetch_add(bad.len() as u64, Ordering::Relaxed);
-        Ok(bad)
+        let n = IntArg::<u32>::extract(slots, "slots", None)?.as_slice().len();
+        self.read(py, slots, block_hashes, out, (0..n).collect(), true)
+    }
+    /// As `read_into`, block `i` into row `rows[i]` of `out` (distinct rows, any order): reads
+    /// straight into a host region's blocks.
+    fn read_rows(
+        &self,
+        py: Python<'_>,
+        slots: &Bound<'_, PyAny>,
+        block_hashes: &Bound<'_, PyAny>,
+        out: PyReadwriteArray2<'_, u8>,
+        rows: &Bound<'_, PyAny>,
+    ) -> PyResult<Vec<(usize, String)>> {
+        let r = IntArg::<u32>::extract(rows, "rows", None)?.as_slice().iter().map(|&x| x as usize).collect();
+        self.read(py, slots, block_hashes, out, r, false)
     }
     /// Queues making a slot's record unreadable (a block that left the tier).
     fn invalidate(&self, slot: &Bound<'_, PyAny>) -> PyResult<()> {
@@ -387,6 +391,11 @@ impl DiskStore {
         }
         self.writer.invalidate(s);
         Ok(())
+    }
+    /// Queues dropping every record (the header stays): after a prefix-cache reset nothing
+    /// written before it may be found again, not even after a restart.
+    fn wipe(&self) {
+        self.writer.wipe();
     }
     /// Waits until every queued write is on disk.
     fn flush(&self, py: Python<'_>) {
@@ -405,5 +414,92 @@ impl DiskStore {
             ("corrupt_blocks", self.corrupt_blocks.load(Ordering::Relaxed)),
             ("max_seq_at_open", self.max_seq),
         ])
+    }
+}
+
+/// Reader threads per call: the copy out of the page cache (or the device) and the checksum are
+/// per block, so blocks are spread over a few threads.
+const READ_THREADS: usize = 4;
+
+impl DiskStore {
+    fn read(
+        &self,
+        py: Python<'_>,
+        slots: &Bound<'_, PyAny>,
+        block_hashes: &Bound<'_, PyAny>,
+        mut out: PyReadwriteArray2<'_, u8>,
+        rows: Vec<usize>,
+        exact: bool,
+    ) -> PyResult<Vec<(usize, String)>> {
+        let s = IntArg::<u32>::extract(slots, "slots", None)?.as_slice().to_vec();
+        let h = IntArg::<u64>::extract(block_hashes, "block_hashes", None)?.as_slice().to_vec();
+        let bpb = self.file.layout().bytes_per_block as usize;
+        let shape = out.shape().to_vec();
+        let n_rows = if exact { s.len() } else { shape[0] };
+        if s.len() != h.len() || s.len() != rows.len() || shape != [n_rows, bpb] {
+            return Err(invalid(
+                None,
+                format!(
+                    "{} slots, {} hashes, {} rows and an output of shape {shape:?} (want [{n_rows}, {bpb}])",
+                    s.len(),
+                    h.len(),
+                    rows.len()
+                ),
+            ));
+        }
+        let mut seen = vec![false; n_rows];
+        for (i, &r) in rows.iter().enumerate() {
+            if r >= n_rows || std::mem::replace(&mut seen[r], true) {
+                return Err(invalid(None, format!("rows[{i}] = {r}: outside the {n_rows} rows or repeated")));
+            }
+        }
+        let dst = out
+            .as_slice_mut()
+            .map_err(|_| type_error(None, "out must be a C-contiguous uint8 array".into()))?;
+        let file = &self.file;
+        let res = py.detach(|| -> Result<Vec<(usize, String)>, core::DiskError> {
+            let mut by_row: Vec<Option<&mut [u8]>> = dst.chunks_mut(bpb.max(1)).map(Some).collect();
+            let mut jobs: Vec<(usize, u32, u64, &mut [u8])> = Vec::with_capacity(s.len());
+            for (i, &r) in rows.iter().enumerate() {
+                jobs.push((i, s[i], h[i], by_row[r].take().expect("rows are distinct")));
+            }
+            let threads = READ_THREADS
+                .min(jobs.len())
+                .min(std::thread::available_parallelism().map_or(1, |p| p.get()))
+                .max(1);
+            let per = jobs.len().div_ceil(threads).max(1);
+            let read_part = |part: &mut [(usize, u32, u64, &mut [u8])]| {
+                let mut buf = Vec::new();
+                let mut bad = Vec::new();
+                for (i, slot, hash, out) in part.iter_mut() {
+                    match file.read_block(*slot, *hash, out, &mut buf) {
+                        Ok(()) => {}
+                        Err(e @ core::DiskError::Corrupt { .. }) => bad.push((*i, e.to_string())),
+                        Err(e) => return Err(e),
+                    }
+                }
+                Ok(bad)
+            };
+            let mut bad = Vec::new();
+            if threads == 1 {
+                bad = read_part(&mut jobs)?;
+            } else {
+                let parts: Vec<Result<Vec<(usize, String)>, core::DiskError>> = std::thread::scope(|sc| {
+                    let handles: Vec<_> = jobs.chunks_mut(per).map(|part| sc.spawn(move || read_part(part))).collect();
+                    handles.into_iter().map(|j| j.join().unwrap_or_else(|_| Err(core::DiskError::Invalid("reader thread panicked".into())))).collect()
+                });
+                for p in parts {
+                    bad.extend(p?);
+                }
+                bad.sort_unstable_by_key(|b| b.0);
+            }
+            Ok(bad)
+        });
+        let bad = res.map_err(disk_error)?;
+        let good = (s.len() - bad.len()) as u64;
+        self.read_blocks.fetch_add(good, Ordering::Relaxed);
+        self.bytes_read.fetch_add(good * bpb as u64, Ordering::Relaxed);
+        self.corrupt_blocks.fetch_add(bad.len() as u64, Ordering::Relaxed);
+        Ok(bad)
     }
 }

@@ -102,6 +102,9 @@ class KVSlotsConnector(KVConnectorBase_V1):
         self._disk_sched: Any = None
         self._disk_worker: Any = None
         self._disk_corrupt: set[int] = set()
+        self._disk_loaded: list[tuple[str, int]] = []
+        self._tier_stats: Any = None
+        self._bytes_per_block = bytes_per_block(kv_cache_config)
         if self.config.disk_path is not None:
             self._init_disk(vllm_config, kv_cache_config, role, drop)
 
@@ -139,7 +142,9 @@ class KVSlotsConnector(KVConnectorBase_V1):
         assert self._sched is not None
         n = self._sched.num_new_matched_tokens(request, num_computed_tokens)
         if self._disk_sched is not None:
-            n += self._disk_sched.lookup(request, num_computed_tokens, n)
+            d = self._disk_sched.lookup(request, num_computed_tokens, n)
+            if d:  # read in the background: the request waits, not the batch
+                return n + d, True
         return n, False
 
     def get_external_cache_hit_sources(self, request: "Request", num_external_tokens: int) -> dict[Any, int]:
@@ -219,15 +224,43 @@ class KVSlotsConnector(KVConnectorBase_V1):
         host.discard_events()
         return _decode_events(payload)
 
+    # ---- metrics: per-tier figures on vLLM's /metrics (see stats.py) ----
+    def get_kv_connector_stats(self) -> Any:
+        if self._sched is None:
+            return None
+        if self._tier_stats is None:
+            from .stats import TierStats
+
+            self._tier_stats = TierStats(self._bytes_per_block)
+        return self._tier_stats.collect(self._sched, self._disk_sched)
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> Any:
+        from .stats import KVSlotsConnectorStats
+
+        data = data or {}  # copied: aggregate() adds into its own dicts
+        return KVSlotsConnectorStats(data={k: dict(data.get(k, {})) for k in ("gauges", "counters")})
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: "VllmConfig", metric_types: Any, labelnames: list[str],
+                           per_engine_labelvalues: dict[int, list[object]]) -> Any:
+        from .stats import KVSlotsPromMetrics
+
+        return KVSlotsPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
     def has_pending_push_work(self) -> bool:
         return self._sched is not None and self._sched.has_pending_work()
 
     def reset_cache(self) -> bool | None:
         if self._sched is not None:
             self._sched.host.clear()
+            if self._disk_sched is not None:
+                self._disk_sched.reset()  # the weights may change: nothing on disk may come back
         return True
 
     def shutdown(self) -> None:
+        if self._disk_worker is not None:
+            self._disk_worker.close()
         if self._publisher is not None:
             self._publisher.shutdown()
             self._publisher = None
@@ -255,13 +288,18 @@ class KVSlotsConnector(KVConnectorBase_V1):
     def restore_kv_caches(self) -> None:
         if self._worker is not None:
             self._worker.restore_kv_caches()
+            if self._disk_worker is not None and self._worker.copier is not None:
+                # The host region is new: spills and disk reads must use it, not the old one.
+                self._disk_worker.register(self._worker._kv_caches or {}, self._worker.copier,
+                                           self._worker.num_device_blocks, self.config.copy_threads)
 
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
         # vLLM calls this at the start of every step, before the forward: the step's stores run
         # here, so blocks freed since the last step are copied before they can be overwritten.
         assert self._worker is not None and isinstance(kv_connector_metadata, KVSlotsMetadata)
         if self._disk_worker is not None and kv_connector_metadata.disk is not None:
-            # Host blocks evicted to disk are read before this step's stores reuse them.
+            # Host blocks evicted to disk are read before this step's stores and disk reads
+            # reuse them (a reset's wipe is queued first).
             self._disk_worker.spill(kv_connector_metadata.disk)
         self._worker.store(kv_connector_metadata)
 
@@ -271,9 +309,16 @@ class KVSlotsConnector(KVConnectorBase_V1):
         assert isinstance(meta, KVSlotsMetadata)
         self._worker.load(meta)
         if self._disk_worker is not None and meta.disk is not None and meta.disk.loads:
-            # Synchronous disk reads before the forward (vLLM's async loads are not used yet).
-            self._disk_worker.load(meta.disk, self._worker._load_errors, self._disk_corrupt)
-            self._worker._ack(meta.step)
+            self._disk_worker.start(meta.disk)  # async: finished in get_finished
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        if self._disk_worker is None or self._worker is None or not self._disk_worker.num_pending:
+            return None, None
+        # Disk reads done since the last step: copied to the device here, at the step boundary,
+        # their failed blocks reported by get_block_ids_with_load_errors in this same pass.
+        done = self._disk_worker.poll(self._worker._load_errors, self._disk_corrupt)
+        self._disk_loaded.extend(done)
+        return None, ({r for r, _ in done} or None)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return  # loads complete in start_load_kv, before any layer runs
@@ -294,9 +339,10 @@ class KVSlotsConnector(KVConnectorBase_V1):
         meta = self._worker.take_worker_meta()
         if self._disk_worker is not None:
             done = self._disk_worker.take_done()
-            if done or self._disk_corrupt:
+            if done or self._disk_corrupt or self._disk_loaded:
                 meta = meta or KVSlotsWorkerMetadata()
                 meta.disk_done, meta.disk_corrupt, self._disk_corrupt = done, self._disk_corrupt, set()
+                meta.disk_loaded, self._disk_loaded = self._disk_loaded, []
                 meta.disk_stats = self._disk_worker.store.stats()
         return meta
 

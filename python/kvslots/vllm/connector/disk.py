@@ -10,15 +10,22 @@ spill. Finished writes travel back in the worker metadata and register the block
 (``BlockStored``, medium ``STORAGE``).
 
 Hits. A lookup continues on disk where the host hit ends, with the EAGLE last-block rule applied
-to the last block of the whole hit. The disk blocks of a hit are pinned until the step that
-loads them is acked. The worker reads them (positioned reads, the GIL released) into a small
-staging region and copies them into the device blocks vLLM allocated, in ``start_load_kv``:
-**synchronously, before the forward** (vLLM's async-load path is not used yet). A record that
-fails its checksum is not loaded: its device blocks are reported as load errors (vLLM
-recomputes them), a warning is logged once per block, and the block is dropped from the index.
+to the last block of the whole hit. A request whose hit reaches the disk loads **asynchronously**
+(``load_kv_async=True``): vLLM parks it in ``WAITING_FOR_REMOTE_KVS`` while the rest of the batch
+keeps running, and schedules it once the worker reports it received (``get_finished``). Its host
+part is copied in the step it is planned for, its disk blocks are read on the worker's reader
+thread and copied to the device at the next step boundary (see :class:`DiskWorker` for why that is
+safe). A record that fails its checksum is not loaded: its device blocks are reported as load
+errors with the finished receive (vLLM recomputes them under ``kv_load_failure_policy:
+"recompute"``), a warning is logged once per block, and the block leaves the index. Host-only
+hits stay synchronous.
 
-A disk hit leaves the block on disk (it is not moved up); the host tier may store it again from
-the device, so after a hit a block can be in both tiers.
+Promotion. The disk blocks of a hit are read into host blocks taken for them (``begin_promote``),
+registered in the host tier once loaded (``BlockStored``, medium ``CPU``), and then leave the disk
+tier (``BlockRemoved``, medium ``STORAGE``): a block lives in one tier at a time, both only while
+it is copied. The same holds for a block the host tier stores again from the device. The record
+stays readable in the file until its slot is reused, so a restart (host tier empty) may find it
+again. A prefix-cache reset clears the disk tier too and wipes the file.
 
 One worker rank (tensor parallel size 1): each rank would need its own file and the scheduler
 would have to agree across them; the connector refuses a disk tier otherwise.
@@ -29,6 +36,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -79,15 +87,32 @@ class DiskLoad:
     slots: list[int]
     hashes: list[int]
     device_blocks: list[int]
+    #: Per block: the host block it is read into (promoted to the host tier), -1 for none.
+    host_blocks: list[int] = field(default_factory=list)
 
 
 @dataclass
 class DiskStepMeta:
-    """One step's disk work for the worker: spills run before the step's host stores."""
+    """One step's disk work for the worker: a wipe (prefix-cache reset) and spills run before
+    the step's host stores; loads start in ``start_load_kv`` and finish in the background."""
 
     #: (host block, disk slot, hash, token ids, successor, parent, lora id)
     spills: list[tuple[int, int, int, list[int], int | None, int | None, int | None]] = field(default_factory=list)
     loads: list[DiskLoad] = field(default_factory=list)
+    wipe: bool = False
+
+
+@dataclass
+class _Inflight:
+    """A disk hit being read: its pinned slots, the host blocks it moves up into and what the
+    records carry (tokens, successor, parent, lora), for registering them in the host tier."""
+
+    slots: list[int]
+    hashes: list[int]
+    host_blocks: list[int]
+    metas: list[Any]
+    parent: int | None
+    stale: bool = False  # the prefix cache was reset while reading: promote nothing
 
 
 class DiskScheduler:
@@ -109,12 +134,19 @@ class DiskScheduler:
         self._sources: dict[str, tuple[int, int]] = {}
         self._hits: dict[str, tuple[int, int, int]] = {}  # req -> (first disk block, disk blocks, host tokens)
         self._loads: list[DiskLoad] = []
-        self._pins: dict[int, list[int]] = {}  # step -> pinned slots
-        self.stats = {"hit_tokens": 0, "spilled_blocks": 0, "spills_not_taken": 0, "corrupt_blocks": 0}
+        self._inflight: dict[str, _Inflight] = {}  # async reads, until the worker reports them
+        self._writing: dict[int, int] = {}  # slot -> hash of writes under way
+        self._stale_writes: set[int] = set()  # writes begun before a reset: not registered
+        self._leaving: set[int] = set()  # hashes that entered the host tier: their disk copy goes
+        self._wipe = False
+        self.stats = {"hit_tokens": 0, "spilled_blocks": 0, "spills_not_taken": 0, "corrupt_blocks": 0,
+                      "promoted_blocks": 0, "left_for_host": 0, "resets": 0}
         self.worker_stats: dict[str, int] = {}
 
     def lookup(self, request: Any, num_computed_tokens: int, host_tokens: int) -> int:
-        """Tokens of the hit found on disk past the device and host hit."""
+        """Tokens of the hit found on disk past the device and host hit. A request with such a
+        hit loads asynchronously (the connector answers ``load_kv_async=True``)."""
+        self._hits.pop(request.request_id, None)
         bs = self.block_size
         hashes = request.block_hashes
         max_blocks = min((request.num_tokens - 1) // bs, len(hashes))
@@ -144,20 +176,31 @@ class DiskScheduler:
         return num_external_tokens if hit is None else min(num_external_tokens, hit[2])
 
     def after_alloc(self, request: Any, device_blocks: list[int], num_external_tokens: int) -> None:
+        """Plans the async read of a disk hit vLLM accepted (``num_external_tokens > 0``). Every
+        such request gets a load, even an empty one: vLLM waits for its finished receive."""
         hit = self._hits.pop(request.request_id, None)
         if hit is None:
             return
         k, d, host_tokens = hit
         n = min(d, max(0, num_external_tokens - host_tokens) // self.block_size)
-        if n == 0:
-            return
         ext = [external(h) for h in request.block_hashes[k:k + n]]
-        try:
-            slots = self.index.begin_read(ext)
-        except Exception as e:  # evicted since the lookup: vLLM recomputes (load error below)
-            logger.warning("kvslots disk tier: cannot load %s: %s", request.request_id, e)
-            slots = []
-        self._loads.append(DiskLoad(request.request_id, slots, ext, list(device_blocks[k:k + n])))
+        slots: list[int] = []
+        if n:
+            try:
+                slots = self.index.begin_read(ext)
+            except Exception as e:  # evicted since the lookup: vLLM recomputes (load errors)
+                logger.warning("kvslots disk tier: cannot load %s: %s", request.request_id, e)
+        host = [-1] * n
+        metas: list[Any] = [None] * n
+        if slots:
+            metas = [self.index.block_meta(h) for h in ext]
+            # The blocks move up: each is read into a host block of its own (evicting, and
+            # spilling, least recently used ones), registered there once loaded.
+            for i, hb in self.planner.begin_promote(ext):
+                host[i] = hb
+        parent = external(request.block_hashes[k - 1]) if k > 0 else None
+        self._inflight[request.request_id] = _Inflight(slots, ext, host, metas, parent)
+        self._loads.append(DiskLoad(request.request_id, slots, ext, list(device_blocks[k:k + n]), host))
         if len(self._sources) > 4096:  # vLLM asks only with prefix-cache stats on
             self._sources.clear()
         self._sources[request.request_id] = (min(host_tokens, num_external_tokens), n * self.block_size)
@@ -169,8 +212,23 @@ class DiskScheduler:
         return num_external_tokens - disk, disk
 
     def forget(self, request_id: str) -> None:
+        # An async read in flight stays: vLLM keeps the request's blocks until it is reported.
         self._hits.pop(request_id, None)
         self._sources.pop(request_id, None)
+
+    def reset(self) -> int:
+        """The prefix cache was reset (the weights may change): every block leaves the tier
+        (one ``BlockRemoved``, medium ``STORAGE``: ``AllBlocksCleared`` carries no medium), the workers wipe the file (nothing comes
+        back after a restart), writes and reads under way register and promote nothing."""
+        n = self.index.clear()
+        self._stale_writes.update(self._writing)
+        for inf in self._inflight.values():
+            inf.stale = True
+        self.planner.take_registered()
+        self._leaving.clear()
+        self._wipe = True
+        self.stats["resets"] += 1
+        return n
 
     def build(self, step: int) -> DiskStepMeta | None:
         spills = []
@@ -179,38 +237,112 @@ class DiskScheduler:
             if slot is None:
                 self.stats["spills_not_taken"] += 1
                 continue
+            self._writing[slot] = h
             spills.append((hb, slot, h, tokens, succ, parent, lora))
         self.stats["spilled_blocks"] += len(spills)
         loads, self._loads = self._loads, []
         if loads:
-            self._pins[step] = [s for ld in loads for s in ld.slots]
             self.stats["hit_tokens"] += sum(len(ld.device_blocks) for ld in loads) * self.block_size
-        if not spills and not loads:
+        wipe, self._wipe = self._wipe, False
+        if not spills and not loads and not wipe:
             return None
-        return DiskStepMeta(spills=spills, loads=loads)
+        return DiskStepMeta(spills=spills, loads=loads, wipe=wipe)
 
     def complete(self, meta: Any) -> None:
-        """The worker's report: finished writes, acked steps (their reads unpin), bad records."""
+        """The worker's report: finished writes, finished reads (their slots unpin, their
+        blocks enter the host tier), bad records; then disk copies of blocks now in the host
+        tier leave."""
         for slot, ok in getattr(meta, "disk_done", ()):
+            self._writing.pop(slot, None)
+            if slot in self._stale_writes:
+                self._stale_writes.discard(slot)
+                ok = False
             self.index.complete_write(slot, ok)
-        for step in list(self._pins):
-            if step in meta.acks:
-                self.index.end_read(self._pins.pop(step))
+        for req_id, good in getattr(meta, "disk_loaded", ()):
+            inf = self._inflight.pop(req_id, None)
+            if inf is not None:
+                self._finish_read(inf, good)
         for h in getattr(meta, "disk_corrupt", ()):
             if self.index.remove(h):
                 self.stats["corrupt_blocks"] += 1
         if getattr(meta, "disk_stats", None):
             self.worker_stats = meta.disk_stats
+        self.drop_promoted()
+
+    def _finish_read(self, inf: _Inflight, good: int) -> None:
+        if inf.slots:
+            self.index.end_read(inf.slots)
+        hb, hashes = inf.host_blocks, inf.hashes
+        i, n = 0, len(hb)
+        while i < n:
+            if hb[i] < 0:
+                i += 1
+                continue
+            j = i
+            while j < n and hb[j] >= 0 and (j < good) == (i < good):
+                j += 1
+            if i < good and not inf.stale:
+                # A contiguous run of the chain read intact: one BlockStored (medium CPU).
+                metas = inf.metas[i:j]
+                tokens = [t for m in metas for t in m[0]]
+                parent = hashes[i - 1] if i > 0 else inf.parent
+                self.planner.complete_promote(hashes[i:j], hb[i:j], tokens, [m[1] for m in metas],
+                                              parent, metas[0][3])
+                self.stats["promoted_blocks"] += j - i
+            else:
+                self.planner.abort_promote(hashes[i:j], hb[i:j])
+            i = j
+        if inf.stale:
+            for h in hashes:  # kept by the reset only because they were pinned
+                self.index.remove(h)
+
+    def drop_promoted(self) -> None:
+        """A block lives in one tier at a time: the disk copy of a block registered in the host
+        tier (moved up by a hit, or stored again from the device) leaves the disk tier
+        (``BlockRemoved``, medium ``STORAGE``) once no read pins it and its write is done. If
+        the host tier evicts it first, the disk copy is its only one and stays."""
+        registered = self.planner.take_registered()
+        if registered:  # one call filters them: most were never on disk
+            self._leaving.update(self.index.held(registered))
+        if not self._leaving:
+            return
+        writing = set(self._writing.values())
+        for h in list(self._leaving):
+            if self.planner.lookup_block(h) is not None:
+                if self.index.remove(h):
+                    self.stats["left_for_host"] += 1
+                elif self.index.contains(h) or h in writing:
+                    continue  # pinned by a read or being written: later
+            self._leaving.discard(h)
 
     def metrics(self) -> dict[str, int]:
         s = self.index.stats()
         out = {f"disk_{k}": v for k, v in s.items()}
         out.update({f"disk_{k}": v for k, v in self.stats.items()})
+        out["disk_reads_in_flight"] = len(self._inflight)
         out.update({f"disk_worker_{k}": v for k, v in self.worker_stats.items()})
         return out
 
 
 class DiskWorker:
+    """The worker's part: spills handed to the file's background writer, and disk hits read
+    on a background thread of their own.
+
+    Async reads. ``start`` (in ``start_load_kv``) queues each hit's read; the thread does only
+    file I/O and checksums (``DiskStore.read_into``, the GIL released), into the host blocks
+    the scheduler reserved for the promotion (or a private buffer where it could not). ``poll``
+    (in ``get_finished``, on the worker's own thread, after the step's forward was launched)
+    copies finished reads into the device blocks and reports the request as received. This is
+    safe: the device blocks belong to a request vLLM holds in ``WAITING_FOR_REMOTE_KVS``, which
+    no forward reads or writes and whose blocks vLLM neither caches nor frees (even if it is
+    aborted) until the receive is reported; the copy runs on the copier's stream, which first
+    waits for the compute stream, and is synchronized before the report, so the forward that
+    later reads the blocks (the next step at the earliest) sees them. The host blocks read
+    into are unregistered and pinned at the scheduler until the report, so nothing else reads,
+    writes or reuses them meanwhile; their evicted contents were handed to the writer (spills,
+    ``handle_preemptions``) before the read was queued.
+    """
+
     STAGING_BLOCKS = 16
 
     def __init__(self, *, directory: str, num_slots: int, block_size: int, layout: DiskLayout,
@@ -223,7 +355,10 @@ class DiskWorker:
         if self.store.opened.startswith("discarded"):
             logger.warning("kvslots disk tier: %s %s; starting it afresh", self.path, self.store.opened)
         self.staging: Any = None
+        self.copier: Any = None
         self._warned: set[int] = set()
+        self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvslots-disk-read")
+        self._pending: list[tuple[DiskLoad, Future[Any]]] = []
 
     def register(self, kv_caches: dict[str, Any], copier: Any, num_device_blocks: int, threads: int) -> None:
         from ..transfer import BlockCopier
@@ -231,40 +366,101 @@ class DiskWorker:
         if copier.bytes_per_block != self.layout.bytes_per_block:
             raise RuntimeError(f"kvslots disk tier: blocks of {copier.bytes_per_block} bytes, the layout says "
                                f"{self.layout.bytes_per_block}")
+        self.copier = copier
         self.host_np = copier.host.numpy()
-        # Disk reads land here, then go to the device blocks like a host-tier load.
+        # Reads with no host block of their own land here, then go to the device blocks.
         self.staging = BlockCopier(kv_caches, num_device_blocks, self.STAGING_BLOCKS, threads=threads)
         self.staging_np = self.staging.host.numpy()
 
     def spill(self, disk: DiskStepMeta) -> None:
+        if disk.wipe:
+            self.store.wipe()  # queued ahead of this step's spills
         for hb, slot, h, tokens, succ, parent, lora in disk.spills:
             self.store.submit(slot, self.host_np[hb], h, tokens, succ, parent, lora)
 
-    def load(self, disk: DiskStepMeta, load_errors: set[int], corrupt: set[int]) -> None:
-        n_stage = self.STAGING_BLOCKS
+    def start(self, disk: DiskStepMeta) -> None:
+        """Queues the step's disk reads on the reader thread (never waits)."""
         for ld in disk.loads:
-            if len(ld.slots) != len(ld.device_blocks):  # not pinned at the scheduler
-                load_errors.update(ld.device_blocks)
+            self._pending.append((ld, self._reader.submit(self._read, ld)))
+
+    @property
+    def num_pending(self) -> int:
+        return len(self._pending)
+
+    def _read(self, ld: DiskLoad) -> tuple[int, list[tuple[int, str]], Any]:
+        """Reader thread: file I/O only. (blocks read intact from the first, [(i, why)] for
+        the first bad one, the private rows of blocks without a host block)."""
+        n = len(ld.device_blocks)
+        if len(ld.slots) != n or len(ld.host_blocks) != n:  # not pinned at the scheduler
+            return 0, [], None
+        own = [i for i in range(n) if ld.host_blocks[i] < 0]
+        up = [i for i in range(n) if ld.host_blocks[i] >= 0]
+        rows = np.empty((len(own), self.layout.bytes_per_block), dtype=np.uint8) if own else None
+        bad: list[tuple[int, str]] = []
+        # Straight into the host blocks taken for the promotion; the rest into private rows.
+        # Each call spreads its blocks over a few threads (positioned reads, checksums).
+        if up:
+            got = self.store.read_rows([ld.slots[i] for i in up], [ld.hashes[i] for i in up], self.host_np,
+                                       [ld.host_blocks[i] for i in up])
+            bad += [(up[j], why) for j, why in got]
+        if rows is not None:
+            got = self.store.read_rows([ld.slots[i] for i in own], [ld.hashes[i] for i in own], rows,
+                                       list(range(len(own))))
+            bad += [(own[j], why) for j, why in got]
+        if bad:
+            first = min(bad)
+            return first[0], [first], rows  # vLLM recomputes from the first bad block on
+        return n, [], rows
+
+    def poll(self, load_errors: set[int], corrupt: set[int], wait: bool = False) -> list[tuple[str, int]]:
+        """Finishes the reads that are done (all with ``wait``): device copies, load errors for
+        blocks not read (vLLM recomputes from the first), corrupt records invalidated. Returns
+        [(request id, blocks loaded)]."""
+        out: list[tuple[str, int]] = []
+        still = []
+        for ld, fut in self._pending:
+            if not (wait or fut.done()):
+                still.append((ld, fut))
                 continue
-            for lo in range(0, len(ld.slots), n_stage):
-                slots = ld.slots[lo:lo + n_stage]
-                n = len(slots)
-                bad = self.store.read_into(slots, ld.hashes[lo:lo + n], self.staging_np[:n])
-                good = n if not bad else bad[0][0]
-                if good:
-                    self.staging.load(list(range(good)), ld.device_blocks[lo:lo + good])
-                    self.staging.synchronize()  # the staging rows are read into again next
-                if bad:
-                    for i, why in bad:
-                        corrupt.add(ld.hashes[lo + i])
-                        self.store.invalidate(slots[i])  # still pinned: not reused before this
-                        if ld.hashes[lo + i] not in self._warned:
-                            self._warned.add(ld.hashes[lo + i])
-                            logger.warning("kvslots disk tier: block %#x of %s not loaded (%s); recomputed",
-                                           ld.hashes[lo + i], ld.req_id, why)
-                    # vLLM recomputes from the first failed block on.
-                    load_errors.update(ld.device_blocks[lo + good:])
-                    break
+            try:
+                good, bad, rows = fut.result()
+            except Exception:
+                logger.exception("kvslots disk tier: read for %s failed", ld.req_id)
+                good, bad, rows = 0, [], None
+            if good:
+                try:
+                    self._to_device(ld, good, rows)
+                except Exception:
+                    logger.exception("kvslots disk tier: device copy for %s failed", ld.req_id)
+                    good = 0
+            for i, why in bad:
+                h = ld.hashes[i]
+                corrupt.add(h)
+                self.store.invalidate(ld.slots[i])  # still pinned: not reused before this
+                if h not in self._warned:
+                    self._warned.add(h)
+                    logger.warning("kvslots disk tier: block %#x of %s not loaded (%s); recomputed",
+                                   h, ld.req_id, why)
+            load_errors.update(ld.device_blocks[good:])
+            out.append((ld.req_id, good))
+        self._pending = still
+        return out
+
+    def _to_device(self, ld: DiskLoad, good: int, rows: Any) -> None:
+        host = [(hb, d) for hb, d in zip(ld.host_blocks[:good], ld.device_blocks[:good]) if hb >= 0]
+        if host:
+            self.copier.load([h for h, _ in host], [d for _, d in host])
+            self.copier.synchronize()
+        own = [d for hb, d in zip(ld.host_blocks[:good], ld.device_blocks[:good]) if hb < 0]
+        n_stage = self.STAGING_BLOCKS
+        for lo in range(0, len(own), n_stage):
+            m = min(n_stage, len(own) - lo)
+            self.staging_np[:m] = rows[lo:lo + m]
+            self.staging.load(list(range(m)), own[lo:lo + m])
+            self.staging.synchronize()  # the staging rows are written again next
 
     def take_done(self) -> list[tuple[int, bool]]:
         return self.store.take_done()
+
+    def close(self) -> None:
+        self._reader.shutdown(wait=True)

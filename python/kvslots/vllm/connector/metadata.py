@@ -64,6 +64,8 @@ class KVSlotsWorkerMetadata(KVConnectorWorkerMetadata):
     disk_done: list[tuple[int, bool]] = field(default_factory=list)
     disk_corrupt: set[int] = field(default_factory=set)
     disk_stats: dict[str, int] = field(default_factory=dict)
+    #: Disk tier: async reads finished, [(request id, blocks loaded from the first)].
+    disk_loaded: list[tuple[str, int]] = field(default_factory=list)
 
     def aggregate(self, other: "KVConnectorWorkerMetadata") -> "KVSlotsWorkerMetadata":
         assert isinstance(other, KVSlotsWorkerMetadata)
@@ -78,4 +80,5 @@ class KVSlotsWorkerMetadata(KVConnectorWorkerMetadata):
         out.disk_done = list(self.disk_done) + list(other.disk_done)
         out.disk_corrupt = set(self.disk_corrupt) | set(other.disk_corrupt)
         out.disk_stats = dict(self.disk_stats or other.disk_stats)
+        out.disk_loaded = list(self.disk_loaded) + list(other.disk_loaded)
         return out

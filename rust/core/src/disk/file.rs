@@ -402,6 +402,16 @@ impl DiskFile {
             .map_err(|e| self.io(e))
     }
 
+    /// Drops every record, keeping the header (the prefix cache was reset: what the file held
+    /// may belong to other weights). The file is cut back to its header and sized again, so
+    /// no record survives and the space is given back (sparse).
+    pub fn wipe(&self) -> Result<(), DiskError> {
+        let total = self.offset(0) + self.num_slots * self.layout.stride();
+        self.file.set_len(HEADER_LEN).map_err(|e| self.io(e))?;
+        self.file.set_len(total).map_err(|e| self.io(e))?;
+        self.file.sync_data().map_err(|e| self.io(e))
+    }
+
     pub fn sync(&self) -> Result<(), DiskError> {
         self.file.sync_data().map_err(|e| self.io(e))
     }
@@ -424,6 +434,7 @@ enum Job {
         data: Vec<u8>,
     },
     Invalidate(u32),
+    Wipe,
     Flush(SyncSender<()>),
 }
 
@@ -506,6 +517,12 @@ impl DiskWriter {
         let _ = self.tx.as_ref().expect("open").send(Job::Invalidate(slot));
     }
 
+    /// Queues dropping every record ([`DiskFile::wipe`]): writes queued before it are lost
+    /// (reported written: their slots must be treated as stale by the caller), later ones land.
+    pub fn wipe(&self) {
+        let _ = self.tx.as_ref().expect("open").send(Job::Wipe);
+    }
+
     /// Finished writes since the last call: (slot, written).
     pub fn take_done(&self) -> Vec<(u32, bool)> {
         std::mem::take(&mut *self.shared.done.lock().unwrap())
@@ -552,6 +569,9 @@ fn writer_loop(file: Arc<DiskFile>, shared: Arc<Shared>, rx: Receiver<Job>) {
             }
             Job::Invalidate(slot) => {
                 let _ = file.invalidate(slot);
+            }
+            Job::Wipe => {
+                let _ = file.wipe();
             }
             Job::Flush(ack) => {
                 let _ = file.sync();
@@ -665,6 +685,30 @@ mod tests {
             assert!(out.iter().all(|&b| b == s as u8));
         }
         drop(w);
+        std::fs::remove_file(&p).unwrap();
+    }
+
+    #[test]
+    fn wipe_drops_every_record_and_keeps_the_header() {
+        let p = tmp("wipe");
+        let (f, _) = DiskFile::open(&p, &layout(1), 4).unwrap();
+        let f = Arc::new(f);
+        let w = DiskWriter::new(f.clone(), 8, 1).unwrap();
+        for s in 0..3u32 {
+            assert!(w.submit(s, meta(s as u64 + 1), w.buffer()));
+        }
+        w.wipe();
+        assert!(w.submit(3, meta(40), w.buffer()), "a write queued after the wipe lands");
+        w.flush();
+        let len = std::fs::metadata(&p).unwrap().len();
+        assert_eq!(len, HEADER_LEN + 4 * layout(1).stride(), "sized again");
+        let (recs, bad) = f.scan().unwrap();
+        assert_eq!(bad, 0);
+        assert_eq!(recs.iter().map(|r| r.0).collect::<Vec<_>>(), vec![3], "only the later write");
+        drop(w);
+        drop(f);
+        let (_, o) = DiskFile::open(&p, &layout(1), 4).unwrap();
+        assert_eq!(o, Opened::Reused, "the header survived");
         std::fs::remove_file(&p).unwrap();
     }
 }

@@ -371,7 +371,9 @@ impl DiskIndex {
         Ok(dropped)
     }
 
-    /// Drops every stored unpinned block (one `AllBlocksCleared`). Returns how many.
+    /// Drops every stored unpinned block. Returns how many. Published as one `BlockRemoved`
+    /// naming them, not `AllBlocksCleared`: that event carries no medium, and a subscriber
+    /// reading the host and disk tiers from one stream would clear the wrong tier.
     pub fn clear(&mut self) -> usize {
         let victims: Vec<u32> = self
             .lru
@@ -379,10 +381,15 @@ impl DiskIndex {
             .copied()
             .filter(|&s| self.pins[s as usize] == 0)
             .collect();
+        let mut hashes = Vec::with_capacity(victims.len());
         for &s in &victims {
+            hashes.push(self.meta[s as usize].as_ref().expect("stored has meta").hash);
             self.free_stored(s);
         }
-        self.events.push_cleared();
+        if !hashes.is_empty() {
+            self.events.push_removed(&hashes);
+            self.stats.removed_blocks += hashes.len() as u64;
+        }
         victims.len()
     }
 

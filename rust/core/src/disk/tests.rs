@@ -184,3 +184,31 @@ proptest! {
         }
     }
 }
+
+#[test]
+fn clear_drops_unpinned_blocks_as_one_block_removed_with_their_hashes() {
+    let mut d = DiskIndex::new(4, 2).unwrap();
+    for h in 1..=3 {
+        let s = d.begin_write(meta(h, 2)).unwrap().unwrap();
+        d.complete_write(s, true).unwrap();
+    }
+    let w = d.begin_write(meta(9, 2)).unwrap().unwrap();
+    let r = d.begin_read(&[2]).unwrap();
+    d.events_mut().clear();
+    assert_eq!(d.clear(), 2, "the pinned block stays, the write under way too");
+    let ev = d.events_mut().drain();
+    assert_eq!(ev.len(), 1);
+    assert!(matches!(&ev[0], KvEvent::BlockRemoved { block_hashes } if {
+        let mut h = block_hashes.clone();
+        h.sort_unstable();
+        h == vec![1, 3]
+    }), "a medium-carrying removal, not AllBlocksCleared: {ev:?}");
+    assert!(d.contains(2) && !d.contains(1) && d.num_writing() == 1);
+    d.end_read(&r).unwrap();
+    d.complete_write(w, true).unwrap();
+    d.events_mut().clear();
+    assert_eq!(d.clear(), 2);
+    assert_eq!(d.clear(), 0);
+    assert!(d.events_mut().drain().len() == 1, "nothing published for an empty clear");
+    d.check().unwrap();
+}

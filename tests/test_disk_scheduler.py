@@ -1,0 +1,211 @@
+"""The disk tier with vLLM's real Scheduler, driven step by step (tests/vllm_harness.py): a disk
+hit loads asynchronously (the request waits in WAITING_FOR_REMOTE_KVS while the batch runs on),
+lands in the device blocks with the right KV, moves up to the host tier and leaves the disk; a
+corrupt record is recomputed; a connector reset clears the disk tier and wipes its file."""
+
+from __future__ import annotations
+
+import copy
+import logging
+import os
+import random
+import threading
+import time
+
+import pytest
+
+vllm = pytest.importorskip("vllm", reason="vLLM is not installed (make test installs it)")
+
+from kvslots._dev.tiny import build_tiny_models  # noqa: E402
+from kvslots.events import external_block_hash  # noqa: E402
+
+from vllm_harness import BLOCK_SIZE, DRAFT_BASE, LAYERS, Harness, engine_config  # noqa: E402
+from vllm.v1.request import RequestStatus  # noqa: E402
+
+PROMPT = 5 * BLOCK_SIZE + 10  # 5 full blocks served from disk, 10 tokens computed
+
+
+@pytest.fixture(scope="module")
+def plain_cfg(tmp_path_factory):
+    models = build_tiny_models(str(tmp_path_factory.mktemp("tiny")))
+    cfg = engine_config(models["target"], None, num_blocks=64)
+    cfg.kv_transfer_config.kv_load_failure_policy = "recompute"
+    return cfg
+
+
+def disk_harness(cfg, tmp_path, *, host_blocks: int = 8) -> Harness:
+    cfg = copy.deepcopy(cfg)
+    cfg.kv_transfer_config.kv_connector_extra_config = {
+        "host_cache_blocks": host_blocks, "disk_path": str(tmp_path / "disk"), "disk_blocks": 64}
+    return Harness(cfg, num_blocks=64, seed=3)
+
+
+def tokens(rng: random.Random, n: int) -> list[int]:
+    return [rng.randrange(1, DRAFT_BASE) for _ in range(n)]
+
+
+def settle(h: Harness) -> None:
+    """Waits for the disk writer, then one (empty) step carries its report to the scheduler."""
+    for w in h.workers:
+        w._disk_worker.store.flush()
+    h.step()
+
+
+def check_one_tier(h: Harness) -> None:
+    """No block is registered in the host tier and stored on disk at a step boundary (reads in
+    flight pin their disk copies only while copying, and none is in flight here)."""
+    disk = h.connector._disk_sched
+    both = [x for x in h.sched_side.host.registered_hashes() if disk.index.contains(x)]
+    assert both == [], f"in both tiers: {both}"
+
+
+def spill_prompt_to_disk(h: Harness, prompt: list[int], rng: random.Random) -> list[int]:
+    """Runs `prompt`, then enough other work to push its blocks out of the host tier onto disk.
+    Returns the external hashes of its served blocks."""
+    a = h.add("a", prompt, max_tokens=2)
+    h.run_until_done()
+    hashes = [external_block_hash(x) for x in a.block_hashes[:5]]
+    h.add("push", tokens(rng, 10 * BLOCK_SIZE + 5), max_tokens=2)
+    h.run_until_done()
+    settle(h)
+    disk, host = h.connector._disk_sched.index, h.sched_side.host
+    assert all(disk.contains(x) for x in hashes), "the prompt's blocks were spilled to disk"
+    assert not any(host.lookup_block(x) is not None for x in hashes)
+    check_one_tier(h)
+    assert h.scheduler.reset_prefix_cache()  # the device tier only: the next hit comes from disk
+    return hashes
+
+
+def step_until_scheduled(h: Harness, rid: str, timeout: float = 60.0):
+    """Steps (as an engine does while a request waits for its KV) until `rid` is scheduled."""
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        so = h.step()
+        if rid in so.num_scheduled_tokens:
+            return so
+        time.sleep(0.01)
+    pytest.fail(f"{rid} was never scheduled after its read")
+
+
+def device_tokens(h: Harness, rid: str, block: int) -> list[float]:
+    b = h.scheduler.kv_cache_manager.get_block_ids(rid)[0][block]
+    return h.kv[0][LAYERS[0]][b, 0, :, 0].tolist()
+
+
+def test_a_disk_hit_waits_for_its_read_while_the_batch_runs_on_then_moves_up(plain_cfg, tmp_path):
+    h = disk_harness(plain_cfg, tmp_path)
+    rng = random.Random(5)
+    prompt = tokens(rng, PROMPT)
+    hashes = spill_prompt_to_disk(h, prompt, rng)
+    # Hold the disk reader until released, as a slow disk would.
+    gate = threading.Event()
+    dw = h.workers[0]._disk_worker
+    read = dw._read
+    dw._read = lambda ld: (gate.wait(30), read(ld))[1]
+    h.add("b", tokens(rng, 40), max_tokens=40)
+    h.step()
+    a2 = h.add("a2", prompt, max_tokens=4)
+    for _ in range(6):
+        so = h.step()
+        assert a2.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+        assert "a2" not in so.num_scheduled_tokens and "b" in so.num_scheduled_tokens, "b runs on"
+    gate.set()
+    so = step_until_scheduled(h, "a2")
+    assert so.num_scheduled_tokens["a2"] == PROMPT - 5 * BLOCK_SIZE, "the 5 disk blocks were not recomputed"
+    for i in range(5):
+        assert device_tokens(h, "a2", i) == [float(t) for t in prompt[i * BLOCK_SIZE:(i + 1) * BLOCK_SIZE]]
+    h.run_until_done()
+    settle(h)
+    # Moved up: registered in the host tier (medium CPU), gone from disk (medium STORAGE).
+    host, disk = h.sched_side.host, h.connector._disk_sched
+    assert all(host.lookup_block(x) is not None for x in hashes)
+    assert not any(disk.index.contains(x) for x in hashes)
+    stored_cpu = {x for e in h.events if type(e).__name__ == "BlockStored" and e.medium == "CPU"
+                  for x in e.block_hashes}
+    removed_disk = {x for e in h.events if type(e).__name__ == "BlockRemoved" and e.medium == "STORAGE"
+                    for x in e.block_hashes}
+    assert set(hashes) <= stored_cpu and set(hashes) <= removed_disk
+    assert disk.stats["promoted_blocks"] == 5 and disk.index.num_writing == 0
+    assert disk.index.check_invariants() is None and host.check_invariants() is None
+    assert host.num_held == 0 and host.num_storing == 0, "every pin and promotion completed"
+    check_one_tier(h)
+    # The next hit is a host hit: synchronous, no wait.
+    h.scheduler.reset_prefix_cache()
+    a3 = h.add("a3", prompt, max_tokens=2)
+    so = h.step()
+    assert so.num_scheduled_tokens.get("a3") == PROMPT - 5 * BLOCK_SIZE and a3.status == RequestStatus.RUNNING
+
+
+def test_a_corrupt_record_read_asynchronously_is_recomputed(plain_cfg, tmp_path, caplog):
+    h = disk_harness(plain_cfg, tmp_path)
+    rng = random.Random(6)
+    prompt = tokens(rng, PROMPT)
+    hashes = spill_prompt_to_disk(h, prompt, rng)
+    disk = h.connector._disk_sched
+    slot = disk.index.lookup(hashes[2])
+    stride = (os.path.getsize(disk.path) - 4096) // disk.index.num_slots
+    header = (64 + 4 * BLOCK_SIZE + 63) // 64 * 64  # a record's header (disk/file.rs)
+    with open(disk.path, "r+b") as f:
+        f.seek(4096 + slot * stride + header + 7)
+        b = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([b[0] ^ 0x5A]))
+    a2 = h.add("a2", prompt, max_tokens=3)
+    with caplog.at_level(logging.WARNING, logger="kvslots.vllm.connector.disk"):
+        so = step_until_scheduled(h, "a2")
+    # vLLM recomputes from the first bad block on: two blocks loaded, the rest computed.
+    assert so.num_scheduled_tokens["a2"] == PROMPT - 2 * BLOCK_SIZE
+    assert len([r for r in caplog.records if "not loaded" in r.getMessage()]) == 1
+    for i in range(5):  # loaded (0, 1) or recomputed in this step, every block holds its tokens
+        assert device_tokens(h, "a2", i) == [float(t) for t in prompt[i * BLOCK_SIZE:(i + 1) * BLOCK_SIZE]]
+    h.run_until_done()
+    settle(h)
+    assert not disk.index.contains(hashes[2]) and disk.stats["corrupt_blocks"] == 1
+    assert disk.stats["promoted_blocks"] == 2, "only the blocks read intact moved up"
+    assert h.sched_side.host.num_held == 0 and h.sched_side.host.num_storing == 0
+    check_one_tier(h)
+
+
+def test_a_connector_reset_clears_the_disk_tier_and_its_file(plain_cfg, tmp_path):
+    from kvslots._core import DiskIndex
+
+    h = disk_harness(plain_cfg, tmp_path)
+    rng = random.Random(7)
+    prompt = tokens(rng, PROMPT)
+    hashes = spill_prompt_to_disk(h, prompt, rng)
+    disk = h.connector._disk_sched
+    stored = disk.index.num_stored
+    assert stored >= 5
+    n_events = len(h.events)
+    assert h.connector.reset_cache()
+    assert disk.index.num_stored == 0 and h.sched_side.host.registered_hashes() == []
+    h.step()  # the wipe travels with the next step's metadata
+    settle(h)
+    new = h.events[n_events:]
+    # The host tier: AllBlocksCleared. The disk tier names its blocks (BlockRemoved, medium
+    # STORAGE): vLLM's AllBlocksCleared carries no medium, so a subscriber of this one stream
+    # could not tell which tier it clears.
+    assert [type(e).__name__ for e in new].count("AllBlocksCleared") == 1
+    removed = {x for e in new if type(e).__name__ == "BlockRemoved" and e.medium == "STORAGE" for x in e.block_hashes}
+    assert set(hashes) <= removed and len(removed) == stored
+    # Nothing comes back from the file after a restart either.
+    fresh = DiskIndex(disk.index.num_slots, BLOCK_SIZE)
+    restored, _, why = fresh.restore_from_file(disk.path, **h.workers[0]._disk_worker.layout.kwargs())
+    assert why is None and restored == 0
+    a2 = h.add("a2", prompt, max_tokens=2)
+    so = h.step()
+    assert so.num_scheduled_tokens.get("a2") == PROMPT, "no hit left: computed in full"
+    assert a2.status == RequestStatus.RUNNING
+
+
+def test_after_a_wake_up_the_disk_worker_uses_the_new_host_region(plain_cfg, tmp_path):
+    import numpy as np
+
+    h = disk_harness(plain_cfg, tmp_path)
+    w = h.workers[0]
+    old = w._disk_worker.host_np
+    w.unregister_kv_caches()
+    w.restore_kv_caches()
+    assert w._disk_worker.copier is w._worker.copier
+    new = w._worker.copier.host.numpy()
+    assert np.shares_memory(w._disk_worker.host_np, new) and not np.shares_memory(old, new)
