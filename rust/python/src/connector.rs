@@ -938,15 +938,7 @@ impl ConnectorPlanner {
         data_parallel_rank: Option<&Bound<'py, PyAny>>,
         #[pyo3(from_py_with = arg::hashes_as_bytes)] hashes_as_bytes: bool,
     ) -> PyResult<Bound<'py, PyBytes>> {
-        let args = MetaArgs::extract(ts, medium.as_deref(), data_parallel_rank, hashes_as_bytes)?;
-        let mut this = borrow_mut(slf)?;
-        let this = &mut *this;
-        log_to_msgpack(
-            slf.py(),
-            this.inner.cache().events(),
-            &mut this.wire,
-            args.meta(),
-        )
+        Self::encode_events(slf, ts, medium, data_parallel_rank, hashes_as_bytes, false)
     }
     /// Like ``events_msgpack``, then empties the queue (one call per step for the connector).
     #[pyo3(signature = (ts, medium=Some("CPU".to_owned()), data_parallel_rank=None, hashes_as_bytes=false))]
@@ -957,17 +949,7 @@ impl ConnectorPlanner {
         data_parallel_rank: Option<&Bound<'py, PyAny>>,
         #[pyo3(from_py_with = arg::hashes_as_bytes)] hashes_as_bytes: bool,
     ) -> PyResult<Bound<'py, PyBytes>> {
-        let args = MetaArgs::extract(ts, medium.as_deref(), data_parallel_rank, hashes_as_bytes)?;
-        let mut this = borrow_mut(slf)?;
-        let this = &mut *this;
-        let out = log_to_msgpack(
-            slf.py(),
-            this.inner.cache().events(),
-            &mut this.wire,
-            args.meta(),
-        )?;
-        this.inner.cache_mut().events_mut().clear();
-        Ok(out)
+        Self::encode_events(slf, ts, medium, data_parallel_rank, hashes_as_bytes, true)
     }
     /// Drops the queued events (nobody reads them); returns how many there were.
     fn discard_events(slf: &Bound<'_, Self>) -> PyResult<usize> {
@@ -975,6 +957,27 @@ impl ConnectorPlanner {
         let n = this.inner.cache().events().len();
         this.inner.cache_mut().events_mut().clear();
         Ok(n)
+    }
+}
+
+impl ConnectorPlanner {
+    /// The queued events encoded; emptied only when ``drain`` and the encoding succeeded.
+    fn encode_events<'py>(
+        slf: &Bound<'py, Self>,
+        ts: &Bound<'py, PyAny>,
+        medium: Option<String>,
+        data_parallel_rank: Option<&Bound<'py, PyAny>>,
+        hashes_as_bytes: bool,
+        drain: bool,
+    ) -> PyResult<Bound<'py, PyBytes>> {
+        let args = MetaArgs::extract(ts, medium.as_deref(), data_parallel_rank, hashes_as_bytes)?;
+        let mut this = borrow_mut(slf)?;
+        let this = &mut *this;
+        let out = log_to_msgpack(slf.py(), this.inner.cache().events(), &mut this.wire, args.meta())?;
+        if drain {
+            this.inner.cache_mut().events_mut().clear();
+        }
+        Ok(out)
     }
 }
 
