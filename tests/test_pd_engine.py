@@ -89,7 +89,7 @@ class Prefill:
                 self.proc.wait()
 
 
-@pytest.mark.parametrize("method", ["eagle", "draft_model"])
+@pytest.mark.parametrize("method", ["eagle", "eagle3", "draft_model", "ngram"])
 def test_pd_outputs_and_acceptance_equal_aggregated(models_dir, method):
     prompts = _prompts()
     port = _port()
@@ -115,29 +115,12 @@ def test_pd_outputs_and_acceptance_equal_aggregated(models_dir, method):
     assert dec["pd"]["failed_pulls"] == 0
     # the drafter's layers are in what was shipped (EAGLE: one more layer; a draft model = the
     # target: as many again)
-    draft_layers = {"eagle": 1, "draft_model": dec["target_layers"]}[method]
+    draft_layers = {"eagle": 1, "eagle3": 1, "draft_model": dec["target_layers"], "ngram": 0}[method]
     assert len(dec["segments"]) == dec["target_layers"] + draft_layers, dec["segments"]
     # the prefill engine freed every block it held, on the decode engine's acks (no timeout)
     assert held["held"] == 0 and held["free"] == held["baseline_free"], held
     assert held["stats"]["acks"] == len(prompts) and held["stats"]["expired"] == 0
     acc = "vllm:spec_decode_num_accepted_tokens"
-    if method == "draft_model":  # the drafter is the target: its KV decides every acceptance
-        assert dec["spec"][acc] == agg["spec"][acc] and agg["spec"][acc] > 0, (dec["spec"], agg["spec"])
-
-
-def test_prefill_engine_gone_decode_recomputes(models_dir):
-    prompts = _prompts()[:1]
-    port = _port()
-    prefill = Prefill({"models": models_dir, "method": "eagle", "role": "prefill", "pd_port": port})
-    try:
-        params = prefill.call({"prompts": prompts})["params"]
-    finally:
-        prefill.proc.kill()
-        prefill.proc.wait()
-    dec = _run({"models": models_dir, "method": "eagle", "role": "decode", "prompts": prompts, "params": params,
-                "max_tokens": MAX_TOKENS})
-    agg = _run({"models": models_dir, "method": "eagle", "role": "aggregated", "prompts": prompts,
-                "max_tokens": MAX_TOKENS})
-    assert dec["outputs"] == agg["outputs"]
-    assert dec["pd"]["failed_pulls"] == 1 and dec["pd"]["pulled_blocks"] == 0
-    assert dec["local_prompt_tokens"] == [len(prompts[0])]  # recomputed here
+    assert dec["spec"][acc] == agg["spec"][acc], (dec["spec"], agg["spec"])
+    if method == "draft_model":  # the drafter is the target: its shipped KV decides the acceptance
+        assert agg["spec"][acc] > 0, agg["spec"]

@@ -154,6 +154,8 @@ class PDScheduler:
             self._recvs.append(self._spec(request.request_id, p, [], []))
             return 0, False
         count = n_prompt - num_computed_tokens
+        logger.debug("kvslots P/D: request %s: %d prompt tokens, %d local, %d to pull from %s:%d",
+                     request.request_id, n_prompt, num_computed_tokens, count, p["remote_host"], p["remote_port"])
         if count <= 0:
             return None
         self._matched[request.request_id] = (num_computed_tokens, p)
@@ -207,6 +209,8 @@ class PDScheduler:
             return False, None  # aborted or stopped early: nothing for a decode worker
         self._holds[request.request_id] = self.timeout_s
         self.stats["holds"] += 1
+        logger.debug("kvslots P/D: request %s: holding %d blocks for a decode worker", request.request_id,
+                     len(block_ids))
         return True, {
             "do_remote_prefill": True,
             "do_remote_decode": False,
