@@ -69,9 +69,14 @@ def test_served_pd_through_the_proxy(models, tmp_path):
     procs: list[subprocess.Popen] = []
     logs = {}
 
-    def start(name: str, argv: list[str]) -> None:
+    def start(name: str, argv: list[str], core: int | None = None) -> None:
         logs[name] = open(tmp_path / f"{name}.log", "w+")
-        procs.append(subprocess.Popen([sys.executable, "-m", "kvslots", *argv], env=env, stdout=logs[name],
+        e = dict(env)
+        if core is not None and (os.cpu_count() or 1) > 1:
+            # vLLM's CPU workers both bind to core 0 by default; the prefill server's busy loop
+            # (it steps while it holds blocks) then starves the decode server's worker.
+            e["VLLM_CPU_OMP_THREADS_BIND"] = str(core)
+        procs.append(subprocess.Popen([sys.executable, "-m", "kvslots", *argv], env=e, stdout=logs[name],
                                       stderr=subprocess.STDOUT, start_new_session=True))
 
     def log_tail(name: str) -> str:
@@ -96,9 +101,9 @@ def test_served_pd_through_the_proxy(models, tmp_path):
 
     try:
         start("prefill", ["serve", models["target"], "--is-prefill-worker", "--pd-port", str(pd_port), "--port",
-                          str(p_port), "--speculative-config", spec, "--no-kv-events", "--host-cache-gb", "0.05", *tail])
+                          str(p_port), "--speculative-config", spec, "--no-kv-events", "--host-cache-gb", "0.05", *tail], core=0)
         start("decode", ["serve", models["target"], "--role", "decode", "--port", str(d_port), "--speculative-config",
-                         spec, "--no-kv-events", "--host-cache-gb", "0.05", *tail])
+                         spec, "--no-kv-events", "--host-cache-gb", "0.05", *tail], core=1)
         start("proxy", ["proxy", "--prefill", f"http://127.0.0.1:{p_port}", "--decode", f"http://127.0.0.1:{d_port}",
                         "--port", str(x_port)])
         wait_up("prefill", f"http://127.0.0.1:{p_port}/health", procs[0])

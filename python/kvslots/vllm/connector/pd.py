@@ -357,7 +357,13 @@ class PDWorker:
     def _pull(self, spec: RecvSpec) -> None:
         from ..pd.control import control_call
 
+        from ..pd.control import _unpin_thread
+
+        _unpin_thread()
         ok = True
+        t0 = time.monotonic()
+        logger.debug("kvslots P/D: request %s: pulling %d blocks from %s:%d", spec.req_id, len(spec.local_block_ids),
+                     spec.remote_host, spec.remote_port)
         try:
             if spec.local_block_ids:
                 info = self._hello(spec)
@@ -385,6 +391,8 @@ class PDWorker:
                 # The bytes arrived, but the producer could not confirm it still held them.
                 ok = False
             logger.warning("kvslots P/D: request %s: ack to the prefill worker failed: %s", spec.req_id, e)
+        logger.debug("kvslots P/D: request %s: pull and ack done in %.3f s, ok=%s", spec.req_id,
+                     time.monotonic() - t0, ok)
         with self._lock:
             if not spec.local_block_ids:
                 return  # a release: vLLM is not waiting on it

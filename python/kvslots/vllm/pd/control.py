@@ -17,6 +17,7 @@ gives a :class:`~kvslots.errors.TransferError` (kind ``"peer"`` / ``"timeout"``)
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -60,6 +61,7 @@ class ControlServer:
         self._thread.start()
 
     def _serve(self) -> None:
+        _unpin_thread()
         poller = zmq.Poller()
         poller.register(self._sock, zmq.POLLIN)
         while not self._stop.is_set():
@@ -85,6 +87,16 @@ class ControlServer:
     def close(self) -> None:
         self._stop.set()
         self._thread.join(5)
+
+
+def _unpin_thread() -> None:
+    """Lets the calling thread run on every CPU. vLLM's CPU workers pin their process (and so
+    every new thread) to the cores of their OpenMP pool, where a busy engine loop can starve a
+    small service thread for minutes."""
+    try:
+        os.sched_setaffinity(0, range(os.cpu_count() or 1))  # pid 0: this thread only (Linux)
+    except (AttributeError, OSError):
+        pass
 
 
 def control_call(host: str, port: int, msg: dict[str, Any], *, timeout_s: float, retries: int = 1) -> dict[str, Any]:
