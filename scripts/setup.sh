@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # All the set-up kvslots needs on a fresh machine, idempotent (a second run takes seconds):
 #   Debian packages (scripts/system-deps.txt), uv, the virtualenv $VENV (default .venv) with the
-#   Python deps, optionally vLLM for CPU (--with-vllm, for the tests), and the Rust extension
-#   built in release mode and installed editable.
+#   Python deps and Mooncake's transfer engine (requirements/pd.txt), optionally vLLM for CPU
+#   (--with-vllm, for the tests), and the Rust extension built in release mode and installed
+#   editable.
 #   --with-vllm-033 also builds a second environment $VENV033 (default .venv-033) with vLLM 0.33
 #   (scripts/install-vllm.sh --vllm-033) that sees this checkout's kvslots, for the tests that
 #   run against both vLLM versions (see the Makefile).
@@ -22,14 +23,23 @@ for arg in "$@"; do
 done
 log() { printf '[setup] %s\n' "$*" >&2; }
 
-# Debian packages (redis-server for the indexer's Redis backend tests).
+# Debian packages (redis-server for the indexer's Redis backend tests, libibverbs1 for Mooncake).
 missing=()
 while read -r pkg; do
   [[ -z "$pkg" || "$pkg" == \#* ]] && continue
   dpkg -s "$pkg" >/dev/null 2>&1 || missing+=("$pkg")
 done <"$ROOT/scripts/system-deps.txt"
 if ((${#missing[@]})); then
-  SUDO=""; [[ $(id -u) -ne 0 ]] && SUDO="sudo"
+  SUDO=""
+  if [[ $(id -u) -ne 0 ]]; then
+    if ! command -v sudo >/dev/null; then
+      log "not root and no sudo: install these Debian packages first, then run this again:"
+      log "  apt-get install -y ${missing[*]}"
+      exit 1
+    fi
+    SUDO="sudo"
+    log "not root: using sudo for apt-get (packages: ${missing[*]})"
+  fi
   log "installing Debian packages: ${missing[*]}"
   $SUDO apt-get update -qq
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${missing[@]}" >/dev/null
@@ -47,6 +57,14 @@ if ((WITH_VLLM)); then
   VENV="$VENV" "$ROOT/scripts/install-vllm.sh"
 fi
 VIRTUAL_ENV="$VENV" uv pip install -q --python "$VENV/bin/python" -r "$ROOT/requirements/dev.txt"
+# Mooncake's transfer engine for disaggregated prefill/decode (requirements/pd.txt says which wheel).
+if [[ -n "${KVSLOTS_MOONCAKE_WHEEL:-}" ]]; then
+  VIRTUAL_ENV="$VENV" uv pip install -q --python "$VENV/bin/python" "$KVSLOTS_MOONCAKE_WHEEL"
+else
+  VIRTUAL_ENV="$VENV" uv pip install -q --python "$VENV/bin/python" -r "$ROOT/requirements/pd.txt"
+fi
+"$VENV/bin/python" -c "from mooncake.engine import TransferEngine" \
+  || { log "mooncake's transfer engine does not import (is libibverbs1 installed?)"; exit 1; }
 
 # The extension: rebuilt only when Rust or build files changed since the last build.
 stamp="$VENV/.kvslots-build-stamp"

@@ -21,6 +21,7 @@ COMMAND_MODULES = [
     "kvslots.config.cli",
     "kvslots.indexer.cli",
     "kvslots.serve.cli",
+    "kvslots.proxy.cli",
     "kvslots.demo.run",
 ]
 

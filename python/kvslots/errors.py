@@ -13,6 +13,7 @@
     │   ├── ConnectorConfigError   the connector's kv_connector_extra_config
     │   └── UnsupportedVLLMVersionError   not vLLM 0.32.x or 0.33.x (kvslots.vllm.compat)
     ├── DiskTierError              the disk tier's file (I/O)
+    ├── TransferError              a KV transfer between prefill and decode workers (Mooncake)
     └── ServeError                 ``kvslots serve`` cannot build or run the vLLM command
 
 Every error carries the request it is about (``request_id``, ``None`` when the error concerns no
@@ -142,6 +143,15 @@ class DiskTierError(KVSlotsError):
     file. A corrupt record is not an error: it is reported and recomputed."""
 
 
+class TransferError(KVSlotsError):
+    """A KV block transfer between a prefill and a decode worker failed: ``kind`` says why
+    (``"timeout"``, ``"peer"``: the remote engine is gone or refused, ``"layout"``: the two
+    workers' block layouts or models differ, ``"engine"``: the transfer engine itself failed).
+    The destination blocks hold undefined bytes; the request is recomputed or fails."""
+
+    kind: str
+
+
 class EventDecodeError(InvalidArgumentError):
     """A KV event payload that is not a msgpack ``KVEventBatch``; nothing of it was applied."""
 
@@ -173,6 +183,7 @@ __all__ = [
     "UnsupportedVLLMVersionError",
     "ServeError",
     "DiskTierError",
+    "TransferError",
     "EventDecodeError",
     "UnknownWorkerError",
     "DuplicateWorkerError",

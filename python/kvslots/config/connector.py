@@ -43,6 +43,13 @@ class ConnectorConfig:
     disk_blocks: int | None = None
     #: Blocks the background writer may hold queued; a spill finding the queue full is dropped.
     disk_queue_len: int = 64
+    #: Disaggregated prefill/decode (kv_role kv_producer / kv_consumer): the address this
+    #: worker's Mooncake engine and control socket use, the producer's control port (peers reach
+    #: it there; required for kv_producer), and how long a producer holds a finished request's
+    #: blocks for a decode worker that does not come (seconds).
+    pd_host: str = "127.0.0.1"
+    pd_port: int | None = None
+    pd_timeout_s: float = 120.0
 
     @classmethod
     def from_extra_config(cls, extra: dict[str, Any] | None) -> "ConnectorConfig":
@@ -119,6 +126,20 @@ def _check(key: str, value: Any) -> Any:
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise bad("must be an integer >= 1")
         return value
+    if key == "pd_host":
+        if not isinstance(value, str) or not value or ":" in value or len(value) > 253:
+            raise bad("must be a host name or address, without a port")
+        return value
+    if key == "pd_port":
+        if value is None:
+            return None
+        if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 65535:
+            raise bad("must be a TCP port in [1, 65535]")
+        return value
+    if key == "pd_timeout_s":
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 86400:
+            raise bad("must be a number of seconds in (0, 86400]")
+        return float(value)
     if key == "eagle_block_drop":
         if value in ("auto", True, False):
             return value

@@ -74,6 +74,9 @@ def _port(text: str) -> int:
     return v
 
 
+DEFAULT_PD_PORT = 17600
+
+
 def _add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", metavar="MODEL",
                    help="target model directory (or Hugging Face Hub id); a speculators-format draft "
@@ -106,6 +109,15 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--connector-config", metavar="JSON",
                    help="more kv_connector_extra_config keys, e.g. '{\"copy_threads\": 2}'")
     g.add_argument("--no-connector", action="store_true", help="run vLLM without the KVSlotsConnector")
+    d = p.add_argument_group("disaggregated prefill/decode (KV of target and draft layers over Mooncake)")
+    d.add_argument("--role", choices=("prefill", "decode", "both"), default=None,
+                   help="prefill: compute prompts and hold their KV for a decode worker (kv_producer); "
+                        "decode: pull it and decode (kv_consumer); both (default): no disaggregation")
+    d.add_argument("--is-prefill-worker", action="store_true", help="the same as --role prefill (Dynamo's flag)")
+    d.add_argument("--pd-host", metavar="ADDR",
+                   help="address of this worker's Mooncake engine and control socket (default 127.0.0.1)")
+    d.add_argument("--pd-port", type=_port, metavar="PORT",
+                   help=f"prefill worker: its control port, which decode workers reach (default {DEFAULT_PD_PORT})")
     e = p.add_argument_group("KV events (vLLM's --kv-events-config)")
     e.add_argument("--kv-events-endpoint", metavar="EP",
                    help=f"ZMQ PUB endpoint (default {DEFAULT_EVENTS_ENDPOINT}: bound on 127.0.0.1). vLLM "

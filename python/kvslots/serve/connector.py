@@ -38,7 +38,12 @@ def connector_config(args: argparse.Namespace, hints: dict[str, Any], tail_cfg: 
     if getattr(args, "disk_gb", None) is not None and "disk_path" not in flag_extra:
         raise ServeError("--disk-gb sizes the disk tier, which needs --disk-path")
 
+    # Disaggregated prefill/decode: the role picks vLLM's kv_role and the connector's pd_* keys.
+    kv_role = _pd_role(args, flag_extra)
+
     if args.no_connector:
+        if kv_role != "kv_both":
+            raise ServeError("--role prefill/decode runs the KVSlotsConnector, which --no-connector turns off")
         if flag_extra:
             given = "--host-cache-gb" if args.host_cache_gb is not None else "--connector-config"
             raise ServeError(f"{given} configures the KVSlotsConnector, which --no-connector turns off")
@@ -62,7 +67,7 @@ def connector_config(args: argparse.Namespace, hints: dict[str, Any], tail_cfg: 
     cfg: dict[str, Any] = {
         "kv_connector": CONNECTOR_NAME,
         "kv_connector_module_path": CONNECTOR_MODULE,
-        "kv_role": "kv_both",
+        "kv_role": kv_role,
     }
     if tail_cfg is not None:
         name = tail_cfg.get("kv_connector")
@@ -82,10 +87,42 @@ def connector_config(args: argparse.Namespace, hints: dict[str, Any], tail_cfg: 
     except ConnectorConfigError as e:
         raise ServeError(str(e)) from None
     cfg["kv_connector_extra_config"] = extra
+    if kv_role == "kv_consumer":
+        # A pull that fails (prefill worker gone, layouts differ) is recomputed here.
+        cfg.setdefault("kv_load_failure_policy", "recompute")
     if extra.get("disk_path") is not None:
         # A corrupt disk block is then recomputed, not a failed request.
         cfg.setdefault("kv_load_failure_policy", "recompute")
     return cfg
+
+
+def _pd_role(args: argparse.Namespace, flag_extra: dict[str, Any]) -> str:
+    """vLLM's kv_role for --role / --is-prefill-worker; puts pd_host / pd_port in the extra config."""
+    from .cli import DEFAULT_PD_PORT
+
+    role = getattr(args, "role", None)
+    if getattr(args, "is_prefill_worker", False):
+        if role not in (None, "prefill"):
+            raise ServeError(f"--is-prefill-worker conflicts with --role {role}")
+        role = "prefill"
+    role = role or "both"
+    host, port = getattr(args, "pd_host", None), getattr(args, "pd_port", None)
+    if role == "both":
+        if host is not None or port is not None:
+            raise ServeError("--pd-host/--pd-port configure disaggregated prefill/decode: add --role prefill or decode")
+        return "kv_both"
+    if port is not None and role == "decode":
+        raise ServeError("--pd-port is the prefill worker's control port; a decode worker learns it per request")
+    for key, value in (("pd_host", host), ("pd_port", port if role == "prefill" else None)):
+        if value is not None:
+            if key in flag_extra and flag_extra[key] != value:
+                raise ServeError(f"--{key.replace('_', '-')} {value} conflicts with --connector-config {key} "
+                                 f"{flag_extra[key]}")
+            flag_extra[key] = value
+    if role == "prefill":
+        flag_extra.setdefault("pd_port", DEFAULT_PD_PORT)
+        return "kv_producer"
+    return "kv_consumer"
 
 
 __all__ = ["CONNECTOR_MODULE", "CONNECTOR_NAME", "connector_config"]

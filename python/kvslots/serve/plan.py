@@ -229,7 +229,17 @@ def build_plan(args: argparse.Namespace, *, python: str | None = None) -> ServeP
 
     # ------------------------------------------------------------------ slot manager (scheduler mode)
     tail_cls = tail_value("scheduler-cls")
-    slot_manager, scheduler_cls = _slot_manager(getattr(args, "slot_manager", None), tail_cls, notes)
+    manager_flag = getattr(args, "slot_manager", None)
+    if (getattr(args, "role", None) not in (None, "both") or getattr(args, "is_prefill_worker", False)):
+        # Disaggregated roles hold and load blocks asynchronously, which scheduler mode has not
+        # been run with: vLLM's own KV cache manager allocates.
+        if manager_flag == "kvslots" or (tail_cls is not None and _is_kvslots_scheduler(tail_cls)):
+            raise ServeError("--role prefill/decode runs with vLLM's KV cache manager for now; "
+                             "drop --slot-manager kvslots / the kvslots --scheduler-cls")
+        if manager_flag is None and tail_cls is None:
+            manager_flag = "vllm"
+            notes.append("note: --role prefill/decode: vLLM's KV cache manager allocates (not scheduler mode)")
+    slot_manager, scheduler_cls = _slot_manager(manager_flag, tail_cls, notes)
 
     # ------------------------------------------------------------------ KV connector
     kv_transfer = connector_config(args, result.kvslots, tail_json(opts, "kv-transfer-config"), notes)

@@ -107,6 +107,11 @@ class KVSlotsConnector(KVConnectorBase_V1):
         self._bytes_per_block = bytes_per_block(kv_cache_config)
         if self.config.disk_path is not None:
             self._init_disk(vllm_config, kv_cache_config, role, drop)
+        # Disaggregated prefill/decode (kv_producer / kv_consumer): .pd, None otherwise.
+        from .pd import make_pd
+
+        self._pd_sched, self._pd_worker = make_pd(vllm_config, kv_cache_config, role == KVConnectorRole.SCHEDULER,
+                                                  self.config, self.block_size)
 
     def _init_disk(self, vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig", role: KVConnectorRole,
                    eagle: bool) -> None:
@@ -140,6 +145,10 @@ class KVSlotsConnector(KVConnectorBase_V1):
     # ---------------------------------------------------------------- scheduler side
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
         assert self._sched is not None
+        if self._pd_sched is not None:
+            remote = self._pd_sched.matched(request, num_computed_tokens)
+            if remote is not None:
+                return remote
         n = self._sched.num_new_matched_tokens(request, num_computed_tokens)
         if self._disk_sched is not None:
             d = self._disk_sched.lookup(request, num_computed_tokens, n)
@@ -157,6 +166,10 @@ class KVSlotsConnector(KVConnectorBase_V1):
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks",
                                  num_external_tokens: int) -> None:
         assert self._sched is not None
+        if self._pd_sched is not None and self._pd_sched.after_alloc(request, blocks.get_block_ids()[0],
+                                                                     num_external_tokens):
+            self._sched.track(request)  # pulled from the prefill worker; mirrored for stores from now on
+            return
         host_tokens = num_external_tokens
         if self._disk_sched is not None and num_external_tokens > 0:
             host_tokens = self._disk_sched.host_part(request, num_external_tokens)
@@ -174,6 +187,10 @@ class KVSlotsConnector(KVConnectorBase_V1):
             disk = self._disk_sched.build(self._sched.step)
             if disk is not None:
                 meta = dataclasses.replace(meta, step=self._sched.step, disk=disk)
+        if self._pd_sched is not None:
+            pd = self._pd_sched.build()
+            if pd is not None:
+                meta = dataclasses.replace(meta, step=self._sched.step, pd=pd)
         return meta
 
     def update_connector_output(self, connector_output: "KVConnectorOutput") -> None:
@@ -186,7 +203,11 @@ class KVSlotsConnector(KVConnectorBase_V1):
         assert self._sched is not None
         if self._disk_sched is not None:
             self._disk_sched.forget(request.request_id)
-        return self._sched.request_finished(request, block_ids), None
+        held = self._sched.request_finished(request, block_ids)
+        if self._pd_sched is not None:
+            keep, params = self._pd_sched.request_finished(request, block_ids)
+            return held or keep, params
+        return held, None
 
     def take_events(self) -> Iterable[Any]:
         events = self._take_host_events()
@@ -261,6 +282,8 @@ class KVSlotsConnector(KVConnectorBase_V1):
     def shutdown(self) -> None:
         if self._disk_worker is not None:
             self._disk_worker.close()
+        if self._pd_worker is not None:
+            self._pd_worker.close()
         if self._publisher is not None:
             self._publisher.shutdown()
             self._publisher = None
@@ -272,6 +295,8 @@ class KVSlotsConnector(KVConnectorBase_V1):
         if self._disk_worker is not None:
             self._disk_worker.register(kv_caches, self._worker.copier, self._worker.num_device_blocks,
                                        self.config.copy_threads)
+        if self._pd_worker is not None:
+            self._pd_worker.register(kv_caches, self._worker.num_device_blocks)
 
     # Sleep mode (vLLM 0.33 calls these; 0.32 has no such hooks). Sleep level >= 1 already resets
     # the connector (reset_cache: the host tier is dropped and AllBlocksCleared published, as the
@@ -308,6 +333,8 @@ class KVSlotsConnector(KVConnectorBase_V1):
         meta = self._get_connector_metadata()
         assert isinstance(meta, KVSlotsMetadata)
         self._worker.load(meta)
+        if self._pd_worker is not None:
+            self._pd_worker.on_step(meta.pd)  # pulls start on a background thread
         if self._disk_worker is not None and meta.disk is not None and meta.disk.loads:
             self._disk_worker.start(meta.disk)  # async: finished in get_finished
 
@@ -329,6 +356,20 @@ class KVSlotsConnector(KVConnectorBase_V1):
 
     def wait_for_save(self) -> None:
         return
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> Any:
+        from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
+
+        # Both async sources: disk reads (get_finished) and P/D pulls (failed pulls are also
+        # reported as received, as vLLM requires, and recomputed).
+        _, disk_recving = self.get_finished(finished_req_ids)
+        results = KVConnectorTransferResults(finished_recving=set(disk_recving or ()))
+        if self._pd_worker is not None:
+            sending, recving, failed = self._pd_worker.take_finished()
+            results.finished_sending |= sending
+            results.finished_recving |= recving
+            results.failed_recving |= failed
+        return results
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker.take_load_errors() if self._worker is not None else set()

@@ -38,9 +38,11 @@ class KVSlotsMetadata(KVConnectorMetadata):
     loads: list[LoadSpec] = field(default_factory=list)
     #: The disk tier's spills and loads (``disk.DiskStepMeta``), None without any.
     disk: Any = None
+    #: Disaggregated prefill/decode holds and pulls (``pd.PDStepMeta``), None without any.
+    pd: Any = None
 
     def is_empty(self) -> bool:
-        return not (len(self.store_device_blocks) or self.loads or self.disk)
+        return not (len(self.store_device_blocks) or self.loads or self.disk or self.pd)
 
     def __reduce_ex__(self, protocol: Any) -> Any:
         if self is EMPTY_METADATA:

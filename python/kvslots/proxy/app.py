@@ -1,0 +1,190 @@
+"""The disaggregated front door: an OpenAI-compatible HTTP server that runs each request's
+prompt on a prefill worker and its decode on a decode worker.
+
+For ``POST /v1/completions`` and ``/v1/chat/completions``:
+
+1. the request goes to a prefill worker (round robin) with ``max_tokens`` 1, no streaming and
+   ``kv_transfer_params: {"do_remote_decode": true}``; its answer carries the
+   ``kv_transfer_params`` the KVSlotsConnector (kv_producer) returned: the prefill engine, its
+   block ids, the control port;
+2. the original request, with those ``kv_transfer_params``, goes to a decode worker, whose
+   answer (streamed when the request asked for a stream) is the client's.
+
+The decode worker is the one with the best ``kvslots indexer`` score for the prompt when an
+indexer is given and the prompt is token ids (the proxy does not tokenize), else round robin.
+
+A prefill worker that fails or answers without ``kv_transfer_params`` does not fail the request:
+it goes to the decode worker without them and is computed there (the response then has the
+header ``x-kvslots-pd: recomputed``). A decode worker that fails is a 502 with the reason.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import itertools
+import json
+import logging
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["DecodeWorker", "create_app", "prefill_body"]
+
+
+@dataclass(frozen=True)
+class DecodeWorker:
+    url: str
+    #: the worker's name in the indexer (``kvslots indexer`` workers), None: not scored
+    indexer_name: str | None = None
+
+
+def prefill_body(body: dict[str, Any]) -> dict[str, Any]:
+    """The prefill worker's copy of a request: one token, no stream, asks for a remote decode."""
+    out = copy.deepcopy(body)
+    out["max_tokens"] = 1
+    if "max_completion_tokens" in out:
+        out["max_completion_tokens"] = 1
+    out["stream"] = False
+    out.pop("stream_options", None)
+    out["kv_transfer_params"] = {"do_remote_decode": True}
+    return out
+
+
+def _token_ids(body: dict[str, Any]) -> list[int] | None:
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        return prompt
+    return None
+
+
+def create_app(prefill_urls: Sequence[str], decode_workers: Sequence[DecodeWorker], *, indexer_url: str | None = None,
+               timeout_s: float = 600.0, transport: httpx.AsyncBaseTransport | None = None) -> FastAPI:
+    """The proxy app. ``transport`` replaces the network (tests)."""
+    if not prefill_urls or not decode_workers:
+        raise ValueError("the proxy needs at least one prefill and one decode worker")
+    prefill_cycle = itertools.cycle(list(prefill_urls))
+    decode_cycle = itertools.cycle(list(decode_workers))
+    state: dict[str, Any] = {"recomputed": 0, "disaggregated": 0, "decode_errors": 0}
+    client = httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=10.0), transport=transport)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        yield
+        await client.aclose()
+
+    app = FastAPI(title="kvslots proxy", summary="OpenAI-compatible front door for disaggregated prefill/decode",
+                  lifespan=lifespan)
+
+    async def pick_decode(body: dict[str, Any]) -> DecodeWorker:
+        ids = _token_ids(body)
+        scored = [w for w in decode_workers if w.indexer_name]
+        if indexer_url and ids and scored:
+            try:
+                r = await client.post(f"{indexer_url.rstrip('/')}/score", json={"token_ids": ids}, timeout=2.0)
+                r.raise_for_status()
+                workers = r.json().get("workers", {})
+                best = max(scored, key=lambda w: float(workers.get(w.indexer_name, {}).get("score", 0.0)))
+                if float(workers.get(best.indexer_name, {}).get("score", 0.0)) > 0:
+                    return best
+            except (httpx.HTTPError, ValueError, TypeError, AttributeError) as e:
+                logger.warning("kvslots proxy: indexer %s unusable (%s); round robin", indexer_url, e)
+        return next(decode_cycle)
+
+    async def forward(path: str, body: dict[str, Any]) -> Response:
+        prefill_url = next(prefill_cycle)
+        params = None
+        try:
+            r = await client.post(f"{prefill_url.rstrip('/')}{path}", json=prefill_body(body))
+            if r.status_code == 200:
+                params = r.json().get("kv_transfer_params")
+            else:
+                logger.warning("kvslots proxy: prefill worker %s answered %d: %s", prefill_url, r.status_code,
+                               r.text[:300])
+        except (httpx.HTTPError, ValueError) as e:
+            logger.warning("kvslots proxy: prefill worker %s failed: %s", prefill_url, e)
+        decode_req = dict(body)
+        headers = {}
+        if isinstance(params, dict) and params.get("do_remote_prefill"):
+            decode_req["kv_transfer_params"] = params
+            state["disaggregated"] += 1
+            headers["x-kvslots-pd"] = "disaggregated"
+        else:
+            decode_req.pop("kv_transfer_params", None)
+            state["recomputed"] += 1
+            headers["x-kvslots-pd"] = "recomputed"
+        worker = await pick_decode(body)
+        headers["x-kvslots-decode-worker"] = worker.url
+        url = f"{worker.url.rstrip('/')}{path}"
+        if body.get("stream"):
+            req = client.build_request("POST", url, json=decode_req)
+            try:
+                resp = await client.send(req, stream=True)
+            except httpx.HTTPError as e:
+                state["decode_errors"] += 1
+                return JSONResponse({"error": f"decode worker {worker.url} failed: {e}"}, status_code=502)
+            if resp.status_code != 200:
+                text = (await resp.aread()).decode(errors="replace")
+                await resp.aclose()
+                state["decode_errors"] += 1
+                return JSONResponse({"error": f"decode worker {worker.url} answered {resp.status_code}: {text[:500]}"},
+                                    status_code=502)
+
+            async def chunks() -> AsyncIterator[bytes]:
+                try:
+                    async for chunk in resp.aiter_bytes():  # decoded: we do not forward content-encoding
+                        yield chunk
+                finally:
+                    await resp.aclose()
+
+            return StreamingResponse(chunks(), media_type=resp.headers.get("content-type", "text/event-stream"),
+                                     headers=headers)
+        try:
+            resp = await client.post(url, json=decode_req)
+        except httpx.HTTPError as e:
+            state["decode_errors"] += 1
+            return JSONResponse({"error": f"decode worker {worker.url} failed: {e}"}, status_code=502)
+        if resp.status_code != 200:
+            state["decode_errors"] += 1
+            return JSONResponse({"error": f"decode worker {worker.url} answered {resp.status_code}: {resp.text[:500]}"},
+                                status_code=502)
+        return Response(resp.content, media_type="application/json", headers=headers)
+
+    async def read_body(request: Request) -> dict[str, Any] | JSONResponse:
+        try:
+            body = json.loads(await request.body())
+        except (ValueError, UnicodeDecodeError) as e:
+            return JSONResponse({"error": f"request body is not JSON: {e}"}, status_code=400)
+        if not isinstance(body, dict):
+            return JSONResponse({"error": "request body must be a JSON object"}, status_code=400)
+        return body
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        body = await read_body(request)
+        return body if isinstance(body, Response) else await forward("/v1/completions", body)
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request) -> Response:
+        body = await read_body(request)
+        return body if isinstance(body, Response) else await forward("/v1/chat/completions", body)
+
+    @app.get("/v1/models")
+    async def models() -> Response:
+        try:
+            r = await client.get(f"{decode_workers[0].url.rstrip('/')}/v1/models")
+        except httpx.HTTPError as e:
+            return JSONResponse({"error": f"decode worker failed: {e}"}, status_code=502)
+        return Response(r.content, status_code=r.status_code, media_type="application/json")
+
+    @app.get("/healthz")
+    async def healthz() -> dict[str, Any]:
+        return {"prefill": list(prefill_urls), "decode": [w.url for w in decode_workers], **state}
+
+    return app

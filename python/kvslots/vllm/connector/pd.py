@@ -1,0 +1,463 @@
+"""Disaggregated prefill/decode roles of the KVSlotsConnector (``kv_role`` ``kv_producer`` /
+``kv_consumer``), with vLLM's ``kv_transfer_params`` hand-off.
+
+Producer (prefill worker). A request sent with ``kv_transfer_params: {"do_remote_decode": true}``
+runs its prompt (``max_tokens`` 1). When it finishes, :meth:`PDScheduler.request_finished` keeps
+its blocks (returns True) and answers with the parameters the decode worker needs::
+
+    {"do_remote_prefill": true, "remote_engine_id", "remote_host", "remote_port",
+     "remote_block_ids", "remote_block_size", "num_tokens"}
+
+The blocks hold the prompt's KV in every registered layer: the target's and the drafter's (vLLM
+registers the EAGLE / draft model layers with the connector like any other attention layer).
+The producer's worker keeps them until the consumer says ``done`` on the control channel
+(:mod:`kvslots.vllm.pd.control`) or ``pd_timeout_s`` passes, then reports the request in
+``finished_sending`` and vLLM frees them.
+
+Consumer (decode worker). A request arriving with those parameters is matched for all its prompt
+tokens not already in the local prefix cache, asynchronously (``get_num_new_matched_tokens``
+returns ``(n, True)``): the request waits in ``WAITING_FOR_REMOTE_KVS``, the batch does not. The
+worker pulls the blocks (all layers, :class:`~kvslots.vllm.pd.transport.MooncakeTransport`) on a
+background thread, acks the producer, and reports the request in ``finished_recving``. vLLM then
+recomputes the last prompt token itself (the scheduler sets ``num_computed_tokens`` to the prompt
+length minus one after a full remote load): its target KV and, for EAGLE, the drafter's KV at the
+last position, the one that depends on the token after the prompt (the successor rule of the
+EAGLE last block). So the decode worker computes one prompt token, not a block.
+
+Only verified KV is shipped: a prefill request's blocks hold its prompt, which is never
+speculative; drafts the prefill step proposed beyond the prompt are not sent (they lie past
+``num_tokens``, and the decode worker recomputes from there).
+
+Failures (prefill worker killed, restarted or silent, layouts or block sizes that differ, a
+hold that timed out): the request is reported in ``failed_recving`` as well as
+``finished_recving``; vLLM then recomputes it (``kv_load_failure_policy: "recompute"``) or fails
+it with an error (``"fail"``, vLLM's default). Nothing waits longer than Mooncake's transfer
+timeout plus ``pd_timeout_s``; the producer frees every held block at ack or timeout.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+from ...errors import TransferError
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["PDScheduler", "PDWorker", "PDStepMeta", "RecvSpec", "parse_remote_params"]
+
+
+@dataclass
+class RecvSpec:
+    """Pull ``remote_block_ids`` of the producer into ``local_block_ids`` (may be empty: then
+    only tell the producer it may free the request's blocks)."""
+
+    req_id: str
+    remote_req_id: str
+    remote_engine_id: str
+    remote_host: str
+    remote_port: int
+    remote_block_ids: list[int]
+    local_block_ids: list[int]
+
+
+@dataclass
+class PDStepMeta:
+    #: producer: requests whose blocks the worker now holds for a consumer, with the hold in s
+    holds: dict[str, float] = field(default_factory=dict)
+    #: consumer: reads to start (or releases, with no blocks)
+    recvs: list[RecvSpec] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.holds or self.recvs)
+
+
+def parse_remote_params(params: Any) -> dict[str, Any] | None:
+    """The producer's hand-off, checked; None when ``params`` ask for no remote prefill. A
+    malformed hand-off is a :class:`TransferError` (kind ``"layout"``) naming the field."""
+    if not isinstance(params, dict) or not params.get("do_remote_prefill"):
+        return None
+
+    def bad(key: str) -> TransferError:
+        return TransferError(f"kv_transfer_params.{key}={params.get(key)!r} is not valid", details={"kind": "layout"})
+
+    out: dict[str, Any] = {}
+    for key in ("remote_engine_id", "remote_host", "remote_request_id"):
+        v = params.get(key)
+        if not isinstance(v, str) or not v or len(v) > 512:
+            raise bad(key)
+        out[key] = v
+    for key, lo, hi in (("remote_port", 1, 65535), ("remote_block_size", 1, 1 << 20), ("num_tokens", 1, 1 << 31)):
+        v = params.get(key)
+        if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
+            raise bad(key)
+        out[key] = v
+    ids = params.get("remote_block_ids")
+    if not isinstance(ids, list) or not ids or len(ids) > 1 << 24 or not all(
+            isinstance(b, int) and not isinstance(b, bool) and 0 <= b < 1 << 40 for b in ids):
+        raise bad("remote_block_ids")
+    out["remote_block_ids"] = ids
+    return out
+
+
+class PDScheduler:
+    """The scheduler side of both roles."""
+
+    def __init__(self, *, engine_id: str, host: str, port: int, block_size: int, timeout_s: float,
+                 producer: bool, consumer: bool):
+        self.engine_id = engine_id
+        self.host = host
+        self.port = port
+        self.block_size = block_size
+        self.timeout_s = timeout_s
+        self.producer = producer
+        self.consumer = consumer
+        self._matched: dict[str, tuple[int, dict[str, Any]]] = {}  # req -> (local hit tokens, params)
+        self._recvs: list[RecvSpec] = []
+        self._holds: dict[str, float] = {}
+        self.stats = {"remote_prefills": 0, "remote_tokens": 0, "bad_params": 0, "holds": 0}
+
+    # ---- consumer ----
+    def matched(self, request: Any, num_computed_tokens: int) -> tuple[int, bool] | None:
+        """``(tokens to load, True)`` for a remote-prefilled request, None otherwise."""
+        if not self.consumer:
+            return None
+        params = request.kv_transfer_params
+        try:
+            p = parse_remote_params(params)
+        except TransferError as e:
+            self.stats["bad_params"] += 1
+            logger.warning("kvslots P/D: request %s: %s; computing it here", request.request_id, e)
+            params["do_remote_prefill"] = False
+            self._release_if_known(request.request_id, params)
+            return 0, False
+        if p is None:
+            return None
+        n_prompt = len(request.prompt_token_ids or ())
+        need = math.ceil(n_prompt / self.block_size)
+        why = None
+        if p["remote_block_size"] != self.block_size:
+            why = f"block size {p['remote_block_size']} on the prefill worker, {self.block_size} here"
+        elif p["num_tokens"] != n_prompt:
+            why = f"the prefill worker computed {p['num_tokens']} tokens, the prompt has {n_prompt}"
+        elif len(p["remote_block_ids"]) < need:
+            why = f"{len(p['remote_block_ids'])} remote blocks for a prompt of {need} blocks"
+        if why is not None:
+            self.stats["bad_params"] += 1
+            logger.warning("kvslots P/D: request %s: %s; computing it here", request.request_id, why)
+            params["do_remote_prefill"] = False
+            self._recvs.append(self._spec(request.request_id, p, [], []))
+            return 0, False
+        count = n_prompt - num_computed_tokens
+        logger.debug("kvslots P/D: request %s: %d prompt tokens, %d local, %d to pull from %s:%d",
+                     request.request_id, n_prompt, num_computed_tokens, count, p["remote_host"], p["remote_port"])
+        if count <= 0:
+            return None
+        self._matched[request.request_id] = (num_computed_tokens, p)
+        return count, True
+
+    def after_alloc(self, request: Any, block_ids: list[int], num_external_tokens: int) -> bool:
+        """Plans the pull once vLLM allocated the blocks; True when the request is ours."""
+        entry = self._matched.pop(request.request_id, None)
+        if entry is None:
+            return False
+        local_hit, p = entry
+        request.kv_transfer_params["do_remote_prefill"] = False  # one transfer per request
+        if num_external_tokens <= 0:
+            self._recvs.append(self._spec(request.request_id, p, [], []))  # nothing to load: release
+            return True
+        n_prompt = len(request.prompt_token_ids or ())
+        skip = local_hit // self.block_size
+        need = math.ceil(n_prompt / self.block_size)
+        local = list(block_ids[skip:need])
+        remote = list(p["remote_block_ids"][skip:need])
+        self._recvs.append(self._spec(request.request_id, p, remote, local))
+        self.stats["remote_prefills"] += 1
+        self.stats["remote_tokens"] += num_external_tokens
+        return True
+
+    def _spec(self, req_id: str, p: dict[str, Any], remote: list[int], local: list[int]) -> RecvSpec:
+        return RecvSpec(req_id, p["remote_request_id"], p["remote_engine_id"], p["remote_host"], p["remote_port"],
+                        remote, local)
+
+    def _release_if_known(self, req_id: str, params: Any) -> None:
+        # A hand-off we cannot use still names a producer holding blocks: tell it to free them.
+        if isinstance(params, dict) and isinstance(params.get("remote_host"), str) and isinstance(
+                params.get("remote_port"), int) and isinstance(params.get("remote_request_id"), str):
+            self._recvs.append(RecvSpec(req_id, params["remote_request_id"], str(params.get("remote_engine_id")),
+                                        params["remote_host"], params["remote_port"], [], []))
+
+    # ---- producer ----
+    def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        params = request.kv_transfer_params
+        if self.consumer and isinstance(params, dict) and params.get("do_remote_prefill"):
+            # Finished (aborted) before it was scheduled: the producer still holds the blocks.
+            params["do_remote_prefill"] = False
+            self._matched.pop(request.request_id, None)
+            self._release_if_known(request.request_id, params)
+            return False, None
+        if not self.producer or not isinstance(params, dict) or not params.get("do_remote_decode"):
+            return False, None
+        from vllm.v1.request import RequestStatus
+
+        if request.status != RequestStatus.FINISHED_LENGTH_CAPPED or not block_ids:
+            return False, None  # aborted or stopped early: nothing for a decode worker
+        self._holds[request.request_id] = self.timeout_s
+        self.stats["holds"] += 1
+        logger.debug("kvslots P/D: request %s: holding %d blocks for a decode worker", request.request_id,
+                     len(block_ids))
+        return True, {
+            "do_remote_prefill": True,
+            "do_remote_decode": False,
+            "remote_engine_id": self.engine_id,
+            "remote_request_id": request.request_id,
+            "remote_host": self.host,
+            "remote_port": self.port,
+            "remote_block_ids": [int(b) for b in block_ids],
+            "remote_block_size": self.block_size,
+            "num_tokens": len(request.prompt_token_ids or ()),
+        }
+
+    def build(self) -> PDStepMeta | None:
+        if not self._recvs and not self._holds:
+            return None
+        meta = PDStepMeta(holds=self._holds, recvs=self._recvs)
+        self._holds, self._recvs = {}, []
+        return meta
+
+    def has_pending(self) -> bool:
+        return bool(self._recvs or self._holds)
+
+
+class PDWorker:
+    """The worker side of both roles: the Mooncake transport over this rank's KV cache, the
+    producer's control server and held requests, the consumer's background pulls."""
+
+    def __init__(self, *, engine_id: str, host: str, port: int, block_size: int, model: str, timeout_s: float,
+                 producer: bool, consumer: bool, control_timeout_s: float = 10.0):
+        self.engine_id = engine_id
+        self.host = host
+        self.port = port
+        self.block_size = block_size
+        self.model = model
+        self.timeout_s = timeout_s
+        self.control_timeout_s = min(control_timeout_s, timeout_s)
+        self.producer = producer
+        self.consumer = consumer
+        self.transport: Any = None
+        self.layout: Any = None
+        self._server: Any = None
+        self._lock = threading.Lock()
+        self._held: dict[str, float] = {}  # producer: req -> deadline (monotonic)
+        self._early_acks: dict[str, float] = {}  # acks that came before the hold's metadata
+        self._expired: set[str] = set()
+        self._sending_done: set[str] = set()
+        self._recving_done: set[str] = set()
+        self._recving_failed: set[str] = set()
+        self._peers: dict[tuple[str, int], dict[str, Any]] = {}
+        self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvslots-pd-pull") if consumer else None
+        self.stats = {"pulled_blocks": 0, "pulled_bytes": 0, "failed_pulls": 0, "acks": 0, "expired": 0}
+
+    # ---- set-up ----
+    def register(self, kv_caches: dict[str, Any], num_blocks: int) -> None:
+        from ..pd import BlockLayout, MooncakeTransport
+
+        self.layout = BlockLayout.from_tensors(kv_caches, num_blocks)
+        self.transport = MooncakeTransport(self.host)
+        self.transport.register(self.layout)
+        if self.producer:
+            from ..pd.control import ControlServer
+
+            self._server = ControlServer(self.host, self.port, self._handle)
+        logger.info("kvslots P/D worker (%s%s): %d segments (%d layers incl. draft), %d bytes per block, "
+                    "Mooncake session %s", "producer" if self.producer else "", " consumer" if self.consumer else "",
+                    len(self.layout.segments), len(kv_caches), self.layout.bytes_per_block, self.transport.session_id)
+
+    # ---- producer ----
+    def _handle(self, msg: dict[str, Any]) -> dict[str, Any]:
+        op = msg.get("op")
+        if op == "hello":
+            return {"session": self.transport.session_id, "layout": self.layout.to_wire(), "engine_id": self.engine_id,
+                    "block_size": self.block_size, "model": self.model}
+        if op == "done":
+            req = msg.get("req")
+            if not isinstance(req, str):
+                raise ValueError("done needs req")
+            now = time.monotonic()
+            with self._lock:
+                self.stats["acks"] += 1
+                if req in self._expired:
+                    self._expired.discard(req)
+                    return {"held": False}
+                if req in self._held:
+                    del self._held[req]
+                    self._sending_done.add(req)
+                else:  # the hold's metadata is not here yet: vLLM still holds the blocks
+                    self._early_acks[req] = now
+            return {"held": True}
+        raise ValueError(f"unknown op {op!r}")
+
+    def on_step(self, meta: PDStepMeta | None) -> None:
+        if meta is None:
+            return
+        if meta.holds:
+            now = time.monotonic()
+            with self._lock:
+                for req, hold_s in meta.holds.items():
+                    if self._early_acks.pop(req, None) is not None:
+                        self._sending_done.add(req)
+                    else:
+                        self._held[req] = now + hold_s
+        for spec in meta.recvs:
+            assert self._pool is not None, "a consumer step on a worker that is not a consumer"
+            self._pool.submit(self._pull, spec)
+
+    def _expire(self) -> None:
+        now = time.monotonic()
+        with self._lock:
+            for req, deadline in list(self._held.items()):
+                if now >= deadline:
+                    del self._held[req]
+                    self._expired.add(req)
+                    self._sending_done.add(req)
+                    self.stats["expired"] += 1
+                    logger.warning("kvslots P/D: no decode worker took request %s within %.0f s; freeing its blocks",
+                                   req, self.timeout_s)
+            for req, t in list(self._early_acks.items()):
+                if now - t > 600:
+                    del self._early_acks[req]
+            if len(self._expired) > 100_000:
+                self._expired.clear()
+
+    # ---- consumer ----
+    def _hello(self, spec: RecvSpec) -> dict[str, Any]:
+        from ..pd import BlockLayout
+        from ..pd.control import control_call
+
+        key = (spec.remote_host, spec.remote_port)
+        info = self._peers.get(key)
+        if info is None or info["engine_id"] != spec.remote_engine_id:  # first time, or a restarted producer
+            info = control_call(spec.remote_host, spec.remote_port, {"op": "hello"}, timeout_s=self.control_timeout_s)
+            info["layout_obj"] = BlockLayout.from_wire(info.get("layout"))
+            self._peers[key] = info
+        if info.get("engine_id") != spec.remote_engine_id:
+            raise TransferError(f"prefill worker {key[0]}:{key[1]} is engine {info.get('engine_id')!r}, the request "
+                                f"was prefilled by {spec.remote_engine_id!r} (restarted?)", details={"kind": "peer"})
+        if info.get("block_size") != self.block_size or info.get("model") != self.model:
+            raise TransferError(f"prefill worker runs model {info.get('model')!r} with block size "
+                                f"{info.get('block_size')}, this one {self.model!r} with {self.block_size}",
+                                details={"kind": "layout"})
+        return info
+
+    def _pull(self, spec: RecvSpec) -> None:
+        from ..pd.control import control_call
+
+        from ..pd.control import _unpin_thread
+
+        _unpin_thread()
+        ok = True
+        t0 = time.monotonic()
+        logger.debug("kvslots P/D: request %s: pulling %d blocks from %s:%d", spec.req_id, len(spec.local_block_ids),
+                     spec.remote_host, spec.remote_port)
+        try:
+            if spec.local_block_ids:
+                info = self._hello(spec)
+                self.layout.check_compatible(info["layout_obj"])
+                nbytes = self.transport.read_blocks(info["session"], info["layout_obj"], spec.remote_block_ids,
+                                                    spec.local_block_ids)
+                self.stats["pulled_blocks"] += len(spec.local_block_ids)
+                self.stats["pulled_bytes"] += nbytes
+        except TransferError as e:
+            ok = False
+            logger.warning("kvslots P/D: request %s: pulling %d blocks failed: %s", spec.req_id,
+                           len(spec.local_block_ids), e)
+        except Exception:  # never leave a request waiting on a thread that died
+            ok = False
+            logger.exception("kvslots P/D: request %s: pull failed", spec.req_id)
+        try:
+            reply = control_call(spec.remote_host, spec.remote_port, {"op": "done", "req": spec.remote_req_id},
+                                 timeout_s=self.control_timeout_s)
+            if spec.local_block_ids and not reply.get("held", False):
+                ok = False
+                logger.warning("kvslots P/D: request %s: the prefill worker freed its blocks before the pull ended",
+                               spec.req_id)
+        except TransferError as e:
+            if ok and spec.local_block_ids:
+                # The bytes arrived, but the producer could not confirm it still held them.
+                ok = False
+            logger.warning("kvslots P/D: request %s: ack to the prefill worker failed: %s", spec.req_id, e)
+        logger.debug("kvslots P/D: request %s: pull and ack done in %.3f s, ok=%s", spec.req_id,
+                     time.monotonic() - t0, ok)
+        with self._lock:
+            if not spec.local_block_ids:
+                return  # a release: vLLM is not waiting on it
+            if not ok:
+                self.stats["failed_pulls"] += 1
+                self._recving_failed.add(spec.req_id)
+            self._recving_done.add(spec.req_id)
+
+    # ---- per step ----
+    def take_finished(self) -> tuple[set[str], set[str], set[str]]:
+        """(finished_sending, finished_recving, failed_recving) since the last call."""
+        self._expire()
+        with self._lock:
+            out = (self._sending_done, self._recving_done, self._recving_failed)
+            self._sending_done, self._recving_done, self._recving_failed = set(), set(), set()
+        return out
+
+    def num_held(self) -> int:
+        with self._lock:
+            return len(self._held)
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+        if self._server is not None:
+            self._server.close()
+        if self.transport is not None:
+            self.transport.close()
+
+
+def make_pd(vllm_config: Any, kv_cache_config: Any, is_scheduler: bool, cfg: Any,
+            block_size: int) -> tuple[PDScheduler | None, PDWorker | None]:
+    """The P/D halves for this connector instance: none unless ``kv_role`` is ``kv_producer`` or
+    ``kv_consumer`` (or ``kv_both`` with ``pd_port`` set: both roles, chosen per request)."""
+    from ...config.connector import ConnectorConfigError
+
+    ktc = vllm_config.kv_transfer_config
+    role = ktc.kv_role
+    producer = role == "kv_producer" or (role == "kv_both" and cfg.pd_port is not None)
+    consumer = role == "kv_consumer" or (role == "kv_both" and cfg.pd_port is not None)
+    if not (producer or consumer):
+        return None, None
+    if producer and cfg.pd_port is None:
+        raise ConnectorConfigError("kv_connector_extra_config.pd_port: a kv_producer needs the port its decode "
+                                   "workers reach it at")
+    pc = vllm_config.parallel_config
+    if pc.world_size != 1:
+        raise ConnectorConfigError(f"disaggregated prefill/decode supports one worker rank for now (world size "
+                                   f"{pc.world_size})")
+    engine_id = str(ktc.engine_id)
+    port = cfg.pd_port or 0
+    if is_scheduler:
+        return PDScheduler(engine_id=engine_id, host=cfg.pd_host, port=port, block_size=block_size,
+                           timeout_s=cfg.pd_timeout_s, producer=producer, consumer=consumer), None
+    return None, PDWorker(engine_id=engine_id, host=cfg.pd_host, port=port, block_size=block_size,
+                          model=_model_key(vllm_config), timeout_s=cfg.pd_timeout_s, producer=producer,
+                          consumer=consumer)
+
+
+def _model_key(vllm_config: Any) -> str:
+    """What must match between the two workers beyond the layout: the target model's
+    architecture and the drafter's method (not the path: the two may load one checkpoint from
+    two directories)."""
+    hf = vllm_config.model_config.hf_config
+    spec = vllm_config.speculative_config
+    arch = ",".join(getattr(hf, "architectures", None) or [type(hf).__name__])
+    draft = str(spec.method) if spec is not None else "none"
+    return f"{arch}/{getattr(hf, 'num_hidden_layers', '?')}L/draft={draft}"

@@ -1,0 +1,134 @@
+"""The P/D control channel: small msgpack requests from a decode worker to a prefill worker over
+ZMQ (the KV bytes themselves go through Mooncake, :mod:`.transport`).
+
+Two operations, both answered at once by a background thread of the prefill worker:
+
+- ``hello``: the prefill worker's Mooncake session, block layout (every layer, target and draft),
+  block size and model name, so the decode worker can check both sides match before reading;
+- ``done``: the decode worker finished (or gave up) reading a request's blocks; the prefill
+  worker may free them. The answer says whether the blocks were still held when the read ended
+  (``held``: false when the prefill worker's hold timed out first, so the bytes read may be
+  stale and the decode worker must not use them).
+
+Every client call has a timeout and a fresh socket per attempt, so a dead or restarted peer
+gives a :class:`~kvslots.errors.TransferError` (kind ``"peer"`` / ``"timeout"``), never a hang.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import msgspec
+import zmq
+
+from ...errors import TransferError
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["ControlServer", "control_call"]
+
+_ENC = msgspec.msgpack.Encoder()
+_DEC = msgspec.msgpack.Decoder()
+
+
+class ControlServer:
+    """Answers control requests on ``tcp://host:port`` with ``handler(msg) -> reply`` on its own
+    thread. ``port`` 0 picks a free port (see :attr:`port`)."""
+
+    def __init__(self, host: str, port: int, handler: Callable[[dict[str, Any]], dict[str, Any]]):
+        self._ctx = zmq.Context.instance()
+        self._sock = self._ctx.socket(zmq.ROUTER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        try:
+            if port == 0:
+                self.port = self._sock.bind_to_random_port(f"tcp://{host}")
+            else:
+                self._sock.bind(f"tcp://{host}:{port}")
+                self.port = port
+        except zmq.ZMQError as e:
+            self._sock.close()
+            raise TransferError(f"P/D control socket cannot bind tcp://{host}:{port}: {e}",
+                                details={"kind": "engine"}) from None
+        self.host = host
+        self._handler = handler
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._serve, name="kvslots-pd-control", daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        _unpin_thread()
+        poller = zmq.Poller()
+        poller.register(self._sock, zmq.POLLIN)
+        while not self._stop.is_set():
+            if not poller.poll(100):
+                continue
+            try:
+                ident, _, payload = self._sock.recv_multipart(zmq.NOBLOCK)
+            except (zmq.ZMQError, ValueError):
+                continue
+            try:
+                msg = _DEC.decode(payload)
+                if not isinstance(msg, dict):
+                    raise TypeError("not a map")
+                reply = self._handler(msg)
+            except Exception as e:  # a bad request must not stop the server
+                reply = {"error": f"{type(e).__name__}: {e}"}
+            try:
+                self._sock.send_multipart([ident, b"", _ENC.encode(reply)], zmq.NOBLOCK)
+            except zmq.ZMQError:
+                pass
+        self._sock.close()
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
+
+
+def _unpin_thread() -> None:
+    """Lets the calling thread run on every CPU. vLLM's CPU workers pin their process (and so
+    every new thread) to the cores of their OpenMP pool, where a busy engine loop can starve a
+    small service thread for minutes."""
+    try:
+        os.sched_setaffinity(0, range(os.cpu_count() or 1))  # pid 0: this thread only (Linux)
+    except (AttributeError, OSError):
+        pass
+
+
+def control_call(host: str, port: int, msg: dict[str, Any], *, timeout_s: float, retries: int = 1) -> dict[str, Any]:
+    """Sends ``msg`` to a :class:`ControlServer` and returns its reply; a
+    :class:`~kvslots.errors.TransferError` when no reply comes within ``timeout_s`` (per try) or
+    the reply is an error."""
+    ctx = zmq.Context.instance()
+    last = ""
+    for _ in range(max(1, retries + 1)):
+        sock = ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        try:
+            sock.connect(f"tcp://{host}:{port}")
+            sock.send_multipart([b"", _ENC.encode(msg)])
+            if sock.poll(int(timeout_s * 1000), zmq.POLLIN):
+                frames = sock.recv_multipart()
+                try:
+                    reply = _DEC.decode(frames[-1])
+                except msgspec.DecodeError as e:
+                    raise TransferError(f"P/D control reply from {host}:{port} does not decode: {e}",
+                                        details={"kind": "peer"}) from None
+                if not isinstance(reply, dict):
+                    raise TransferError(f"P/D control reply from {host}:{port} is not a map", details={"kind": "peer"})
+                if "error" in reply:
+                    raise TransferError(f"P/D peer {host}:{port} refused {msg.get('op')!r}: {reply['error']}",
+                                        details={"kind": "peer"})
+                return reply
+            last = f"no reply within {timeout_s} s"
+        except zmq.ZMQError as e:
+            last = str(e)
+        finally:
+            sock.close()
+        time.sleep(0.05)
+    raise TransferError(f"P/D peer {host}:{port} did not answer {msg.get('op')!r}: {last}",
+                        details={"kind": "timeout"})

@@ -1,0 +1,246 @@
+"""Block transfers between a prefill and a decode worker over Mooncake's transfer engine.
+
+We do not run our own sockets: Mooncake's ``TransferEngine`` moves the bytes (TCP here, RDMA where
+the NIC and libibverbs have it), with its peer-to-peer handshake so no metadata service is needed.
+Each worker builds one :class:`MooncakeTransport`, registers its KV cache once
+(:meth:`MooncakeTransport.register`, every segment of every layer of a :class:`BlockLayout`,
+target and draft layers alike) and publishes its ``session_id`` and layout. The decode worker
+then *pulls*: :meth:`MooncakeTransport.read_blocks` copies a list of the prefill worker's blocks
+into a list of its own blocks, every segment, in one batched Mooncake call. Runs of consecutive
+ids on both sides become one entry per segment, so a prompt's blocks usually move as one entry
+per layer.
+
+Failures are :class:`kvslots.errors.TransferError` with ``kind``: ``"peer"`` (the remote engine is
+gone, refused, or the transfer failed), ``"timeout"``, ``"layout"`` (the layouts differ) or
+``"engine"`` (Mooncake missing or failing locally). A failed read leaves the destination blocks
+undefined and nothing else changed.
+
+Timeouts: Mooncake's own synchronous batch gives up on a silent peer after its transfer timeout
+(30 s in 0.3.13). :meth:`MooncakeTransport.submit_read` runs the batch on a worker thread and
+:meth:`PendingRead.result` raises ``kind="timeout"`` at the caller's deadline; the destination
+blocks must still not be reused until :meth:`PendingRead.settled` is true, because Mooncake may
+still be writing into them until it gives up itself.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+from typing import Any
+
+import numpy as np
+
+from ...errors import ArgumentTypeError, InvalidArgumentError, TransferError
+from .layout import BlockLayout, _as_ids
+
+__all__ = ["MooncakeTransport", "PendingRead", "load_transfer_engine"]
+
+
+def load_transfer_engine() -> Any:
+    """Mooncake's ``TransferEngine`` class; a :class:`TransferError` (kind ``"engine"``) saying
+    what to install when it does not import."""
+    # Mooncake logs every connection at INFO through glog; keep warnings and errors only unless
+    # the user asked for more. glog reads this when the library loads.
+    os.environ.setdefault("GLOG_minloglevel", "1")
+    try:
+        from mooncake.engine import TransferEngine
+    except ImportError as e:
+        raise TransferError(
+            f"Mooncake's transfer engine does not import ({e}); install the wheel of "
+            "requirements/pd.txt (mooncake-transfer-engine-non-cuda) and Debian's libibverbs1, "
+            "as scripts/setup.sh does",
+            details={"kind": "engine"},
+        ) from None
+    return TransferEngine
+
+
+class PendingRead:
+    """One read submitted with :meth:`MooncakeTransport.submit_read`."""
+
+    __slots__ = ("_future", "nbytes", "num_blocks")
+
+    def __init__(self, future: Future[None], nbytes: int, num_blocks: int):
+        self._future = future
+        self.nbytes = nbytes
+        self.num_blocks = num_blocks
+
+    def done(self) -> bool:
+        """True once the read finished, successfully or not (never blocks)."""
+        return self._future.done()
+
+    def settled(self) -> bool:
+        """True once Mooncake no longer touches the destination blocks (same as :meth:`done`;
+        named for the caller that gave up at a timeout and waits to reuse its blocks)."""
+        return self._future.done()
+
+    def result(self, timeout: float | None = None) -> int:
+        """Waits up to ``timeout`` seconds (``None``: until Mooncake finishes or gives up);
+        returns the bytes moved or raises :class:`TransferError`."""
+        try:
+            self._future.result(timeout)
+        except FutureTimeout:
+            raise TransferError(
+                f"transfer of {self.num_blocks} blocks ({self.nbytes} bytes) not done after {timeout} s",
+                details={"kind": "timeout", "num_blocks": self.num_blocks},
+            ) from None
+        return self.nbytes
+
+
+class MooncakeTransport:
+    """One Mooncake transfer engine for one worker, with its KV cache registered.
+
+    ``hostname``: the address peers reach this worker at (``127.0.0.1`` on loopback).
+    ``protocol``: ``"tcp"`` or ``"rdma"``. ``device_name``: Mooncake's NIC filter (RDMA).
+    """
+
+    def __init__(self, hostname: str = "127.0.0.1", *, protocol: str = "tcp", device_name: str = "",
+                 threads: int = 1):
+        if not isinstance(hostname, str) or not hostname or ":" in hostname:
+            raise InvalidArgumentError(f"hostname must be a host name or address without a port, got {hostname!r}")
+        if protocol not in ("tcp", "rdma"):
+            raise InvalidArgumentError(f"protocol must be 'tcp' or 'rdma', got {protocol!r}")
+        if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
+            raise InvalidArgumentError(f"threads must be an int >= 1, got {threads!r}")
+        engine_cls = load_transfer_engine()
+        self._engine = engine_cls()
+        rc = self._engine.initialize(hostname, "P2PHANDSHAKE", protocol, device_name)
+        if rc != 0:
+            raise TransferError(f"Mooncake initialize({hostname!r}, {protocol!r}) failed with {rc}",
+                                details={"kind": "engine", "code": rc})
+        self.hostname = hostname
+        self.protocol = protocol
+        self.rpc_port = int(self._engine.get_rpc_port())
+        self.layout: BlockLayout | None = None
+        self._regions: list[int] = []
+        self._lock = threading.Lock()
+        self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="kvslots-pd-xfer")
+        self._closed = False
+
+    @property
+    def session_id(self) -> str:
+        """What a peer names this worker by (``host:rpc_port``)."""
+        return f"{self.hostname}:{self.rpc_port}"
+
+    @property
+    def engine(self) -> Any:
+        """The underlying Mooncake ``TransferEngine`` (benches compare against it directly)."""
+        return self._engine
+
+    def register(self, layout: BlockLayout) -> None:
+        """Registers every region of ``layout`` with Mooncake (once; a second layout replaces the
+        first). The memory must stay allocated until :meth:`close` or the next ``register``."""
+        if not isinstance(layout, BlockLayout):
+            raise ArgumentTypeError(f"layout must be a BlockLayout, got {type(layout).__name__}")
+        with self._lock:
+            self._check_open()
+            self._unregister_all()
+            done: list[int] = []
+            for addr, nbytes in layout.regions():
+                rc = self._engine.register_memory(addr, nbytes)
+                if rc != 0:
+                    for a in done:
+                        self._engine.unregister_memory(a)
+                    raise TransferError(f"Mooncake register_memory({addr:#x}, {nbytes}) failed with {rc}",
+                                        details={"kind": "engine", "code": rc})
+                done.append(addr)
+            self._regions = done
+            self.layout = layout
+
+    def plan(self, remote_layout: BlockLayout, remote_ids: Sequence[int] | np.ndarray,
+             local_ids: Sequence[int] | np.ndarray) -> tuple[list[int], list[int], list[int]]:
+        """(local addresses, remote addresses, lengths) of the batch that copies remote block
+        ``remote_ids[i]`` into local block ``local_ids[i]`` for every segment. Validates ids and
+        layouts; changes nothing."""
+        local = self.layout
+        if local is None:
+            raise TransferError("no KV layout registered with this transport", details={"kind": "engine"})
+        if not isinstance(remote_layout, BlockLayout):
+            raise ArgumentTypeError(f"remote_layout must be a BlockLayout, got {type(remote_layout).__name__}")
+        local.check_compatible(remote_layout)
+        r = _as_ids("remote_ids", remote_ids, remote_layout.num_blocks)
+        l_ = _as_ids("local_ids", local_ids, local.num_blocks)
+        if len(r) != len(l_):
+            raise InvalidArgumentError(f"remote_ids has {len(r)} ids, local_ids {len(l_)}")
+        if len(np.unique(l_)) != len(l_):
+            raise InvalidArgumentError("local_ids holds a block id twice (two blocks cannot land in one)")
+        if not len(r):
+            return [], [], []
+        order = np.argsort(l_, kind="stable")
+        l_, r = l_[order], r[order]
+        # A run: consecutive local ids whose remote ids are consecutive too.
+        brk = np.flatnonzero((np.diff(l_) != 1) | (np.diff(r) != 1)) + 1
+        starts = np.concatenate(([0], brk))
+        lens = np.diff(np.concatenate((starts, [len(l_)])))
+        l0, r0 = l_[starts], r[starts]
+        lp: list[np.ndarray] = []
+        rp: list[np.ndarray] = []
+        ln: list[np.ndarray] = []
+        for ls, rs in zip(local.segments, remote_layout.segments):
+            if ls.stride == ls.block_bytes and rs.stride == rs.block_bytes:
+                lp.append(ls.addr + l0 * ls.stride)
+                rp.append(rs.addr + r0 * rs.stride)
+                ln.append(lens * ls.block_bytes)
+            else:  # strided blocks: one entry per block
+                lp.append(ls.addr + l_ * ls.stride)
+                rp.append(rs.addr + r * rs.stride)
+                ln.append(np.full(len(l_), ls.block_bytes, dtype=np.int64))
+        return (np.concatenate(lp).tolist(), np.concatenate(rp).tolist(), np.concatenate(ln).tolist())
+
+    def read_blocks(self, remote_session: str, remote_layout: BlockLayout, remote_ids: Sequence[int] | np.ndarray,
+                    local_ids: Sequence[int] | np.ndarray) -> int:
+        """Copies the remote blocks into the local ones (all segments) and returns the bytes
+        moved; blocks the calling thread until Mooncake finishes or gives up."""
+        lp, rp, ln = self.plan(remote_layout, remote_ids, local_ids)
+        self._run(remote_session, lp, rp, ln)
+        return int(sum(ln))
+
+    def submit_read(self, remote_session: str, remote_layout: BlockLayout, remote_ids: Sequence[int] | np.ndarray,
+                    local_ids: Sequence[int] | np.ndarray) -> PendingRead:
+        """As :meth:`read_blocks`, on the transport's worker thread; argument errors raise here,
+        transfer errors from :meth:`PendingRead.result`."""
+        lp, rp, ln = self.plan(remote_layout, remote_ids, local_ids)
+        self._check_open()
+        fut = self._pool.submit(self._run, remote_session, lp, rp, ln)
+        return PendingRead(fut, int(sum(ln)), len(np.asarray(local_ids)))
+
+    def _run(self, remote_session: str, lp: list[int], rp: list[int], ln: list[int]) -> None:
+        if not lp:
+            return
+        if not isinstance(remote_session, str) or remote_session.count(":") != 1:
+            raise TransferError(f"bad remote session {remote_session!r} (expected host:port)", details={"kind": "peer"})
+        rc = self._engine.batch_transfer_sync_read(remote_session, lp, rp, ln)
+        if rc != 0:
+            raise TransferError(
+                f"Mooncake read of {len(lp)} entries ({sum(ln)} bytes) from {remote_session} failed with {rc} "
+                "(peer gone, unreachable, or silent past Mooncake's transfer timeout)",
+                details={"kind": "peer", "code": rc},
+            )
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise TransferError("transport is closed", details={"kind": "engine"})
+
+    def _unregister_all(self) -> None:
+        for addr in self._regions:
+            self._engine.unregister_memory(addr)
+        self._regions = []
+
+    def close(self) -> None:
+        """Waits for submitted reads, unregisters the memory. Idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        self._pool.shutdown(wait=True)
+        with self._lock:
+            self._unregister_all()
+            self.layout = None
+
+    def __enter__(self) -> MooncakeTransport:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

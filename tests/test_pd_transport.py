@@ -1,0 +1,237 @@
+"""The P/D block transport over Mooncake: two processes on loopback, byte-exact block reads, and
+failures (peer killed, peer silent, bad layouts, bad ids) that raise TransferError without
+hanging."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+os.environ.setdefault("GLOG_minloglevel", "1")  # before Mooncake loads: no per-connection INFO lines
+pytest.importorskip("mooncake.engine", reason="Mooncake's transfer engine (requirements/pd.txt) is not installed")
+
+from kvslots.errors import ArgumentTypeError, InvalidArgumentError, KVSlotsError, TransferError  # noqa: E402
+from kvslots.vllm.pd import BlockLayout, MooncakeTransport  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).parent))
+from pd_transport_peer import peer_buffer  # noqa: E402
+
+PEER = Path(__file__).parent / "pd_transport_peer.py"
+NB, BB, NS = 64, 4096, 3  # blocks, bytes per block per segment, segments (layers)
+
+
+def _start_peer(seed: int, num_blocks: int = NB, block_bytes: int = BB, num_segments: int = NS):
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).parent.parent / "python"))
+    proc = subprocess.Popen([sys.executable, str(PEER), str(seed), str(num_blocks), str(block_bytes), str(num_segments)],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, text=True)
+    line = proc.stdout.readline()
+    assert line, "peer died before it was ready"
+    info = json.loads(line)
+    return proc, info["session"], BlockLayout.from_wire(info["layout"])
+
+
+def _stop(proc) -> None:
+    if proc.poll() is None:
+        proc.stdin.close()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+@pytest.fixture
+def peer():
+    proc, session, layout = _start_peer(seed=7)
+    yield proc, session, layout
+    if proc.poll() is None:
+        os.kill(proc.pid, signal.SIGCONT)
+    _stop(proc)
+
+
+@pytest.fixture
+def local():
+    buf = np.zeros(NS * NB * BB, dtype=np.uint8)
+    t = MooncakeTransport("127.0.0.1")
+    t.register(BlockLayout.from_buffer(buf.ctypes.data, block_bytes=BB, num_blocks=NB, num_segments=NS))
+    yield t, buf
+    t.close()
+
+
+def _blocks(buf: np.ndarray, seg: int, ids) -> np.ndarray:
+    return buf.reshape(NS, NB, BB)[seg, ids]
+
+
+def test_random_blocks_arrive_byte_exact(peer, local):
+    _, session, remote = peer
+    t, buf = local
+    expect = peer_buffer(7, NB, BB, NS)
+    rng = np.random.default_rng(1)
+    for _ in range(5):
+        n = int(rng.integers(1, NB))
+        src = rng.choice(NB, n, replace=False)
+        dst = rng.choice(NB, n, replace=False)
+        # some consecutive runs too, the path that coalesces entries
+        if n > 8:
+            src[:5] = np.arange(10, 15)
+            dst[:5] = np.arange(20, 25)
+            dst = np.concatenate((dst[:5], [x for x in dst[5:] if not 20 <= x < 25]))[:n]
+            src = src[: len(dst)]
+        buf[:] = 0
+        moved = t.read_blocks(session, remote, src, dst)
+        assert moved == len(src) * NS * BB
+        for s in range(NS):
+            assert np.array_equal(_blocks(buf, s, dst), _blocks(expect, s, src)), f"segment {s} differs"
+        untouched = np.setdiff1d(np.arange(NB), dst)
+        assert not buf.reshape(NS, NB, BB)[:, untouched].any(), "a block outside local_ids was written"
+
+
+def test_runs_coalesce_to_one_entry_per_segment(peer, local):
+    _, _, remote = peer
+    t, _ = local
+    lp, rp, ln = t.plan(remote, list(range(3, 13)), list(range(30, 40)))
+    assert len(lp) == NS and ln == [10 * BB] * NS
+    lp, _, _ = t.plan(remote, [3, 5, 4], [30, 31, 32])  # remote not consecutive in local order
+    assert len(lp) == 3 * NS
+
+
+def test_submit_read_async(peer, local):
+    _, session, remote = peer
+    t, buf = local
+    pending = t.submit_read(session, remote, [0, 1, 2], [5, 6, 7])
+    assert pending.result(timeout=30) == 3 * NS * BB
+    assert pending.done() and pending.settled()
+    assert np.array_equal(_blocks(buf, 1, [5, 6, 7]), _blocks(peer_buffer(7, NB, BB, NS), 1, [0, 1, 2]))
+
+
+def test_peer_killed_raises_transfer_error(peer, local):
+    proc, session, remote = peer
+    t, _ = local
+    t.read_blocks(session, remote, [0], [0])  # connected once
+    proc.kill()
+    proc.wait()
+    start = time.monotonic()
+    with pytest.raises(TransferError) as ei:
+        t.read_blocks(session, remote, [1, 2], [1, 2])
+    assert ei.value.kind == "peer"
+    assert time.monotonic() - start < 10
+    # the transport still works with another peer afterwards
+    proc2, session2, remote2 = _start_peer(seed=9)
+    try:
+        t.read_blocks(session2, remote2, [4], [4])
+    finally:
+        _stop(proc2)
+
+
+def test_never_existing_peer_raises(local):
+    t, _ = local
+    remote = BlockLayout.from_buffer(1 << 20, block_bytes=BB, num_blocks=NB, num_segments=NS)
+    with pytest.raises(TransferError) as ei:
+        t.read_blocks("127.0.0.1:1", remote, [0], [0])
+    assert ei.value.kind == "peer"
+
+
+def test_silent_peer_times_out_without_hanging(peer, local):
+    proc, session, remote = peer
+    t, _ = local
+    t.read_blocks(session, remote, [0], [0])
+    os.kill(proc.pid, signal.SIGSTOP)
+    try:
+        start = time.monotonic()
+        pending = t.submit_read(session, remote, [1], [1])
+        with pytest.raises(TransferError) as ei:
+            pending.result(timeout=1.0)
+        assert ei.value.kind == "timeout"
+        assert time.monotonic() - start < 5
+        assert not pending.settled()  # Mooncake may still write; the caller must not reuse the block yet
+    finally:
+        os.kill(proc.pid, signal.SIGCONT)
+    # once the peer is back the outstanding read completes (or fails) and settles
+    try:
+        pending.result(timeout=60)
+    except TransferError:
+        pass
+    assert pending.settled()
+
+
+def test_mismatched_layouts_raise_layout_error(peer, local):
+    _, session, remote = peer
+    t, _ = local
+    other = BlockLayout.from_buffer(remote.segments[0].addr, block_bytes=BB * 2, num_blocks=NB, num_segments=NS)
+    with pytest.raises(TransferError, match="layouts differ") as ei:
+        t.read_blocks(session, other, [0], [0])
+    assert ei.value.kind == "layout"
+    fewer = BlockLayout.from_buffer(remote.segments[0].addr, block_bytes=BB, num_blocks=NB, num_segments=NS - 1)
+    with pytest.raises(TransferError, match="segments") as ei:
+        t.read_blocks(session, fewer, [0], [0])
+
+
+@pytest.mark.parametrize("remote_ids, local_ids, exc", [
+    ([0, 1], [0], InvalidArgumentError),
+    ([0, 1], [3, 3], InvalidArgumentError),
+    ([-1], [0], InvalidArgumentError),
+    ([NB], [0], InvalidArgumentError),
+    ([0], [2**70], KVSlotsError),
+    ([0.5], [0], ArgumentTypeError),
+    ("ab", [0], ArgumentTypeError),
+    ([True], [0], ArgumentTypeError),
+    ([[0]], [0], ArgumentTypeError),
+])
+def test_hostile_ids_raise_kvslots_errors(peer, local, remote_ids, local_ids, exc):
+    _, session, remote = peer
+    t, buf = local
+    with pytest.raises(exc):
+        t.read_blocks(session, remote, remote_ids, local_ids)
+    assert not buf.any()
+
+
+@pytest.mark.parametrize("wire", [
+    None, 5, "x", {"num_blocks": 4}, {"num_blocks": 4, "segments": [["a", 0, 0, 0, 4]]},
+    {"num_blocks": 4, "segments": [["a", -5, 16, 16, 4]]}, {"num_blocks": 4, "segments": [["a", 0, 16, 8, 4]]},
+    {"num_blocks": 0, "segments": []}, {"num_blocks": 4, "segments": [["a", 0, 16, 16, 5]]},
+])
+def test_malformed_wire_layout(wire):
+    with pytest.raises(TransferError) as ei:
+        BlockLayout.from_wire(wire)
+    assert ei.value.kind == "layout"
+
+
+def test_layout_of_tensors_target_and_draft():
+    torch = pytest.importorskip("torch")
+    n = 10
+    caches = {
+        "model.layers.0.attn": torch.zeros(n, 2, 16, 8),  # CPU backend: blocks first
+        "model.layers.1.attn": torch.zeros(2, n, 16, 2, 4),  # flash-attn: K and V segments
+        "drafter.layers.0.attn": torch.zeros(n, 2, 16, 8),
+    }
+    caches["shared"] = caches["model.layers.0.attn"]
+    layout = BlockLayout.from_tensors(caches, n)
+    names = [s.name for s in layout.segments]
+    assert names == ["model.layers.0.attn", "model.layers.1.attn.0", "model.layers.1.attn.1", "drafter.layers.0.attn"]
+    assert layout.bytes_per_block == (2 * 16 * 8) * 4 * 2 + (16 * 2 * 4) * 4 * 2
+    assert BlockLayout.from_wire(json.loads(json.dumps(layout.to_wire()))) == layout
+    with pytest.raises(InvalidArgumentError):
+        BlockLayout.from_tensors({"x": torch.zeros(n, n)}, n)
+    with pytest.raises(InvalidArgumentError):
+        BlockLayout.from_tensors({"x": torch.zeros(4, n).t()}, n)
+
+
+def test_closed_transport_refuses(peer):
+    _, session, remote = peer
+    buf = np.zeros(NS * NB * BB, dtype=np.uint8)
+    t = MooncakeTransport("127.0.0.1")
+    t.register(BlockLayout.from_buffer(buf.ctypes.data, block_bytes=BB, num_blocks=NB, num_segments=NS))
+    t.close()
+    t.close()
+    with pytest.raises(TransferError):
+        t.read_blocks(session, remote, [0], [0])
+    with pytest.raises(InvalidArgumentError):
+        MooncakeTransport("127.0.0.1:5")
