@@ -33,11 +33,18 @@ def plain_cfg(tmp_path_factory):
     return cfg
 
 
-def disk_harness(cfg, tmp_path, *, host_blocks: int = 8) -> Harness:
+def disk_harness(cfg, tmp_path, *, host_blocks: int = 8, slot_manager: str = "vllm") -> Harness:
     cfg = copy.deepcopy(cfg)
     cfg.kv_transfer_config.kv_connector_extra_config = {
         "host_cache_blocks": host_blocks, "disk_path": str(tmp_path / "disk"), "disk_blocks": 64}
-    return Harness(cfg, num_blocks=64, seed=3)
+    cls = None
+    if slot_manager == "kvslots":  # scheduler mode: the Rust core allocates the device blocks
+        from kvslots.vllm import KVSlotsScheduler as cls
+    return Harness(cfg, num_blocks=64, seed=3, scheduler_cls=cls)
+
+
+# Asynchronous loads over both device KV managers: vLLM's and scheduler mode's.
+SLOT_MANAGERS = pytest.mark.parametrize("slot_manager", ["vllm", "kvslots"])
 
 
 def tokens(rng: random.Random, n: int) -> list[int]:
@@ -92,8 +99,9 @@ def device_tokens(h: Harness, rid: str, block: int) -> list[float]:
     return h.kv[0][LAYERS[0]][b, 0, :, 0].tolist()
 
 
-def test_a_disk_hit_waits_for_its_read_while_the_batch_runs_on_then_moves_up(plain_cfg, tmp_path):
-    h = disk_harness(plain_cfg, tmp_path)
+@SLOT_MANAGERS
+def test_a_disk_hit_waits_for_its_read_while_the_batch_runs_on_then_moves_up(plain_cfg, tmp_path, slot_manager):
+    h = disk_harness(plain_cfg, tmp_path, slot_manager=slot_manager)
     rng = random.Random(5)
     prompt = tokens(rng, PROMPT)
     hashes = spill_prompt_to_disk(h, prompt, rng)
@@ -126,6 +134,10 @@ def test_a_disk_hit_waits_for_its_read_while_the_batch_runs_on_then_moves_up(pla
                     for x in e.block_hashes}
     assert set(hashes) <= stored_cpu and set(hashes) <= removed_disk
     assert disk.stats["promoted_blocks"] == 5 and disk.index.num_writing == 0
+    if slot_manager == "kvslots":  # every request ended: the Rust pool is whole
+        mgr = h.scheduler.kv_cache_manager
+        mgr.check()
+        assert mgr.usage == 0.0, mgr.usage
     assert disk.index.check_invariants() is None and host.check_invariants() is None
     assert host.num_held == 0 and host.num_storing == 0, "every pin and promotion completed"
     check_one_tier(h)
@@ -136,8 +148,9 @@ def test_a_disk_hit_waits_for_its_read_while_the_batch_runs_on_then_moves_up(pla
     assert so.num_scheduled_tokens.get("a3") == PROMPT - 5 * BLOCK_SIZE and a3.status == RequestStatus.RUNNING
 
 
-def test_a_corrupt_record_read_asynchronously_is_recomputed(plain_cfg, tmp_path, caplog):
-    h = disk_harness(plain_cfg, tmp_path)
+@SLOT_MANAGERS
+def test_a_corrupt_record_read_asynchronously_is_recomputed(plain_cfg, tmp_path, caplog, slot_manager):
+    h = disk_harness(plain_cfg, tmp_path, slot_manager=slot_manager)
     rng = random.Random(6)
     prompt = tokens(rng, PROMPT)
     hashes = spill_prompt_to_disk(h, prompt, rng)
@@ -162,6 +175,9 @@ def test_a_corrupt_record_read_asynchronously_is_recomputed(plain_cfg, tmp_path,
     settle(h)
     assert not disk.index.contains(hashes[2]) and disk.stats["corrupt_blocks"] == 1
     assert disk.stats["promoted_blocks"] == 2, "only the blocks read intact moved up"
+    if slot_manager == "kvslots":
+        h.scheduler.kv_cache_manager.check()
+        assert h.scheduler.kv_cache_manager.usage == 0.0
     assert h.sched_side.host.num_held == 0 and h.sched_side.host.num_storing == 0
     check_one_tier(h)
 

@@ -92,6 +92,7 @@ class Harness:
     acceptance: float = 0.7
     seed: int = 0
     log_stats: bool = True
+    scheduler_cls: Any = None  # vLLM's Scheduler unless given (kvslots.vllm.KVSlotsScheduler)
     scheduler: Scheduler = field(init=False)
     connector: KVSlotsConnector = field(init=False)
     workers: list[KVSlotsConnector] = field(init=False)
@@ -104,7 +105,7 @@ class Harness:
         self.rng = random.Random(self.seed)
         kcc = kv_cache_config(self.num_blocks)
         self.cfg.cache_config.num_gpu_blocks = self.num_blocks
-        self.scheduler = Scheduler(vllm_config=self.cfg, kv_cache_config=kcc,
+        self.scheduler = (self.scheduler_cls or Scheduler)(vllm_config=self.cfg, kv_cache_config=kcc,
                                    structured_output_manager=StructuredOutputManager(self.cfg),
                                    block_size=BLOCK_SIZE, log_stats=self.log_stats)
         self.connector = self.scheduler.connector  # type: ignore[assignment]
