@@ -6,12 +6,15 @@
               KVSlotsConnector, interleaved in one process (none, null, kvslots, none, ...), thread
               CPU time by default. Our own share is (kvslots - null) / none, per repeat; the
               median and the spread over repeats are printed. Target: at most 3%.
+              ``--modes none,kvslots,kvslots-disk`` adds the connector with its disk tier on (idle:
+              this workload never evicts from the host tier), for the disk tier's no-regression
+              check.
   e2e         the real CPU engine on the tiny model (in-process, one worker thread): decode
               tokens/s with vs without the connector (target >= 97%), and time to first token for
               a repeated 2k-token prompt served from the host tier vs recomputed (target <= 0.5x);
               engine pairs interleaved, median and spread of the per-pair ratios.
 
-    python benches/bench_connector.py scheduler [--batch 256 1024] [--steps 200] [--repeats 9]
+    python benches/bench_connector.py scheduler [--batch 256 1024] [--steps 200] [--repeats 9] [--modes ...]
     python benches/bench_connector.py e2e [--prompt-len 2048]
 """
 
@@ -26,6 +29,7 @@ import random
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -57,9 +61,12 @@ def _scheduler_bench_one(args: argparse.Namespace, models: dict, batch: int, clo
         rng = random.Random(seed)
         c = copy.deepcopy(cfg)
         c.kv_transfer_config.kv_connector_extra_config = {"host_cache_blocks": num_blocks * 2}
+        if mode == "kvslots-disk":  # the disk tier on (idle here: the host tier never evicts)
+            c.kv_transfer_config.kv_connector_extra_config.update(
+                disk_path=tempfile.mkdtemp(prefix="kvslots-bench-disk-"), disk_blocks=num_blocks * 2)
         hook_time = [0.0, 0]  # seconds, calls
         per_hook: dict[str, float] = {}
-        if mode == "kvslots":
+        if mode.startswith("kvslots"):
             h = Harness(c, num_blocks=num_blocks, seed=seed, log_stats=args.log_stats)
             sched, workers = h.scheduler, h.workers
             # vLLM's publisher hands the batch to its thread and keeps nothing: drop it (the
@@ -131,18 +138,21 @@ def _scheduler_bench_one(args: argparse.Namespace, models: dict, batch: int, clo
             if decoding_since is not None and step > decoding_since + args.warmup:
                 timed += t_sched + t_update
         gc.unfreeze()
-        if mode == "kvslots":
+        if mode.startswith("kvslots"):
             # The wrappers' own clock calls (two per hook call) ran inside the timed steps.
             timed -= 2 * clock_cost * hook_time[1]
-            hooks.append(hook_time[0] / args.steps)
+            hooks_by_mode.setdefault(mode, []).append(hook_time[0] / args.steps)
             for name, t in per_hook.items():
-                hook_split.setdefault(name, []).append(t / args.steps)
+                split_by_mode.setdefault(mode, {}).setdefault(name, []).append(t / args.steps)
+            for conn in (h.connector, *h.workers):  # the disk tier's threads and file
+                conn.shutdown()
         return timed / args.steps
 
     clock_cost = _clock_cost(clock)
     modes = args.modes.split(",")
-    hooks: list[float] = []  # per kvslots run: time inside the connector's scheduler-side hooks per step
-    hook_split: dict[str, list[float]] = {}  # the same, per hook
+    # Per kvslots mode, per run: time inside the connector's scheduler-side hooks per step, and per hook.
+    hooks_by_mode: dict[str, list[float]] = {}
+    split_by_mode: dict[str, dict[str, list[float]]] = {}
     times: dict[str, list[float]] = {m: [] for m in modes}
     for rep in tqdm(range(args.repeats), desc=f"scheduler B={batch}", disable=not args.progress):
         # Interleaved, and the order rotates each repeat, to spread machine noise over all three.
@@ -153,21 +163,29 @@ def _scheduler_bench_one(args: argparse.Namespace, models: dict, batch: int, clo
     clock_name += f" (one clock call {clock_cost * 1e6:.2f} us, taken out of the hooks' figures)"
     print(f"vLLM Scheduler, batch {batch}, EAGLE K=3, {args.steps} decode steps x {args.repeats} interleaved repeats, "
           f"{clock_name}; median (min-max) of the repeats:")
-    for mode, label in (("none", "without connector"), ("null", "do-nothing connector"), ("kvslots", "KVSlotsConnector")):
+    for mode, label in (("none", "without connector"), ("null", "do-nothing connector"), ("kvslots", "KVSlotsConnector"),
+                        ("kvslots-disk", "KVSlotsConnector + disk tier")):
         if mode in times:
             t = times[mode]
             print(f"  {label:28s} {statistics.median(t) * 1e3:8.3f} ms/step ({min(t) * 1e3:.3f}-{max(t) * 1e3:.3f})")
-    if hooks and "none" in times:
-        direct = [100 * hk / b for hk, b in zip(hooks, times["none"])]
-        print(f"  inside KVSlots' hooks         {statistics.median(hooks) * 1e6:7.1f} us/step = "
-              f"{statistics.median(direct):.2f}% of the step without connector (per-repeat median; "
-              f"{min(direct):.2f} to {max(direct):.2f}): timed directly, the least noisy figure")
-    elif hooks:
-        print(f"  inside KVSlots' hooks         {statistics.median(hooks) * 1e6:7.1f} us/step")
-    if hooks:
-        for name, ts in sorted(hook_split.items(), key=lambda kv: -statistics.median(kv[1])):
+    for mode, hooks in hooks_by_mode.items():
+        tag = "" if mode == "kvslots" else f" ({mode})"
+        if "none" in times:
+            direct = [100 * hk / b for hk, b in zip(hooks, times["none"])]
+            print(f"  inside KVSlots' hooks{tag:8s} {statistics.median(hooks) * 1e6:7.1f} us/step = "
+                  f"{statistics.median(direct):.2f}% of the step without connector (per-repeat median; "
+                  f"{min(direct):.2f} to {max(direct):.2f}): timed directly, the least noisy figure")
+        else:
+            print(f"  inside KVSlots' hooks{tag:8s} {statistics.median(hooks) * 1e6:7.1f} us/step")
+        for name, ts in sorted(split_by_mode[mode].items(), key=lambda kv: -statistics.median(kv[1])):
             print(f"    {name:30s} {statistics.median(ts) * 1e6:7.1f} us/step ({min(ts) * 1e6:.1f}-{max(ts) * 1e6:.1f})")
-    if len(times) != 3:
+    hooks, hook_split = hooks_by_mode.get("kvslots", []), split_by_mode.get("kvslots", {})
+    if not all(m in times for m in ("none", "null", "kvslots")):
+        if args.json:
+            with open(args.json, "a") as f:
+                f.write(json.dumps({"batch": batch, "clock": args.clock, "steps": args.steps, "times": times,
+                                    "hooks": hooks_by_mode, "hook_split": split_by_mode,
+                                    "events": args.events}) + "\n")
         return
     # Per repeat: the three runs of one repeat ran back to back, so their differences share noise.
     own = [100 * (c - n) / b for b, n, c in zip(times["none"], times["null"], times["kvslots"])]
@@ -331,7 +349,9 @@ def main() -> None:
                    help="capture: the connector builds vLLM event objects for a reader (vLLM's own "
                         "events stay off in every mode, so this is the stricter case); off: no reader")
     s.add_argument("--log-stats", action="store_true", help="vLLM's stats on (same for every peer)")
-    s.add_argument("--modes", default="none,null,kvslots", help="which peers to run (comma-separated)")
+    s.add_argument("--modes", default="none,null,kvslots",
+                   help="which peers to run (comma-separated): none, null (a do-nothing connector), kvslots, "
+                        "kvslots-disk (with the disk tier on)")
     e = sub.add_parser("e2e")
     e.add_argument("--prompt-len", type=int, default=2048)
     e.add_argument("--decode-tokens", type=int, default=256)
