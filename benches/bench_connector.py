@@ -64,6 +64,7 @@ def _scheduler_bench_one(args: argparse.Namespace, models: dict, batch: int, clo
         if mode == "kvslots-disk":  # the disk tier on (idle here: the host tier never evicts)
             c.kv_transfer_config.kv_connector_extra_config.update(
                 disk_path=tempfile.mkdtemp(prefix="kvslots-bench-disk-"), disk_blocks=num_blocks * 2)
+            c.kv_transfer_config.kv_load_failure_policy = "recompute"  # as kvslots serve sets it
         hook_time = [0.0, 0]  # seconds, calls
         per_hook: dict[str, float] = {}
         if mode.startswith("kvslots"):
