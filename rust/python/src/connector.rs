@@ -853,6 +853,11 @@ impl ConnectorPlanner {
     fn take_registered(slf: &Bound<'_, Self>) -> PyResult<Vec<u64>> {
         Ok(borrow_mut(slf)?.inner.cache_mut().take_registered())
     }
+    /// Drops the hashes registered since the last call without building a list (nothing is on
+    /// disk, so none of them has a disk copy to drop); returns how many there were.
+    fn discard_registered(slf: &Bound<'_, Self>) -> PyResult<usize> {
+        Ok(borrow_mut(slf)?.inner.cache_mut().take_registered().len())
+    }
     /// Disk tier below: takes host blocks (evicting least recently used ones, spilled like any
     /// eviction) for blocks a disk hit moves up: [(index into `block_hashes`, host block)] for
     /// those not cached nor being stored, as far as blocks can be taken. They stay unregistered

@@ -301,6 +301,11 @@ class DiskScheduler:
         tier (moved up by a hit, or stored again from the device) leaves the disk tier
         (``BlockRemoved``, medium ``STORAGE``) once no read pins it and its write is done. If
         the host tier evicts it first, the disk copy is its only one and stays."""
+        if not self._leaving and not self._writing and not self.index.num_stored:
+            # Nothing on disk or on its way there: no registered block has a disk copy (the
+            # steady state of a tier that has not spilled yet costs one call per step).
+            self.planner.discard_registered()
+            return
         registered = self.planner.take_registered()
         if registered:  # one call filters them: most were never on disk
             self._leaving.update(self.index.held(registered))
