@@ -20,8 +20,10 @@ from kvslots.events.subscriber import EventSubscriber
 LOCAL = "tcp://127.0.0.1:0"
 
 
-def wait_until(pred: Callable[[], bool], sub: EventSubscriber | None = None, timeout: float = 5.0):
-    """Polls ``sub`` (or sleeps, when it runs its own thread) until ``pred()`` or timeout."""
+def wait_until(pred: Callable[[], bool], sub: EventSubscriber | None = None, timeout: float = 30.0):
+    """Polls ``sub`` (or sleeps, when it runs its own thread) until ``pred()`` or timeout. The
+    deadline is generous: it costs nothing when the condition holds, and a full suite run on 2
+    cores once took longer than 5 s to deliver over loopback."""
     deadline = time.monotonic() + timeout
     while not pred():
         if time.monotonic() > deadline:
