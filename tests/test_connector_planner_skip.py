@@ -97,7 +97,13 @@ def test_drain_events_msgpack_empties_the_queue_and_hostile_scheduled_counts():
     p.clear()  # queues AllBlocksCleared
     payload = p.events_msgpack(1.0)
     assert p.num_pending_events() == 1
+    # Bad arguments: a typed error, and the queue is still there.
+    for args in [("x",), (None,), (1.0, "\udcff"), (1.0, "CPU", 2**80), (1.0, 7), (1.0, "CPU", "0")]:
+        with pytest.raises(KVSlotsError):
+            p.drain_events_msgpack(*args)
+        assert p.num_pending_events() == 1
     assert p.drain_events_msgpack(1.0) == payload and p.num_pending_events() == 0
+    assert p.discard_registered() == 0  # no disk tier: nothing recorded, nothing to drop
     so = _output([r], ["x"], [None])
     with pytest.raises(KVSlotsError):
         p.build(so)

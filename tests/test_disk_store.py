@@ -204,6 +204,10 @@ def test_hostile_arguments_raise_kvslots_errors_and_change_nothing(tmp_path: Pat
     with pytest.raises(KVSlotsError):
         DiskStore(str(tmp_path / "no-such-dir" / "x.kvs"), num_slots=4, **LAYOUT)
     idx = DiskIndex(2, BS)
+    for bad in (["x"], [-1], [2**64], [float("nan")], "123", None):
+        with pytest.raises(KVSlotsError):
+            idx.held(bad)
+    assert idx.held([]) == [] and idx.held([5, 5]) == []
     with pytest.raises(KVSlotsError):
         idx.begin_write(1, [1] * (BS - 1))
     with pytest.raises(KVSlotsError):
