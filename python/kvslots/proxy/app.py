@@ -97,6 +97,10 @@ def create_app(prefill_urls: Sequence[str], decode_workers: Sequence[DecodeWorke
                 logger.warning("kvslots proxy: indexer %s unusable (%s); round robin", indexer_url, e)
         return next(decode_cycle)
 
+    def decode_failed(worker: DecodeWorker, what: str) -> JSONResponse:
+        state["decode_errors"] += 1
+        return JSONResponse({"error": f"decode worker {worker.url} {what}"}, status_code=502)
+
     async def forward(path: str, body: dict[str, Any]) -> Response:
         prefill_url = next(prefill_cycle)
         params = None
@@ -127,14 +131,11 @@ def create_app(prefill_urls: Sequence[str], decode_workers: Sequence[DecodeWorke
             try:
                 resp = await client.send(req, stream=True)
             except httpx.HTTPError as e:
-                state["decode_errors"] += 1
-                return JSONResponse({"error": f"decode worker {worker.url} failed: {e}"}, status_code=502)
+                return decode_failed(worker, f"failed: {e}")
             if resp.status_code != 200:
                 text = (await resp.aread()).decode(errors="replace")
                 await resp.aclose()
-                state["decode_errors"] += 1
-                return JSONResponse({"error": f"decode worker {worker.url} answered {resp.status_code}: {text[:500]}"},
-                                    status_code=502)
+                return decode_failed(worker, f"answered {resp.status_code}: {text[:500]}")
 
             async def chunks() -> AsyncIterator[bytes]:
                 try:
@@ -148,12 +149,9 @@ def create_app(prefill_urls: Sequence[str], decode_workers: Sequence[DecodeWorke
         try:
             resp = await client.post(url, json=decode_req)
         except httpx.HTTPError as e:
-            state["decode_errors"] += 1
-            return JSONResponse({"error": f"decode worker {worker.url} failed: {e}"}, status_code=502)
+            return decode_failed(worker, f"failed: {e}")
         if resp.status_code != 200:
-            state["decode_errors"] += 1
-            return JSONResponse({"error": f"decode worker {worker.url} answered {resp.status_code}: {resp.text[:500]}"},
-                                status_code=502)
+            return decode_failed(worker, f"answered {resp.status_code}: {resp.text[:500]}")
         return Response(resp.content, media_type="application/json", headers=headers)
 
     async def read_body(request: Request) -> dict[str, Any] | JSONResponse:
