@@ -199,23 +199,16 @@ def test_restarted_producer_fails_the_pull(pair):
     assert recv == failed == {"d1"}
 
 
-def test_other_layout_fails_the_pull():
+@pytest.mark.parametrize("producer_kw, consumer_kw", [
+    (dict(caches=lambda: _caches(1, layers=("a", "b"))), {}),  # another block layout
+    (dict(model="llama/2L/draft=eagle"), dict(model="llama/2L/draft=none")),  # another model
+], ids=["other_layout", "other_model"])
+def test_a_mismatched_producer_fails_the_pull(producer_kw, consumer_kw):
     port = _port()
-    prod = _worker(True, False, _caches(1, layers=("a", "b")), engine_id="P", port=port)
-    cons = _worker(False, True, _caches(2), engine_id="D")
-    try:
-        cons.on_step(PDStepMeta(recvs=[_spec(port)]))
-        _, recv, failed = _wait_finished(cons)
-        assert recv == failed == {"d1"}
-    finally:
-        cons.close()
-        prod.close()
-
-
-def test_other_model_fails_the_pull():
-    port = _port()
-    prod = _worker(True, False, _caches(1), engine_id="P", port=port, model="llama/2L/draft=eagle")
-    cons = _worker(False, True, _caches(2), engine_id="D", model="llama/2L/draft=none")
+    kw = dict(producer_kw)  # the parameter itself stays whole
+    caches = kw.pop("caches", lambda: _caches(1))()
+    prod = _worker(True, False, caches, engine_id="P", port=port, **kw)
+    cons = _worker(False, True, _caches(2), engine_id="D", **consumer_kw)
     try:
         cons.on_step(PDStepMeta(recvs=[_spec(port)]))
         _, recv, failed = _wait_finished(cons)
