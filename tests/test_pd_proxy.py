@@ -109,7 +109,8 @@ def test_failed_decode_is_a_502():
         assert r.status_code == 502
 
 
-@pytest.mark.parametrize("body", [b"{", b"[1, 2]", b"\xff\xfe"])
+@pytest.mark.parametrize("body", [b"{", b"[1, 2]", b"\xff\xfe", b"[" * 100_000 + b"]" * 100_000,
+                                  b"{\"prompt\": NaN, \"stream\": [[[[]]]]}"])
 def test_bad_body_is_a_400(body):
     with _client(Backends()) as c:
         assert c.post("/v1/completions", content=body).status_code == 400

@@ -23,7 +23,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import itertools
-import json
 import logging
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
@@ -32,6 +31,9 @@ from typing import Any
 import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from ..config.loader import loads_strict_json
+from ..errors import ConfigError
 
 logger = logging.getLogger(__name__)
 
@@ -155,10 +157,10 @@ def create_app(prefill_urls: Sequence[str], decode_workers: Sequence[DecodeWorke
         return Response(resp.content, media_type="application/json", headers=headers)
 
     async def read_body(request: Request) -> dict[str, Any] | JSONResponse:
-        try:
-            body = json.loads(await request.body())
-        except (ValueError, UnicodeDecodeError) as e:
-            return JSONResponse({"error": f"request body is not JSON: {e}"}, status_code=400)
+        try:  # kvslots' one strict JSON parser: no NaN, no duplicate keys, bounded nesting
+            body = loads_strict_json(await request.body())
+        except ConfigError as e:
+            return JSONResponse({"error": f"request body is not JSON: {e.reason}"}, status_code=400)
         if not isinstance(body, dict):
             return JSONResponse({"error": "request body must be a JSON object"}, status_code=400)
         return body
