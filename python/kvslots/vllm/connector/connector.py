@@ -184,7 +184,7 @@ class KVSlotsConnector(KVConnectorBase_V1):
         assert self._sched is not None
         meta = self._sched.build(scheduler_output)
         if self._disk_sched is not None:
-            disk = self._disk_sched.build(self._sched.step)
+            disk = self._disk_sched.build(self._sched.step, scheduler_output.total_num_scheduled_tokens == 0)
             if disk is not None:
                 meta = dataclasses.replace(meta, step=self._sched.step, disk=disk)
         if self._pd_sched is not None:
@@ -342,8 +342,11 @@ class KVSlotsConnector(KVConnectorBase_V1):
         if self._disk_worker is None or self._worker is None or not self._disk_worker.num_pending:
             return None, None
         # Disk reads done since the last step: copied to the device here, at the step boundary,
-        # their failed blocks reported by get_block_ids_with_load_errors in this same pass.
-        done = self._disk_worker.poll(self._worker._load_errors, self._disk_corrupt)
+        # their failed blocks reported by get_block_ids_with_load_errors in this same pass. A
+        # step with no forward (meta.disk.idle) holds up no batch: it waits a little for them.
+        disk = getattr(self._connector_metadata, "disk", None)
+        wait = self._disk_worker.IDLE_WAIT_S if disk is not None and disk.idle else 0.0
+        done = self._disk_worker.poll(self._worker._load_errors, self._disk_corrupt, wait)
         self._disk_loaded.extend(done)
         return None, ({r for r, _ in done} or None)
 
