@@ -184,7 +184,7 @@ class KVSlotsConnector(KVConnectorBase_V1):
         assert self._sched is not None
         meta = self._sched.build(scheduler_output)
         if self._disk_sched is not None:
-            disk = self._disk_sched.build(self._sched.step, scheduler_output.total_num_scheduled_tokens == 0)
+            disk = self._disk_sched.build(scheduler_output.total_num_scheduled_tokens == 0)
             if disk is not None:
                 meta = dataclasses.replace(meta, step=self._sched.step, disk=disk)
         if self._pd_sched is not None:

@@ -244,10 +244,14 @@ class DiskScheduler:
         self.stats["resets"] += 1
         return n
 
-    def build(self, step: int, idle: bool = False) -> DiskStepMeta | None:
-        """The step's disk work; ``idle``: the step schedules no tokens."""
+    def build(self, idle: bool = False) -> DiskStepMeta | None:
+        """The step's disk work; ``idle``: the step schedules no tokens. An idle tier (nothing
+        evicted, loaded, reset or read) costs one Rust call and a few attribute reads."""
+        taken = self.planner.take_spills()
+        if not taken and not self._loads and not self._wipe and not (idle and self._inflight):
+            return None
         spills = []
-        for hb, h, parent, lora, succ, tokens in self.planner.take_spills():
+        for hb, h, parent, lora, succ, tokens in taken:
             slot = self.index.begin_write(h, tokens, succ, parent, lora)
             if slot is None:
                 self.stats["spills_not_taken"] += 1
@@ -268,6 +272,9 @@ class DiskScheduler:
         """The worker's report: finished writes, finished reads (their slots unpin, their
         blocks enter the host tier), bad records; then disk copies of blocks now in the host
         tier leave."""
+        if not (meta.disk_done or meta.disk_loaded or meta.disk_corrupt or meta.disk_stats):
+            self.drop_promoted()  # the idle tier's step: nothing from the worker's disk side
+            return
         for slot, ok in getattr(meta, "disk_done", ()):
             self._writing.pop(slot, None)
             if slot in self._stale_writes:
