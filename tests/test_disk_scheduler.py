@@ -300,3 +300,29 @@ def test_after_a_wake_up_the_disk_worker_uses_the_new_host_region(plain_cfg, tmp
     assert w._disk_worker.copier is w._worker.copier
     new = w._worker.copier.host.numpy()
     assert np.shares_memory(w._disk_worker.host_np, new) and not np.shares_memory(old, new)
+
+
+def test_a_sleep_finishes_the_disk_reads_in_flight_first(plain_cfg, tmp_path):
+    """Sleep drops the worker's views of the device tensors and its host region: a disk read
+    in flight is finished and copied before that, and its request is reported received at the
+    next step after the wake-up, with the right KV in its device blocks."""
+    h = disk_harness(plain_cfg, tmp_path)
+    rng = random.Random(10)
+    prompt = tokens(rng, PROMPT)
+    spill_prompt_to_disk(h, prompt, rng)
+    w = h.workers[0]
+    dw = w._disk_worker
+    dw.store = slow = SlowStore(dw.store)
+    h.add("b", tokens(rng, 40), max_tokens=40)  # a batch runs: the steps do not wait for reads
+    h.step()
+    a2 = h.add("a2", prompt, max_tokens=2)
+    h.step()
+    assert a2.status == RequestStatus.WAITING_FOR_REMOTE_KVS and dw.num_pending == 1
+    threading.Timer(0.3, slow.gate.set).start()
+    w.unregister_kv_caches()
+    assert slow.waits == [60.0] and dw.num_pending == 0, "the read was finished before the sleep"
+    w.restore_kv_caches()
+    so = step_until_scheduled(h, "a2")
+    assert so.num_scheduled_tokens["a2"] == PROMPT - 5 * BLOCK_SIZE
+    for i in range(5):
+        assert device_tokens(h, "a2", i) == [float(t) for t in prompt[i * BLOCK_SIZE:(i + 1) * BLOCK_SIZE]]
