@@ -430,7 +430,7 @@ impl DiskStore {
     }
     /// Background reads finished since the last call: [(ticket, [(i, why)] of the blocks not
     /// read intact, None)] or (ticket, [], the I/O error that failed the whole read).
-    fn take_reads(&self) -> Vec<(u64, Vec<(usize, String)>, Option<String>)> {
+    fn take_reads(&self) -> Vec<FinishedRead> {
         let done = self.reader.take_done();
         if done.is_empty() {
             return Vec::new();
@@ -499,6 +499,9 @@ impl DiskStore {
         ])
     }
 }
+
+/// (ticket, [(i, why)] of the blocks not read intact, the I/O error of a failed read).
+type FinishedRead = (u64, Vec<(usize, String)>, Option<String>);
 
 /// Reader threads per call: the copy out of the page cache (or the device) and the checksum are
 /// per block, so blocks are spread over a few threads.

@@ -87,7 +87,11 @@ impl DiskReader {
                     .ok()
             })
             .collect();
-        DiskReader { shared, threads, bytes_per_block }
+        DiskReader {
+            shared,
+            threads,
+            bytes_per_block,
+        }
     }
 
     pub fn num_threads(&self) -> usize {
@@ -110,7 +114,10 @@ impl DiskReader {
             return Err(format!("read ticket {ticket} is already in flight"));
         }
         if blocks.is_empty() {
-            st.done.push(ReadDone { ticket, result: Ok(Vec::new()) });
+            st.done.push(ReadDone {
+                ticket,
+                result: Ok(Vec::new()),
+            });
             drop(st);
             self.shared.finished.notify_all();
             return Ok(());
@@ -118,7 +125,14 @@ impl DiskReader {
         let parts = self.threads.len().min(blocks.len());
         let per = blocks.len().div_ceil(parts);
         let chunks: Vec<Vec<ReadTarget>> = blocks.chunks(per).map(|c| c.to_vec()).collect();
-        st.jobs.insert(ticket, Job { left: chunks.len(), bad: Vec::new(), error: None });
+        st.jobs.insert(
+            ticket,
+            Job {
+                left: chunks.len(),
+                bad: Vec::new(),
+                error: None,
+            },
+        );
         let n = chunks.len();
         st.chunks.extend(chunks.into_iter().map(|c| (ticket, c)));
         drop(st);
@@ -194,14 +208,22 @@ fn reader_loop(sh: &Shared) {
         let mut items: Vec<(u32, u64, &mut [u8])> = part
             .iter_mut()
             // SAFETY: the submitter's contract (`DiskReader::submit`).
-            .map(|t| (t.slot, t.hash, unsafe { std::slice::from_raw_parts_mut(t.dst, bpb) }))
+            .map(|t| {
+                (t.slot, t.hash, unsafe {
+                    std::slice::from_raw_parts_mut(t.dst, bpb)
+                })
+            })
             .collect();
         let res = sh.file.read_many(&mut items, &mut scratch);
         drop(items);
         let mut st = sh.lock();
-        let Some(job) = st.jobs.get_mut(&ticket) else { continue };
+        let Some(job) = st.jobs.get_mut(&ticket) else {
+            continue;
+        };
         match res {
-            Ok(bad) => job.bad.extend(bad.into_iter().map(|(k, why)| (part[k].index, why))),
+            Ok(bad) => job
+                .bad
+                .extend(bad.into_iter().map(|(k, why)| (part[k].index, why))),
             Err(e) => job.error = job.error.take().or(Some(e.to_string())),
         }
         job.left -= 1;
