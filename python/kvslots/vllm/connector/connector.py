@@ -352,7 +352,7 @@ class KVSlotsConnector(KVConnectorBase_V1):
         # Disk reads done since the last step: copied to the device here, at the step boundary,
         # their failed blocks reported by get_block_ids_with_load_errors in this same pass. A
         # step with no forward (meta.disk.idle) holds up no batch: it waits a little for them.
-        disk = getattr(self._connector_metadata, "disk", None)
+        disk = getattr(getattr(self, "_connector_metadata", None), "disk", None)
         wait = self._disk_worker.IDLE_WAIT_S if disk is not None and disk.idle else 0.0
         done = self._disk_worker.poll(self._worker._load_errors, self._disk_corrupt, wait) \
             if self._disk_worker.num_pending and self._worker.copier is not None else []
