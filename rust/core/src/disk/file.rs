@@ -859,4 +859,21 @@ mod tests {
         assert!(r.take_done().is_empty());
     }
 
+
+    #[test]
+    fn dropping_the_reader_first_finishes_every_queued_read() {
+        use super::super::reader::{DiskReader, ReadTarget};
+        let (f, data) = filled("reader-drop");
+        let mut out = vec![0u8; 6 * 1000];
+        let r = DiskReader::new(f, 2);
+        for (t, &s) in [0u32, 1, 2, 3, 5, 6].iter().enumerate() {
+            let dst = unsafe { out.as_mut_ptr().add(t * 1000) };
+            unsafe { r.submit(t as u64, vec![ReadTarget { index: 0, slot: s, hash: 100 + s as u64, dst }]).unwrap() };
+        }
+        drop(r); // joins the threads after the queue is empty: `out` is written before it returns
+        for (t, &s) in [0u32, 1, 2, 3, 5, 6].iter().enumerate() {
+            assert_eq!(&out[t * 1000..(t + 1) * 1000], &data[s as usize][..]);
+        }
+    }
+
 }
