@@ -13,9 +13,10 @@ Hits. A lookup continues on disk where the host hit ends, with the EAGLE last-bl
 to the last block of the whole hit. A request whose hit reaches the disk loads **asynchronously**
 (``load_kv_async=True``): vLLM parks it in ``WAITING_FOR_REMOTE_KVS`` while the rest of the batch
 keeps running, and schedules it once the worker reports it received (``get_finished``). Its host
-part is copied in the step it is planned for, its disk blocks are read on the worker's reader
-thread and copied to the device at the next step boundary (see :class:`DiskWorker` for why that is
-safe). A record that fails its checksum is not loaded: its device blocks are reported as load
+part is copied in the step it is planned for, its disk blocks are read on the worker's Rust
+reader threads and copied to the device at a step boundary once read: the step that started the
+read when it has no forward and the read ends within ``DiskWorker.IDLE_WAIT_S``, a later one
+otherwise (see :class:`DiskWorker` for why that is safe). A record that fails its checksum is not loaded: its device blocks are reported as load
 errors with the finished receive (vLLM recomputes them under ``kv_load_failure_policy:
 "recompute"``), a warning is logged once per block, and the block leaves the index. Host-only
 hits stay synchronous.
