@@ -421,6 +421,35 @@ impl DiskFile {
         Ok(bad)
     }
 
+    /// Tells the kernel that the records of `slots` will be read soon (`posix_fadvise`
+    /// WILLNEED, one call per run of consecutive slots), so their I/O is queued at once rather
+    /// than as each reader gets to it. Only a hint: slots outside the file and errors are ignored.
+    pub fn will_need(&self, slots: &[u32]) {
+        use std::os::fd::AsRawFd;
+        let mut sorted: Vec<u32> = slots.iter().copied().filter(|&s| (s as u64) < self.num_slots).collect();
+        sorted.sort_unstable();
+        sorted.dedup();
+        let stride = self.layout.stride();
+        let mut lo = 0;
+        while lo < sorted.len() {
+            let mut hi = lo + 1;
+            while hi < sorted.len() && sorted[hi] == sorted[hi - 1] + 1 {
+                hi += 1;
+            }
+            let len = (hi - lo) as u64 * stride;
+            // SAFETY: a plain system call on our own descriptor; it reads no memory of ours.
+            unsafe {
+                libc::posix_fadvise(
+                    self.file.as_raw_fd(),
+                    self.offset(sorted[lo]) as libc::off_t,
+                    len as libc::off_t,
+                    libc::POSIX_FADV_WILLNEED,
+                );
+            }
+            lo = hi;
+        }
+    }
+
     /// `preadv` until every buffer is full (a short read resumes where it stopped); the end of
     /// the file before that is an I/O error.
     fn preadv_exact(&self, iov: &mut [libc::iovec], mut offset: u64) -> Result<(), DiskError> {
@@ -804,6 +833,8 @@ mod tests {
                 assert_eq!(outs[k], data[s as usize], "slot {s}");
             }
         }
+        // A read-ahead hint is only a hint: slots outside the file, repeats, gaps are fine.
+        f.will_need(&[6, 0, 1, 2, 5, 99, 2, u32::MAX]);
         // Another hash in the middle of a run: only that block is refused.
         let mut a = vec![0u8; 1000];
         let mut b = vec![0u8; 1000];

@@ -36,6 +36,8 @@ pub struct ReadDone {
 }
 
 struct Job {
+    /// The job's slots, until a reader takes its first chunk and hints them all to the kernel.
+    hint: Option<Vec<u32>>,
     left: usize,
     bad: Vec<(usize, String)>,
     error: Option<String>,
@@ -125,9 +127,11 @@ impl DiskReader {
         let parts = self.threads.len().min(blocks.len());
         let per = blocks.len().div_ceil(parts);
         let chunks: Vec<Vec<ReadTarget>> = blocks.chunks(per).map(|c| c.to_vec()).collect();
+        let hint = (chunks.len() > 1).then(|| blocks.iter().map(|b| b.slot).collect());
         st.jobs.insert(
             ticket,
             Job {
+                hint,
                 left: chunks.len(),
                 bad: Vec::new(),
                 error: None,
@@ -193,11 +197,12 @@ fn reader_loop(sh: &Shared) {
     let bpb = sh.file.layout().bytes_per_block as usize;
     let mut scratch = Vec::new();
     loop {
-        let (ticket, mut part) = {
+        let (ticket, mut part, hint) = {
             let mut st = sh.lock();
             loop {
-                if let Some(c) = st.chunks.pop_front() {
-                    break c;
+                if let Some((t, c)) = st.chunks.pop_front() {
+                    let hint = st.jobs.get_mut(&t).and_then(|j| j.hint.take());
+                    break (t, c, hint);
                 }
                 if st.stop {
                     return;
@@ -205,6 +210,10 @@ fn reader_loop(sh: &Shared) {
                 st = sh.work.wait(st).unwrap_or_else(|p| p.into_inner());
             }
         };
+        if let Some(slots) = hint {
+            // The job's other chunks wait for a thread (or are being read): their I/O can start.
+            sh.file.will_need(&slots);
+        }
         let mut items: Vec<(u32, u64, &mut [u8])> = part
             .iter_mut()
             // SAFETY: the submitter's contract (`DiskReader::submit`).
