@@ -845,7 +845,7 @@ mod tests {
         assert!(bad[0].1.contains("holds hash"));
         assert_eq!((a, c), (data[0].clone(), data[2].clone()));
         // A wrong buffer size or a slot outside the file is refused before any read.
-        let mut small = vec![0u8; 10];
+        let mut small = [0u8; 10];
         assert!(f.read_many(&mut [(0, 100, &mut small[..])], &mut Vec::new()).is_err());
         let mut ok = vec![0u8; 1000];
         assert!(f.read_many(&mut [(8, 100, &mut ok[..])], &mut Vec::new()).is_err());
