@@ -12,10 +12,12 @@
   e2e         the real CPU engine on the tiny model (in-process, one worker thread): decode
               tokens/s with vs without the connector (target >= 97%), and time to first token for
               a repeated 2k-token prompt served from the host tier vs recomputed (target <= 0.5x);
-              engine pairs interleaved, median and spread of the per-pair ratios.
+              engine pairs interleaved, median and spread of the per-pair ratios. ``--disk`` adds a
+              third engine, the connector with its disk tier on, and its decode ratio to the
+              engine without a connector (the disk tier's no-regression check).
 
     python benches/bench_connector.py scheduler [--batch 256 1024] [--steps 200] [--repeats 9] [--modes ...]
-    python benches/bench_connector.py e2e [--prompt-len 2048]
+    python benches/bench_connector.py e2e [--prompt-len 2048] [--disk]
 """
 
 from __future__ import annotations
@@ -307,26 +309,39 @@ def e2e_bench(args: argparse.Namespace) -> None:
             raise SystemExit(p.stdout[-2000:] + p.stderr[-4000:])
         return json.loads(line[-1][7:])
 
-    runs: dict[bool, list[dict]] = {False: [], True: []}
-    for rep in range(args.repeats):  # interleaved engines, the order alternating
-        for conn in ((False, True) if rep % 2 == 0 else (True, False)):
-            runs[conn].append(run(method="eagle", connector=conn, prompt_len=args.prompt_len, timing=True,
-                                  decode_tokens=args.decode_tokens))
-        # Each pair as it completes: a run stopped early keeps what it measured.
+    # Engines: no connector (False), the connector (True) and, with --disk, the connector with
+    # its disk tier on ("disk"; idle here: this workload never evicts from the host tier).
+    kinds: list = [False, True] + (["disk"] if args.disk else [])
+    runs: dict = {k: [] for k in kinds}
+    for rep in range(args.repeats):  # interleaved engines, the order rotating
+        for kind in kinds[rep % len(kinds):] + kinds[:rep % len(kinds)]:
+            runs[kind].append(run(method="eagle", connector=bool(kind), disk=kind == "disk",
+                                  prompt_len=args.prompt_len, timing=True, decode_tokens=args.decode_tokens))
+        # Each group as it completes: a run stopped early keeps what it measured.
         b, c = runs[False][-1], runs[True][-1]
-        print(f"  pair {rep}: decode tokens/s {b['decode_tps']:.1f} without, {c['decode_tps']:.1f} with "
-              f"(ratio {c['decode_tps'] / b['decode_tps']:.3f}); repeated-prompt TTFT {b['ttft_repeat_s'] * 1e3:.1f} / "
-              f"{c['ttft_repeat_s'] * 1e3:.1f} ms", flush=True)
+        line = (f"  pair {rep}: decode tokens/s {b['decode_tps']:.1f} without, {c['decode_tps']:.1f} with "
+                f"(ratio {c['decode_tps'] / b['decode_tps']:.3f})")
+        if args.disk:
+            d = runs["disk"][-1]
+            line += f", {d['decode_tps']:.1f} with the disk tier (ratio {d['decode_tps'] / b['decode_tps']:.3f})"
+        print(line + f"; repeated-prompt TTFT {b['ttft_repeat_s'] * 1e3:.1f} / {c['ttft_repeat_s'] * 1e3:.1f} ms",
+              flush=True)
     med = statistics.median
     tps = [c["decode_tps"] / b["decode_tps"] for b, c in zip(runs[False], runs[True])]
     ttft = [c["ttft_repeat_s"] / b["ttft_repeat_s"] for b, c in zip(runs[False], runs[True])]
     bt, ct = [r["decode_tps"] for r in runs[False]], [r["decode_tps"] for r in runs[True]]
     bf, cf = [r["ttft_repeat_s"] for r in runs[False]], [r["ttft_repeat_s"] for r in runs[True]]
-    print(f"real vLLM CPU engine, tiny Llama + EAGLE K=3, block 32; {args.repeats} engine pairs, interleaved "
-          f"(each engine: best of 3 runs); median (min-max):")
+    print(f"real vLLM CPU engine, tiny Llama + EAGLE K=3, block 32; {args.repeats} engine "
+          f"{'triples' if args.disk else 'pairs'}, interleaved (each engine: best of 3 runs); median (min-max):")
     print(f"  decode tokens/s      without {med(bt):8.1f} ({min(bt):.1f}-{max(bt):.1f})   with {med(ct):8.1f} "
           f"({min(ct):.1f}-{max(ct):.1f})")
     print(f"    ratio per pair     {med(tps):.3f} ({min(tps):.3f}-{max(tps):.3f}) (target >= 0.97)")
+    if args.disk:
+        dt = [r["decode_tps"] for r in runs["disk"]]
+        dr = [d["decode_tps"] / b["decode_tps"] for b, d in zip(runs[False], runs["disk"])]
+        spilled = runs["disk"][-1].get("disk", {}).get("disk_spilled_blocks")
+        print(f"  with the disk tier   {med(dt):8.1f} ({min(dt):.1f}-{max(dt):.1f})   ratio to without "
+              f"{med(dr):.3f} ({min(dr):.3f}-{max(dr):.3f}) (target >= 0.97; {spilled} blocks spilled)")
     print(f"  TTFT, repeated {args.prompt_len}-token prompt after a device cache reset:")
     print(f"    recomputed (no connector)  {med(bf) * 1e3:8.1f} ms ({min(bf) * 1e3:.1f}-{max(bf) * 1e3:.1f})")
     print(f"    from the host tier         {med(cf) * 1e3:8.1f} ms ({min(cf) * 1e3:.1f}-{max(cf) * 1e3:.1f})   "
@@ -357,6 +372,8 @@ def main() -> None:
     e.add_argument("--prompt-len", type=int, default=2048)
     e.add_argument("--decode-tokens", type=int, default=256)
     e.add_argument("--repeats", type=int, default=7)
+    e.add_argument("--disk", action="store_true",
+                   help="a third engine in each group: the connector with its disk tier on (decode ratio)")
     e.add_argument("--vllm-reservation", action="store_true",
                    help="leave VLLM_CPU_NUM_OF_RESERVED_CPU unset: vLLM's CPU backend then reserves one more "
                         "core for the connector engine (measures that reservation, not the connector)")

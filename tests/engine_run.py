@@ -52,6 +52,12 @@ def main() -> None:
             "kv_connector_extra_config": {"host_cache_gb": 0.05,
                                           "events_endpoint": f"tcp://*:{port}"},
         }
+    if spec.get("connector") and spec.get("disk"):  # the disk tier on as well (kvslots serve --disk-path)
+        import tempfile
+
+        kw["kv_transfer_config"]["kv_connector_extra_config"].update(
+            disk_path=tempfile.mkdtemp(prefix="kvslots-engine-run-disk-"), disk_gb=0.25)
+        kw["kv_transfer_config"]["kv_load_failure_policy"] = "recompute"
     if spec.get("max_num_batched_tokens"):
         kw["max_num_batched_tokens"] = spec["max_num_batched_tokens"]
     llm = LLM(**kw)
@@ -212,6 +218,8 @@ def timing(llm, spec: dict) -> dict:
     conn = llm.llm_engine.engine_core.engine_core.scheduler.connector
     if conn is not None:
         out["connector"] = dict(conn._sched.stats)
+        if conn._disk_sched is not None:
+            out["disk"] = conn._disk_sched.metrics()
     return out
 
 

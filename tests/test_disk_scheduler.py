@@ -94,6 +94,32 @@ def step_until_scheduled(h: Harness, rid: str, timeout: float = 60.0):
     pytest.fail(f"{rid} was never scheduled after its read")
 
 
+class SlowStore:
+    """A worker's DiskStore whose background reads look unfinished until `gate` is set (a slow
+    disk; with `delay`, set that long after the first read starts); records every wait."""
+
+    def __init__(self, store, delay: float | None = None) -> None:
+        self._store = store
+        self.gate = threading.Event()
+        self.delay = delay
+        self.waits: list[float] = []
+
+    def read_rows_async(self, *args):
+        if self.delay is not None and not self.waits:
+            threading.Timer(self.delay, self.gate.set).start()
+        return self._store.read_rows_async(*args)
+
+    def take_reads(self):
+        return self._store.take_reads() if self.gate.is_set() else []
+
+    def wait_reads(self, timeout_s: float) -> bool:
+        self.waits.append(timeout_s)
+        return self.gate.wait(timeout_s) and self._store.wait_reads(timeout_s)
+
+    def __getattr__(self, name: str):
+        return getattr(self._store, name)
+
+
 def device_tokens(h: Harness, rid: str, block: int) -> list[float]:
     b = h.scheduler.kv_cache_manager.get_block_ids(rid)[0][block]
     return h.kv[0][LAYERS[0]][b, 0, :, 0].tolist()
@@ -105,11 +131,9 @@ def test_a_disk_hit_waits_for_its_read_while_the_batch_runs_on_then_moves_up(pla
     rng = random.Random(5)
     prompt = tokens(rng, PROMPT)
     hashes = spill_prompt_to_disk(h, prompt, rng)
-    # Hold the disk reader until released, as a slow disk would.
-    gate = threading.Event()
+    # Hold the disk reads back until released, as a slow disk would.
     dw = h.workers[0]._disk_worker
-    read = dw._read
-    dw._read = lambda ld: (gate.wait(30), read(ld))[1]
+    dw.store = slow = SlowStore(dw.store)
     h.add("b", tokens(rng, 40), max_tokens=40)
     h.step()
     a2 = h.add("a2", prompt, max_tokens=4)
@@ -117,7 +141,8 @@ def test_a_disk_hit_waits_for_its_read_while_the_batch_runs_on_then_moves_up(pla
         so = h.step()
         assert a2.status == RequestStatus.WAITING_FOR_REMOTE_KVS
         assert "a2" not in so.num_scheduled_tokens and "b" in so.num_scheduled_tokens, "b runs on"
-    gate.set()
+    assert slow.waits == [], "a step with a forward never waits for a disk read"
+    slow.gate.set()
     so = step_until_scheduled(h, "a2")
     assert so.num_scheduled_tokens["a2"] == PROMPT - 5 * BLOCK_SIZE, "the 5 disk blocks were not recomputed"
     for i in range(5):
@@ -146,6 +171,56 @@ def test_a_disk_hit_waits_for_its_read_while_the_batch_runs_on_then_moves_up(pla
     a3 = h.add("a3", prompt, max_tokens=2)
     so = h.step()
     assert so.num_scheduled_tokens.get("a3") == PROMPT - 5 * BLOCK_SIZE and a3.status == RequestStatus.RUNNING
+
+
+def test_a_disk_hit_alone_is_reported_in_the_step_that_reads_it(plain_cfg, tmp_path):
+    """Nothing else runs: the step that starts the read has no forward, so the worker waits
+    for the read there (bounded) and reports it received in that same step; the request is
+    scheduled in the next one, with the right KV in its device blocks."""
+    h = disk_harness(plain_cfg, tmp_path)
+    rng = random.Random(8)
+    prompt = tokens(rng, PROMPT)
+    spill_prompt_to_disk(h, prompt, rng)
+    dw = h.workers[0]._disk_worker
+    dw.store = slow = SlowStore(dw.store, delay=0.3)  # a read that takes 0.3 s
+    dw.IDLE_WAIT_S = 30.0  # a bound only: returns as soon as the read is done
+    a2 = h.add("a2", prompt, max_tokens=2)
+    so = h.step()
+    assert "a2" not in so.num_scheduled_tokens and so.total_num_scheduled_tokens == 0
+    assert so.kv_connector_metadata.disk.idle and so.kv_connector_metadata.disk.loads
+    assert slow.waits == [30.0] and dw.num_pending == 0, "the read was finished in the step that started it"
+    assert "a2" in h.scheduler.finished_recving_kv_req_ids, "reported received in that same step"
+    so = h.step()
+    assert so.num_scheduled_tokens.get("a2") == PROMPT - 5 * BLOCK_SIZE and a2.status == RequestStatus.RUNNING
+    for i in range(5):
+        assert device_tokens(h, "a2", i) == [float(t) for t in prompt[i * BLOCK_SIZE:(i + 1) * BLOCK_SIZE]]
+    h.run_until_done()
+    settle(h)
+    assert h.connector._disk_sched.stats["promoted_blocks"] == 5
+    assert h.sched_side.host.num_held == 0 and h.sched_side.host.num_storing == 0
+    check_one_tier(h)
+
+
+def test_a_step_with_no_forward_waits_for_disk_reads_only_up_to_its_bound(plain_cfg, tmp_path):
+    """A read slower than the idle wait: the step returns after the bound with the read still
+    in flight, and the request is reported by a later step."""
+    h = disk_harness(plain_cfg, tmp_path)
+    rng = random.Random(9)
+    prompt = tokens(rng, PROMPT)
+    spill_prompt_to_disk(h, prompt, rng)
+    dw = h.workers[0]._disk_worker
+    dw.store = slow = SlowStore(dw.store)
+    a2 = h.add("a2", prompt, max_tokens=2)
+    for _ in range(3):
+        so = h.step()
+        assert "a2" not in so.num_scheduled_tokens and a2.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+    assert slow.waits == [dw.IDLE_WAIT_S] * 3, slow.waits
+    assert dw.num_pending == 1
+    slow.gate.set()
+    so = step_until_scheduled(h, "a2")
+    assert so.num_scheduled_tokens["a2"] == PROMPT - 5 * BLOCK_SIZE
+    for i in range(5):
+        assert device_tokens(h, "a2", i) == [float(t) for t in prompt[i * BLOCK_SIZE:(i + 1) * BLOCK_SIZE]]
 
 
 @SLOT_MANAGERS
@@ -225,3 +300,29 @@ def test_after_a_wake_up_the_disk_worker_uses_the_new_host_region(plain_cfg, tmp
     assert w._disk_worker.copier is w._worker.copier
     new = w._worker.copier.host.numpy()
     assert np.shares_memory(w._disk_worker.host_np, new) and not np.shares_memory(old, new)
+
+
+def test_a_sleep_finishes_the_disk_reads_in_flight_first(plain_cfg, tmp_path):
+    """Sleep drops the worker's views of the device tensors and its host region: a disk read
+    in flight is finished and copied before that, and its request is reported received at the
+    next step after the wake-up, with the right KV in its device blocks."""
+    h = disk_harness(plain_cfg, tmp_path)
+    rng = random.Random(10)
+    prompt = tokens(rng, PROMPT)
+    spill_prompt_to_disk(h, prompt, rng)
+    w = h.workers[0]
+    dw = w._disk_worker
+    dw.store = slow = SlowStore(dw.store)
+    h.add("b", tokens(rng, 40), max_tokens=40)  # a batch runs: the steps do not wait for reads
+    h.step()
+    a2 = h.add("a2", prompt, max_tokens=2)
+    h.step()
+    assert a2.status == RequestStatus.WAITING_FOR_REMOTE_KVS and dw.num_pending == 1
+    threading.Timer(0.3, slow.gate.set).start()
+    w.unregister_kv_caches()
+    assert slow.waits == [60.0] and dw.num_pending == 0, "the read was finished before the sleep"
+    w.restore_kv_caches()
+    so = step_until_scheduled(h, "a2")
+    assert so.num_scheduled_tokens["a2"] == PROMPT - 5 * BLOCK_SIZE
+    for i in range(5):
+        assert device_tokens(h, "a2", i) == [float(t) for t in prompt[i * BLOCK_SIZE:(i + 1) * BLOCK_SIZE]]

@@ -308,3 +308,57 @@ def test_read_rows_lands_each_block_in_its_row_across_reader_threads(tmp_path: P
         else:
             raise AssertionError(f"rows {rows_bad} accepted")
         assert not out.any()
+
+
+def test_background_reads_land_in_their_rows_and_report_each_ticket_once(tmp_path: Path) -> None:
+    s = store(tmp_path / "tier.kvs", n=16)
+    for slot in range(12):
+        write(s, slot, 100 + slot)
+    s.flush()
+    s.take_done()
+    before = s.stats()
+    out = np.zeros((20, BPB), np.uint8)
+    rows = [19, 0, 7, 3, 12, 5, 1, 16, 9, 2, 18, 4]
+    t1 = s.read_rows_async(list(range(12)), [100 + i for i in range(12)], out, rows)
+    # A wrong hash in the middle of a run of consecutive slots: only that block is refused.
+    own = np.zeros((3, BPB), np.uint8)
+    t2 = s.read_rows_async([4, 5, 6], [104, 999, 106], own, [0, 1, 2])
+    del own  # the store keeps the array alive until the ticket is taken
+    assert t1 != t2
+    assert s.wait_reads(30.0) and s.reads_in_flight == 0
+    done = {t: (bad, err) for t, bad, err in s.take_reads()}
+    assert s.take_reads() == [], "each ticket is reported once"
+    assert set(done) == {t1, t2}
+    assert done[t1] == ([], None)
+    bad, err = done[t2]
+    assert err is None and [i for i, _ in bad] == [1] and "holds hash" in bad[0][1]
+    for slot, r in enumerate(rows):
+        assert (out[r] == block(100 + slot)).all()
+    assert not out[[6, 8, 10, 11, 13, 14, 15, 17]].any(), "other rows untouched"
+    after = s.stats()
+    assert after["read_blocks"] - before["read_blocks"] == 12 + 2
+    assert after["corrupt_blocks"] - before["corrupt_blocks"] == 1
+
+
+def test_background_reads_refuse_hostile_arguments_and_start_nothing(tmp_path: Path) -> None:
+    s = store(tmp_path / "tier.kvs", n=8)
+    write(s, 0, 100)
+    s.flush()
+    out = np.zeros((4, BPB), np.uint8)
+    for args in (([0, 0], [100, 100], out, [0, 0]),  # a row twice
+                 ([0], [100], out, [4]),  # outside the array
+                 ([8], [100], out, [0]),  # outside the file
+                 ([0], [100, 101], out, [0]),  # lengths differ
+                 ([0], [100], np.zeros((4, BPB), np.float32), [0]),  # not uint8
+                 ([0], [100], np.zeros((4, BPB + 1), np.uint8), [0]),  # not a block wide
+                 ([0], [100], np.zeros((BPB, 4), np.uint8).T, [0]),  # not C-contiguous
+                 ([-1], [100], out, [0]), (["x"], [100], out, [0]), ([0], [2**64], out, [0])):
+        with pytest.raises((KVSlotsError, TypeError)):
+            s.read_rows_async(*args)
+    assert s.reads_in_flight == 0 and s.take_reads() == [] and not out.any()
+    with pytest.raises((KVSlotsError, TypeError)):  # Fortran order: rows are not byte runs
+        s.read_rows([0], [100], np.zeros((BPB, 4), np.uint8).T, [0])
+    for t in (float("nan"), -1.0, float("inf"), 1e9):
+        with pytest.raises(KVSlotsError):
+            s.wait_reads(t)
+    assert s.wait_reads(0.0)

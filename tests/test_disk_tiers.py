@@ -70,7 +70,7 @@ def test_spill_hit_promotion_failed_read_and_reset(tmp_path):
     store(ds, 1)
     store(ds, 2)
     store(ds, 3)  # evicts 1
-    meta = ds.build(1)
+    meta = ds.build()
     assert [s[2] for s in meta.spills] == [1] and meta.loads == []
     slot1 = meta.spills[0][1]
     assert not ds.index.contains(1), "found only once written"
@@ -82,7 +82,7 @@ def test_spill_hit_promotion_failed_read_and_reset(tmp_path):
     r = request("r", [1, 50])
     assert ds.lookup(r, 0, 0) == BS
     ds.after_alloc(r, [10, 11], BS)
-    meta = ds.build(2)
+    meta = ds.build()
     (ld,) = meta.loads
     assert (ld.req_id, ld.hashes, ld.device_blocks) == ("r", [1], [10])
     assert [s[2] for s in meta.spills] == [2] and meta.spills[0][0] == ld.host_blocks[0]
@@ -100,7 +100,7 @@ def test_spill_hit_promotion_failed_read_and_reset(tmp_path):
     r2.all_token_ids += [0] * BS
     assert ds.lookup(r2, 0, 0) == BS
     ds.after_alloc(r2, [12], BS)
-    m3 = ds.build(3)
+    m3 = ds.build()
     ds.complete(Report(disk_done=[(s[1], True) for s in m3.spills], disk_loaded=[("r2", 0)], disk_corrupt={2}))
     assert ds.planner.lookup_block(2) is None and not ds.index.contains(2)
     assert ds.planner.num_held == 0 and ds.planner.num_storing == 0
@@ -109,27 +109,27 @@ def test_spill_hit_promotion_failed_read_and_reset(tmp_path):
     # A reset while a write is under way: it registers nothing, the file is wiped.
     store(ds, 4)
     store(ds, 5)  # evicts what the host held
-    meta = ds.build(4)
+    meta = ds.build()
     assert meta.spills and ds.index.num_writing == len(meta.spills)
     assert ds.reset() == ds.stats["resets"] == 1  # the one block stored (3) is dropped
-    meta2 = ds.build(5)
+    meta2 = ds.build()
     assert meta2 is not None and meta2.wipe
     ds.complete(Report(disk_done=[(s[1], True) for s in meta.spills]))
     assert ds.index.num_stored == 0 and ds.index.num_writing == 0
-    assert ds.build(6) is None, "the wipe is shipped once"
+    assert ds.build() is None, "the wipe is shipped once"
 
 
 def test_a_lookup_that_misses_forgets_an_earlier_hit(tmp_path):
     ds = make(tmp_path)
     for h in (1, 2, 3):
         store(ds, h)
-    meta = ds.build(1)
+    meta = ds.build()
     ds.complete(Report(disk_done=[(s[1], True) for s in meta.spills]))
     r = request("r", [1, 50])
     assert ds.lookup(r, 0, 0) == BS
     assert ds.lookup(r, BS, 0) == 0  # vLLM asked again with a longer local hit
     ds.after_alloc(r, [10, 11], 0)
-    assert ds.build(2) is None, "no stale load planned"
+    assert ds.build() is None, "no stale load planned"
 
 
 class TwoTiers(RuleBasedStateMachine):
@@ -165,7 +165,7 @@ class TwoTiers(RuleBasedStateMachine):
 
     def _build(self) -> None:
         self.step += 1
-        meta = self.ds.build(self.step)
+        meta = self.ds.build()
         if meta is not None:
             self.writes += [s[1] for s in meta.spills]
             self.reads += [(ld.req_id, len(ld.hashes)) for ld in meta.loads]
@@ -245,13 +245,13 @@ def test_tier_figures_reach_prometheus_through_vllms_connector_metrics(tmp_path)
     ds = make(tmp_path)
     for h in (1, 2, 3):
         store(ds, h)
-    meta = ds.build(1)
+    meta = ds.build()
     ds.complete(Report(disk_done=[(s[1], True) for s in meta.spills],
                        disk_stats={"queue_depth": 2, "bytes_written": 64, "bytes_read": 0}))
     r = request("r", [1, 50])
     ds.lookup(r, 0, 0)
     ds.after_alloc(r, [10, 11], BS)
-    ds.build(2)
+    ds.build()
     src = TierStats(bytes_per_block=64)
     sched = SimpleNamespace(planner=ds.planner)
     first = src.collect(sched, ds)

@@ -4,7 +4,8 @@
 use std::collections::HashMap;
 use std::path::Path;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
 use kvslots_core as core;
 use numpy::{PyReadonlyArray1, PyReadwriteArray2, PyUntypedArrayMethods};
@@ -249,6 +250,12 @@ impl DiskIndex {
 /// queue (a full queue drops the write), blocks read with positioned reads, the GIL released.
 #[pyclass(module = "kvslots._core", frozen)]
 pub(crate) struct DiskStore {
+    // Dropped before `held`: dropping the reader first finishes every queued read, whose
+    // destination arrays `held` keeps alive.
+    reader: core::disk::reader::DiskReader,
+    /// Async reads in flight: ticket -> (the destination array, blocks).
+    held: Mutex<HashMap<u64, (Py<PyAny>, usize)>>,
+    next_ticket: AtomicU64,
     writer: core::DiskWriter,
     file: Arc<core::DiskFile>,
     opened: String,
@@ -297,7 +304,11 @@ impl DiskStore {
             core::Opened::Reused => "reused".to_owned(),
             core::Opened::Discarded(why) => format!("discarded: {why}"),
         };
+        let threads = READ_THREADS.min(std::thread::available_parallelism().map_or(1, |p| p.get()));
         Ok(DiskStore {
+            reader: core::disk::reader::DiskReader::new(file.clone(), threads),
+            held: Mutex::new(HashMap::new()),
+            next_ticket: AtomicU64::new(1),
             writer,
             file,
             opened,
@@ -383,6 +394,78 @@ impl DiskStore {
         let r = IntArg::<u32>::extract(rows, "rows", None)?.as_slice().iter().map(|&x| x as usize).collect();
         self.read(py, slots, block_hashes, out, r, false)
     }
+    /// As `read_rows`, but in the background: queues the reads on the store's reader threads
+    /// (file I/O and checksums only: no Python, no GIL) and returns a ticket at once. `out` is
+    /// kept alive until `take_reads` returns the ticket; its `rows` must not be read or written
+    /// before that.
+    fn read_rows_async(
+        &self,
+        slots: &Bound<'_, PyAny>,
+        block_hashes: &Bound<'_, PyAny>,
+        mut out: PyReadwriteArray2<'_, u8>,
+        rows: &Bound<'_, PyAny>,
+    ) -> PyResult<u64> {
+        let r: Vec<usize> = IntArg::<u32>::extract(rows, "rows", None)?.as_slice().iter().map(|&x| x as usize).collect();
+        let (s, h) = self.check_read(slots, block_hashes, &out, &r, false)?;
+        let bpb = self.file.layout().bytes_per_block as usize;
+        let owner: Py<PyAny> = out.as_any().clone().unbind();
+        let base = out
+            .as_slice_mut()
+            .map_err(|_| type_error(None, "out must be a C-contiguous uint8 array".into()))?
+            .as_mut_ptr();
+        let targets = (0..s.len())
+            // SAFETY: r[i] < the array's rows (checked), so the row lies inside `out`.
+            .map(|i| core::disk::reader::ReadTarget { index: i, slot: s[i], hash: h[i], dst: unsafe { base.add(r[i] * bpb) } })
+            .collect();
+        let ticket = self.next_ticket.fetch_add(1, Ordering::Relaxed);
+        let mut held = self.held.lock().unwrap_or_else(|p| p.into_inner());
+        held.insert(ticket, (owner, s.len()));
+        // SAFETY: the rows are distinct rows of `out` (checked), which `held` keeps alive until
+        // the ticket is taken; the reader is dropped (finishing its jobs) before `held`.
+        if let Err(e) = unsafe { self.reader.submit(ticket, targets) } {
+            held.remove(&ticket);
+            return Err(invalid(None, e));
+        }
+        Ok(ticket)
+    }
+    /// Background reads finished since the last call: [(ticket, [(i, why)] of the blocks not
+    /// read intact, None)] or (ticket, [], the I/O error that failed the whole read).
+    fn take_reads(&self) -> Vec<FinishedRead> {
+        let done = self.reader.take_done();
+        if done.is_empty() {
+            return Vec::new();
+        }
+        let bpb = self.file.layout().bytes_per_block;
+        let mut held = self.held.lock().unwrap_or_else(|p| p.into_inner());
+        done.into_iter()
+            .map(|d| {
+                let n = held.remove(&d.ticket).map_or(0, |x| x.1) as u64;
+                match d.result {
+                    Ok(bad) => {
+                        let good = n.saturating_sub(bad.len() as u64);
+                        self.read_blocks.fetch_add(good, Ordering::Relaxed);
+                        self.bytes_read.fetch_add(good * bpb, Ordering::Relaxed);
+                        self.corrupt_blocks.fetch_add(bad.len() as u64, Ordering::Relaxed);
+                        (d.ticket, bad, None)
+                    }
+                    Err(e) => (d.ticket, Vec::new(), Some(e)),
+                }
+            })
+            .collect()
+    }
+    /// Waits (the GIL released) until no background read is in flight, at most `timeout_s`
+    /// seconds; True when none is.
+    fn wait_reads(&self, py: Python<'_>, timeout_s: f64) -> PyResult<bool> {
+        if !timeout_s.is_finite() || !(0.0..=3600.0).contains(&timeout_s) {
+            return Err(invalid(None, format!("timeout_s must be a number of seconds in [0, 3600], got {timeout_s}")));
+        }
+        Ok(py.detach(|| self.reader.wait_idle(Duration::from_secs_f64(timeout_s))))
+    }
+    /// Background reads queued or being read.
+    #[getter]
+    fn reads_in_flight(&self) -> usize {
+        self.reader.in_flight()
+    }
     /// Queues making a slot's record unreadable (a block that left the tier).
     fn invalidate(&self, slot: &Bound<'_, PyAny>) -> PyResult<()> {
         let s = int::<u32>(slot, "slot", None)?;
@@ -417,20 +500,23 @@ impl DiskStore {
     }
 }
 
+/// (ticket, [(i, why)] of the blocks not read intact, the I/O error of a failed read).
+type FinishedRead = (u64, Vec<(usize, String)>, Option<String>);
+
 /// Reader threads per call: the copy out of the page cache (or the device) and the checksum are
 /// per block, so blocks are spread over a few threads.
 const READ_THREADS: usize = 4;
 
 impl DiskStore {
-    fn read(
+    /// (slots, hashes) of a read of `slots[i]` into row `rows[i]` of `out`, checked.
+    fn check_read(
         &self,
-        py: Python<'_>,
         slots: &Bound<'_, PyAny>,
         block_hashes: &Bound<'_, PyAny>,
-        mut out: PyReadwriteArray2<'_, u8>,
-        rows: Vec<usize>,
+        out: &PyReadwriteArray2<'_, u8>,
+        rows: &[usize],
         exact: bool,
-    ) -> PyResult<Vec<(usize, String)>> {
+    ) -> PyResult<(Vec<u32>, Vec<u64>)> {
         let s = IntArg::<u32>::extract(slots, "slots", None)?.as_slice().to_vec();
         let h = IntArg::<u64>::extract(block_hashes, "block_hashes", None)?.as_slice().to_vec();
         let bpb = self.file.layout().bytes_per_block as usize;
@@ -447,12 +533,35 @@ impl DiskStore {
                 ),
             ));
         }
+        if !out.is_c_contiguous() {
+            // (as_slice_mut also takes Fortran order, where rows are not runs of bytes)
+            return Err(type_error(None, "out must be a C-contiguous uint8 array".into()));
+        }
         let mut seen = vec![false; n_rows];
         for (i, &r) in rows.iter().enumerate() {
             if r >= n_rows || std::mem::replace(&mut seen[r], true) {
                 return Err(invalid(None, format!("rows[{i}] = {r}: outside the {n_rows} rows or repeated")));
             }
         }
+        for &slot in &s {
+            if slot as u64 >= self.file.num_slots() {
+                return Err(invalid(None, format!("slot {slot} is outside the file's {} slots", self.file.num_slots())));
+            }
+        }
+        Ok((s, h))
+    }
+
+    fn read(
+        &self,
+        py: Python<'_>,
+        slots: &Bound<'_, PyAny>,
+        block_hashes: &Bound<'_, PyAny>,
+        mut out: PyReadwriteArray2<'_, u8>,
+        rows: Vec<usize>,
+        exact: bool,
+    ) -> PyResult<Vec<(usize, String)>> {
+        let (s, h) = self.check_read(slots, block_hashes, &out, &rows, exact)?;
+        let bpb = self.file.layout().bytes_per_block as usize;
         let dst = out
             .as_slice_mut()
             .map_err(|_| type_error(None, "out must be a C-contiguous uint8 array".into()))?;
@@ -469,16 +578,14 @@ impl DiskStore {
                 .max(1);
             let per = jobs.len().div_ceil(threads).max(1);
             let read_part = |part: &mut [(usize, u32, u64, &mut [u8])]| {
-                let mut buf = Vec::new();
-                let mut bad = Vec::new();
-                for (i, slot, hash, out) in part.iter_mut() {
-                    match file.read_block(*slot, *hash, out, &mut buf) {
-                        Ok(()) => {}
-                        Err(e @ core::DiskError::Corrupt { .. }) => bad.push((*i, e.to_string())),
-                        Err(e) => return Err(e),
-                    }
-                }
-                Ok(bad)
+                // One preadv per run of consecutive slots; checksums on this thread.
+                let idx: Vec<usize> = part.iter().map(|j| j.0).collect();
+                let mut items: Vec<(u32, u64, &mut [u8])> = part.iter_mut().map(|j| (j.1, j.2, &mut *j.3)).collect();
+                let bad = file.read_many(&mut items, &mut Vec::new())?;
+                Ok(bad
+                    .into_iter()
+                    .map(|(k, why)| (idx[k], core::DiskError::Corrupt { slot: items[k].0, why }.to_string()))
+                    .collect())
             };
             let mut bad = Vec::new();
             if threads == 1 {

@@ -103,6 +103,7 @@ class KVSlotsConnector(KVConnectorBase_V1):
         self._disk_worker: Any = None
         self._disk_corrupt: set[int] = set()
         self._disk_loaded: list[tuple[str, int]] = []
+        self._disk_drained: set[str] = set()  # reads finished before a sleep, not yet reported
         self._tier_stats: Any = None
         self._bytes_per_block = bytes_per_block(kv_cache_config)
         if self.config.disk_path is not None:
@@ -184,7 +185,7 @@ class KVSlotsConnector(KVConnectorBase_V1):
         assert self._sched is not None
         meta = self._sched.build(scheduler_output)
         if self._disk_sched is not None:
-            disk = self._disk_sched.build(self._sched.step)
+            disk = self._disk_sched.build(scheduler_output.total_num_scheduled_tokens == 0)
             if disk is not None:
                 meta = dataclasses.replace(meta, step=self._sched.step, disk=disk)
         if self._pd_sched is not None:
@@ -308,6 +309,12 @@ class KVSlotsConnector(KVConnectorBase_V1):
 
     def unregister_kv_caches(self) -> None:
         if self._worker is not None:
+            if self._disk_worker is not None and self._disk_worker.num_pending and self._worker.copier is not None:
+                # Disk reads in flight land in the host region and go on to device blocks, both
+                # about to go away: finished (and copied) now, reported at the next step.
+                done = self._disk_worker.poll(self._worker._load_errors, self._disk_corrupt, 60.0)
+                self._disk_loaded.extend(done)
+                self._disk_drained.update(r for r, _ in done)
             self._worker.unregister_kv_caches()
 
     def restore_kv_caches(self) -> None:
@@ -339,13 +346,20 @@ class KVSlotsConnector(KVConnectorBase_V1):
             self._disk_worker.start(meta.disk)  # async: finished in get_finished
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        if self._disk_worker is None or self._worker is None or not self._disk_worker.num_pending:
+        if self._disk_worker is None or self._worker is None or not (self._disk_worker.num_pending
+                                                                      or self._disk_drained):
             return None, None
         # Disk reads done since the last step: copied to the device here, at the step boundary,
-        # their failed blocks reported by get_block_ids_with_load_errors in this same pass.
-        done = self._disk_worker.poll(self._worker._load_errors, self._disk_corrupt)
+        # their failed blocks reported by get_block_ids_with_load_errors in this same pass. A
+        # step with no forward (meta.disk.idle) holds up no batch: it waits a little for them.
+        disk = getattr(getattr(self, "_connector_metadata", None), "disk", None)
+        wait = self._disk_worker.IDLE_WAIT_S if disk is not None and disk.idle else 0.0
+        done = self._disk_worker.poll(self._worker._load_errors, self._disk_corrupt, wait) \
+            if self._disk_worker.num_pending and self._worker.copier is not None else []
         self._disk_loaded.extend(done)
-        return None, ({r for r, _ in done} or None)
+        recving = {r for r, _ in done} | self._disk_drained
+        self._disk_drained = set()
+        return None, (recving or None)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return  # loads complete in start_load_kv, before any layer runs

@@ -13,9 +13,10 @@ Hits. A lookup continues on disk where the host hit ends, with the EAGLE last-bl
 to the last block of the whole hit. A request whose hit reaches the disk loads **asynchronously**
 (``load_kv_async=True``): vLLM parks it in ``WAITING_FOR_REMOTE_KVS`` while the rest of the batch
 keeps running, and schedules it once the worker reports it received (``get_finished``). Its host
-part is copied in the step it is planned for, its disk blocks are read on the worker's reader
-thread and copied to the device at the next step boundary (see :class:`DiskWorker` for why that is
-safe). A record that fails its checksum is not loaded: its device blocks are reported as load
+part is copied in the step it is planned for, its disk blocks are read on the worker's Rust
+reader threads and copied to the device at a step boundary once read: the step that started the
+read when it has no forward and the read ends within ``DiskWorker.IDLE_WAIT_S``, a later one
+otherwise (see :class:`DiskWorker` for why that is safe). A record that fails its checksum is not loaded: its device blocks are reported as load
 errors with the finished receive (vLLM recomputes them under ``kv_load_failure_policy:
 "recompute"``), a warning is logged once per block, and the block leaves the index. Host-only
 hits stay synchronous.
@@ -36,7 +37,6 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -100,6 +100,9 @@ class DiskStepMeta:
     spills: list[tuple[int, int, int, list[int], int | None, int | None, int | None]] = field(default_factory=list)
     loads: list[DiskLoad] = field(default_factory=list)
     wipe: bool = False
+    #: The step runs no forward (nothing scheduled) while disk reads are in flight: the worker
+    #: may wait a little for them and report them received in this same step.
+    idle: bool = False
 
 
 @dataclass
@@ -113,6 +116,18 @@ class _Inflight:
     metas: list[Any]
     parent: int | None
     stale: bool = False  # the prefix cache was reset while reading: promote nothing
+
+
+@dataclass
+class _PendingRead:
+    """A disk hit being read on the worker: its store tickets (-> the load's block indices),
+    the private rows of blocks without a host block, and the blocks not read intact."""
+
+    load: DiskLoad
+    tickets: dict[int, list[int]] = field(default_factory=dict)
+    rows: Any = None
+    bad: list[tuple[int, str]] = field(default_factory=list)
+    failed: bool = False
 
 
 class DiskScheduler:
@@ -230,9 +245,14 @@ class DiskScheduler:
         self.stats["resets"] += 1
         return n
 
-    def build(self, step: int) -> DiskStepMeta | None:
+    def build(self, idle: bool = False) -> DiskStepMeta | None:
+        """The step's disk work; ``idle``: the step schedules no tokens. An idle tier (nothing
+        evicted, loaded, reset or read) costs one Rust call and a few attribute reads."""
+        taken = self.planner.take_spills()
+        if not taken and not self._loads and not self._wipe and not (idle and self._inflight):
+            return None
         spills = []
-        for hb, h, parent, lora, succ, tokens in self.planner.take_spills():
+        for hb, h, parent, lora, succ, tokens in taken:
             slot = self.index.begin_write(h, tokens, succ, parent, lora)
             if slot is None:
                 self.stats["spills_not_taken"] += 1
@@ -244,14 +264,18 @@ class DiskScheduler:
         if loads:
             self.stats["hit_tokens"] += sum(len(ld.device_blocks) for ld in loads) * self.block_size
         wipe, self._wipe = self._wipe, False
-        if not spills and not loads and not wipe:
+        idle = idle and bool(self._inflight)
+        if not spills and not loads and not wipe and not idle:
             return None
-        return DiskStepMeta(spills=spills, loads=loads, wipe=wipe)
+        return DiskStepMeta(spills=spills, loads=loads, wipe=wipe, idle=idle)
 
     def complete(self, meta: Any) -> None:
         """The worker's report: finished writes, finished reads (their slots unpin, their
         blocks enter the host tier), bad records; then disk copies of blocks now in the host
         tier leave."""
+        if not (meta.disk_done or meta.disk_loaded or meta.disk_corrupt or meta.disk_stats):
+            self.drop_promoted()  # the idle tier's step: nothing from the worker's disk side
+            return
         for slot, ok in getattr(meta, "disk_done", ()):
             self._writing.pop(slot, None)
             if slot in self._stale_writes:
@@ -333,11 +357,15 @@ class DiskWorker:
     """The worker's part: spills handed to the file's background writer, and disk hits read
     on a background thread of their own.
 
-    Async reads. ``start`` (in ``start_load_kv``) queues each hit's read; the thread does only
-    file I/O and checksums (``DiskStore.read_into``, the GIL released), into the host blocks
-    the scheduler reserved for the promotion (or a private buffer where it could not). ``poll``
-    (in ``get_finished``, on the worker's own thread, after the step's forward was launched)
-    copies finished reads into the device blocks and reports the request as received. This is
+    Async reads. ``start`` (in ``start_load_kv``) queues each hit's read on the store's Rust
+    reader threads (``DiskStore.read_rows_async``: one ``preadv`` per run of consecutive
+    records, checksums; no Python and no GIL, so a read neither waits for the interpreter to
+    start nor to finish), into the host blocks the scheduler reserved for the promotion (or a
+    private buffer where it could not). ``poll`` (in ``get_finished``, on the worker's own
+    thread, after the step's forward was launched) copies finished reads into the device blocks
+    and reports the request as received. In a step that runs no forward (nothing scheduled:
+    no batch to hold up) it first waits up to ``IDLE_WAIT_S`` for the reads, so a read that
+    ends in that time is reported in the step that started it rather than a step later. This is
     safe: the device blocks belong to a request vLLM holds in ``WAITING_FOR_REMOTE_KVS``, which
     no forward reads or writes and whose blocks vLLM neither caches nor frees (even if it is
     aborted) until the receive is reported; the copy runs on the copier's stream, which first
@@ -349,6 +377,9 @@ class DiskWorker:
     """
 
     STAGING_BLOCKS = 16
+    #: The longest a step with no forward waits for disk reads (a request arriving meanwhile
+    #: is picked up at most this much later; the reads go on in the background after it).
+    IDLE_WAIT_S = 0.005
 
     def __init__(self, *, directory: str, num_slots: int, block_size: int, layout: DiskLayout,
                  queue_len: int) -> None:
@@ -362,8 +393,8 @@ class DiskWorker:
         self.staging: Any = None
         self.copier: Any = None
         self._warned: set[int] = set()
-        self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvslots-disk-read")
-        self._pending: list[tuple[DiskLoad, Future[Any]]] = []
+        self._pending: list[_PendingRead] = []  # in the order they started
+        self._by_ticket: dict[int, _PendingRead] = {}
 
     def register(self, kv_caches: dict[str, Any], copier: Any, num_device_blocks: int, threads: int) -> None:
         from ..transfer import BlockCopier
@@ -384,57 +415,65 @@ class DiskWorker:
             self.store.submit(slot, self.host_np[hb], h, tokens, succ, parent, lora)
 
     def start(self, disk: DiskStepMeta) -> None:
-        """Queues the step's disk reads on the reader thread (never waits)."""
+        """Queues the step's disk reads on the store's reader threads (never waits)."""
         for ld in disk.loads:
-            self._pending.append((ld, self._reader.submit(self._read, ld)))
+            p = _PendingRead(ld)
+            n = len(ld.device_blocks)
+            if len(ld.slots) == n and len(ld.host_blocks) == n:  # else not pinned: nothing read
+                up = [i for i in range(n) if ld.host_blocks[i] >= 0]
+                own = [i for i in range(n) if ld.host_blocks[i] < 0]
+                try:
+                    # Straight into the host blocks taken for the promotion; the rest into
+                    # private rows. Rust threads do the reads: no Python, no GIL, until done.
+                    if up:
+                        t = self.store.read_rows_async([ld.slots[i] for i in up], [ld.hashes[i] for i in up],
+                                                       self.host_np, [ld.host_blocks[i] for i in up])
+                        p.tickets[t] = up
+                    if own:
+                        p.rows = np.empty((len(own), self.layout.bytes_per_block), dtype=np.uint8)
+                        t = self.store.read_rows_async([ld.slots[i] for i in own], [ld.hashes[i] for i in own],
+                                                       p.rows, list(range(len(own))))
+                        p.tickets[t] = own
+                except Exception:
+                    logger.exception("kvslots disk tier: cannot start the read for %s", ld.req_id)
+                    p.failed = True
+            else:
+                p.failed = True
+            for t in p.tickets:
+                self._by_ticket[t] = p
+            self._pending.append(p)
 
     @property
     def num_pending(self) -> int:
         return len(self._pending)
 
-    def _read(self, ld: DiskLoad) -> tuple[int, list[tuple[int, str]], Any]:
-        """Reader thread: file I/O only. (blocks read intact from the first, [(i, why)] for
-        the first bad one, the private rows of blocks without a host block)."""
-        n = len(ld.device_blocks)
-        if len(ld.slots) != n or len(ld.host_blocks) != n:  # not pinned at the scheduler
-            return 0, [], None
-        own = [i for i in range(n) if ld.host_blocks[i] < 0]
-        up = [i for i in range(n) if ld.host_blocks[i] >= 0]
-        rows = np.empty((len(own), self.layout.bytes_per_block), dtype=np.uint8) if own else None
-        bad: list[tuple[int, str]] = []
-        # Straight into the host blocks taken for the promotion; the rest into private rows.
-        # Each call spreads its blocks over a few threads (positioned reads, checksums).
-        if up:
-            got = self.store.read_rows([ld.slots[i] for i in up], [ld.hashes[i] for i in up], self.host_np,
-                                       [ld.host_blocks[i] for i in up])
-            bad += [(up[j], why) for j, why in got]
-        if rows is not None:
-            got = self.store.read_rows([ld.slots[i] for i in own], [ld.hashes[i] for i in own], rows,
-                                       list(range(len(own))))
-            bad += [(own[j], why) for j, why in got]
-        if bad:
-            first = min(bad)
-            return first[0], [first], rows  # vLLM recomputes from the first bad block on
-        return n, [], rows
-
-    def poll(self, load_errors: set[int], corrupt: set[int], wait: bool = False) -> list[tuple[str, int]]:
-        """Finishes the reads that are done (all with ``wait``): device copies, load errors for
-        blocks not read (vLLM recomputes from the first), corrupt records invalidated. Returns
-        [(request id, blocks loaded)]."""
+    def poll(self, load_errors: set[int], corrupt: set[int], wait_s: float = 0.0) -> list[tuple[str, int]]:
+        """Finishes the reads that are done (waiting up to ``wait_s`` for all of them): device
+        copies, load errors for blocks not read (vLLM recomputes from the first), corrupt
+        records invalidated. Returns [(request id, blocks loaded)]."""
+        if wait_s > 0 and self._by_ticket:
+            self.store.wait_reads(wait_s)  # the GIL released
+        for t, bad, err in self.store.take_reads():
+            p = self._by_ticket.pop(t, None)
+            if p is None:
+                continue
+            idx = p.tickets.pop(t)
+            if err is not None:
+                logger.error("kvslots disk tier: read for %s failed: %s", p.load.req_id, err)
+                p.failed = True
+            p.bad += [(idx[j], why) for j, why in bad]
         out: list[tuple[str, int]] = []
         still = []
-        for ld, fut in self._pending:
-            if not (wait or fut.done()):
-                still.append((ld, fut))
+        for p in self._pending:
+            if p.tickets:
+                still.append(p)
                 continue
-            try:
-                good, bad, rows = fut.result()
-            except Exception:
-                logger.exception("kvslots disk tier: read for %s failed", ld.req_id)
-                good, bad, rows = 0, [], None
+            ld = p.load
+            bad = [min(p.bad)] if p.bad else []  # vLLM recomputes from the first bad block on
+            good = 0 if p.failed else (bad[0][0] if bad else len(ld.device_blocks))
             if good:
                 try:
-                    self._to_device(ld, good, rows)
+                    self._to_device(ld, good, p.rows)
                 except Exception:
                     logger.exception("kvslots disk tier: device copy for %s failed", ld.req_id)
                     good = 0
@@ -468,4 +507,4 @@ class DiskWorker:
         return self.store.take_done()
 
     def close(self) -> None:
-        self._reader.shutdown(wait=True)
+        self.store.wait_reads(60.0)  # the reads write into the host region: let them end

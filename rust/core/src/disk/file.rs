@@ -32,6 +32,8 @@ pub const MAX_BLOCK_TOKENS: usize = 1 << 16;
 const DTYPE_LEN: usize = 32;
 const FLAG_PARENT: u32 = 1;
 const FLAG_LORA: u32 = 2;
+/// Records per `preadv` (3 iovecs each, under Linux's IOV_MAX of 1024).
+const MAX_RUN: usize = 256;
 
 /// What the file belongs to: a record is served only to an engine with the same layout.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -360,36 +362,126 @@ impl DiskFile {
     /// Reads the block of `slot` into `out` after checking that the record is intact and holds
     /// `hash`. On a mismatch nothing is trusted: `Corrupt`.
     pub fn read_block(&self, slot: u32, hash: u64, out: &mut [u8], buf: &mut Vec<u8>) -> Result<(), DiskError> {
-        self.check_slot(slot)?;
-        if out.len() as u64 != self.layout.bytes_per_block {
-            return Err(DiskError::Invalid(format!(
-                "read buffer of {} bytes for blocks of {}",
-                out.len(),
-                self.layout.bytes_per_block
-            )));
+        let mut one = [(slot, hash, out)];
+        match self.read_many(&mut one, buf)?.pop() {
+            Some((_, why)) => Err(DiskError::Corrupt { slot, why }),
+            None => Ok(()),
+        }
+    }
+
+    /// Reads `items[i] = (slot, hash, out)` as [`DiskFile::read_block`] does, one `preadv` per
+    /// run of consecutive slots (record header and bytes in one call, the bytes straight into
+    /// `out`). Returns `(i, why)` for the records that are corrupt, torn or of another hash
+    /// (their `out` holds garbage); an I/O error fails the whole call.
+    pub fn read_many(&self, items: &mut [(u32, u64, &mut [u8])], scratch: &mut Vec<u8>) -> Result<Vec<(usize, String)>, DiskError> {
+        let bpb = self.layout.bytes_per_block as usize;
+        for (slot, _, out) in items.iter() {
+            self.check_slot(*slot)?;
+            if out.len() != bpb {
+                return Err(DiskError::Invalid(format!("read buffer of {} bytes for blocks of {bpb}", out.len())));
+            }
         }
         let hl = self.layout.record_header_len() as usize;
-        buf.clear();
-        buf.resize(hl, 0);
-        self.file
-            .read_exact_at(buf, self.offset(slot))
-            .map_err(|e| self.io(e))?;
-        let (meta, _, data_sum) =
-            decode_record_header(&self.layout, buf).map_err(|why| DiskError::Corrupt { slot, why })?;
-        if meta.hash != hash {
-            return Err(DiskError::Corrupt {
-                slot,
-                why: format!("holds hash {:#x}, not {hash:#x}", meta.hash),
-            });
+        let gap = self.layout.stride() as usize - hl - bpb; // padding between two records
+        let mut bad = Vec::new();
+        let mut lo = 0;
+        while lo < items.len() {
+            let mut hi = lo + 1;
+            while hi < items.len() && hi - lo < MAX_RUN && items[hi].0 == items[hi - 1].0.wrapping_add(1) {
+                hi += 1;
+            }
+            let n = hi - lo;
+            scratch.clear();
+            scratch.resize(n * hl + gap, 0);
+            let (headers, pad) = scratch.split_at_mut(n * hl);
+            let mut iov: Vec<libc::iovec> = Vec::with_capacity(3 * n);
+            for (k, (h, item)) in headers.chunks_mut(hl).zip(items[lo..hi].iter_mut()).enumerate() {
+                iov.push(libc::iovec { iov_base: h.as_mut_ptr().cast(), iov_len: hl });
+                iov.push(libc::iovec { iov_base: item.2.as_mut_ptr().cast(), iov_len: bpb });
+                if k + 1 < n && gap > 0 {
+                    // The padding is read into one scratch area, again and again: never looked at.
+                    iov.push(libc::iovec { iov_base: pad.as_mut_ptr().cast(), iov_len: gap });
+                }
+            }
+            self.preadv_exact(&mut iov, self.offset(items[lo].0))?;
+            for (k, h) in headers.chunks(hl).enumerate() {
+                let (_, hash, out) = &items[lo + k];
+                let why = match decode_record_header(&self.layout, h) {
+                    Err(why) => Some(why),
+                    Ok((meta, _, _)) if meta.hash != *hash => Some(format!("holds hash {:#x}, not {hash:#x}", meta.hash)),
+                    Ok((_, _, sum)) if xxh3_64(out) != sum => Some("block data checksum mismatch".into()),
+                    Ok(_) => None,
+                };
+                if let Some(why) = why {
+                    bad.push((lo + k, why));
+                }
+            }
+            lo = hi;
         }
-        self.file
-            .read_exact_at(out, self.offset(slot) + hl as u64)
-            .map_err(|e| self.io(e))?;
-        if xxh3_64(out) != data_sum {
-            return Err(DiskError::Corrupt {
-                slot,
-                why: "block data checksum mismatch".into(),
-            });
+        Ok(bad)
+    }
+
+    /// Tells the kernel that the records of `slots` will be read soon (`posix_fadvise`
+    /// WILLNEED, one call per run of consecutive slots), so their I/O is queued at once rather
+    /// than as each reader gets to it. Only a hint: slots outside the file and errors are ignored.
+    pub fn will_need(&self, slots: &[u32]) {
+        use std::os::fd::AsRawFd;
+        let mut sorted: Vec<u32> = slots.iter().copied().filter(|&s| (s as u64) < self.num_slots).collect();
+        sorted.sort_unstable();
+        sorted.dedup();
+        let stride = self.layout.stride();
+        let mut lo = 0;
+        while lo < sorted.len() {
+            let mut hi = lo + 1;
+            while hi < sorted.len() && sorted[hi] == sorted[hi - 1] + 1 {
+                hi += 1;
+            }
+            let len = (hi - lo) as u64 * stride;
+            // SAFETY: a plain system call on our own descriptor; it reads no memory of ours.
+            unsafe {
+                libc::posix_fadvise(
+                    self.file.as_raw_fd(),
+                    self.offset(sorted[lo]) as libc::off_t,
+                    len as libc::off_t,
+                    libc::POSIX_FADV_WILLNEED,
+                );
+            }
+            lo = hi;
+        }
+    }
+
+    /// `preadv` until every buffer is full (a short read resumes where it stopped); the end of
+    /// the file before that is an I/O error.
+    fn preadv_exact(&self, iov: &mut [libc::iovec], mut offset: u64) -> Result<(), DiskError> {
+        use std::os::fd::AsRawFd;
+        let fd = self.file.as_raw_fd();
+        let mut first = 0;
+        while first < iov.len() {
+            let cnt = (iov.len() - first).min(1024) as libc::c_int; // IOV_MAX on Linux
+            // SAFETY: every iovec points into a live, exclusively borrowed buffer of its length.
+            let got = unsafe { libc::preadv(fd, iov[first..].as_ptr(), cnt, offset as libc::off_t) };
+            if got < 0 {
+                let e = io::Error::last_os_error();
+                if e.kind() == io::ErrorKind::Interrupted {
+                    continue;
+                }
+                return Err(self.io(e));
+            }
+            if got == 0 {
+                return Err(self.io(io::Error::new(io::ErrorKind::UnexpectedEof, "record past the end of the file")));
+            }
+            offset += got as u64;
+            let mut left = got as usize;
+            while first < iov.len() && left >= iov[first].iov_len {
+                left -= iov[first].iov_len;
+                first += 1;
+            }
+            if left > 0 {
+                let v = &mut iov[first];
+                // SAFETY: stays inside the same buffer (left < its length).
+                v.iov_base = unsafe { v.iov_base.cast::<u8>().add(left).cast() };
+                v.iov_len -= left;
+            }
         }
         Ok(())
     }
@@ -584,6 +676,7 @@ fn writer_loop(file: Arc<DiskFile>, shared: Arc<Shared>, rx: Receiver<Job>) {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::time::Duration;
 
     fn layout(fp: u64) -> Layout {
         Layout {
@@ -711,4 +804,107 @@ mod tests {
         assert_eq!(o, Opened::Reused, "the header survived");
         std::fs::remove_file(&p).unwrap();
     }
+
+    /// Slots 0..6 written with distinct bytes (slot 4 left empty), read back in runs.
+    fn filled(name: &str) -> (Arc<DiskFile>, Vec<Vec<u8>>) {
+        let p = tmp(name);
+        let (f, _) = DiskFile::open(&p, &layout(9), 8).unwrap();
+        let mut buf = Vec::new();
+        let data: Vec<Vec<u8>> = (0..8u64).map(|s| (0..1000).map(|i| (i as u64 * 7 + s * 13) as u8).collect()).collect();
+        for s in [0u32, 1, 2, 3, 5, 6] {
+            f.write_record(s, s as u64, &meta(100 + s as u64), &data[s as usize], &mut buf).unwrap();
+        }
+        (Arc::new(f), data)
+    }
+
+    #[test]
+    fn runs_of_consecutive_slots_read_each_block_into_its_own_buffer() {
+        let (f, data) = filled("runs");
+        // Out of order and with a gap: runs [2, 3], [5, 6], [0, 1]; 4 holds no record.
+        let order = [2u32, 3, 5, 6, 4, 0, 1];
+        let mut outs: Vec<Vec<u8>> = order.iter().map(|_| vec![0xAA; 1000]).collect();
+        let mut items: Vec<(u32, u64, &mut [u8])> =
+            order.iter().zip(outs.iter_mut()).map(|(&s, o)| (s, 100 + s as u64, o.as_mut_slice())).collect();
+        let bad = f.read_many(&mut items, &mut Vec::new()).unwrap();
+        assert_eq!(bad.len(), 1);
+        assert_eq!(bad[0].0, 4, "{bad:?}");
+        for (k, &s) in order.iter().enumerate() {
+            if s != 4 {
+                assert_eq!(outs[k], data[s as usize], "slot {s}");
+            }
+        }
+        // A read-ahead hint is only a hint: slots outside the file, repeats, gaps are fine.
+        f.will_need(&[6, 0, 1, 2, 5, 99, 2, u32::MAX]);
+        // Another hash in the middle of a run: only that block is refused.
+        let mut a = vec![0u8; 1000];
+        let mut b = vec![0u8; 1000];
+        let mut c = vec![0u8; 1000];
+        let mut items: Vec<(u32, u64, &mut [u8])> = vec![(0, 100, &mut a), (1, 999, &mut b), (2, 102, &mut c)];
+        let bad = f.read_many(&mut items, &mut Vec::new()).unwrap();
+        assert_eq!(bad.iter().map(|b| b.0).collect::<Vec<_>>(), vec![1]);
+        assert!(bad[0].1.contains("holds hash"));
+        assert_eq!((a, c), (data[0].clone(), data[2].clone()));
+        // A wrong buffer size or a slot outside the file is refused before any read.
+        let mut small = [0u8; 10];
+        assert!(f.read_many(&mut [(0, 100, &mut small[..])], &mut Vec::new()).is_err());
+        let mut ok = vec![0u8; 1000];
+        assert!(f.read_many(&mut [(8, 100, &mut ok[..])], &mut Vec::new()).is_err());
+    }
+
+    #[test]
+    fn reader_threads_fill_the_callers_buffers_and_report_each_ticket_once() {
+        use super::super::reader::{DiskReader, ReadTarget};
+        let (f, data) = filled("reader");
+        // Flip one byte of slot 5's data: a checksum failure, reported by index.
+        let off = f.offset(5) + f.layout().record_header_len() + 17;
+        let mut byte = [0u8; 1];
+        f.file.read_exact_at(&mut byte, off).unwrap();
+        f.file.write_all_at(&[byte[0] ^ 1], off).unwrap();
+        let r = DiskReader::new(f.clone(), 3);
+        assert_eq!(r.num_threads(), 3);
+        let slots = [0u32, 1, 2, 3, 5, 6];
+        let mut out = vec![0u8; slots.len() * 1000];
+        let targets: Vec<ReadTarget> = slots
+            .iter()
+            .enumerate()
+            .map(|(i, &s)| ReadTarget { index: i, slot: s, hash: 100 + s as u64, dst: unsafe { out.as_mut_ptr().add(i * 1000) } })
+            .collect();
+        unsafe { r.submit(7, targets.clone()).unwrap() };
+        assert!(unsafe { r.submit(7, targets) }.is_err(), "a ticket in flight is refused");
+        unsafe { r.submit(8, Vec::new()).unwrap() };
+        assert!(r.wait_idle(Duration::from_secs(10)));
+        assert_eq!(r.in_flight(), 0);
+        let mut done = r.take_done();
+        done.sort_by_key(|d| d.ticket);
+        assert_eq!(done.len(), 2);
+        assert_eq!(done[1].result, Ok(vec![]));
+        let bad = done[0].result.clone().unwrap();
+        assert_eq!(bad.len(), 1);
+        assert_eq!(bad[0].0, 4);
+        assert!(bad[0].1.contains("checksum"), "{bad:?}");
+        for (i, &s) in slots.iter().enumerate() {
+            if s != 5 {
+                assert_eq!(&out[i * 1000..(i + 1) * 1000], &data[s as usize][..]);
+            }
+        }
+        assert!(r.take_done().is_empty());
+    }
+
+
+    #[test]
+    fn dropping_the_reader_first_finishes_every_queued_read() {
+        use super::super::reader::{DiskReader, ReadTarget};
+        let (f, data) = filled("reader-drop");
+        let mut out = vec![0u8; 6 * 1000];
+        let r = DiskReader::new(f, 2);
+        for (t, &s) in [0u32, 1, 2, 3, 5, 6].iter().enumerate() {
+            let dst = unsafe { out.as_mut_ptr().add(t * 1000) };
+            unsafe { r.submit(t as u64, vec![ReadTarget { index: 0, slot: s, hash: 100 + s as u64, dst }]).unwrap() };
+        }
+        drop(r); // joins the threads after the queue is empty: `out` is written before it returns
+        for (t, &s) in [0u32, 1, 2, 3, 5, 6].iter().enumerate() {
+            assert_eq!(&out[t * 1000..(t + 1) * 1000], &data[s as usize][..]);
+        }
+    }
+
 }

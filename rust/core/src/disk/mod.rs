@@ -15,6 +15,7 @@
 //! is in at most one tier.
 
 pub mod file;
+pub mod reader;
 
 use std::collections::{BTreeMap, HashMap};
 
