@@ -9,7 +9,8 @@ Roles:
   ``do_remote_decode``) and returns their ``kv_transfer_params``; ``{"held": true}`` returns
   how many requests' blocks the worker still holds and the blocks vLLM has free. Between
   commands it steps the engine so the decode worker's acks are applied (a served engine's
-  busy loop does that by itself).
+  busy loop does that by itself). ``{"reset": true}`` resets vLLM's prefix cache (and runs a 3-token request so vLLM
+  publishes the event).
 - ``decode``: KVSlotsConnector as kv_consumer; generates with the given ``kv_transfer_params``
   and returns outputs, counters, prompt tokens computed locally, the P/D stats and vLLM's free
   blocks before and after. Without ``params`` in the spec it prints ``READY`` and reads
@@ -173,6 +174,12 @@ def main() -> None:
             outs = llm.generate([{"prompt_token_ids": p} for p in cmd["prompts"]], sp, use_tqdm=False)
             print("RESULT " + json.dumps({"params": [o.kv_transfer_params for o in outs],
                                           "first": [list(o.outputs[0].token_ids) for o in outs]}), flush=True)
+        elif "reset" in cmd:  # drops the prefix cache: vLLM queues AllBlocksCleared
+            ok = bool(llm.reset_prefix_cache())
+            # vLLM publishes queued events at its next scheduled step: one short local request
+            llm.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(temperature=0, max_tokens=1),
+                         use_tqdm=False)
+            print("RESULT " + json.dumps({"reset": ok}), flush=True)
         elif "held" in cmd:
             deadline = time.time() + cmd.get("wait_s", 0)
             while True:

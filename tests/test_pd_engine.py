@@ -270,8 +270,9 @@ def test_mismatched_engines_recompute_and_free_the_prefill(models_dir, mismatch)
     size: the request is computed on the decode engine, and its ack frees the prefill engine's
     blocks at once (no timeout)."""
     prompts = _prompts()[:1]
-    decode = {"model": {"method": None}, "block_size": {"block_size": 16}}[mismatch]
-    prefill, dec_engine = _pair(models_dir, _port(), prefill={"pd_timeout_s": 120}, decode=decode)
+    # (vLLM's CPU attention takes multiples of 32 only)
+    prefill, decode = {"model": ({}, {"method": None}), "block_size": ({"block_size": 64}, {})}[mismatch]
+    prefill, dec_engine = _pair(models_dir, _port(), prefill={"pd_timeout_s": 120, **prefill}, decode=decode)
     try:
         pre = prefill.call({"prompts": prompts})
         dec = dec_engine.call({"prompts": prompts, "params": pre["params"]})
@@ -284,7 +285,69 @@ def test_mismatched_engines_recompute_and_free_the_prefill(models_dir, mismatch)
         agg = _agg(models_dir, None)
     else:  # found in the hand-off itself: never pulled
         assert dec["pd"]["failed_pulls"] == 0 and dec["pd"]["pulled_blocks"] == 0, dec["pd"]
-        agg = _agg(models_dir, "eagle", block_size=16)
+        agg = _agg(models_dir, "eagle")
     _assert_recomputed(dec, prompts, agg)
     assert held["held"] == 0 and held["free"] == held["baseline_free"], held
     assert held["stats"]["acks"] == 1 and held["stats"]["expired"] == 0, held
+
+
+def test_kv_events_of_both_engines_keep_the_indexer_true(models_dir):
+    """Both engines publish vLLM's KV events (ZMQ, with replay) to a kvslots indexer. After a
+    P/D request the indexer scores the decode engine for every full block of the prompt: vLLM
+    caches the pulled blocks like computed ones (BlockStored, medium GPU), so received blocks
+    count as the decode engine's (and the connector stores them in its host tier, medium CPU).
+    The prefill engine keeps its score after it freed its hold: freed blocks stay in vLLM's
+    prefix cache (a request there would hit them) and vLLM reports a removal only when a block
+    is evicted or the cache is reset; after a reset only its host-tier copies count, and its
+    score drops below the decode engine's."""
+    from kvslots.indexer import IndexerConfig, IndexerService, WorkerSpec
+
+    prompt = _prompts()[0]
+    full = len(prompt) // 32
+    ports = {w: (_port(), _port()) for w in ("prefill", "decode")}
+
+    def events(w: str) -> dict:
+        return {"endpoint": f"tcp://*:{ports[w][0]}", "replay_endpoint": f"tcp://*:{ports[w][1]}"}
+
+    svc = IndexerService(IndexerConfig(
+        workers=[WorkerSpec(w, f"tcp://127.0.0.1:{a}", f"tcp://127.0.0.1:{b}", topic="kv") for w, (a, b) in ports.items()],
+        block_size=32, replay_timeout=1.0, capacity=None))
+    svc.start()
+
+    def blocks() -> dict[str, tuple[int, int, int]]:  # worker -> (blocks, GPU-tier, CPU-tier blocks)
+        ws = svc.score(prompt, 32, None, None)["workers"]
+        return {w: (e["blocks"], e["tiers"]["GPU"]["blocks"], e["tiers"]["CPU"]["blocks"]) for w, e in ws.items()}
+
+    def wait(cond, what: str) -> dict:
+        deadline = time.monotonic() + 60
+        while not cond(b := blocks()):
+            assert time.monotonic() < deadline, f"indexer: {what}: {b}"
+            time.sleep(0.1)
+        return b
+
+    prefill, decode = _pair(models_dir, _port(), prefill={"kv_events": events("prefill")},
+                            decode={"kv_events": events("decode"), "linger": True})
+    try:
+        assert blocks() == {"prefill": (0, 0, 0), "decode": (0, 0, 0)}
+        pre = prefill.call({"prompts": [prompt]})
+        wait(lambda b: b["prefill"][:2] == (full, full), "the prefill engine's blocks")
+        assert blocks()["decode"] == (0, 0, 0)
+        dec = decode.call({"prompts": [prompt], "params": pre["params"]})
+        assert dec["pd"]["pulled_blocks"] == -(-len(prompt) // 32) and dec["pd"]["failed_pulls"] == 0, dec["pd"]
+        held = prefill.call({"held": True, "wait_s": 30})
+        assert held["held"] == 0 and held["free"] == held["baseline_free"], held
+        # the received blocks are the decode engine's: in vLLM's cache (GPU) and, once the
+        # connector stored them, in its host tier (CPU); the prefill engine's are still cached
+        # after its hold was freed (no removal reported), on both tiers
+        both = {"prefill": (full, full, full), "decode": (full, full, full)}
+        wait(lambda b: b == both, "the received blocks as the decode engine's")
+        assert prefill.call({"reset": True})["reset"]
+        # vLLM's AllBlocksCleared clears the prefill engine's GPU tier; its host tier keeps them
+        b = wait(lambda b: b["prefill"][1] == 0, "the prefill engine's cache reset")
+        assert b == {"prefill": (full, 0, full), "decode": (full, full, full)}, b
+        ws = svc.score(prompt, 32, None, None)["workers"]
+        assert 0 < ws["prefill"]["score"] < ws["decode"]["score"], ws
+    finally:
+        prefill.close()
+        decode.close()
+        svc.stop()
