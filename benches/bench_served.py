@@ -93,6 +93,8 @@ def build_models(spec: ModelSpec, root: str) -> dict[str, str]:
 class Server:
     """``kvslots serve`` in its own process group, stopped with SIGINT (then harder)."""
 
+    health_path = "/health"
+
     def __init__(self, models: dict[str, str], mode: str, args: argparse.Namespace, log_path: str) -> None:
         self.port = free_port()
         ev, replay = free_port(), free_port()
@@ -134,7 +136,7 @@ class Server:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"server exited with {self.proc.returncode}; see {self.log.name}")
             with contextlib.suppress(OSError):
-                with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
+                with urllib.request.urlopen(self.url + self.health_path, timeout=2) as r:
                     if r.status == 200:
                         return
             time.sleep(1)

@@ -9,9 +9,17 @@ Roles:
   ``do_remote_decode``) and returns their ``kv_transfer_params``; ``{"held": true}`` returns
   how many requests' blocks the worker still holds and the blocks vLLM has free. Between
   commands it steps the engine so the decode worker's acks are applied (a served engine's
-  busy loop does that by itself).
+  busy loop does that by itself). ``{"reset": true}`` resets vLLM's prefix cache (and runs a 3-token request so vLLM
+  publishes the event).
 - ``decode``: KVSlotsConnector as kv_consumer; generates with the given ``kv_transfer_params``
-  and returns outputs, counters, prompt tokens computed locally, and the P/D stats.
+  and returns outputs, counters, prompt tokens computed locally, the P/D stats and vLLM's free
+  blocks before and after. Without ``params`` in the spec it prints ``READY`` and reads
+  ``{"prompts", "params"}`` from stdin (so it can start alongside the prefill engine);
+  ``pause_pull`` (s) prints ``PULL`` after the hand-shake and waits before the read (fault
+  tests stop or kill a peer there); ``linger`` keeps it alive until stdin closes.
+
+``method`` null: no speculative decoding. ``kv_events``: ``{"endpoint", "replay_endpoint"}`` for
+vLLM's ZMQ KV event publisher.
 """
 
 from __future__ import annotations
@@ -34,7 +42,7 @@ def build(spec: dict):
 
     models = build_tiny_models(spec["models"])
     method = spec.get("method")
-    kw = dict(model=models["target"], dtype="float32", block_size=32, max_model_len=2048, max_num_seqs=4,
+    kw = dict(model=models["target"], dtype="float32", block_size=spec.get("block_size", 32), max_model_len=2048, max_num_seqs=4,
               enable_prefix_caching=True, seed=0, enforce_eager=True, distributed_executor_backend="uni",
               disable_log_stats=False)
     if method:
@@ -44,6 +52,10 @@ def build(spec: dict):
         else:
             spec_cfg["model"] = models["target"] if method == "draft_model" else models[method]
         kw["speculative_config"] = spec_cfg
+    if spec.get("kv_events"):  # vLLM's own ZMQ publisher (PUB + replay ROUTER)
+        ev = spec["kv_events"]
+        kw["kv_events_config"] = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": ev["endpoint"],
+                                  "replay_endpoint": ev["replay_endpoint"], "topic": ev.get("topic", "kv")}
     role = spec["role"]
     if role != "aggregated":
         extra = {"host_cache_blocks": 8, "pd_timeout_s": spec.get("pd_timeout_s", 60.0)}
@@ -110,12 +122,28 @@ def main() -> None:
         return
     if role == "decode":
         local = spy_prompt_tokens(llm)
+        w = pd_worker()
+        if spec.get("pause_pull"):  # fault tests: stop or kill a peer after the hand-shake, before the bytes
+            read = w.transport.read_blocks
+
+            def paused(*a, **k):
+                print("PULL", flush=True)
+                time.sleep(spec["pause_pull"])
+                return read(*a, **k)
+
+            w.transport.read_blocks = paused
+        free_start = free_blocks(llm)
+        if "params" in spec:
+            prompts, all_params = spec["prompts"], spec["params"]
+        else:  # started before the prefill engine: the hand-off comes on stdin
+            print("READY", flush=True)
+            cmd = json.loads(sys.stdin.readline())
+            prompts, all_params = cmd["prompts"], cmd["params"]
         outs = []
-        for p, params in zip(spec["prompts"], spec["params"]):
+        for p, params in zip(prompts, all_params):
             sp = SamplingParams(temperature=0, max_tokens=spec["max_tokens"], ignore_eos=True,
                                 extra_args={"kv_transfer_params": params})
             outs += llm.generate([{"prompt_token_ids": p}], sp, use_tqdm=False)
-        w = pd_worker()
         print("RESULT " + json.dumps({
             "outputs": [list(o.outputs[0].token_ids) for o in outs],
             "local_prompt_tokens": [next((v for k, v in local.items() if k == o.request_id
@@ -123,7 +151,10 @@ def main() -> None:
             "spec": spec_counters(llm), "pd": dict(w.stats),
             "segments": [s.name for s in w.layout.segments],
             "target_layers": llm.llm_engine.vllm_config.model_config.hf_config.num_hidden_layers,
+            "free_start": free_start, "free_end": free_blocks(llm),
         }), flush=True)
+        if spec.get("linger"):  # keep the event publisher up until the test is done reading
+            sys.stdin.read()
         return
     # prefill: a command loop
     print("READY", flush=True)
@@ -143,6 +174,12 @@ def main() -> None:
             outs = llm.generate([{"prompt_token_ids": p} for p in cmd["prompts"]], sp, use_tqdm=False)
             print("RESULT " + json.dumps({"params": [o.kv_transfer_params for o in outs],
                                           "first": [list(o.outputs[0].token_ids) for o in outs]}), flush=True)
+        elif "reset" in cmd:  # drops the prefix cache: vLLM queues AllBlocksCleared
+            ok = bool(llm.reset_prefix_cache())
+            # vLLM publishes queued events at its next scheduled step: one short local request
+            llm.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(temperature=0, max_tokens=1),
+                         use_tqdm=False)
+            print("RESULT " + json.dumps({"reset": ok}), flush=True)
         elif "held" in cmd:
             deadline = time.time() + cmd.get("wait_s", 0)
             while True:
