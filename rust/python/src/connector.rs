@@ -42,6 +42,8 @@ pub(crate) struct ConnectorPlanner {
     tokens: Vec<u32>,
     blocks: Vec<u32>,
     wire: Vec<u8>,
+    /// End offsets of each event's bytes in `wire` (`drain_events_raw`).
+    ends: Vec<usize>,
     /// Whether anyone reads the host-tier events (their token ids are read only then).
     events_wanted: bool,
 }
@@ -613,6 +615,7 @@ impl ConnectorPlanner {
             tokens: Vec::new(),
             blocks: Vec::new(),
             wire: Vec::new(),
+            ends: Vec::new(),
             events_wanted: true,
         })
     }
@@ -955,6 +958,53 @@ impl ConnectorPlanner {
         #[pyo3(from_py_with = arg::hashes_as_bytes)] hashes_as_bytes: bool,
     ) -> PyResult<Bound<'py, PyBytes>> {
         Self::encode_events(slf, ts, medium, data_parallel_rank, hashes_as_bytes, true)
+    }
+    /// Drains the queued events as a list of `raw(bytes)`, one per event, each holding that
+    /// event's msgpack bytes exactly as in the `events` array of ``drain_events_msgpack``'s
+    /// batch. With ``raw = msgspec.Raw``, vLLM's publisher (msgspec) writes them verbatim: the
+    /// batch it publishes is byte for byte the one it would build from the decoded structs,
+    /// without building a Python object per field. The queue is emptied only on success.
+    #[pyo3(signature = (raw, medium=Some("CPU".to_owned()), hashes_as_bytes=false))]
+    fn drain_events_raw<'py>(
+        slf: &Bound<'py, Self>,
+        raw: &Bound<'py, PyAny>,
+        #[pyo3(from_py_with = arg::medium)] medium: Option<String>,
+        #[pyo3(from_py_with = arg::hashes_as_bytes)] hashes_as_bytes: bool,
+    ) -> PyResult<Bound<'py, PyList>> {
+        let py = slf.py();
+        if !raw.is_callable() {
+            return Err(invalid(
+                None,
+                format!("raw must be callable (msgspec.Raw), got {}", type_name(raw)),
+            ));
+        }
+        let meta = core::BatchMeta {
+            ts: 0.0,
+            data_parallel_rank: None,
+            medium: medium.as_deref(),
+            hash_format: if hashes_as_bytes {
+                core::HashFormat::Bytes
+            } else {
+                core::HashFormat::U64
+            },
+        };
+        let mut this = borrow_mut(slf)?;
+        let this = &mut *this;
+        this.wire.clear();
+        this.ends.clear();
+        this.inner
+            .cache()
+            .events()
+            .encode_each(&meta, &mut this.wire, &mut this.ends)
+            .map_err(crate::errors::encode_error)?;
+        let out = PyList::empty(py);
+        let mut start = 0;
+        for &end in &this.ends {
+            out.append(raw.call1((PyBytes::new(py, &this.wire[start..end]),))?)?;
+            start = end;
+        }
+        this.inner.cache_mut().events_mut().clear();
+        Ok(out)
     }
     /// Drops the queued events (nobody reads them); returns how many there were.
     fn discard_events(slf: &Bound<'_, Self>) -> PyResult<usize> {
