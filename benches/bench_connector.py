@@ -13,9 +13,12 @@
               tokens/s with vs without the connector (target >= 97%), and time to first token for
               a repeated 2k-token prompt served from the host tier vs recomputed (target <= 0.5x);
               engine pairs interleaved, median and spread of the per-pair ratios.
+  worker      the worker-side hooks vLLM's model runner calls each step (and per attention layer),
+              on steps with nothing to copy: KVSlotsConnector vs a do-nothing connector.
 
     python benches/bench_connector.py scheduler [--batch 256 1024] [--steps 200] [--repeats 9] [--modes ...]
     python benches/bench_connector.py e2e [--prompt-len 2048]
+    python benches/bench_connector.py worker [--steps 20000] [--layers 3]
 """
 
 from __future__ import annotations
@@ -286,6 +289,66 @@ def __getattr__(name: str):  # lets vLLM's factory load NullConnector from this 
     raise AttributeError(name)
 
 
+def worker_bench(args: argparse.Namespace) -> None:
+    """The worker-side hooks vLLM 0.32's model runner calls each step (kv_connector_model_runner_mixin
+    and the per-layer maybe_transfer_kv_layer wrapper), in its order, on steps with nothing to copy:
+    KVSlotsConnector vs a do-nothing connector, interleaved, thread CPU time per step."""
+    import torch
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    from kvslots._dev.tiny import build_tiny_models
+    from kvslots.vllm.connector import KVSlotsConnector
+    from kvslots.vllm.connector.metadata import EMPTY_METADATA
+
+    from vllm_harness import BLOCK_SIZE, HEAD, HEADS, engine_config, kv_cache_config
+
+    models = build_tiny_models(args.models)
+    num_blocks = 256
+    cfg = engine_config(models["target"], models["eagle"], k=3, num_blocks=num_blocks)
+    cfg.kv_transfer_config.kv_connector_extra_config = {"host_cache_blocks": num_blocks}
+    kcc = kv_cache_config(num_blocks)
+    layers = [f"model.layers.{i}.self_attn.attn" for i in range(args.layers)]
+    caches = {n: torch.zeros(num_blocks, HEADS, BLOCK_SIZE, 2 * HEAD) for n in layers}
+    conns = {"kvslots": KVSlotsConnector(cfg, KVConnectorRole.WORKER, kcc),
+             "null": _null_connector_class()(cfg, KVConnectorRole.WORKER, kcc)}
+    conns["kvslots"].register_kv_caches(caches)
+    meta = {"kvslots": EMPTY_METADATA, "null": conns["null"].build_connector_meta(None)}
+    finished: set[str] = set()
+    attn_metadata = object()  # vLLM skips the layer hooks when a layer has no attention metadata
+
+    def steps(c, m, n: int) -> float:
+        t0 = time.thread_time()
+        for _ in range(n):
+            c.handle_preemptions(m)
+            c.bind_connector_metadata(m)
+            c.start_load_kv(None)  # no sync loads: after the forward
+            for name in layers:  # maybe_transfer_kv_layer, per attention layer
+                if c.has_connector_metadata():
+                    c.wait_for_layer_load(name)
+                    c.save_kv_layer(name, caches[name], attn_metadata)
+            c.wait_for_save()
+            c.get_transfer_results(finished)
+            c.get_block_ids_with_load_errors()
+            c.get_kv_connector_stats()
+            c.get_kv_connector_kv_cache_events()
+            c.build_connector_worker_meta()
+            c.clear_connector_metadata()
+        return (time.thread_time() - t0) / n
+
+    times: dict[str, list[float]] = {m: [] for m in conns}
+    for rep in range(args.repeats):
+        for mode in (("null", "kvslots") if rep % 2 == 0 else ("kvslots", "null")):
+            times[mode].append(steps(conns[mode], meta[mode], args.steps))
+    med = statistics.median
+    print(f"worker-side connector hooks, steps with nothing to copy, {args.layers} attention layers, "
+          f"{args.steps} steps x {args.repeats} interleaved repeats, thread CPU time; median (min-max):")
+    for mode, label in (("null", "do-nothing connector"), ("kvslots", "KVSlotsConnector")):
+        t = times[mode]
+        print(f"  {label:22s} {med(t) * 1e6:7.2f} us/step ({min(t) * 1e6:.2f}-{max(t) * 1e6:.2f})")
+    own = [k - n for k, n in zip(times["kvslots"], times["null"])]
+    print(f"  KVSlots' own           {med(own) * 1e6:+7.2f} us/step ({min(own) * 1e6:+.2f} to {max(own) * 1e6:+.2f})")
+
+
 def e2e_bench(args: argparse.Namespace) -> None:
     runner = os.path.join(HERE, "..", "tests", "engine_run.py")
 
@@ -360,10 +423,14 @@ def main() -> None:
     e.add_argument("--vllm-reservation", action="store_true",
                    help="leave VLLM_CPU_NUM_OF_RESERVED_CPU unset: vLLM's CPU backend then reserves one more "
                         "core for the connector engine (measures that reservation, not the connector)")
-    for p in (s, e):
+    w = sub.add_parser("worker")
+    w.add_argument("--steps", type=int, default=20000)
+    w.add_argument("--repeats", type=int, default=7)
+    w.add_argument("--layers", type=int, default=3, help="attention layers (the tiny model + EAGLE head: 3)")
+    for p in (s, e, w):
         p.add_argument("--models", default="/tmp/kvslots-tiny")
     args = ap.parse_args()
-    scheduler_bench(args) if args.which == "scheduler" else e2e_bench(args)
+    {"scheduler": scheduler_bench, "e2e": e2e_bench, "worker": worker_bench}[args.which](args)
 
 
 if __name__ == "__main__":

@@ -31,7 +31,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from ...events import MEDIUM_CPU, MEDIUM_STORAGE
 from ...config.connector import ConnectorConfig, ConnectorConfigError
 from ..compat import check_supported, features
-from .metadata import KVSlotsMetadata, KVSlotsWorkerMetadata
+from .metadata import EMPTY_METADATA, KVSlotsMetadata, KVSlotsWorkerMetadata
 from .scheduler_side import SchedulerSide
 from .worker_side import WorkerSide
 
@@ -356,6 +356,12 @@ class KVSlotsConnector(KVConnectorBase_V1):
         self._disk_loaded.extend(done)
         return None, ({r for r, _ in done} or None)
 
+    def has_connector_metadata(self) -> bool:
+        # vLLM calls wait_for_layer_load / save_kv_layer around every attention layer only when
+        # this is True; both do nothing here, so a step without copies skips them all.
+        m = self._connector_metadata
+        return m is not None and m is not EMPTY_METADATA
+
     def wait_for_layer_load(self, layer_name: str) -> None:
         return  # loads complete in start_load_kv, before any layer runs
 
@@ -367,8 +373,9 @@ class KVSlotsConnector(KVConnectorBase_V1):
         return
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> Any:
-        from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
-
+        KVConnectorTransferResults = _transfer_results_type()  # noqa: N806 (vLLM's class)
+        if self._pd_worker is None and (self._disk_worker is None or not self._disk_worker.num_pending):
+            return KVConnectorTransferResults()  # nothing asynchronous under way
         # Both async sources: disk reads (get_finished) and P/D pulls (failed pulls are also
         # reported as received, as vLLM requires, and recomputed).
         _, disk_recving = self.get_finished(finished_req_ids)
@@ -398,6 +405,17 @@ class KVSlotsConnector(KVConnectorBase_V1):
 
 
 _EVENT_DECODER: Any = None
+_TRANSFER_RESULTS: Any = None
+
+
+def _transfer_results_type() -> Any:
+    # Looked up once (an import statement per step costs more than the rest of a no-copy step).
+    global _TRANSFER_RESULTS
+    if _TRANSFER_RESULTS is None:
+        from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
+
+        _TRANSFER_RESULTS = KVConnectorTransferResults
+    return _TRANSFER_RESULTS
 
 
 def _decode_events(payload: bytes) -> list[Any]:
