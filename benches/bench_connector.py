@@ -73,12 +73,17 @@ def _scheduler_bench_one(args: argparse.Namespace, models: dict, batch: int, clo
         if mode.startswith("kvslots"):
             h = Harness(c, num_blocks=num_blocks, seed=seed, log_stats=args.log_stats)
             sched, workers = h.scheduler, h.workers
-            # vLLM's publisher hands the batch to its thread and keeps nothing: drop it (the
-            # harness's capture keeps every event, which a long run's GC would pay for).
+            # vLLM's ZMQ publisher encodes each batch (on its thread, in this process) and keeps
+            # no events: so does this one, on the step's thread, so the step time counts it (the
+            # hooks do not); the harness's capture would keep every event for a long run's GC.
             sched.kv_event_publisher = _DropPublisher()
             if args.events == "off":  # nobody reads KV events: vLLM's publisher is off
                 h.connector._vllm_events = False
                 h.connector._sched.planner.events_wanted = False
+            else:  # zmq: vLLM's own publisher, fed msgspec.Raw; capture: structs (other publishers)
+                from kvslots.vllm.compat import features
+
+                h.connector._raw_events = args.events == "zmq" and not features().block_stored_lookahead
             # Timed with the step's clock (thread CPU time: wall clock counts other processes on
             # a shared machine). thread_time is a system call on this VM (0.5-3.4 us measured):
             # its cost is taken out of the hooks' figure and out of kvslots' step time below.
@@ -209,8 +214,16 @@ def _scheduler_bench_one(args: argparse.Namespace, models: dict, batch: int, clo
 
 
 class _DropPublisher:
+    """vLLM's ZmqEventPublisher without the socket: encodes each batch as it does, then drops it
+    (keeping the events would make a long run's GC pay for them)."""
+
+    def __init__(self) -> None:
+        import msgspec
+
+        self._pack = msgspec.msgpack.Encoder()
+
     def publish(self, batch) -> None:
-        pass
+        self._pack.encode(batch)
 
     def shutdown(self) -> None:
         pass
@@ -409,9 +422,11 @@ def main() -> None:
                    help="thread CPU time (default: other processes on a shared machine count less) or wall clock")
     s.add_argument("--json", metavar="FILE", help="append each batch's per-repeat times to FILE (JSON lines)")
     s.add_argument("--progress", action="store_true", help="show a progress bar")
-    s.add_argument("--events", choices=("capture", "off"), default="capture",
-                   help="capture: the connector builds vLLM event objects for a reader (vLLM's own "
-                        "events stay off in every mode, so this is the stricter case); off: no reader")
+    s.add_argument("--events", choices=("zmq", "capture", "off"), default="zmq",
+                   help="zmq: KV events on with vLLM's ZMQ publisher (the connector hands it each event's wire "
+                        "bytes, msgspec.Raw); capture: a publisher of another kind (vLLM's event structs are "
+                        "built); off: no reader. Each batch is encoded as vLLM's publisher does; vLLM's own "
+                        "device-tier events stay off in every mode")
     s.add_argument("--log-stats", action="store_true", help="vLLM's stats on (same for every peer)")
     s.add_argument("--modes", default="none,null,kvslots",
                    help="which peers to run (comma-separated): none, null (a do-nothing connector), kvslots, "
