@@ -410,7 +410,8 @@ def main() -> None:
                          "goes first equally often)")
     ap.add_argument("--warmup", type=int, default=1,
                     help="discarded warm-up runs of each mode per model before round 0 (default 1; 0: none)")
-    ap.add_argument("--warmup-prompts", type=int, default=16, help="prompts of a warm-up run")
+    ap.add_argument("--warmup-prompts", type=int, default=16,
+                    help="prompts of a warm-up run (at least the dataset's 8 prefixes)")
     ap.add_argument("--first", choices=MODES, default="none", help="mode run first in round 0")
     ap.add_argument("--prompts", type=int, help="override the model's number of prompts")
     ap.add_argument("--concurrency", type=int, help="override the model's max concurrency")
@@ -466,7 +467,7 @@ def main() -> None:
         n_rounds = args.rounds.get(name, args.rounds.get("*", 4))
         if n_rounds % 2:
             print(f"  note: {n_rounds} rounds: {order[0]} runs first once more than {order[1]}", flush=True)
-        warm = ModelSpec(spec.name, spec.dims, min(args.warmup_prompts, spec.prompts), spec.concurrency)
+        warm = ModelSpec(spec.name, spec.dims, min(max(args.warmup_prompts, 8), spec.prompts), spec.concurrency)
         for w in range(args.warmup):
             for mode in (order if w % 2 == 0 else order[::-1]):
                 r = one_run(models, warm, mode, args.seed + 10_000 + w, args, logdir)

@@ -44,6 +44,8 @@ pub struct HostCache {
     storing: HashMap<u64, (BlockId, Option<u64>), foldhash::fast::RandomState>,
     /// Store runs by the step that copies them, completed together by `complete_step`.
     runs: BTreeMap<u64, Vec<StoreRun>>,
+    /// Completed runs whose buffers new runs reuse (at most [`SPARE_RUNS`]).
+    spare_runs: Vec<StoreRun>,
     evicted: Vec<u64>,
     /// Per host block: the successor recorded when it was registered ([`NO_SUCCESSOR`] if none).
     succ: Vec<u32>,
@@ -67,6 +69,9 @@ struct Spill {
 
 /// Store runs up to this many blocks are checked without building hash sets.
 const SMALL_RUN: usize = 8;
+
+/// Completed store runs kept for reuse.
+const SPARE_RUNS: usize = 4096;
 
 /// Contiguous blocks of one request stored in one step, completed as one `BlockStored`.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -110,6 +115,7 @@ impl HostCache {
             events: EventLog::new(block_size as u32),
             storing: HashMap::default(),
             runs: BTreeMap::new(),
+            spare_runs: Vec::new(),
             evicted: Vec::new(),
             succ: vec![NO_SUCCESSOR; num_blocks],
             stats: CacheStats::default(),
@@ -371,13 +377,25 @@ impl HostCache {
         for &(i, p) in &started {
             if prev.map_or(true, |q| q + 1 != i) {
                 let parent = if i == 0 { parent } else { Some(hashes[i - 1]) };
-                runs.push(StoreRun {
-                    stores: Vec::new(),
-                    parent,
-                    token_ids: Vec::new(),
-                    lora_id,
-                    succ: Vec::new(),
-                });
+                // A completed run's buffers when there is one: no allocation per run.
+                let run = match self.spare_runs.pop() {
+                    Some(mut r) => {
+                        r.stores.clear();
+                        r.token_ids.clear();
+                        r.succ.clear();
+                        r.parent = parent;
+                        r.lora_id = lora_id;
+                        r
+                    }
+                    None => StoreRun {
+                        stores: Vec::new(),
+                        parent,
+                        token_ids: Vec::new(),
+                        lora_id,
+                        succ: Vec::new(),
+                    },
+                };
+                runs.push(run);
             }
             let run = runs.last_mut().expect("pushed above");
             run.stores.push(p);
@@ -408,7 +426,7 @@ impl HostCache {
         let failed: std::collections::HashSet<BlockId> = failed_blocks.iter().copied().collect();
         let any_failed = !failed.is_empty();
         let mut done = 0;
-        for run in runs {
+        for run in &runs {
             if any_failed && run.stores.iter().any(|s| failed.contains(&s.block)) {
                 self.abort_checked(&run.stores);
             } else {
@@ -422,6 +440,9 @@ impl HostCache {
                 done += run.stores.len();
             }
         }
+        // Kept for the next steps' runs (bounded: a step rarely has more runs than requests).
+        let room = SPARE_RUNS.saturating_sub(self.spare_runs.len());
+        self.spare_runs.extend(runs.into_iter().take(room));
         Ok(done)
     }
 
