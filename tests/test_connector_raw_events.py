@@ -161,3 +161,55 @@ def test_engine_steps_publish_the_same_bytes_raw_or_structs(eagle_cfg):
     events = [e for b in batches[False] for e in DEC.decode(b).events]
     assert sum(isinstance(e, BlockStored) for e in events) >= 4
     assert len({type(e).__name__ for e in events}) == 3  # stored, removed and cleared all seen
+
+
+def test_vllms_zmq_publisher_sends_the_struct_bytes_for_raw_events():
+    """vLLM's real ZmqEventPublisher, fed the connector's Raw events: what it sends (read back by
+    its replay socket, as a late consumer does) is what it sends for the same events as structs."""
+    import socket
+    import time
+
+    import zmq
+    from vllm.distributed.kv_events import ZmqEventPublisher
+
+    def free_port() -> int:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            return s.getsockname()[1]
+
+    p = ConnectorPlanner(BS, 6, False)
+    _fill(p, [([11, 12, 13], list(range(100, 100 + 3 * BS)), 7, None),
+              ([21, 22, 23, 24], list(range(4 * BS)), None, 5)], clear_after=None)
+    p.clear()
+    structs = DEC.decode(p.events_msgpack(0.0, "CPU")).events
+    raw = p.drain_events_raw(msgspec.Raw, "CPU")
+    assert len(raw) == len(structs) >= 3
+    rport = free_port()
+    # Rank 0: vLLM offsets both ports by the data-parallel rank.
+    pub = ZmqEventPublisher(data_parallel_rank=0, endpoint=f"tcp://*:{free_port()}",
+                            replay_endpoint=f"tcp://*:{rport}", topic="kv")
+    dealer = zmq.Context.instance().socket(zmq.DEALER)
+    try:
+        pub.publish(KVEventBatch(ts=1.0, events=list(structs)))
+        pub.publish(KVEventBatch(ts=1.0, events=raw))
+        deadline = time.monotonic() + 30
+        while len(pub._buffer) < 2:  # both encoded by its thread
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        dealer.connect(f"tcp://127.0.0.1:{rport}")
+        dealer.send_multipart([b"", (0).to_bytes(8, "big")])
+        frames = []
+        while True:
+            assert dealer.poll(30_000)
+            f = dealer.recv_multipart()
+            if f[2] == ZmqEventPublisher.END_SEQ:
+                break
+            frames.append(f[3])
+        assert len(frames) == 2
+        if LAYOUT_032:
+            assert frames[0] == frames[1]
+        got = DEC.decode(frames[1])
+        assert got.events == structs and got.data_parallel_rank == 0
+    finally:
+        dealer.close(linger=0)
+        pub.shutdown()
