@@ -8,7 +8,9 @@
               median and the spread over repeats are printed. Target: at most 3%.
               ``--modes none,kvslots,kvslots-disk`` adds the connector with its disk tier on (idle:
               this workload never evicts from the host tier), for the disk tier's no-regression
-              check.
+              check. KV events are on with vLLM's ZMQ publisher by default (``--events zmq``: the
+              connector hands it msgspec.Raw wire bytes); ``--events capture`` builds vLLM's
+              structs (a publisher of another kind), ``--events off`` has no reader.
   e2e         the real CPU engine on the tiny model (in-process, one worker thread): decode
               tokens/s with vs without the connector (target >= 97%), and time to first token for
               a repeated 2k-token prompt served from the host tier vs recomputed (target <= 0.5x);
@@ -16,7 +18,7 @@
   worker      the worker-side hooks vLLM's model runner calls each step (and per attention layer),
               on steps with nothing to copy: KVSlotsConnector vs a do-nothing connector.
 
-    python benches/bench_connector.py scheduler [--batch 256 1024] [--steps 200] [--repeats 9] [--modes ...]
+    python benches/bench_connector.py scheduler [--batch 256 1024] [--steps 200] [--repeats 9] [--modes ...] [--events ...]
     python benches/bench_connector.py e2e [--prompt-len 2048]
     python benches/bench_connector.py worker [--steps 20000] [--layers 3]
 """
