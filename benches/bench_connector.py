@@ -405,6 +405,17 @@ def e2e_bench(args: argparse.Namespace) -> None:
     print(f"  decode tokens/s      without {med(bt):8.1f} ({min(bt):.1f}-{max(bt):.1f})   with {med(ct):8.1f} "
           f"({min(ct):.1f}-{max(ct):.1f})")
     print(f"    ratio per pair     {med(tps):.3f} ({min(tps):.3f}-{max(tps):.3f}) (target >= 0.97)")
+    # Pairs alternate which engine runs first (even pairs: without first): a slowdown of whichever
+    # runs first multiplies one group's ratios by f and the other's by 1/f; their geometric mean
+    # cancels it.
+    g_without, g_with = tps[0::2], tps[1::2]
+    first = [(b if i % 2 == 0 else c)["decode_tps"] / (c if i % 2 == 0 else b)["decode_tps"]
+             for i, (b, c) in enumerate(zip(runs[False], runs[True]))]
+    print(f"    first engine / second engine of a pair: {med(first):.3f} ({min(first):.3f}-{max(first):.3f}) "
+          f"(position effect, either mode)")
+    if g_without and g_with:
+        print(f"    pairs without first {med(g_without):.3f}, with first {med(g_with):.3f}; position-balanced "
+              f"ratio {(med(g_without) * med(g_with)) ** 0.5:.3f}")
     print(f"  TTFT, repeated {args.prompt_len}-token prompt after a device cache reset:")
     print(f"    recomputed (no connector)  {med(bf) * 1e3:8.1f} ms ({min(bf) * 1e3:.1f}-{max(bf) * 1e3:.1f})")
     print(f"    from the host tier         {med(cf) * 1e3:8.1f} ms ({min(cf) * 1e3:.1f}-{max(cf) * 1e3:.1f})   "

@@ -273,6 +273,9 @@ def dataset_prompts(model_dir: str, spec: ModelSpec, seed: int) -> list[list[int
 
 def one_run(models: dict[str, str], spec: ModelSpec, mode: str, seed: int, args: argparse.Namespace,
             logdir: str, rnd: int | None = None, position: int | None = None) -> dict:
+    import gc
+
+    gc.collect()  # the client runs in this process: no run inherits another's garbage
     log = os.path.join(logdir, f"{spec.name}-{mode}-{seed}-{int(time.time())}.log")
     server = Server(models, mode, args, log)
     try:
@@ -465,6 +468,11 @@ def main() -> None:
         ideal: dict[int, int] = {}
         order = list(MODES) if args.first == "none" else list(reversed(MODES))
         n_rounds = args.rounds.get(name, args.rounds.get("*", 4))
+        # Every round's ideal first: the client's tokenizer work must not precede one run only.
+        for rnd in range(n_rounds):
+            seed = args.seed if args.same_seed else args.seed + rnd
+            if seed not in ideal:
+                ideal[seed] = ideal_cached_tokens(dataset_prompts(models["target"], spec, seed), eagle=True)
         if n_rounds % 2:
             print(f"  note: {n_rounds} rounds: {order[0]} runs first once more than {order[1]}", flush=True)
         warm = ModelSpec(spec.name, spec.dims, min(max(args.warmup_prompts, 8), spec.prompts), spec.concurrency)
@@ -475,8 +483,6 @@ def main() -> None:
                       f"mean TTFT {r['mean_ttft_ms']:8.0f} ms, {r['duration_s']:.0f} s", flush=True)
         for rnd in range(n_rounds):
             seed = args.seed if args.same_seed else args.seed + rnd
-            if seed not in ideal:
-                ideal[seed] = ideal_cached_tokens(dataset_prompts(models["target"], spec, seed), eagle=True)
             for position, mode in enumerate(order if rnd % 2 == 0 else order[::-1]):
                 r = one_run(models, spec, mode, seed, args, logdir, rnd, position)
                 runs.append(r)
