@@ -8,16 +8,21 @@
               median and the spread over repeats are printed. Target: at most 3%.
               ``--modes none,kvslots,kvslots-disk`` adds the connector with its disk tier on (idle:
               this workload never evicts from the host tier), for the disk tier's no-regression
-              check.
+              check. KV events are on with vLLM's ZMQ publisher by default (``--events zmq``: the
+              connector hands it msgspec.Raw wire bytes); ``--events capture`` builds vLLM's
+              structs (a publisher of another kind), ``--events off`` has no reader.
   e2e         the real CPU engine on the tiny model (in-process, one worker thread): decode
               tokens/s with vs without the connector (target >= 97%), and time to first token for
               a repeated 2k-token prompt served from the host tier vs recomputed (target <= 0.5x);
               engine pairs interleaved, median and spread of the per-pair ratios. ``--disk`` adds a
               third engine, the connector with its disk tier on, and its decode ratio to the
               engine without a connector (the disk tier's no-regression check).
+  worker      the worker-side hooks vLLM's model runner calls each step (and per attention layer),
+              on steps with nothing to copy: KVSlotsConnector vs a do-nothing connector.
 
-    python benches/bench_connector.py scheduler [--batch 256 1024] [--steps 200] [--repeats 9] [--modes ...]
+    python benches/bench_connector.py scheduler [--batch 256 1024] [--steps 200] [--repeats 9] [--modes ...] [--events ...]
     python benches/bench_connector.py e2e [--prompt-len 2048] [--disk]
+    python benches/bench_connector.py worker [--steps 20000] [--layers 3]
 """
 
 from __future__ import annotations
@@ -72,12 +77,17 @@ def _scheduler_bench_one(args: argparse.Namespace, models: dict, batch: int, clo
         if mode.startswith("kvslots"):
             h = Harness(c, num_blocks=num_blocks, seed=seed, log_stats=args.log_stats)
             sched, workers = h.scheduler, h.workers
-            # vLLM's publisher hands the batch to its thread and keeps nothing: drop it (the
-            # harness's capture keeps every event, which a long run's GC would pay for).
+            # vLLM's ZMQ publisher encodes each batch (on its thread, in this process) and keeps
+            # no events: so does this one, on the step's thread, so the step time counts it (the
+            # hooks do not); the harness's capture would keep every event for a long run's GC.
             sched.kv_event_publisher = _DropPublisher()
             if args.events == "off":  # nobody reads KV events: vLLM's publisher is off
                 h.connector._vllm_events = False
                 h.connector._sched.planner.events_wanted = False
+            else:  # zmq: vLLM's own publisher, fed msgspec.Raw; capture: structs (other publishers)
+                from kvslots.vllm.compat import features
+
+                h.connector._raw_events = args.events == "zmq" and not features().block_stored_lookahead
             # Timed with the step's clock (thread CPU time: wall clock counts other processes on
             # a shared machine). thread_time is a system call on this VM (0.5-3.4 us measured):
             # its cost is taken out of the hooks' figure and out of kvslots' step time below.
@@ -208,8 +218,16 @@ def _scheduler_bench_one(args: argparse.Namespace, models: dict, batch: int, clo
 
 
 class _DropPublisher:
+    """vLLM's ZmqEventPublisher without the socket: encodes each batch as it does, then drops it
+    (keeping the events would make a long run's GC pay for them)."""
+
+    def __init__(self) -> None:
+        import msgspec
+
+        self._pack = msgspec.msgpack.Encoder()
+
     def publish(self, batch) -> None:
-        pass
+        self._pack.encode(batch)
 
     def shutdown(self) -> None:
         pass
@@ -288,6 +306,66 @@ def __getattr__(name: str):  # lets vLLM's factory load NullConnector from this 
     raise AttributeError(name)
 
 
+def worker_bench(args: argparse.Namespace) -> None:
+    """The worker-side hooks vLLM 0.32's model runner calls each step (kv_connector_model_runner_mixin
+    and the per-layer maybe_transfer_kv_layer wrapper), in its order, on steps with nothing to copy:
+    KVSlotsConnector vs a do-nothing connector, interleaved, thread CPU time per step."""
+    import torch
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    from kvslots._dev.tiny import build_tiny_models
+    from kvslots.vllm.connector import KVSlotsConnector
+    from kvslots.vllm.connector.metadata import EMPTY_METADATA
+
+    from vllm_harness import BLOCK_SIZE, HEAD, HEADS, engine_config, kv_cache_config
+
+    models = build_tiny_models(args.models)
+    num_blocks = 256
+    cfg = engine_config(models["target"], models["eagle"], k=3, num_blocks=num_blocks)
+    cfg.kv_transfer_config.kv_connector_extra_config = {"host_cache_blocks": num_blocks}
+    kcc = kv_cache_config(num_blocks)
+    layers = [f"model.layers.{i}.self_attn.attn" for i in range(args.layers)]
+    caches = {n: torch.zeros(num_blocks, HEADS, BLOCK_SIZE, 2 * HEAD) for n in layers}
+    conns = {"kvslots": KVSlotsConnector(cfg, KVConnectorRole.WORKER, kcc),
+             "null": _null_connector_class()(cfg, KVConnectorRole.WORKER, kcc)}
+    conns["kvslots"].register_kv_caches(caches)
+    meta = {"kvslots": EMPTY_METADATA, "null": conns["null"].build_connector_meta(None)}
+    finished: set[str] = set()
+    attn_metadata = object()  # vLLM skips the layer hooks when a layer has no attention metadata
+
+    def steps(c, m, n: int) -> float:
+        t0 = time.thread_time()
+        for _ in range(n):
+            c.handle_preemptions(m)
+            c.bind_connector_metadata(m)
+            c.start_load_kv(None)  # no sync loads: after the forward
+            for name in layers:  # maybe_transfer_kv_layer, per attention layer
+                if c.has_connector_metadata():
+                    c.wait_for_layer_load(name)
+                    c.save_kv_layer(name, caches[name], attn_metadata)
+            c.wait_for_save()
+            c.get_transfer_results(finished)
+            c.get_block_ids_with_load_errors()
+            c.get_kv_connector_stats()
+            c.get_kv_connector_kv_cache_events()
+            c.build_connector_worker_meta()
+            c.clear_connector_metadata()
+        return (time.thread_time() - t0) / n
+
+    times: dict[str, list[float]] = {m: [] for m in conns}
+    for rep in range(args.repeats):
+        for mode in (("null", "kvslots") if rep % 2 == 0 else ("kvslots", "null")):
+            times[mode].append(steps(conns[mode], meta[mode], args.steps))
+    med = statistics.median
+    print(f"worker-side connector hooks, steps with nothing to copy, {args.layers} attention layers, "
+          f"{args.steps} steps x {args.repeats} interleaved repeats, thread CPU time; median (min-max):")
+    for mode, label in (("null", "do-nothing connector"), ("kvslots", "KVSlotsConnector")):
+        t = times[mode]
+        print(f"  {label:22s} {med(t) * 1e6:7.2f} us/step ({min(t) * 1e6:.2f}-{max(t) * 1e6:.2f})")
+    own = [k - n for k, n in zip(times["kvslots"], times["null"])]
+    print(f"  KVSlots' own           {med(own) * 1e6:+7.2f} us/step ({min(own) * 1e6:+.2f} to {max(own) * 1e6:+.2f})")
+
+
 def e2e_bench(args: argparse.Namespace) -> None:
     runner = os.path.join(HERE, "..", "tests", "engine_run.py")
 
@@ -336,6 +414,19 @@ def e2e_bench(args: argparse.Namespace) -> None:
     print(f"  decode tokens/s      without {med(bt):8.1f} ({min(bt):.1f}-{max(bt):.1f})   with {med(ct):8.1f} "
           f"({min(ct):.1f}-{max(ct):.1f})")
     print(f"    ratio per pair     {med(tps):.3f} ({min(tps):.3f}-{max(tps):.3f}) (target >= 0.97)")
+    # Pairs alternate which engine runs first (even pairs: without first): a slowdown of whichever
+    # runs first multiplies one group's ratios by f and the other's by 1/f; their geometric mean
+    # cancels it.
+    # (With --disk the three engines rotate instead, and this split does not apply.)
+    g_without, g_with = (tps[0::2], tps[1::2]) if not args.disk else ([], [])
+    first = [(b if i % 2 == 0 else c)["decode_tps"] / (c if i % 2 == 0 else b)["decode_tps"]
+             for i, (b, c) in enumerate(zip(runs[False], runs[True]))]
+    if not args.disk:
+        print(f"    first engine / second engine of a pair: {med(first):.3f} ({min(first):.3f}-{max(first):.3f}) "
+              f"(position effect, either mode)")
+    if g_without and g_with:
+        print(f"    pairs without first {med(g_without):.3f}, with first {med(g_with):.3f}; position-balanced "
+              f"ratio {(med(g_without) * med(g_with)) ** 0.5:.3f}")
     if args.disk:
         dt = [r["decode_tps"] for r in runs["disk"]]
         dr = [d["decode_tps"] / b["decode_tps"] for b, d in zip(runs[False], runs["disk"])]
@@ -361,9 +452,11 @@ def main() -> None:
                    help="thread CPU time (default: other processes on a shared machine count less) or wall clock")
     s.add_argument("--json", metavar="FILE", help="append each batch's per-repeat times to FILE (JSON lines)")
     s.add_argument("--progress", action="store_true", help="show a progress bar")
-    s.add_argument("--events", choices=("capture", "off"), default="capture",
-                   help="capture: the connector builds vLLM event objects for a reader (vLLM's own "
-                        "events stay off in every mode, so this is the stricter case); off: no reader")
+    s.add_argument("--events", choices=("zmq", "capture", "off"), default="zmq",
+                   help="zmq: KV events on with vLLM's ZMQ publisher (the connector hands it each event's wire "
+                        "bytes, msgspec.Raw); capture: a publisher of another kind (vLLM's event structs are "
+                        "built); off: no reader. Each batch is encoded as vLLM's publisher does; vLLM's own "
+                        "device-tier events stay off in every mode")
     s.add_argument("--log-stats", action="store_true", help="vLLM's stats on (same for every peer)")
     s.add_argument("--modes", default="none,null,kvslots",
                    help="which peers to run (comma-separated): none, null (a do-nothing connector), kvslots, "
@@ -377,10 +470,14 @@ def main() -> None:
     e.add_argument("--vllm-reservation", action="store_true",
                    help="leave VLLM_CPU_NUM_OF_RESERVED_CPU unset: vLLM's CPU backend then reserves one more "
                         "core for the connector engine (measures that reservation, not the connector)")
-    for p in (s, e):
+    w = sub.add_parser("worker")
+    w.add_argument("--steps", type=int, default=20000)
+    w.add_argument("--repeats", type=int, default=7)
+    w.add_argument("--layers", type=int, default=3, help="attention layers (the tiny model + EAGLE head: 3)")
+    for p in (s, e, w):
         p.add_argument("--models", default="/tmp/kvslots-tiny")
     args = ap.parse_args()
-    scheduler_bench(args) if args.which == "scheduler" else e2e_bench(args)
+    {"scheduler": scheduler_bench, "e2e": e2e_bench, "worker": worker_bench}[args.which](args)
 
 
 if __name__ == "__main__":

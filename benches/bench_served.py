@@ -1,7 +1,10 @@
 """Served traffic, with and without the KVSlotsConnector, driven by vLLM's own serving benchmark.
 
-For each model, ``--rounds`` rounds; each round runs both modes back to back (the order
-alternates from one round to the next), each on a fresh server:
+For each model, ``--rounds`` rounds (default 4, even: each mode goes first in half of them);
+each round runs both modes back to back (the order alternates from one round to the next), each
+on a fresh server, after the previous server's whole process group has exited. Before round 0,
+``--warmup`` discarded runs of each mode (fewer prompts, another seed) warm what a first server
+would otherwise pay for (imports, page cache) so that it cannot land on one mode:
 
   server   ``kvslots serve MODEL`` (vLLM's OpenAI server; ``--no-connector`` for the baseline),
            EAGLE K=3, 96 device blocks of 32 tokens (``--num-gpu-blocks-override``), fp32, eager,
@@ -17,8 +20,13 @@ Printed per model: output tok/s and mean TTFT of every run, the median over roun
 mode, the spread (min-max), the ratios (connector / none, per round and the median), prompt
 tokens from host / device, and the hit rate against the ideal (every full block of a prompt
 that an earlier prompt shares, minus what EAGLE cannot serve: see ``ideal_cached_tokens``).
+Position: a round's two runs are paired by round; the ratios of the rounds where ``none`` ran
+first and of those where ``kvslots`` did are shown apart, with the first / second run's
+throughput of every round (the position effect, whatever the mode), and the position-balanced
+ratio, the geometric mean of the two groups' medians: a slowdown of whichever server runs first
+multiplies one group's ratios by f and the other's by 1/f, and cancels there.
 
-    PYTHONPATH=python python benches/bench_served.py                          # both models, 3 rounds
+    PYTHONPATH=python python benches/bench_served.py                          # both models, 4 rounds
     PYTHONPATH=python python benches/bench_served.py --models tiny --rounds 7
     PYTHONPATH=python python benches/bench_served.py --rounds tiny=4,real=3 --json r.json --plot r.png
     PYTHONPATH=python python benches/bench_served.py --profile /tmp/prof      # cProfile the engine core
@@ -156,7 +164,27 @@ class Server:
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait(30)
+        # The API server exits before its engine core: the next server must not start while
+        # this one's processes still run (or free their memory) beside it.
+        if not _wait_group_gone(self.proc.pid, 60):
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            _wait_group_gone(self.proc.pid, 30)
         self.log.close()
+
+
+def _wait_group_gone(pgid: int, timeout: float) -> bool:
+    """Waits until no process is left in process group ``pgid``; False on timeout."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        try:
+            os.killpg(pgid, 0)
+        except ProcessLookupError:
+            return True
+        except PermissionError:  # a process of the group we may not signal: still there
+            pass
+        time.sleep(0.2)
+    return False
 
 
 _METRIC = re.compile(r'^(vllm:[a-z_]+)(\{[^}]*\})?\s+([0-9.eE+-]+|NaN)$')
@@ -246,7 +274,10 @@ def dataset_prompts(model_dir: str, spec: ModelSpec, seed: int) -> list[list[int
 
 
 def one_run(models: dict[str, str], spec: ModelSpec, mode: str, seed: int, args: argparse.Namespace,
-            logdir: str) -> dict:
+            logdir: str, rnd: int | None = None, position: int | None = None) -> dict:
+    import gc
+
+    gc.collect()  # the client runs in this process: no run inherits another's garbage
     log = os.path.join(logdir, f"{spec.name}-{mode}-{seed}-{int(time.time())}.log")
     server = Server(models, mode, args, log)
     try:
@@ -259,7 +290,7 @@ def one_run(models: dict[str, str], spec: ModelSpec, mode: str, seed: int, args:
         server.stop()
     d = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
     out = {
-        "mode": mode, "seed": seed,
+        "mode": mode, "seed": seed, "round": rnd, "position": position,
         "output_tps": r["output_throughput"], "mean_ttft_ms": r["mean_ttft_ms"],
         "median_ttft_ms": r["median_ttft_ms"], "mean_tpot_ms": r.get("mean_tpot_ms"),
         "completed": r["completed"], "failed": r.get("failed", spec.prompts - r["completed"]),
@@ -290,9 +321,22 @@ def summarize(name: str, runs: list[dict], ideal: dict[int, int]) -> dict:
         s[m]["tps_range"] = (min(r["output_tps"] for r in rs), max(r["output_tps"] for r in rs)) if rs else None
         s[m]["ttft_range"] = (min(r["mean_ttft_ms"] for r in rs), max(r["mean_ttft_ms"] for r in rs)) if rs else None
         s[m]["failed"] = sum(r["failed"] for r in rs)
-    pairs = [(a, b) for a in by["none"] for b in by["kvslots"] if a["seed"] == b["seed"]]
+    # A round's two runs, paired by round (by seed for runs saved without one).
+    key = "round" if all(r.get("round") is not None for r in runs) else "seed"
+    pairs = [(a, b) for a in by["none"] for b in by["kvslots"] if a[key] == b[key]]
     s["tps_ratios"] = [b["output_tps"] / a["output_tps"] for a, b in pairs]
     s["ttft_ratios"] = [b["mean_ttft_ms"] / a["mean_ttft_ms"] for a, b in pairs]
+    # By which mode ran first in the round (known when positions were recorded).
+    for first in MODES:
+        sel = [(a, b) for a, b in pairs if (a if first == "none" else b).get("position") == 0]
+        s[f"tps_ratios_{first}_first"] = [b["output_tps"] / a["output_tps"] for a, b in sel]
+        s[f"ttft_ratios_{first}_first"] = [b["mean_ttft_ms"] / a["mean_ttft_ms"] for a, b in sel]
+    s["first_over_second_tps"] = [
+        (a if a.get("position") == 0 else b)["output_tps"] / (b if a.get("position") == 0 else a)["output_tps"]
+        for a, b in pairs if {a.get("position"), b.get("position")} == {0, 1}]
+    for k in ("tps", "ttft"):
+        g1, g2 = s[f"{k}_ratios_none_first"], s[f"{k}_ratios_kvslots_first"]
+        s[f"{k}_balanced"] = (med(g1) * med(g2)) ** 0.5 if g1 and g2 else None
     hit = [(r["host_tokens"] + r["device_tokens"]) / ideal[r["seed"]] for r in by["kvslots"] if ideal.get(r["seed"])]
     s["hit_vs_ideal"] = hit
     s["ideal_tokens"] = med(list(ideal.values()))
@@ -315,6 +359,21 @@ def print_summary(s: dict, spec: ModelSpec) -> None:
         print(f"  kvslots / none: output tok/s {med(tr):.3f}x ({min(tr):.3f}-{max(tr):.3f}), "
               f"mean TTFT {med(fr):.3f}x ({min(fr):.3f}-{max(fr):.3f})")
         print("    per round: " + ", ".join(f"{a:.3f}/{b:.3f}" for a, b in zip(tr, fr)))
+    for first in MODES:
+        g = s.get(f"tps_ratios_{first}_first") or []
+        if g:
+            f = s[f"ttft_ratios_{first}_first"]
+            print(f"    rounds with {first} first ({len(g)}): output tok/s {med(g):.3f}x ({min(g):.3f}-{max(g):.3f}), "
+                  f"mean TTFT {med(f):.3f}x")
+    fs = s.get("first_over_second_tps") or []
+    if fs:
+        print(f"    first run / second run of a round, output tok/s: {med(fs):.3f} ({min(fs):.3f}-{max(fs):.3f}) "
+              f"(position effect, whichever mode)")
+    if s.get("tps_balanced") is not None:
+        print(f"  position-balanced ratio (geometric mean of the two groups' medians): output tok/s "
+              f"{s['tps_balanced']:.3f}x, mean TTFT {s['ttft_balanced']:.3f}x")
+    elif s["tps_ratios"]:
+        print("  (no position-balanced ratio: each mode must run first in at least one round; use an even --rounds)")
     if s["hit_vs_ideal"]:
         h = s["hit_vs_ideal"]
         print(f"  cached prompt tokens (host + device) / ideal ({s['ideal_tokens']:,.0f}): {med(h):.3f} "
@@ -351,8 +410,13 @@ def plot(out: dict, path: str) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", default="tiny,real", help="comma-separated: tiny, real")
-    ap.add_argument("--rounds", type=_rounds, default=_rounds("3"),
-                    help="rounds per model: N for every model, or per model as tiny=4,real=3")
+    ap.add_argument("--rounds", type=_rounds, default=_rounds("4"),
+                    help="rounds per model: N for every model, or per model as tiny=4,real=2 (even: each mode "
+                         "goes first equally often)")
+    ap.add_argument("--warmup", type=int, default=1,
+                    help="discarded warm-up runs of each mode per model before round 0 (default 1; 0: none)")
+    ap.add_argument("--warmup-prompts", type=int, default=16,
+                    help="prompts of a warm-up run (at least the dataset's 8 prefixes)")
     ap.add_argument("--first", choices=MODES, default="none", help="mode run first in round 0")
     ap.add_argument("--prompts", type=int, help="override the model's number of prompts")
     ap.add_argument("--concurrency", type=int, help="override the model's max concurrency")
@@ -405,12 +469,24 @@ def main() -> None:
         runs: list[dict] = []
         ideal: dict[int, int] = {}
         order = list(MODES) if args.first == "none" else list(reversed(MODES))
-        for rnd in range(args.rounds.get(name, args.rounds.get("*", 3))):
+        n_rounds = args.rounds.get(name, args.rounds.get("*", 4))
+        # Every round's ideal first: the client's tokenizer work must not precede one run only.
+        for rnd in range(n_rounds):
             seed = args.seed if args.same_seed else args.seed + rnd
             if seed not in ideal:
                 ideal[seed] = ideal_cached_tokens(dataset_prompts(models["target"], spec, seed), eagle=True)
-            for mode in (order if rnd % 2 == 0 else order[::-1]):
-                r = one_run(models, spec, mode, seed, args, logdir)
+        if n_rounds % 2:
+            print(f"  note: {n_rounds} rounds: {order[0]} runs first once more than {order[1]}", flush=True)
+        warm = ModelSpec(spec.name, spec.dims, min(max(args.warmup_prompts, 8), spec.prompts), spec.concurrency)
+        for w in range(args.warmup):
+            for mode in (order if w % 2 == 0 else order[::-1]):
+                r = one_run(models, warm, mode, args.seed + 10_000 + w, args, logdir)
+                print(f"  {name} warm-up {w} {mode:8s} (discarded): {r['output_tps']:8.2f} tok/s, "
+                      f"mean TTFT {r['mean_ttft_ms']:8.0f} ms, {r['duration_s']:.0f} s", flush=True)
+        for rnd in range(n_rounds):
+            seed = args.seed if args.same_seed else args.seed + rnd
+            for position, mode in enumerate(order if rnd % 2 == 0 else order[::-1]):
+                r = one_run(models, spec, mode, seed, args, logdir, rnd, position)
                 runs.append(r)
                 print(f"  {name} round {rnd} {mode:8s}: {r['output_tps']:8.2f} tok/s, mean TTFT {r['mean_ttft_ms']:8.0f} ms, "
                       f"host/device {r['host_tokens']:,.0f}/{r['device_tokens']:,.0f} (ideal {ideal[seed]:,}), "

@@ -112,3 +112,42 @@ def test_slot_manager_is_always_passed(tmp_path, monkeypatch):
     with pytest.raises(SystemExit) as e:
         bs.main()
     assert e.value.code == 2
+
+
+def _posrun(mode, rnd, position, tps, ttft):
+    return {**_run(mode, 0, tps, ttft), "round": rnd, "position": position}
+
+
+def test_summary_pairs_by_round_and_balances_the_position_effect():
+    # Same seed every round (--same-seed); true ratio 1.2, the first server of a round 10% slower.
+    f, runs = 0.9, []
+    for rnd in range(4):
+        first = "none" if rnd % 2 == 0 else "kvslots"
+        tps = {"none": 100.0, "kvslots": 120.0}
+        ttft = {"none": 1000.0, "kvslots": 800.0}
+        for pos, mode in enumerate((first, "kvslots" if first == "none" else "none")):
+            slow = f if pos == 0 else 1.0
+            runs.append(_posrun(mode, rnd, pos, tps[mode] * slow, ttft[mode] / slow))
+    s = bs.summarize("tiny", runs, {0: 1})
+    assert len(s["tps_ratios"]) == 4  # paired by round, not every none x every kvslots of the seed
+    assert s["tps_ratios_none_first"] == pytest.approx([1.2 / f] * 2)
+    assert s["tps_ratios_kvslots_first"] == pytest.approx([1.2 * f] * 2)
+    assert s["first_over_second_tps"] == pytest.approx([f * 100 / 120, f * 120 / 100] * 2)
+    assert s["tps_balanced"] == pytest.approx(1.2) and s["ttft_balanced"] == pytest.approx(0.8)
+    # One position only: no balanced ratio.
+    s1 = bs.summarize("tiny", [r for r in runs if r["round"] == 0], {0: 1})
+    assert s1["tps_balanced"] is None and s1["tps_ratios"] == pytest.approx([1.2 / f])
+
+
+def test_stop_waits_for_the_whole_process_group(tmp_path):
+    # A leader that exits at once and a child of its group that outlives it by a second.
+    p = subprocess.Popen([sys.executable, "-c", "import subprocess, sys; "
+                          "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(1.0)'])"],
+                         start_new_session=True)
+    p.wait(30)
+    import time
+
+    t0 = time.time()
+    assert bs._wait_group_gone(p.pid, 30)
+    assert time.time() - t0 > 0.3  # it waited for the child
+    assert bs._wait_group_gone(p.pid, 0.1)  # gone: at once

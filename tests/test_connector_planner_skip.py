@@ -110,3 +110,58 @@ def test_drain_events_msgpack_empties_the_queue_and_hostile_scheduled_counts():
     so = _output([r], [-3], [None])
     with pytest.raises(KVSlotsError):
         p.build(so)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_request_ids_found_by_position_stay_exact_under_reorder_finish_and_new_id_objects(seed):
+    """build finds a cached request by the index it had last step (checked against the id object
+    it holds): the blocks vLLM adds must land on the right request whatever the list does."""
+    rng = random.Random(seed)
+    p = ConnectorPlanner(BS, 1000, False, expected_workers=1, max_decode_tokens=4)
+    live: dict[str, Req] = {}
+    table: dict[str, list[int]] = {}
+    next_id, next_block = 0, 10**6
+
+    def admit():
+        nonlocal next_id
+        r = Req(next_id, rng)
+        next_id += 1
+        p.track(r)
+        p.build(types.SimpleNamespace(
+            num_scheduled_tokens={r.request_id: 1}, preempted_req_ids=set(),
+            scheduled_new_reqs=[types.SimpleNamespace(req_id=r.request_id, block_ids=(list(r.blocks),),
+                                                      num_computed_tokens=0)],
+            scheduled_cached_reqs=CachedRequestData.make_empty()))
+        live[r.request_id], table[r.request_id] = r, list(r.blocks)
+
+    for _ in range(8):
+        admit()
+    order = list(live)
+    for step in range(80):
+        ev = rng.random()
+        if ev < 0.15 and len(order) > 2:  # one finishes; a new one takes its place in the list
+            i = rng.randrange(len(order))
+            rid = order[i]
+            p.finish(live.pop(rid), table.pop(rid))
+            admit()
+            order[i] = next(reversed(live))
+        elif ev < 0.3:
+            rng.shuffle(order)
+        elif ev < 0.4:  # equal ids, new string objects (vLLM may rebuild the list's strings)
+            order = ["".join(list(rid)) for rid in order]
+        ids = list(order)
+        nb = []
+        for rid in ids:
+            if rng.random() < 0.4:
+                new = [next_block, next_block + 1][: rng.randrange(1, 3)]
+                next_block += len(new)
+                table[rid].extend(new)
+                nb.append((new,))
+            else:
+                nb.append(None)
+        reqs = [live[r] for r in ids]
+        so = _output(reqs, [1] * len(reqs), nb)
+        so.scheduled_cached_reqs.req_ids = ids  # these exact string objects
+        p.build(so)
+        for rid in live:
+            assert p.device_blocks(rid) == table[rid], (step, rid)

@@ -1,6 +1,6 @@
 """Type stubs for the Rust extension ``kvslots._core``."""
 
-from typing import Any, Sequence, final
+from typing import Any, Callable, Sequence, final
 
 import numpy as np
 import numpy.typing as npt
@@ -383,6 +383,12 @@ class ConnectorPlanner:
         hashes_as_bytes: bool = False,
     ) -> bytes:
         """Like ``events_msgpack``, then empties the queue."""
+    def drain_events_raw(
+        self, raw: Callable[[bytes], Any], medium: str | None = ..., hashes_as_bytes: bool = False
+    ) -> list[Any]:
+        """Empties the queue into ``[raw(bytes) per event]``: each event's bytes as in the
+        ``events`` array of ``drain_events_msgpack``'s batch (``raw=msgspec.Raw`` for vLLM's
+        publisher)."""
     def discard_events(self) -> int: ...
 
 # ---- prefix index of `kvslots indexer` ----

@@ -41,9 +41,11 @@ pub struct HostCache {
     events: EventLog,
     /// Stores under way: hash -> (host block, the step whose run owns it, if any). A store
     /// owned by a step run is completed or aborted by `complete_step` only.
-    storing: HashMap<u64, (BlockId, Option<u64>)>,
+    storing: HashMap<u64, (BlockId, Option<u64>), foldhash::fast::RandomState>,
     /// Store runs by the step that copies them, completed together by `complete_step`.
     runs: BTreeMap<u64, Vec<StoreRun>>,
+    /// Completed runs whose buffers new runs reuse (at most [`SPARE_RUNS`]).
+    spare_runs: Vec<StoreRun>,
     evicted: Vec<u64>,
     /// Per host block: the successor recorded when it was registered ([`NO_SUCCESSOR`] if none).
     succ: Vec<u32>,
@@ -64,6 +66,12 @@ struct Spill {
     /// its copy of a block that entered this tier (a block lives in one tier at a time).
     registered: Vec<u64>,
 }
+
+/// Store runs up to this many blocks are checked without building hash sets.
+const SMALL_RUN: usize = 8;
+
+/// Completed store runs kept for reuse.
+const SPARE_RUNS: usize = 4096;
 
 /// Contiguous blocks of one request stored in one step, completed as one `BlockStored`.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -105,8 +113,9 @@ impl HostCache {
             pool: BlockPool::new(num_blocks),
             block_size,
             events: EventLog::new(block_size as u32),
-            storing: HashMap::new(),
+            storing: HashMap::default(),
             runs: BTreeMap::new(),
+            spare_runs: Vec::new(),
             evicted: Vec::new(),
             succ: vec![NO_SUCCESSOR; num_blocks],
             stats: CacheStats::default(),
@@ -368,13 +377,25 @@ impl HostCache {
         for &(i, p) in &started {
             if prev.map_or(true, |q| q + 1 != i) {
                 let parent = if i == 0 { parent } else { Some(hashes[i - 1]) };
-                runs.push(StoreRun {
-                    stores: Vec::new(),
-                    parent,
-                    token_ids: Vec::new(),
-                    lora_id,
-                    succ: Vec::new(),
-                });
+                // A completed run's buffers when there is one: no allocation per run.
+                let run = match self.spare_runs.pop() {
+                    Some(mut r) => {
+                        r.stores.clear();
+                        r.token_ids.clear();
+                        r.succ.clear();
+                        r.parent = parent;
+                        r.lora_id = lora_id;
+                        r
+                    }
+                    None => StoreRun {
+                        stores: Vec::new(),
+                        parent,
+                        token_ids: Vec::new(),
+                        lora_id,
+                        succ: Vec::new(),
+                    },
+                };
+                runs.push(run);
             }
             let run = runs.last_mut().expect("pushed above");
             run.stores.push(p);
@@ -403,9 +424,10 @@ impl HostCache {
         }
         let runs = self.runs.remove(&step).expect("checked above");
         let failed: std::collections::HashSet<BlockId> = failed_blocks.iter().copied().collect();
+        let any_failed = !failed.is_empty();
         let mut done = 0;
-        for run in runs {
-            if run.stores.iter().any(|s| failed.contains(&s.block)) {
+        for run in &runs {
+            if any_failed && run.stores.iter().any(|s| failed.contains(&s.block)) {
                 self.abort_checked(&run.stores);
             } else {
                 self.complete_checked(&run.stores, run.parent, &run.token_ids, run.lora_id);
@@ -418,6 +440,9 @@ impl HostCache {
                 done += run.stores.len();
             }
         }
+        // Kept for the next steps' runs (bounded: a step rarely has more runs than requests).
+        let room = SPARE_RUNS.saturating_sub(self.spare_runs.len());
+        self.spare_runs.extend(runs.into_iter().take(room));
         Ok(done)
     }
 
@@ -478,8 +503,12 @@ impl HostCache {
     /// Every store is under way with exactly this host block, owned by `step`'s run (or by no
     /// run), and no hash or block is listed twice.
     fn check_storing(&self, stores: &[PendingStore], step: Option<u64>) -> Result<()> {
-        let mut hashes = std::collections::HashSet::with_capacity(stores.len());
-        let mut blocks = std::collections::HashSet::with_capacity(stores.len());
+        // A step's runs are mostly one or two blocks: those are checked by scanning, without
+        // building sets (complete_step checks every run of every step).
+        let small = stores.len() <= SMALL_RUN;
+        let cap = if small { 0 } else { stores.len() };
+        let mut hashes = std::collections::HashSet::with_capacity(cap);
+        let mut blocks = std::collections::HashSet::with_capacity(cap);
         for (i, s) in stores.iter().enumerate() {
             match self.storing.get(&s.hash) {
                 None => {
@@ -510,7 +539,12 @@ impl HostCache {
                 }
                 Some(_) => {}
             }
-            if !hashes.insert(s.hash) || !blocks.insert(s.block) {
+            let repeated = if small {
+                stores[..i].iter().any(|p| p.hash == s.hash || p.block == s.block)
+            } else {
+                !hashes.insert(s.hash) || !blocks.insert(s.block)
+            };
+            if repeated {
                 return Err(SlotError::invalid(
                     None,
                     format!(
@@ -519,6 +553,26 @@ impl HostCache {
                     ),
                 ));
             }
+        }
+        if small {
+            // Distinct blocks (checked above): each must be in the pool and held.
+            let n = self.pool.num_blocks();
+            for (i, s) in stores.iter().enumerate() {
+                let b = s.block;
+                if b as usize >= n {
+                    return Err(SlotError::invalid(
+                        None,
+                        format!("blocks[{i}] = {b} is outside the host pool of {n} blocks"),
+                    ));
+                }
+                if self.pool.refcount(b) == 0 {
+                    return Err(SlotError::invalid(
+                        None,
+                        format!("blocks[{i}] = {b}: host block {b} is listed 1 time(s) but held 0"),
+                    ));
+                }
+            }
+            return Ok(());
         }
         self.check_held(&stores.iter().map(|s| s.block).collect::<Vec<_>>())
     }

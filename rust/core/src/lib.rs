@@ -42,4 +42,4 @@ pub use manager::{ManagerConfig, SlotId, SlotManager, Stats, StepInput, StepOutp
 pub use pool::{BlockId, BlockPool};
 pub use slot::{Slot, SlotInfo};
 pub use tracker::{CommittedBlock, SlotTracker};
-pub use wire::{encode_batch, encode_owned, BatchMeta, EncodeError, HashFormat};
+pub use wire::{encode_batch, encode_each, encode_owned, BatchMeta, EncodeError, HashFormat};

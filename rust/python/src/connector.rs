@@ -37,11 +37,20 @@ pub(crate) struct ConnectorPlanner {
     /// step, so most lookups neither hash nor read the id's characters.
     by_ptr: HashMap<usize, core::ReqSlot, BuildHasherDefault<PtrHasher>>,
     plan: core::StepPlan,
+    /// The last step's `scheduled_cached_reqs.req_ids`: item addresses and their slots (0: not
+    /// tracked). vLLM lists running requests in the same order step after step, so most are
+    /// found at the same index, checked against `id_objs`, without a hash lookup.
+    pos_ptrs: Vec<usize>,
+    pos_slots: Vec<core::ReqSlot>,
     due: Vec<core::ReqSlot>,
     hashes: Vec<u64>,
     tokens: Vec<u32>,
     blocks: Vec<u32>,
     wire: Vec<u8>,
+    /// Addresses of borrowed list items (`read_tokens`' scratch, valid only inside it).
+    items: Vec<usize>,
+    /// End offsets of each event's bytes in `wire` (`drain_events_raw`).
+    ends: Vec<usize>,
     /// Whether anyone reads the host-tier events (their token ids are read only then).
     events_wanted: bool,
 }
@@ -142,6 +151,18 @@ fn tokens_of<'py>(req: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyAny>> {
         Ok(t) => Ok(t),
         Err(_) => req.getattr(intern!(py, "all_token_ids")),
     }
+}
+
+/// Starts loading the cache line at `p` (a hint: any address is safe, nothing is read).
+#[inline(always)]
+fn prefetch(p: *const pyo3::ffi::PyObject) {
+    #[cfg(target_arch = "x86_64")]
+    // SAFETY: prefetch is a hint; it does not fault on any address.
+    unsafe {
+        std::arch::x86_64::_mm_prefetch(p as *const i8, std::arch::x86_64::_MM_HINT_T0);
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = p;
 }
 
 /// Item `i` of a list, borrowed (no reference count change: the object is not touched).
@@ -255,6 +276,21 @@ impl ConnectorPlanner {
         Ok(Some(s))
     }
 
+    /// The slot of the request id at address `ptr`, listed at index `i` of the cached requests,
+    /// when the last step listed the same id object there. Exact: the slot's held id object is
+    /// at `ptr` (held, so no other object can be there), which is what `by_ptr` maps.
+    #[inline]
+    fn slot_at(&self, i: usize, ptr: usize) -> Option<core::ReqSlot> {
+        if self.pos_ptrs[i] != ptr {
+            return None;
+        }
+        let s = self.pos_slots[i];
+        match self.id_objs.get(s as usize) {
+            Some(Some(id)) if id.as_ptr() as usize == ptr => Some(s),
+            _ => None,
+        }
+    }
+
     /// Makes the planner hold the request's external hashes up to `n` blocks.
     fn ensure_hashes(
         &mut self,
@@ -302,20 +338,26 @@ impl ConnectorPlanner {
                     format!("{} tokens asked, the request has {}", hi * bs, list.len()),
                 ));
             }
-            // One pass over the list's items, borrowed.
+            // The items (borrowed), their int objects prefetched first: they were allocated over
+            // many steps and are mostly out of cache, so their misses overlap instead of each
+            // stalling the read of one token.
+            self.items.clear();
             for j in lo * bs..hi * bs {
-                let v = unsafe {
-                    // SAFETY: the list is alive and the GIL held; j < hi * bs <= len was checked
-                    // and nothing in this loop runs Python code; the item is borrowed and read.
-                    let item = pyo3::ffi::PyList_GetItem(list.as_ptr(), j as pyo3::ffi::Py_ssize_t);
-                    if item.is_null() {
-                        return Err(PyErr::fetch(seq.py()));
-                    }
-                    pyo3::ffi::PyLong_AsLongLong(item)
-                };
+                // SAFETY: the list is alive and the GIL held; j < hi * bs <= len was checked and
+                // nothing in these loops runs Python code or changes the list.
+                let item = unsafe { pyo3::ffi::PyList_GetItem(list.as_ptr(), j as pyo3::ffi::Py_ssize_t) };
+                if item.is_null() {
+                    return Err(PyErr::fetch(seq.py()));
+                }
+                prefetch(item);
+                self.items.push(item as usize);
+            }
+            for (k, &item) in self.items.iter().enumerate() {
+                // SAFETY: as above; the item is borrowed and only read.
+                let v = unsafe { pyo3::ffi::PyLong_AsLongLong(item as *mut pyo3::ffi::PyObject) };
                 match u32::try_from(v) {
                     Ok(t) => self.tokens.push(t),
-                    Err(_) => return Err(token_error(seq.py(), v, j, list.len())),
+                    Err(_) => return Err(token_error(seq.py(), v, lo * bs + k, list.len())),
                 }
             }
         } else {
@@ -443,17 +485,28 @@ impl ConnectorPlanner {
         // block touches neither its id string nor its computed count (memory the scheduler's
         // own work has mostly evicted by now), only the None of its new block ids.
         let n_cached = req_ids.len();
+        self.pos_ptrs.resize(n_cached, 0);
+        self.pos_slots.resize(n_cached, 0);
         for i in 0..n_cached {
             let rid_ptr = borrowed_item(req_ids, i)?;
-            let slot = match self.by_ptr.get(&(rid_ptr as usize)) {
-                Some(&s) => s,
+            let slot = match self.slot_at(i, rid_ptr as usize) {
+                Some(s) => s,
                 None => {
-                    // SAFETY: a live item of the list, which the GIL keeps alive.
-                    let rid_obj = unsafe { Bound::from_borrowed_ptr(py, rid_ptr) };
-                    match self.slot_of_id(&rid_obj)? {
-                        Some(s) => s,
-                        None => continue,
-                    }
+                    let found = match self.by_ptr.get(&(rid_ptr as usize)) {
+                        Some(&s) => Some(s),
+                        None => {
+                            // SAFETY: a live item of the list, which the GIL keeps alive.
+                            let rid_obj = unsafe { Bound::from_borrowed_ptr(py, rid_ptr) };
+                            self.slot_of_id(&rid_obj)?
+                        }
+                    };
+                    let Some(s) = found else {
+                        self.pos_ptrs[i] = 0;
+                        continue;
+                    };
+                    self.pos_ptrs[i] = rid_ptr as usize;
+                    self.pos_slots[i] = s;
+                    s
                 }
             };
             let nb_ptr = borrowed_item(new_block_ids, i)?;
@@ -608,11 +661,15 @@ impl ConnectorPlanner {
             id_objs: Vec::new(),
             by_ptr: HashMap::default(),
             plan: core::StepPlan::default(),
+            pos_ptrs: Vec::new(),
+            pos_slots: Vec::new(),
             due: Vec::new(),
             hashes: Vec::new(),
             tokens: Vec::new(),
             blocks: Vec::new(),
             wire: Vec::new(),
+            items: Vec::new(),
+            ends: Vec::new(),
             events_wanted: true,
         })
     }
@@ -955,6 +1012,53 @@ impl ConnectorPlanner {
         #[pyo3(from_py_with = arg::hashes_as_bytes)] hashes_as_bytes: bool,
     ) -> PyResult<Bound<'py, PyBytes>> {
         Self::encode_events(slf, ts, medium, data_parallel_rank, hashes_as_bytes, true)
+    }
+    /// Drains the queued events as a list of `raw(bytes)`, one per event, each holding that
+    /// event's msgpack bytes exactly as in the `events` array of ``drain_events_msgpack``'s
+    /// batch. With ``raw = msgspec.Raw``, vLLM's publisher (msgspec) writes them verbatim: the
+    /// batch it publishes is byte for byte the one it would build from the decoded structs,
+    /// without building a Python object per field. The queue is emptied only on success.
+    #[pyo3(signature = (raw, medium=Some("CPU".to_owned()), hashes_as_bytes=false))]
+    fn drain_events_raw<'py>(
+        slf: &Bound<'py, Self>,
+        raw: &Bound<'py, PyAny>,
+        #[pyo3(from_py_with = arg::medium)] medium: Option<String>,
+        #[pyo3(from_py_with = arg::hashes_as_bytes)] hashes_as_bytes: bool,
+    ) -> PyResult<Bound<'py, PyList>> {
+        let py = slf.py();
+        if !raw.is_callable() {
+            return Err(invalid(
+                None,
+                format!("raw must be callable (msgspec.Raw), got {}", type_name(raw)),
+            ));
+        }
+        let meta = core::BatchMeta {
+            ts: 0.0,
+            data_parallel_rank: None,
+            medium: medium.as_deref(),
+            hash_format: if hashes_as_bytes {
+                core::HashFormat::Bytes
+            } else {
+                core::HashFormat::U64
+            },
+        };
+        let mut this = borrow_mut(slf)?;
+        let this = &mut *this;
+        this.wire.clear();
+        this.ends.clear();
+        this.inner
+            .cache()
+            .events()
+            .encode_each(&meta, &mut this.wire, &mut this.ends)
+            .map_err(crate::errors::encode_error)?;
+        let out = PyList::empty(py);
+        let mut start = 0;
+        for &end in &this.ends {
+            out.append(raw.call1((PyBytes::new(py, &this.wire[start..end]),))?)?;
+            start = end;
+        }
+        this.inner.cache_mut().events_mut().clear();
+        Ok(out)
     }
     /// Drops the queued events (nobody reads them); returns how many there were.
     fn discard_events(slf: &Bound<'_, Self>) -> PyResult<usize> {

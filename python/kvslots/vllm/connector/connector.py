@@ -18,6 +18,7 @@ import logging
 import time
 from typing import TYPE_CHECKING, Any, Iterable
 
+import msgspec
 from vllm.distributed.kv_events import KVEventBatch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
@@ -29,8 +30,8 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from ...events import MEDIUM_CPU, MEDIUM_STORAGE
 from ...config.connector import ConnectorConfig, ConnectorConfigError
-from ..compat import check_supported
-from .metadata import KVSlotsMetadata, KVSlotsWorkerMetadata
+from ..compat import check_supported, features
+from .metadata import EMPTY_METADATA, KVSlotsMetadata, KVSlotsWorkerMetadata
 from .scheduler_side import SchedulerSide
 from .worker_side import WorkerSide
 
@@ -82,6 +83,12 @@ class KVSlotsConnector(KVConnectorBase_V1):
         # vLLM publishes KV events (ours merged into its batches) only when enabled.
         self._vllm_events = bool(events_cfg is not None and events_cfg.enable_kv_cache_events
                                  and events_cfg.publisher != "null")
+        # vLLM's own ZMQ publisher only msgpack-encodes the batch: our events go to it as
+        # msgspec.Raw wire bytes (the published bytes are the same), no structs built per event.
+        # Other publishers may read the events: they get vLLM's structs. vLLM 0.33's BlockStored
+        # layout differs from the core's (0.32) one, so 0.33 gets structs too.
+        self._raw_events = bool(self._vllm_events and events_cfg.publisher == "zmq"
+                                and not features().block_stored_lookahead)
         if role == KVConnectorRole.SCHEDULER:
             self._sched = SchedulerSide(
                 block_size=self.block_size,
@@ -239,8 +246,10 @@ class KVSlotsConnector(KVConnectorBase_V1):
         if not self._vllm_events:
             host.discard_events()  # vLLM publishes no KV events: nothing to build
             return ()
-        # vLLM's stream (--kv-events-config): vLLM merges these into its own batches. msgspec
-        # decodes the core's msgpack straight into vLLM's event structs: no per-event Python.
+        # vLLM's stream (--kv-events-config): vLLM merges these into its own batches.
+        if self._raw_events:  # its ZMQ publisher: each event's wire bytes, one call
+            return host.drain_events_raw(msgspec.Raw, MEDIUM_CPU)
+        # Otherwise msgspec decodes the core's msgpack straight into vLLM's event structs.
         if payload is None:
             return _decode_events(host.drain_events_msgpack(0.0, MEDIUM_CPU, None))  # one call
         host.discard_events()
@@ -361,6 +370,12 @@ class KVSlotsConnector(KVConnectorBase_V1):
         self._disk_drained = set()
         return None, (recving or None)
 
+    def has_connector_metadata(self) -> bool:
+        # vLLM calls wait_for_layer_load / save_kv_layer around every attention layer only when
+        # this is True; both do nothing here, so a step without copies skips them all.
+        m = self._connector_metadata
+        return m is not None and m is not EMPTY_METADATA
+
     def wait_for_layer_load(self, layer_name: str) -> None:
         return  # loads complete in start_load_kv, before any layer runs
 
@@ -372,8 +387,9 @@ class KVSlotsConnector(KVConnectorBase_V1):
         return
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> Any:
-        from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
-
+        KVConnectorTransferResults = _transfer_results_type()  # noqa: N806 (vLLM's class)
+        if self._pd_worker is None and (self._disk_worker is None or not self._disk_worker.num_pending):
+            return KVConnectorTransferResults()  # nothing asynchronous under way
         # Both async sources: disk reads (get_finished) and P/D pulls (failed pulls are also
         # reported as received, as vLLM requires, and recomputed).
         _, disk_recving = self.get_finished(finished_req_ids)
@@ -403,6 +419,17 @@ class KVSlotsConnector(KVConnectorBase_V1):
 
 
 _EVENT_DECODER: Any = None
+_TRANSFER_RESULTS: Any = None
+
+
+def _transfer_results_type() -> Any:
+    # Looked up once (an import statement per step costs more than the rest of a no-copy step).
+    global _TRANSFER_RESULTS
+    if _TRANSFER_RESULTS is None:
+        from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
+
+        _TRANSFER_RESULTS = KVConnectorTransferResults
+    return _TRANSFER_RESULTS
 
 
 def _decode_events(payload: bytes) -> list[Any]:
@@ -410,8 +437,6 @@ def _decode_events(payload: bytes) -> list[Any]:
     a msgpack ``KVEventBatch``, decoded by msgspec in C."""
     global _EVENT_DECODER
     if _EVENT_DECODER is None:
-        import msgspec
-
         _EVENT_DECODER = msgspec.msgpack.Decoder(KVEventBatch)
     return _EVENT_DECODER.decode(payload).events
 

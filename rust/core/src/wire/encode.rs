@@ -113,6 +113,53 @@ impl EventLog {
     }
 }
 
+/// Appends each queued event's msgpack bytes to `out`, one after the other, and the end offset
+/// of each in `out` to `ends`: the elements of a batch's `events` array exactly as
+/// [`encode_batch`] writes them (`meta.ts` and `meta.data_parallel_rank` are not used). A
+/// consumer that frames the batch itself (msgspec's `Raw`) gets vLLM's bytes without building
+/// one object per field. On error `out` and `ends` are left as they were.
+pub fn encode_each<'e, I>(
+    events: I,
+    meta: &BatchMeta<'_>,
+    out: &mut Vec<u8>,
+    ends: &mut Vec<usize>,
+) -> Result<(), EncodeError>
+where
+    I: IntoIterator<Item = KvEventRef<'e>>,
+{
+    let (start, n_ends) = (out.len(), ends.len());
+    let mut w = Writer {
+        buf: ByteBuf::from(std::mem::take(out)),
+        hash_format: meta.hash_format,
+    };
+    let mut result = Ok(());
+    for ev in events {
+        result = w.event(ev, meta.medium);
+        if result.is_err() {
+            break;
+        }
+        ends.push(w.buf.as_vec().len());
+    }
+    *out = w.buf.into_vec();
+    if result.is_err() {
+        out.truncate(start);
+        ends.truncate(n_ends);
+    }
+    result
+}
+
+impl EventLog {
+    /// [`encode_each`] over the queued events (the log is unchanged).
+    pub fn encode_each(
+        &self,
+        meta: &BatchMeta<'_>,
+        out: &mut Vec<u8>,
+        ends: &mut Vec<usize>,
+    ) -> Result<(), EncodeError> {
+        encode_each(self.iter(), meta, out, ends)
+    }
+}
+
 /// rmp's errors over `ByteBuf` are `Infallible`; this unwraps them without a panic path.
 #[inline]
 fn ok<T>(r: Result<T, ValueWriteError<Infallible>>) -> T {
@@ -324,6 +371,36 @@ mod tests {
         let mut out = Vec::new();
         encode_owned(&sample()[1..], &meta, &mut out).unwrap();
         assert_eq!(out, hex("93cb3ff80000000000009283a474797065ac426c6f636b52656d6f766564ac626c6f636b5f6861736865739105a66d656469756dc081a474797065b0416c6c426c6f636b73436c656172656400"));
+    }
+
+    #[test]
+    fn each_event_is_its_span_of_the_batch() {
+        let events = sample();
+        for hf in [HashFormat::U64, HashFormat::Bytes] {
+            let meta = BatchMeta {
+                ts: 1.5,
+                data_parallel_rank: Some(3),
+                medium: Some("CPU"),
+                hash_format: hf,
+            };
+            let mut batch = Vec::new();
+            encode_owned(&events, &meta, &mut batch).unwrap();
+            let (mut each, mut ends) = (vec![0xAA], vec![7]);
+            encode_each(
+                events.iter().map(KvEvent::as_ref),
+                &meta,
+                &mut each,
+                &mut ends,
+            )
+            .unwrap();
+            assert_eq!(ends.len(), events.len() + 1);
+            // The batch is [ts, [events...], rank]: its events array body is the spans, in order.
+            let header = 1 + 9 + 1; // fixarray(3), float64, fixarray(n)
+            let body = &batch[header..batch.len() - 1];
+            assert_eq!(&each[1..], body);
+            assert_eq!(*ends.last().unwrap(), each.len());
+            assert!(ends[1..].windows(2).all(|w| w[0] < w[1]) && ends[1] > 1);
+        }
     }
 
     #[test]

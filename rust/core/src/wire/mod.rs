@@ -13,4 +13,4 @@ pub use decode::{
     lookahead_hash, lora_name_key, DecodeError, DecodedBatch, Lookahead, WireEvent, WireKind,
     WireMedium,
 };
-pub use encode::{encode_batch, encode_owned, BatchMeta, EncodeError, HashFormat};
+pub use encode::{encode_batch, encode_each, encode_owned, BatchMeta, EncodeError, HashFormat};
