@@ -185,7 +185,10 @@ class Harness:
                 w.start_load_kv(None)
         for w in self.workers:
             w.wait_for_save()
-            fs, fr = w.get_finished(so.finished_req_ids)
+            # As vLLM 0.32's model runner asks: get_transfer_results (which has fast paths of
+            # its own), not get_finished.
+            res = w.get_transfer_results(so.finished_req_ids)
+            fs, fr = res.finished_sending, res.finished_recving
             if fs:
                 finished_sending = (finished_sending or set()) | fs  # vLLM counts every rank
             if fr:  # async loads (the disk tier: one rank only)

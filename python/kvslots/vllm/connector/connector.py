@@ -355,8 +355,7 @@ class KVSlotsConnector(KVConnectorBase_V1):
             self._disk_worker.start(meta.disk)  # async: finished in get_finished
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        if self._disk_worker is None or self._worker is None or not (self._disk_worker.num_pending
-                                                                      or self._disk_drained):
+        if self._worker is None or not self._disk_news():
             return None, None
         # Disk reads done since the last step: copied to the device here, at the step boundary,
         # their failed blocks reported by get_block_ids_with_load_errors in this same pass. A
@@ -369,6 +368,10 @@ class KVSlotsConnector(KVConnectorBase_V1):
         recving = {r for r, _ in done} | self._disk_drained
         self._disk_drained = set()
         return None, (recving or None)
+
+    def _disk_news(self) -> bool:
+        """Disk reads in flight, or finished before a sleep and not yet reported."""
+        return self._disk_worker is not None and bool(self._disk_worker.num_pending or self._disk_drained)
 
     def has_connector_metadata(self) -> bool:
         # vLLM calls wait_for_layer_load / save_kv_layer around every attention layer only when
@@ -388,7 +391,7 @@ class KVSlotsConnector(KVConnectorBase_V1):
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> Any:
         KVConnectorTransferResults = _transfer_results_type()  # noqa: N806 (vLLM's class)
-        if self._pd_worker is None and (self._disk_worker is None or not self._disk_worker.num_pending):
+        if self._pd_worker is None and not self._disk_news():
             return KVConnectorTransferResults()  # nothing asynchronous under way
         # Both async sources: disk reads (get_finished) and P/D pulls (failed pulls are also
         # reported as received, as vLLM requires, and recomputed).
