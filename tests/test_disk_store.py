@@ -281,16 +281,27 @@ def test_disk_index_agrees_with_the_reference_model(cap: int, ops: list) -> None
         assert idx.check_invariants() is None
 
 
-def test_read_rows_lands_each_block_in_its_row_across_reader_threads(tmp_path: Path) -> None:
-    from kvslots.errors import KVSlotsError
+#: Destination rows of blocks 0..11 in a 20-row array, in no order (rows 6, 8, 10, 11, 13, 14, 15,
+#: 17 stay untouched).
+SCATTERED_ROWS = [19, 0, 7, 3, 12, 5, 1, 16, 9, 2, 18, 4]
 
+
+def twelve_blocks(tmp_path: Path):
+    """A 16-slot store whose slots 0..11 hold blocks 100..111, written and flushed."""
     s = store(tmp_path / "tier.kvs", n=16)
     for slot in range(12):
         write(s, slot, 100 + slot)
     s.flush()
     s.take_done()
+    return s
+
+
+def test_read_rows_lands_each_block_in_its_row_across_reader_threads(tmp_path: Path) -> None:
+    from kvslots.errors import KVSlotsError
+
+    s = twelve_blocks(tmp_path)
     out = np.zeros((20, BPB), np.uint8)
-    rows = [19, 0, 7, 3, 12, 5, 1, 16, 9, 2, 18, 4]
+    rows = SCATTERED_ROWS
     assert s.read_rows(list(range(12)), [100 + i for i in range(12)], out, rows) == []
     for slot, r in enumerate(rows):
         assert (out[r] == block(100 + slot)).all()
@@ -311,14 +322,10 @@ def test_read_rows_lands_each_block_in_its_row_across_reader_threads(tmp_path: P
 
 
 def test_background_reads_land_in_their_rows_and_report_each_ticket_once(tmp_path: Path) -> None:
-    s = store(tmp_path / "tier.kvs", n=16)
-    for slot in range(12):
-        write(s, slot, 100 + slot)
-    s.flush()
-    s.take_done()
+    s = twelve_blocks(tmp_path)
     before = s.stats()
     out = np.zeros((20, BPB), np.uint8)
-    rows = [19, 0, 7, 3, 12, 5, 1, 16, 9, 2, 18, 4]
+    rows = SCATTERED_ROWS
     t1 = s.read_rows_async(list(range(12)), [100 + i for i in range(12)], out, rows)
     # A wrong hash in the middle of a run of consecutive slots: only that block is refused.
     own = np.zeros((3, BPB), np.uint8)
