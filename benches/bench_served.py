@@ -207,6 +207,74 @@ def parse_metrics(text: str) -> dict[str, float]:
     return out
 
 
+# ----------------------------------------------------------------------------- per-thread CPU
+
+
+def process_tree(root: int) -> list[int]:
+    """``root`` and its live descendants: ``kvslots serve``, and the vLLM server it starts in a
+    new session (API server, engine core, worker)."""
+    parent: dict[int, int] = {}
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            with open(f"/proc/{d}/stat") as f:
+                st = f.read()
+        except OSError:
+            continue
+        # ppid is the 2nd field after the ")" that closes comm (comm may hold spaces or parens).
+        parent[int(d)] = int(st[st.rindex(")") + 2:].split()[1])
+    out = [root] if root in parent else []
+    for pid in out:  # grows while it is walked: breadth first
+        out.extend(c for c, pp in parent.items() if pp == pid)
+    return out
+
+
+def thread_cpu(root: int) -> dict[str, float]:
+    """CPU seconds (user + system) per ``process/thread`` name of every live thread of ``root``
+    and its descendants (a process's main thread apart from its other threads of the same name);
+    threads of one name in one process are summed (vLLM names its processes through comm)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    out: dict[str, float] = {}
+    for pid in process_tree(root):
+        try:
+            with open(f"/proc/{pid}/comm") as f:
+                pname = f.read().strip()
+            tids = os.listdir(f"/proc/{pid}/task")
+        except OSError:
+            continue
+        for tid in tids:
+            try:
+                with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                    st = f.read()
+            except OSError:
+                continue
+            tname = st[st.index("(") + 1: st.rindex(")")]
+            rest = st[st.rindex(")") + 2:].split()
+            cpu = (int(rest[11]) + int(rest[12])) / tick  # utime, stime: fields 14 and 15
+            # Python threads keep their process's comm: the main thread is told apart by tid.
+            key = f"{pname}/{tname}" + ("" if int(tid) == pid else " (other threads)")
+            out[key] = out.get(key, 0.0) + cpu
+    return out
+
+
+def start_perf(root: int, path: str) -> subprocess.Popen:
+    """``perf record`` (call graphs, 499 Hz) of every thread of the server's processes until
+    SIGINT; read it with ``perf report -i PATH --no-children --sort comm,dso``."""
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    pids = ",".join(str(p) for p in process_tree(root))
+    proc = subprocess.Popen(["perf", "record", "-F", "499", "-g", "-p", pids, "-o", path],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    time.sleep(0.5)  # attached before the first request
+    return proc
+
+
+def cpu_delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """CPU seconds spent between two samples, per thread name (threads started in between
+    count from zero; those that ended in between are lost)."""
+    return {k: v - before.get(k, 0.0) for k, v in after.items() if v - before.get(k, 0.0) > 0}
+
+
 # ----------------------------------------------------------------------------- the client
 
 
@@ -283,7 +351,16 @@ def one_run(models: dict[str, str], spec: ModelSpec, mode: str, seed: int, args:
     try:
         server.wait_ready(args.start_timeout)
         before = server.metrics()
-        r = run_client(server, models["target"], spec, seed)
+        cpu0 = thread_cpu(server.proc.pid)
+        perf = start_perf(server.proc.pid, os.path.join(args.perf, f"{spec.name}-{mode}-{seed}-{int(time.time())}.data")
+                          ) if args.perf else None
+        try:
+            r = run_client(server, models["target"], spec, seed)
+        finally:
+            cpu1 = thread_cpu(server.proc.pid)
+            if perf is not None:
+                perf.send_signal(signal.SIGINT)
+                perf.wait(120)
         time.sleep(1.5)  # the engine's last stats reach /metrics
         after = server.metrics()
     finally:
@@ -301,6 +378,8 @@ def one_run(models: dict[str, str], spec: ModelSpec, mode: str, seed: int, args:
         "preemptions": d.get("vllm:num_preemptions", 0.0),
         "accepted": d.get("vllm:spec_decode_num_accepted_tokens", 0.0),
         "drafts": d.get("vllm:spec_decode_num_draft_tokens", 0.0),
+        "output_tokens": r.get("total_output_tokens", 0),
+        "thread_cpu_s": cpu_delta(cpu0, cpu1),
         "log": log,
     }
     if args.profile:
@@ -418,6 +497,10 @@ def main() -> None:
     ap.add_argument("--warmup-prompts", type=int, default=16,
                     help="prompts of a warm-up run (at least the dataset's 8 prefixes)")
     ap.add_argument("--first", choices=MODES, default="none", help="mode run first in round 0")
+    ap.add_argument("--order", type=_order, metavar="M,M,...",
+                    help="run the modes in exactly this order instead of alternating rounds, e.g. "
+                         "kvslots,kvslots,none,none (each mode equally often; the i-th run of each mode "
+                         "forms round i; replaces --rounds and --first)")
     ap.add_argument("--prompts", type=int, help="override the model's number of prompts")
     ap.add_argument("--concurrency", type=int, help="override the model's max concurrency")
     ap.add_argument("--seed", type=int, default=0, help="seed of round 0 (round r uses seed + r)")
@@ -432,6 +515,8 @@ def main() -> None:
     ap.add_argument("--logdir", default=None, help="server logs (default: a temporary directory)")
     ap.add_argument("--start-timeout", type=float, default=600)
     ap.add_argument("--profile", metavar="DIR", help="cProfile the engine core and time the connector's hooks")
+    ap.add_argument("--perf", metavar="DIR", help="perf record every server thread during each run's client "
+                    "(one DIR/MODEL-MODE-SEED-TIME.data per run; needs perf)")
     ap.add_argument("--json", metavar="FILE", help="write every run and the summaries")
     ap.add_argument("--env", action="append", metavar="K=V", help="environment of both servers")
     ap.add_argument("--env-none", action="append", metavar="K=V", help="environment of the no-connector server")
@@ -470,12 +555,14 @@ def main() -> None:
         ideal: dict[int, int] = {}
         order = list(MODES) if args.first == "none" else list(reversed(MODES))
         n_rounds = args.rounds.get(name, args.rounds.get("*", 4))
+        if args.order:
+            n_rounds = len(args.order) // 2
         # Every round's ideal first: the client's tokenizer work must not precede one run only.
         for rnd in range(n_rounds):
             seed = args.seed if args.same_seed else args.seed + rnd
             if seed not in ideal:
                 ideal[seed] = ideal_cached_tokens(dataset_prompts(models["target"], spec, seed), eagle=True)
-        if n_rounds % 2:
+        if n_rounds % 2 and not args.order:
             print(f"  note: {n_rounds} rounds: {order[0]} runs first once more than {order[1]}", flush=True)
         warm = ModelSpec(spec.name, spec.dims, min(max(args.warmup_prompts, 8), spec.prompts), spec.concurrency)
         for w in range(args.warmup):
@@ -483,17 +570,19 @@ def main() -> None:
                 r = one_run(models, warm, mode, args.seed + 10_000 + w, args, logdir)
                 print(f"  {name} warm-up {w} {mode:8s} (discarded): {r['output_tps']:8.2f} tok/s, "
                       f"mean TTFT {r['mean_ttft_ms']:8.0f} ms, {r['duration_s']:.0f} s", flush=True)
-        for rnd in range(n_rounds):
+        for rnd, position, mode in schedule(args.order, n_rounds, order):
             seed = args.seed if args.same_seed else args.seed + rnd
-            for position, mode in enumerate(order if rnd % 2 == 0 else order[::-1]):
-                r = one_run(models, spec, mode, seed, args, logdir, rnd, position)
-                runs.append(r)
-                print(f"  {name} round {rnd} {mode:8s}: {r['output_tps']:8.2f} tok/s, mean TTFT {r['mean_ttft_ms']:8.0f} ms, "
-                      f"host/device {r['host_tokens']:,.0f}/{r['device_tokens']:,.0f} (ideal {ideal[seed]:,}), "
-                      f"failed {r['failed']}, {r['duration_s']:.0f} s; load {_uptime()}", flush=True)
+            r = one_run(models, spec, mode, seed, args, logdir, rnd, position)
+            runs.append(r)
+            cpu = sum(r["thread_cpu_s"].values()) / max(r["output_tokens"], 1) * 1000
+            print(f"  {name} round {rnd} {mode:8s}: {r['output_tps']:8.2f} tok/s, mean TTFT {r['mean_ttft_ms']:8.0f} ms, "
+                  f"host/device {r['host_tokens']:,.0f}/{r['device_tokens']:,.0f} (ideal {ideal[seed]:,}), "
+                  f"failed {r['failed']}, {r['duration_s']:.0f} s, server CPU {cpu:.2f} s per 1k output tokens; "
+                  f"load {_uptime()}", flush=True)
         s = summarize(name, runs, ideal)
         s["prompts"], s["concurrency"] = spec.prompts, spec.concurrency
         print_summary(s, spec)
+        print_thread_cpu(runs)
         out["runs"][name], out["summary"][name] = runs, s
         _save(out, args.json)  # after each model: a run cut short keeps what it measured
     out["uptime_after"] = _uptime()
@@ -528,6 +617,57 @@ def _rounds(text: str) -> dict[str, int]:
     if any(n < 1 for n in out.values()):
         raise argparse.ArgumentTypeError(f"--rounds {text!r}: at least 1 round")
     return out
+
+
+def _order(text: str) -> list[str]:
+    """``--order``: modes, comma-separated, each as often as the other."""
+    modes = [m.strip() for m in text.split(",") if m.strip()]
+    bad = [m for m in modes if m not in MODES]
+    if bad:
+        raise argparse.ArgumentTypeError(f"--order {text!r}: unknown mode {bad[0]!r} (expected {', '.join(MODES)})")
+    if not modes or modes.count(MODES[0]) != modes.count(MODES[1]):
+        raise argparse.ArgumentTypeError(f"--order {text!r}: each mode must appear equally often (at least once)")
+    return modes
+
+
+def schedule(order_arg: list[str] | None, n_rounds: int, order: list[str]) -> list[tuple[int, int, str]]:
+    """The runs as (round, position in its round, mode). Default: ``n_rounds`` rounds of both
+    modes, ``order`` first in even rounds and reversed in odd ones. With ``--order``: the runs in
+    that order, the i-th run of each mode in round i (position 0: it ran before the other mode's)."""
+    if not order_arg:
+        return [(rnd, pos, mode) for rnd in range(n_rounds)
+                for pos, mode in enumerate(order if rnd % 2 == 0 else order[::-1])]
+    seen = {m: 0 for m in MODES}
+    out = []
+    for mode in order_arg:
+        rnd = seen[mode]
+        seen[mode] += 1
+        other = [m for m in MODES if m != mode][0]
+        out.append((rnd, 0 if seen[other] <= rnd else 1, mode))
+    return out
+
+
+def print_thread_cpu(runs: list[dict]) -> None:
+    """Server CPU seconds per 1,000 output tokens, per process/thread name: the median over each
+    mode's runs, busiest first (sampled from /proc at the client's start and end)."""
+    per = {m: [r for r in runs if r["mode"] == m and r.get("thread_cpu_s") is not None] for m in MODES}
+    if not all(per.values()):
+        return
+
+    def norm(r: dict) -> dict[str, float]:
+        k = max(r.get("output_tokens") or 0, 1) / 1000
+        return {t: v / k for t, v in r["thread_cpu_s"].items()}
+
+    rows = {m: [norm(r) for r in per[m]] for m in MODES}
+    names = sorted({t for m in MODES for x in rows[m] for t in x})
+    table = {t: [med([x.get(t, 0.0) for x in rows[m]]) for m in MODES] for t in names}
+    print("  server CPU s per 1k output tokens, per process/thread (median over runs): "
+          + " / ".join(MODES))
+    tot = [med([sum(x.values()) for x in rows[m]]) for m in MODES]
+    print(f"    {'all threads':40s} " + " ".join(f"{v:8.3f}" for v in tot))
+    for t in sorted(names, key=lambda t: -max(table[t]))[:16]:
+        if max(table[t]) >= 0.005:
+            print(f"    {t:40s} " + " ".join(f"{v:8.3f}" for v in table[t]))
 
 
 def _uptime() -> str:

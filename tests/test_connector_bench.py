@@ -151,3 +151,48 @@ def test_stop_waits_for_the_whole_process_group(tmp_path):
     assert bs._wait_group_gone(p.pid, 30)
     assert time.time() - t0 > 0.3  # it waited for the child
     assert bs._wait_group_gone(p.pid, 0.1)  # gone: at once
+
+
+def test_order_option():
+    assert bs._order("kvslots,kvslots,none,none") == ["kvslots", "kvslots", "none", "none"]
+    for bad in ("", "none", "none,none,kvslots", "none,bogus", "kvslots,,kvslots"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            bs._order(bad)
+
+
+def test_schedule_default_alternates_and_order_pairs_the_ith_runs():
+    assert bs.schedule(None, 2, ["none", "kvslots"]) == [
+        (0, 0, "none"), (0, 1, "kvslots"), (1, 0, "kvslots"), (1, 1, "none")]
+    # Forced order: the i-th run of each mode is round i; position 0 when it ran first.
+    assert bs.schedule(["kvslots", "kvslots", "none", "none"], 2, ["none", "kvslots"]) == [
+        (0, 0, "kvslots"), (1, 0, "kvslots"), (0, 1, "none"), (1, 1, "none")]
+    assert bs.schedule(["none", "kvslots", "kvslots", "none"], 2, ["none", "kvslots"]) == [
+        (0, 0, "none"), (0, 1, "kvslots"), (1, 0, "kvslots"), (1, 1, "none")]
+
+
+def test_thread_cpu_samples_a_process_tree(tmp_path):
+    # A child in its own group that burns CPU on a named thread: it shows up under its name.
+    code = ("import threading, time\n"
+            "def spin():\n"
+            "    t = time.process_time() + 0.5\n"
+            "    while time.process_time() < t: pass\n"
+            "    time.sleep(30)\n"
+            "th = threading.Thread(target=spin, name='burner'); th.start()\n"
+            "th.join()\n")
+    p = subprocess.Popen([sys.executable, "-c", code], start_new_session=True)
+    try:
+        import time
+        deadline = time.time() + 20
+        while time.time() < deadline:
+            cpu = bs.thread_cpu(p.pid)
+            if sum(cpu.values()) >= 0.4:
+                break
+            time.sleep(0.1)
+        assert bs.process_tree(p.pid) == [p.pid]
+        assert sum(cpu.values()) >= 0.4
+        assert all(k.count("/") >= 1 for k in cpu)
+        assert bs.cpu_delta({"a/x": 1.0}, {"a/x": 1.5, "a/y": 0.0, "b/z": 2.0}) == {"a/x": 0.5, "b/z": 2.0}
+    finally:
+        p.kill()
+        p.wait()
+    assert bs.thread_cpu(p.pid) == {}
