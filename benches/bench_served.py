@@ -126,6 +126,11 @@ class Server:
         for kv in (args.env or []) + ((args.env_none or []) if mode == "none" else (args.env_kvslots or [])):
             k, _, v = kv.partition("=")
             env[k] = v
+        if args.steptime:
+            env["PYTHONPATH"] = os.pathsep.join((os.path.join(HERE, "profiling"), env["PYTHONPATH"]))
+            env["KVSLOTS_STEPTIME_DIR"] = os.path.join(args.steptime, f"{mode}-{int(time.time())}")
+            os.makedirs(env["KVSLOTS_STEPTIME_DIR"], exist_ok=True)
+            self.steptime_dir = env["KVSLOTS_STEPTIME_DIR"]
         if args.profile:
             env["PYTHONPATH"] = os.pathsep.join((os.path.join(HERE, "profiling"), env["PYTHONPATH"]))
             env["KVSLOTS_PROFILE_DIR"] = os.path.join(args.profile, f"{mode}-{int(time.time())}")
@@ -384,6 +389,8 @@ def one_run(models: dict[str, str], spec: ModelSpec, mode: str, seed: int, args:
     }
     if args.profile:
         out["profile_dir"] = server.profile_dir
+    if args.steptime:
+        out["steptime_dir"] = server.steptime_dir
     return out
 
 
@@ -517,6 +524,8 @@ def main() -> None:
     ap.add_argument("--profile", metavar="DIR", help="cProfile the engine core and time the connector's hooks")
     ap.add_argument("--perf", metavar="DIR", help="perf record every server thread during each run's client "
                     "(one DIR/MODEL-MODE-SEED-TIME.data per run; needs perf)")
+    ap.add_argument("--steptime", metavar="DIR", help="wall-clock totals of vLLM's per-step methods in the "
+                    "engine core and worker (no cProfile; read with profiling/summarize.py --steptime)")
     ap.add_argument("--json", metavar="FILE", help="write every run and the summaries")
     ap.add_argument("--env", action="append", metavar="K=V", help="environment of both servers")
     ap.add_argument("--env-none", action="append", metavar="K=V", help="environment of the no-connector server")

@@ -46,11 +46,37 @@ def summarize(prof: str, top: int) -> None:
         print(f"   {mark} {tt:8.3f} s {100 * tt / total:5.1f}%  {name} ({short}:{line}) x{nc}")
 
 
+def steptime(d: str) -> None:
+    """The wall-clock totals of a ``--steptime`` server: per process, each timed method's calls,
+    seconds and milliseconds per engine step (EngineCore.step calls)."""
+    import json
+
+    files = sorted(glob.glob(os.path.join(d, "steptime.*.json")))
+    if not files:
+        print(f"{d}: no steptime files")
+        return
+    data = [json.load(open(f)) for f in files]
+    steps = max((x["totals"].get("EngineCore.step", [0])[0] for x in data), default=0) or 1
+    print(f"\n{d}: {steps} engine steps")
+    for x, f in zip(data, files):
+        rows = [(k, n, t) for k, (n, t) in x["totals"].items() if n]
+        if not rows:
+            continue
+        print(f"  {x['comm']} ({os.path.basename(f)})")
+        for k, n, t in sorted(rows, key=lambda r: -r[2]):
+            print(f"    {k:40s} {n:7d} calls {t:8.3f} s {t / steps * 1e3:7.3f} ms/step")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("dirs", nargs="+")
     ap.add_argument("--top", type=int, default=15)
+    ap.add_argument("--steptime", action="store_true", help="DIRS are bench_served.py --steptime directories")
     args = ap.parse_args()
+    if args.steptime:
+        for d in args.dirs:
+            steptime(d)
+        return
     for d in args.dirs:
         files = sorted(glob.glob(os.path.join(d, "*.prof")))
         if not files:
