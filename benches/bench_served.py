@@ -126,7 +126,7 @@ class Server:
         for kv in (args.env or []) + ((args.env_none or []) if mode == "none" else (args.env_kvslots or [])):
             k, _, v = kv.partition("=")
             env[k] = v
-        if args.steptime:
+        if getattr(args, "steptime", None):
             env["PYTHONPATH"] = os.pathsep.join((os.path.join(HERE, "profiling"), env["PYTHONPATH"]))
             env["KVSLOTS_STEPTIME_DIR"] = os.path.join(args.steptime, f"{mode}-{int(time.time())}")
             os.makedirs(env["KVSLOTS_STEPTIME_DIR"], exist_ok=True)
@@ -389,7 +389,7 @@ def one_run(models: dict[str, str], spec: ModelSpec, mode: str, seed: int, args:
     }
     if args.profile:
         out["profile_dir"] = server.profile_dir
-    if args.steptime:
+    if getattr(args, "steptime", None):
         out["steptime_dir"] = server.steptime_dir
     return out
 
