@@ -384,6 +384,10 @@ def one_run(models: dict[str, str], spec: ModelSpec, mode: str, seed: int, args:
         "accepted": d.get("vllm:spec_decode_num_accepted_tokens", 0.0),
         "drafts": d.get("vllm:spec_decode_num_draft_tokens", 0.0),
         "output_tokens": r.get("total_output_tokens", 0),
+        # Engine steps (vLLM observes its iteration-tokens histogram once per step) and the
+        # tokens they scheduled: output tok/s = tokens per step / time per step.
+        "steps": d.get("vllm:iteration_tokens_total_count", 0.0),
+        "step_tokens": d.get("vllm:iteration_tokens_total_sum", 0.0),
         "thread_cpu_s": cpu_delta(cpu0, cpu1),
         "log": log,
     }
@@ -586,7 +590,9 @@ def main() -> None:
             cpu = sum(r["thread_cpu_s"].values()) / max(r["output_tokens"], 1) * 1000
             print(f"  {name} round {rnd} {mode:8s}: {r['output_tps']:8.2f} tok/s, mean TTFT {r['mean_ttft_ms']:8.0f} ms, "
                   f"host/device {r['host_tokens']:,.0f}/{r['device_tokens']:,.0f} (ideal {ideal[seed]:,}), "
-                  f"failed {r['failed']}, {r['duration_s']:.0f} s, server CPU {cpu:.2f} s per 1k output tokens; "
+                  f"failed {r['failed']}, {r['duration_s']:.0f} s, {r['steps']:,.0f} steps "
+                  f"({r['duration_s'] / max(r['steps'], 1) * 1e3:.2f} ms each), "
+                  f"server CPU {cpu:.2f} s per 1k output tokens; "
                   f"load {_uptime()}", flush=True)
         s = summarize(name, runs, ideal)
         s["prompts"], s["concurrency"] = spec.prompts, spec.concurrency
@@ -673,10 +679,10 @@ def print_thread_cpu(runs: list[dict]) -> None:
     print("  server CPU s per 1k output tokens, per process/thread (median over runs): "
           + " / ".join(MODES))
     tot = [med([sum(x.values()) for x in rows[m]]) for m in MODES]
-    print(f"    {'all threads':40s} " + " ".join(f"{v:8.3f}" for v in tot))
+    print(f"    {'all threads':50s} " + " ".join(f"{v:8.3f}" for v in tot))
     for t in sorted(names, key=lambda t: -max(table[t]))[:16]:
         if max(table[t]) >= 0.005:
-            print(f"    {t:40s} " + " ".join(f"{v:8.3f}" for v in table[t]))
+            print(f"    {t:50s} " + " ".join(f"{v:8.3f}" for v in table[t]))
 
 
 def _uptime() -> str:
