@@ -118,8 +118,9 @@ class Server:
         else:
             cmd += ["--host-cache-gb", str(args.host_cache_gb)]
         cmd += ["--", "--enforce-eager", "--dtype", "float32", "--block-size", str(BLOCK),
-                "--num-gpu-blocks-override", str(DEVICE_BLOCKS), "--max-model-len", "2048",
-                "--max-num-seqs", str(args.max_num_seqs), "--seed", "0", "--disable-uvicorn-access-log"]
+                "--num-gpu-blocks-override", str(getattr(args, "device_blocks", DEVICE_BLOCKS)), "--max-model-len", "2048",
+                "--max-num-seqs", str(args.max_num_seqs), "--seed", "0", "--disable-uvicorn-access-log",
+                *(getattr(args, "vllm_arg", None) or [])]
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(p for p in (os.path.join(ROOT, "python"), env.get("PYTHONPATH")) if p)
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -521,6 +522,11 @@ def main() -> None:
                          "vllm (default: vLLM's own; the connector is compared with plain vLLM) or "
                          "kvslots (scheduler mode)")
     ap.add_argument("--max-num-seqs", type=int, default=16)
+    ap.add_argument("--vllm-arg", action="append", metavar="ARG",
+                    help="one more vLLM argument for both servers (repeat; e.g. --vllm-arg=--enable-logging-iteration-details)")
+    ap.add_argument("--device-blocks", type=int, default=DEVICE_BLOCKS,
+                    help=f"device KV blocks of both servers (default {DEVICE_BLOCKS}: the prefixes do not fit, "
+                         "repeats must come from the host tier; more: less admission pressure)")
     ap.add_argument("--host-cache-gb", type=float, default=1.0)
     ap.add_argument("--model-root", default="/tmp/kvslots-served-models")
     ap.add_argument("--logdir", default=None, help="server logs (default: a temporary directory)")
