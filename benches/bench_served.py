@@ -30,6 +30,12 @@ multiplies one group's ratios by f and the other's by 1/f, and cancels there.
     PYTHONPATH=python python benches/bench_served.py --models tiny --rounds 7
     PYTHONPATH=python python benches/bench_served.py --rounds tiny=4,real=3 --json r.json --plot r.png
     PYTHONPATH=python python benches/bench_served.py --profile /tmp/prof      # cProfile the engine core
+    PYTHONPATH=python python benches/bench_served.py --models tiny --order kvslots,kvslots,none,none --steptime /tmp/st
+        # a forced run order; wall-clock totals of vLLM's per-step methods (profiling/summarize.py --steptime)
+
+Every run also prints its engine steps (vLLM's iteration-tokens histogram) and the server's CPU
+seconds per 1,000 output tokens (``/proc``, every thread of ``kvslots serve`` and its children,
+sampled at the client's start and end); the summary breaks them down per process/thread name.
     PYTHONPATH=python python benches/bench_served.py --slot-manager kvslots   # both servers in scheduler mode
 
 ``--slot-manager {vllm,kvslots}`` picks the device KV manager of both servers (default ``vllm``:
