@@ -20,7 +20,7 @@ demo:  ## the main job: a tiny local model served with the connector, KV events 
 test:  ## the whole test suite: Rust engine tests, pytest with vLLM 0.32 (CPU), then the scheduler-level tests again with vLLM 0.33
 	@VENV=$(VENV) VENV033=$(VENV033) scripts/setup.sh --with-vllm --with-vllm-033
 	cargo test -p kvslots-core --release -q
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=15
 	VLLM_TARGET_DEVICE=cpu KVSLOTS_SCHED_EXAMPLES=$(SCHED_EXAMPLES_033) $(PY033) -m pytest -q -p no:cacheprovider $(TESTS_033)
 
 test-033:  ## only the vLLM 0.33 part of `make test`

@@ -61,7 +61,7 @@ MANAGER_METHODS = (
     "record_prefix_cache_stats", "estimate_cached_tokens", "take_new_block_ids",
     "take_kv_cache_block_copies", "take_boundary_state_offloads", "cache_blocks",
     "remove_skipped_blocks", "finalize_partial_tail_offloads", "pop_blocks_for_free",
-    "get_block_ids_for_computed_tokens", "truncate_computed_blocks",
+    "get_block_ids_for_computed_tokens", "truncate_computed_blocks", "finish_deferred",
 )
 
 
@@ -85,10 +85,12 @@ class Instrument:
     def __init__(self, manager: Any) -> None:
         self.ns = 0
         self.calls: dict[str, int] = {}
+        self.ns_by: dict[str, int] = {}
         for name in MANAGER_METHODS:
             fn = getattr(manager, name, None)
             if fn is not None:
                 self.calls[name] = 0
+                self.ns_by[name] = 0
                 setattr(manager, name, self.wrap(name, fn))
 
     @property
@@ -98,6 +100,7 @@ class Instrument:
     def wrap(self, name: str, fn: Any) -> Any:
         pc = time.perf_counter_ns
         calls = self.calls
+        ns_by = self.ns_by
 
         def w(*a, **kw):
             # The timed call keeps the caller's call shape: re-dispatching through a kwargs dict
@@ -129,7 +132,9 @@ class Instrument:
                 r = fn(*a, **kw)
                 t1 = pc()
             t2 = pc()
-            self.ns += (t1 - t0) - (t2 - t1)
+            d = (t1 - t0) - (t2 - t1)
+            self.ns += d
+            ns_by[name] += d
             calls[name] += 1
             return r
 
@@ -213,6 +218,8 @@ def step_run(cfg: Any, num_blocks: int, kvslots: bool, args: argparse.Namespace,
     if inst is not None:
         out["manager_s"] = inst.seconds / args.steps
         out["calls"] = sum(inst.calls.values()) / args.steps
+        out["by_method_us"] = {k: (inst.ns_by[k] / 1e3 / args.steps, inst.calls[k] / args.steps)
+                               for k in inst.calls if inst.calls[k]}
     assert len(sched.running) == args.batch and not sched.waiting, "the batch must stay whole"
     return out
 
@@ -227,6 +234,7 @@ def step_bench(args: argparse.Namespace, models: dict) -> dict[str, Any]:
     args.timer_ns = timer_cost_ns()
     res: dict[str, dict[str, list[float]]] = {v: {"sps": [], "share": [], "mgr_us": [], "step_ms": []}
                                               for v in ("vllm", "kvslots")}
+    by_method: dict[str, dict[str, list[tuple[float, float]]]] = {"vllm": {}, "kvslots": {}}
     for rep in range(args.repeats):
         for variant in ("vllm", "kvslots"):  # interleaved: machine noise hits both alike
             kv = variant == "kvslots"
@@ -238,6 +246,8 @@ def step_bench(args: argparse.Namespace, models: dict) -> dict[str, Any]:
             r["step_ms"].append(plain["step_s"] * 1e3)
             r["share"].append(mgr / timed["step_s"])
             r["mgr_us"].append(mgr * 1e6)
+            for name, us_calls in timed["by_method_us"].items():
+                by_method[variant].setdefault(name, []).append(us_calls)
         print(f"  repeat {rep + 1}/{args.repeats}: steps/s vLLM {res['vllm']['sps'][-1]:.1f}, kvslots "
               f"{res['kvslots']['sps'][-1]:.1f}; manager share vLLM {100 * res['vllm']['share'][-1]:.1f}%, "
               f"kvslots {100 * res['kvslots']['share'][-1]:.2f}%", flush=True)
@@ -253,10 +263,16 @@ def step_bench(args: argparse.Namespace, models: dict) -> dict[str, Any]:
         print(f"  {v:8s} step {statistics.median(r['step_ms']):7.3f} ms ({statistics.median(r['sps']):6.1f} steps/s), "
               f"KV manager {statistics.median(r['mgr_us']):8.1f} us/step = "
               f"{100 * statistics.median(r['share']):5.2f}% of the step")
+    print("  where the manager time goes (median us/step, calls/step, ns/call):")
+    for v in ("vllm", "kvslots"):
+        rows = sorted(((statistics.median(u for u, _ in xs), statistics.median(c for _, c in xs), name)
+                       for name, xs in by_method[v].items()), reverse=True)
+        print(f"    {v:8s} " + "; ".join(f"{name} {us:.1f} us ({c:g} x {1e3 * us / c:.0f} ns)"
+                                           for us, c, name in rows if us > 0.05))
     print(f"  KV-manager share of the step, vLLM / kvslots: {spread(share_ratio)}   (target >= 10x)")
     print(f"  KV-manager time per step,     vLLM / kvslots: {spread(mgr_ratio)}")
     print(f"  whole scheduler steps/s,   kvslots / vLLM:    {spread(sps_ratio)}   (target >= 1.4x)")
-    return {"raw": res, "share_ratio": share_ratio, "manager_time_ratio": mgr_ratio, "steps_per_s_ratio": sps_ratio,
+    return {"raw": res, "by_method": by_method, "share_ratio": share_ratio, "manager_time_ratio": mgr_ratio, "steps_per_s_ratio": sps_ratio,
             "timer_read_ns": args.timer_ns}
 
 

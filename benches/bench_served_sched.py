@@ -38,6 +38,8 @@ MANAGERS = ("vllm", "kvslots")
 def one(models: dict, spec: bs.ModelSpec, manager: str, seed: int, args: argparse.Namespace, logdir: str) -> dict:
     a = copy.copy(args)
     a.slot_manager = manager
+    if args.profile:
+        a.profile = os.path.join(args.profile, manager)
     r = bs.one_run(models, spec, "kvslots" if args.connector else "none", seed, a, logdir)
     r["manager"] = manager
     return r
@@ -86,11 +88,12 @@ def main() -> None:
     ap.add_argument("--logdir", default=None)
     ap.add_argument("--start-timeout", type=float, default=600)
     ap.add_argument("--json", metavar="FILE")
+    ap.add_argument("--profile", metavar="DIR", help="cProfile both servers' engine core and worker loops "
+                    "(DIR/vllm, DIR/kvslots; summarize with benches/profiling/summarize.py)")
     args = ap.parse_args()
     if args.rounds < 1:
         ap.error("--rounds: at least 1")
     # What bench_served's Server and one_run read from their namespace.
-    args.profile = None
     args.env = args.env_none = args.env_kvslots = None
     logdir = args.logdir or tempfile.mkdtemp(prefix="kvslots-served-sched-")
     os.makedirs(logdir, exist_ok=True)
