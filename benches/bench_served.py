@@ -364,8 +364,9 @@ def one_run(models: dict[str, str], spec: ModelSpec, mode: str, seed: int, args:
         server.wait_ready(args.start_timeout)
         before = server.metrics()
         cpu0 = thread_cpu(server.proc.pid)
-        perf = start_perf(server.proc.pid, os.path.join(args.perf, f"{spec.name}-{mode}-{seed}-{int(time.time())}.data")
-                          ) if args.perf else None
+        perf_dir = getattr(args, "perf", None)  # bench_served_sched's namespace has none
+        perf = start_perf(server.proc.pid, os.path.join(perf_dir, f"{spec.name}-{mode}-{seed}-{int(time.time())}.data")
+                          ) if perf_dir else None
         try:
             r = run_client(server, models["target"], spec, seed)
         finally:
