@@ -134,9 +134,12 @@ def Prefill(spec: dict) -> Engine:
     return e
 
 
-# None: no speculative decoding. MTP, the fifth speculative mode, needs a model with an MTP
-# head; the tiny test models have none, so it is not run here.
-@pytest.mark.parametrize("method", ["eagle", "eagle3", "draft_model", "ngram", None], ids=str)
+# All five speculative modes (none, EAGLE, EAGLE-3, draft model, n-gram) run served, through two
+# `kvslots serve` and the proxy (tests/test_pd_served.py). Here, at engine level, the two whose
+# drafter KV is shipped in layers of its own, with what only the engine shows: the layers
+# shipped, the blocks pulled, both pools whole. (None and n-gram ran here too until the served
+# test took them over, with EAGLE-3; the suite has a 30-minute budget.)
+@pytest.mark.parametrize("method", ["eagle", "draft_model"], ids=str)
 def test_pd_outputs_and_acceptance_equal_aggregated(models_dir, method):
     prompts = _prompts()
     port = _port()
@@ -161,7 +164,7 @@ def test_pd_outputs_and_acceptance_equal_aggregated(models_dir, method):
     assert dec["pd"]["failed_pulls"] == 0
     # the drafter's layers are in what was shipped (EAGLE: one more layer; a draft model = the
     # target: as many again)
-    draft_layers = {"eagle": 1, "eagle3": 1, "draft_model": dec["target_layers"], "ngram": 0, None: 0}[method]
+    draft_layers = {"eagle": 1, "draft_model": dec["target_layers"]}[method]
     assert len(dec["segments"]) == dec["target_layers"] + draft_layers, dec["segments"]
     # the prefill engine freed every block it held, on the decode engine's acks (no timeout)
     assert held["held"] == 0 and held["free"] == held["baseline_free"], held
@@ -169,9 +172,9 @@ def test_pd_outputs_and_acceptance_equal_aggregated(models_dir, method):
     # and the decode engine's pool is whole again
     assert dec["free_end"] == dec["free_start"], dec
     acc = "vllm:spec_decode_num_accepted_tokens"
-    if method is None:
-        assert acc not in dec["spec"] and acc not in agg["spec"], (dec["spec"], agg["spec"])
-        return
+    # Accepted drafts are equal; the decode engine verifies one more round of drafts per request
+    # than the aggregated one (24 draft tokens against 18 for the draft model here), none of them
+    # accepted: see docs/pd.md, "Known gap".
     assert dec["spec"][acc] == agg["spec"][acc], (dec["spec"], agg["spec"])
     if method == "draft_model":  # the drafter is the target: its shipped KV decides the acceptance
         assert agg["spec"][acc] > 0, agg["spec"]

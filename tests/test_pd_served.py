@@ -1,8 +1,15 @@
-"""Served disaggregated prefill/decode end to end: ``kvslots serve --is-prefill-worker``,
-``kvslots serve --role decode`` (EAGLE, tiny models, CPU) and ``kvslots proxy`` in front. The
-proxy's greedy answer equals the one the prefill server gives computing the request alone, the
-decode server computed one prompt token itself (vLLM's prompt-token counters), and the prefill
-server freed the blocks it held for the decode server."""
+"""Served disaggregated prefill/decode end to end, in all five speculative modes (none, EAGLE,
+EAGLE-3, draft model = target, n-gram): ``kvslots serve --is-prefill-worker``, ``kvslots serve
+--role decode`` (tiny models, CPU) and ``kvslots proxy`` in front. Per mode, for every prompt:
+the proxy's greedy answer equals the one the prefill server gives computing the request alone
+(one aggregated server, same config); the decode server computed less than one block of the
+prompt itself (vLLM's prompt-token counters); with the draft model = the target, the decode
+server accepted exactly as many drafts as the aggregated reference (this is what shows the
+drafter's KV arrived); the prefill server freed what it held for the decode server and no pull
+failed.
+
+tests/test_pd_engine.py covers EAGLE and the draft model at engine level too (the layers shipped,
+both pools whole), and the faults."""
 
 from __future__ import annotations
 
@@ -59,11 +66,43 @@ def models(tmp_path_factory):
     return build_tiny_models(str(tmp_path_factory.mktemp("tiny-pd-served")))
 
 
-def test_served_pd_through_the_proxy(models, tmp_path):
+# MTP, the issue's other speculative method, needs a model with an MTP head; the tiny models have
+# none. "none" is no speculative decoding.
+MODES = ["eagle", "eagle3", "draft_model", "ngram", "none"]
+ACC, DRAFTS = "vllm:spec_decode_num_accepted_tokens_total", "vllm:spec_decode_num_draft_tokens_total"
+
+
+def _spec(models: dict, mode: str) -> list[str]:
+    if mode == "none":
+        return []
+    cfg: dict = {"method": mode, "num_speculative_tokens": 3}
+    if mode == "ngram":
+        cfg.update(prompt_lookup_max=4, prompt_lookup_min=2)
+    else:
+        cfg["model"] = models["target"] if mode == "draft_model" else models[mode]
+    return ["--speculative-config", json.dumps(cfg)]
+
+
+def _settled(url: str, names: tuple[str, ...]) -> dict[str, float]:
+    """The counters once two reads 0.3 s apart agree (the last step's stats reach /metrics just
+    after its answer)."""
+    last = None
+    for _ in range(40):
+        text = _get(url)
+        now = {n: _metric(text, n) for n in names}
+        if now == last:
+            return now
+        last = now
+        time.sleep(0.3)
+    return last
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_served_pd_through_the_proxy(models, tmp_path, mode):
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1", GLOG_minloglevel="2",
                VLLM_LOGGING_LEVEL="INFO",
                PYTHONPATH=os.pathsep.join(p for p in [PKG, os.environ.get("PYTHONPATH")] if p))
-    spec = json.dumps({"method": "eagle", "model": models["eagle"], "num_speculative_tokens": 3})
+    spec = _spec(models, mode)
     tail = ["--", "--enforce-eager", "--max-model-len", "1024", "--block-size", "32", "--dtype", "float32"]
     p_port, d_port, x_port, pd_port = _port(), _port(), _port(), _port()
     procs: list[subprocess.Popen] = []
@@ -101,32 +140,62 @@ def test_served_pd_through_the_proxy(models, tmp_path):
 
     try:
         start("prefill", ["serve", models["target"], "--is-prefill-worker", "--pd-port", str(pd_port), "--port",
-                          str(p_port), "--speculative-config", spec, "--no-kv-events", "--host-cache-gb", "0.05", *tail], core=0)
-        start("decode", ["serve", models["target"], "--role", "decode", "--port", str(d_port), "--speculative-config",
-                         spec, "--no-kv-events", "--host-cache-gb", "0.05", *tail], core=1)
+                          str(p_port), *spec, "--no-kv-events", "--host-cache-gb", "0.05", *tail], core=0)
+        start("decode", ["serve", models["target"], "--role", "decode", "--port", str(d_port), *spec,
+                         "--no-kv-events", "--host-cache-gb", "0.05", *tail], core=1)
         start("proxy", ["proxy", "--prefill", f"http://127.0.0.1:{p_port}", "--decode", f"http://127.0.0.1:{d_port}",
                         "--port", str(x_port)])
         wait_up("prefill", f"http://127.0.0.1:{p_port}/health", procs[0])
         wait_up("decode", f"http://127.0.0.1:{d_port}/health", procs[1])
         wait_up("proxy", f"http://127.0.0.1:{x_port}/healthz", procs[2])
 
-        prompt = [(i * 37) % 1900 + 3 for i in range(200)]  # 6 full blocks and a partial one
-        body = {"model": models["target"], "prompt": prompt, "max_tokens": 12, "temperature": 0,
-                "ignore_eos": True}
-        req = urllib.request.Request(f"http://127.0.0.1:{x_port}/v1/completions", data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"})
-        with urllib.request.urlopen(req, timeout=300) as r:
-            assert r.headers["x-kvslots-pd"] == "disaggregated", log_tail("proxy")
-            pd_out = json.load(r)
-        metrics = _get(f"http://127.0.0.1:{d_port}/metrics")
-        local = _metric(metrics, "vllm:prompt_tokens_by_source_total", source="local_compute")
-        pulled = _metric(metrics, "vllm:prompt_tokens_by_source_total", source="external_kv_transfer")
-        # vLLM counts the whole prompt as transferred (the last token it recomputes is not "local")
-        assert local < 32 and pulled >= len(prompt) - 32, (local, pulled, pd_lines("decode"), pd_lines("prefill"))
-        # The reference: the prefill server computing the whole request alone (same config).
-        ref = _post(f"http://127.0.0.1:{p_port}/v1/completions", body)
-        assert pd_out["choices"][0]["text"] == ref["choices"][0]["text"]
-        assert pd_out["usage"]["completion_tokens"] == 12
+        # 6 full blocks and a partial one; exactly 3 blocks (no partial block). n-gram needs
+        # repeats in the prompt to propose anything: the second one repeats a 24-token phrase.
+        phrase = [(i * 53) % 1700 + 5 for i in range(24)]
+        prompts = [[(i * 37) % 1900 + 3 for i in range(200)], phrase * 4]
+        pd_url = f"http://127.0.0.1:{d_port}/metrics"
+        src = "vllm:prompt_tokens_by_source_total"
+        pd_outs, local_tokens = [], []
+        spec0 = _settled(pd_url, (ACC, DRAFTS))
+        for prompt in prompts:
+            body = {"model": models["target"], "prompt": prompt, "max_tokens": 12, "temperature": 0,
+                    "ignore_eos": True}
+            before = _get(pd_url)
+            req = urllib.request.Request(f"http://127.0.0.1:{x_port}/v1/completions",
+                                         data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+            with urllib.request.urlopen(req, timeout=300) as r:
+                assert r.headers["x-kvslots-pd"] == "disaggregated", log_tail("proxy")
+                pd_outs.append(json.load(r))
+            after = _get(pd_url)
+            local = _metric(after, src, source="local_compute") - _metric(before, src, source="local_compute")
+            pulled = (_metric(after, src, source="external_kv_transfer")
+                      - _metric(before, src, source="external_kv_transfer"))
+            local_tokens.append(local)
+            # vLLM counts the whole prompt as transferred (the last token it recomputes is not
+            # "local"): the decode server computed less than a block of it.
+            assert local < 32 and pulled >= len(prompt) - 32, (local, pulled, pd_lines("decode"), pd_lines("prefill"))
+        spec_pd = _settled(pd_url, (ACC, DRAFTS))
+        print(f"{mode}: prompt tokens the decode server computed itself, per prompt: {local_tokens}")
+
+        # The reference: the prefill server computing each whole request alone (same config).
+        p_url = f"http://127.0.0.1:{p_port}/metrics"
+        ref0 = _settled(p_url, (ACC, DRAFTS))
+        for prompt, pd_out in zip(prompts, pd_outs):
+            body = {"model": models["target"], "prompt": prompt, "max_tokens": 12, "temperature": 0,
+                    "ignore_eos": True}
+            ref = _post(f"http://127.0.0.1:{p_port}/v1/completions", body)
+            assert pd_out["choices"][0]["text"] == ref["choices"][0]["text"], (mode, prompt[:8])
+            assert pd_out["usage"]["completion_tokens"] == 12
+        ref1 = _settled(p_url, (ACC, DRAFTS))
+        d_acc, d_drafts = spec_pd[ACC] - spec0[ACC], spec_pd[DRAFTS] - spec0[DRAFTS]
+        r_acc, r_drafts = ref1[ACC] - ref0[ACC], ref1[DRAFTS] - ref0[DRAFTS]
+        print(f"{mode}: accepted/drafts decode server {d_acc:.0f}/{d_drafts:.0f}, aggregated {r_acc:.0f}/{r_drafts:.0f}")
+        if mode == "none":
+            assert d_drafts == 0 and r_drafts == 0
+        if mode == "draft_model":
+            # the drafter is the target: it accepts most drafts, and exactly as many as the
+            # aggregated run only if its shipped KV is right
+            assert r_acc > 0 and d_acc == r_acc, (d_acc, r_acc)
         # The prefill server freed what it held: its held requests went back (the decode acked).
         deadline = time.time() + 30
         while time.time() < deadline and "freeing its blocks" not in log_tail("prefill"):
