@@ -120,42 +120,15 @@ def _time_methods(mod, targets):
         setattr(cls, meth, timed)
 
 
-if _STEP_DIR and not _DIR:
-    import atexit
-    import importlib.abc
-    import importlib.util
-
-    atexit.register(lambda: _totals and _dump_steptime())
-
-    class _StepFinder(importlib.abc.MetaPathFinder):
-        def find_spec(self, name, path, target=None):
-            if name not in _STEP_TARGETS:
-                return None
-            sys.meta_path.remove(self)
-            try:
-                spec = importlib.util.find_spec(name)
-            finally:
-                sys.meta_path.insert(0, self)
-            if spec is None or spec.loader is None:
-                return spec
-            exec_module = spec.loader.exec_module
-
-            def patched(module):
-                exec_module(module)
-                _time_methods(module, _STEP_TARGETS[name])
-
-            spec.loader.exec_module = patched
-            return spec
-
-    sys.meta_path.insert(0, _StepFinder())
-
-if _DIR:
+def _on_import(targets: dict, apply) -> None:
+    """Calls ``apply(module, targets[name])`` right after each module of ``targets`` is first
+    imported (an import hook: these modules load after this file runs)."""
     import importlib.abc
     import importlib.util
 
     class _Finder(importlib.abc.MetaPathFinder):
         def find_spec(self, name, path, target=None):
-            if name not in _TARGETS:
+            if name not in targets:
                 return None
             sys.meta_path.remove(self)
             try:
@@ -168,9 +141,19 @@ if _DIR:
 
             def patched(module):
                 exec_module(module)
-                _patch(module, *_TARGETS[name])
+                apply(module, targets[name])
 
             spec.loader.exec_module = patched
             return spec
 
     sys.meta_path.insert(0, _Finder())
+
+
+if _STEP_DIR and not _DIR:
+    import atexit
+
+    atexit.register(lambda: _totals and _dump_steptime())
+    _on_import(_STEP_TARGETS, _time_methods)
+
+if _DIR:
+    _on_import(_TARGETS, lambda module, target: _patch(module, *target))
