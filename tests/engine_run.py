@@ -37,20 +37,21 @@ def main() -> None:
         kw["speculative_config"] = {"method": method, "model": draft, "num_speculative_tokens": spec.get("k", 3)}
     sub = None
     if spec.get("connector"):
-        import socket
+        import tempfile
 
-        with socket.socket() as s:  # a free port for the connector's publisher to bind
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
+        # An ipc endpoint, not a free TCP port: the subscriber connects before the publisher
+        # binds, and a TCP connect retried to an unbound loopback port in the ephemeral range can
+        # connect to itself and hold the port (the publisher's bind then failed in CI).
+        endpoint = "ipc://" + os.path.join(tempfile.mkdtemp(prefix="kvslots-engine-run-"), "events")
         sub = zmq.Context.instance().socket(zmq.SUB)
         sub.setsockopt(zmq.SUBSCRIBE, b"")
-        sub.connect(f"tcp://127.0.0.1:{port}")
+        sub.connect(endpoint)
         kw["kv_transfer_config"] = {
             "kv_connector": "KVSlotsConnector",
             "kv_role": "kv_both",
             # No module path: the vllm.general_plugins entry point registers the name.
             "kv_connector_extra_config": {"host_cache_gb": 0.05,
-                                          "events_endpoint": f"tcp://*:{port}"},
+                                          "events_endpoint": endpoint},
         }
     if spec.get("connector") and spec.get("disk"):  # the disk tier on as well (kvslots serve --disk-path)
         import tempfile

@@ -889,7 +889,6 @@ def test_serve_end_to_end(models, tmp_path):
     ctx = zmq.Context.instance()
     sub = ctx.socket(zmq.SUB)
     sub.setsockopt(zmq.SUBSCRIBE, b"")
-    sub.connect(f"tcp://127.0.0.1:{events_port}")  # the publisher binds; we connect before it exists
 
     def tail() -> str:
         log.flush()
@@ -911,6 +910,11 @@ def test_serve_end_to_end(models, tmp_path):
             except OSError:
                 time.sleep(1)
         t_ready = time.time()
+        # Connected once the publisher is bound (it is by /health): a TCP connect retried to an
+        # unbound loopback port in the ephemeral range can connect to itself and take the port.
+        # The replay check below covers anything published before the subscription arrived.
+        sub.connect(f"tcp://127.0.0.1:{events_port}")
+        time.sleep(0.5)
         cmd_line = (tmp_path / "serve.log").read_text().splitlines()[0]
         assert shlex.split(cmd_line)[1:3] == ["-m", VLLM_SERVER_MODULE]
         # Scheduler mode by default: vLLM loaded kvslots' scheduler class (and says so).
