@@ -140,6 +140,12 @@ def test_our_subscriber_reads_vllm_zmq_publisher():
                 [("BlockStored", [i], None, [i, i], 2, None)], vke.MEDIUM_GPU, False))
             pub.publish(b)
             sent.append(vllm_encoder.encode(b))
+        # vLLM's publisher sends from a thread: wait until it has sent (and buffered) these five,
+        # or, on a loaded machine, they go out live after we connect and nothing is replayed.
+        deadline = time.monotonic() + 10
+        while pub._event_queue.unfinished_tasks:
+            assert time.monotonic() < deadline, "vLLM's publisher thread sent nothing"
+            time.sleep(0.01)
         sub.add_publisher("vllm", f"tcp://127.0.0.1:{port}", f"tcp://127.0.0.1:{rport}", "kv",
                           start_seq=0)
         deadline = time.monotonic() + 10
