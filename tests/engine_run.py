@@ -14,6 +14,7 @@ import json
 import os
 import random
 import sys
+import tempfile
 import time
 
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
@@ -37,8 +38,6 @@ def main() -> None:
         kw["speculative_config"] = {"method": method, "model": draft, "num_speculative_tokens": spec.get("k", 3)}
     sub = None
     if spec.get("connector"):
-        import tempfile
-
         # An ipc endpoint, not a free TCP port: the subscriber connects before the publisher
         # binds, and a TCP connect retried to an unbound loopback port in the ephemeral range can
         # connect to itself and hold the port (the publisher's bind then failed in CI).
@@ -54,8 +53,6 @@ def main() -> None:
                                           "events_endpoint": endpoint},
         }
     if spec.get("connector") and spec.get("disk"):  # the disk tier on as well (kvslots serve --disk-path)
-        import tempfile
-
         kw["kv_transfer_config"]["kv_connector_extra_config"].update(
             disk_path=tempfile.mkdtemp(prefix="kvslots-engine-run-disk-"), disk_gb=0.25)
         kw["kv_transfer_config"]["kv_load_failure_policy"] = "recompute"

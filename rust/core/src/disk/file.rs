@@ -20,14 +20,14 @@ use std::thread::JoinHandle;
 
 use xxhash_rust::xxh3::xxh3_64;
 
+use super::BlockMeta;
+
 /// The XXH3-64 of a block's bytes: the same value as `xxh3_64` (so files written before stay
 /// readable), computed with AVX2 where the CPU has it, chosen at run time. A read checksums every
 /// byte it copied, and with SSE2 the hash ran at about half the speed of the copy.
 fn data_sum(data: &[u8]) -> u64 {
     twox_hash::XxHash3_64::oneshot(data)
 }
-
-use super::BlockMeta;
 
 /// `pwritev` of `parts` at `offset`, continued after short writes and EINTR.
 fn write_all_vectored_at(file: &File, parts: &[&[u8]], mut offset: u64) -> io::Result<()> {
@@ -714,11 +714,9 @@ fn writer_loop(file: Arc<DiskFile>, shared: Arc<Shared>, rx: Receiver<Job>) {
             Job::Write { slot, meta, data } => {
                 let seq = shared.seq.fetch_add(1, Ordering::Relaxed);
                 let ok = file.write_record(slot, seq, &meta, &data, &mut buf).is_ok();
-                if ok {
-                    file.start_writeback(slot);
-                }
                 let st = &shared.stats;
                 if ok {
+                    file.start_writeback(slot);
                     st.written_blocks.fetch_add(1, Ordering::Relaxed);
                     st.bytes_written.fetch_add(data.len() as u64, Ordering::Relaxed);
                 } else {
