@@ -380,6 +380,90 @@ def test_argument_types_are_named():
     assert m.check_invariants() is None and "a" not in m
 
 
+class _SlottedReq:
+    """A request that takes no new attribute: allocate_slots finds its table by name only."""
+
+    __slots__ = ("request_id", "num_computed_tokens", "_all_token_ids", "block_hashes", "status")
+
+    def __init__(self, rid):
+        self.request_id = rid
+        self.num_computed_tokens = 0
+        self._all_token_ids = []
+        self.block_hashes = []
+        self.status = RequestStatus.RUNNING
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_the_slot_noted_on_a_request_never_changes_an_answer(seed):
+    """allocate_slots notes a request's slot on the object and skips the lookup by name next
+    time: with stale notes (freed by id, slot reused), forged and junk notes, duplicate ids and
+    renamed objects mixed in, every table equals the one found by name alone."""
+    rng = random.Random(seed)
+    mgrs = [KVSlotsKVCacheManager(kv_cache_config=kcc(400), max_model_len=4096, scheduler_block_size=BS,
+                                  hash_block_size=BS, use_eagle=True) for _ in range(2)]
+    noted: dict[str, list] = {}
+    names = [f"r{i}" for i in range(8)]
+
+    for _ in range(300):
+        rid = rng.choice(names)
+        if rid not in noted:
+            noted[rid] = [_Req(rid, _all_token_ids=[]), _SlottedReq(rid)]
+            n = rng.randrange(1, 40)
+            grow_tokens = [rng.randrange(1, 50) for _ in range(n)]
+            for r in noted[rid]:
+                r._all_token_ids.extend(grow_tokens)
+                r.block_hashes = [bytes(str(grow_tokens[:(i + 1) * BS]), "ascii")[-32:]
+                                  for i in range(n // BS)]
+            answers = [m.allocate_slots(r, n, num_lookahead_tokens=3) for m, r in zip(mgrs, noted[rid])]
+            assert [a is None for a in answers] == [answers[0] is None] * 2
+            if answers[0] is None:
+                del noted[rid]
+            continue
+        op = rng.random()
+        pair = noted[rid]
+        if op < 0.6:  # a decode step: accepted drafts, then allocate with the lookahead
+            acc = rng.randrange(0, 4)
+            toks = [rng.randrange(1, 50) for _ in range(acc + 1)]
+            for r in pair:
+                r.num_computed_tokens = len(r._all_token_ids)
+                r._all_token_ids.extend(toks)
+                full = r._all_token_ids
+                r.block_hashes = [bytes(str(full[:(i + 1) * BS]), "ascii")[-32:] for i in range(len(full) // BS)]
+            answers = [m.allocate_slots(r, 1 + 3, num_lookahead_tokens=3) for m, r in zip(mgrs, pair)]
+            assert [a is None for a in answers] == [answers[0] is None] * 2
+        elif op < 0.7:  # freed by object
+            for m, r in zip(mgrs, pair):
+                m.free(r)
+            del noted[rid]
+        elif op < 0.8:  # freed by id: the note goes stale
+            for m in mgrs:
+                m.free_request(rid)
+            for r in pair:
+                r.num_computed_tokens = 0
+            pair[0].__dict__.pop("_kvslots_slot", None) if rng.random() < 0.2 else None
+            del noted[rid]
+            if rng.random() < 0.5:  # the stale object comes back under its name
+                noted[rid] = pair
+                answers = [m.allocate_slots(r, len(r._all_token_ids), num_lookahead_tokens=3)
+                           for m, r in zip(mgrs, pair)]
+                if answers[0] is None:
+                    del noted[rid]
+        elif op < 0.9:  # a forged or junk note
+            other = noted[rng.choice(list(noted))][0]
+            pair[0]._kvslots_slot = rng.choice([getattr(other, "_kvslots_slot", 0), -1, 2**70, "x", None,
+                                                True, 1.0, 10**6])
+        else:  # another object with the same id, holding the same state
+            twin = _Req(rid, _all_token_ids=list(pair[0]._all_token_ids),
+                        num_computed_tokens=pair[0].num_computed_tokens, block_hashes=list(pair[0].block_hashes))
+            noted[rid] = [twin, pair[1]]
+        for name in names:
+            assert mgrs[0].block_ids(name) == mgrs[1].block_ids(name), name
+        assert mgrs[0].num_free_blocks() == mgrs[1].num_free_blocks()
+    for m in mgrs:
+        assert m.check_invariants() is None
+    assert any(isinstance(getattr(p[0], "_kvslots_slot", None), int) for p in noted.values()) or not noted
+
+
 def test_importing_kvslots_vllm_does_not_import_vllm():
     code = ("import sys, kvslots.vllm as v; assert 'vllm' not in sys.modules, 'vllm imported'; "
             "assert 'KVSlotsScheduler' in v.__all__; print('ok')")

@@ -235,6 +235,9 @@ struct Req {
     /// The table length vLLM's manager would have (it allocates the largest lookahead every
     /// step and never shrinks a table); `shadow - blocks.len()` is this request's debt.
     shadow: usize,
+    /// The caller's handle for this slot (0: none), so a per-step call can find the slot
+    /// without hashing and comparing the request's name; cleared when the slot is released.
+    tag: u64,
 }
 
 /// Counters since construction.
@@ -551,6 +554,20 @@ impl DeviceAllocator {
         start..start + n
     }
 
+    /// The caller's handle on `slot` (0: none or released).
+    pub fn slot_tag(&self, slot: usize) -> u64 {
+        self.slots.get(slot).map_or(0, |r| r.tag)
+    }
+
+    /// Gives the request's slot the caller's handle `tag` (not 0), for [`Self::allocate_tagged`];
+    /// returns the slot (`None`: the request holds none). A caller gives one tag to one live
+    /// request at a time.
+    pub fn tag_slot(&mut self, request: &str, tag: u64) -> Option<usize> {
+        let s = self.slot_of(request)?;
+        self.slots[s].tag = tag;
+        Some(s)
+    }
+
     /// vLLM's `allocate_slots`. `Ok(None)`: it does not fit, nothing changed.
     ///
     /// `hashes` is the request's block hashes: the first `num_hit_blocks` name the prefix hit,
@@ -558,6 +575,34 @@ impl DeviceAllocator {
     pub fn allocate<H: HashSource + ?Sized>(
         &mut self,
         request: &str,
+        a: &AllocArgs,
+        hashes: &H,
+    ) -> Result<Option<Allocated>> {
+        let slot = self.slot_of(request);
+        self.allocate_at(request, slot, a, hashes)
+    }
+
+    /// [`Self::allocate`] for a request the caller tagged `slot` for ([`Self::set_slot_tag`]):
+    /// the slot is taken when it still carries `tag`, with no lookup by name; otherwise
+    /// (released, retagged) the name decides, as in `allocate`.
+    pub fn allocate_tagged<H: HashSource + ?Sized>(
+        &mut self,
+        request: &str,
+        slot: usize,
+        tag: u64,
+        a: &AllocArgs,
+        hashes: &H,
+    ) -> Result<Option<Allocated>> {
+        if tag == 0 || self.slots.get(slot).map_or(true, |r| r.tag != tag) {
+            return self.allocate(request, a, hashes);
+        }
+        self.allocate_at(request, Some(slot), a, hashes)
+    }
+
+    fn allocate_at<H: HashSource + ?Sized>(
+        &mut self,
+        request: &str,
+        slot: Option<usize>,
         a: &AllocArgs,
         hashes: &H,
     ) -> Result<Option<Allocated>> {
@@ -575,7 +620,6 @@ impl DeviceAllocator {
                 "prefix-hit blocks given while prefix caching is disabled",
             ));
         }
-        let slot = self.slot_of(request);
         let (held, tracked) = slot.map_or((0, false), |s| {
             (self.slots[s].blocks.len(), self.slots[s].tracked)
         });
@@ -906,6 +950,7 @@ impl DeviceAllocator {
         r.shadow = 0;
         r.num_cached = 0;
         r.tracked = false;
+        r.tag = 0;
         Some(s)
     }
 

@@ -109,6 +109,22 @@ fn request_id_obj<'py>(request: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyStr
     Ok(r.cast_into::<PyString>().expect("checked by text()"))
 }
 
+/// The attribute `allocate_slots` notes a request's slot in; the slot's tag (the object's
+/// address) confirms it, so a stale or copied note only costs a lookup by name.
+const SLOT_ATTR: &str = "_kvslots_slot";
+
+/// The slot noted on the request, if any.
+fn noted_slot(request: &Bound<'_, PyAny>) -> Option<usize> {
+    let v = request
+        .getattr_opt(intern!(request.py(), SLOT_ATTR))
+        .ok()
+        .flatten()?;
+    if !v.is_exact_instance_of::<pyo3::types::PyInt>() {
+        return None;
+    }
+    v.extract::<usize>().ok()
+}
+
 /// `request.request_id` as an owned string.
 fn request_id_of(request: &Bound<'_, PyAny>) -> PyResult<String> {
     Ok(request_id_obj(request)?.to_str()?.to_owned())
@@ -276,6 +292,24 @@ impl DeviceKVManager {
     }
 }
 
+/// Notes the request's slot on the object (`SLOT_ATTR`) and tags the slot with the object's
+/// address, so the request's next `allocate_slots` skips the lookup by name. Outside any
+/// borrow: the attribute is set first, and the tag goes to the slot the request holds then.
+/// An object that takes no attribute is looked up by name every time.
+fn note_slot(
+    slf: &Bound<'_, DeviceKVManager>,
+    request: &Bound<'_, PyAny>,
+    rid: &str,
+    slot: usize,
+) -> PyResult<()> {
+    if request.setattr(intern!(slf.py(), SLOT_ATTR), slot).is_ok() {
+        borrow_mut(slf)?
+            .inner
+            .tag_slot(rid, request.as_ptr() as u64);
+    }
+    Ok(())
+}
+
 /// Calls the subclass's event hook outside any borrow of the manager.
 fn call_hook(
     slf: &Bound<'_, DeviceKVManager>,
@@ -381,6 +415,7 @@ impl DeviceKVManager {
         let rid_obj = request_id_obj(request)?;
         let rid = rid_obj.to_str()?;
         let r = Some(rid);
+        let known = noted_slot(request);
         let new = fast_count(num_new_tokens, "num_new_tokens", r)?;
         let hit_tokens = opt_count(num_new_computed_tokens, "num_new_computed_tokens", r)?;
         let lookahead = opt_count(num_lookahead_tokens, "num_lookahead_tokens", r)?;
@@ -447,7 +482,10 @@ impl DeviceKVManager {
             // Waiting and preempted requests: vLLM's watermark applies.
             let status = request.getattr(intern!(py, "status"))?;
             for s in &statuses {
-                if status.eq(s.bind(py))? {
+                let s = s.bind(py);
+                // Enum members are singletons: identity decides for vLLM's own statuses.
+                let same = status.is(s) || (!status.get_type().is(s.get_type()) && status.eq(s)?);
+                if same {
                     watermark = watermark_blocks;
                     break;
                 }
@@ -487,9 +525,15 @@ impl DeviceKVManager {
             num_reprefillable_tokens: this.num_reprefillable,
             zero_external_blocks: zero_external,
         };
-        let Some(done) = this.inner.allocate(rid, &a, &hashes).map_err(err)? else {
+        let tag = request.as_ptr() as u64;
+        let done = match known {
+            Some(s) => this.inner.allocate_tagged(rid, s, tag, &a, &hashes),
+            None => this.inner.allocate(rid, &a, &hashes),
+        };
+        let Some(done) = done.map_err(err)? else {
             return Ok(None);
         };
+        let untagged = this.inner.slot_tag(done.slot) != tag;
         if defer {
             let main = (computed + hits * bs + external).min(this.max_model_len) + new;
             this.deferred.push((rid.to_owned(), main, lookahead));
@@ -503,6 +547,9 @@ impl DeviceKVManager {
         };
         let hook = this.hook && (!done.commit.is_empty() || done.evicted > 0);
         drop(this);
+        if untagged {
+            note_slot(slf, request, rid, done.slot)?;
+        }
         if hook {
             call_hook(slf, request, done.commit.start, done.commit.end)?;
         }

@@ -564,3 +564,53 @@ fn random_operations_keep_the_invariants() {
         assert_eq!(a.num_parked_holds(), 0);
     }
 }
+
+#[test]
+fn a_slot_is_found_by_its_tag_only_while_it_carries_it() {
+    let mut a = alloc(16);
+    let hr = hashes(&[1; 8]);
+    let hs = hashes(&[2; 8]);
+    let r = a.allocate("r", &args(0, 8, 4), &hr).unwrap().unwrap();
+    assert_eq!(a.slot_tag(r.slot), 0);
+    assert_eq!(a.tag_slot("r", 7), Some(r.slot));
+    assert_eq!(a.tag_slot("nobody", 9), None);
+    assert_eq!(a.slot_tag(r.slot), 7);
+    // Tagged: the slot is used as is.
+    let t = a
+        .allocate_tagged("r", r.slot, 7, &args(4, 8, 4), &hr)
+        .unwrap()
+        .unwrap();
+    assert_eq!((t.slot, a.blocks("r").len()), (r.slot, 2));
+    // A wrong tag or slot falls back to the name: the same answer, no other table touched.
+    let s = a.allocate("s", &args(0, 8, 4), &hs).unwrap().unwrap();
+    assert_eq!(a.tag_slot("s", 8), Some(s.slot));
+    let before_s = a.blocks("s").to_vec();
+    let u = a
+        .allocate_tagged("r", s.slot, 7, &args(8, 12, 1), &hr)
+        .unwrap()
+        .unwrap();
+    assert_eq!(u.slot, r.slot);
+    assert_eq!(a.blocks("s"), &before_s[..]);
+    assert_eq!(a.blocks("r").len(), 3);
+    let v = a
+        .allocate_tagged("r", 1 << 40, 7, &args(9, 13, 1), &hr)
+        .unwrap();
+    assert_eq!(v.unwrap().slot, r.slot);
+    // Released: the tag goes with the slot, and a request that takes the slot next is found
+    // by its name until it is tagged itself.
+    assert!(a.free("r"));
+    assert_eq!(a.slot_tag(r.slot), 0);
+    let w = a
+        .allocate_tagged("w", r.slot, 7, &args(0, 4, 4), &hashes(&[3; 4]))
+        .unwrap()
+        .unwrap();
+    assert_eq!(a.blocks("w").len(), 1);
+    assert_eq!(a.blocks("r"), &[] as &[BlockId]);
+    assert_eq!(a.slot_tag(w.slot), 0);
+    // Tag 0 is "none".
+    let x = a
+        .allocate_tagged("s", s.slot, 0, &args(4, 8, 4), &hs)
+        .unwrap()
+        .unwrap();
+    assert_eq!(x.slot, s.slot);
+}
