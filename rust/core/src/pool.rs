@@ -61,7 +61,7 @@ fn mix64(mut z: u64) -> u64 {
 
 /// Starts loading the cache line at `p` (a hint: never faults, never reads into the program).
 #[inline(always)]
-fn prefetch<T>(p: *const T) {
+pub(crate) fn prefetch<T>(p: *const T) {
     #[cfg(target_arch = "x86_64")]
     {
         use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};

@@ -411,11 +411,14 @@ impl DeviceKVManager {
         skip_zeroing_group_ids: Option<&Bound<'py, PyAny>>,
     ) -> PyResult<Option<Py<KVBlocks>>> {
         let py = slf.py();
+        let known = noted_slot(request);
+        if let Some(s) = known {
+            borrow(slf)?.inner.prefetch_slot(s);
+        }
         // Every argument and request field first, then the manager.
         let rid_obj = request_id_obj(request)?;
         let rid = rid_obj.to_str()?;
         let r = Some(rid);
-        let known = noted_slot(request);
         let new = fast_count(num_new_tokens, "num_new_tokens", r)?;
         let hit_tokens = opt_count(num_new_computed_tokens, "num_new_computed_tokens", r)?;
         let lookahead = opt_count(num_lookahead_tokens, "num_lookahead_tokens", r)?;
