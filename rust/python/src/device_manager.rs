@@ -295,19 +295,14 @@ impl DeviceKVManager {
 /// Notes the request's slot on the object (`SLOT_ATTR`) and tags the slot with the object's
 /// address, so the request's next `allocate_slots` skips the lookup by name. Outside any
 /// borrow: the attribute is set first, and the tag goes to the slot the request holds then.
-/// An object that takes no attribute is looked up by name every time.
-fn note_slot(
-    slf: &Bound<'_, DeviceKVManager>,
-    request: &Bound<'_, PyAny>,
-    rid: &str,
-    slot: usize,
-) -> PyResult<()> {
+/// An object that takes no attribute is looked up by name every time. Never an error: the
+/// allocation is done, and an untagged slot is only slower to find.
+fn note_slot(slf: &Bound<'_, DeviceKVManager>, request: &Bound<'_, PyAny>, rid: &str, slot: usize) {
     if request.setattr(intern!(slf.py(), SLOT_ATTR), slot).is_ok() {
-        borrow_mut(slf)?
-            .inner
-            .tag_slot(rid, request.as_ptr() as u64);
+        if let Ok(mut this) = borrow_mut(slf) {
+            this.inner.tag_slot(rid, request.as_ptr() as u64);
+        }
     }
-    Ok(())
 }
 
 /// Calls the subclass's event hook outside any borrow of the manager.
@@ -551,7 +546,7 @@ impl DeviceKVManager {
         let hook = this.hook && (!done.commit.is_empty() || done.evicted > 0);
         drop(this);
         if untagged {
-            note_slot(slf, request, rid, done.slot)?;
+            note_slot(slf, request, rid, done.slot);
         }
         if hook {
             call_hook(slf, request, done.commit.start, done.commit.end)?;
