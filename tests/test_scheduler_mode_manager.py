@@ -393,11 +393,18 @@ class _SlottedReq:
         self.status = RequestStatus.RUNNING
 
 
+def _extend(req, tokens):
+    """Appends verified tokens and rehashes the request's full blocks (stand-in hashes)."""
+    req._all_token_ids.extend(tokens)
+    full = req._all_token_ids
+    req.block_hashes = [bytes(str(full[:(i + 1) * BS]), "ascii")[-32:] for i in range(len(full) // BS)]
+
+
 @pytest.mark.parametrize("seed", range(4))
 def test_the_slot_noted_on_a_request_never_changes_an_answer(seed):
     """allocate_slots notes a request's slot on the object and skips the lookup by name next
-    time: with stale notes (freed by id, slot reused), forged and junk notes, duplicate ids and
-    renamed objects mixed in, every table equals the one found by name alone."""
+    time: with stale notes (freed by id, slot reused), forged and junk notes and a second object
+    under the same id mixed in, every table equals the one found by name alone."""
     rng = random.Random(seed)
     mgrs = [KVSlotsKVCacheManager(kv_cache_config=kcc(400), max_model_len=4096, scheduler_block_size=BS,
                                   hash_block_size=BS, use_eagle=True) for _ in range(2)]
@@ -409,11 +416,9 @@ def test_the_slot_noted_on_a_request_never_changes_an_answer(seed):
         if rid not in noted:
             noted[rid] = [_Req(rid, _all_token_ids=[]), _SlottedReq(rid)]
             n = rng.randrange(1, 40)
-            grow_tokens = [rng.randrange(1, 50) for _ in range(n)]
+            prompt = [rng.randrange(1, 50) for _ in range(n)]
             for r in noted[rid]:
-                r._all_token_ids.extend(grow_tokens)
-                r.block_hashes = [bytes(str(grow_tokens[:(i + 1) * BS]), "ascii")[-32:]
-                                  for i in range(n // BS)]
+                _extend(r, prompt)
             answers = [m.allocate_slots(r, n, num_lookahead_tokens=3) for m, r in zip(mgrs, noted[rid])]
             assert [a is None for a in answers] == [answers[0] is None] * 2
             if answers[0] is None:
@@ -426,9 +431,7 @@ def test_the_slot_noted_on_a_request_never_changes_an_answer(seed):
             toks = [rng.randrange(1, 50) for _ in range(acc + 1)]
             for r in pair:
                 r.num_computed_tokens = len(r._all_token_ids)
-                r._all_token_ids.extend(toks)
-                full = r._all_token_ids
-                r.block_hashes = [bytes(str(full[:(i + 1) * BS]), "ascii")[-32:] for i in range(len(full) // BS)]
+                _extend(r, toks)
             answers = [m.allocate_slots(r, 1 + 3, num_lookahead_tokens=3) for m, r in zip(mgrs, pair)]
             assert [a is None for a in answers] == [answers[0] is None] * 2
         elif op < 0.7:  # freed by object
@@ -440,7 +443,8 @@ def test_the_slot_noted_on_a_request_never_changes_an_answer(seed):
                 m.free_request(rid)
             for r in pair:
                 r.num_computed_tokens = 0
-            pair[0].__dict__.pop("_kvslots_slot", None) if rng.random() < 0.2 else None
+            if rng.random() < 0.2:
+                pair[0].__dict__.pop("_kvslots_slot", None)
             del noted[rid]
             if rng.random() < 0.5:  # the stale object comes back under its name
                 noted[rid] = pair

@@ -594,7 +594,7 @@ impl DeviceAllocator {
         self.allocate_at(request, slot, a, hashes)
     }
 
-    /// [`Self::allocate`] for a request the caller tagged `slot` for ([`Self::set_slot_tag`]):
+    /// [`Self::allocate`] for a request the caller tagged `slot` for ([`Self::tag_slot`]):
     /// the slot is taken when it still carries `tag`, with no lookup by name; otherwise
     /// (released, retagged) the name decides, as in `allocate`.
     pub fn allocate_tagged<H: HashSource + ?Sized>(
