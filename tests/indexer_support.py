@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
 import subprocess
 import tempfile
 import threading
@@ -17,6 +16,7 @@ import xxhash
 import zmq
 
 from kvslots.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch, encode_batch
+from ports import free_port
 
 WEIGHTS = {"GPU": 1.0, "CPU": 0.8, "STORAGE": 0.5}
 TIERS = ("GPU", "CPU", "STORAGE")
@@ -31,12 +31,6 @@ def wait_for(cond: Callable[[], object], timeout: float = 5.0, what: str = "cond
         if time.monotonic() > end:
             raise AssertionError(f"timed out waiting for {what}")
         time.sleep(0.01)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class TestPublisher:

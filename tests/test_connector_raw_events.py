@@ -166,16 +166,11 @@ def test_engine_steps_publish_the_same_bytes_raw_or_structs(eagle_cfg):
 def test_vllms_zmq_publisher_sends_the_struct_bytes_for_raw_events():
     """vLLM's real ZmqEventPublisher, fed the connector's Raw events: what it sends (read back by
     its replay socket, as a late consumer does) is what it sends for the same events as structs."""
-    import socket
     import time
 
     import zmq
+    from ports import free_port
     from vllm.distributed.kv_events import ZmqEventPublisher
-
-    def free_port() -> int:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            return s.getsockname()[1]
 
     p = ConnectorPlanner(BS, 6, False)
     _fill(p, [([11, 12, 13], list(range(100, 100 + 3 * BS)), 7, None),

@@ -25,6 +25,7 @@ from kvslots.events.protocol import (
     replay_request,
 )
 from kvslots.events.subscriber import EventSubscriber
+from ports import free_port
 
 LOCAL = "tcp://127.0.0.1:0"
 LOGGER = "kvslots.events.subscriber"
@@ -337,12 +338,6 @@ def test_a_replay_that_always_advances_a_little_is_rate_capped_and_given_up_in_t
 
 
 # ---- the replay endpoint is unreachable or not a replay server -------------------------------
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.mark.parametrize("where", ["unreachable", "not_a_router", "not_zmq"])

@@ -6,7 +6,6 @@ These tests import vLLM from the running environment and are skipped (with the r
 
 from __future__ import annotations
 
-import socket
 import time
 
 import msgspec
@@ -29,6 +28,7 @@ from kvslots.events.subscriber import EventSubscriber
 from test_events_wire import mediums, ranks, raw_events
 
 from kvslots.vllm.compat import features
+from ports import free_port
 
 #: vLLM 0.32 writes BlockStored with a fixmap header, as kvslots does (0.33: map16).
 LAYOUT_032 = not features().block_stored_lookahead
@@ -114,12 +114,6 @@ def test_vllm_batches_decode_with_ours():
         assert encode_batch(ours) == payload
     else:
         assert vllm_decoder.decode(encode_batch(ours)) == vllm_decoder.decode(payload)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_our_subscriber_reads_vllm_zmq_publisher():

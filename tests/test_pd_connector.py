@@ -7,7 +7,6 @@ hold that timed out before the pull ended, a producer that is gone."""
 from __future__ import annotations
 
 import os
-import socket
 import time
 from types import SimpleNamespace
 
@@ -24,15 +23,10 @@ from kvslots.errors import TransferError  # noqa: E402
 from kvslots.vllm import ConnectorConfig, ConnectorConfigError  # noqa: E402
 from kvslots.vllm.connector.pd import PDScheduler, PDStepMeta, PDWorker, RecvSpec, parse_remote_params  # noqa: E402
 from kvslots.vllm.pd.control import control_call  # noqa: E402
+from ports import free_port  # noqa: E402
 
 BS = 32
 NB = 16
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.mark.parametrize("extra, named", [
@@ -144,7 +138,7 @@ def _wait_finished(w, n=1, timeout=30.0):
 
 @pytest.fixture
 def pair():
-    port = _port()
+    port = free_port()
     pc, dc = _caches(1), _caches(2)
     prod = _worker(True, False, pc, engine_id="P", port=port)
     cons = _worker(False, True, dc, engine_id="D")
@@ -204,7 +198,7 @@ def test_restarted_producer_fails_the_pull(pair):
     (dict(model="llama/2L/draft=eagle"), dict(model="llama/2L/draft=none")),  # another model
 ], ids=["other_layout", "other_model"])
 def test_a_mismatched_producer_fails_the_pull(producer_kw, consumer_kw):
-    port = _port()
+    port = free_port()
     kw = dict(producer_kw)  # the parameter itself stays whole
     caches = kw.pop("caches", lambda: _caches(1))()
     prod = _worker(True, False, caches, engine_id="P", port=port, **kw)
@@ -219,7 +213,7 @@ def test_a_mismatched_producer_fails_the_pull(producer_kw, consumer_kw):
 
 
 def test_hold_timeout_frees_and_a_late_pull_fails():
-    port = _port()
+    port = free_port()
     prod = _worker(True, False, _caches(1), engine_id="P", port=port, timeout_s=0.2)
     cons = _worker(False, True, _caches(2), engine_id="D")
     try:
@@ -239,7 +233,7 @@ def test_gone_producer_fails_without_hanging():
     cons = _worker(False, True, _caches(2), engine_id="D")
     try:
         start = time.time()
-        cons.on_step(PDStepMeta(recvs=[_spec(_port())]))  # nobody listens there
+        cons.on_step(PDStepMeta(recvs=[_spec(free_port())]))  # nobody listens there
         _, recv, failed = _wait_finished(cons, timeout=60)
         assert recv == failed == {"d1"}
         assert time.time() - start < 30

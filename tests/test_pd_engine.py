@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import os
 import random
-import socket
 import subprocess
 import queue
 import signal
@@ -24,6 +23,7 @@ import threading
 import time
 
 import pytest
+from ports import free_port
 
 pytest.importorskip("vllm", reason="vLLM is not installed (make test installs it)")
 pytest.importorskip("mooncake.engine", reason="Mooncake's transfer engine (requirements/pd.txt) is not installed")
@@ -39,12 +39,6 @@ def models_dir(tmp_path_factory):
     root = str(tmp_path_factory.mktemp("tiny-pd"))
     build_tiny_models(root)
     return root
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _prompts() -> list[list[int]]:
@@ -142,7 +136,7 @@ def Prefill(spec: dict) -> Engine:
 @pytest.mark.parametrize("method", ["eagle", "draft_model"], ids=str)
 def test_pd_outputs_and_acceptance_equal_aggregated(models_dir, method):
     prompts = _prompts()
-    port = _port()
+    port = free_port()
     prefill = Prefill({"models": models_dir, "method": method, "role": "prefill", "pd_port": port})
     try:
         pre = prefill.call({"prompts": prompts})
@@ -208,7 +202,7 @@ def test_decode_never_comes_then_a_late_pull_is_recomputed(models_dir):
     engine that comes after that (a restarted one, with the old hand-off) reads, learns from the
     ack that the hold was gone, and recomputes: stale bytes are never used."""
     prompts = _prompts()
-    prefill, decode = _pair(models_dir, _port(), prefill={"pd_timeout_s": 2}, decode={"pd_timeout_s": 5})
+    prefill, decode = _pair(models_dir, free_port(), prefill={"pd_timeout_s": 2}, decode={"pd_timeout_s": 5})
     try:
         pre = prefill.call({"prompts": prompts})
         held = prefill.call({"held": True, "wait_s": 60})
@@ -234,7 +228,7 @@ def test_a_peer_fault_during_the_pull(models_dir, fault):
     killed prefill engine: the read fails, recomputed (its pool died with it). A killed decode
     engine: the prefill engine frees the blocks after pd_timeout_s."""
     prompts = _prompts()[:1]
-    prefill, decode = _pair(models_dir, _port(), prefill={"pd_timeout_s": 10},
+    prefill, decode = _pair(models_dir, free_port(), prefill={"pd_timeout_s": 10},
                             decode={"pd_timeout_s": 3, "pause_pull": 3})
     try:
         pre = prefill.call({"prompts": prompts})
@@ -275,7 +269,7 @@ def test_mismatched_engines_recompute_and_free_the_prefill(models_dir, mismatch)
     prompts = _prompts()[:1]
     # (vLLM's CPU attention takes multiples of 32 only)
     prefill, decode = {"model": ({}, {"method": None}), "block_size": ({"block_size": 64}, {})}[mismatch]
-    prefill, dec_engine = _pair(models_dir, _port(), prefill={"pd_timeout_s": 120, **prefill}, decode=decode)
+    prefill, dec_engine = _pair(models_dir, free_port(), prefill={"pd_timeout_s": 120, **prefill}, decode=decode)
     try:
         pre = prefill.call({"prompts": prompts})
         dec = dec_engine.call({"prompts": prompts, "params": pre["params"]})
@@ -307,7 +301,7 @@ def test_kv_events_of_both_engines_keep_the_indexer_true(models_dir):
 
     prompt = _prompts()[0]
     full = len(prompt) // 32
-    ports = {w: (_port(), _port()) for w in ("prefill", "decode")}
+    ports = {w: (free_port(), free_port()) for w in ("prefill", "decode")}
 
     def events(w: str) -> dict:
         return {"endpoint": f"tcp://*:{ports[w][0]}", "replay_endpoint": f"tcp://*:{ports[w][1]}"}
@@ -328,7 +322,7 @@ def test_kv_events_of_both_engines_keep_the_indexer_true(models_dir):
             time.sleep(0.1)
         return b
 
-    prefill, decode = _pair(models_dir, _port(), prefill={"kv_events": events("prefill")},
+    prefill, decode = _pair(models_dir, free_port(), prefill={"kv_events": events("prefill")},
                             decode={"kv_events": events("decode"), "linger": True})
     try:
         assert blocks() == {"prefill": (0, 0, 0), "decode": (0, 0, 0)}

@@ -17,25 +17,19 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
 import urllib.request
 
 import pytest
+from ports import free_port
 
 pytest.importorskip("vllm", reason="vLLM is not installed (make test installs it)")
 pytest.importorskip("mooncake.engine", reason="Mooncake's transfer engine (requirements/pd.txt) is not installed")
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 PKG = os.path.join(HERE, "..", "python")
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _post(url: str, body: dict, timeout: float = 300) -> dict:
@@ -104,7 +98,7 @@ def test_served_pd_through_the_proxy(models, tmp_path, mode):
                PYTHONPATH=os.pathsep.join(p for p in [PKG, os.environ.get("PYTHONPATH")] if p))
     spec = _spec(models, mode)
     tail = ["--", "--enforce-eager", "--max-model-len", "1024", "--block-size", "32", "--dtype", "float32"]
-    p_port, d_port, x_port, pd_port = _port(), _port(), _port(), _port()
+    p_port, d_port, x_port, pd_port = free_port(), free_port(), free_port(), free_port()
     procs: list[subprocess.Popen] = []
     logs = {}
 

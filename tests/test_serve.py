@@ -9,7 +9,6 @@ import json
 import os
 import shlex
 import signal
-import socket
 import subprocess
 import sys
 import textwrap
@@ -18,6 +17,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from ports import free_port
 
 import kvslots
 from kvslots import cli
@@ -839,12 +839,6 @@ def test_supervisor_sigterm_and_exit_status(tmp_path):
 
 
 # =========================================================================== end to end
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
