@@ -10,6 +10,8 @@ PY033 := $(VENV033)/bin/python
 TESTS_033 := tests/test_vllm033_compat.py tests/test_connector_scheduler.py tests/test_events_vllm.py tests/test_vllm033_lookahead.py \
 	tests/test_scheduler_mode_manager.py tests/test_scheduler_mode_differential.py
 SCHED_EXAMPLES_033 ?= 5
+# pytest workers (pytest-xdist); tests/conftest.py keeps the engine tests on one of them, one at a time.
+PYTEST_WORKERS ?= 2
 
 .PHONY: demo test test-033 setup bench
 
@@ -20,12 +22,12 @@ demo:  ## the main job: a tiny local model served with the connector, KV events 
 test:  ## the whole test suite: Rust engine tests, pytest with vLLM 0.32 (CPU), then the scheduler-level tests again with vLLM 0.33
 	@VENV=$(VENV) VENV033=$(VENV033) scripts/setup.sh --with-vllm --with-vllm-033
 	cargo test -p kvslots-core --release -q
-	$(PY) -m pytest -q --durations=15
-	VLLM_TARGET_DEVICE=cpu KVSLOTS_SCHED_EXAMPLES=$(SCHED_EXAMPLES_033) $(PY033) -m pytest -q -p no:cacheprovider $(TESTS_033)
+	$(PY) -m pytest -q -n $(PYTEST_WORKERS) --durations=15
+	VLLM_TARGET_DEVICE=cpu KVSLOTS_SCHED_EXAMPLES=$(SCHED_EXAMPLES_033) $(PY033) -m pytest -q -n $(PYTEST_WORKERS) -p no:cacheprovider $(TESTS_033)
 
 test-033:  ## only the vLLM 0.33 part of `make test`
 	@VENV=$(VENV) VENV033=$(VENV033) scripts/setup.sh --with-vllm --with-vllm-033
-	VLLM_TARGET_DEVICE=cpu KVSLOTS_SCHED_EXAMPLES=$(SCHED_EXAMPLES_033) $(PY033) -m pytest -q -p no:cacheprovider $(TESTS_033)
+	VLLM_TARGET_DEVICE=cpu KVSLOTS_SCHED_EXAMPLES=$(SCHED_EXAMPLES_033) $(PY033) -m pytest -q -n $(PYTEST_WORKERS) -p no:cacheprovider $(TESTS_033)
 
 setup:
 	@VENV=$(VENV) scripts/setup.sh --with-vllm
