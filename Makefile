@@ -23,11 +23,11 @@ test:  ## the whole test suite: Rust engine tests, pytest with vLLM 0.32 (CPU), 
 	@VENV=$(VENV) VENV033=$(VENV033) scripts/setup.sh --with-vllm --with-vllm-033
 	cargo test -p kvslots-core --release -q
 	$(PY) -m pytest -q -n $(PYTEST_WORKERS) --durations=15
-	VLLM_TARGET_DEVICE=cpu KVSLOTS_SCHED_EXAMPLES=$(SCHED_EXAMPLES_033) $(PY033) -m pytest -q -n $(PYTEST_WORKERS) -p no:cacheprovider $(TESTS_033)
+	VLLM_TARGET_DEVICE=cpu KVSLOTS_SCHED_EXAMPLES=$(SCHED_EXAMPLES_033) $(PY033) -m pytest -q -p no:cacheprovider $(TESTS_033)
 
 test-033:  ## only the vLLM 0.33 part of `make test`
 	@VENV=$(VENV) VENV033=$(VENV033) scripts/setup.sh --with-vllm --with-vllm-033
-	VLLM_TARGET_DEVICE=cpu KVSLOTS_SCHED_EXAMPLES=$(SCHED_EXAMPLES_033) $(PY033) -m pytest -q -n $(PYTEST_WORKERS) -p no:cacheprovider $(TESTS_033)
+	VLLM_TARGET_DEVICE=cpu KVSLOTS_SCHED_EXAMPLES=$(SCHED_EXAMPLES_033) $(PY033) -m pytest -q -p no:cacheprovider $(TESTS_033)
 
 setup:
 	@VENV=$(VENV) scripts/setup.sh --with-vllm
