@@ -40,4 +40,10 @@ def pytest_xdist_make_scheduler(config, log):
         def _split_scope(self, nodeid: str) -> str:
             return work_unit(nodeid)
 
+        def _assign_work_unit(self, node) -> None:
+            # The engine unit is the longest: it starts first, the others fill the other worker.
+            if "engine" in self.workqueue:
+                self.workqueue.move_to_end("engine", last=False)
+            super()._assign_work_unit(node)
+
     return ByWorkUnit(config, log)
