@@ -28,14 +28,11 @@ def _candidates() -> Iterator[int]:
         yield low + i % width
 
 
-_ports: Iterator[int] | None = None
+_PORTS = _candidates()  # reads the worker's slice at its first port
 
 
 def free_port() -> int:
-    global _ports
-    if _ports is None:
-        _ports = _candidates()
-    for port in itertools.islice(_ports, 1000):
+    for port in itertools.islice(_PORTS, 1000):
         with socket.socket() as s:
             try:
                 s.bind(("127.0.0.1", port))

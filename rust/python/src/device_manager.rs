@@ -481,9 +481,8 @@ impl DeviceKVManager {
             let status = request.getattr(intern!(py, "status"))?;
             for s in &statuses {
                 let s = s.bind(py);
-                // Enum members are singletons: identity decides for vLLM's own statuses.
-                let same = status.is(s) || (!status.get_type().is(s.get_type()) && status.eq(s)?);
-                if same {
+                // Identity first (vLLM's statuses are enum members), then equality, as `in` does.
+                if status.is(s) || status.eq(s)? {
                     watermark = watermark_blocks;
                     break;
                 }
