@@ -468,6 +468,56 @@ def test_the_slot_noted_on_a_request_never_changes_an_answer(seed):
     assert any(isinstance(getattr(p[0], "_kvslots_slot", None), int) for p in noted.values()) or not noted
 
 
+@SETTINGS
+@given(data=st.data())
+def test_a_noted_request_answers_and_fails_as_one_found_by_name(data):
+    """The running request's call (a noted slot, vLLM's per-step arguments) takes a path that
+    never reads the request's name: with any arguments and request fields it gives the answer,
+    or the same error (naming the request), as the same call on an object found by name only,
+    and a refused call changes nothing."""
+    watermark = data.draw(st.sampled_from([0.0, 0.25]))
+    # A pool small enough that the watermark (2 of 10 blocks) decides some fits.
+    mgrs = [KVSlotsKVCacheManager(kv_cache_config=kcc(10), max_model_len=256, scheduler_block_size=BS,
+                                  hash_block_size=BS, use_eagle=True, watermark=watermark) for _ in range(2)]
+    reqs = [_Req("r", _all_token_ids=list(range(1, 21)), status=RequestStatus.RUNNING), _SlottedReq("r")]
+    _extend(reqs[1], list(range(1, 21)))
+    reqs[0].block_hashes = list(reqs[1].block_hashes)
+    for m, r in zip(mgrs, reqs):
+        assert m.allocate_slots(r, 20, num_lookahead_tokens=3) is not None
+    assert isinstance(reqs[0]._kvslots_slot, int)
+
+    def mostly(valid):  # junk a quarter of the time (one_of would flatten _junk's branches)
+        return data.draw(valid if data.draw(st.integers(0, 3)) else _junk)
+
+    fields = {
+        "num_computed_tokens": mostly(st.integers(0, 40)),
+        "_all_token_ids": mostly(st.just(list(range(1, 25)))),
+        "block_hashes": mostly(st.one_of(st.just([b"a" * 32, b"b" * 32]), st.lists(_junk, max_size=3))),
+        "status": data.draw(st.sampled_from([RequestStatus.RUNNING, RequestStatus.PREEMPTED, "junk"])),
+    }
+    for r in reqs:
+        for k, v in fields.items():
+            setattr(r, k, v)
+    args = (mostly(st.integers(0, 140)),)
+    kw = {"num_lookahead_tokens": mostly(st.integers(0, 8))}
+    if data.draw(st.booleans()):
+        kw["has_scheduled_reqs"] = mostly(st.booleans())
+    before = [(m.num_free_blocks(), m.block_ids("r"), m.num_registered_blocks()) for m in mgrs]
+    outcomes = []
+    for m, r in zip(mgrs, reqs):
+        try:
+            got = m.allocate_slots(r, *args, **kw)
+            outcomes.append(("ok", None if got is None else len(got.get_block_ids()[0])))
+        except KVSlotsError as e:
+            outcomes.append((type(e).__name__, str(e)))
+            assert (m.num_free_blocks(), m.block_ids("r"), m.num_registered_blocks()) == before[0]
+    assert outcomes[0] == outcomes[1]
+    assert mgrs[0].block_ids("r") == mgrs[1].block_ids("r")
+    assert mgrs[0].num_registered_blocks() == mgrs[1].num_registered_blocks()
+    for m in mgrs:
+        assert m.check_invariants() is None
+
+
 def test_importing_kvslots_vllm_does_not_import_vllm():
     code = ("import sys, kvslots.vllm as v; assert 'vllm' not in sys.modules, 'vllm imported'; "
             "assert 'KVSlotsScheduler' in v.__all__; print('ok')")

@@ -283,6 +283,95 @@ pub(crate) struct DeviceKVManager {
 }
 
 impl DeviceKVManager {
+    /// `allocate_slots` for a request with a noted slot and a running request's arguments (the
+    /// call vLLM makes for every running request every step), without reading the request's
+    /// name. `None`: take the general path, which then gives the result or the error (an error
+    /// here left the manager unchanged, so the general path meets the same state and names the
+    /// request in its error).
+    fn allocate_running(
+        slf: &Bound<'_, Self>,
+        request: &Bound<'_, PyAny>,
+        slot: usize,
+        num_new_tokens: &Bound<'_, PyAny>,
+        num_lookahead_tokens: Option<&Bound<'_, PyAny>>,
+        has_scheduled_reqs: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<Option<Option<Py<KVBlocks>>>> {
+        let py = slf.py();
+        let Some(new) = exact_count(Some(num_new_tokens)) else {
+            return Ok(None);
+        };
+        let Some(lookahead) = exact_count(num_lookahead_tokens) else {
+            return Ok(None);
+        };
+        let scheduled = match has_scheduled_reqs {
+            None => true,
+            Some(o) if o.is_none() => true,
+            Some(o) => match o.cast::<pyo3::types::PyBool>() {
+                Ok(b) => b.is_true(),
+                Err(_) => return Ok(None),
+            },
+        };
+        let Ok(num_tokens) = num_tokens(request, "") else {
+            return Ok(None);
+        };
+        let Ok(computed) = count_attr(request, intern!(py, "num_computed_tokens"), "", "") else {
+            return Ok(None);
+        };
+        let hashes = RequestHashes::of(request, "")?;
+        let tag = request.as_ptr() as u64;
+        let mut this = borrow_mut(slf)?;
+        // A watermark (it needs the request's status) and deferred lookahead: the general path.
+        if this.inner.slot_tag(slot) != tag
+            || this.defer_lookahead
+            || (this.watermark_blocks > 0 && scheduled)
+        {
+            return Ok(None);
+        }
+        let a = AllocArgs {
+            num_computed_tokens: computed,
+            num_tokens,
+            num_new_tokens: new,
+            num_hit_blocks: 0,
+            num_external_tokens: 0,
+            num_lookahead_tokens: lookahead,
+            defer_lookahead: false,
+            max_model_len: this.max_model_len,
+            reserved_blocks: 0,
+            watermark_blocks: 0,
+            full_sequence_tokens: None,
+            delay_cache_blocks: false,
+            num_reprefillable_tokens: this.num_reprefillable,
+            zero_external_blocks: true,
+        };
+        let done = match this.inner.allocate_tagged("", slot, tag, &a, &hashes) {
+            Ok(Some(done)) => done,
+            Ok(None) => return Ok(Some(None)),
+            Err(_) => return Ok(None),
+        };
+        let (out, hook) = this.allocated(py, &done)?;
+        drop(this);
+        if hook {
+            call_hook(slf, request, done.commit.start, done.commit.end)?;
+        }
+        Ok(Some(Some(out)))
+    }
+
+    /// What `allocate_slots` hands back for a done allocation, and whether the event hook runs.
+    fn allocated(
+        &mut self,
+        py: Python<'_>,
+        done: &core::device::Allocated,
+    ) -> PyResult<(Py<KVBlocks>, bool)> {
+        self.last_commit = (done.commit.start, done.commit.end);
+        let out = if done.new_blocks.is_empty() {
+            self.empty.clone_ref(py)
+        } else {
+            let ids = self.inner.slot_blocks(done.slot)[done.new_blocks.clone()].to_vec();
+            Py::new(py, KVBlocks { ids })?
+        };
+        Ok((out, self.hook && (!done.commit.is_empty() || done.evicted > 0)))
+    }
+
     fn blocks_of(&self, py: Python<'_>, rid: &str) -> PyResult<Py<KVBlocks>> {
         let ids = self.inner.blocks(rid);
         if ids.is_empty() {
@@ -302,6 +391,47 @@ fn note_slot(slf: &Bound<'_, DeviceKVManager>, request: &Bound<'_, PyAny>, rid: 
         if let Ok(mut this) = borrow_mut(slf) {
             this.inner.tag_slot(rid, request.as_ptr() as u64);
         }
+    }
+}
+
+/// The watermark (in blocks) that applies to the request: vLLM applies it to waiting and
+/// preempted requests when some request is already scheduled this step.
+fn watermark_of(
+    slf: &Bound<'_, DeviceKVManager>,
+    request: &Bound<'_, PyAny>,
+    scheduled: bool,
+) -> PyResult<usize> {
+    let py = slf.py();
+    let watermark_blocks = borrow(slf)?.watermark_blocks;
+    if watermark_blocks == 0 || !scheduled {
+        return Ok(0);
+    }
+    let statuses: Vec<Py<PyAny>> = borrow(slf)?
+        .watermark_statuses
+        .iter()
+        .map(|s| s.clone_ref(py))
+        .collect();
+    let status = request.getattr(intern!(py, "status"))?;
+    for s in &statuses {
+        let s = s.bind(py);
+        // Identity first (vLLM's statuses are enum members), then equality, as `in` does.
+        if status.is(s) || status.eq(s)? {
+            return Ok(watermark_blocks);
+        }
+    }
+    Ok(0)
+}
+
+/// An exact non-negative `int`, or `None` for an absent one (0); anything else is `None`
+/// from the outer option (the general path converts it or raises).
+fn exact_count(obj: Option<&Bound<'_, PyAny>>) -> Option<usize> {
+    match obj {
+        None => Some(0),
+        Some(o) if o.is_none() => Some(0),
+        Some(o) if o.is_exact_instance_of::<pyo3::types::PyInt>() => {
+            o.extract::<i64>().ok().filter(|v| *v >= 0).map(|v| v as usize)
+        }
+        Some(_) => None,
     }
 }
 
@@ -408,7 +538,32 @@ impl DeviceKVManager {
         let py = slf.py();
         let known = noted_slot(request);
         if let Some(s) = known {
-            borrow(slf)?.inner.prefetch_slot(s);
+            let running = [
+                num_new_computed_tokens,
+                new_computed_blocks,
+                num_external_computed_tokens,
+                delay_cache_blocks,
+                num_encoder_tokens,
+                full_sequence_must_fit,
+                reserved_blocks,
+                skip_zeroing_group_ids,
+            ]
+            .iter()
+            .all(|o| o.map_or(true, |o| o.is_none()));
+            if running {
+                if let Some(out) = Self::allocate_running(
+                    slf,
+                    request,
+                    s,
+                    num_new_tokens,
+                    num_lookahead_tokens,
+                    has_scheduled_reqs,
+                )? {
+                    return Ok(out);
+                }
+            } else {
+                borrow(slf)?.inner.prefetch_slot(s);
+            }
         }
         // Every argument and request field first, then the manager.
         let rid_obj = request_id_obj(request)?;
@@ -469,25 +624,7 @@ impl DeviceKVManager {
             "request.num_computed_tokens",
             rid,
         )?;
-        let watermark_blocks = borrow(slf)?.watermark_blocks;
-        let mut watermark = 0;
-        if watermark_blocks > 0 && scheduled {
-            let statuses: Vec<Py<PyAny>> = borrow(slf)?
-                .watermark_statuses
-                .iter()
-                .map(|s| s.clone_ref(py))
-                .collect();
-            // Waiting and preempted requests: vLLM's watermark applies.
-            let status = request.getattr(intern!(py, "status"))?;
-            for s in &statuses {
-                let s = s.bind(py);
-                // Identity first (vLLM's statuses are enum members), then equality, as `in` does.
-                if status.is(s) || status.eq(s)? {
-                    watermark = watermark_blocks;
-                    break;
-                }
-            }
-        }
+        let watermark = watermark_of(slf, request, scheduled)?;
         let hashes = RequestHashes::of(request, rid)?;
 
         let mut this = borrow_mut(slf)?;
@@ -535,14 +672,7 @@ impl DeviceKVManager {
             let main = (computed + hits * bs + external).min(this.max_model_len) + new;
             this.deferred.push((rid.to_owned(), main, lookahead));
         }
-        this.last_commit = (done.commit.start, done.commit.end);
-        let out = if done.new_blocks.is_empty() {
-            this.empty.clone_ref(py)
-        } else {
-            let ids = this.inner.slot_blocks(done.slot)[done.new_blocks.clone()].to_vec();
-            Py::new(py, KVBlocks { ids })?
-        };
-        let hook = this.hook && (!done.commit.is_empty() || done.evicted > 0);
+        let (out, hook) = this.allocated(py, &done)?;
         drop(this);
         if untagged {
             note_slot(slf, request, rid, done.slot);
