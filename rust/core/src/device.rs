@@ -597,6 +597,7 @@ impl DeviceAllocator {
     /// [`Self::allocate`] for a request the caller tagged `slot` for ([`Self::tag_slot`]):
     /// the slot is taken when it still carries `tag`, with no lookup by name; otherwise
     /// (released, retagged) the name decides, as in `allocate`.
+    #[inline(always)]
     pub fn allocate_tagged<H: HashSource + ?Sized>(
         &mut self,
         request: &str,
@@ -611,6 +612,7 @@ impl DeviceAllocator {
         self.allocate_at(request, Some(slot), a, hashes)
     }
 
+    #[inline(always)]
     fn allocate_at<H: HashSource + ?Sized>(
         &mut self,
         request: &str,

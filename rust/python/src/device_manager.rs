@@ -356,6 +356,147 @@ impl DeviceKVManager {
         Ok(Some(Some(out)))
     }
 
+    /// `allocate_slots` with every argument read and checked, the request found by its noted
+    /// slot (`known`) or by its id. Out of line: the per-step call of a running request
+    /// ([`Self::allocate_running`]) stays small and in cache.
+    #[cold]
+    #[inline(never)]
+    #[allow(clippy::too_many_arguments)]
+    fn allocate_general<'py>(
+        slf: &Bound<'py, Self>,
+        known: Option<usize>,
+        request: &Bound<'py, PyAny>,
+        num_new_tokens: &Bound<'py, PyAny>,
+        num_new_computed_tokens: Option<&Bound<'py, PyAny>>,
+        new_computed_blocks: Option<&Bound<'py, PyAny>>,
+        num_lookahead_tokens: Option<&Bound<'py, PyAny>>,
+        num_external_computed_tokens: Option<&Bound<'py, PyAny>>,
+        delay_cache_blocks: Option<&Bound<'py, PyAny>>,
+        num_encoder_tokens: Option<&Bound<'py, PyAny>>,
+        full_sequence_must_fit: Option<&Bound<'py, PyAny>>,
+        reserved_blocks: Option<&Bound<'py, PyAny>>,
+        has_scheduled_reqs: Option<&Bound<'py, PyAny>>,
+        skip_zeroing_group_ids: Option<&Bound<'py, PyAny>>,
+    ) -> PyResult<Option<Py<KVBlocks>>> {
+        let py = slf.py();
+        // Every argument and request field first, then the manager.
+        let rid_obj = request_id_obj(request)?;
+        let rid = rid_obj.to_str()?;
+        let r = Some(rid);
+        let new = fast_count(num_new_tokens, "num_new_tokens", r)?;
+        let hit_tokens = opt_count(num_new_computed_tokens, "num_new_computed_tokens", r)?;
+        let lookahead = opt_count(num_lookahead_tokens, "num_lookahead_tokens", r)?;
+        let external = opt_count(
+            num_external_computed_tokens,
+            "num_external_computed_tokens",
+            r,
+        )?;
+        let delay = opt_flag(delay_cache_blocks, "delay_cache_blocks", r, false)?;
+        let full_seq = opt_flag(full_sequence_must_fit, "full_sequence_must_fit", r, false)?;
+        let reserved = opt_count(reserved_blocks, "reserved_blocks", r)?;
+        let scheduled = opt_flag(has_scheduled_reqs, "has_scheduled_reqs", r, true)?;
+        if opt_count(num_encoder_tokens, "num_encoder_tokens", r)? != 0 {
+            return Err(invalid(
+                r,
+                "encoder (cross-attention) tokens are not supported in scheduler mode".into(),
+            ));
+        }
+        let given = match new_computed_blocks {
+            Some(b) if !b.is_none() => match b.cast::<KVBlocks>() {
+                Ok(k) => k.get().ids.len(),
+                Err(_) => {
+                    return Err(type_error(
+                        r,
+                        format!(
+                            "new_computed_blocks must be KVBlocks from this manager, got {}",
+                            type_name(b)
+                        ),
+                    ))
+                }
+            },
+            _ => 0,
+        };
+        let mut zero_external = true;
+        if let Some(g) = skip_zeroing_group_ids {
+            if !g.is_none() {
+                for item in g.try_iter().map_err(|_| {
+                    type_error(
+                        r,
+                        "skip_zeroing_group_ids must be a sequence of ints".into(),
+                    )
+                })? {
+                    if count(&item?, "skip_zeroing_group_ids[i]", r)? == 0 {
+                        zero_external = false;
+                    }
+                }
+            }
+        }
+        let num_tokens = num_tokens(request, rid)?;
+        let computed = count_attr(
+            request,
+            intern!(py, "num_computed_tokens"),
+            "request.num_computed_tokens",
+            rid,
+        )?;
+        let watermark = watermark_of(slf, request, scheduled)?;
+        let hashes = RequestHashes::of(request, rid)?;
+
+        let mut this = borrow_mut(slf)?;
+        let bs = this.inner.block_size();
+        if hit_tokens % bs != 0 {
+            return Err(invalid(
+                r,
+                format!("num_new_computed_tokens = {hit_tokens} is not a multiple of the block size {bs}"),
+            ));
+        }
+        let hits = hit_tokens / bs;
+        if given != hits {
+            return Err(invalid(
+                r,
+                format!("{given} computed blocks given for {hit_tokens} new computed tokens"),
+            ));
+        }
+        let defer = this.defer_lookahead && lookahead > 0 && !delay;
+        let a = AllocArgs {
+            num_computed_tokens: computed,
+            num_tokens,
+            num_new_tokens: new,
+            num_hit_blocks: hits,
+            num_external_tokens: external,
+            num_lookahead_tokens: lookahead,
+            defer_lookahead: defer,
+            max_model_len: this.max_model_len,
+            reserved_blocks: reserved,
+            watermark_blocks: watermark,
+            full_sequence_tokens: full_seq.then(|| num_tokens.min(this.max_model_len)),
+            delay_cache_blocks: delay,
+            num_reprefillable_tokens: this.num_reprefillable,
+            zero_external_blocks: zero_external,
+        };
+        let tag = request.as_ptr() as u64;
+        let done = match known {
+            Some(s) => this.inner.allocate_tagged(rid, s, tag, &a, &hashes),
+            None => this.inner.allocate(rid, &a, &hashes),
+        };
+        let Some(done) = done.map_err(err)? else {
+            return Ok(None);
+        };
+        let untagged = this.inner.slot_tag(done.slot) != tag;
+        if defer {
+            let main = (computed + hits * bs + external).min(this.max_model_len) + new;
+            this.deferred.push((rid.to_owned(), main, lookahead));
+        }
+        let (out, hook) = this.allocated(py, &done)?;
+        drop(this);
+        if untagged {
+            note_slot(slf, request, rid, done.slot);
+        }
+        if hook {
+            call_hook(slf, request, done.commit.start, done.commit.end)?;
+        }
+        Ok(Some(out))
+    }
+
     /// What `allocate_slots` hands back for a done allocation, and whether the event hook runs.
     fn allocated(
         &mut self,
@@ -535,7 +676,6 @@ impl DeviceKVManager {
         has_scheduled_reqs: Option<&Bound<'py, PyAny>>,
         skip_zeroing_group_ids: Option<&Bound<'py, PyAny>>,
     ) -> PyResult<Option<Py<KVBlocks>>> {
-        let py = slf.py();
         let known = noted_slot(request);
         if let Some(s) = known {
             let running = [
@@ -565,122 +705,22 @@ impl DeviceKVManager {
                 borrow(slf)?.inner.prefetch_slot(s);
             }
         }
-        // Every argument and request field first, then the manager.
-        let rid_obj = request_id_obj(request)?;
-        let rid = rid_obj.to_str()?;
-        let r = Some(rid);
-        let new = fast_count(num_new_tokens, "num_new_tokens", r)?;
-        let hit_tokens = opt_count(num_new_computed_tokens, "num_new_computed_tokens", r)?;
-        let lookahead = opt_count(num_lookahead_tokens, "num_lookahead_tokens", r)?;
-        let external = opt_count(
-            num_external_computed_tokens,
-            "num_external_computed_tokens",
-            r,
-        )?;
-        let delay = opt_flag(delay_cache_blocks, "delay_cache_blocks", r, false)?;
-        let full_seq = opt_flag(full_sequence_must_fit, "full_sequence_must_fit", r, false)?;
-        let reserved = opt_count(reserved_blocks, "reserved_blocks", r)?;
-        let scheduled = opt_flag(has_scheduled_reqs, "has_scheduled_reqs", r, true)?;
-        if opt_count(num_encoder_tokens, "num_encoder_tokens", r)? != 0 {
-            return Err(invalid(
-                r,
-                "encoder (cross-attention) tokens are not supported in scheduler mode".into(),
-            ));
-        }
-        let given = match new_computed_blocks {
-            Some(b) if !b.is_none() => match b.cast::<KVBlocks>() {
-                Ok(k) => k.get().ids.len(),
-                Err(_) => {
-                    return Err(type_error(
-                        r,
-                        format!(
-                            "new_computed_blocks must be KVBlocks from this manager, got {}",
-                            type_name(b)
-                        ),
-                    ))
-                }
-            },
-            _ => 0,
-        };
-        let mut zero_external = true;
-        if let Some(g) = skip_zeroing_group_ids {
-            if !g.is_none() {
-                for item in g.try_iter().map_err(|_| {
-                    type_error(
-                        r,
-                        "skip_zeroing_group_ids must be a sequence of ints".into(),
-                    )
-                })? {
-                    if count(&item?, "skip_zeroing_group_ids[i]", r)? == 0 {
-                        zero_external = false;
-                    }
-                }
-            }
-        }
-        let num_tokens = num_tokens(request, rid)?;
-        let computed = count_attr(
+        Self::allocate_general(
+            slf,
+            known,
             request,
-            intern!(py, "num_computed_tokens"),
-            "request.num_computed_tokens",
-            rid,
-        )?;
-        let watermark = watermark_of(slf, request, scheduled)?;
-        let hashes = RequestHashes::of(request, rid)?;
-
-        let mut this = borrow_mut(slf)?;
-        let bs = this.inner.block_size();
-        if hit_tokens % bs != 0 {
-            return Err(invalid(
-                r,
-                format!("num_new_computed_tokens = {hit_tokens} is not a multiple of the block size {bs}"),
-            ));
-        }
-        let hits = hit_tokens / bs;
-        if given != hits {
-            return Err(invalid(
-                r,
-                format!("{given} computed blocks given for {hit_tokens} new computed tokens"),
-            ));
-        }
-        let defer = this.defer_lookahead && lookahead > 0 && !delay;
-        let a = AllocArgs {
-            num_computed_tokens: computed,
-            num_tokens,
-            num_new_tokens: new,
-            num_hit_blocks: hits,
-            num_external_tokens: external,
-            num_lookahead_tokens: lookahead,
-            defer_lookahead: defer,
-            max_model_len: this.max_model_len,
-            reserved_blocks: reserved,
-            watermark_blocks: watermark,
-            full_sequence_tokens: full_seq.then(|| num_tokens.min(this.max_model_len)),
-            delay_cache_blocks: delay,
-            num_reprefillable_tokens: this.num_reprefillable,
-            zero_external_blocks: zero_external,
-        };
-        let tag = request.as_ptr() as u64;
-        let done = match known {
-            Some(s) => this.inner.allocate_tagged(rid, s, tag, &a, &hashes),
-            None => this.inner.allocate(rid, &a, &hashes),
-        };
-        let Some(done) = done.map_err(err)? else {
-            return Ok(None);
-        };
-        let untagged = this.inner.slot_tag(done.slot) != tag;
-        if defer {
-            let main = (computed + hits * bs + external).min(this.max_model_len) + new;
-            this.deferred.push((rid.to_owned(), main, lookahead));
-        }
-        let (out, hook) = this.allocated(py, &done)?;
-        drop(this);
-        if untagged {
-            note_slot(slf, request, rid, done.slot);
-        }
-        if hook {
-            call_hook(slf, request, done.commit.start, done.commit.end)?;
-        }
-        Ok(Some(out))
+            num_new_tokens,
+            num_new_computed_tokens,
+            new_computed_blocks,
+            num_lookahead_tokens,
+            num_external_computed_tokens,
+            delay_cache_blocks,
+            num_encoder_tokens,
+            full_sequence_must_fit,
+            reserved_blocks,
+            has_scheduled_reqs,
+            skip_zeroing_group_ids,
+        )
     }
 
     /// vLLM's `cache_blocks(request, num_computed_tokens)`: registers the request's blocks full
