@@ -518,6 +518,20 @@ def test_a_noted_request_answers_and_fails_as_one_found_by_name(data):
         assert m.check_invariants() is None
 
 
+@pytest.mark.parametrize("new", [4, 2**62, 2**63 - 1, 2**64 - 1])
+@pytest.mark.parametrize("lookahead", [3, 2**63 - 1, 2**64 - 1])
+@pytest.mark.parametrize("reserved", [None, 0, 2**64 - 1])
+def test_huge_counts_answer_as_vllms_manager(new, lookahead, reserved):
+    """Counts near 2**64 (sums past usize) are capped at max_model_len, as Python's ints are in
+    vLLM's manager: the same fit and the same number of new blocks, never a wrapped sum."""
+    answers = []
+    for m in managers(300, use_eagle=True, max_model_len=256):
+        kw = {} if reserved is None else {"reserved_blocks": reserved}
+        got = m.allocate_slots(request("a", list(range(1, 40))), new, num_lookahead_tokens=lookahead, **kw)
+        answers.append(None if got is None else len(got.get_block_ids()[0]))
+    assert answers[0] == answers[1]
+
+
 def test_importing_kvslots_vllm_does_not_import_vllm():
     code = ("import sys, kvslots.vllm as v; assert 'vllm' not in sys.modules, 'vllm imported'; "
             "assert 'KVSlotsScheduler' in v.__all__; print('ok')")

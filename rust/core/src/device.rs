@@ -674,8 +674,14 @@ impl DeviceAllocator {
                 required.saturating_sub(hits.len() + held) + evictable
             }
         };
-        let num_local = a.num_computed_tokens + a.num_hit_blocks * bs;
-        let total_computed = (num_local + a.num_external_tokens).min(a.max_model_len);
+        // Saturating: counts come from the caller (up to 2**63 each); a sum past usize is
+        // past max_model_len anyway.
+        let num_local = a
+            .num_computed_tokens
+            .saturating_add(a.num_hit_blocks.saturating_mul(bs));
+        let total_computed = num_local
+            .saturating_add(a.num_external_tokens)
+            .min(a.max_model_len);
         // The lookahead other requests hold in vLLM's manager and not here (their debt) is held
         // for this fit check, as it is in vLLM: a request grows into its own debt only (vLLM's
         // table already has those blocks). So a request fits exactly where it would fit over
@@ -696,10 +702,12 @@ impl DeviceAllocator {
                 return Ok(None);
             }
         }
-        let main_tokens = total_computed + a.num_new_tokens;
-        let need_slot = (main_tokens + a.num_lookahead_tokens).min(a.max_model_len);
+        let main_tokens = total_computed.saturating_add(a.num_new_tokens);
+        let need_slot = main_tokens
+            .saturating_add(a.num_lookahead_tokens)
+            .min(a.max_model_len);
         let n = to_allocate(need_slot);
-        if n + a.watermark_blocks + a.reserved_blocks > free {
+        if n.saturating_add(a.watermark_blocks).saturating_add(a.reserved_blocks) > free {
             self.scratch_ids = hits;
             return Ok(None);
         }
@@ -707,7 +715,7 @@ impl DeviceAllocator {
         let commit_end = if a.delay_cache_blocks || !self.enable_caching {
             None
         } else {
-            let to_cache = (total_computed + a.num_new_tokens).min(a.num_tokens);
+            let to_cache = main_tokens.min(a.num_tokens);
             Some(to_cache.saturating_sub(a.num_reprefillable_tokens) / bs)
         };
         let commit_start = if adopt && !tracked {
@@ -737,7 +745,7 @@ impl DeviceAllocator {
         // Blocks this call takes, by construction at most `n`: a hard check all the same, so
         // a wrong argument can never reach the pool.
         let ext_blocks = if adopt && !tracked && a.num_external_tokens > 0 {
-            cdiv(num_local + a.num_external_tokens, bs).saturating_sub(hits.len())
+            cdiv(num_local.saturating_add(a.num_external_tokens), bs).saturating_sub(hits.len())
         } else {
             0
         };

@@ -483,7 +483,11 @@ impl DeviceKVManager {
         };
         let untagged = this.inner.slot_tag(done.slot) != tag;
         if defer {
-            let main = (computed + hits * bs + external).min(this.max_model_len) + new;
+            let main = computed
+                .saturating_add(hits * bs)
+                .saturating_add(external)
+                .min(this.max_model_len)
+                .saturating_add(new);
             this.deferred.push((rid.to_owned(), main, lookahead));
         }
         let (out, hook) = this.allocated(py, &done)?;
