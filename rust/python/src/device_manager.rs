@@ -361,22 +361,12 @@ impl DeviceKVManager {
     /// ([`Self::allocate_running`]) stays small and in cache.
     #[cold]
     #[inline(never)]
-    #[allow(clippy::too_many_arguments)]
     fn allocate_general<'py>(
         slf: &Bound<'py, Self>,
         known: Option<usize>,
         request: &Bound<'py, PyAny>,
         num_new_tokens: &Bound<'py, PyAny>,
-        num_new_computed_tokens: Option<&Bound<'py, PyAny>>,
-        new_computed_blocks: Option<&Bound<'py, PyAny>>,
-        num_lookahead_tokens: Option<&Bound<'py, PyAny>>,
-        num_external_computed_tokens: Option<&Bound<'py, PyAny>>,
-        delay_cache_blocks: Option<&Bound<'py, PyAny>>,
-        num_encoder_tokens: Option<&Bound<'py, PyAny>>,
-        full_sequence_must_fit: Option<&Bound<'py, PyAny>>,
-        reserved_blocks: Option<&Bound<'py, PyAny>>,
-        has_scheduled_reqs: Option<&Bound<'py, PyAny>>,
-        skip_zeroing_group_ids: Option<&Bound<'py, PyAny>>,
+        kw: AllocKwargs<'_, 'py>,
     ) -> PyResult<Option<Py<KVBlocks>>> {
         let py = slf.py();
         // Every argument and request field first, then the manager.
@@ -384,24 +374,24 @@ impl DeviceKVManager {
         let rid = rid_obj.to_str()?;
         let r = Some(rid);
         let new = fast_count(num_new_tokens, "num_new_tokens", r)?;
-        let hit_tokens = opt_count(num_new_computed_tokens, "num_new_computed_tokens", r)?;
-        let lookahead = opt_count(num_lookahead_tokens, "num_lookahead_tokens", r)?;
+        let hit_tokens = opt_count(kw.num_new_computed_tokens, "num_new_computed_tokens", r)?;
+        let lookahead = opt_count(kw.num_lookahead_tokens, "num_lookahead_tokens", r)?;
         let external = opt_count(
-            num_external_computed_tokens,
+            kw.num_external_computed_tokens,
             "num_external_computed_tokens",
             r,
         )?;
-        let delay = opt_flag(delay_cache_blocks, "delay_cache_blocks", r, false)?;
-        let full_seq = opt_flag(full_sequence_must_fit, "full_sequence_must_fit", r, false)?;
-        let reserved = opt_count(reserved_blocks, "reserved_blocks", r)?;
-        let scheduled = opt_flag(has_scheduled_reqs, "has_scheduled_reqs", r, true)?;
-        if opt_count(num_encoder_tokens, "num_encoder_tokens", r)? != 0 {
+        let delay = opt_flag(kw.delay_cache_blocks, "delay_cache_blocks", r, false)?;
+        let full_seq = opt_flag(kw.full_sequence_must_fit, "full_sequence_must_fit", r, false)?;
+        let reserved = opt_count(kw.reserved_blocks, "reserved_blocks", r)?;
+        let scheduled = opt_flag(kw.has_scheduled_reqs, "has_scheduled_reqs", r, true)?;
+        if opt_count(kw.num_encoder_tokens, "num_encoder_tokens", r)? != 0 {
             return Err(invalid(
                 r,
                 "encoder (cross-attention) tokens are not supported in scheduler mode".into(),
             ));
         }
-        let given = match new_computed_blocks {
+        let given = match kw.new_computed_blocks {
             Some(b) if !b.is_none() => match b.cast::<KVBlocks>() {
                 Ok(k) => k.get().ids.len(),
                 Err(_) => {
@@ -417,7 +407,7 @@ impl DeviceKVManager {
             _ => 0,
         };
         let mut zero_external = true;
-        if let Some(g) = skip_zeroing_group_ids {
+        if let Some(g) = kw.skip_zeroing_group_ids {
             if !g.is_none() {
                 for item in g.try_iter().map_err(|_| {
                     type_error(
@@ -536,6 +526,40 @@ fn note_slot(slf: &Bound<'_, DeviceKVManager>, request: &Bound<'_, PyAny>, rid: 
         if let Ok(mut this) = borrow_mut(slf) {
             this.inner.tag_slot(rid, request.as_ptr() as u64);
         }
+    }
+}
+
+/// `allocate_slots`' optional arguments, as given.
+#[derive(Clone, Copy)]
+struct AllocKwargs<'a, 'py> {
+    num_new_computed_tokens: Option<&'a Bound<'py, PyAny>>,
+    new_computed_blocks: Option<&'a Bound<'py, PyAny>>,
+    num_lookahead_tokens: Option<&'a Bound<'py, PyAny>>,
+    num_external_computed_tokens: Option<&'a Bound<'py, PyAny>>,
+    delay_cache_blocks: Option<&'a Bound<'py, PyAny>>,
+    num_encoder_tokens: Option<&'a Bound<'py, PyAny>>,
+    full_sequence_must_fit: Option<&'a Bound<'py, PyAny>>,
+    reserved_blocks: Option<&'a Bound<'py, PyAny>>,
+    has_scheduled_reqs: Option<&'a Bound<'py, PyAny>>,
+    skip_zeroing_group_ids: Option<&'a Bound<'py, PyAny>>,
+}
+
+impl AllocKwargs<'_, '_> {
+    /// Only what vLLM passes for a running request (`num_lookahead_tokens`, and
+    /// `has_scheduled_reqs`): every other argument absent or `None`.
+    fn running(&self) -> bool {
+        [
+            self.num_new_computed_tokens,
+            self.new_computed_blocks,
+            self.num_external_computed_tokens,
+            self.delay_cache_blocks,
+            self.num_encoder_tokens,
+            self.full_sequence_must_fit,
+            self.reserved_blocks,
+            self.skip_zeroing_group_ids,
+        ]
+        .iter()
+        .all(|o| o.map_or(true, |o| o.is_none()))
     }
 }
 
@@ -680,21 +704,21 @@ impl DeviceKVManager {
         has_scheduled_reqs: Option<&Bound<'py, PyAny>>,
         skip_zeroing_group_ids: Option<&Bound<'py, PyAny>>,
     ) -> PyResult<Option<Py<KVBlocks>>> {
+        let kw = AllocKwargs {
+            num_new_computed_tokens,
+            new_computed_blocks,
+            num_lookahead_tokens,
+            num_external_computed_tokens,
+            delay_cache_blocks,
+            num_encoder_tokens,
+            full_sequence_must_fit,
+            reserved_blocks,
+            has_scheduled_reqs,
+            skip_zeroing_group_ids,
+        };
         let known = noted_slot(request);
         if let Some(s) = known {
-            let running = [
-                num_new_computed_tokens,
-                new_computed_blocks,
-                num_external_computed_tokens,
-                delay_cache_blocks,
-                num_encoder_tokens,
-                full_sequence_must_fit,
-                reserved_blocks,
-                skip_zeroing_group_ids,
-            ]
-            .iter()
-            .all(|o| o.map_or(true, |o| o.is_none()));
-            if running {
+            if kw.running() {
                 if let Some(out) = Self::allocate_running(
                     slf,
                     request,
@@ -709,22 +733,7 @@ impl DeviceKVManager {
                 borrow(slf)?.inner.prefetch_slot(s);
             }
         }
-        Self::allocate_general(
-            slf,
-            known,
-            request,
-            num_new_tokens,
-            num_new_computed_tokens,
-            new_computed_blocks,
-            num_lookahead_tokens,
-            num_external_computed_tokens,
-            delay_cache_blocks,
-            num_encoder_tokens,
-            full_sequence_must_fit,
-            reserved_blocks,
-            has_scheduled_reqs,
-            skip_zeroing_group_ids,
-        )
+        Self::allocate_general(slf, known, request, num_new_tokens, kw)
     }
 
     /// vLLM's `cache_blocks(request, num_computed_tokens)`: registers the request's blocks full
