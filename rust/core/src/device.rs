@@ -554,18 +554,6 @@ impl DeviceAllocator {
         start..start + n
     }
 
-    /// Starts loading the slot's state and the end of its block table into the cache, so a
-    /// call about to allocate for it overlaps that wait with its own argument reading.
-    pub fn prefetch_slot(&self, slot: usize) {
-        if let Some(r) = self.slots.get(slot) {
-            crate::pool::prefetch(
-                r.blocks
-                    .as_ptr()
-                    .wrapping_add(r.blocks.len().saturating_sub(1)),
-            );
-        }
-    }
-
     /// The caller's handle on `slot` (0: none or released).
     pub fn slot_tag(&self, slot: usize) -> u64 {
         self.slots.get(slot).map_or(0, |r| r.tag)
@@ -597,6 +585,8 @@ impl DeviceAllocator {
     /// [`Self::allocate`] for a request the caller tagged `slot` for ([`Self::tag_slot`]):
     /// the slot is taken when it still carries `tag`, with no lookup by name; otherwise
     /// (released, retagged) the name decides, as in `allocate`.
+    // Inlined (with `allocate_at`) into callers with constant arguments, such as the binding's
+    // per-step call for a running request, where the hit and adoption branches fold away.
     #[inline(always)]
     pub fn allocate_tagged<H: HashSource + ?Sized>(
         &mut self,

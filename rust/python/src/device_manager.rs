@@ -571,15 +571,14 @@ fn watermark_of(
     scheduled: bool,
 ) -> PyResult<usize> {
     let py = slf.py();
-    let watermark_blocks = borrow(slf)?.watermark_blocks;
-    if watermark_blocks == 0 || !scheduled {
-        return Ok(0);
-    }
-    let statuses: Vec<Py<PyAny>> = borrow(slf)?
-        .watermark_statuses
-        .iter()
-        .map(|s| s.clone_ref(py))
-        .collect();
+    let (watermark_blocks, statuses): (usize, Vec<Py<PyAny>>) = {
+        let this = borrow(slf)?;
+        if this.watermark_blocks == 0 || !scheduled {
+            return Ok(0);
+        }
+        let statuses = this.watermark_statuses.iter().map(|s| s.clone_ref(py)).collect();
+        (this.watermark_blocks, statuses)
+    };
     let status = request.getattr(intern!(py, "status"))?;
     for s in &statuses {
         let s = s.bind(py);
@@ -717,20 +716,16 @@ impl DeviceKVManager {
             skip_zeroing_group_ids,
         };
         let known = noted_slot(request);
-        if let Some(s) = known {
-            if kw.running() {
-                if let Some(out) = Self::allocate_running(
-                    slf,
-                    request,
-                    s,
-                    num_new_tokens,
-                    num_lookahead_tokens,
-                    has_scheduled_reqs,
-                )? {
-                    return Ok(out);
-                }
-            } else {
-                borrow(slf)?.inner.prefetch_slot(s);
+        if let (Some(s), true) = (known, kw.running()) {
+            if let Some(out) = Self::allocate_running(
+                slf,
+                request,
+                s,
+                num_new_tokens,
+                num_lookahead_tokens,
+                has_scheduled_reqs,
+            )? {
+                return Ok(out);
             }
         }
         Self::allocate_general(slf, known, request, num_new_tokens, kw)
