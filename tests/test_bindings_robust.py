@@ -250,7 +250,7 @@ def test_host_cache_any_arguments(data):
 # ---- PrefixIndex, block_hash, encode_event_batch ----
 
 INDEX_CALLS = {"add_worker": 1, "remove_worker": 1, "clear_worker": 1, "worker_len": 1, "apply": 2, "lookup": 2,
-               "chain_keys": 2, "score_blocks": 1, "load": 2}
+               "chain_keys": 2, "score_blocks": 1, "load": 2, "set_worker_eagle": 2, "worker_eagle": 1}
 
 
 def _index():
@@ -258,12 +258,12 @@ def _index():
     ix.add_worker("w")
     toks = list(range(8))
     keys = ix.chain_keys(toks, 4)
-    ix.load("w", [(keys[0], keys[0], [1, 0, 0])])
+    ix.load("w", [(keys[0], keys[0], [1, 0, 0], 0)])
     return ix
 
 
 def _index_state(ix):
-    return (ix.workers(), ix.dump(), ix.stats(), len(ix))
+    return (ix.workers(), [ix.worker_eagle(w) for w in ix.workers()], ix.dump(), ix.stats(), len(ix))
 
 
 @SETTINGS
@@ -271,7 +271,7 @@ def _index_state(ix):
 def test_prefix_index_any_arguments(data):
     ix = _index()
     payload = _core.encode_event_batch([("BlockStored", [1], None, [1, 2, 3, 4], 4, None)], 0.0)
-    valid = ["w", "v", list(range(8)), 4, payload, b"\x00", [{"w": 1}], [(1, 2, [1, 0, 0])]]
+    valid = ["w", "v", list(range(8)), 4, payload, b"\x00", [{"w": 1}], [(1, 2, [1, 0, 0], 0)], True, ["w"]]
     for _ in range(3):
         name = data.draw(st.sampled_from(sorted(INDEX_CALLS)))
         args = _args(data, INDEX_CALLS[name], valid)
@@ -280,6 +280,8 @@ def test_prefix_index_any_arguments(data):
             kw = {"lora_id": data.draw(ANY), "lora_name": data.draw(ANY)}
         if name == "apply" and data.draw(st.booleans()):
             kw = {"default_tier": data.draw(ANY)}
+        if name == "score_blocks" and data.draw(st.booleans()):
+            kw = {"token_ids": data.draw(ANY), "block_size": data.draw(ANY), "eagle": data.draw(ANY)}
         # A lookup counts itself (stats) when it succeeds; only failures must change nothing.
         _call(ix, name, args, kw, lambda: _index_state(ix), ix.check_invariants)
 
@@ -418,8 +420,9 @@ def test_reentrant_arguments():
         ix.lookup([IxPeek()] * 8, 4)
         ix.lookup(list(range(8)), IxPeek(), lora_id=IxPeek())
         ix.chain_keys(np.array([IxPeek()] * 8, dtype=object), 4)
-        ix.load("w", [(IxPeek(), IxPeek(), [IxPeek(), 0, 0])])
+        ix.load("w", [(IxPeek(), IxPeek(), [IxPeek(), 0, 0], IxPeek())])
         ix.score_blocks([{"w": IxPeek()}])
+        ix.score_blocks([{"w": IxPeek()}], [IxPeek()] * 8, IxPeek(), ["w"])
 
     t = threading.Thread(target=lookups, daemon=True)
     t.start()

@@ -85,7 +85,8 @@ class TierMatch(BaseModel):
 
 
 class WorkerScore(BaseModel):
-    blocks: int = Field(description="Longest prefix the worker holds on any tier, in blocks")
+    blocks: int = Field(description="Longest prefix the worker holds on any tier, in blocks (for an "
+                        "EAGLE worker: that its engine serves from cache)")
     tokens: int
     tiers: dict[str, TierMatch] = Field(description="Per tier: GPU, CPU, STORAGE")
     score: float = Field(
@@ -112,6 +113,8 @@ class WorkerIn(BaseModel):
     replay: Text | None = Field(None, max_length=512, description="ZMQ ROUTER replay address")
     topic: Text = Field("", max_length=256)
     tier: Text = Field("GPU", description="Tier of events without a medium: GPU, CPU or STORAGE")
+    eagle: bool = Field(False, strict=True, description="Runs an EAGLE-family drafter: the last block of "
+                        "a prefix counts only when the engine serves it (see docs/indexer.md)")
 
 
 class WorkerOut(BaseModel):
@@ -120,6 +123,7 @@ class WorkerOut(BaseModel):
     replay: str | None
     topic: str
     tier: str
+    eagle: bool
     stream: dict[str, Any] | None = Field(description="Sequence state: applied_seq, gaps, replays, ...")
 
 

@@ -52,7 +52,8 @@ class Backend:
         raise NotImplementedError
 
     # the index (subscription thread)
-    def add_worker(self, name: str) -> None:
+    def add_worker(self, name: str, *, eagle: bool = False) -> None:
+        """Adds the worker if missing and sets whether the EAGLE last-block rule applies to it."""
         raise NotImplementedError
 
     def remove_worker(self, name: str) -> None:
@@ -106,9 +107,10 @@ class MemoryBackend(Backend):
         with self._lock:
             return dict(self._specs)
 
-    def add_worker(self, name: str) -> None:
+    def add_worker(self, name: str, *, eagle: bool = False) -> None:
         if name not in self.index.workers():
             self.index.add_worker(name)
+        self.index.set_worker_eagle(name, eagle)
 
     def remove_worker(self, name: str) -> None:
         if name in self.index.workers():

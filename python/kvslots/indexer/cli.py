@@ -19,8 +19,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
             "which tier, and answers POST /score over HTTP. See docs/indexer.md."
         ),
     )
-    p.add_argument("--worker", action="append", metavar="NAME=tcp://HOST:PORT[,replay=...][,topic=...][,tier=...]",
-                   help="a worker's event stream (repeatable); tier= is the tier of events without a medium")
+    p.add_argument("--worker", action="append",
+                   metavar="NAME=tcp://HOST:PORT[,replay=...][,topic=...][,tier=...][,eagle=true]",
+                   help="a worker's event stream (repeatable); tier= is the tier of events without a medium; "
+                        "eagle=true for an EAGLE-family drafter (its last matched block counts only when served)")
     p.add_argument("--config", metavar="FILE.yaml", help="settings and workers from a YAML file")
     p.add_argument("--host", help="address to bind (default 127.0.0.1)")
     p.add_argument("--port", type=int, help="port (default 8200)")

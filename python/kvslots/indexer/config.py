@@ -25,7 +25,9 @@ class WorkerSpec:
     """One event stream: a vLLM engine's (or kvslots') ZMQ publisher.
 
     ``tier`` is the tier of events that carry no medium, and the tier an ``AllBlocksCleared``
-    on this stream clears (vLLM's GPU block pool publishes ``GPU``).
+    on this stream clears (vLLM's GPU block pool publishes ``GPU``). ``eagle``: the worker runs
+    an EAGLE-family drafter (EAGLE, EAGLE-3, MTP), so its scores count the last block of a
+    prefix only when its engine serves it from cache (docs/indexer.md, "EAGLE workers").
     """
 
     name: str
@@ -33,6 +35,7 @@ class WorkerSpec:
     replay: str | None = None
     topic: str = ""
     tier: str = "GPU"
+    eagle: bool = False
 
     def __post_init__(self) -> None:
         if not _NAME.match(self.name):
@@ -47,20 +50,29 @@ class WorkerSpec:
             raise ConfigError(f"worker {self.name!r}: tier {self.tier!r} is not one of {', '.join(TIERS)}")
         if len(self.topic) > 256:
             raise ConfigError(f"worker {self.name!r}: topic longer than 256 characters")
+        if type(self.eagle) is not bool:
+            raise ConfigError(f"worker {self.name!r}: eagle must be true or false, got {self.eagle!r}")
 
     @classmethod
     def parse(cls, text: str) -> WorkerSpec:
-        """``NAME=tcp://host:port[,replay=tcp://host:port][,topic=T][,tier=GPU|CPU|STORAGE]``."""
+        """``NAME=tcp://host:port[,replay=tcp://host:port][,topic=T][,tier=GPU|CPU|STORAGE]
+        [,eagle=true|false]``."""
         name, sep, rest = text.partition("=")
         if not sep or not rest:
-            raise ConfigError(f"--worker {text!r}: expected NAME=tcp://host:port[,replay=...][,topic=...][,tier=...]")
+            raise ConfigError(f"--worker {text!r}: expected NAME=tcp://host:port[,replay=...][,topic=...][,tier=...]"
+                              "[,eagle=...]")
         endpoint, *opts = rest.split(",")
-        kw: dict[str, str] = {}
+        kw: dict[str, Any] = {}
         for opt in opts:
             k, eq, v = opt.partition("=")
-            if not eq or k not in ("replay", "topic", "tier"):
-                raise ConfigError(f"--worker {text!r}: unknown option {opt!r} (replay=, topic=, tier=)")
-            kw[k] = v.upper() if k == "tier" else v
+            if not eq or k not in ("replay", "topic", "tier", "eagle"):
+                raise ConfigError(f"--worker {text!r}: unknown option {opt!r} (replay=, topic=, tier=, eagle=)")
+            if k == "eagle":
+                if v.lower() not in ("true", "false"):
+                    raise ConfigError(f"--worker {text!r}: eagle={v!r}: use eagle=true or eagle=false")
+                kw[k] = v.lower() == "true"
+            else:
+                kw[k] = v.upper() if k == "tier" else v
         return cls(name=name.strip(), endpoint=endpoint.strip(), **kw)
 
     @classmethod
@@ -77,6 +89,7 @@ class WorkerSpec:
             replay=None if d.get("replay") is None else str(d["replay"]),
             topic=str(d.get("topic", "")),
             tier=tier,
+            eagle=d.get("eagle", False),
         )
 
     def to_dict(self) -> dict[str, Any]:

@@ -228,8 +228,9 @@ class RedisBackend(Backend):
                 self.epoch = epoch.decode()
                 for w, seq in self.r.hgetall(self.k("cursor")).items():
                     self._resume[w.decode()] = int(seq) + 1
-                for name in specs:
+                for name, spec in specs.items():
                     self.local.add_worker(name)
+                    self.local.set_worker_eagle(name, spec.eagle)
                     self._load_worker(name)
                 self.local.take_changes()  # loaded state is already in Redis
                 self.is_writer = True
@@ -244,8 +245,8 @@ class RedisBackend(Backend):
         assert self.local is not None
         entries = []
         for engine, v in self.r.hscan_iter(self.k("e", name), count=CHUNK):
-            key, g0, g1, g2 = v.split()
-            entries.append((int(engine), int(key), (int(g0), int(g1), int(g2))))
+            key, g0, g1, g2, *last = v.split()  # "key g0 g1 g2 [last]" (older writers: no last)
+            entries.append((int(engine), int(key), (int(g0), int(g1), int(g2)), int(last[0]) if last else 0))
         self.local.load(name, entries)
 
     def _epoch_lost(self) -> bool:
@@ -296,10 +297,12 @@ class RedisBackend(Backend):
 
     # ---- writing (subscription thread, writer only) ----
 
-    def add_worker(self, name: str) -> None:
+    def add_worker(self, name: str, *, eagle: bool = False) -> None:
         with self._lock:
-            if self.local is not None and name not in self.local.workers():
-                self.local.add_worker(name)
+            if self.local is not None:
+                if name not in self.local.workers():
+                    self.local.add_worker(name)
+                self.local.set_worker_eagle(name, eagle)
 
     def remove_worker(self, name: str) -> None:
         with self._lock:
@@ -341,11 +344,11 @@ class RedisBackend(Backend):
             self.needs_resync = True
             return
         args: list[Any] = [self.ns, self.id, self.epoch or "", worker, "" if seq is None else seq, len(engines)]
-        for w, engine, key, groups in engines:
-            args += [w, engine, "" if key is None else f"{key} {groups[0]} {groups[1]} {groups[2]}"]
+        for w, engine, key, groups, last in engines:
+            args += [w, engine, "" if key is None else f"{key} {groups[0]} {groups[1]} {groups[2]} {last}"]
         args.append(len(holders))
-        for key, w, tiers in holders:
-            args += [key, w, tiers]
+        for key, w, value in holders:
+            args += [key, w, value]
         try:
             self._apply_script(args=args)
         except redis.ResponseError as e:
@@ -374,17 +377,15 @@ class RedisBackend(Backend):
             pipe = self.r.pipeline(transaction=False)
             for name, spec in self._specs.items():
                 pipe.hset(self.k("workers"), name, json.dumps(spec.to_dict()))
-            holders: dict[tuple[int, str], int] = {}
             n = 0
-            for worker, engine, key, groups in self.local.dump():
-                pipe.hset(self.k("e", worker), engine, f"{key} {groups[0]} {groups[1]} {groups[2]}")
-                tiers = (1 if groups[0] else 0) | (2 if groups[1] else 0) | (4 if groups[2] else 0)
-                holders[(key, worker)] = holders.get((key, worker), 0) | tiers
+            for worker, engine, key, groups, last in self.local.dump():
+                pipe.hset(self.k("e", worker), engine, f"{key} {groups[0]} {groups[1]} {groups[2]} {last}")
                 n += 1
                 if n % CHUNK == 0:
                     pipe.execute()
-            for (key, worker), tiers in holders.items():
-                pipe.hset(self.k("k", str(key)), worker, tiers)
+            holders = self.local.dump_holders()
+            for key, worker, value in holders:
+                pipe.hset(self.k("k", str(key)), worker, value)
                 n += 1
                 if n % CHUNK == 0:
                     pipe.execute()
@@ -456,7 +457,8 @@ class RedisBackend(Backend):
                 i += want
                 want = min(want * 4, 512)
                 pipe = self.r.pipeline(transaction=False)
-            matches = self.hasher.score_blocks(blocks)
+            eagle = [name for name, spec in self.specs().items() if spec.eagle]
+            matches = self.hasher.score_blocks(blocks, tokens, block_size, eagle)
             return ScoreResult(matches, stale=bool(reasons), stale_reasons=reasons)
         except redis.RedisError as e:
             self.errors += 1

@@ -68,7 +68,7 @@ class IndexerService:
                         self.backend.clear_worker(name)
             for name, spec in specs.items():
                 if name not in self._subscribed:
-                    self.backend.add_worker(name)
+                    self.backend.add_worker(name, eagle=spec.eagle)
                     self._subscribed[name] = spec
                     try:
                         self.sub.add(spec)

@@ -5,7 +5,8 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Mutex, MutexGuard};
 
 use kvslots_core::index::{
-    self as ix, lora_name_key, Change, EngineEntryView, IndexConfig, Tier, NUM_TIERS,
+    self as ix, holder_tiers, lora_name_key, serves_last, Change, EngineEntryView, IndexConfig,
+    LastBlock, Tier, NUM_TIERS,
 };
 use pyo3::prelude::*;
 use pyo3::sync::MutexExt;
@@ -13,12 +14,12 @@ use pyo3::types::{PyDict, PyList, PyString, PyTuple};
 
 use crate::apply_stats::ApplyStats;
 use crate::convert::{
-    self as conv, arg, int, opt_int, opt_text, show, text, tuples, type_name, IntArg,
+    self as conv, arg, flag, int, opt_int, opt_text, show, text, tuples, type_name, IntArg,
 };
 use crate::errors::{busy, index_error, index_invalid, type_error};
 
 type Match = (String, u32, [u32; NUM_TIERS], f64);
-type Entry = (String, u64, u64, [u32; NUM_TIERS]);
+type Entry = (String, u64, u64, [u32; NUM_TIERS], u64);
 type PyMatch<'py> = (Bound<'py, PyString>, u32, [u32; NUM_TIERS], f64);
 
 /// In-memory prefix index: which (worker, tier) holds which block. Thread-safe: calls are
@@ -246,6 +247,26 @@ impl PrefixIndex {
         Ok(n)
     }
 
+    /// Marks the worker as running an EAGLE-family drafter (or not): its lookups then count the
+    /// last block of a prefix only when its engine would serve it from cache.
+    fn set_worker_eagle(
+        &self,
+        py: Python<'_>,
+        name: &Bound<'_, PyAny>,
+        eagle: &Bound<'_, PyAny>,
+    ) -> PyResult<()> {
+        let name = text(name, "name")?;
+        let eagle = flag(eagle, "eagle", None)?;
+        self.lock(py)?
+            .set_worker_eagle(name, eagle)
+            .map_err(index_error)
+    }
+
+    fn worker_eagle(&self, py: Python<'_>, name: &Bound<'_, PyAny>) -> PyResult<bool> {
+        let name = text(name, "name")?;
+        self.lock(py)?.worker_eagle(name).map_err(index_error)
+    }
+
     /// Drops the worker's entries (publisher restart, unrecoverable gap); keeps the worker.
     fn clear_worker(&self, py: Python<'_>, name: &Bound<'_, PyAny>) -> PyResult<usize> {
         let name = text(name, "name")?;
@@ -326,8 +347,52 @@ impl PrefixIndex {
     }
 
     /// Scores prompt blocks whose holders were fetched elsewhere: `blocks[i]` maps worker name
-    /// to tier bitmask (bit 0 GPU, 1 CPU, 2 STORAGE). Same result shape as `lookup`.
-    fn score_blocks(&self, py: Python<'_>, blocks: &Bound<'_, PyAny>) -> PyResult<Vec<Match>> {
+    /// to holder value (as `take_changes` gives it: bits 0-2 the tiers GPU, CPU, STORAGE, the
+    /// rest what the EAGLE last-block rule needs). Same result shape as `lookup`. With `eagle`
+    /// (worker names), those workers' last blocks count only when their engine would serve them
+    /// for `token_ids` (block size `block_size`), as `lookup` decides.
+    #[pyo3(signature = (blocks, token_ids=None, block_size=None, eagle=None))]
+    fn score_blocks(
+        &self,
+        py: Python<'_>,
+        blocks: &Bound<'_, PyAny>,
+        token_ids: Option<&Bound<'_, PyAny>>,
+        block_size: Option<&Bound<'_, PyAny>>,
+        eagle: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<Vec<Match>> {
+        let eagle: Vec<String> = match eagle {
+            None => Vec::new(),
+            Some(e) => {
+                let bad = || {
+                    type_error(
+                        None,
+                        format!(
+                            "eagle must be a list of worker names, got {} {}",
+                            type_name(e),
+                            show(e)
+                        ),
+                    )
+                };
+                if e.is_instance_of::<PyString>() {
+                    return Err(bad());
+                }
+                let mut out = Vec::new();
+                for (i, n) in e.try_iter().map_err(|_| bad())?.enumerate() {
+                    out.push(text(&n?, &format!("eagle[{i}]"))?.to_owned());
+                }
+                out
+            }
+        };
+        let rule = if eagle.is_empty() {
+            None
+        } else {
+            let (Some(t), Some(b)) = (token_ids, block_size) else {
+                return Err(index_invalid(
+                    "score_blocks with eagle workers needs token_ids and block_size".into(),
+                ));
+            };
+            Some((self::token_ids(t)?, block_size_arg(b)?))
+        };
         let not_list = || {
             type_error(
                 None,
@@ -342,7 +407,7 @@ impl PrefixIndex {
         // Convert everything first: the dicts' keys and values may run Python code.
         let mut names: Vec<String> = Vec::new();
         let mut ids = std::collections::HashMap::<String, u32>::new();
-        let mut converted: Vec<Vec<(u32, u8)>> = Vec::with_capacity(list.len());
+        let mut converted: Vec<Vec<(u32, u64)>> = Vec::with_capacity(list.len());
         for (i, block) in list.iter().enumerate() {
             let d = block.cast::<PyDict>().map_err(|_| {
                 type_error(
@@ -357,22 +422,34 @@ impl PrefixIndex {
             let mut holders = Vec::with_capacity(d.len());
             for (k, v) in d.iter() {
                 let name = text(&k, &format!("blocks[{i}] key"))?.to_owned();
-                let mask: u8 = int::<u8>(&v, &format!("blocks[{i}][{name:?}]"), None)?;
+                let value: u64 = int::<u64>(&v, &format!("blocks[{i}][{name:?}]"), None)?;
                 let next = names.len() as u32;
                 let id = *ids.entry(name.clone()).or_insert_with(|| {
                     names.push(name);
                     next
                 });
-                holders.push((id, mask & 0b111));
+                holders.push((id, value));
             }
             converted.push(holders);
         }
         let weights = self.lock(py)?.config().tier_weights;
         let mut scorer = ix::Scorer::new(weights);
-        for holders in converted {
-            if !scorer.block(holders) {
+        for holders in &converted {
+            if !scorer.block(holders.iter().map(|&(w, v)| (w, holder_tiers(v)))) {
                 break;
             }
+        }
+        if let Some((tokens, bs)) = rule {
+            let eagle_ids: Vec<u32> = eagle.iter().filter_map(|n| ids.get(n).copied()).collect();
+            scorer.drop_unserved_last(|w, i| {
+                if !eagle_ids.contains(&w) {
+                    return true;
+                }
+                let next = tokens.get((i as usize + 1) * bs).copied();
+                converted[i as usize]
+                    .iter()
+                    .any(|&(h, v)| h == w && serves_last(v, next))
+            });
         }
         Ok(scorer
             .results()
@@ -389,8 +466,9 @@ impl PrefixIndex {
     }
 
     /// Entries changed since the last call: `(engine_changes, holder_changes)` with
-    /// `engine_changes = [(worker, engine_hash, key | None, (g_gpu, g_cpu, g_storage))]` and
-    /// `holder_changes = [(key, worker, tier_mask)]` (mask 0 = gone). Needs `journal=True`.
+    /// `engine_changes = [(worker, engine_hash, key | None, (g_gpu, g_cpu, g_storage), last)]` and
+    /// `holder_changes = [(key, worker, holder_value)]` (0 = gone; bits 0-2 the tier mask, the
+    /// rest the EAGLE last-block facts, for `score_blocks`). Needs `journal=True`.
     fn take_changes<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyTuple>> {
         let changes = self.lock(py)?.take_changes();
         let engines = PyList::empty(py);
@@ -402,27 +480,34 @@ impl PrefixIndex {
                     engine,
                     entry,
                 } => {
-                    let (key, groups) = match entry {
-                        Some(e) => (Some(e.key), e.groups),
-                        None => (None, [0; NUM_TIERS]),
+                    let (key, groups, last) = match entry {
+                        Some(e) => (Some(e.key), e.groups, e.last.bits()),
+                        None => (None, [0; NUM_TIERS], 0),
                     };
-                    engines.append((worker, engine, key, groups))?;
+                    engines.append((worker, engine, key, groups, last))?;
                 }
-                Change::Holder { key, worker, tiers } => holders.append((key, worker, tiers))?,
+                Change::Holder { key, worker, value } => holders.append((key, worker, value))?,
             }
         }
         PyTuple::new(py, [engines.into_any(), holders.into_any()])
     }
 
-    /// Every entry: `[(worker, engine_hash, key, (g_gpu, g_cpu, g_storage))]`.
+    /// Every entry: `[(worker, engine_hash, key, (g_gpu, g_cpu, g_storage), last)]` (`last`:
+    /// the EAGLE last-block facts, 0 when none).
     fn dump(&self, py: Python<'_>) -> PyResult<Vec<Entry>> {
         let d = self.lock(py)?.dump();
         Ok(d.into_iter()
-            .map(|(w, e, v)| (w, e, v.key, v.groups))
+            .map(|(w, e, v)| (w, e, v.key, v.groups, v.last.bits()))
             .collect())
     }
 
-    /// Restores entries of one worker, as `dump` gives them: `[(engine_hash, key, groups)]`.
+    /// Every (key, worker) holding: `[(key, worker, holder_value)]`, as `take_changes` reports
+    /// them (for rewriting a shared store).
+    fn dump_holders(&self, py: Python<'_>) -> PyResult<Vec<(u64, String, u64)>> {
+        Ok(self.lock(py)?.dump_holders())
+    }
+
+    /// Restores entries of one worker, as `dump` gives them: `[(engine_hash, key, groups, last)]`.
     fn load(
         &self,
         py: Python<'_>,
@@ -430,9 +515,10 @@ impl PrefixIndex {
         entries: &Bound<'_, PyAny>,
     ) -> PyResult<()> {
         let worker = text(worker, "worker")?;
-        let entries = tuples(entries, "entries", 3, |f, name| {
+        let entries = tuples(entries, "entries", 4, |f, name| {
             let engine = int::<u64>(&f[0], &format!("{name}[0] (engine hash)"), None)?;
             let key = int::<u64>(&f[1], &format!("{name}[1] (key)"), None)?;
+            let last = int::<u64>(&f[3], &format!("{name}[3] (last)"), None)?;
             let groups = IntArg::<u32>::extract(&f[2], &format!("{name}[2] (groups)"), None)?.0;
             let groups: [u32; NUM_TIERS] = groups.try_into().map_err(|g: Vec<u32>| {
                 index_invalid(format!(
@@ -440,12 +526,12 @@ impl PrefixIndex {
                     g.len()
                 ))
             })?;
-            Ok((engine, key, groups))
+            Ok((engine, key, groups, LastBlock::from_bits(last)))
         })?;
         let mut g = self.lock(py)?;
         let id = g.worker_id(worker).map_err(index_error)?;
-        for (engine, key, groups) in entries {
-            g.load_entry(id, engine, EngineEntryView { key, groups });
+        for (engine, key, groups, last) in entries {
+            g.load_entry(id, engine, EngineEntryView { key, groups, last });
         }
         Ok(())
     }

@@ -5,8 +5,8 @@
 use super::blocks::Holder;
 use super::workers::EngineEntry;
 use super::{
-    ApplyStats, DecodedBatch, IndexError, IndexResult, PrefixIndex, Tier, WireKind, WireMedium,
-    WorkerId, NUM_TIERS,
+    ApplyStats, DecodedBatch, IndexError, IndexResult, LastBlock, PrefixIndex, Tier, WireKind,
+    WireMedium, WorkerId, NUM_TIERS,
 };
 use crate::wire::Lookahead;
 
@@ -200,10 +200,15 @@ impl PrefixIndex {
             st.invalid_events += 1;
             return;
         }
-        for l in lookahead {
-            if l.len > 0 {
-                // The lookup tries a key chain per lookahead length seen.
-                self.lookahead_lens |= 1u64 << (l.len - 1);
+        // On a host or disk tier the lookahead is the block's recorded successor, not part of
+        // its hash (module docs): the key stays token-only there.
+        let host = tier != Tier::Gpu;
+        if !host {
+            for l in lookahead {
+                if l.len > 0 {
+                    // The lookup tries a key chain per lookahead length seen.
+                    self.lookahead_lens |= 1u64 << (l.len - 1);
+                }
             }
         }
         let mut parent_key = match parent {
@@ -221,9 +226,10 @@ impl PrefixIndex {
         touched.clear();
         keys.clear();
         for (i, block) in tokens.chunks_exact(bs).enumerate() {
+            let keyed = if host { None } else { lookahead.get(i) };
             let extra = block_extra(
                 lora,
-                lookahead_extra(extras.get(i).copied().flatten(), lookahead.get(i)),
+                lookahead_extra(extras.get(i).copied().flatten(), keyed),
             );
             parent_key = self.hasher.hash(parent_key, block, extra);
             keys.push(parent_key);
@@ -238,8 +244,15 @@ impl PrefixIndex {
             }
             std::hint::black_box(warm);
         }
-        for (&h, &key) in hashes.iter().zip(&keys) {
-            if let Some(node) = self.insert(worker, h, key, tier, gbit) {
+        for (i, (&h, &key)) in hashes.iter().zip(&keys).enumerate() {
+            let last = match lookahead.get(i) {
+                None => None,
+                Some(l) if host && l.len > 0 => Some(LastBlock::successor(l.first)),
+                Some(_) if host => Some(LastBlock::UNKNOWN), // published: no successor
+                Some(l) if l.len > 0 => Some(LastBlock::KEYED_AHEAD),
+                Some(_) => None,
+            };
+            if let Some(node) = self.insert(worker, h, key, tier, gbit, last) {
                 touched.push(node);
             }
             st.stored_blocks += 1;
@@ -262,6 +275,8 @@ impl PrefixIndex {
         Some(self.worker(worker)?.engines.get(&engine)?.key)
     }
 
+    /// `last`: what the event says about the block as the last block of an EAGLE hit (`None`:
+    /// nothing, an existing entry keeps what it had).
     fn insert(
         &mut self,
         worker: WorkerId,
@@ -269,6 +284,7 @@ impl PrefixIndex {
         key: u64,
         tier: Tier,
         gbit: u32,
+        last: Option<LastBlock>,
     ) -> Option<u32> {
         use std::collections::hash_map::Entry;
         let w = self.workers.get_mut(worker as usize)?.as_mut()?;
@@ -283,7 +299,12 @@ impl PrefixIndex {
                 });
                 let mut groups = [0u32; NUM_TIERS];
                 groups[tier as usize] = gbit;
-                v.insert(EngineEntry { key, node, groups });
+                v.insert(EngineEntry {
+                    key,
+                    node,
+                    groups,
+                    last: last.unwrap_or_default(),
+                });
                 self.entries += 1;
                 self.mark(worker, engine, key);
                 Some(node)
@@ -294,19 +315,25 @@ impl PrefixIndex {
                     // Stored again (vLLM re-reports prefix-cache hits): usually nothing changes.
                     let was = e.groups[tier as usize];
                     e.groups[tier as usize] |= gbit;
+                    let grew = was != e.groups[tier as usize];
+                    let mut changed = grew;
+                    if let Some(l) = last.filter(|l| *l != e.last) {
+                        e.last = l;
+                        changed = true;
+                    }
                     let node = e.node;
-                    if was != e.groups[tier as usize] {
-                        if was == 0 {
-                            self.blocks
-                                .set_holder_tiers(node, worker, engine, |t| t | tier.bit());
-                        }
+                    if grew && was == 0 {
+                        self.blocks
+                            .set_holder_tiers(node, worker, engine, |t| t | tier.bit());
+                    }
+                    if changed {
                         self.mark(worker, engine, key);
                     }
                     return Some(node);
                 }
                 // Same engine hash, different content: the newest event wins.
                 self.drop_entry(worker, engine);
-                self.insert(worker, engine, key, tier, gbit)
+                self.insert(worker, engine, key, tier, gbit, last)
             }
         }
     }

@@ -2,7 +2,7 @@
 //! block.
 
 use super::apply::{block_extra, lookahead_extra};
-use super::{IndexError, IndexResult, PrefixIndex, WorkerId, WorkerMatch};
+use super::{serves_last, IndexError, IndexResult, PrefixIndex, WorkerId, WorkerMatch};
 use crate::wire::{lookahead_hash, Lookahead};
 
 impl PrefixIndex {
@@ -21,7 +21,8 @@ impl PrefixIndex {
             .chain(self.cfg.hash_seed, tokens, block_size, lora))
     }
 
-    /// Per worker holding at least the first block: the matched prefix and the score.
+    /// Per worker holding at least the first block: the matched prefix and the score (with the
+    /// EAGLE last-block rule applied to workers marked EAGLE).
     pub fn lookup(
         &mut self,
         tokens: &[u32],
@@ -31,17 +32,49 @@ impl PrefixIndex {
         if block_size == 0 {
             return Err(IndexError::Invalid("block_size must be > 0".into()));
         }
-        if self.lookahead_lens != 0 {
-            return Ok(self.lookup_lookahead(tokens, block_size, lora));
+        let lookahead_walk = self.lookahead_lens != 0;
+        if lookahead_walk {
+            self.lookup_lookahead(tokens, block_size, lora);
+        } else {
+            let mut blocks = tokens.chunks_exact(block_size);
+            self.lookup_by(lora, |buf| match blocks.next() {
+                Some(b) => {
+                    buf.extend_from_slice(b);
+                    true
+                }
+                None => false,
+            });
         }
-        let mut blocks = tokens.chunks_exact(block_size);
-        Ok(self.lookup_by(lora, |buf| match blocks.next() {
-            Some(b) => {
-                buf.extend_from_slice(b);
-                true
+        self.apply_last_block_rule(tokens, block_size, lookahead_walk);
+        Ok(self.scorer.results())
+    }
+
+    /// The EAGLE last-block rule (`last_block.rs`) on the walk just made: block `i`'s nodes are
+    /// `scratch_nodes[i]` after the plain walk, `scratch_starts[i]..` after the lookahead walk.
+    fn apply_last_block_rule(&mut self, tokens: &[u32], block_size: usize, lookahead_walk: bool) {
+        if !self.workers.iter().flatten().any(|w| w.eagle) {
+            return;
+        }
+        let mut scorer = std::mem::take(&mut self.scorer);
+        let (nodes, starts) = (&self.scratch_nodes, &self.scratch_starts);
+        scorer.drop_unserved_last(|w, i| {
+            if !self.worker(w).is_some_and(|wk| wk.eagle) {
+                return true;
             }
-            None => false,
-        }))
+            let i = i as usize;
+            let of_block = if lookahead_walk {
+                let s = starts.get(i).map_or(nodes.len(), |&s| s as usize);
+                let e = starts.get(i + 1).map_or(nodes.len(), |&e| e as usize);
+                &nodes[s..e]
+            } else {
+                nodes.get(i..i + 1).unwrap_or(&[])
+            };
+            let next = tokens.get((i + 1) * block_size).copied();
+            of_block
+                .iter()
+                .any(|&n| serves_last(self.holder_value_at(n, w), next))
+        });
+        self.scorer = scorer;
     }
 
     /// [`lookup`](Self::lookup) with the prompt's blocks produced on demand: `next_block`
@@ -119,8 +152,10 @@ impl PrefixIndex {
     ) -> &[WorkerMatch] {
         let mut scorer = std::mem::take(&mut self.scorer);
         let mut touched = std::mem::take(&mut self.scratch_nodes);
+        let mut starts = std::mem::take(&mut self.scratch_starts);
         scorer.reset();
         touched.clear();
+        starts.clear();
         let lens: Vec<usize> = (1..=64usize)
             .filter(|l| self.lookahead_lens & (1u64 << (l - 1)) != 0)
             .collect();
@@ -131,6 +166,7 @@ impl PrefixIndex {
         for (i, block) in tokens.chunks_exact(block_size).enumerate() {
             let end = (i + 1) * block_size;
             holders.clear();
+            starts.push(touched.len() as u32);
             for (c, parent) in parents.iter_mut().enumerate() {
                 let Some(p) = *parent else { continue };
                 let extra = if c == 0 {
@@ -144,6 +180,7 @@ impl PrefixIndex {
                     let la = Lookahead {
                         len: l as u32,
                         hash: lookahead_hash(after),
+                        first: after[0],
                     };
                     block_extra(lora, lookahead_extra(None, Some(&la)))
                 };
@@ -173,6 +210,7 @@ impl PrefixIndex {
         self.totals.lookups += 1;
         self.totals.lookup_blocks += blocks;
         self.scratch_nodes = touched;
+        self.scratch_starts = starts;
         self.scorer = scorer;
         self.scorer.results()
     }

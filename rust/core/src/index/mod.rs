@@ -19,17 +19,26 @@
 //! - Memory is bounded: at most `capacity` (block, worker) entries; beyond that the least
 //!   recently stored-or-looked-up block is evicted with all its entries.
 //!
+//! - Lookahead tokens (`lookahead_token_ids`, vLLM 0.33) on a device block (medium GPU) are
+//!   covered by the engine's hash, so they go into the key. On a host or disk block (medium CPU
+//!   / STORAGE) they are the block's recorded successor (kvslots' connector; vLLM turns lookahead
+//!   hashes off whenever a KV connector is configured, so those hashes are token-only): the key
+//!   stays token-only and the successor is kept for the EAGLE last-block rule (`last_block.rs`).
+//!
 //! Score of a worker for a prompt: walk the prompt's blocks from the first; at each block the
 //! worker holds on some tier add the highest weight among the tiers it holds it on; stop at the
 //! first block it holds on no tier. `blocks` is that prefix length; `tier_blocks[t]` is the
-//! longest prefix held entirely on tier `t`.
+//! longest prefix held entirely on tier `t`. For a worker marked EAGLE
+//! ([`PrefixIndex::set_worker_eagle`]) the last block of that prefix counts only when the engine
+//! would serve it (`last_block.rs`); otherwise it leaves `blocks`, `tier_blocks` and the score.
 //!
 //! Layout: the [`PrefixIndex`] type and its construction are here; the rest is one concept per
 //! file: `apply.rs` applies decoded events (the rules above), `lookup.rs` walks a prompt and
 //! `score.rs` scores it ([`Scorer`]), `workers.rs` keeps the workers and their engine-hash maps,
 //! `blocks.rs` the block slab, its LRU list and eviction to capacity, `mirror.rs` the change
 //! journal and dump / load, `stats.rs` the counters, `invariants.rs` the consistency check;
-//! `tier.rs`, `config.rs` and `error.rs` the small public types. The events themselves are
+//! `last_block.rs` the EAGLE last-block rule; `tier.rs`, `config.rs` and `error.rs` the small
+//! public types. The events themselves are
 //! decoded by [`crate::wire::decode`].
 
 mod apply;
@@ -37,6 +46,7 @@ mod blocks;
 mod config;
 mod error;
 mod invariants;
+mod last_block;
 mod lookup;
 mod mirror;
 mod score;
@@ -50,6 +60,7 @@ use crate::hash::BlockHasher;
 pub use crate::wire::decode::{lora_name_key, DecodeError, DecodedBatch, WireKind, WireMedium};
 pub use config::IndexConfig;
 pub use error::{IndexError, IndexResult};
+pub use last_block::{holder_tiers, holder_value, serves_last, LastBlock};
 pub use mirror::{Change, EngineEntryView};
 pub use score::{Scorer, WorkerMatch};
 pub use stats::{ApplyStats, IndexStats, TotalStats};
@@ -73,6 +84,8 @@ pub struct PrefixIndex {
     scratch_nodes: Vec<u32>,
     scratch_tokens: Vec<u32>,
     scratch_keys: Vec<u64>,
+    /// Per block of the last lookahead walk: where its nodes start in `scratch_nodes`.
+    scratch_starts: Vec<u32>,
     scorer: Scorer,
     dirty_engines: FxHashSet<(WorkerId, u64)>,
     dirty_holders: FxHashSet<(u64, WorkerId)>,
@@ -110,6 +123,7 @@ impl PrefixIndex {
             scratch_nodes: Vec::new(),
             scratch_tokens: Vec::new(),
             scratch_keys: Vec::new(),
+            scratch_starts: Vec::new(),
             dirty_engines: FxHashSet::default(),
             dirty_holders: FxHashSet::default(),
             evictions: 0,

@@ -23,6 +23,9 @@ pub struct Scorer {
     weights: [f64; 8],
     out: Vec<WorkerMatch>,
     alive: Vec<u8>, // per entry of `out`: tiers still unbroken; 0 = the worker's prefix ended
+    // Per entry of `out`: the tier mask of its last counted block, and the score before it.
+    last_mask: Vec<u8>,
+    score_before_last: Vec<f64>,
     slot_of: FxHashMap<WorkerId, u32>,
     cur: Vec<u8>,
     started: bool,
@@ -47,6 +50,8 @@ impl Scorer {
     pub fn reset(&mut self) {
         self.out.clear();
         self.alive.clear();
+        self.last_mask.clear();
+        self.score_before_last.clear();
         self.slot_of.clear();
         self.cur.clear();
         self.started = false;
@@ -79,6 +84,8 @@ impl Scorer {
                         });
                         self.alive.push(0b111);
                         self.cur.push(tiers);
+                        self.last_mask.push(0);
+                        self.score_before_last.push(0.0);
                     }
                 }
             }
@@ -104,6 +111,8 @@ impl Scorer {
             }
             let o = &mut self.out[i];
             o.blocks += 1;
+            self.score_before_last[i] = o.score;
+            self.last_mask[i] = m;
             o.score += self.weights[m as usize];
             let still = self.alive[i] & m;
             for t in 0..NUM_TIERS {
@@ -121,5 +130,23 @@ impl Scorer {
 
     pub fn results(&self) -> &[WorkerMatch] {
         &self.out
+    }
+
+    /// The EAGLE last-block rule (`last_block.rs`), after the last block was fed:
+    /// `serves_last(worker, i)` says whether the worker's engine serves block `i`, the last of
+    /// its prefix, from cache. Where it does not, that block leaves the worker's prefix, every
+    /// tier prefix and the score.
+    pub fn drop_unserved_last(&mut self, mut serves_last: impl FnMut(WorkerId, u32) -> bool) {
+        for (i, o) in self.out.iter_mut().enumerate() {
+            if o.blocks == 0 || serves_last(o.worker, o.blocks - 1) {
+                continue;
+            }
+            o.blocks -= 1;
+            o.score = self.score_before_last[i];
+            for t in &mut o.tier_blocks {
+                *t = (*t).min(o.blocks);
+            }
+            self.last_mask[i] = 0;
+        }
     }
 }

@@ -588,7 +588,8 @@ fn journal_reports_current_state() {
         engine: 1,
         entry: Some(EngineEntryView {
             key: k0,
-            groups: [1, 0, 0]
+            groups: [1, 0, 0],
+            last: LastBlock::UNKNOWN,
         })
     }));
     assert!(ch.contains(&Change::Engine {
@@ -599,12 +600,12 @@ fn journal_reports_current_state() {
     assert!(ch.contains(&Change::Holder {
         key: k0,
         worker: "w".into(),
-        tiers: 1
+        value: 1
     }));
     assert!(ch.contains(&Change::Holder {
         key: k1,
         worker: "w".into(),
-        tiers: 0
+        value: 0
     }));
     assert_eq!(ch.len(), 4);
     assert!(ix.take_changes().is_empty());
@@ -1008,4 +1009,164 @@ fn lookahead_hashed_blocks_match_only_with_their_next_tokens() {
         .unwrap();
     assert_eq!(st.removed_blocks, 1);
     assert_eq!(blocks(&mut ix, &T[..10]), s(&[("a", 1), ("b", 2)]));
+}
+
+/// A `BlockStored` with `lookahead_token_ids` on a given medium (vLLM 0.33's field; on CPU /
+/// STORAGE kvslots' connector puts each block's recorded successor there).
+fn stored_la(
+    medium: &'static str,
+    hashes: &[u64],
+    parent: Option<u64>,
+    tokens: &[u32],
+    la: Vec<Vec<u32>>,
+) -> Vec<u8> {
+    #[derive(Serialize)]
+    struct StoredLa {
+        #[serde(rename = "type")]
+        ty: &'static str,
+        block_hashes: Vec<u64>,
+        parent_block_hash: Option<u64>,
+        token_ids: Vec<u32>,
+        block_size: u32,
+        lora_id: Option<u64>,
+        medium: Option<&'static str>,
+        lora_name: Option<&'static str>,
+        lookahead_token_ids: Vec<Vec<u32>>,
+    }
+    let ev = StoredLa {
+        ty: "BlockStored",
+        block_hashes: hashes.to_vec(),
+        parent_block_hash: parent,
+        token_ids: tokens.to_vec(),
+        block_size: 4,
+        lora_id: None,
+        medium: Some(medium),
+        lora_name: None,
+        lookahead_token_ids: la,
+    };
+    rmp_serde::to_vec_named(&(1.0, [ev], 0u32)).unwrap()
+}
+
+/// Host and disk blocks keep token-only keys (the same entry as the device block of the same
+/// hash), and an EAGLE worker's score counts the last block of its prefix only when its engine
+/// serves it: from a host / disk block whose successor is the prompt's next token.
+#[test]
+fn eagle_workers_count_the_last_block_only_with_a_matching_host_successor() {
+    let mut ix = index();
+    let w = ix.add_worker("w").unwrap();
+    let d = ix.add_worker("d").unwrap(); // same blocks, not EAGLE
+    for id in [w, d] {
+        apply(&mut ix, id, &[stored(&[11, 12, 13], None, &T[..12], 4)]);
+        // The host tier stores blocks 0 and 1: successors 5 and 9; block 2 unknown ([]).
+        let st = ix
+            .apply_payload(
+                id,
+                &stored_la(
+                    "CPU",
+                    &[11, 12, 13],
+                    None,
+                    &T[..12],
+                    vec![vec![5], vec![9], vec![]],
+                ),
+                Tier::Gpu,
+            )
+            .unwrap();
+        assert_eq!((st.stored_blocks, st.invalid_events), (3, 0));
+    }
+    ix.check_invariants().unwrap();
+    assert_eq!(
+        ix.worker_len("w").unwrap(),
+        3,
+        "one entry per hash: the keys are token-only"
+    );
+    ix.set_worker_eagle("w", true).unwrap();
+    assert!(ix.worker_eagle("w").unwrap() && !ix.worker_eagle("d").unwrap());
+    let by =
+        |ix: &mut PrefixIndex, t: &[u32]| -> Vec<(String, u32, [u32; 3], f64)> { look(ix, t, 4) };
+    // Prompt goes on with 9 after block 1: block 1 is served from the host tier.
+    let r = by(&mut ix, &[1, 2, 3, 4, 5, 6, 7, 8, 9, 0]);
+    assert_eq!(r[0], ("d".into(), 2, [2, 2, 0], 2.0));
+    assert_eq!(r[1], ("w".into(), 2, [2, 2, 0], 2.0));
+    // Another next token: the EAGLE worker recomputes block 1.
+    let r = by(&mut ix, &[1, 2, 3, 4, 5, 6, 7, 8, 7, 0]);
+    assert_eq!(r[0].1, 2);
+    assert_eq!(r[1], ("w".into(), 1, [1, 1, 0], 1.0));
+    // The prompt ends with the block: nothing after it, never served as a last block.
+    assert_eq!(by(&mut ix, &T[..8])[1].1, 1);
+    // Block 2 has no successor on the host tier: a full-length match stops one short.
+    assert_eq!(
+        by(&mut ix, &[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13])[1].1,
+        2
+    );
+    // Only on the device: vLLM drops it.
+    let p = batch(&[removed(&[12], Some("CPU"))]);
+    ix.apply_payload(w, &p, Tier::Gpu).unwrap();
+    assert_eq!(by(&mut ix, &[1, 2, 3, 4, 5, 6, 7, 8, 9, 0])[1].1, 1);
+    // On the disk tier with the successor: served again; the score keeps the exact sum.
+    let p = stored_la("STORAGE", &[12], Some(11), &T[4..8], vec![vec![9]]);
+    ix.apply_payload(w, &p, Tier::Gpu).unwrap();
+    let r = by(&mut ix, &[1, 2, 3, 4, 5, 6, 7, 8, 9, 0]);
+    assert_eq!(r[1], ("w".into(), 2, [2, 1, 0], 2.0));
+    ix.check_invariants().unwrap();
+    // Unmarked again: plain prefix counting.
+    ix.set_worker_eagle("w", false).unwrap();
+    assert_eq!(by(&mut ix, &T[..8])[1].1, 2);
+    assert!(ix.set_worker_eagle("nobody", true).is_err());
+}
+
+/// Device blocks hashed with lookahead tokens (vLLM 0.33 without a connector) are served as the
+/// last block whenever their key matched; their host copies' successors are not needed.
+#[test]
+fn eagle_workers_keep_lookahead_keyed_device_blocks() {
+    let mut ix = index();
+    let a = ix.add_worker("a").unwrap();
+    let p = stored_la("GPU", &[11, 12], None, &T[..8], vec![vec![5], vec![9]]);
+    ix.apply_payload(a, &p, Tier::Gpu).unwrap();
+    ix.set_worker_eagle("a", true).unwrap();
+    assert_eq!(look(&mut ix, &T[..10], 4)[0].1, 2);
+    assert_eq!(look(&mut ix, &[1, 2, 3, 4, 5, 6, 7, 8, 0, 0], 4)[0].1, 1);
+}
+
+/// The journal and dump carry the last-block facts, so a Redis mirror and a replica loaded from
+/// it score EAGLE workers the same way.
+#[test]
+fn journal_and_dump_carry_successors() {
+    let mut ix = PrefixIndex::new(IndexConfig {
+        journal: true,
+        ..IndexConfig::default()
+    })
+    .unwrap();
+    let w = ix.add_worker("w").unwrap();
+    let p = stored_la("CPU", &[11, 12], None, &T[..8], vec![vec![5], vec![9]]);
+    ix.apply_payload(w, &p, Tier::Gpu).unwrap();
+    let k1 = block_hash(block_hash(0, &T[..4], None), &T[4..8], None);
+    let ch = ix.take_changes();
+    let v = ch
+        .iter()
+        .find_map(|c| match c {
+            Change::Holder { key, value, .. } if *key == k1 => Some(*value),
+            _ => None,
+        })
+        .unwrap();
+    assert!(serves_last(v, Some(9)) && !serves_last(v, Some(8)));
+    assert_eq!(holder_tiers(v), 0b010);
+    assert_eq!(ix.dump_holders().len(), 2);
+    // The same store again changes nothing; another successor is journaled.
+    ix.apply_payload(w, &p, Tier::Gpu).unwrap();
+    assert!(ix.take_changes().is_empty());
+    let p2 = stored_la("CPU", &[12], Some(11), &T[4..8], vec![vec![3]]);
+    ix.apply_payload(w, &p2, Tier::Gpu).unwrap();
+    assert_eq!(ix.take_changes().len(), 2);
+    let mut other = index();
+    let w2 = other.add_worker("w").unwrap();
+    for (_, engine, e) in ix.dump() {
+        other.load_entry(w2, engine, e);
+    }
+    for x in [&mut ix, &mut other] {
+        x.set_worker_eagle("w", true).unwrap();
+    }
+    let t = [1, 2, 3, 4, 5, 6, 7, 8, 3, 0];
+    assert_eq!(look(&mut other, &t, 4), look(&mut ix, &t, 4));
+    assert_eq!(look(&mut other, &t, 4)[0].1, 2);
+    assert_eq!(look(&mut other, &T[..10], 4)[0].1, 1);
 }

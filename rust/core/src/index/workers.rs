@@ -3,7 +3,7 @@
 
 use rustc_hash::FxHashMap;
 
-use super::{IndexError, IndexResult, PrefixIndex, NUM_TIERS};
+use super::{IndexError, IndexResult, LastBlock, PrefixIndex, NUM_TIERS};
 
 pub type WorkerId = u32;
 
@@ -14,6 +14,8 @@ pub(super) struct EngineEntry {
     pub(super) key: u64,
     pub(super) node: u32,
     pub(super) groups: [u32; NUM_TIERS],
+    /// Whether it can be the last block of an EAGLE worker's hit (`last_block.rs`).
+    pub(super) last: LastBlock,
 }
 
 impl EngineEntry {
@@ -31,6 +33,8 @@ impl EngineEntry {
 #[derive(Debug, Default)]
 pub(super) struct Worker {
     pub(super) engines: FxHashMap<u64, EngineEntry>,
+    /// Runs an EAGLE-family drafter: the last-block rule applies to its scores.
+    pub(super) eagle: bool,
 }
 
 impl PrefixIndex {
@@ -89,6 +93,21 @@ impl PrefixIndex {
             self.drop_entry(id, *h);
         }
         hashes.len()
+    }
+
+    /// Marks a worker as running an EAGLE-family drafter (or not): its scores then count the
+    /// last block of a prefix only when its engine would serve it (see the module docs).
+    pub fn set_worker_eagle(&mut self, name: &str, eagle: bool) -> IndexResult<()> {
+        let id = self.worker_id(name)?;
+        if let Some(w) = self.worker_mut(id) {
+            w.eagle = eagle;
+        }
+        Ok(())
+    }
+
+    pub fn worker_eagle(&self, name: &str) -> IndexResult<bool> {
+        let id = self.worker_id(name)?;
+        Ok(self.worker(id).is_some_and(|w| w.eagle))
     }
 
     /// Number of engine-hash entries a worker has.

@@ -90,6 +90,9 @@ pub struct DecodedBatch {
 pub struct Lookahead {
     pub len: u32,
     pub hash: u64,
+    /// The first of those tokens (meaningful when `len >= 1`): on a host or disk tier it is
+    /// the block's recorded successor (see [`crate::index`]).
+    pub first: u32,
 }
 
 /// The hash of a block's lookahead tokens, as the index keys them (also computed from a
@@ -400,6 +403,7 @@ impl DecodedBatch {
                                     self.lookahead.push(Lookahead {
                                         len: toks.len() as u32,
                                         hash: lookahead_hash(toks),
+                                        first: toks.first().copied().unwrap_or(0),
                                     });
                                 }
                                 v => {
