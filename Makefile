@@ -8,7 +8,7 @@ PY033 := $(VENV033)/bin/python
 # indexer tests that touch vLLM's event classes, and scheduler mode (fewer examples: the 0.32 run
 # already does 300 per test). Engine-level tests run against 0.32 only (the newest CPU build).
 TESTS_033 := tests/test_vllm033_compat.py tests/test_connector_scheduler.py tests/test_events_vllm.py tests/test_vllm033_lookahead.py \
-	tests/test_scheduler_mode_manager.py tests/test_scheduler_mode_differential.py
+	tests/test_scheduler_mode_manager.py tests/test_scheduler_mode_differential.py tests/test_events_successors.py
 SCHED_EXAMPLES_033 ?= 5
 # pytest workers (pytest-xdist); tests/conftest.py keeps the engine tests on one of them, one at a time.
 PYTEST_WORKERS ?= 2

@@ -45,7 +45,9 @@ def encode_event_batch(
     hashes_as_bytes: bool = False,
 ) -> bytes:
     """Raw event tuples (as ``drain_raw_events`` returns) as one msgpack ``KVEventBatch``,
-    byte-identical to msgspec encoding the same vLLM structs."""
+    byte-identical to msgspec encoding the same vLLM structs. A ``BlockStored`` tuple may have a
+    seventh item, its ``lookahead_token_ids`` (one list per block, ``[]`` or one token id): it
+    is then written as vLLM 0.33 writes it; without it, as vLLM 0.32 does."""
 
 @final
 class BlockRegion:
@@ -228,10 +230,15 @@ class HostCache:
 
     Stores are two-phase: ``begin_store`` takes host blocks (evicting LRU cached ones) that stay
     invisible to lookups until ``complete_store`` registers them and queues ``BlockStored``.
-    Loads pin their blocks from ``begin_load`` to ``end_load``.
+    Loads pin their blocks from ``begin_load`` to ``end_load``. With ``publish_successors``
+    every ``BlockStored`` carries each block's successor (``begin_store_run``'s
+    ``successors``) as vLLM 0.33's ``lookahead_token_ids``: ``[s]``, or ``[]`` for none.
     """
 
-    def __new__(cls, num_blocks: int, block_size: int) -> Self: ...
+    def __new__(cls, num_blocks: int, block_size: int, *, publish_successors: bool = False) -> Self: ...
+    @property
+    def publishes_successors(self) -> bool: ...
+    def successor(self, block_hash: int) -> int | None: ...
     def match_prefix(self, block_hashes: _IntSeq) -> int: ...
     def contains(self, block_hash: int) -> bool: ...
     def num_pending_events(self) -> int: ...
@@ -253,6 +260,7 @@ class HostCache:
         parent_block_hash: int | None,
         token_ids: _IntSeq,
         lora_id: int | None = None,
+        successors: Sequence[int | None] | None = None,
     ) -> list[tuple[int, int]]: ...
     def complete_step(self, step: int, failed_blocks: list[int] = ...) -> int: ...
     @property
@@ -347,6 +355,10 @@ class ConnectorPlanner:
     def registered_hashes(self) -> list[int]: ...
     def lookup_block(self, block_hash: int) -> int | None: ...
     def successor(self, block_hash: int) -> int | None: ...
+    @property
+    def publishes_successors(self) -> bool:
+        """With ``eagle``: host-tier ``BlockStored`` events carry each block's successor as
+        vLLM 0.33's ``lookahead_token_ids`` (``[s]``, or ``[]`` for none)."""
     def host_stats(self) -> dict[str, int]: ...
     def enable_spill(self) -> None: ...
     def take_spills(self) -> list[tuple[int, int, int | None, int | None, int | None, list[int]]]: ...
@@ -399,9 +411,13 @@ class DiskIndex:
     LRU eviction of unpinned stored blocks, read pins, successors, ``STORAGE`` events.
 
     Writes are two-phase: ``begin_write`` takes a slot (invisible to lookups) and
-    ``complete_write`` registers it (``BlockStored``) or frees it."""
+    ``complete_write`` registers it (``BlockStored``) or frees it. With ``publish_successors``
+    every ``BlockStored`` (written or restored from the file) carries each block's successor
+    as vLLM 0.33's ``lookahead_token_ids`` (``[s]``, or ``[]`` for none)."""
 
-    def __new__(cls, num_slots: int, block_size: int) -> Self: ...
+    def __new__(cls, num_slots: int, block_size: int, *, publish_successors: bool = False) -> Self: ...
+    @property
+    def publishes_successors(self) -> bool: ...
     def begin_write(
         self,
         block_hash: int,
@@ -434,6 +450,11 @@ class DiskIndex:
         hashes_as_bytes: bool = False,
         drain: bool = False,
     ) -> bytes: ...
+    def drain_events_raw(
+        self, raw: Callable[[bytes], Any], medium: str | None = ..., hashes_as_bytes: bool = False
+    ) -> list[Any]:
+        """The queued events as ``raw(bytes)`` each (``msgspec.Raw``: vLLM's ZMQ publisher writes
+        them verbatim), the bytes of ``events_msgpack``'s events array; the queue is emptied."""
     def stats(self) -> dict[str, int]: ...
     def check_invariants(self) -> str | None: ...
     @property

@@ -104,7 +104,10 @@ def from_raw(
 ) -> KVEvent:
     """Turns one event tuple from the Rust core into its struct. This is the one place that
     reads those tuples: ``("BlockStored", hashes, parent, tokens, block_size, lora_id)``,
-    ``("BlockRemoved", hashes)``, ``("AllBlocksCleared",)``.
+    ``("BlockRemoved", hashes)``, ``("AllBlocksCleared",)``. A ``BlockStored`` of a tier that
+    publishes successors (the connector's EAGLE rule) has a seventh item, its
+    ``lookahead_token_ids`` (``[successor]`` or ``[]`` per block); ``structs`` must then have
+    that field (vLLM 0.33 or this module).
 
     ``hashes_as_bytes`` writes block hashes as 8 big-endian bytes (as the Rust encoder's
     ``hashes_as_bytes``). ``structs`` is where the classes come from: any namespace with
@@ -113,11 +116,15 @@ def from_raw(
     """
     kind = raw[0]
     if kind == "BlockStored":
-        _, hashes, parent, tokens, block_size, lora_id = raw
+        _, hashes, parent, tokens, block_size, lora_id, *rest = raw
         if hashes_as_bytes:
             hashes = [h.to_bytes(8, "big") for h in hashes]
             parent = None if parent is None else parent.to_bytes(8, "big")
         cls = BlockStored if structs is None else structs.BlockStored
+        if rest and rest[0] is not None:
+            (lookahead,) = rest
+            return cls(hashes, parent, tokens, block_size, lora_id, medium, None,
+                       lookahead_token_ids=lookahead)
         return cls(hashes, parent, tokens, block_size, lora_id, medium, None)
     if kind == "BlockRemoved":
         hashes = raw[1]

@@ -10,7 +10,11 @@
 //! token that follows the block. A store run may record, per block, that following token (the
 //! *successor*) when the block's stored draft KV was written with it; [`HostCache::successor`]
 //! reads it back, so that the last block of a hit is served only to a request whose next token
-//! is the same ([`NO_SUCCESSOR`]: unknown, never served as a last block).
+//! is the same ([`NO_SUCCESSOR`]: unknown, never served as a last block). A cache made to
+//! publish them ([`HostCache::set_publish_successors`]: the connector with the EAGLE block drop)
+//! puts each block's successor in its `BlockStored` (vLLM 0.33's `lookahead_token_ids`). The
+//! successor is fixed when the store completes (a store begun resets it, completing it sets it,
+//! the event is queued then), so the event carries the value lookups use.
 
 use std::collections::{BTreeMap, HashMap};
 
@@ -138,6 +142,13 @@ impl HostCache {
     pub fn events_mut(&mut self) -> &mut EventLog {
         &mut self.events
     }
+    /// Whether `BlockStored` events carry each block's successor (see the module docs).
+    pub fn set_publish_successors(&mut self, on: bool) {
+        self.events.set_successors(on);
+    }
+    pub fn publishes_successors(&self) -> bool {
+        self.events.successors()
+    }
     pub fn contains(&self, hash: u64) -> bool {
         self.pool.lookup(hash).is_some()
     }
@@ -242,7 +253,7 @@ impl HostCache {
     ) -> Result<()> {
         self.check_tokens(token_ids.len(), stores.len())?;
         self.check_storing(stores, None)?;
-        self.complete_checked(stores, parent, token_ids, lora_id);
+        self.complete_checked(stores, parent, token_ids, lora_id, None);
         Ok(())
     }
 
@@ -263,12 +274,9 @@ impl HostCache {
                 format!("{} successors given for {} blocks", successors.len(), stores.len()),
             ));
         }
-        self.complete_store(stores, parent, token_ids, lora_id)?;
-        for (s, &succ) in stores.iter().zip(successors) {
-            if self.pool.lookup(s.hash) == Some(s.block) {
-                self.succ[s.block as usize] = succ;
-            }
-        }
+        self.check_tokens(token_ids.len(), stores.len())?;
+        self.check_storing(stores, None)?;
+        self.complete_checked(stores, parent, token_ids, lora_id, Some(successors));
         Ok(())
     }
 
@@ -286,19 +294,24 @@ impl HostCache {
         Ok(())
     }
 
-    /// `complete_store` once validated.
+    /// `complete_store` once validated; `successors` (one per store, or none known) are
+    /// recorded with the blocks registered, before their `BlockStored` is queued.
     fn complete_checked(
         &mut self,
         stores: &[PendingStore],
         parent: Option<u64>,
         token_ids: &[u32],
         lora_id: Option<u64>,
+        successors: Option<&[u32]>,
     ) {
         let mut run_parent = None;
         for (j, s) in stores.iter().enumerate() {
             self.storing.remove(&s.hash);
             let tokens = &token_ids[j * self.block_size..(j + 1) * self.block_size];
             if self.pool.register(s.block, s.hash) {
+                // Only where this store's block is the one registered under the hash.
+                let succ = successors.map_or(NO_SUCCESSOR, |v| v[j]);
+                self.succ[s.block as usize] = succ;
                 if run_parent.is_none() {
                     run_parent = Some(if j == 0 {
                         parent
@@ -306,7 +319,8 @@ impl HostCache {
                         Some(stores[j - 1].hash)
                     });
                 }
-                self.events.push_stored_block(s.hash, tokens);
+                self.events
+                    .push_stored_block_with_successor(s.hash, tokens, succ);
                 if let Some(sp) = &mut self.spill {
                     sp.registered.push(s.hash);
                 }
@@ -430,13 +444,13 @@ impl HostCache {
             if any_failed && run.stores.iter().any(|s| failed.contains(&s.block)) {
                 self.abort_checked(&run.stores);
             } else {
-                self.complete_checked(&run.stores, run.parent, &run.token_ids, run.lora_id);
-                for (s, &succ) in run.stores.iter().zip(&run.succ) {
-                    // Only where this run's block is the one registered under the hash.
-                    if self.pool.lookup(s.hash) == Some(s.block) {
-                        self.succ[s.block as usize] = succ;
-                    }
-                }
+                self.complete_checked(
+                    &run.stores,
+                    run.parent,
+                    &run.token_ids,
+                    run.lora_id,
+                    Some(&run.succ),
+                );
                 done += run.stores.len();
             }
         }
@@ -661,7 +675,8 @@ mod tests {
                 parent_block_hash: Some(5),
                 token_ids: vec![1, 2, 3, 4],
                 block_size: 2,
-                lora_id: None
+                lora_id: None,
+                successors: None,
             }]
         );
         let loaded = c.begin_load("r", &[10]).unwrap();
@@ -717,6 +732,64 @@ mod tests {
         assert!(c.take_registered().is_empty() && !c.contains(30));
     }
 
+    fn stored_successors(c: &mut HostCache) -> Vec<(Vec<u64>, Option<Vec<u32>>)> {
+        c.events_mut()
+            .drain()
+            .into_iter()
+            .filter_map(|e| match e {
+                KvEvent::BlockStored {
+                    block_hashes,
+                    successors,
+                    ..
+                } => Some((block_hashes, successors)),
+                _ => None,
+            })
+            .collect()
+    }
+
+    #[test]
+    fn published_successors_are_the_ones_fixed_when_the_store_completes() {
+        let mut c = HostCache::new(2, 1).unwrap();
+        c.set_publish_successors(true);
+        assert!(c.publishes_successors());
+        // A step run with successors: its event carries them, as lookups see them.
+        c.begin_store_run_into(1, &[10, 20], None, &[1, 2], None, Some(&[2, NO_SUCCESSOR]), &mut Vec::new())
+            .unwrap();
+        assert!(stored_successors(&mut c).is_empty(), "nothing before the store completes");
+        c.complete_step(1, &[]).unwrap();
+        assert_eq!((c.successor(10), c.successor(20)), (2, NO_SUCCESSOR));
+        assert_eq!(stored_successors(&mut c), vec![(vec![10, 20], Some(vec![2, NO_SUCCESSOR]))]);
+        // 10 is evicted and stored again without a successor: the new event says none.
+        let got = c.begin_store(&[30]);
+        c.complete_store(&[got[0].1], Some(20), &[3], None).unwrap();
+        let ev = c.begin_store(&[10]);
+        assert_eq!(c.successor(10), NO_SUCCESSOR);
+        c.complete_store(&[ev[0].1], None, &[1], None).unwrap();
+        assert_eq!(c.successor(10), NO_SUCCESSOR);
+        assert_eq!(
+            stored_successors(&mut c),
+            vec![(vec![30], Some(vec![NO_SUCCESSOR])), (vec![10], Some(vec![NO_SUCCESSOR]))]
+        );
+        // Promoted blocks: the successors given, published with them.
+        let mut c = HostCache::new(3, 1).unwrap();
+        c.set_publish_successors(true);
+        let got = c.begin_store(&[1, 2, 3]);
+        let stores: Vec<_> = got.iter().map(|g| g.1).collect();
+        assert!(c.complete_store_with_successors(&stores, None, &[5, 6, 7], None, &[6]).is_err());
+        assert!(stored_successors(&mut c).is_empty(), "a refused call queues nothing");
+        c.complete_store_with_successors(&stores, None, &[5, 6, 7], None, &[6, NO_SUCCESSOR, 0])
+            .unwrap();
+        assert_eq!(stored_successors(&mut c), vec![(vec![1, 2, 3], Some(vec![6, NO_SUCCESSOR, 0]))]);
+        assert_eq!(c.successor(3), 0);
+        // Off (the default): no successors in the events, the successors still recorded.
+        let mut c = HostCache::new(2, 1).unwrap();
+        c.begin_store_run_into(1, &[10], None, &[1], None, Some(&[2]), &mut Vec::new())
+            .unwrap();
+        c.complete_step(1, &[]).unwrap();
+        assert_eq!(c.successor(10), 2);
+        assert_eq!(stored_successors(&mut c), vec![(vec![10], None)]);
+    }
+
     #[test]
     fn step_runs_complete_together_and_failed_runs_abort() {
         let mut c = HostCache::new(8, 1).unwrap();
@@ -747,7 +820,8 @@ mod tests {
                 parent_block_hash: Some(9),
                 token_ids: vec![40],
                 block_size: 1,
-                lora_id: Some(3)
+                lora_id: Some(3),
+                successors: None,
             }
         );
         assert_eq!(c.pending_steps(), 0);

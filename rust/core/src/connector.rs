@@ -160,7 +160,10 @@ impl ConnectorPlanner {
                 "expected_workers must be at least 1",
             ));
         }
-        let cache = HostCache::new(cfg.num_host_blocks, cfg.block_size)?;
+        let mut cache = HostCache::new(cfg.num_host_blocks, cfg.block_size)?;
+        // With the EAGLE rule, a router needs the successors to know which last blocks of a
+        // hit can be served: the host tier publishes them.
+        cache.set_publish_successors(cfg.eagle);
         Ok(ConnectorPlanner {
             cfg: PlannerConfig {
                 max_decode_tokens: cfg.max_decode_tokens.max(1),
@@ -696,7 +699,9 @@ mod tests {
         assert_eq!(p.cache().successor(12), 108);
         let ev = p.cache_mut().events_mut().drain();
         assert!(
-            matches!(&ev[0], KvEvent::BlockStored { block_hashes, .. } if block_hashes == &vec![11, 12])
+            matches!(&ev[0], KvEvent::BlockStored { block_hashes, successors, .. }
+                if block_hashes == &vec![11, 12] && successors == &Some(vec![104, 108])),
+            "the EAGLE planner publishes the successors: {ev:?}"
         );
 
         // Another request with the same two blocks and the same next token: both served.
@@ -740,6 +745,35 @@ mod tests {
             p.cache().successor(2),
             NO_SUCCESSOR,
             "its last position ended a partial chunk"
+        );
+        let ev = p.cache_mut().events_mut().drain();
+        assert!(
+            matches!(&ev[..], [KvEvent::BlockStored { successors: Some(s), .. }]
+                if s == &vec![4, NO_SUCCESSOR]),
+            "{ev:?}"
+        );
+    }
+
+    #[test]
+    fn without_the_eagle_rule_events_carry_no_successors() {
+        let mut p = planner(false);
+        assert!(!p.cache().publishes_successors());
+        let a = p.track("a", 8, None, false);
+        p.extend_hashes(a, &[1, 2]);
+        let toks: Vec<u32> = (0..9).collect();
+        step_with(&mut p, |p| {
+            p.mirror(a, &[0, 1], true, 0, Some(8), true);
+        });
+        let plan = step_with(&mut p, |p| {
+            assert!(p.mirror(a, &[], false, 8, None, false));
+            p.store(a, 2, &toks, None, false).unwrap();
+        });
+        p.complete(plan.step, 1, &[], 0).unwrap();
+        let ev = p.cache_mut().events_mut().drain();
+        assert!(
+            matches!(&ev[..], [KvEvent::BlockStored { block_hashes, successors: None, .. }]
+                if block_hashes == &vec![1, 2]),
+            "{ev:?}"
         );
     }
 

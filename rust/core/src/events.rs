@@ -1,6 +1,14 @@
 //! KV events queued by the engine, in the shape of vLLM's `BlockStored` / `BlockRemoved` /
-//! `AllBlocksCleared`. The queue is a flat log (records pointing into shared hash and token
-//! buffers) so that queueing an event allocates nothing once the buffers are warm.
+//! `AllBlocksCleared`. The queue is a flat log (records pointing into shared hash, token and
+//! successor buffers) so that queueing an event allocates nothing once the buffers are warm.
+//!
+//! Successors. A log made to publish them ([`EventLog::set_successors`]) gives each
+//! `BlockStored` the successor recorded with each of its blocks (the token after the block with
+//! which its stored EAGLE draft KV was written, [`NO_SUCCESSOR`] for none); the encoder writes
+//! them as vLLM 0.33's `lookahead_token_ids` (`[successor]` or `[]` per block). A log that does
+//! not publish them leaves the field out, so its bytes are vLLM 0.32's.
+
+use crate::cache::NO_SUCCESSOR;
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum KvEvent {
@@ -13,6 +21,9 @@ pub enum KvEvent {
         token_ids: Vec<u32>,
         block_size: u32,
         lora_id: Option<u64>,
+        /// Per block of `block_hashes`: its recorded successor ([`NO_SUCCESSOR`]: none), written
+        /// as vLLM 0.33's `lookahead_token_ids`; `None`: the field is absent (vLLM 0.32's layout).
+        successors: Option<Vec<u32>>,
     },
     /// Blocks evicted from the registry.
     BlockRemoved { block_hashes: Vec<u64> },
@@ -29,6 +40,8 @@ pub enum KvEventRef<'a> {
         token_ids: &'a [u32],
         block_size: u32,
         lora_id: Option<u64>,
+        /// See [`KvEvent::BlockStored`]'s `successors`.
+        successors: Option<&'a [u32]>,
     },
     BlockRemoved {
         block_hashes: &'a [u64],
@@ -45,12 +58,14 @@ impl KvEvent {
                 token_ids,
                 block_size,
                 lora_id,
+                successors,
             } => KvEventRef::BlockStored {
                 block_hashes,
                 parent_block_hash: *parent_block_hash,
                 token_ids,
                 block_size: *block_size,
                 lora_id: *lora_id,
+                successors: successors.as_deref(),
             },
             KvEvent::BlockRemoved { block_hashes } => KvEventRef::BlockRemoved { block_hashes },
             KvEvent::AllBlocksCleared => KvEventRef::AllBlocksCleared,
@@ -67,12 +82,14 @@ impl KvEventRef<'_> {
                 token_ids,
                 block_size,
                 lora_id,
+                successors,
             } => KvEvent::BlockStored {
                 block_hashes: block_hashes.to_vec(),
                 parent_block_hash,
                 token_ids: token_ids.to_vec(),
                 block_size,
                 lora_id,
+                successors: successors.map(<[u32]>::to_vec),
             },
             KvEventRef::BlockRemoved { block_hashes } => KvEvent::BlockRemoved {
                 block_hashes: block_hashes.to_vec(),
@@ -87,6 +104,8 @@ enum Kind {
     Stored {
         parent: Option<u64>,
         lora_id: Option<u64>,
+        /// Whether the event carries its blocks' successors.
+        successors: bool,
     },
     Removed,
     Cleared,
@@ -104,7 +123,11 @@ pub struct EventLog {
     records: Vec<Record>,
     hashes: Vec<u64>,
     tokens: Vec<u32>,
+    /// Per entry of `hashes`: the block's successor (BlockStored), [`NO_SUCCESSOR`] otherwise.
+    succ: Vec<u32>,
     block_size: u32,
+    /// Whether BlockStored events carry their successors.
+    with_successors: bool,
 }
 
 impl EventLog {
@@ -124,6 +147,15 @@ impl EventLog {
         self.records.clear();
         self.hashes.clear();
         self.tokens.clear();
+        self.succ.clear();
+    }
+    /// Whether `BlockStored` events closed from now on carry their blocks' successors (vLLM
+    /// 0.33's `lookahead_token_ids`). Off by default: the events are vLLM 0.32's.
+    pub fn set_successors(&mut self, on: bool) {
+        self.with_successors = on;
+    }
+    pub fn successors(&self) -> bool {
+        self.with_successors
     }
 
     fn close(&mut self, kind: Kind) {
@@ -137,11 +169,22 @@ impl EventLog {
     /// Opens a BlockStored event; add blocks with [`EventLog::push_stored_block`], then call
     /// [`EventLog::finish_stored`].
     pub fn push_stored_block(&mut self, hash: u64, tokens: &[u32]) {
+        self.push_stored_block_with_successor(hash, tokens, NO_SUCCESSOR);
+    }
+    /// [`EventLog::push_stored_block`] with the block's successor ([`NO_SUCCESSOR`]: none),
+    /// published only by a log with [`EventLog::set_successors`] on.
+    pub fn push_stored_block_with_successor(&mut self, hash: u64, tokens: &[u32], successor: u32) {
         self.hashes.push(hash);
+        self.succ.push(successor);
         self.tokens.extend_from_slice(tokens);
     }
     pub fn finish_stored(&mut self, parent: Option<u64>, lora_id: Option<u64>) {
-        self.close(Kind::Stored { parent, lora_id });
+        let successors = self.with_successors;
+        self.close(Kind::Stored {
+            parent,
+            lora_id,
+            successors,
+        });
     }
     /// Whether blocks were pushed since the last record.
     pub fn has_open_blocks(&self) -> bool {
@@ -152,6 +195,7 @@ impl EventLog {
             return;
         }
         self.hashes.extend_from_slice(hashes);
+        self.succ.resize(self.hashes.len(), NO_SUCCESSOR);
         self.close(Kind::Removed);
     }
     pub fn push_cleared(&mut self) {
@@ -166,15 +210,21 @@ impl EventLog {
                 &self.hashes[h0..r.hashes_end],
                 &self.tokens[t0..r.tokens_end],
             );
+            let ss = &self.succ[h0..r.hashes_end];
             h0 = r.hashes_end;
             t0 = r.tokens_end;
             match r.kind {
-                Kind::Stored { parent, lora_id } => KvEventRef::BlockStored {
+                Kind::Stored {
+                    parent,
+                    lora_id,
+                    successors,
+                } => KvEventRef::BlockStored {
                     block_hashes: hs,
                     parent_block_hash: parent,
                     token_ids: ts,
                     block_size: self.block_size,
                     lora_id,
+                    successors: successors.then_some(ss),
                 },
                 Kind::Removed => KvEventRef::BlockRemoved { block_hashes: hs },
                 Kind::Cleared => KvEventRef::AllBlocksCleared,
@@ -214,7 +264,8 @@ mod tests {
                     parent_block_hash: None,
                     token_ids: vec![5, 6, 7, 8],
                     block_size: 2,
-                    lora_id: Some(3)
+                    lora_id: Some(3),
+                    successors: None,
                 },
                 KvEvent::BlockRemoved {
                     block_hashes: vec![1]
@@ -223,5 +274,47 @@ mod tests {
             ]
         );
         assert!(log.is_empty());
+    }
+
+    #[test]
+    fn successors_are_published_only_by_a_log_that_publishes_them() {
+        let mut log = EventLog::new(1);
+        log.push_stored_block_with_successor(1, &[5], 6);
+        log.finish_stored(None, None);
+        log.set_successors(true);
+        assert!(log.successors());
+        log.push_removed(&[7, 8]);
+        log.push_stored_block_with_successor(2, &[6], 9);
+        log.push_stored_block(3, &[9]);
+        log.finish_stored(Some(1), None);
+        log.push_cleared();
+        log.push_stored_block_with_successor(4, &[1], 0);
+        log.finish_stored(Some(3), Some(2));
+        let stored = |h: Vec<u64>, p, t: Vec<u32>, l, s| KvEvent::BlockStored {
+            block_hashes: h,
+            parent_block_hash: p,
+            token_ids: t,
+            block_size: 1,
+            lora_id: l,
+            successors: s,
+        };
+        assert_eq!(
+            log.drain(),
+            vec![
+                stored(vec![1], None, vec![5], None, None),
+                KvEvent::BlockRemoved {
+                    block_hashes: vec![7, 8]
+                },
+                stored(vec![2, 3], Some(1), vec![6, 9], None, Some(vec![9, NO_SUCCESSOR])),
+                KvEvent::AllBlocksCleared,
+                stored(vec![4], Some(3), vec![1], Some(2), Some(vec![0])),
+            ]
+        );
+        // Warm buffers: queueing again allocates nothing.
+        let caps = (log.hashes.capacity(), log.succ.capacity(), log.records.capacity());
+        log.push_stored_block_with_successor(2, &[6], 9);
+        log.finish_stored(None, None);
+        log.push_removed(&[1]);
+        assert_eq!(caps, (log.hashes.capacity(), log.succ.capacity(), log.records.capacity()));
     }
 }

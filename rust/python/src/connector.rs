@@ -864,6 +864,12 @@ impl ConnectorPlanner {
         let h = int::<u64>(block_hash, "block_hash", None)?;
         Ok(borrow(slf)?.inner.cache().pool().lookup(h))
     }
+    /// Whether the host tier's `BlockStored` events carry the blocks' successors (vLLM 0.33's
+    /// `lookahead_token_ids`): with the EAGLE rule (`eagle`).
+    #[getter]
+    fn publishes_successors(slf: &Bound<'_, Self>) -> PyResult<bool> {
+        Ok(borrow(slf)?.inner.cache().publishes_successors())
+    }
     /// The successor token recorded with a cached block (None: none recorded).
     fn successor(slf: &Bound<'_, Self>, block_hash: &Bound<'_, PyAny>) -> PyResult<Option<u32>> {
         let h = int::<u64>(block_hash, "block_hash", None)?;
@@ -1025,38 +1031,17 @@ impl ConnectorPlanner {
         #[pyo3(from_py_with = arg::medium)] medium: Option<String>,
         #[pyo3(from_py_with = arg::hashes_as_bytes)] hashes_as_bytes: bool,
     ) -> PyResult<Bound<'py, PyList>> {
-        let py = slf.py();
-        if !raw.is_callable() {
-            return Err(invalid(
-                None,
-                format!("raw must be callable (msgspec.Raw), got {}", type_name(raw)),
-            ));
-        }
-        let meta = core::BatchMeta {
-            ts: 0.0,
-            data_parallel_rank: None,
-            medium: medium.as_deref(),
-            hash_format: if hashes_as_bytes {
-                core::HashFormat::Bytes
-            } else {
-                core::HashFormat::U64
-            },
-        };
         let mut this = borrow_mut(slf)?;
         let this = &mut *this;
-        this.wire.clear();
-        this.ends.clear();
-        this.inner
-            .cache()
-            .events()
-            .encode_each(&meta, &mut this.wire, &mut this.ends)
-            .map_err(crate::errors::encode_error)?;
-        let out = PyList::empty(py);
-        let mut start = 0;
-        for &end in &this.ends {
-            out.append(raw.call1((PyBytes::new(py, &this.wire[start..end]),))?)?;
-            start = end;
-        }
+        let out = conv::log_to_raw_list(
+            slf.py(),
+            this.inner.cache().events(),
+            raw,
+            medium.as_deref(),
+            hashes_as_bytes,
+            &mut this.wire,
+            &mut this.ends,
+        )?;
         this.inner.cache_mut().events_mut().clear();
         Ok(out)
     }

@@ -483,7 +483,22 @@ pub(crate) fn pending(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<Vec<core::
 
 // ---- events ----
 
-/// Queued events as the tuples `drain_raw_events` returns.
+/// A `BlockStored`'s successors as vLLM 0.33's `lookahead_token_ids`: `[s]` per block, `[]`
+/// where none is recorded.
+fn lookahead_to_py<'py>(py: Python<'py>, successors: &[u32]) -> PyResult<Bound<'py, PyList>> {
+    let out = PyList::empty(py);
+    for &s in successors {
+        if s == core::NO_SUCCESSOR {
+            out.append(PyList::empty(py))?;
+        } else {
+            out.append(PyList::new(py, [s])?)?;
+        }
+    }
+    Ok(out)
+}
+
+/// Queued events as the tuples `drain_raw_events` returns; a `BlockStored` with successors has
+/// a seventh item, its `lookahead_token_ids`.
 pub(crate) fn events_to_py<'py>(
     py: Python<'py>,
     log: &core::EventLog,
@@ -497,17 +512,21 @@ pub(crate) fn events_to_py<'py>(
                 token_ids,
                 block_size,
                 lora_id,
-            } => PyTuple::new(
-                py,
-                [
+                successors,
+            } => {
+                let mut items = vec![
                     "BlockStored".into_pyobject(py)?.into_any(),
                     block_hashes.into_pyobject(py)?,
                     parent_block_hash.into_pyobject(py)?,
                     token_ids.into_pyobject(py)?,
                     block_size.into_pyobject(py)?.into_any(),
                     lora_id.into_pyobject(py)?,
-                ],
-            )?,
+                ];
+                if let Some(s) = successors {
+                    items.push(lookahead_to_py(py, s)?.into_any());
+                }
+                PyTuple::new(py, items)?
+            }
             core::KvEventRef::BlockRemoved { block_hashes } => PyTuple::new(
                 py,
                 [
@@ -562,10 +581,20 @@ pub(crate) fn event_from_py(obj: &Bound<'_, PyAny>, i: usize) -> PyResult<core::
     };
     match kind.as_str() {
         "BlockStored" => {
-            expect_len(6)?;
+            if t.len() != 6 && t.len() != 7 {
+                return Err(bad(format!(
+                    "BlockStored tuple must have 6 items (7 with lookahead_token_ids), got {}",
+                    t.len()
+                )));
+            }
             let tokens = field(3, "token_ids")?;
+            let block_hashes = u64s(1, "block_hashes")?;
+            let successors = match t.get_item(6) {
+                Ok(v) if !v.is_none() => Some(lookahead_from_py(&v, i, block_hashes.len())?),
+                _ => None,
+            };
             Ok(core::KvEvent::BlockStored {
-                block_hashes: u64s(1, "block_hashes")?,
+                block_hashes,
                 parent_block_hash: opt_u64(2, "parent_block_hash")?,
                 token_ids: IntArg::<u32>::extract(
                     &tokens,
@@ -579,6 +608,7 @@ pub(crate) fn event_from_py(obj: &Bound<'_, PyAny>, i: usize) -> PyResult<core::
                     None,
                 )?,
                 lora_id: opt_u64(5, "lora_id")?,
+                successors,
             })
         }
         "BlockRemoved" => {
@@ -593,6 +623,104 @@ pub(crate) fn event_from_py(obj: &Bound<'_, PyAny>, i: usize) -> PyResult<core::
         }
         other => Err(bad(format!("unknown event kind {other:?}"))),
     }
+}
+
+/// A sequence of per-block successors: each a token id below 2**32 - 1, or None (none).
+pub(crate) fn successors(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<Vec<u32>> {
+    let items: Vec<Bound<'_, PyAny>> = if let Ok(l) = obj.cast::<PyList>() {
+        l.iter().collect()
+    } else if let Ok(t) = obj.cast::<PyTuple>() {
+        t.iter().collect()
+    } else {
+        return Err(type_error(
+            None,
+            format!(
+                "{what} must be a list or tuple of int or None, got {} {}",
+                type_name(obj),
+                show(obj)
+            ),
+        ));
+    };
+    let mut out = Vec::with_capacity(items.len());
+    for (i, x) in items.iter().enumerate() {
+        if x.is_none() {
+            out.push(core::NO_SUCCESSOR);
+            continue;
+        }
+        let v = int::<u32>(x, &format!("{what}[{i}]"), None)?;
+        if v == core::NO_SUCCESSOR {
+            return Err(invalid(
+                None,
+                format!("{what}[{i}] must be below {}, got {v}", core::NO_SUCCESSOR),
+            ));
+        }
+        out.push(v);
+    }
+    Ok(out)
+}
+
+/// A raw `BlockStored`'s seventh item, `lookahead_token_ids`: one list per block, each empty
+/// (no successor) or holding one token id below 2**32 - 1 (the core records one successor per
+/// block).
+fn lookahead_from_py(obj: &Bound<'_, PyAny>, i: usize, blocks: usize) -> PyResult<Vec<u32>> {
+    let what = format!("events[{i}].lookahead_token_ids");
+    let wrong = |o: &Bound<'_, PyAny>, w: &str| {
+        type_error(
+            None,
+            format!(
+                "{w} must be a list or tuple, got {} {}",
+                type_name(o),
+                show(o)
+            ),
+        )
+    };
+    let items: Vec<Bound<'_, PyAny>> = if let Ok(l) = obj.cast::<PyList>() {
+        l.iter().collect()
+    } else if let Ok(t) = obj.cast::<PyTuple>() {
+        t.iter().collect()
+    } else {
+        return Err(wrong(obj, &what));
+    };
+    if items.len() != blocks {
+        return Err(invalid(
+            None,
+            format!(
+                "{what} has {} entries for {blocks} block hashes (one per block)",
+                items.len()
+            ),
+        ));
+    }
+    let mut out = Vec::with_capacity(blocks);
+    for (j, e) in items.iter().enumerate() {
+        let w = format!("{what}[{j}]");
+        let toks: Vec<Bound<'_, PyAny>> = if let Ok(l) = e.cast::<PyList>() {
+            l.iter().collect()
+        } else if let Ok(t) = e.cast::<PyTuple>() {
+            t.iter().collect()
+        } else {
+            return Err(wrong(e, &w));
+        };
+        match toks.as_slice() {
+            [] => out.push(core::NO_SUCCESSOR),
+            [x] => {
+                let v = int::<u32>(x, &format!("{w}[0]"), None)?;
+                if v == core::NO_SUCCESSOR {
+                    return Err(invalid(
+                        None,
+                        format!("{w}[0] must be below {}, got {v}", core::NO_SUCCESSOR),
+                    ));
+                }
+                out.push(v);
+            }
+            _ => {
+                return Err(invalid(
+                    None,
+                    format!("{w} must hold at most one token id, got {}", toks.len()),
+                ))
+            }
+        }
+    }
+    Ok(out)
 }
 
 /// The batch-level arguments of an encoded event batch, converted.
@@ -645,6 +773,46 @@ pub(crate) fn log_to_msgpack<'py>(
     Ok(PyBytes::new(py, buf))
 }
 
+/// Encodes each queued event of `log` (see `kvslots_core::encode_each`) and returns them as a
+/// list of `raw(bytes)`, one per event (`raw` is msgspec's `Raw`: vLLM's publisher writes them
+/// verbatim). `wire` and `ends` are reused scratch; the log is unchanged.
+pub(crate) fn log_to_raw_list<'py>(
+    py: Python<'py>,
+    log: &core::EventLog,
+    raw: &Bound<'py, PyAny>,
+    medium: Option<&str>,
+    hashes_as_bytes: bool,
+    wire: &mut Vec<u8>,
+    ends: &mut Vec<usize>,
+) -> PyResult<Bound<'py, PyList>> {
+    if !raw.is_callable() {
+        return Err(invalid(
+            None,
+            format!("raw must be callable (msgspec.Raw), got {}", type_name(raw)),
+        ));
+    }
+    let meta = core::BatchMeta {
+        ts: 0.0,
+        data_parallel_rank: None,
+        medium,
+        hash_format: if hashes_as_bytes {
+            core::HashFormat::Bytes
+        } else {
+            core::HashFormat::U64
+        },
+    };
+    wire.clear();
+    ends.clear();
+    log.encode_each(&meta, wire, ends).map_err(encode_error)?;
+    let out = PyList::empty(py);
+    let mut start = 0;
+    for &end in ends.iter() {
+        out.append(raw.call1((PyBytes::new(py, &wire[start..end]),))?)?;
+        start = end;
+    }
+    Ok(out)
+}
+
 /// Converters for arguments that have a default other than `None` (`#[pyo3(from_py_with)]`:
 /// the runtime signature keeps its defaults, and a given value gets the same rules and errors
 /// as every other argument).
@@ -671,6 +839,9 @@ pub(crate) mod arg {
     }
     pub(crate) fn hashes_as_bytes(o: &Bound<'_, PyAny>) -> PyResult<bool> {
         flag(o, "hashes_as_bytes", None)
+    }
+    pub(crate) fn publish_successors(o: &Bound<'_, PyAny>) -> PyResult<bool> {
+        flag(o, "publish_successors", None)
     }
     pub(crate) fn journal(o: &Bound<'_, PyAny>) -> PyResult<bool> {
         flag(o, "journal", None)

@@ -67,18 +67,35 @@ fn disk_error(e: core::DiskError) -> PyErr {
 pub(crate) struct DiskIndex {
     inner: core::DiskIndex,
     wire: Vec<u8>,
+    /// End offsets of each event's bytes in `wire` (`drain_events_raw`).
+    ends: Vec<usize>,
 }
 
 #[pymethods]
 impl DiskIndex {
+    /// `publish_successors`: every `BlockStored` (written or restored) carries each block's
+    /// recorded successor as vLLM 0.33's `lookahead_token_ids` (the connector's EAGLE rule).
     #[new]
-    fn new(num_slots: &Bound<'_, PyAny>, block_size: &Bound<'_, PyAny>) -> PyResult<Self> {
+    #[pyo3(signature = (num_slots, block_size, *, publish_successors=false))]
+    fn new(
+        num_slots: &Bound<'_, PyAny>,
+        block_size: &Bound<'_, PyAny>,
+        #[pyo3(from_py_with = arg::publish_successors)] publish_successors: bool,
+    ) -> PyResult<Self> {
         let n = count(num_slots, "num_slots", None)?;
         let bs = count(block_size, "block_size", None)?;
+        let mut inner = core::DiskIndex::new(n, bs).map_err(slot_error)?;
+        inner.set_publish_successors(publish_successors);
         Ok(DiskIndex {
-            inner: core::DiskIndex::new(n, bs).map_err(slot_error)?,
+            inner,
             wire: Vec::new(),
+            ends: Vec::new(),
         })
+    }
+    /// Whether `BlockStored` events carry the blocks' successors.
+    #[getter]
+    fn publishes_successors(slf: &Bound<'_, Self>) -> PyResult<bool> {
+        Ok(borrow(slf)?.inner.publishes_successors())
     }
     /// Takes a slot to write a block into (evicting the least recently used unpinned one), or
     /// None when the hash is on disk already or every slot is busy.
@@ -204,6 +221,30 @@ impl DiskIndex {
             this.inner.events_mut().clear();
         }
         Ok(bytes)
+    }
+    /// Drains the queued events as a list of `raw(bytes)`, one per event, each that event's
+    /// msgpack bytes exactly as in `events_msgpack`'s batch (for vLLM's ZMQ publisher, which
+    /// writes `msgspec.Raw` verbatim). The queue is emptied only on success.
+    #[pyo3(signature = (raw, medium=Some("STORAGE".to_owned()), hashes_as_bytes=false))]
+    fn drain_events_raw<'py>(
+        slf: &Bound<'py, Self>,
+        raw: &Bound<'py, PyAny>,
+        #[pyo3(from_py_with = arg::medium)] medium: Option<String>,
+        #[pyo3(from_py_with = arg::hashes_as_bytes)] hashes_as_bytes: bool,
+    ) -> PyResult<Bound<'py, pyo3::types::PyList>> {
+        let mut this = borrow_mut(slf)?;
+        let this = &mut *this;
+        let out = crate::convert::log_to_raw_list(
+            slf.py(),
+            this.inner.events(),
+            raw,
+            medium.as_deref(),
+            hashes_as_bytes,
+            &mut this.wire,
+            &mut this.ends,
+        )?;
+        this.inner.events_mut().clear();
+        Ok(out)
     }
     fn stats(slf: &Bound<'_, Self>) -> PyResult<HashMap<&'static str, u64>> {
         let this = borrow(slf)?;

@@ -24,14 +24,33 @@ pub(crate) struct HostCache {
 
 #[pymethods]
 impl HostCache {
+    /// `publish_successors`: `BlockStored` events carry each block's successor (vLLM 0.33's
+    /// `lookahead_token_ids`; `begin_store_run`'s `successors`).
     #[new]
-    fn new(num_blocks: &Bound<'_, PyAny>, block_size: &Bound<'_, PyAny>) -> PyResult<Self> {
+    #[pyo3(signature = (num_blocks, block_size, *, publish_successors=false))]
+    fn new(
+        num_blocks: &Bound<'_, PyAny>,
+        block_size: &Bound<'_, PyAny>,
+        #[pyo3(from_py_with = arg::publish_successors)] publish_successors: bool,
+    ) -> PyResult<Self> {
         let n = count(num_blocks, "num_blocks", None)?;
         let bs = count(block_size, "block_size", None)?;
+        let mut inner = core::HostCache::new(n, bs).map_err(slot_error)?;
+        inner.set_publish_successors(publish_successors);
         Ok(HostCache {
-            inner: core::HostCache::new(n, bs).map_err(slot_error)?,
+            inner,
             wire: Vec::new(),
         })
+    }
+    #[getter]
+    fn publishes_successors(slf: &Bound<'_, Self>) -> PyResult<bool> {
+        Ok(borrow(slf)?.inner.publishes_successors())
+    }
+    /// The successor recorded with a cached block (None: none recorded).
+    fn successor(slf: &Bound<'_, Self>, block_hash: &Bound<'_, PyAny>) -> PyResult<Option<u32>> {
+        let h = int::<u64>(block_hash, "block_hash", None)?;
+        let s = borrow(slf)?.inner.successor(h);
+        Ok((s != core::NO_SUCCESSOR).then_some(s))
     }
     /// Number of leading hashes whose blocks are complete in the cache.
     fn match_prefix(slf: &Bound<'_, Self>, block_hashes: &Bound<'_, PyAny>) -> PyResult<usize> {
@@ -102,7 +121,9 @@ impl HostCache {
             .map_err(slot_error)
     }
     /// Begins storing one request's blocks as part of `step`; returns [(index, host block)].
-    #[pyo3(signature = (step, block_hashes, parent_block_hash, token_ids, lora_id=None))]
+    /// `successors`: per block, the token after it recorded with it (None: none), registered
+    /// (and published) when the step completes.
+    #[pyo3(signature = (step, block_hashes, parent_block_hash, token_ids, lora_id=None, successors=None))]
     fn begin_store_run(
         slf: &Bound<'_, Self>,
         step: &Bound<'_, PyAny>,
@@ -110,16 +131,31 @@ impl HostCache {
         parent_block_hash: Option<&Bound<'_, PyAny>>,
         token_ids: &Bound<'_, PyAny>,
         lora_id: Option<&Bound<'_, PyAny>>,
+        successors: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Vec<(usize, u32)>> {
         let step = int::<u64>(step, "step", None)?;
         let h = IntArg::<u64>::extract(block_hashes, "block_hashes", None)?;
         let parent = opt_int::<u64>(parent_block_hash, "parent_block_hash", None)?;
         let t = IntArg::<u32>::extract(token_ids, "token_ids", None)?;
         let lora = opt_int::<u64>(lora_id, "lora_id", None)?;
+        let succ = match successors {
+            Some(s) if !s.is_none() => Some(conv::successors(s, "successors")?),
+            _ => None,
+        };
+        let mut out = Vec::new();
         borrow_mut(slf)?
             .inner
-            .begin_store_run(step, h.as_slice(), parent, t.as_slice(), lora)
-            .map_err(slot_error)
+            .begin_store_run_into(
+                step,
+                h.as_slice(),
+                parent,
+                t.as_slice(),
+                lora,
+                succ.as_deref(),
+                &mut out,
+            )
+            .map_err(slot_error)?;
+        Ok(out)
     }
     /// Completes every store run of `step` (aborting runs with a failed block); returns the
     /// number of blocks registered.

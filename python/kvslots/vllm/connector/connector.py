@@ -86,7 +86,9 @@ class KVSlotsConnector(KVConnectorBase_V1):
         # vLLM's own ZMQ publisher only msgpack-encodes the batch: our events go to it as
         # msgspec.Raw wire bytes (the published bytes are the same), no structs built per event.
         # Other publishers may read the events: they get vLLM's structs. vLLM 0.33's BlockStored
-        # layout differs from the core's (0.32) one, so 0.33 gets structs too.
+        # layout differs from the core's (0.32) one, so 0.33 gets structs too. (With the EAGLE
+        # rule our BlockStored carry lookahead_token_ids and are 0.33's bytes; on 0.32 the raw
+        # bytes keep that field, which a 0.32 decoder skips.)
         self._raw_events = bool(self._vllm_events and events_cfg.publisher == "zmq"
                                 and not features().block_stored_lookahead)
         if role == KVConnectorRole.SCHEDULER:
@@ -231,6 +233,8 @@ class KVSlotsConnector(KVConnectorBase_V1):
         if not self._vllm_events:
             idx.discard_events()
             return []
+        if self._raw_events:  # vLLM's ZMQ publisher: each event's wire bytes, as the host tier's
+            return idx.drain_events_raw(msgspec.Raw, MEDIUM_STORAGE)
         return _decode_events(idx.events_msgpack(0.0, MEDIUM_STORAGE, None, drain=True))
 
     def _take_host_events(self) -> Iterable[Any]:
@@ -437,7 +441,13 @@ def _transfer_results_type() -> Any:
 
 def _decode_events(payload: bytes) -> list[Any]:
     """vLLM's own event structs (``BlockStored`` / ``BlockRemoved`` / ``AllBlocksCleared``) from
-    a msgpack ``KVEventBatch``, decoded by msgspec in C."""
+    a msgpack ``KVEventBatch``, decoded by msgspec in C.
+
+    With the EAGLE rule the host and disk tiers' ``BlockStored`` carry ``lookahead_token_ids``
+    (each block's successor, vLLM 0.33's layout). vLLM 0.33's struct keeps the field; vLLM
+    0.32's struct has no such field and msgspec skips it (its structs do not forbid unknown
+    fields; tests/test_events_successors.py decodes them with 0.32's own decoder), so there the
+    events are 0.32's, without successors."""
     global _EVENT_DECODER
     if _EVENT_DECODER is None:
         _EVENT_DECODER = msgspec.msgpack.Decoder(KVEventBatch)

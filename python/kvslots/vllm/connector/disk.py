@@ -138,7 +138,9 @@ class DiskScheduler:
         self.eagle = eagle
         self.path = os.path.join(directory, FILE_NAME)
         planner.enable_spill()
-        self.index = DiskIndex(num_slots, block_size)
+        # With the EAGLE rule, STORAGE BlockStored events carry the blocks' successors (vLLM
+        # 0.33's lookahead_token_ids), restored ones included: set before the restore below.
+        self.index = DiskIndex(num_slots, block_size, publish_successors=eagle)
         # The workers opened (or started afresh) the file before the scheduler exists.
         restored, damaged, why = self.index.restore_from_file(self.path, **layout.kwargs())
         if why is not None:

@@ -5,7 +5,10 @@
 //! of stored slots, pins for reads under way, the successor token of each block (the EAGLE
 //! last-block rule, see `cache.rs`) and the block's tokens and parent, so that a `BlockStored`
 //! event (medium `STORAGE`) can be published when it lands on disk and again when the index is
-//! rebuilt from the file after a restart.
+//! rebuilt from the file after a restart. An index made to publish successors
+//! ([`DiskIndex::set_publish_successors`]: the connector with the EAGLE block drop) puts each
+//! block's recorded successor in those events (vLLM 0.33's `lookahead_token_ids`); a block's
+//! successor is given with its write and never changes while it is on disk.
 //!
 //! A write is two-phase, as a host store: [`DiskIndex::begin_write`] takes a slot (evicting the
 //! least recently used unpinned block: `BlockRemoved`) that is not found by lookups until
@@ -137,6 +140,13 @@ impl DiskIndex {
     pub fn events_mut(&mut self) -> &mut EventLog {
         &mut self.events
     }
+    /// Whether `BlockStored` events carry each block's successor (see the module docs).
+    pub fn set_publish_successors(&mut self, on: bool) {
+        self.events.set_successors(on);
+    }
+    pub fn publishes_successors(&self) -> bool {
+        self.events.successors()
+    }
 
     fn stored_slot(&self, hash: u64) -> Option<u32> {
         self.map
@@ -249,7 +259,8 @@ impl DiskIndex {
             self.state[slot as usize] = State::Stored;
             self.touch(slot);
             let m = self.meta[slot as usize].as_ref().expect("writing has meta");
-            self.events.push_stored_block(m.hash, &m.tokens);
+            self.events
+                .push_stored_block_with_successor(m.hash, &m.tokens, m.successor);
             self.events.finish_stored(m.parent, m.lora);
             self.stats.writes_completed += 1;
         } else {
@@ -361,7 +372,8 @@ impl DiskIndex {
         for &(_, slot) in &taken {
             self.touch(slot);
             let m = self.meta[slot as usize].as_ref().expect("just set");
-            self.events.push_stored_block(m.hash, &m.tokens);
+            self.events
+                .push_stored_block_with_successor(m.hash, &m.tokens, m.successor);
             self.events.finish_stored(m.parent, m.lora);
         }
         self.free = (0..self.state.len() as u32)

@@ -212,3 +212,48 @@ fn clear_drops_unpinned_blocks_as_one_block_removed_with_their_hashes() {
     assert!(d.events_mut().drain().len() == 1, "nothing published for an empty clear");
     d.check().unwrap();
 }
+
+fn stored_events(d: &mut DiskIndex) -> Vec<(Vec<u64>, Option<Vec<u32>>)> {
+    d.events_mut()
+        .drain()
+        .into_iter()
+        .filter_map(|e| match e {
+            KvEvent::BlockStored { block_hashes, successors, .. } => Some((block_hashes, successors)),
+            _ => None,
+        })
+        .collect()
+}
+
+#[test]
+fn storage_events_carry_successors_when_published_on_write_and_restore() {
+    let mut d = DiskIndex::new(3, 1).unwrap();
+    d.set_publish_successors(true);
+    assert!(d.publishes_successors());
+    let a = d.begin_write(meta(1, 1)).unwrap().unwrap();
+    let b = d.begin_write(BlockMeta { successor: NO_SUCCESSOR, ..meta(2, 1) }).unwrap().unwrap();
+    assert!(stored_events(&mut d).is_empty(), "nothing published while writing");
+    d.complete_write(b, true).unwrap();
+    d.complete_write(a, true).unwrap();
+    assert_eq!(
+        stored_events(&mut d),
+        vec![(vec![2], Some(vec![NO_SUCCESSOR])), (vec![1], Some(vec![1001]))]
+    );
+    // A failed write publishes nothing.
+    let c = d.begin_write(meta(3, 1)).unwrap().unwrap();
+    d.complete_write(c, false).unwrap();
+    assert!(stored_events(&mut d).is_empty());
+
+    // A restart rebuilds the index from the records, successors included, and publishes them.
+    let mut r = DiskIndex::new(3, 1).unwrap();
+    r.set_publish_successors(true);
+    r.restore(vec![(0, meta(1, 1), 2), (1, BlockMeta { successor: NO_SUCCESSOR, ..meta(2, 1) }, 1)])
+        .unwrap();
+    assert_eq!(
+        stored_events(&mut r),
+        vec![(vec![2], Some(vec![NO_SUCCESSOR])), (vec![1], Some(vec![1001]))]
+    );
+    // Off (the default): the same events without the field.
+    let mut r = DiskIndex::new(3, 1).unwrap();
+    r.restore(vec![(0, meta(1, 1), 2)]).unwrap();
+    assert_eq!(stored_events(&mut r), vec![(vec![1], None)]);
+}

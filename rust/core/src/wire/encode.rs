@@ -9,6 +9,15 @@
 //! trailing fields of `BlockStored`/`BlockRemoved` (all defaulting to `None`) never appear, while
 //! `parent_block_hash`, `lora_id`, `medium` and `lora_name` (no default) are always written.
 //!
+//! vLLM 0.33 added a fifteenth field to `BlockStored`, `lookahead_token_ids` (last, default
+//! `None`). An event with successors ([`KvEventRef::BlockStored`]'s `successors`) is written as
+//! vLLM 0.33 writes it: msgspec sizes a struct's map header by its field count (tag included),
+//! so every 0.33 `BlockStored` gets a map16 header (`0xde`, then the 16-bit count of the fields
+//! written: 9), and `lookahead_token_ids` follows `lora_name` (the fields between are `None`,
+//! their default, and omitted), one array per block: `[successor]`, or `[]` for
+//! [`NO_SUCCESSOR`]. An event without successors keeps vLLM 0.32's bytes (a fixmap of 8); a
+//! vLLM 0.32 decoder reads the 0.33 form too (msgspec skips a field its struct does not have).
+//!
 //! msgspec writes every integer in its smallest msgpack form (unsigned forms for non-negative
 //! values), every Python float as float64, and strings/arrays/maps with the smallest header;
 //! rmp's `write_uint`/`write_sint`/`write_f64`/`write_*_len` make the same choices, so the bytes
@@ -24,6 +33,7 @@ use std::convert::Infallible;
 use rmp::encode::{self as enc, ByteBuf, ValueWriteError};
 use thiserror::Error;
 
+use crate::cache::NO_SUCCESSOR;
 use crate::events::{EventLog, KvEvent, KvEventRef};
 
 /// How block hashes go on the wire.
@@ -67,6 +77,9 @@ pub enum EncodeError {
         u32::MAX
     )]
     TooLong { what: &'static str, len: usize },
+    /// A `BlockStored` whose successors do not match its blocks one for one.
+    #[error("BlockStored has {hashes} block hashes but {successors} successors")]
+    Successors { hashes: usize, successors: usize },
 }
 
 /// Appends the msgpack bytes of one `KVEventBatch` holding `events` to `out`. On error `out` is
@@ -229,8 +242,23 @@ impl Writer {
                 token_ids,
                 block_size,
                 lora_id,
+                successors,
             } => {
-                ok(enc::write_map_len(&mut self.buf, 8));
+                match successors {
+                    None => {
+                        ok(enc::write_map_len(&mut self.buf, 8));
+                    }
+                    Some(s) => {
+                        if s.len() != block_hashes.len() {
+                            return Err(EncodeError::Successors {
+                                hashes: block_hashes.len(),
+                                successors: s.len(),
+                            });
+                        }
+                        // map16 with 9 entries, as msgspec writes vLLM 0.33's 16-key struct.
+                        self.buf.as_mut_vec().extend_from_slice(&[0xde, 0x00, 0x09]);
+                    }
+                }
                 self.str("type")?;
                 self.str("BlockStored")?;
                 self.str("block_hashes")?;
@@ -264,6 +292,22 @@ impl Writer {
                 // The core keys LoRA adapters by id only; the name is unknown here.
                 self.str("lora_name")?;
                 self.nil();
+                if let Some(s) = successors {
+                    self.str("lookahead_token_ids")?;
+                    ok(enc::write_array_len(
+                        &mut self.buf,
+                        len32("lookahead_token_ids", s.len())?,
+                    ));
+                    let v = self.buf.as_mut_vec();
+                    for &t in s {
+                        if t == NO_SUCCESSOR {
+                            v.push(0x90);
+                        } else {
+                            v.push(0x91);
+                            put_u32(v, t);
+                        }
+                    }
+                }
             }
             KvEventRef::BlockRemoved { block_hashes } => {
                 ok(enc::write_map_len(&mut self.buf, 3));
@@ -346,6 +390,7 @@ mod tests {
                 token_ids: vec![1, 2],
                 block_size: 2,
                 lora_id: None,
+                successors: None,
             },
             KvEvent::BlockRemoved {
                 block_hashes: vec![5],
@@ -435,6 +480,7 @@ mod tests {
             token_ids: vec![],
             block_size: 2,
             lora_id: Some(3),
+            successors: None,
         }];
         let mut meta = BatchMeta::new(0.0);
         meta.hash_format = HashFormat::Bytes;
@@ -464,6 +510,154 @@ mod tests {
         encode_owned(&log.drain(), &meta, &mut b).unwrap();
         assert_eq!(a[0], 0xAA, "appends, keeps what was there");
         assert_eq!(a[1..], b[..]);
+    }
+
+    fn stored_with(successors: Option<Vec<u32>>) -> KvEvent {
+        KvEvent::BlockStored {
+            block_hashes: vec![1, u64::MAX],
+            parent_block_hash: Some(9),
+            token_ids: vec![1, 2, 3, 4],
+            block_size: 2,
+            lora_id: Some(7),
+            successors,
+        }
+    }
+
+    // Golden bytes from vLLM 0.33's own structs encoded by msgspec 0.22.
+    #[test]
+    fn successors_match_vllm_033_golden_bytes() {
+        // KVEventBatch(1.5, [BlockStored([1, 2**64-1], 9, [1, 2, 3, 4], 2, 7, "CPU", None,
+        //     lookahead_token_ids=[[300], []]), BlockRemoved([5], "CPU")], data_parallel_rank=0)
+        let events = [
+            stored_with(Some(vec![300, NO_SUCCESSOR])),
+            KvEvent::BlockRemoved {
+                block_hashes: vec![5],
+            },
+        ];
+        let meta = BatchMeta {
+            ts: 1.5,
+            data_parallel_rank: Some(0),
+            medium: Some("CPU"),
+            hash_format: HashFormat::U64,
+        };
+        let mut out = Vec::new();
+        encode_owned(&events, &meta, &mut out).unwrap();
+        assert_eq!(out, hex("93cb3ff800000000000092de0009a474797065ab426c6f636b53746f726564ac626c6f636b5f6861736865739201cfffffffffffffffffb1706172656e745f626c6f636b5f6861736809a9746f6b656e5f6964739401020304aa626c6f636b5f73697a6502a76c6f72615f696407a66d656469756da3435055a96c6f72615f6e616d65c0b36c6f6f6b61686561645f746f6b656e5f6964739291cd012c9083a474797065ac426c6f636b52656d6f766564ac626c6f636b5f6861736865739105a66d656469756da343505500"));
+
+        // KVEventBatch(0.0, [BlockStored([b"\0"*8], None, [70000], 1, None, "STORAGE", None,
+        //     lookahead_token_ids=[[2**32-2]])])
+        let events = [KvEvent::BlockStored {
+            block_hashes: vec![0],
+            parent_block_hash: None,
+            token_ids: vec![70000],
+            block_size: 1,
+            lora_id: None,
+            successors: Some(vec![u32::MAX - 1]),
+        }];
+        let meta = BatchMeta {
+            ts: 0.0,
+            data_parallel_rank: None,
+            medium: Some("STORAGE"),
+            hash_format: HashFormat::Bytes,
+        };
+        let mut out = Vec::new();
+        encode_owned(&events, &meta, &mut out).unwrap();
+        assert_eq!(out, hex("93cb000000000000000091de0009a474797065ab426c6f636b53746f726564ac626c6f636b5f68617368657391c4080000000000000000b1706172656e745f626c6f636b5f68617368c0a9746f6b656e5f69647391ce00011170aa626c6f636b5f73697a6501a76c6f72615f6964c0a66d656469756da753544f52414745a96c6f72615f6e616d65c0b36c6f6f6b61686561645f746f6b656e5f6964739191cefffffffec0"));
+    }
+
+    /// What a msgpack decoder (rmp-serde) reads back from one encoded BlockStored.
+    #[derive(serde::Deserialize, Debug, PartialEq)]
+    struct Decoded {
+        #[serde(rename = "type")]
+        kind: String,
+        block_hashes: Vec<u64>,
+        parent_block_hash: Option<u64>,
+        token_ids: Vec<u32>,
+        block_size: u32,
+        lora_id: Option<u64>,
+        medium: Option<String>,
+        lora_name: Option<String>,
+        lookahead_token_ids: Option<Vec<Vec<u32>>>,
+    }
+
+    #[test]
+    fn successors_decode_as_lookahead_token_ids_and_none_keeps_the_032_layout() {
+        let meta = BatchMeta {
+            ts: 0.0,
+            data_parallel_rank: None,
+            medium: Some("CPU"),
+            hash_format: HashFormat::U64,
+        };
+        let encode = |ev: KvEvent| {
+            let (mut out, mut ends) = (Vec::new(), Vec::new());
+            encode_each([ev.as_ref()], &meta, &mut out, &mut ends).unwrap();
+            assert_eq!(ends, vec![out.len()]);
+            out
+        };
+        let with = encode(stored_with(Some(vec![0, NO_SUCCESSOR])));
+        let without = encode(stored_with(None));
+        assert_eq!(&with[..3], &[0xde, 0x00, 0x09]);
+        assert_eq!(without[0], 0x88, "fixmap of 8: vLLM 0.32's bytes");
+        // The same fields, then lookahead_token_ids appended.
+        assert_eq!(with[3..without.len() + 2], without[1..]);
+        let d: Decoded = rmp_serde::from_slice(&with).unwrap();
+        assert_eq!(d.lookahead_token_ids, Some(vec![vec![0], vec![]]));
+        assert_eq!(
+            (d.kind.as_str(), d.block_hashes, d.parent_block_hash, d.token_ids),
+            ("BlockStored", vec![1, u64::MAX], Some(9), vec![1, 2, 3, 4])
+        );
+        assert_eq!((d.block_size, d.lora_id, d.medium.as_deref(), d.lora_name), (2, Some(7), Some("CPU"), None));
+        let d: Decoded = rmp_serde::from_slice(&without).unwrap();
+        assert_eq!(d.lookahead_token_ids, None);
+        // Every token size class of a successor round-trips.
+        let succ = vec![0, 127, 128, 255, 256, 65535, 65536, u32::MAX - 1];
+        let ev = KvEvent::BlockStored {
+            block_hashes: (0..succ.len() as u64).collect(),
+            parent_block_hash: None,
+            token_ids: vec![0; succ.len()],
+            block_size: 1,
+            lora_id: None,
+            successors: Some(succ.clone()),
+        };
+        let d: Decoded = rmp_serde::from_slice(&encode(ev)).unwrap();
+        let want: Vec<Vec<u32>> = succ.iter().map(|&s| vec![s]).collect();
+        assert_eq!(d.lookahead_token_ids, Some(want));
+    }
+
+    #[test]
+    fn log_with_successors_encodes_like_owned_events_and_mismatch_is_an_error() {
+        let mut log = EventLog::new(2);
+        log.set_successors(true);
+        log.push_stored_block_with_successor(1, &[1, 2], 3);
+        log.push_stored_block(u64::MAX, &[3, 4]);
+        log.finish_stored(Some(9), Some(7));
+        log.push_removed(&[1]);
+        let meta = BatchMeta {
+            ts: 2.5,
+            data_parallel_rank: Some(1),
+            medium: Some("CPU"),
+            hash_format: HashFormat::U64,
+        };
+        let (mut a, mut b) = (Vec::new(), Vec::new());
+        log.encode_msgpack(&meta, &mut a).unwrap();
+        let owned = log.drain();
+        assert_eq!(owned[0], stored_with(Some(vec![3, NO_SUCCESSOR])));
+        encode_owned(&owned, &meta, &mut b).unwrap();
+        assert_eq!(a, b);
+
+        let bad = [stored_with(Some(vec![3]))];
+        let mut out = vec![0xAA];
+        assert_eq!(
+            encode_owned(&bad, &meta, &mut out),
+            Err(EncodeError::Successors {
+                hashes: 2,
+                successors: 1
+            })
+        );
+        assert_eq!(out, vec![0xAA], "left as it was");
+        let (mut out, mut ends) = (vec![0xAA], vec![1]);
+        assert!(encode_each(bad.iter().map(KvEvent::as_ref), &meta, &mut out, &mut ends).is_err());
+        assert_eq!((out, ends), (vec![0xAA], vec![1]));
     }
 
     #[test]
