@@ -267,3 +267,55 @@ def test_redis_replicas_apply_the_rule_from_mirrored_successors():
             svc.stop()
         pub.close()
         srv.close()
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    pytest.importorskip("vllm", reason="vLLM is not installed (make test installs it)")
+    from kvslots._dev.tiny import build_tiny_models
+
+    return build_tiny_models(str(tmp_path_factory.mktemp("tiny")))
+
+
+@pytest.mark.parametrize("chunk,variant", [(256, "same"), (256, "other_next"), (64, "same"), (64, "two_blocks")])
+def test_scores_equal_the_connectors_hits(models, chunk, variant):
+    """The connector's published events, fed to the index, score an EAGLE worker with exactly
+    the prompt tokens vLLM's scheduler then computes from the host tier (a worker registered
+    without `eagle` would claim the last block too)."""
+    import copy
+    import random
+
+    import msgspec
+    from vllm.distributed import kv_events as vke
+    from vllm_harness import BLOCK_SIZE, DRAFT_BASE, Harness, engine_config
+
+    cfg = engine_config(models["target"], models["eagle"], k=3, num_blocks=64, max_num_batched_tokens=chunk)
+    cfg.kv_transfer_config.kv_connector_extra_config = {"host_cache_blocks": 256}
+    h = Harness(copy.deepcopy(cfg), num_blocks=64, seed=13)
+    h.connector._raw_events = True  # as with vLLM's ZMQ publisher: our wire bytes
+    rng = random.Random(13)
+    tokens = [rng.randrange(1, DRAFT_BASE) for _ in range(5 * BLOCK_SIZE + 7)]
+    h.add("first", tokens, max_tokens=2)
+    h.run_until_done()
+    assert h.scheduler.reset_prefix_cache()  # hits now come from the host tier only
+
+    ix = PrefixIndex()
+    for w in ("eagle", "plain"):
+        ix.add_worker(w)
+    ix.set_worker_eagle("eagle", True)
+    for w in ("eagle", "plain"):
+        ix.apply(w, msgspec.msgpack.encode(vke.KVEventBatch(ts=0.0, events=h.events)))
+
+    if variant == "other_next":  # same five blocks, another token after them
+        tokens = tokens[: 5 * BLOCK_SIZE] + [tokens[5 * BLOCK_SIZE] % (DRAFT_BASE - 2) + 1] + tokens[5 * BLOCK_SIZE + 1 :]
+    elif variant == "two_blocks":  # block 1 ended a 64-token prefill chunk: no successor recorded
+        tokens = tokens[: 2 * BLOCK_SIZE + 3]
+    scored = {w: b for w, b, _t, _s in ix.lookup(tokens, BLOCK_SIZE)}
+    h.add("second", tokens, max_tokens=2)
+    so = h.step()
+    hit = [r for r in so.scheduled_new_reqs if r.req_id == "second"][0].num_computed_tokens
+    assert scored["eagle"] * BLOCK_SIZE == hit
+    assert scored["plain"] == len(tokens) // BLOCK_SIZE  # every full block is held
+    if variant != "same":  # the last block is not served: only the EAGLE registration knows it
+        assert scored["plain"] == scored["eagle"] + 1
+    h.run_until_done()
