@@ -489,6 +489,30 @@ def test_events_flags(target):
     assert "--kv-events-config" not in plan.argv and plan.events_subscribe_endpoint() is None
 
 
+@pytest.mark.parametrize("spec, eagle", [
+    (None, False),
+    ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 3}, False),
+    ({"method": "eagle3", "num_speculative_tokens": 3}, True),
+    ({"method": "mtp", "num_speculative_tokens": 1}, True),
+    ({"method": "eagle", "num_speculative_tokens": 3, "disable_eagle_block_drop": True}, False),
+])
+def test_indexer_worker_line_follows_the_events_and_the_drafter(target, draft, spec, eagle):
+    from kvslots.indexer import WorkerSpec
+
+    argv = [target, "--kv-events-endpoint", "tcp://*:6000", "--kv-events-topic", "kv"]
+    if spec is not None:
+        spec = {**spec, "model": draft} if spec["method"] != "ngram" else spec
+        argv += ["--speculative-config", json.dumps(spec)]
+    plan = plan_from_argv(argv)
+    line = plan.indexer_worker("w0")
+    got = WorkerSpec.parse(line)  # what `kvslots indexer --worker` makes of it
+    assert (got.name, got.endpoint, got.replay, got.topic, got.eagle) == (
+        "w0", "tcp://127.0.0.1:6000", "tcp://127.0.0.1:6001", "kv", eagle)
+    plan = plan_from_argv([target, "--kv-events-replay-endpoint", "tcp://*:7000"])
+    assert plan.indexer_worker() == "NAME=tcp://127.0.0.1:5557,replay=tcp://127.0.0.1:7000"
+    assert plan_from_argv([target, "--no-kv-events"]).indexer_worker() is None
+
+
 def test_replay_port_clears_the_data_parallel_ranks(tmp_path, target):
     # vLLM offsets both ports by the data-parallel rank: the replay port must clear them all.
     assert plan_from_argv([target, "--", "-dp", "2"]).kv_events_config["replay_endpoint"] == "tcp://127.0.0.1:5559"

@@ -44,6 +44,19 @@ SPECULATORS_METHODS: dict[str, tuple[str, dict[str, Any]]] = {
     "dspark": ("dspark", {}),
 }
 
+#: Methods whose drafter reads the token after a block at the block's last position, so vLLM
+#: recomputes the last block of a prefix hit (vLLM 0.32's ``SpeculativeConfig.use_eagle()``).
+EAGLE_BLOCK_DROP_METHODS = ("eagle", "eagle3", "mtp", "dflash", "dspark")
+
+
+def drops_eagle_block(spec: Mapping[str, Any] | None) -> bool:
+    """Whether vLLM drops the last block of a prefix hit under this speculative config (its
+    ``use_eagle_block_drop()``): an EAGLE-family method and no ``disable_eagle_block_drop``."""
+    if not spec:
+        return False
+    return spec.get("method") in EAGLE_BLOCK_DROP_METHODS and not spec.get("disable_eagle_block_drop")
+
+
 #: A Hugging Face Hub model id: ``name`` or ``org/name``.
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
 

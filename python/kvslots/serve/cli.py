@@ -195,6 +195,8 @@ def run(args: argparse.Namespace) -> int:
             replay = (plan.kv_events_config or {}).get("replay_endpoint")
             print(f"{PROG}: KV events: subscribe at {sub}" + (f", replay at {replay}" if replay else ""),
                   file=sys.stderr, flush=True)
+            print(f"{PROG}: prefix-cache index: kvslots indexer --worker {plan.indexer_worker()}",
+                  file=sys.stderr, flush=True)
     sys.stderr.flush()
     return supervise(plan.argv, env={**os.environ, **plan.env}, grace=args.grace_period)
 

@@ -88,8 +88,19 @@ def subscribe_endpoint(cfg: dict[str, Any] | None) -> str | None:
     ep = str(cfg.get("endpoint", "tcp://*:5557"))
     if not vllm_binds(ep):
         return None
-    return ep.replace("*", "127.0.0.1").replace(LOOPBACK_BIND_HOST, "127.0.0.1")
+    return _connect_form(ep)
+
+
+def replay_connect_endpoint(cfg: dict[str, Any] | None) -> str | None:
+    """Where a subscriber on this host asks for replays (None: replay off; vLLM always binds
+    the replay socket)."""
+    ep = (cfg or {}).get("replay_endpoint")
+    return _connect_form(str(ep)) if ep else None
+
+
+def _connect_form(bound: str) -> str:
+    return bound.replace("*", "127.0.0.1").replace(LOOPBACK_BIND_HOST, "127.0.0.1")
 
 
 __all__ = ["DEFAULT_EVENTS_ENDPOINT", "LOOPBACK_BIND_HOST", "default_replay", "events_config",
-           "subscribe_endpoint", "vllm_binds"]
+           "replay_connect_endpoint", "subscribe_endpoint", "vllm_binds"]

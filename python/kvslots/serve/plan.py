@@ -20,12 +20,12 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
-from ..config.speculative import classify_model, resolve_speculative_config
+from ..config.speculative import classify_model, drops_eagle_block, resolve_speculative_config
 from ..config.vllm_args import brief, engine_flag, flag_name, to_json
 from ..errors import ServeError
 from ..vllm.cpu_cores import connector_cpu_env, vllm_is_cpu_build
 from .connector import CONNECTOR_NAME, connector_config
-from .events import events_config, subscribe_endpoint
+from .events import events_config, replay_connect_endpoint, subscribe_endpoint
 from .tail import MERGED_OPTIONS, json_object, scan_vllm_args, tail_json
 
 PROG = "kvslots serve"
@@ -82,6 +82,24 @@ class ServePlan:
         """Where a subscriber on this host connects for the live events (None: events off or
         not bound by vLLM)."""
         return subscribe_endpoint(self.kv_events_config)
+
+    def indexer_worker(self, name: str = "NAME") -> str | None:
+        """The ``kvslots indexer --worker`` value that follows this server's events from this
+        host (None: no events a subscriber here can reach). ``eagle=true`` when vLLM drops the
+        last block of a prefix hit (an EAGLE-family drafter), so the indexer scores it that way."""
+        sub = self.events_subscribe_endpoint()
+        if sub is None:
+            return None
+        parts = [f"{name}={sub}"]
+        replay = replay_connect_endpoint(self.kv_events_config)
+        if replay:
+            parts.append(f"replay={replay}")
+        topic = (self.kv_events_config or {}).get("topic")
+        if topic:
+            parts.append(f"topic={topic}")
+        if drops_eagle_block(self.speculative_config):
+            parts.append("eagle=true")
+        return ",".join(parts)
 
 
 def _check_model(model: str) -> tuple[str, bool, bool]:

@@ -6,6 +6,13 @@ use super::PrefixIndex;
 impl PrefixIndex {
     /// Checks the internal links; `Err` names the first broken one (tests call it).
     pub fn check_invariants(&self) -> Result<(), String> {
+        let eagle = self.workers.iter().flatten().filter(|w| w.eagle).count();
+        if eagle != self.eagle_workers as usize {
+            return Err(format!(
+                "{eagle} workers marked EAGLE, counted {}",
+                self.eagle_workers
+            ));
+        }
         let mut entries = 0;
         for (id, w) in self.workers.iter().enumerate() {
             let Some(w) = w else { continue };

@@ -52,7 +52,7 @@ impl PrefixIndex {
     /// The EAGLE last-block rule (`last_block.rs`) on the walk just made: block `i`'s nodes are
     /// `scratch_nodes[i]` after the plain walk, `scratch_starts[i]..` after the lookahead walk.
     fn apply_last_block_rule(&mut self, tokens: &[u32], block_size: usize, lookahead_walk: bool) {
-        if !self.workers.iter().flatten().any(|w| w.eagle) {
+        if self.eagle_workers == 0 {
             return;
         }
         let mut scorer = std::mem::take(&mut self.scorer);

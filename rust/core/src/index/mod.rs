@@ -94,6 +94,8 @@ pub struct PrefixIndex {
     /// Bit `L - 1` set once a block hashed with `L` lookahead tokens was stored (vLLM 0.33);
     /// zero keeps lookups on the plain key chain only.
     lookahead_lens: u64,
+    /// Workers marked EAGLE: a lookup applies the last-block rule only when there are any.
+    eagle_workers: u32,
 }
 
 impl PrefixIndex {
@@ -129,6 +131,7 @@ impl PrefixIndex {
             evictions: 0,
             totals: TotalStats::default(),
             lookahead_lens: 0,
+            eagle_workers: 0,
         })
     }
 

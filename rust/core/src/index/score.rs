@@ -5,6 +5,9 @@ use rustc_hash::FxHashMap;
 
 use super::{WorkerId, NUM_TIERS};
 
+const GOING: u8 = 0b1000;
+const LAST_SHIFT: u8 = 4;
+
 /// One worker's match for a prompt.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct WorkerMatch {
@@ -22,10 +25,10 @@ pub struct WorkerMatch {
 pub struct Scorer {
     weights: [f64; 8],
     out: Vec<WorkerMatch>,
-    alive: Vec<u8>, // per entry of `out`: tiers still unbroken; 0 = the worker's prefix ended
-    // Per entry of `out`: the tier mask of its last counted block, and the score before it.
-    last_mask: Vec<u8>,
-    score_before_last: Vec<f64>,
+    // Per entry of `out`: bits 0-2 the tiers still unbroken, `GOING` while the worker's prefix
+    // continues, bits 4-6 the tier mask of its last counted block (for the last-block rule;
+    // kept in the same byte so the walk stores nothing more per block).
+    alive: Vec<u8>,
     slot_of: FxHashMap<WorkerId, u32>,
     cur: Vec<u8>,
     started: bool,
@@ -50,8 +53,6 @@ impl Scorer {
     pub fn reset(&mut self) {
         self.out.clear();
         self.alive.clear();
-        self.last_mask.clear();
-        self.score_before_last.clear();
         self.slot_of.clear();
         self.cur.clear();
         self.started = false;
@@ -82,10 +83,8 @@ impl Scorer {
                             tier_blocks: [0; NUM_TIERS],
                             score: 0.0,
                         });
-                        self.alive.push(0b111);
+                        self.alive.push(0b111 | GOING);
                         self.cur.push(tiers);
-                        self.last_mask.push(0);
-                        self.score_before_last.push(0.0);
                     }
                 }
             }
@@ -102,17 +101,15 @@ impl Scorer {
         let mut any = false;
         for i in 0..self.out.len() {
             let m = std::mem::take(&mut self.cur[i]) & 0b111;
-            if self.alive[i] == 0 {
+            if self.alive[i] & GOING == 0 {
                 continue;
             }
             if m == 0 {
-                self.alive[i] = 0;
+                self.alive[i] &= !GOING;
                 continue;
             }
             let o = &mut self.out[i];
             o.blocks += 1;
-            self.score_before_last[i] = o.score;
-            self.last_mask[i] = m;
             o.score += self.weights[m as usize];
             let still = self.alive[i] & m;
             for t in 0..NUM_TIERS {
@@ -120,8 +117,7 @@ impl Scorer {
                     o.tier_blocks[t] += 1;
                 }
             }
-            // Keep a nonzero marker while the any-tier prefix continues.
-            self.alive[i] = still | 0b1000;
+            self.alive[i] = still | GOING | (m << LAST_SHIFT);
             any = true;
         }
         self.any_alive = any;
@@ -135,18 +131,20 @@ impl Scorer {
     /// The EAGLE last-block rule (`last_block.rs`), after the last block was fed:
     /// `serves_last(worker, i)` says whether the worker's engine serves block `i`, the last of
     /// its prefix, from cache. Where it does not, that block leaves the worker's prefix, every
-    /// tier prefix and the score.
+    /// tier prefix and the score (its weight is taken off again: equal to the sum of the
+    /// remaining blocks' weights up to float rounding, and exactly 0 for a single block).
     pub fn drop_unserved_last(&mut self, mut serves_last: impl FnMut(WorkerId, u32) -> bool) {
-        for (i, o) in self.out.iter_mut().enumerate() {
+        for (o, a) in self.out.iter_mut().zip(&mut self.alive) {
             if o.blocks == 0 || serves_last(o.worker, o.blocks - 1) {
                 continue;
             }
             o.blocks -= 1;
-            o.score = self.score_before_last[i];
+            let last = (*a >> LAST_SHIFT) & 0b111;
+            o.score = if o.blocks == 0 { 0.0 } else { o.score - self.weights[last as usize] };
             for t in &mut o.tier_blocks {
                 *t = (*t).min(o.blocks);
             }
-            self.last_mask[i] = 0;
+            *a &= !(0b111 << LAST_SHIFT);
         }
     }
 }

@@ -1112,6 +1112,16 @@ fn eagle_workers_count_the_last_block_only_with_a_matching_host_successor() {
     ix.set_worker_eagle("w", false).unwrap();
     assert_eq!(by(&mut ix, &T[..8])[1].1, 2);
     assert!(ix.set_worker_eagle("nobody", true).is_err());
+    // The count of EAGLE workers (lookups skip the rule when it is 0) follows marks and removals.
+    ix.set_worker_eagle("w", true).unwrap();
+    ix.set_worker_eagle("w", true).unwrap();
+    ix.set_worker_eagle("d", true).unwrap();
+    ix.remove_worker("w").unwrap();
+    ix.check_invariants().unwrap();
+    assert_eq!(by(&mut ix, &T[..8])[0].1, 1, "d is EAGLE now");
+    ix.set_worker_eagle("d", false).unwrap();
+    ix.check_invariants().unwrap();
+    assert_eq!(by(&mut ix, &T[..8])[0].1, 2);
 }
 
 /// Device blocks hashed with lookahead tokens (vLLM 0.33 without a connector) are served as the

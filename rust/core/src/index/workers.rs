@@ -73,6 +73,9 @@ impl PrefixIndex {
     pub fn remove_worker(&mut self, name: &str) -> IndexResult<usize> {
         let id = self.worker_id(name)?;
         let n = self.clear_worker_id(id);
+        if self.worker(id).is_some_and(|w| w.eagle) {
+            self.eagle_workers -= 1;
+        }
         self.workers[id as usize] = None;
         self.by_name.remove(name);
         Ok(n)
@@ -100,7 +103,14 @@ impl PrefixIndex {
     pub fn set_worker_eagle(&mut self, name: &str, eagle: bool) -> IndexResult<()> {
         let id = self.worker_id(name)?;
         if let Some(w) = self.worker_mut(id) {
-            w.eagle = eagle;
+            if w.eagle != eagle {
+                w.eagle = eagle;
+                if eagle {
+                    self.eagle_workers += 1;
+                } else {
+                    self.eagle_workers -= 1;
+                }
+            }
         }
         Ok(())
     }
