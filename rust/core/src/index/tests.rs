@@ -18,6 +18,8 @@ struct Stored {
     extra_keys: Option<Vec<Option<(String,)>>>,
     #[serde(skip_serializing_if = "Option::is_none")]
     group_idx: Option<u32>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    lookahead_token_ids: Option<Vec<Vec<u32>>>,
 }
 
 #[derive(Serialize, Clone)]
@@ -56,6 +58,7 @@ fn stored(hashes: &[u64], parent: Option<u64>, tokens: &[u32], bs: u32) -> Ev {
         lora_name: None,
         extra_keys: None,
         group_idx: None,
+        lookahead_token_ids: None,
     })
 }
 
@@ -1020,31 +1023,13 @@ fn stored_la(
     tokens: &[u32],
     la: Vec<Vec<u32>>,
 ) -> Vec<u8> {
-    #[derive(Serialize)]
-    struct StoredLa {
-        #[serde(rename = "type")]
-        ty: &'static str,
-        block_hashes: Vec<u64>,
-        parent_block_hash: Option<u64>,
-        token_ids: Vec<u32>,
-        block_size: u32,
-        lora_id: Option<u64>,
-        medium: Option<&'static str>,
-        lora_name: Option<&'static str>,
-        lookahead_token_ids: Vec<Vec<u32>>,
+    match stored_on(medium, hashes, parent, tokens, 4) {
+        Ev::S(mut s) => {
+            s.lookahead_token_ids = Some(la);
+            batch(&[Ev::S(s)])
+        }
+        _ => unreachable!(),
     }
-    let ev = StoredLa {
-        ty: "BlockStored",
-        block_hashes: hashes.to_vec(),
-        parent_block_hash: parent,
-        token_ids: tokens.to_vec(),
-        block_size: 4,
-        lora_id: None,
-        medium: Some(medium),
-        lora_name: None,
-        lookahead_token_ids: la,
-    };
-    rmp_serde::to_vec_named(&(1.0, [ev], 0u32)).unwrap()
 }
 
 /// Host and disk blocks keep token-only keys (the same entry as the device block of the same
