@@ -129,13 +129,17 @@ def test_raw_path_only_for_vllms_zmq_publisher(eagle_cfg, publisher, enabled, ra
     assert c._raw_events is raw and c._vllm_events is (enabled and publisher != "null")
 
 
-def test_engine_steps_publish_the_same_bytes_raw_or_structs(eagle_cfg):
+@pytest.mark.parametrize("eagle_rule", [False, True])
+def test_engine_steps_publish_the_same_bytes_raw_or_structs(eagle_cfg, eagle_rule):
     """Two identical scheduler runs, one taking events as structs, one as Raw: every step's
-    published batch (as vLLM's publisher encodes it) is byte for byte the same."""
+    published batch (as vLLM's publisher encodes it) is byte for byte the same. With the EAGLE
+    rule the host tier's BlockStored carry their successors (lookahead_token_ids, vLLM 0.33's
+    field): the raw bytes keep them, vLLM 0.32's structs cannot, and the rest is the same."""
     batches = {}
     for raw in (False, True):
         cfg = copy.deepcopy(eagle_cfg)
-        cfg.kv_transfer_config.kv_connector_extra_config = {"host_cache_blocks": 6}  # evicts
+        cfg.kv_transfer_config.kv_connector_extra_config = {"host_cache_blocks": 6,  # evicts
+                                                            "eagle_block_drop": eagle_rule}
         h = Harness(cfg, num_blocks=64, seed=3)
         h.connector._raw_events = raw
         published: list[bytes] = []
@@ -157,7 +161,21 @@ def test_engine_steps_publish_the_same_bytes_raw_or_structs(eagle_cfg):
         h.add("again", shared + [1] * 5, max_tokens=2)
         h.run_until_done()
         batches[raw] = published
-    assert batches[True] == batches[False]
+    if eagle_rule and LAYOUT_032:
+        from kvslots.events import decode_batch
+
+        def ours(bs, strip):
+            evs = [e for b in bs for e in decode_batch(b).events]
+            return [msgspec.structs.replace(e, lookahead_token_ids=None) if strip and hasattr(e, "lookahead_token_ids")
+                    else e for e in evs]
+
+        raw_events = ours(batches[True], strip=False)
+        stored = [e for e in raw_events if type(e).__name__ == "BlockStored" and e.medium == "CPU"]
+        assert stored and all(e.lookahead_token_ids is not None for e in stored)
+        assert any(la for e in stored for la in e.lookahead_token_ids)  # some successor recorded
+        assert ours(batches[True], strip=True) == ours(batches[False], strip=False)
+    else:
+        assert batches[True] == batches[False]
     events = [e for b in batches[False] for e in DEC.decode(b).events]
     assert sum(isinstance(e, BlockStored) for e in events) >= 4
     assert len({type(e).__name__ for e in events}) == 3  # stored, removed and cleared all seen
