@@ -71,6 +71,7 @@ def main() -> None:
     p.add_argument("--kv-heads", type=int, default=8)
     p.add_argument("--head-size", type=int, default=128)
     p.add_argument("--repeats", type=int, default=9)
+    p.add_argument("--staging-mib", type=int, default=None, help="BlockCopier's staging buffer (default: its own)")
     args = p.parse_args()
     BlockCopier = _block_copier()
     dev = torch.device("cuda")
@@ -79,13 +80,15 @@ def main() -> None:
     shape = (2, args.blocks, args.block_size, args.kv_heads, args.head_size)
     layers = {f"layer.{i}": torch.randn(shape, generator=g, device=dev, dtype=torch.float16)
               for i in range(args.layers)}
-    c = BlockCopier(layers, args.blocks, args.copy)
+    kw = {} if args.staging_mib is None else {"staging_bytes": args.staging_mib << 20}
+    c = BlockCopier(layers, args.blocks, args.copy, **kw)
     assert c.host.is_pinned(), "the host pool is pinned"
     rng = np.random.default_rng(0)
     dev_ids = rng.permutation(args.blocks)[: args.copy]
     host_ids = rng.permutation(args.copy)
     back_ids = rng.permutation(args.blocks)[: args.copy]
     total = args.copy * c.bytes_per_block
+    print(f"staging buffer: {'default' if args.staging_mib is None else str(args.staging_mib) + ' MiB'}")
     print(f"{args.layers} layers {list(shape)} fp16, {c.num_segments} segments, "
           f"{c.bytes_per_block / 1024:.0f} KiB per block, {args.copy} scattered blocks = {total / 2**20:.0f} MiB per copy")
 

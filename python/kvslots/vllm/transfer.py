@@ -27,8 +27,9 @@ Engines.
   only once its transfer is ``done()``, and the forward must not read loaded blocks before
   :meth:`BlockCopier.synchronize` (or the load's ``wait()``) returns. Device blocks being
   stored must not be rewritten, and host blocks being loaded must not be reused, until the
-  transfer is done. This path has not been run on a GPU yet; its indexing logic is the
-  ``engine="torch"`` path, which the tests exercise on CPU tensors.
+  transfer is done. Its indexing logic is the ``engine="torch"`` path, which the tests exercise
+  on CPU tensors; on a GPU it was measured with ``benches/bench_cuda_copy.py`` (byte-exact;
+  bandwidth and overlap in docs/connector.md).
 
 Tensor parallelism: every worker rank holds its own shard tensors and builds its own
 BlockCopier over them; block ids are the same on every rank, so nothing here is rank-specific.
@@ -47,6 +48,12 @@ from .. import _core
 from ..errors import ArgumentTypeError, InvalidArgumentError
 
 __all__ = ["BlockCopier", "Transfer"]
+
+#: Device staging buffer of the CUDA path (at most the host pool's size). Each chunk costs two
+#: kernels per segment, so small chunks leave the copy engine waiting on launches: on an H200,
+#: 32 layers x K/V (64 segments of 32 KiB), 64 MiB reached 0.68x / 0.74x of a plain pinned copy
+#: (store / load), 256 MiB 0.82x / 0.82x, 512 MiB 0.85x / 0.84x (benches/bench_cuda_copy.py).
+STAGING_BYTES = 256 << 20
 
 Ids = Sequence[int] | np.ndarray | torch.Tensor
 
@@ -109,7 +116,7 @@ class BlockCopier:
         threads: int = 1,
         block_dim: int | None = None,
         engine: Literal["auto", "rust", "torch"] = "auto",
-        staging_bytes: int = 64 << 20,
+        staging_bytes: int = STAGING_BYTES,
     ):
         for name, value in (("num_device_blocks", num_device_blocks), ("num_host_blocks", num_host_blocks),
                             ("threads", threads)):
