@@ -18,7 +18,8 @@
 
 Every error carries the request it is about (``request_id``, ``None`` when the error concerns no
 single request) and the numbers involved as attributes; the message names them too. A call that
-raises has changed nothing.
+raises has changed nothing. Every class pickles (exceptions cross vLLM's process boundaries),
+attributes included.
 """
 
 from __future__ import annotations
@@ -38,6 +39,15 @@ class KVSlotsError(Exception):
         self.details = dict(details or {})
         for key, value in self.details.items():
             setattr(self, key, value)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Rebuilt without calling __init__ (subclasses take other arguments, some keyword-only):
+        # the args as given, then every attribute from __dict__.
+        return _rebuild, (type(self), self.args), self.__dict__
+
+
+def _rebuild(cls: type[KVSlotsError], args: tuple[Any, ...]) -> KVSlotsError:
+    return cls.__new__(cls, *args)
 
 
 class SlotError(KVSlotsError):
