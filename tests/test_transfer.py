@@ -198,6 +198,96 @@ def test_layout_errors_are_clear():
     assert torch.equal(c.host[0].view(torch.float32), torch.cat([t[0, 1], t[1, 1]]))
 
 
+# ---- hostile arguments: a kvslots error, nothing copied or allocated ----
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.parametrize(
+    ("device_ids", "fragment"),
+    [
+        (torch.tensor([0.0], dtype=torch.bfloat16), "dtype torch.bfloat16"),  # numpy has no bf16
+        (torch.tensor([0.5]), "dtype torch.float32"),
+        (torch.tensor([True]), "dtype torch.bool"),
+        (torch.tensor(1), "shape ()"),
+        (np.array([1j]), "dtype complex128"),
+        ([True], "dtype bool"),
+        ([2**64], "dtype object"),
+        ("ab", "1-D sequence of integers"),
+        (object(), "1-D sequence of integers"),
+    ],
+)
+def test_ids_of_the_wrong_type_are_argument_type_errors(engine, device_ids, fragment):
+    n = 6
+    layers = cpu_backend_layers(n)
+    c = BlockCopier(layers, n, 4, engine=engine)
+    c.host.fill_(3)
+    snap = snapshot(layers, c)
+    for call in (lambda: c.store(device_ids, [0]), lambda: c.load([0], device_ids)):
+        with pytest.raises(ArgumentTypeError) as e:
+            call()
+        assert fragment in str(e.value)
+        assert isinstance(e.value, TypeError)  # except TypeError still catches it
+        assert unchanged(layers, c, snap)
+
+
+@pytest.mark.parametrize(
+    ("args", "kwargs", "cls", "fragment"),
+    [
+        (([torch.zeros(4, 2)], 4, 4), {}, ArgumentTypeError, "layers must be a mapping"),
+        (({"l": 5}, 4, 4), {}, ArgumentTypeError, "layer 'l': expected a torch.Tensor or a sequence"),
+        (({"l": "ab"}, 4, 4), {}, ArgumentTypeError, "layer 'l[0]': expected a torch.Tensor, got str"),
+        (({"l": torch.zeros(4, 2)}, 4, 4), {"block_dim": "x"}, ArgumentTypeError, "block_dim must be an int"),
+        (({"l": torch.zeros(4, 2)}, 4, 4), {"block_dim": 1.0}, ArgumentTypeError, "block_dim must be an int"),
+        (({"l": torch.zeros(4, 2)}, 4, 4), {"staging_bytes": "x"}, ArgumentTypeError, "staging_bytes must be an int"),
+        (({"l": torch.zeros(4, 2)}, 4, 4), {"staging_bytes": -1}, InvalidArgumentError, "staging_bytes must be in"),
+        (({"l": torch.zeros(4, 2)}, 4, 4), {"pin_memory": "yes"}, ArgumentTypeError, "pin_memory must be a bool"),
+        (({"l": torch.zeros(4, 2)}, 4, 4), {"threads": 2**64}, InvalidArgumentError, "threads must be in [1, 1024]"),
+        (({"l": torch.zeros(4, 2)}, 4, 4), {"threads": 1025}, InvalidArgumentError, "threads must be in [1, 1024]"),
+        (({"l": torch.zeros(4, 2)}, 4, 4), {"threads": 2.0}, ArgumentTypeError, "threads must be an int"),
+        (({"l": torch.zeros(4, 2)}, 4.0, 4), {}, ArgumentTypeError, "num_device_blocks must be an int"),
+        (({"l": torch.zeros(4, 2)}, 4, True), {}, ArgumentTypeError, "num_host_blocks must be an int"),
+        (({"l": torch.zeros(4, 2)}, 4, 0), {}, InvalidArgumentError, "num_host_blocks must be in [1, ...]"),
+        # 2**62 blocks of 8 bytes: past what a tensor can hold, named in bytes before torch.empty.
+        (({"l": torch.zeros(4, 2)}, 4, 2**62), {}, InvalidArgumentError, "need 36893488147419103232 bytes"),
+    ],
+)
+def test_constructor_arguments_raise_typed_errors(args, kwargs, cls, fragment):
+    with pytest.raises(cls) as e:
+        BlockCopier(*args, **kwargs)
+    assert type(e.value) is cls
+    assert fragment in str(e.value)
+
+
+def test_a_host_region_that_cannot_be_allocated_is_an_invalid_argument(monkeypatch):
+    def fail(*a, **k):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 8.00 GiB")
+
+    monkeypatch.setattr(torch, "empty", fail)
+    with pytest.raises(InvalidArgumentError) as e:
+        BlockCopier({"l": torch.zeros(4, 2)}, 4, 3)
+    assert "cannot allocate the host region" in str(e.value) and "need 24 bytes" in str(e.value)
+    assert e.value.nbytes == 24 and "out of memory" in str(e.value)
+
+
+def test_max_threads_is_accepted_and_copies():
+    layer = torch.arange(4 * 2, dtype=torch.float32).view(4, 2)
+    c = BlockCopier({"l": layer}, 4, 4, threads=1024)
+    c.store([3], [0])
+    assert torch.equal(c.host_block_view(0)["l"], layer[3])
+
+
+@pytest.mark.parametrize(
+    ("block", "cls"),
+    [("a", ArgumentTypeError), (1.5, ArgumentTypeError), (None, ArgumentTypeError), (True, ArgumentTypeError),
+     (-1, InvalidArgumentError), (4, InvalidArgumentError), (2**64, InvalidArgumentError)],
+)
+def test_host_block_view_checks_its_argument(block, cls):
+    c = BlockCopier({"l": torch.zeros(4, 2)}, 4, 4)
+    with pytest.raises(cls):
+        c.host_block_view(block)
+    assert c.host_block_view(np.int64(3))["l"].shape == (2,)
+
+
 @pytest.mark.parametrize("threads", [1, 2, 3])
 def test_large_copies_split_across_threads(threads):
     # 48 blocks x 160 KiB = 7.5 MiB per call, above the 4 MiB threshold for threads.

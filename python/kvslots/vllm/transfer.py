@@ -44,7 +44,7 @@ from typing import Any, Literal
 import numpy as np
 import torch
 
-from .. import _core
+from .. import _args, _core
 from ..errors import ArgumentTypeError, InvalidArgumentError
 
 __all__ = ["BlockCopier", "Transfer"]
@@ -54,6 +54,13 @@ __all__ = ["BlockCopier", "Transfer"]
 #: 32 layers x K/V (64 segments of 32 KiB), 64 MiB reached 0.68x / 0.74x of a plain pinned copy
 #: (store / load), 256 MiB 0.82x / 0.82x, 512 MiB 0.85x / 0.84x (benches/bench_cuda_copy.py).
 STAGING_BYTES = 256 << 20
+
+#: Most copy threads per call. ``_core.copy_blocks`` takes any machine-sized count (a count past
+#: it failed every copy later); more threads than cores only adds overhead.
+MAX_THREADS = 1024
+
+#: Largest host region: torch cannot size a tensor past 2**63 bytes.
+MAX_HOST_BYTES = 2**63 - 1
 
 Ids = Sequence[int] | np.ndarray | torch.Tensor
 
@@ -118,32 +125,35 @@ class BlockCopier:
         engine: Literal["auto", "rust", "torch"] = "auto",
         staging_bytes: int = STAGING_BYTES,
     ):
-        for name, value in (("num_device_blocks", num_device_blocks), ("num_host_blocks", num_host_blocks),
-                            ("threads", threads)):
-            if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-                raise ArgumentTypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
-        if num_device_blocks < 1 or num_host_blocks < 1:
-            raise InvalidArgumentError(
-                f"num_device_blocks and num_host_blocks must be >= 1, got {num_device_blocks} "
-                f"and {num_host_blocks}"
+        # Every argument is checked before anything is allocated or registered.
+        self._num_device_blocks = _args.integer(num_device_blocks, "num_device_blocks", 1)
+        self._num_host_blocks = _args.integer(num_host_blocks, "num_host_blocks", 1)
+        self._threads = _args.integer(threads, "threads", 1, MAX_THREADS)
+        if block_dim is not None:
+            block_dim = _args.integer(block_dim, "block_dim")
+        staging_bytes = _args.integer(staging_bytes, "staging_bytes", 0)
+        pin_memory = _args.flag(pin_memory, "pin_memory", optional=True)
+        if not isinstance(layers, Mapping):
+            raise ArgumentTypeError(
+                f"layers must be a mapping of layer names to KV tensors, got {type(layers).__name__}"
             )
-        if threads < 1:
-            raise InvalidArgumentError(f"threads must be >= 1, got {threads}")
-        self._num_device_blocks = int(num_device_blocks)
-        self._num_host_blocks = int(num_host_blocks)
-        self._threads = int(threads)
 
         tensors: list[tuple[str, torch.Tensor]] = []
         for name, value in layers.items():
             if isinstance(value, torch.Tensor):
                 tensors.append((name, value))
-            else:
+                continue
+            try:
                 tensors.extend((f"{name}[{i}]", t) for i, t in enumerate(value))
+            except Exception:  # not iterable, or its iterator fails
+                raise ArgumentTypeError(
+                    f"layer {name!r}: expected a torch.Tensor or a sequence of them, got {type(value).__name__}"
+                ) from None
         if not tensors:
             raise InvalidArgumentError("BlockCopier needs at least one layer tensor")
         for name, t in tensors:
             if not isinstance(t, torch.Tensor):
-                raise InvalidArgumentError(f"layer {name!r}: expected a torch.Tensor, got {type(t).__name__}")
+                raise ArgumentTypeError(f"layer {name!r}: expected a torch.Tensor, got {type(t).__name__}")
         devices = {t.device for _, t in tensors}
         if len(devices) != 1:
             raise InvalidArgumentError(f"layer tensors are on several devices: {sorted(map(str, devices))}")
@@ -173,9 +183,24 @@ class BlockCopier:
         if pin_memory is None:
             pin_memory = is_cuda
         # One region for the whole host tier, never an allocation per block.
-        self._host = torch.empty(
-            (self._num_host_blocks, self._bytes_per_block), dtype=torch.uint8, pin_memory=pin_memory
-        )
+        nbytes = self._num_host_blocks * self._bytes_per_block
+        if nbytes > MAX_HOST_BYTES:
+            raise InvalidArgumentError(
+                f"num_host_blocks={self._num_host_blocks} host blocks of {self._bytes_per_block} bytes "
+                f"need {nbytes} bytes, over the {MAX_HOST_BYTES} a tensor can hold",
+                details={"nbytes": nbytes},
+            )
+        try:
+            self._host = torch.empty(
+                (self._num_host_blocks, self._bytes_per_block), dtype=torch.uint8, pin_memory=pin_memory
+            )
+        except RuntimeError as e:  # out of (pinned) memory, or pinning without an accelerator
+            raise InvalidArgumentError(
+                f"cannot allocate the host region: num_host_blocks={self._num_host_blocks} host blocks of "
+                f"{self._bytes_per_block} bytes need {nbytes} bytes{' of pinned memory' if pin_memory else ''} "
+                f"({str(e).splitlines()[0] if str(e) else type(e).__name__})",
+                details={"nbytes": nbytes},
+            ) from e
 
         # (device region, host region) per segment: registered once, named by every copy.
         self._regions: list[tuple[Any, Any]] = []
@@ -272,6 +297,7 @@ class BlockCopier:
         """One host block, per layer, viewed in the layer's block shape and dtype (no copy);
         a layer with several segments (K and V outside the block dim) is stacked on dim 0.
         For inspection and tests."""
+        host_block = _args.integer(host_block, "host_block")
         if not 0 <= host_block < self._num_host_blocks:
             raise InvalidArgumentError(f"host block {host_block} is outside 0..{self._num_host_blocks}")
         parts: dict[str, list[torch.Tensor]] = {}
@@ -396,16 +422,22 @@ class BlockCopier:
 
 def _as_ids(ids: Ids, name: str, limit: int, kind: str) -> np.ndarray:
     """A contiguous int64 array of ids in ``0..limit``, or a typed error naming the index."""
-    if isinstance(ids, torch.Tensor):
-        ids = ids.detach().cpu().numpy()
     try:
+        if isinstance(ids, torch.Tensor):
+            if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
+                raise ArgumentTypeError(
+                    f"{name} must be a 1-D sequence of integers, got a tensor of dtype {ids.dtype}"
+                )
+            ids = ids.detach().cpu().numpy()
         a = np.asarray(ids)
-    except (TypeError, ValueError, OverflowError) as e:
+    except ArgumentTypeError:
+        raise
+    except Exception as e:  # whatever numpy or torch raise for a value that is not ids
         raise ArgumentTypeError(f"{name} must be a 1-D sequence of integers, got {type(ids).__name__}") from e
     if a.size == 0:
         return np.empty(0, dtype=np.int64)
     if a.ndim != 1 or a.dtype.kind not in "iu":
-        raise InvalidArgumentError(
+        raise ArgumentTypeError(
             f"{name} must be a 1-D sequence of integers, got shape {a.shape} dtype {a.dtype}"
         )
     bad = np.flatnonzero((a < 0) | (a >= limit))

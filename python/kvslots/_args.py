@@ -1,0 +1,112 @@
+"""Checks of the arguments of kvslots' pure-Python entry points (events, block copies), in one
+place: what an int, a number, a flag, a text or a callback argument accepts. A wrong type raises
+:class:`ArgumentTypeError`, a value out of range :class:`InvalidArgumentError`, both naming the
+argument. (The slot API's own checks live in the Rust core and its reference model.)"""
+
+from __future__ import annotations
+
+import math
+import numbers
+import operator
+from collections.abc import Callable
+from typing import Any
+
+from .errors import ArgumentTypeError, InvalidArgumentError, KVSlotsError
+
+#: The largest C ``int``: ZMQ socket options (high-water marks, linger) are ints.
+C_INT_MAX = 2**31 - 1
+
+
+def integer(value: Any, name: str, lo: int | None = None, hi: int | None = None) -> int:
+    """``value`` as an int in ``[lo, hi]`` (either end open when None). Anything with
+    ``__index__`` but a bool is an int; floats and strings are not."""
+    if isinstance(value, bool):
+        raise ArgumentTypeError(f"{name} must be an int, got bool {value!r}")
+    try:
+        v = operator.index(value)
+    except KVSlotsError:
+        raise
+    except Exception:  # TypeError, or whatever a hostile __index__ raises
+        raise ArgumentTypeError(f"{name} must be an int, got {type(value).__name__} {_short(value)}") from None
+    if (lo is not None and v < lo) or (hi is not None and v > hi):
+        raise InvalidArgumentError(f"{name} must be in [{_bound(lo)}, {_bound(hi)}], got {v}")
+    return v
+
+
+def number(value: Any, name: str, lo: float | None = None, *, positive: bool = False,
+           finite: bool = True) -> float:
+    """``value`` (an int or float, not a bool, not NaN) as a float ``>= lo``, ``> 0`` with
+    ``positive``; infinity only without ``finite``."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):  # numpy's count too
+        raise ArgumentTypeError(f"{name} must be a number, got {type(value).__name__} {_short(value)}")
+    try:
+        v = float(value)
+    except Exception:  # an int past float's range, or a hostile __float__
+        raise InvalidArgumentError(f"{name} must be a number in range, got {_short(value)}") from None
+    if math.isnan(v) or (finite and math.isinf(v)):
+        raise InvalidArgumentError(f"{name} must be a {'finite ' if finite else ''}number, got {v}")
+    if positive and not v > 0:
+        raise InvalidArgumentError(f"{name} must be > 0, got {_short(value)}")
+    if lo is not None and v < lo:
+        raise InvalidArgumentError(f"{name} must be >= {lo:g}, got {_short(value)}")
+    return v
+
+
+def timeout(value: Any, name: str = "timeout") -> float | None:
+    """Seconds to wait: None (or infinity) waits without end, a negative value not at all."""
+    if value is None:
+        return None
+    v = number(value, name, finite=False)
+    return None if math.isinf(v) and v > 0 else max(v, 0.0)
+
+
+def flag(value: Any, name: str, *, optional: bool = False) -> bool | None:
+    if value is None and optional:
+        return None
+    if not isinstance(value, bool):
+        raise ArgumentTypeError(f"{name} must be a bool, got {type(value).__name__} {_short(value)}")
+    return value
+
+
+def text(value: Any, name: str) -> str:
+    """A ``str`` that encodes as UTF-8 (no lone surrogates: ZMQ and msgpack need the bytes)."""
+    if not isinstance(value, str):
+        raise ArgumentTypeError(f"{name} must be a str, got {type(value).__name__} {_short(value)}")
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise InvalidArgumentError(f"{name} must be valid Unicode text (no lone surrogates), got {value!r}") from None
+    return value
+
+
+def callback(value: Any, name: str, *, optional: bool = False) -> Callable[..., Any] | None:
+    if value is None and optional:
+        return None
+    if not callable(value):
+        raise ArgumentTypeError(f"{name} must be callable, got {type(value).__name__}")
+    return value
+
+
+def hashable(value: Any, name: str) -> Any:
+    """A dict key: ``hash`` must work (a list, or an object whose ``__hash__`` raises, is not)."""
+    try:
+        hash(value)
+    except Exception:
+        raise ArgumentTypeError(f"{name} must be hashable, got {type(value).__name__}") from None
+    return value
+
+
+def _bound(b: int | None) -> str:
+    if b is None:
+        return "..."
+    if b >= 2**20 and (b + 1) & b == 0:
+        return f"2**{b.bit_length()}-1"
+    return str(b)
+
+
+def _short(value: Any) -> str:
+    try:
+        r = repr(value)
+    except Exception:
+        return "<unprintable>"
+    return r if len(r) <= 60 else r[:57] + "..."
