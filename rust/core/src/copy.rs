@@ -35,6 +35,46 @@ pub const PARALLEL_MIN_BYTES: usize = 4 << 20;
 /// Each extra thread must have at least this much to copy.
 const MIN_BYTES_PER_THREAD: usize = 1 << 20;
 
+/// Whether every byte of `base .. base + len` lies in memory this process has mapped writable,
+/// read from `/proc/self/maps` (sorted by address): `None` where that file cannot be read. A
+/// region registered over a read-only mapping (a tensor over a read-only `mmap`) would
+/// otherwise turn a copy into it into a segmentation fault.
+pub fn mapped_writable(base: usize, len: usize) -> Option<bool> {
+    if len == 0 {
+        return Some(true);
+    }
+    let maps = std::fs::read_to_string("/proc/self/maps").ok()?;
+    Some(covered_writable(&maps, base, base.checked_add(len)?))
+}
+
+fn covered_writable(maps: &str, base: usize, end: usize) -> bool {
+    let mut at = base;
+    for line in maps.lines() {
+        let mut fields = line.split_ascii_whitespace();
+        let (Some(range), Some(perms)) = (fields.next(), fields.next()) else {
+            continue;
+        };
+        let Some((lo, hi)) = range.split_once('-') else {
+            continue;
+        };
+        let (Ok(lo), Ok(hi)) = (usize::from_str_radix(lo, 16), usize::from_str_radix(hi, 16))
+        else {
+            continue;
+        };
+        if hi <= at {
+            continue;
+        }
+        if lo > at || perms.as_bytes().get(1) != Some(&b'w') {
+            return false; // a hole or a read-only mapping
+        }
+        at = hi;
+        if at >= end {
+            return true;
+        }
+    }
+    false
+}
+
 /// One memcpy: `len` bytes from `src` to `dst` (byte offsets into the two regions).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 struct Run {
@@ -530,5 +570,22 @@ mod tests {
             );
             assert_eq!(dst, want);
         }
+    }
+
+    #[test]
+    fn writable_mappings_cover_the_range() {
+        let maps = "1000-3000 rw-p 00000000 00:00 0\n3000-4000 rw-p 0 00:00 0\n\
+                    5000-6000 r--p 0 00:00 0\n7000-8000 rw-s 0 00:00 0 /dev/shm/x\n";
+        assert!(covered_writable(maps, 0x1000, 0x4000)); // two adjacent writable mappings
+        assert!(covered_writable(maps, 0x2fff, 0x3001));
+        assert!(!covered_writable(maps, 0x3800, 0x4800)); // runs into a hole
+        assert!(!covered_writable(maps, 0x5000, 0x5001)); // read-only
+        assert!(!covered_writable(maps, 0x0800, 0x1800)); // starts unmapped
+        assert!(covered_writable(maps, 0x7000, 0x8000));
+        assert!(!covered_writable(maps, 0x9000, 0x9001));
+        let heap = vec![0u8; 1 << 16];
+        assert_eq!(mapped_writable(heap.as_ptr() as usize, heap.len()), Some(true));
+        static RO: [u8; 4096] = [1; 4096];
+        assert_eq!(mapped_writable(RO.as_ptr() as usize, RO.len()), Some(false));
     }
 }

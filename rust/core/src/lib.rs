@@ -28,7 +28,7 @@ pub mod wire;
 
 pub use cache::{CacheStats, HostCache, PendingStore, NO_SUCCESSOR};
 pub use connector::{ConnectorPlanner, PlannerConfig, PlannerStats, ReqSlot, StepPlan};
-pub use copy::{copy_blocks, BlockLayout, CopySpec};
+pub use copy::{copy_blocks, mapped_writable, BlockLayout, CopySpec};
 pub use device::{
     AllocArgs, Allocated, DeviceAllocator, DeviceConfig, DeviceStats, FullHash, HashSource,
 };

@@ -127,6 +127,17 @@ impl SlotTracker {
                 total: have as u64,
             });
         }
+        // A block listed twice would hold two table positions' KV at once and be handed back
+        // twice by `finish`.
+        let mut seen: std::collections::HashSet<BlockId> =
+            std::collections::HashSet::with_capacity(slot.blocks.len() + new_blocks.len());
+        seen.extend(slot.blocks.iter().copied());
+        if let Some(&b) = new_blocks.iter().find(|&&b| !seen.insert(b)) {
+            return Err(SlotError::invalid(
+                Some(request_id),
+                format!("block {b} is given twice or is already in the request's block table"),
+            ));
+        }
         slot.blocks.extend_from_slice(new_blocks);
         slot.pending += new_tokens;
         slot.reserved_lookahead = k;
@@ -297,5 +308,19 @@ mod tests {
         // Shrink K to 0: 8 committed need 2 blocks; block 12 comes back.
         assert_eq!(t.set_lookahead("r", 0).unwrap(), vec![12]);
         assert_eq!(t.finish("r").unwrap().blocks(), &[10, 11]);
+    }
+
+    #[test]
+    fn reserve_refuses_a_block_twice() {
+        let mut t = SlotTracker::new(4, 0).unwrap();
+        t.add("r", 0, None).unwrap();
+        let e = t.reserve("r", 8, &[5, 5]).unwrap_err();
+        assert!(matches!(e, SlotError::InvalidArgument { .. }), "{e:?}");
+        assert!(t.slot("r").unwrap().blocks.is_empty());
+        t.reserve("r", 4, &[5]).unwrap();
+        assert!(t.reserve("r", 4, &[5]).is_err());
+        assert_eq!(t.slot("r").unwrap().blocks, vec![5]);
+        t.reserve("r", 4, &[6]).unwrap();
+        assert_eq!(t.slot("r").unwrap().blocks, vec![5, 6]);
     }
 }

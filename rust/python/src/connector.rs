@@ -352,12 +352,27 @@ impl ConnectorPlanner {
                 prefetch(item);
                 self.items.push(item as usize);
             }
+            let mut all_ints = true;
             for (k, &item) in self.items.iter().enumerate() {
-                // SAFETY: as above; the item is borrowed and only read.
-                let v = unsafe { pyo3::ffi::PyLong_AsLongLong(item as *mut pyo3::ffi::PyObject) };
+                let item = item as *mut pyo3::ffi::PyObject;
+                // SAFETY: as above; the item is borrowed and only read. Only an int is read
+                // here: for anything else PyLong_AsLongLong would run its `__index__`, which
+                // could free the other borrowed items.
+                if unsafe { pyo3::ffi::PyLong_Check(item) } == 0 {
+                    all_ints = false;
+                    break;
+                }
+                let v = unsafe { pyo3::ffi::PyLong_AsLongLong(item) };
                 match u32::try_from(v) {
                     Ok(t) => self.tokens.push(t),
                     Err(_) => return Err(token_error(seq.py(), v, lo * bs + k, list.len())),
+                }
+            }
+            if !all_ints {
+                self.tokens.clear();
+                self.items.clear();
+                for j in lo * bs..hi * bs {
+                    self.tokens.push(token_at(seq, j)?);
                 }
             }
         } else {
@@ -488,7 +503,7 @@ impl ConnectorPlanner {
         self.pos_ptrs.resize(n_cached, 0);
         self.pos_slots.resize(n_cached, 0);
         for i in 0..n_cached {
-            let rid_ptr = borrowed_item(req_ids, i)?;
+            let mut rid_ptr = borrowed_item(req_ids, i)?;
             let slot = match self.slot_at(i, rid_ptr as usize) {
                 Some(s) => s,
                 None => {
@@ -506,15 +521,22 @@ impl ConnectorPlanner {
                     };
                     self.pos_ptrs[i] = rid_ptr as usize;
                     self.pos_slots[i] = s;
+                    // Found by value: go on with the planner's own (equal) id object, which it
+                    // holds, so Python code run below (an item's `__index__`) cannot free it.
+                    if let Some(Some(id)) = self.id_objs.get(s as usize) {
+                        rid_ptr = id.as_ptr();
+                    }
                     s
                 }
             };
-            let nb_ptr = borrowed_item(new_block_ids, i)?;
             let is_resumed = any_resumed && {
-                // SAFETY: as above.
+                // SAFETY: `rid_ptr` is now an id object the planner holds.
                 let rid_obj = unsafe { Bound::from_borrowed_ptr(py, rid_ptr) };
                 resumed.as_ref().expect("any_resumed").contains(&rid_obj)?
             };
+            // Read after the set lookup above, which may run Python code (a str subclass's
+            // `__eq__`) that changes the list.
+            let nb_ptr = borrowed_item(new_block_ids, i)?;
             self.blocks.clear();
             if nb_ptr != unsafe { pyo3::ffi::Py_None() } {
                 // SAFETY: as above.

@@ -105,6 +105,10 @@ fn array_memory(obj: &Bound<'_, PyAny>) -> PyResult<Memory> {
         return Err(bad_memory(obj, "the array is not C-contiguous"));
     }
     let dtype = arr.dtype();
+    if dtype.has_object() {
+        // Its bytes are PyObject pointers: copying them would forge references.
+        return Err(bad_memory(obj, "its dtype holds Python objects; copies need plain data"));
+    }
     let nbytes = arr
         .len()
         .checked_mul(dtype.itemsize())
@@ -177,7 +181,12 @@ impl BlockRegion {
                 format!("stride = {stride} is less than block_bytes = {block_bytes}: blocks would overlap"),
             ));
         }
-        let mem = memory_of(memory)?;
+        let mut mem = memory_of(memory)?;
+        // torch keeps no read-only flag (a tensor over a read-only mmap says nothing): ask the
+        // kernel's mappings, once, here.
+        if mem.writable && core::mapped_writable(mem.base, mem.nbytes) == Some(false) {
+            mem.writable = false;
+        }
         let end = match num_blocks {
             0 => Some(offset),
             n => (n - 1)
@@ -342,7 +351,7 @@ pub(crate) fn copy_blocks(
     }
     let sm = src.current(py, "src")?;
     let dm = dst.current(py, "dst")?;
-    if !dm.writable {
+    if !dm.writable || !dst.mem.writable {
         return Err(invalid(None, "the dst region's memory is read-only".into()));
     }
     let (sa, sl, da, dl) = (sm.base, src.mem.nbytes, dm.base, dst.mem.nbytes);
