@@ -557,3 +557,137 @@ def test_shared_objects_from_many_threads():
     assert c.check_invariants() is None
     assert t.check_invariants() is None
     assert ix.check_invariants() is None
+
+
+# ---- memory safety: what a region may hold, what a token read may run ----
+
+
+@pytest.mark.parametrize("dtype", [object, [("a", np.int64), ("b", object)]])
+def test_regions_over_python_objects_are_refused(dtype):
+    dst = np.empty(8, dtype=dtype)  # its bytes are object pointers
+    with pytest.raises(InvalidArgumentError, match="Python objects"):
+        _core.BlockRegion(dst, block_bytes=8, num_blocks=1)
+
+
+def test_a_tensor_over_a_read_only_mapping_is_not_a_destination(tmp_path):
+    import warnings
+
+    import torch
+
+    path = tmp_path / "ro.bin"
+    path.write_bytes(bytes(range(64)) * 64)
+    ro = np.memmap(path, dtype=np.uint8, mode="r", shape=(4096,))  # PROT_READ
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch warns that the array is not writable
+        t = torch.from_numpy(ro)
+    region = _core.BlockRegion(t, block_bytes=64, num_blocks=64)
+    assert region.writable is False
+    src = _core.BlockRegion(np.ones(64, np.uint8), block_bytes=64, num_blocks=1)
+    with pytest.raises(InvalidArgumentError, match="read-only"):
+        _core.copy_blocks(src, region, [0], [0])
+    assert bytes(ro[:64]) == bytes(range(64))
+    out = np.zeros(64, np.uint8)  # reading from it is fine
+    _core.copy_blocks(region, _core.BlockRegion(out, block_bytes=64, num_blocks=1), [1], [0])
+    assert bytes(out) == bytes(range(64))
+    assert _core.BlockRegion(torch.zeros(64, dtype=torch.uint8), block_bytes=64, num_blocks=1).writable
+
+
+class _PlannerReq:
+    def __init__(self, toks, n, bs):
+        self.request_id = "r"
+        self.num_prompt_tokens = self.num_tokens = self.num_computed_tokens = n
+        self.num_in_flight_tokens = 0
+        self.lora_request = None
+        self.block_hashes = list(range(1, n // bs + 1))
+        self._all_token_ids = toks
+
+
+@pytest.mark.parametrize("clear", [False, True])
+def test_token_items_with_index_that_frees_the_list(clear):
+    """A token read never holds borrowed items across Python code: an ``__index__`` that
+    empties the request's token list gives a typed error (or the values read), not freed memory."""
+    bs, n = 4, 64
+
+    class Tok:
+        def __init__(self, v):
+            self.v = v
+
+        def __index__(self):
+            if clear:
+                toks.clear()
+                [object() for _ in range(5000)]  # reuse what was freed
+            return self.v
+
+    toks = [Tok(1)] + [Tok(7) for _ in range(n - 1)]
+    p = _core.ConnectorPlanner(bs, 64, False)
+    req = _PlannerReq(toks, n, bs)
+    p.track(req)
+    if clear:
+        with pytest.raises(InvalidArgumentError, match="past the request"):
+            p.finish(req, list(range(n // bs)))
+    else:
+        p.finish(req, list(range(n // bs)))
+    assert p.check_invariants() is None
+
+
+def test_slot_tracker_refuses_a_block_twice():
+    t = _core.SlotTracker(4)
+    t.add("a")
+    with pytest.raises(InvalidArgumentError, match="block 5"):
+        t.reserve("a", 8, [5, 5])
+    t.reserve("a", 4, [5])
+    with pytest.raises(InvalidArgumentError, match="block 5"):
+        t.reserve("a", 4, [5])
+    assert t.check_invariants() is None
+    t.reserve("a", 4, [6])
+    assert t.finish("a") == [5, 6]
+
+
+@pytest.mark.parametrize(
+    "call, kind",
+    [
+        (lambda: _core.KVBlocks([-1]), InvalidArgumentError),
+        (lambda: _core.KVBlocks([2**32]), InvalidArgumentError),
+        (lambda: _core.KVBlocks("ab"), ArgumentTypeError),
+        (lambda: _core.KVBlocks([1.5]), ArgumentTypeError),
+        (lambda: _core.KVBlocks([1]).get_block_ids(1), ArgumentTypeError),
+        (lambda: _core.KVBlocks([1]).get_block_ids(group_ids=[-1]), InvalidArgumentError),
+        (lambda: _core.KVBlocks([1]).get_block_ids(group_ids="0"), ArgumentTypeError),
+    ],
+)
+def test_kv_blocks_arguments_are_typed(call, kind):
+    with pytest.raises(kind):
+        call()
+    assert _core.KVBlocks([3, 4]).get_block_ids() == ([3, 4],)
+    assert _core.KVBlocks([3]).get_block_ids(group_ids=[0]) == ([3],)
+
+
+def test_disk_tier_arguments_are_typed(tmp_path):
+    di = _core.DiskIndex(4, 2)
+    slot = di.begin_write(11, [1, 2])
+    for ok in (1, "yes", None):
+        with pytest.raises(ArgumentTypeError, match="ok must be a bool"):
+            di.complete_write(slot, ok)
+    di.complete_write(slot, True)  # still pending after the refusals
+    assert di.lookup(11) == slot
+
+    ds = _core.DiskStore(str(tmp_path / "f.bin"), num_slots=4, block_size=2, num_layers=1,
+                         bytes_per_block=8, dtype="uint8", fingerprint=1)
+    ro = np.zeros((1, 8), np.uint8)
+    ro.flags.writeable = False
+    for call, kind in [
+        (lambda: ds.submit(0, [0] * 8, 11, [1, 2]), ArgumentTypeError),
+        (lambda: ds.submit(0, np.zeros(8, np.int64), 11, [1, 2]), ArgumentTypeError),
+        (lambda: ds.submit(0, np.zeros((2, 4), np.uint8), 11, [1, 2]), ArgumentTypeError),
+        (lambda: ds.read_into([0], [11], np.zeros((1, 8), np.float32)), ArgumentTypeError),
+        (lambda: ds.read_into([0], [11], np.zeros(8, np.uint8)), ArgumentTypeError),
+        (lambda: ds.read_into([0], [11], ro), InvalidArgumentError),
+        (lambda: ds.read_rows([0], [11], [[0] * 8], [0]), ArgumentTypeError),
+        (lambda: ds.read_rows_async([0], [11], None, [0]), ArgumentTypeError),
+        (lambda: ds.wait_reads("1"), ArgumentTypeError),
+        (lambda: ds.wait_reads(None), ArgumentTypeError),
+        (lambda: ds.wait_reads(float("nan")), InvalidArgumentError),
+    ]:
+        with pytest.raises(kind):
+            call()
+    assert ds.reads_in_flight == 0 and ds.wait_reads(1.0)

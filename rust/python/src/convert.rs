@@ -16,7 +16,10 @@
 //!   iterable of integers; its items follow the integer rule.
 
 use kvslots_core as core;
-use numpy::{PyArrayDescrMethods, PyReadonlyArray1, PyUntypedArray, PyUntypedArrayMethods};
+use numpy::{
+    PyArray1, PyArray2, PyArrayDescrMethods, PyArrayMethods, PyReadonlyArray1, PyReadwriteArray2,
+    PyUntypedArray, PyUntypedArrayMethods,
+};
 use pyo3::exceptions::PyTypeError;
 use pyo3::prelude::*;
 use pyo3::types::{PyBool, PyByteArray, PyBytes, PyFloat, PyInt, PyList, PyString, PyTuple};
@@ -854,5 +857,40 @@ pub(crate) mod arg {
     }
     pub(crate) fn failed_blocks(o: &Bound<'_, PyAny>) -> PyResult<Vec<u32>> {
         IntArg::<u32>::extract(o, "failed_blocks", None).map(|a| a.0)
+    }
+    pub(crate) fn block_ids(o: &Bound<'_, PyAny>) -> PyResult<Vec<u32>> {
+        IntArg::<u32>::extract(o, "block_ids", None).map(|a| a.0)
+    }
+    pub(crate) fn allow_none(o: &Bound<'_, PyAny>) -> PyResult<bool> {
+        flag(o, "allow_none", None)
+    }
+    pub(crate) fn ok(o: &Bound<'_, PyAny>) -> PyResult<bool> {
+        flag(o, "ok", None)
+    }
+    pub(crate) fn timeout_s(o: &Bound<'_, PyAny>) -> PyResult<f64> {
+        float_arg(o, "timeout_s")
+    }
+    /// A block's bytes: a 1-D uint8 numpy array.
+    pub(crate) fn data<'py>(o: &Bound<'py, PyAny>) -> PyResult<PyReadonlyArray1<'py, u8>> {
+        let arr = o.cast::<PyArray1<u8>>().map_err(|_| {
+            type_error(None, format!("data must be a 1-D uint8 numpy array, got {}", array_kind(o)))
+        })?;
+        arr.try_readonly()
+            .map_err(|e| invalid(None, format!("data cannot be read now: {e}")))
+    }
+    /// Rows to read blocks into: a writable 2-D uint8 numpy array.
+    pub(crate) fn out<'py>(o: &Bound<'py, PyAny>) -> PyResult<PyReadwriteArray2<'py, u8>> {
+        let arr = o.cast::<PyArray2<u8>>().map_err(|_| {
+            type_error(None, format!("out must be a 2-D uint8 numpy array, got {}", array_kind(o)))
+        })?;
+        arr.try_readwrite()
+            .map_err(|e| invalid(None, format!("out is read-only or in use by another call: {e}")))
+    }
+
+    fn array_kind(o: &Bound<'_, PyAny>) -> String {
+        match o.cast::<PyUntypedArray>() {
+            Ok(a) => format!("an array of dtype {} and {} dimension(s)", a.dtype(), a.ndim()),
+            Err(_) => format!("{} {}", type_name(o), show(o)),
+        }
     }
 }

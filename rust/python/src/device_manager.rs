@@ -17,7 +17,7 @@ use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyList, PyString, PyTuple};
 
-use crate::convert::{count, flag, show, text, type_name};
+use crate::convert::{arg, count, flag, opt_ints, show, text, type_name};
 use crate::errors::{borrow, borrow_mut, invalid, slot_error as err, type_error};
 
 /// A request's `block_hashes` list, read on first use (most decode steps read none). On a vLLM
@@ -202,7 +202,7 @@ pub(crate) struct KVBlocks {
 impl KVBlocks {
     #[new]
     #[pyo3(signature = (block_ids=Vec::new()))]
-    fn py_new(block_ids: Vec<u32>) -> Self {
+    fn py_new(#[pyo3(from_py_with = arg::block_ids)] block_ids: Vec<u32>) -> Self {
         KVBlocks { ids: block_ids }
     }
 
@@ -211,9 +211,10 @@ impl KVBlocks {
     fn get_block_ids<'py>(
         &self,
         py: Python<'py>,
-        allow_none: bool,
-        group_ids: Option<Vec<usize>>,
+        #[pyo3(from_py_with = arg::allow_none)] allow_none: bool,
+        group_ids: Option<&Bound<'py, PyAny>>,
     ) -> PyResult<Option<Bound<'py, PyTuple>>> {
+        let group_ids = opt_ints::<usize>(group_ids, "group_ids", None)?.map(|g| g.as_slice().to_vec());
         if let Some(g) = &group_ids {
             if g.iter().any(|&i| i != 0) {
                 return Err(invalid(

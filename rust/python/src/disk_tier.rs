@@ -111,7 +111,11 @@ impl DiskIndex {
         let m = meta(block_hash, token_ids, successor, parent_hash, lora_id)?;
         borrow_mut(slf)?.inner.begin_write(m).map_err(slot_error)
     }
-    fn complete_write(slf: &Bound<'_, Self>, slot: &Bound<'_, PyAny>, ok: bool) -> PyResult<()> {
+    fn complete_write(
+        slf: &Bound<'_, Self>,
+        slot: &Bound<'_, PyAny>,
+        #[pyo3(from_py_with = arg::ok)] ok: bool,
+    ) -> PyResult<()> {
         let s = int::<u32>(slot, "slot", None)?;
         borrow_mut(slf)?.inner.complete_write(s, ok).map_err(slot_error)
     }
@@ -379,7 +383,7 @@ impl DiskStore {
     fn submit(
         &self,
         slot: &Bound<'_, PyAny>,
-        data: PyReadonlyArray1<'_, u8>,
+        #[pyo3(from_py_with = arg::data)] data: PyReadonlyArray1<'_, u8>,
         block_hash: &Bound<'_, PyAny>,
         token_ids: &Bound<'_, PyAny>,
         successor: Option<&Bound<'_, PyAny>>,
@@ -417,7 +421,7 @@ impl DiskStore {
         py: Python<'_>,
         slots: &Bound<'_, PyAny>,
         block_hashes: &Bound<'_, PyAny>,
-        out: PyReadwriteArray2<'_, u8>,
+        #[pyo3(from_py_with = arg::out)] out: PyReadwriteArray2<'_, u8>,
     ) -> PyResult<Vec<(usize, String)>> {
         let n = IntArg::<u32>::extract(slots, "slots", None)?.as_slice().len();
         self.read(py, slots, block_hashes, out, (0..n).collect(), true)
@@ -429,7 +433,7 @@ impl DiskStore {
         py: Python<'_>,
         slots: &Bound<'_, PyAny>,
         block_hashes: &Bound<'_, PyAny>,
-        out: PyReadwriteArray2<'_, u8>,
+        #[pyo3(from_py_with = arg::out)] out: PyReadwriteArray2<'_, u8>,
         rows: &Bound<'_, PyAny>,
     ) -> PyResult<Vec<(usize, String)>> {
         let r = IntArg::<u32>::extract(rows, "rows", None)?.as_slice().iter().map(|&x| x as usize).collect();
@@ -443,7 +447,7 @@ impl DiskStore {
         &self,
         slots: &Bound<'_, PyAny>,
         block_hashes: &Bound<'_, PyAny>,
-        mut out: PyReadwriteArray2<'_, u8>,
+        #[pyo3(from_py_with = arg::out)] mut out: PyReadwriteArray2<'_, u8>,
         rows: &Bound<'_, PyAny>,
     ) -> PyResult<u64> {
         let r: Vec<usize> = IntArg::<u32>::extract(rows, "rows", None)?.as_slice().iter().map(|&x| x as usize).collect();
@@ -496,7 +500,11 @@ impl DiskStore {
     }
     /// Waits (the GIL released) until no background read is in flight, at most `timeout_s`
     /// seconds; True when none is.
-    fn wait_reads(&self, py: Python<'_>, timeout_s: f64) -> PyResult<bool> {
+    fn wait_reads(
+        &self,
+        py: Python<'_>,
+        #[pyo3(from_py_with = arg::timeout_s)] timeout_s: f64,
+    ) -> PyResult<bool> {
         if !timeout_s.is_finite() || !(0.0..=3600.0).contains(&timeout_s) {
             return Err(invalid(None, format!("timeout_s must be a number of seconds in [0, 3600], got {timeout_s}")));
         }
