@@ -15,6 +15,7 @@ from collections.abc import Callable
 import pytest
 import zmq
 
+from kvslots.errors import ArgumentTypeError, InvalidArgumentError
 from kvslots.events import KVEventBatch, encode_batch
 from kvslots.events.protocol import (
     END_SEQ,
@@ -249,8 +250,14 @@ def test_protocol_sequence_numbers_are_unsigned():
     assert parse_replay_reply([b"", b"", b"\xff" * 9, b""]) is None
     assert replay_request(2**63) == (b"", seqb(2**63))
     assert replay_request(2**64) == (b"", seqb(SEQ_MAX)) and replay_request(-5) == (b"", seqb(0))
-    with pytest.raises(ValueError):
-        EventSubscriber(lambda *a: None).add_publisher("w", "tcp://127.0.0.1:1", start_seq=2**64 + 1)
+    sub = EventSubscriber(lambda *a: None)
+    for bad in (2**64 + 1, -1):
+        with pytest.raises(InvalidArgumentError, match="start_seq must be in"):
+            sub.add_publisher("w", "tcp://127.0.0.1:1", start_seq=bad)
+    with pytest.raises(ArgumentTypeError):
+        sub.add_publisher("w", "tcp://127.0.0.1:1", start_seq=1.5)
+    assert sub.publishers() == []
+    sub.stop()
 
 
 # ---- replay servers that never heal the gap ---------------------------------------------------

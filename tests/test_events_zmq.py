@@ -11,9 +11,24 @@ import pytest
 import zmq
 
 from kvslots import SlotManager
-from kvslots.errors import EventDecodeError
-from kvslots.events import BlockStored, KVEventBatch, decode_batch, encode_batch
-from kvslots.events.protocol import END_SEQ, is_bind_endpoint, offset_endpoint_port
+from kvslots.errors import (
+    ArgumentTypeError,
+    DuplicateWorkerError,
+    EventDecodeError,
+    InvalidArgumentError,
+    InvalidStateError,
+    UnknownWorkerError,
+)
+from kvslots.events import (
+    AllBlocksCleared,
+    BlockStored,
+    KVEventBatch,
+    decode_batch,
+    encode_batch,
+    external_block_hash,
+    from_raw,
+)
+from kvslots.events.protocol import END_SEQ, is_bind_endpoint, offset_endpoint_port, replay_request, seq_bytes
 from kvslots.events.publisher import EventPublisher
 from kvslots.events.subscriber import EventSubscriber
 
@@ -108,8 +123,10 @@ def test_offset_endpoint_port_and_bind_rule():
     assert offset_endpoint_port("tcp://127.0.0.1:0", 2) == "tcp://127.0.0.1:0"
     assert offset_endpoint_port("inproc://cache", 2) == "inproc://cache_dp2"
     assert offset_endpoint_port(None, 2) is None
-    with pytest.raises(ValueError):
+    with pytest.raises(InvalidArgumentError) as e:
         offset_endpoint_port("udp://x:1", 1)
+    assert isinstance(e.value, ValueError)  # the builtin it used to be still catches it
+    assert offset_endpoint_port("tcp://h:\u00b2", 1) == "tcp://h:\u00b2"  # "²".isdigit(), but no port
     assert is_bind_endpoint("tcp://*:5557")
     assert is_bind_endpoint("tcp://[::]:5557")
     assert is_bind_endpoint("ipc:///tmp/x") and is_bind_endpoint("inproc://x")
@@ -174,10 +191,13 @@ def test_subscriber_thread_multiple_publishers_and_failing_callback(closing):
 
     sub.remove_publisher(2)
     wait_until(lambda: 2 not in sub.publishers())
-    with pytest.raises(KeyError):
+    with pytest.raises(UnknownWorkerError) as e:
         sub.remove_publisher(2)
-    with pytest.raises(ValueError):
+    assert isinstance(e.value, KeyError)
+    with pytest.raises(DuplicateWorkerError) as e:
         sub.add_publisher(0, pubs[0].endpoint)
+    assert isinstance(e.value, ValueError)
+    assert sorted(sub.publishers()) == [0, 1]
 
 
 # ---- gaps, replay, restarts ------------------------------------------------------------------
@@ -302,8 +322,9 @@ def test_raw_payloads_waiting_and_signals(closing):
     time.sleep(0.05)
     assert len(got) == 3  # no callback once remove_publisher(wait=) returned
 
-    with pytest.raises(zmq.ZMQError):  # a connection that cannot be made is raised by wait=
+    with pytest.raises(InvalidArgumentError) as e:  # a connection that cannot be made: wait= says so
         sub.add_publisher("bad", "tcp://no such host:1", wait=5)
+    assert isinstance(e.value.__cause__, zmq.ZMQError) and "no such host" in str(e.value)
     assert sub.publishers() == []
 
 
@@ -574,14 +595,16 @@ def test_connect_mode_publisher_reaches_a_binding_subscriber(closing):
 def test_publish_rejects_wrong_types_and_closed_publisher(closing):
     pub = EventPublisher(LOCAL)
     closing(pub)
-    with pytest.raises(TypeError):
+    with pytest.raises(ArgumentTypeError):
         pub.publish("not a batch")  # type: ignore[arg-type]
     pub.publish(bytearray(encode_batch(batch(0))))
     assert pub.flush(5) and pub.stats()["published"] == 1
     pub.shutdown()
     pub.shutdown()  # idempotent
-    with pytest.raises(RuntimeError):
-        pub.publish(batch(1))
+    b = KVEventBatch(1.0, [], None)
+    with pytest.raises(InvalidStateError) as e:
+        pub.publish(b)
+    assert isinstance(e.value, RuntimeError) and b.data_parallel_rank is None  # untouched
 
 
 def test_stop_from_a_callback_and_poll_after_stop(closing):
@@ -595,10 +618,184 @@ def test_stop_from_a_callback_and_poll_after_stop(closing):
     sub_holder.append(sub)
     sub.add_publisher("w", pub.endpoint, pub.replay_endpoint, start_seq=0)
     sub.start()
-    with pytest.raises(RuntimeError):
+    with pytest.raises(InvalidStateError):
         sub.poll_once(0)  # the subscriber runs its own thread
+    with pytest.raises(InvalidStateError):
+        sub.start()
     pub.publish(batch(0))
     wait_until(lambda: not any(t.name == "kvslots-event-subscriber" for t in threading.enumerate()))
-    with pytest.raises(RuntimeError):
+    with pytest.raises(InvalidStateError):
         sub.poll_once(0)
+    for call in (sub.start, lambda: sub.add_publisher("v", pub.endpoint)):
+        with pytest.raises(InvalidStateError):
+            call()
     sub.stop()  # idempotent
+
+
+# ---- hostile arguments: a kvslots error, nothing opened or changed --------------------------
+
+
+@pytest.mark.parametrize(
+    ("call", "cls"),
+    [
+        (lambda: from_raw(("X",), None), EventDecodeError),
+        (lambda: from_raw((), None), EventDecodeError),
+        (lambda: from_raw(("BlockStored", [1]), None), EventDecodeError),
+        (lambda: from_raw(("BlockRemoved", [1], 2), None), EventDecodeError),
+        (lambda: from_raw(("AllBlocksCleared", 1), None), EventDecodeError),
+        (lambda: from_raw(("BlockRemoved", [-1]), None, hashes_as_bytes=True), EventDecodeError),
+        (lambda: from_raw(("AllBlocksCleared",), None, structs=object()), EventDecodeError),
+        (lambda: from_raw(None, None), ArgumentTypeError),
+        (lambda: decode_batch(b"\xc1"), EventDecodeError),
+        (lambda: decode_batch(b"\x92\x00\x00"), EventDecodeError),  # msgpack, not a batch
+        (lambda: decode_batch("x"), ArgumentTypeError),
+        (lambda: encode_batch(None), ArgumentTypeError),
+        (lambda: encode_batch(KVEventBatch(0.0, [BlockStored([1], None, [object()], 2, None, None, None)])),
+         ArgumentTypeError),
+        (lambda: encode_batch(KVEventBatch(0.0, [BlockStored([2**70], None, [1], 2, None, None, None)])),
+         InvalidArgumentError),
+        (lambda: external_block_hash(None), ArgumentTypeError),
+        (lambda: external_block_hash("ab"), ArgumentTypeError),
+        (lambda: offset_endpoint_port("tcp://h:5", "1"), ArgumentTypeError),
+        (lambda: is_bind_endpoint(None), ArgumentTypeError),
+        (lambda: seq_bytes(-1), InvalidArgumentError),
+        (lambda: replay_request("x"), ArgumentTypeError),
+    ],
+)
+def test_codec_and_protocol_raise_kvslots_errors(call, cls):
+    with pytest.raises(cls) as e:
+        call()
+    assert type(e.value) is cls
+
+
+def test_codec_still_reads_what_it_should():
+    assert from_raw(("AllBlocksCleared",), None) == AllBlocksCleared()
+    ev = from_raw(("BlockStored", [1], None, [1, 2], 2, None, [[7]]), "CPU", hashes_as_bytes=True)
+    assert ev.block_hashes == [(1).to_bytes(8, "big")] and ev.lookahead_token_ids == [[7]]
+    assert decode_batch(bytearray(encode_batch(batch(3)))) == batch(3)
+    assert external_block_hash(b"\x01" * 9) == int.from_bytes(b"\x01" * 8, "big")
+    assert external_block_hash(-1) == 2**64 - 1
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "cls", "fragment"),
+    [
+        ({"buffer_steps": 0}, InvalidArgumentError, "buffer_steps"),
+        ({"buffer_steps": 2**40}, InvalidArgumentError, "buffer_steps"),
+        ({"endpoint": "udp://127.0.0.1:1"}, InvalidArgumentError, "must start with tcp://"),
+        ({"endpoint": 5}, ArgumentTypeError, "endpoint must be a str"),
+        ({"endpoint": "tcp://127.0.0.1:99999"}, InvalidArgumentError, "past 65535"),
+        ({"endpoint": "tcp://127.0.0.1:65535", "data_parallel_rank": 1}, InvalidArgumentError, "past 65535"),
+        ({"replay_endpoint": "udp://x:1"}, InvalidArgumentError, "replay_endpoint"),
+        ({"topic": "\ud800"}, InvalidArgumentError, "topic must be valid Unicode"),
+        ({"topic": b"kv"}, ArgumentTypeError, "topic must be a str"),
+        ({"hwm": 2**64}, InvalidArgumentError, "hwm must be in [0, 2**31-1]"),
+        ({"hwm": -1}, InvalidArgumentError, "hwm"),
+        ({"max_queue_size": 0}, InvalidArgumentError, "max_queue_size"),
+        ({"data_parallel_rank": -1}, InvalidArgumentError, "data_parallel_rank"),
+        ({"data_parallel_rank": "1"}, ArgumentTypeError, "data_parallel_rank"),
+        ({"bind": "yes"}, ArgumentTypeError, "bind must be a bool"),
+        ({"linger_ms": 1.5}, ArgumentTypeError, "linger_ms"),
+        ({"linger_ms": -2}, InvalidArgumentError, "linger_ms"),
+        # Only ZMQ can tell: its error becomes the cause, every socket is closed.
+        ({"endpoint": "tcp://no such host:1"}, InvalidArgumentError, "cannot open the event publisher"),
+        ({"replay_endpoint": "tcp://no such host:1"}, InvalidArgumentError, "cannot open the event publisher"),
+    ],
+)
+def test_publisher_arguments_raise_kvslots_errors_and_leak_nothing(closing, kwargs, cls, fragment):
+    ctx = zmq.Context()
+    kwargs = {"endpoint": LOCAL, **kwargs}
+    with pytest.raises(cls) as e:
+        EventPublisher(context=ctx, **kwargs)
+    assert type(e.value) is cls and fragment in str(e.value)
+    # term() waits for every socket of the context: one left open would hang it.
+    t = threading.Thread(target=ctx.term)
+    t.start()
+    t.join(5)
+    assert not t.is_alive(), "a socket was left open"
+
+
+def test_publisher_context_of_the_wrong_type(closing):
+    with pytest.raises(ArgumentTypeError):
+        EventPublisher(LOCAL, context="ctx")  # type: ignore[arg-type]
+
+
+def test_publish_and_flush_arguments(closing):
+    pub = EventPublisher(LOCAL)
+    closing(pub)
+    mv = memoryview(b"abc")
+    mv.release()
+    with pytest.raises(InvalidArgumentError):
+        pub.publish(mv)
+    for bad in ("x", None, 3):
+        with pytest.raises(ArgumentTypeError):
+            pub.publish(bad)  # type: ignore[arg-type]
+    with pytest.raises(ArgumentTypeError):
+        pub.flush("x")  # type: ignore[arg-type]
+    with pytest.raises(InvalidArgumentError):
+        pub.flush(float("nan"))
+    with pytest.raises(ArgumentTypeError):
+        pub.shutdown("x")  # type: ignore[arg-type]
+    assert pub.stats()["queued"] == 0 and pub.next_seq == 0
+    assert pub.flush(float("inf")) and pub.flush(-1)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "cls", "fragment"),
+    [
+        ({"replay_max_attempts": 0}, InvalidArgumentError, "replay_max_attempts"),
+        ({"replay_max_attempts": 1.0}, ArgumentTypeError, "replay_max_attempts"),
+        ({"replay_max_rate": 0}, InvalidArgumentError, "replay_max_rate"),
+        ({"replay_max_rate": float("inf")}, InvalidArgumentError, "replay_max_rate"),
+        ({"replay_backoff_ms": 10, "replay_backoff_max_ms": 5}, InvalidArgumentError, "replay_backoff_max_ms"),
+        ({"replay_timeout_ms": 0}, InvalidArgumentError, "replay_timeout_ms"),
+        ({"replay_timeout_ms": "x"}, ArgumentTypeError, "replay_timeout_ms"),
+        ({"replay_max_wait_ms": float("nan")}, InvalidArgumentError, "replay_max_wait_ms"),
+        ({"hwm": 2**64}, InvalidArgumentError, "hwm"),
+        ({"decode": "no"}, ArgumentTypeError, "decode must be a bool"),
+        ({"on_reset": 5}, ArgumentTypeError, "on_reset must be callable"),
+        ({"on_count": 5}, ArgumentTypeError, "on_count must be callable"),
+        ({"thread_name": None}, ArgumentTypeError, "thread_name"),
+        ({"context": 1}, ArgumentTypeError, "context"),
+    ],
+)
+def test_subscriber_arguments_raise_kvslots_errors(closing, kwargs, cls, fragment):
+    with pytest.raises(cls) as e:
+        EventSubscriber(lambda *a: None, **kwargs)
+    assert type(e.value) is cls and fragment in str(e.value)
+    with pytest.raises(ArgumentTypeError):
+        EventSubscriber(None)  # type: ignore[arg-type]
+
+
+def test_subscriber_calls_with_hostile_arguments_change_nothing(closing):
+    sub = EventSubscriber(lambda *a: None)
+    closing(sub)
+    ep = "tcp://127.0.0.1:1"
+    cases = [
+        (lambda: sub.add_publisher("w", ep, start_seq=-1), InvalidArgumentError),
+        (lambda: sub.add_publisher("w", ep, start_seq=1.5), ArgumentTypeError),
+        (lambda: sub.add_publisher("w", "udp://127.0.0.1:1"), InvalidArgumentError),
+        (lambda: sub.add_publisher("w", ep, "udp://127.0.0.1:2"), InvalidArgumentError),
+        (lambda: sub.add_publisher("w", None), ArgumentTypeError),  # type: ignore[arg-type]
+        (lambda: sub.add_publisher("w", ep, topic=5), ArgumentTypeError),  # type: ignore[arg-type]
+        (lambda: sub.add_publisher("w", ep, topic="\ud800"), InvalidArgumentError),
+        (lambda: sub.add_publisher([], ep), ArgumentTypeError),
+        (lambda: sub.add_publisher("w", ep, wait="x"), ArgumentTypeError),
+        (lambda: sub.remove_publisher("nope"), UnknownWorkerError),
+        (lambda: sub.remove_publisher([]), ArgumentTypeError),
+        (lambda: sub.publisher_status("nope"), UnknownWorkerError),
+        (lambda: sub.publisher_counters("nope"), UnknownWorkerError),
+        (lambda: sub.next_seq("nope"), UnknownWorkerError),
+        (lambda: sub.in_sync("nope"), UnknownWorkerError),
+        (lambda: sub.poll_once(-1), InvalidArgumentError),  # ZMQ would wait forever
+        (lambda: sub.poll_once("x"), ArgumentTypeError),
+        (lambda: sub.stop("x"), ArgumentTypeError),
+    ]
+    for call, cls in cases:
+        with pytest.raises(cls) as e:
+            call()
+        assert type(e.value) is cls
+        assert sub.publishers() == [] and sub.counters == dict.fromkeys(sub.counters, 0)
+    assert sub.add_publisher("w", ep) and sub.poll_once(1) == 0
+    assert sub.next_seq("w") is None
+    assert sub.remove_publisher("w", wait=float("inf"))  # infinity: as long as it takes

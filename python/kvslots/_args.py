@@ -33,9 +33,9 @@ def integer(value: Any, name: str, lo: int | None = None, hi: int | None = None)
     return v
 
 
-def number(value: Any, name: str, lo: float | None = None, *, positive: bool = False,
-           finite: bool = True) -> float:
-    """``value`` (an int or float, not a bool, not NaN) as a float ``>= lo``, ``> 0`` with
+def number(value: Any, name: str, lo: float | None = None, hi: float | None = None, *,
+           positive: bool = False, finite: bool = True) -> float:
+    """``value`` (an int or float, not a bool, not NaN) as a float in ``[lo, hi]``, ``> 0`` with
     ``positive``; infinity only without ``finite``."""
     if isinstance(value, bool) or not isinstance(value, numbers.Real):  # numpy's count too
         raise ArgumentTypeError(f"{name} must be a number, got {type(value).__name__} {_short(value)}")
@@ -49,6 +49,8 @@ def number(value: Any, name: str, lo: float | None = None, *, positive: bool = F
         raise InvalidArgumentError(f"{name} must be > 0, got {_short(value)}")
     if lo is not None and v < lo:
         raise InvalidArgumentError(f"{name} must be >= {lo:g}, got {_short(value)}")
+    if hi is not None and v > hi:
+        raise InvalidArgumentError(f"{name} must be <= {hi:g}, got {_short(value)}")
     return v
 
 
@@ -99,6 +101,8 @@ def hashable(value: Any, name: str) -> Any:
 def _bound(b: int | None) -> str:
     if b is None:
         return "..."
+    if b >= 2**20 and b & (b - 1) == 0:
+        return f"2**{b.bit_length() - 1}"
     if b >= 2**20 and (b + 1) & b == 0:
         return f"2**{b.bit_length()}-1"
     return str(b)

@@ -8,7 +8,9 @@
     │   │   ├── ArgumentTypeError  an argument of the wrong type (also a TypeError)
     │   │   └── EventDecodeError   a KV event payload that does not decode
     │   ├── ConcurrentUseError     an object already in use by a call of this or another thread
-    │   └── UnknownWorkerError, DuplicateWorkerError   the prefix index's workers
+    │   └── UnknownWorkerError, DuplicateWorkerError   the prefix index's or an event subscriber's
+    │                              workers (also a KeyError, a ValueError)
+    ├── InvalidStateError          an object shut down, stopped or already started (also a RuntimeError)
     ├── ConfigError                a configuration kvslots cannot accept (also a ValueError)
     │   ├── ConnectorConfigError   the connector's kv_connector_extra_config
     │   └── UnsupportedVLLMVersionError   not vLLM 0.32.x or 0.33.x (kvslots.vllm.compat)
@@ -167,14 +169,21 @@ class EventDecodeError(InvalidArgumentError):
 
 
 class UnknownWorkerError(SlotError, KeyError):
-    """The prefix index has no worker of that name."""
+    """The prefix index, or an event subscriber, has no worker (publisher) of that name."""
 
     def __str__(self) -> str:
         return str(self.args[0]) if self.args else ""
 
 
-class DuplicateWorkerError(SlotError):
-    """The prefix index already has a worker of that name."""
+class DuplicateWorkerError(SlotError, ValueError):
+    """The prefix index, or an event subscriber, already has a worker (publisher) of that name.
+    Also a :class:`ValueError` (what the subscriber raised before)."""
+
+
+class InvalidStateError(KVSlotsError, RuntimeError):
+    """The object cannot take the call in its state: it was shut down or stopped (an event
+    publisher or subscriber), or it is already started. Nothing was changed. Also a
+    :class:`RuntimeError`."""
 
 
 __all__ = [
@@ -197,4 +206,5 @@ __all__ = [
     "EventDecodeError",
     "UnknownWorkerError",
     "DuplicateWorkerError",
+    "InvalidStateError",
 ]

@@ -16,6 +16,8 @@ from typing import Any, Union
 
 import msgspec
 
+from ..errors import ArgumentTypeError, EventDecodeError, InvalidArgumentError, KVSlotsError
+
 ExternalBlockHash = Union[bytes, int]
 
 MEDIUM_GPU = "GPU"
@@ -114,7 +116,19 @@ def from_raw(
     ``BlockStored``, ``BlockRemoved`` and ``AllBlocksCleared`` of vLLM's fields, in vLLM's
     order (``vllm.distributed.kv_events`` itself); by default the ones of this module.
     """
-    kind = raw[0]
+    if not isinstance(raw, (tuple, list)):
+        raise ArgumentTypeError(f"an event tuple is a tuple, got {type(raw).__name__}")
+    try:
+        return _from_raw(raw, medium, hashes_as_bytes, structs)
+    except KVSlotsError:
+        raise
+    except Exception as e:  # short tuples, hashes that are not u64, a structs without the classes
+        raise EventDecodeError(f"malformed event tuple {_short(raw)}: {e}") from e
+
+
+def _from_raw(raw: tuple[Any, ...] | list[Any], medium: str | None, hashes_as_bytes: bool,
+              structs: Any) -> KVEvent:
+    kind = raw[0] if raw else None
     if kind == "BlockStored":
         _, hashes, parent, tokens, block_size, lora_id, *rest = raw
         if hashes_as_bytes:
@@ -127,13 +141,18 @@ def from_raw(
                        lookahead_token_ids=lookahead)
         return cls(hashes, parent, tokens, block_size, lora_id, medium, None)
     if kind == "BlockRemoved":
-        hashes = raw[1]
+        _, hashes = raw
         if hashes_as_bytes:
             hashes = [h.to_bytes(8, "big") for h in hashes]
         return (BlockRemoved if structs is None else structs.BlockRemoved)(hashes, medium)
-    if kind == "AllBlocksCleared":
+    if kind == "AllBlocksCleared" and len(raw) == 1:
         return (AllBlocksCleared if structs is None else structs.AllBlocksCleared)()
-    raise ValueError(f"unknown event kind {kind!r}")
+    raise EventDecodeError(f"unknown event kind {kind!r} ({len(raw)} items)")
+
+
+def _short(value: Any) -> str:
+    r = repr(value)
+    return r if len(r) <= 80 else r[:77] + "..."
 
 
 _encoder = msgspec.msgpack.Encoder()
@@ -146,22 +165,39 @@ def _wire_event(ev: Any) -> Any:
     return ev
 
 
-def encode_batch(batch: KVEventBatch) -> bytes:
+def encode_batch(batch: EventBatch) -> bytes:
     """The batch's msgpack; each ``BlockStored`` in the layout of the vLLM that could have
-    written it (see the module docs)."""
-    events = batch.events
-    if any(type(ev) is BlockStored and ev.lookahead_token_ids is None for ev in events):
-        batch = msgspec.structs.replace(batch, events=[_wire_event(ev) for ev in events])
-    return _encoder.encode(batch)
+    written it (see the module docs). A field msgpack cannot hold raises
+    :class:`ArgumentTypeError` (a type) or :class:`InvalidArgumentError` (an int past 64 bits)."""
+    if not isinstance(batch, EventBatch):
+        raise ArgumentTypeError(f"encode_batch() takes a KVEventBatch, got {type(batch).__name__}")
+    try:
+        events = batch.events
+        if any(type(ev) is BlockStored and ev.lookahead_token_ids is None for ev in events):
+            batch = msgspec.structs.replace(batch, events=[_wire_event(ev) for ev in events])
+        return _encoder.encode(batch)
+    except TypeError as e:
+        raise ArgumentTypeError(f"the batch cannot be encoded: {e}") from None
+    except (msgspec.EncodeError, OverflowError, ValueError) as e:
+        raise InvalidArgumentError(f"the batch cannot be encoded: {e}") from None
 
 
 def decode_batch(payload: bytes) -> KVEventBatch:
-    return _decoder.decode(payload)
+    """The batch a msgpack payload holds; :class:`EventDecodeError` when it is not a
+    ``KVEventBatch``, :class:`ArgumentTypeError` when ``payload`` is not bytes-like."""
+    if not isinstance(payload, (bytes, bytearray, memoryview)):
+        raise ArgumentTypeError(f"payload must be bytes, got {type(payload).__name__}")
+    try:
+        return _decoder.decode(payload)
+    except (msgspec.DecodeError, msgspec.ValidationError) as e:  # ValidationError is a DecodeError
+        raise EventDecodeError(f"payload of {len(payload)} bytes is not a KVEventBatch: {e}") from None
 
 
 def external_block_hash(block_hash: bytes | int) -> int:
     """vLLM's int form of a block hash (``maybe_convert_block_hash``): the low 64 bits of the
     hash bytes read big-endian."""
-    if isinstance(block_hash, int):
+    if isinstance(block_hash, int) and not isinstance(block_hash, bool):
         return block_hash & 0xFFFF_FFFF_FFFF_FFFF
+    if not isinstance(block_hash, (bytes, bytearray, memoryview)):
+        raise ArgumentTypeError(f"a block hash is an int or bytes, got {type(block_hash).__name__}")
     return int.from_bytes(block_hash, "big") & 0xFFFF_FFFF_FFFF_FFFF

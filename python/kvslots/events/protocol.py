@@ -18,6 +18,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from .. import _args
+from ..errors import InvalidArgumentError
+
 #: The address schemes ZMQ event streams use.
 SCHEMES = ("tcp://", "ipc://", "inproc://")
 
@@ -35,7 +38,7 @@ Frames = Sequence[bytes]
 
 
 def seq_bytes(seq: int) -> bytes:
-    return seq.to_bytes(8, "big")
+    return _args.integer(seq, "seq", 0, SEQ_MAX).to_bytes(8, "big")
 
 
 def _seq(frame: bytes) -> int | None:
@@ -67,7 +70,7 @@ def parse_live(frames: Frames) -> tuple[int, bytes] | None:
 def replay_request(start: int) -> tuple[bytes, bytes]:
     """What a DEALER sends to ask for every buffered batch from ``start`` on (clamped to the
     wire's range: a subscriber past ``SEQ_MAX`` asks from ``SEQ_MAX``)."""
-    return (b"", min(max(start, 0), SEQ_MAX).to_bytes(8, "big"))
+    return (b"", min(max(_args.integer(start, "start"), 0), SEQ_MAX).to_bytes(8, "big"))
 
 
 def parse_replay_request(frames: Frames) -> tuple[bytes, int] | None:
@@ -108,6 +111,7 @@ def parse_replay_reply(frames: Frames) -> tuple[int, bytes] | None:
 def vllm_binds(endpoint: str) -> bool:
     """vLLM 0.32's rule (``ZmqEventPublisher._is_bind_endpoint``): a publisher binds wildcard,
     IPv6-any, ipc and inproc addresses and connects to the rest."""
+    _args.text(endpoint, "endpoint")
     return "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://"))
 
 
@@ -120,6 +124,7 @@ def is_bind_endpoint(endpoint: str) -> bool:
 
 
 def is_ipv6(endpoint: str) -> bool:
+    _args.text(endpoint, "endpoint")
     return endpoint.startswith("tcp://") and ("[" in endpoint or "::" in endpoint)
 
 
@@ -127,15 +132,39 @@ def offset_endpoint_port(endpoint: str | None, data_parallel_rank: int) -> str |
     """The endpoint of data-parallel rank ``data_parallel_rank``, as vLLM derives it: a TCP port
     is shifted by the rank (port 0 stays 0: the OS picks), an inproc name gets ``_dp<rank>``.
     vLLM rejects ipc endpoints for ranks above 0; we suffix them like inproc names."""
+    data_parallel_rank = _args.integer(data_parallel_rank, "data_parallel_rank", 0)
+    if endpoint is not None:
+        _args.text(endpoint, "endpoint")
     if not endpoint or data_parallel_rank == 0:
         return endpoint
     if endpoint.startswith(("inproc://", "ipc://")) or "inproc" in endpoint:
         return f"{endpoint}_dp{data_parallel_rank}"
     if "tcp" in endpoint:
         head, sep, port = endpoint.rpartition(":")
-        if not sep or not port.isdigit():
+        if not sep or not _is_port(port):
             return endpoint
         if int(port) == 0:
             return endpoint
         return f"{head}:{int(port) + data_parallel_rank}"
-    raise ValueError(f"invalid endpoint {endpoint!r}: expected tcp://, ipc:// or inproc://")
+    raise InvalidArgumentError(f"invalid endpoint {endpoint!r}: expected tcp://, ipc:// or inproc://")
+
+
+def check_endpoint(endpoint: str, name: str = "endpoint", data_parallel_rank: int = 0) -> str:
+    """The rule for every endpoint a publisher or subscriber is given: text that starts with
+    one of ``SCHEMES``, whose TCP port (shifted by ``data_parallel_rank``) is at most 65535.
+    Raises :class:`ArgumentTypeError` or :class:`InvalidArgumentError` naming ``name``; what
+    only ZMQ can judge (a host that does not resolve, a port in use) is left to it."""
+    _args.text(endpoint, name)
+    if not endpoint.startswith(SCHEMES):
+        raise InvalidArgumentError(f"{name} {endpoint!r} must start with tcp://, ipc:// or inproc://")
+    if endpoint.startswith("tcp://"):
+        port = endpoint.rpartition(":")[2]
+        if _is_port(port) and int(port) and int(port) + data_parallel_rank > 65535:
+            shifted = f" + data_parallel_rank {data_parallel_rank}" if data_parallel_rank else ""
+            raise InvalidArgumentError(f"{name} {endpoint!r}: port {port}{shifted} is past 65535")
+    return endpoint
+
+
+def _is_port(text: str) -> bool:
+    # ASCII only: str.isdigit() is True for "²", which int() refuses.
+    return text.isascii() and text.isdigit()

@@ -23,10 +23,13 @@ from typing import Any, Union
 import msgspec
 import zmq
 
+from .. import _args
+from ..errors import ArgumentTypeError, InvalidArgumentError, InvalidStateError
 from ._wakeup import WakePipe
 from .codec import EventBatch, encode_batch
 from .protocol import (
     END_SEQ,
+    check_endpoint,
     is_bind_endpoint,
     is_ipv6,
     live_message,
@@ -88,11 +91,20 @@ class EventPublisher:
         linger_ms: int = 1000,
         context: zmq.Context | None = None,
     ) -> None:
-        if buffer_steps < 1 or max_queue_size < 1 or hwm < 0:
-            raise ValueError(
-                f"buffer_steps and max_queue_size must be >= 1 and hwm >= 0 "
-                f"(got {buffer_steps}, {max_queue_size}, {hwm})"
-            )
+        # Every argument is checked before a socket exists, so a bad one leaks nothing.
+        data_parallel_rank = _args.integer(data_parallel_rank, "data_parallel_rank", 0, _args.C_INT_MAX)
+        endpoint = check_endpoint(endpoint, "endpoint", data_parallel_rank)
+        if replay_endpoint is not None:
+            replay_endpoint = check_endpoint(replay_endpoint, "replay_endpoint", data_parallel_rank)
+        topic = _args.text(topic, "topic")
+        # The replay ROUTER's high-water mark is 2 * (buffer_steps + 1), a C int too.
+        buffer_steps = _args.integer(buffer_steps, "buffer_steps", 1, _args.C_INT_MAX // 2 - 1)
+        hwm = _args.integer(hwm, "hwm", 0, _args.C_INT_MAX)
+        max_queue_size = _args.integer(max_queue_size, "max_queue_size", 1)
+        bind = _args.flag(bind, "bind", optional=True)
+        linger_ms = _args.integer(linger_ms, "linger_ms", -1, _args.C_INT_MAX)
+        if context is not None and not isinstance(context, zmq.Context):
+            raise ArgumentTypeError(f"context must be a zmq.Context, got {type(context).__name__}")
         self.data_parallel_rank = data_parallel_rank
         self.topic = topic
         self._topic = topic.encode("utf-8")
@@ -150,6 +162,12 @@ class EventPublisher:
                     self._replay.setsockopt(zmq.IPV6, 1)
                 self._replay.bind(rep)
                 self.replay_endpoint = self._replay.getsockopt_string(zmq.LAST_ENDPOINT)
+        except zmq.ZMQError as e:  # the address is taken, not local, or malformed
+            self._close_sockets()
+            raise InvalidArgumentError(
+                f"cannot open the event publisher on {endpoint!r} (replay {replay_endpoint!r}): {e}",
+                details={"errno": e.errno},
+            ) from e
         except BaseException:
             self._close_sockets()
             raise
@@ -165,18 +183,26 @@ class EventPublisher:
         """Queues one batch: a ``KVEventBatch`` (kvslots' or vLLM's; encoded by the sender
         thread, its rank set to ``data_parallel_rank`` when None) or its msgpack bytes. Blocks
         only while the queue is full."""
+        if self._closed:  # before touching the batch (checked again under the lock)
+            raise InvalidStateError("the event publisher is shut down")
         if isinstance(batch, msgspec.Struct):  # ours, or vLLM's own KVEventBatch
             if getattr(batch, "data_parallel_rank", 0) is None:
-                batch.data_parallel_rank = self.data_parallel_rank  # type: ignore[attr-defined]
+                try:  # in place, as vLLM's publisher does
+                    batch.data_parallel_rank = self.data_parallel_rank  # type: ignore[attr-defined]
+                except (AttributeError, TypeError):  # a frozen struct: a copy gets the rank
+                    batch = msgspec.structs.replace(batch, data_parallel_rank=self.data_parallel_rank)
         elif isinstance(batch, (bytearray, memoryview)):
-            batch = bytes(batch)
+            try:
+                batch = bytes(batch)
+            except ValueError as e:  # a released memoryview
+                raise InvalidArgumentError(f"publish() cannot read the payload: {e}") from None
         elif not isinstance(batch, bytes):
-            raise TypeError(f"publish() takes a KVEventBatch or bytes, got {type(batch).__name__}")
+            raise ArgumentTypeError(f"publish() takes a KVEventBatch or bytes, got {type(batch).__name__}")
         with self._lock:
             while len(self._queue) >= self._max_queue and not self._closed:
                 self._not_full.wait()
             if self._closed:
-                raise RuntimeError("publisher is shut down")
+                raise InvalidStateError("the event publisher is shut down")
             was_empty = not self._queue
             self._queue.append(batch)
         if was_empty:
@@ -184,6 +210,7 @@ class EventPublisher:
 
     def flush(self, timeout: float | None = None) -> bool:
         """Waits until every queued batch has been handed to ZMQ; False on timeout."""
+        timeout = _args.timeout(timeout)
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._lock:
             while (self._queue or self._in_flight) and self._thread.is_alive():
@@ -205,9 +232,10 @@ class EventPublisher:
             queued = len(self._queue) + self._in_flight
         return {**self._stats, "queued": queued, "next_seq": self._next_seq}
 
-    def shutdown(self, timeout: float = 5.0) -> None:
+    def shutdown(self, timeout: float | None = 5.0) -> None:
         """Sends what is queued (up to ``timeout``), stops the thread and closes the sockets (and
         the context when the publisher made it). Idempotent."""
+        timeout = _args.timeout(timeout)
         with self._lock:
             first = not self._closed
             self._closed = True
@@ -216,7 +244,7 @@ class EventPublisher:
             self._wakeup.wake()
         self._thread.join(timeout)
         if self._thread.is_alive():
-            log.warning("event publisher thread did not stop within %.1f s", timeout)
+            log.warning("event publisher thread did not stop within %s s", timeout)
             return
         with self._lock:
             release, self._released = not self._released, True

@@ -94,10 +94,19 @@ import msgspec
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from ..errors import EventDecodeError
+from .._args import C_INT_MAX, callback, flag, hashable, integer, number, text
+from .._args import timeout as _timeout
+from ..errors import (
+    ArgumentTypeError,
+    DuplicateWorkerError,
+    EventDecodeError,
+    InvalidArgumentError,
+    InvalidStateError,
+    UnknownWorkerError,
+)
 from ._wakeup import WakePipe
 from .codec import KVEventBatch
-from .protocol import REPLAY_END, SCHEMES, SEQ_MAX, parse_live, parse_replay_reply, replay_request
+from .protocol import REPLAY_END, SEQ_MAX, check_endpoint, parse_live, parse_replay_reply, replay_request
 
 log = logging.getLogger(__name__)
 
@@ -127,6 +136,11 @@ _MAX_HELD = 100_000  # batches held back for one replay; past it the replay is g
 _COOLDOWN_MAX = 60.0  # seconds: the longest a replay endpoint is left alone after give-ups
 
 _LIVE, _REPLAY, _MONITOR = 0, 1, 2  # what a registered socket is to its peer
+
+
+def _wait_seconds(wait: Any) -> float | None:
+    """``wait=`` of add/remove_publisher: None (do not wait) or seconds, infinity included."""
+    return None if wait is None else max(0.0, number(wait, "wait", finite=False))
 
 
 @dataclass
@@ -193,7 +207,7 @@ class EventSubscriber:
         on_batch: OnBatch,
         on_reset: OnReset | None = None,
         *,
-        replay_timeout_ms: int = 2000,
+        replay_timeout_ms: float = 2000,
         hwm: int = 100_000,
         context: zmq.Context | None = None,
         decode: bool = True,
@@ -202,19 +216,27 @@ class EventSubscriber:
         reset_on_reconnect: bool = False,
         thread_name: str = "kvslots-event-subscriber",
         replay_max_attempts: int = 5,
-        replay_backoff_ms: int = 50,
-        replay_backoff_max_ms: int = 2000,
+        replay_backoff_ms: float = 50,
+        replay_backoff_max_ms: float = 2000,
         replay_max_rate: float = 5.0,
-        replay_max_wait_ms: int = 30_000,
+        replay_max_wait_ms: float = 30_000,
     ) -> None:
-        if replay_max_attempts < 1:
-            raise ValueError(f"replay_max_attempts must be >= 1, got {replay_max_attempts}")
-        if not replay_max_rate > 0:
-            raise ValueError(f"replay_max_rate must be > 0, got {replay_max_rate}")
-        if replay_backoff_ms < 0 or replay_backoff_max_ms < replay_backoff_ms:
-            raise ValueError("need 0 <= replay_backoff_ms <= replay_backoff_max_ms")
-        if replay_timeout_ms <= 0 or replay_max_wait_ms <= 0:
-            raise ValueError("replay_timeout_ms and replay_max_wait_ms must be > 0")
+        callback(on_batch, "on_batch")
+        callback(on_reset, "on_reset", optional=True)
+        callback(on_count, "on_count", optional=True)
+        replay_timeout_ms = number(replay_timeout_ms, "replay_timeout_ms", positive=True)
+        hwm = integer(hwm, "hwm", 0, C_INT_MAX)  # RCVHWM is a C int
+        if context is not None and not isinstance(context, zmq.Context):
+            raise ArgumentTypeError(f"context must be a zmq.Context, got {type(context).__name__}")
+        for name, value in (("decode", decode), ("resync_on_loss", resync_on_loss),
+                            ("reset_on_reconnect", reset_on_reconnect)):
+            flag(value, name)
+        text(thread_name, "thread_name")
+        replay_max_attempts = integer(replay_max_attempts, "replay_max_attempts", 1)
+        replay_backoff_ms = number(replay_backoff_ms, "replay_backoff_ms", 0)
+        replay_backoff_max_ms = number(replay_backoff_max_ms, "replay_backoff_max_ms", replay_backoff_ms)
+        replay_max_rate = number(replay_max_rate, "replay_max_rate", positive=True)
+        replay_max_wait_ms = number(replay_max_wait_ms, "replay_max_wait_ms", positive=True)
         self._on_batch = on_batch
         self._on_reset = on_reset
         self._on_count = on_count
@@ -272,18 +294,22 @@ class EventSubscriber:
 
         With ``wait`` (seconds), returns once the sockets are open and the catch-up replay is
         done or given up (True), or when ``wait`` runs out (False); a connection that cannot be
-        made raises its ``zmq.ZMQError`` here, and the publisher is not added. Without it, the
-        sockets are opened by the polling thread later, and returns True."""
-        if start_seq is not None and not 0 <= start_seq <= SEQ_MAX + 1:
-            raise ValueError(f"start_seq must be in [0, 2**64], got {start_seq}")
-        for ep in (endpoint, replay_endpoint):
-            if ep is not None and not ep.startswith(SCHEMES):
-                raise ValueError(f"endpoint {ep!r} must start with tcp://, ipc:// or inproc://")
+        made raises :class:`InvalidArgumentError` (ZMQ's error as its ``__cause__``) here, and
+        the publisher is not added. Without it, the sockets are opened by the polling thread
+        later, and returns True."""
+        hashable(worker_id, "worker_id")
+        check_endpoint(endpoint, "endpoint")
+        if replay_endpoint is not None:
+            check_endpoint(replay_endpoint, "replay_endpoint")
+        text(topic, "topic")
+        if start_seq is not None:
+            start_seq = integer(start_seq, "start_seq", 0, SEQ_MAX + 1)
+        wait = _wait_seconds(wait)
         with self._lock:
             if self._closed:
-                raise RuntimeError("subscriber is stopped")
+                raise InvalidStateError("the event subscriber is stopped")
             if worker_id in self._by_id:
-                raise ValueError(f"publisher {worker_id!r} is already added")
+                raise DuplicateWorkerError(f"publisher {worker_id!r} is already added")
             peer = _Peer(worker_id, endpoint, replay_endpoint, topic.encode(), start_seq)
             self._by_id[worker_id] = peer
             self._commands.append(("add", peer))
@@ -293,16 +319,21 @@ class EventSubscriber:
             return True
         synced = self._wait_for(lambda: peer.error is not None or self._synced(peer), wait)
         if peer.error is not None:
-            raise peer.error
+            raise InvalidArgumentError(
+                f"cannot connect to publisher {worker_id!r} at {endpoint!r}: {peer.error}",
+                details={"errno": getattr(peer.error, "errno", None)},
+            ) from peer.error
         return synced
 
     def remove_publisher(self, worker_id: Hashable, *, wait: float | None = None) -> bool:
         """Disconnects from a publisher; its held state and counters are dropped (the totals
         keep what it contributed). With ``wait`` (seconds), returns once the sockets are closed,
         so that no callback for it runs any more (True), or when ``wait`` runs out (False)."""
+        hashable(worker_id, "worker_id")
+        wait = _wait_seconds(wait)
         with self._lock:
             if self._by_id.pop(worker_id, None) is None:
-                raise KeyError(worker_id)
+                raise UnknownWorkerError(f"no publisher {worker_id!r}")
             self._commands.append(("remove", worker_id))
             self._queued += 1
             ticket = self._queued
@@ -352,15 +383,16 @@ class EventSubscriber:
         """Runs the poll loop on a background thread."""
         with self._lock:
             if self._closed:
-                raise RuntimeError("subscriber is stopped")
+                raise InvalidStateError("the event subscriber is stopped")
             if self._thread is not None:
-                raise RuntimeError("subscriber is already started")
+                raise InvalidStateError("the event subscriber is already started")
             self._thread = threading.Thread(target=self._run, name=self._thread_name, daemon=True)
         self._thread.start()
 
-    def stop(self, timeout: float = 5.0) -> None:
+    def stop(self, timeout: float | None = 5.0) -> None:
         """Stops the loop thread (if started) and closes every socket. Idempotent; a stopped
         subscriber cannot be restarted."""
+        timeout = _timeout(timeout)
         with self._lock:
             if self._closed:
                 return
@@ -374,7 +406,7 @@ class EventSubscriber:
         if thread is not None:
             thread.join(timeout)
             if thread.is_alive():
-                log.warning("event subscriber thread did not stop within %.1f s", timeout)
+                log.warning("event subscriber thread did not stop within %s s", timeout)
                 return
         self._cleanup()
 
@@ -394,21 +426,26 @@ class EventSubscriber:
     def __exit__(self, *exc: Any) -> None:
         self.stop()
 
-    def poll_once(self, timeout_ms: int = 0) -> int:
+    def poll_once(self, timeout_ms: float = 0) -> int:
         """One round of the loop: applies pending add/remove calls, waits up to ``timeout_ms``
         for messages, handles every message ready, and expires overdue replays. Returns the
         number of messages handled. Call it from one thread only, and not after :meth:`start`."""
+        timeout_ms = number(timeout_ms, "timeout_ms", 0, C_INT_MAX)  # ZMQ waits forever below 0
         if self._closed:
-            raise RuntimeError("subscriber is stopped")
+            raise InvalidStateError("the event subscriber is stopped")
         if self._thread is not None:
-            raise RuntimeError("subscriber runs its own poll thread (start() was called)")
+            raise InvalidStateError("the event subscriber runs its own poll thread (start() was called)")
         return self._poll(timeout_ms)
 
     # ---- state, as other threads see it ---------------------------------------------------
 
     def _peer(self, worker_id: Hashable) -> _Peer:
+        hashable(worker_id, "worker_id")
         with self._lock:
-            return self._by_id[worker_id]
+            peer = self._by_id.get(worker_id)
+        if peer is None:
+            raise UnknownWorkerError(f"no publisher {worker_id!r}")
+        return peer
 
     @staticmethod
     def _in_sync(peer: _Peer) -> bool:
@@ -427,7 +464,7 @@ class EventSubscriber:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     return False
-                self._poll(min(10, max(1, int(left * 1000))))
+                self._poll(min(10, max(1, int(min(left, 1.0) * 1000))))
             return done()
         if self._thread is threading.current_thread():
             return done()
@@ -445,7 +482,7 @@ class EventSubscriber:
 
     # ---- loop ----------------------------------------------------------------------------
 
-    def _poll(self, timeout_ms: int) -> int:
+    def _poll(self, timeout_ms: float) -> int:
         self._apply_commands()
         self._notify_waiters()
         timeout = float(timeout_ms)
