@@ -367,3 +367,60 @@ def test_cli_process_serves_and_shuts_down():
         if proc is not None and proc.poll() is None:
             proc.kill()
         pub.close()
+
+
+# ---- robustness: workers that cannot be subscribed, concurrent admin calls, the CLI ----
+
+GOOD_ENDPOINTS = ["tcp://10.0.0.5:5557", "tcp://h-1.example.com:65535", "tcp://[::ffff:127.0.0.1]:5557",
+                  "ipc:///tmp/kvslots.sock", "ipc://@abstract", "inproc://events", "ipc://" + "a" * 107]
+BAD_ENDPOINTS = ["tcp://127.0.0.1", "tcp://127.0.0.1:0", "tcp://127.0.0.1:99999", "tcp://:::", "tcp://a:b",
+                 "tcp://*:5557", "tcp://[::1]:5557", "tcp://[::1", "tcp://1.2.3.256:1", "ipc://", "ipc://*",
+                 "ipc://" + "a" * 108, "inproc://", "tcp://h:1\x00", "udp://h:1"]
+
+
+@pytest.mark.parametrize("endpoint", GOOD_ENDPOINTS)
+def test_endpoint_rule_accepts(endpoint):
+    assert WorkerSpec.parse(f"w={endpoint},replay={endpoint}").replay == endpoint
+    assert WorkerSpec.from_dict({"name": "w", "endpoint": endpoint}).endpoint == endpoint
+
+
+@pytest.mark.parametrize("endpoint", BAD_ENDPOINTS)
+def test_endpoint_rule_is_one_for_cli_yaml_and_http(endpoint, tmp_path):
+    for make in (lambda: WorkerSpec.parse(f"w={endpoint}"),
+                 lambda: WorkerSpec.parse(f"w=tcp://h:1,replay={endpoint}"),
+                 lambda: WorkerSpec.from_dict({"name": "w", "endpoint": endpoint}),
+                 lambda: WorkerSpec("w", "tcp://h:1", replay=endpoint)):
+        with pytest.raises(ConfigError, match="worker 'w': (endpoint|replay) "):
+            make()
+    f = tmp_path / "idx.yaml"
+    f.write_text(f"workers:\n  - {{name: w, endpoint: {endpoint!r}}}\n".replace("\x00", "\\0"))
+    with pytest.raises(ConfigError, match="endpoint"):
+        build_config(argparse.Namespace(config=str(f)))
+
+
+def _cli(argv, capsys) -> tuple[int, str]:
+    from kvslots import cli
+
+    capsys.readouterr()
+    code = cli.main(["indexer", *argv])
+    return code, capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, problem", [
+    (["--worker", "a=tcp://127.0.0.1"], "port in 1-65535"),
+    (["--worker", "a=tcp://h:1,replay=tcp://h"], "replay"),
+])
+def test_cli_errors_are_one_line(argv, problem, capsys):
+    code, err = _cli(argv, capsys)
+    assert code == 2, err
+    assert err.startswith("kvslots indexer: ") and err.count("\n") == 1 and "Traceback" not in err, err
+    assert problem in err, err
+
+
+def test_cli_bad_worker_process_exits_2_without_a_traceback():
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-m", "kvslots", "indexer", "--worker", "a=tcp://127.0.0.1", "--port", "0"],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and "Traceback" not in r.stderr, r.stderr

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 import os
 import re
+import sys
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -16,8 +18,66 @@ TIERS = ("GPU", "CPU", "STORAGE")
 DEFAULT_WEIGHTS = {"GPU": 1.0, "CPU": 0.8, "STORAGE": 0.5}
 ADMIN_TOKEN_ENV = "KVSLOTS_INDEXER_ADMIN_TOKEN"
 
-_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$")
-_ENDPOINT = re.compile(r"^(tcp|ipc|inproc)://\S+$")
+#: A worker name (also the suffix of its Redis keys).
+WORKER_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,127}")
+_HOST = re.compile(r"[A-Za-z0-9_]([A-Za-z0-9_.-]{0,252})", re.ASCII)
+_PORT = re.compile(r"[0-9]{1,5}", re.ASCII)
+#: Longest ipc:// path in bytes: sun_path (108 bytes on Linux, 104 elsewhere) less its NUL.
+MAX_IPC_PATH = (108 if sys.platform.startswith("linux") else 104) - 1
+MAX_INPROC_NAME = 256
+
+
+def check_endpoint(endpoint: str, what: str = "endpoint") -> None:
+    """The one rule for a worker's ZMQ address, as the indexer connects to it: what ZMQ refuses
+    to connect to, or would accept and then silently never reach, is a ConfigError here.
+
+    ``tcp://HOST:PORT``: HOST a host name, an IPv4 address or an IPv4-mapped IPv6 one
+    (``[::ffff:127.0.0.1]``), not ``*`` (that is a bind address); PORT 1-65535.
+    ``ipc://PATH`` (``@NAME``: abstract): at most :data:`MAX_IPC_PATH` bytes. ``inproc://NAME``."""
+    def bad(why: str) -> ConfigError:
+        return ConfigError(f"{what} {brief(endpoint)}: {why}")
+
+    if not isinstance(endpoint, str):
+        raise ConfigError(f"{what} must be a string, got {type(endpoint).__name__}")
+    if not endpoint.isprintable() or any(c.isspace() for c in endpoint):
+        raise bad("contains spaces or control characters")
+    try:
+        raw = endpoint.encode("utf-8")
+    except UnicodeEncodeError:
+        raise bad("is not valid Unicode") from None
+    scheme, sep, rest = endpoint.partition("://")
+    if not sep or scheme not in ("tcp", "ipc", "inproc"):
+        raise bad("use tcp://HOST:PORT, ipc://PATH or inproc://NAME")
+    if scheme == "tcp":
+        host, colon, port = rest.rpartition(":")
+        if not colon or not _PORT.fullmatch(port) or not 1 <= int(port) <= 65535:
+            raise bad("use tcp://HOST:PORT with a port in 1-65535")
+        if host == "*":
+            raise bad("'*' is an address to bind, not to connect to: name the publisher's host")
+        if host.startswith("["):
+            try:
+                if not host.endswith("]"):
+                    raise ValueError
+                mapped = ipaddress.IPv6Address(host[1:-1]).ipv4_mapped
+            except ValueError:
+                raise bad("not an IPv6 address in brackets") from None
+            # The subscriber's sockets are IPv4 (no ZMQ_IPV6): only an IPv4-mapped peer is reached.
+            if mapped is None:
+                raise bad("IPv6 addresses are not supported: use an IPv4 address, [::ffff:IPV4] or a host name")
+        elif not _HOST.fullmatch(host):
+            raise bad("the host must be a host name or an IPv4 address")
+        elif re.fullmatch(r"[0-9.]+", host):
+            try:
+                ipaddress.IPv4Address(host)
+            except ValueError:
+                raise bad("not an IPv4 address") from None
+    elif scheme == "ipc":
+        if not rest or rest == "*":
+            raise bad("name the publisher's socket path")
+        if len(raw) - len("ipc://") > MAX_IPC_PATH:
+            raise bad(f"the path is longer than {MAX_IPC_PATH} bytes (the OS limit)")
+    elif not rest or len(rest) > MAX_INPROC_NAME:
+        raise bad(f"use inproc://NAME with a name of 1-{MAX_INPROC_NAME} characters")
 
 
 @dataclass(frozen=True)
@@ -38,18 +98,22 @@ class WorkerSpec:
     eagle: bool = False
 
     def __post_init__(self) -> None:
-        if not _NAME.match(self.name):
+        if not isinstance(self.name, str) or not WORKER_NAME.fullmatch(self.name):
             raise ConfigError(
                 f"worker name {self.name!r}: use 1-128 letters, digits, '.', '_', ':', '-' "
                 "(starting with a letter or digit)"
             )
-        for what, ep in (("endpoint", self.endpoint), ("replay", self.replay)):
-            if ep is not None and not _ENDPOINT.match(ep):
-                raise ConfigError(f"worker {self.name!r}: {what} {ep!r} is not a tcp://, ipc:// or inproc:// address")
+        check_endpoint(self.endpoint, f"worker {self.name!r}: endpoint")
+        if self.replay is not None:
+            check_endpoint(self.replay, f"worker {self.name!r}: replay")
         if self.tier not in TIERS:
-            raise ConfigError(f"worker {self.name!r}: tier {self.tier!r} is not one of {', '.join(TIERS)}")
-        if len(self.topic) > 256:
-            raise ConfigError(f"worker {self.name!r}: topic longer than 256 characters")
+            raise ConfigError(f"worker {self.name!r}: tier {brief(self.tier)} is not one of {', '.join(TIERS)}")
+        if not isinstance(self.topic, str) or len(self.topic) > 256:
+            raise ConfigError(f"worker {self.name!r}: the topic must be a string of at most 256 characters")
+        try:
+            self.topic.encode("utf-8")
+        except UnicodeEncodeError:
+            raise ConfigError(f"worker {self.name!r}: the topic is not valid Unicode") from None
         if type(self.eagle) is not bool:
             raise ConfigError(f"worker {self.name!r}: eagle must be true or false, got {self.eagle!r}")
 
@@ -81,7 +145,7 @@ class WorkerSpec:
         if unknown:
             raise ConfigError(f"worker {d.get('name')!r}: unknown keys {sorted(unknown)}")
         if "name" not in d or "endpoint" not in d:
-            raise ConfigError(f"worker {d!r}: 'name' and 'endpoint' are required")
+            raise ConfigError(f"worker {brief(d)}: 'name' and 'endpoint' are required")
         tier = str(d.get("tier", "GPU")).upper()
         return cls(
             name=str(d["name"]),
