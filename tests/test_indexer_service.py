@@ -398,6 +398,77 @@ def test_endpoint_rule_is_one_for_cli_yaml_and_http(endpoint, tmp_path):
         build_config(argparse.Namespace(config=str(f)))
 
 
+def test_subscription_failure_leaves_nothing(harness, monkeypatch):
+    import errno
+
+    import zmq
+
+    h = harness(admin_token=TOKEN)
+    auth = {"Authorization": f"Bearer {TOKEN}"}
+    svc = h.service
+
+    def state():
+        return (h.client.get("/workers").json(), sorted(svc.backend.index.workers()), sorted(svc._subscribed),
+                sorted(svc.sub.status()))
+
+    before = state()
+    real_add = svc.sub.add
+    body = {"name": "x", "endpoint": "tcp://127.0.0.1:1"}
+    for exc, status in ((zmq.ZMQError(errno.EINVAL), 422),  # the address: the client's fault
+                        (zmq.ZMQError(errno.EMFILE), 503),  # out of sockets: the server's
+                        (RuntimeError("boom"), 503)):
+        def failing_add(spec, exc=exc):
+            if spec.name == "x":
+                raise exc
+            return real_add(spec)
+
+        monkeypatch.setattr(svc.sub, "add", failing_add)
+        r = h.client.post("/workers", json=body, headers=auth)
+        assert r.status_code == status, r.text
+        assert isinstance(r.json()["detail"], str) and "\n" not in r.json()["detail"]
+        assert state() == before
+    monkeypatch.setattr(svc.sub, "add", real_add)
+    r = h.client.post("/workers", json=body, headers=auth)  # the name is free again
+    assert r.status_code == 201, r.text
+    assert "x" in svc._subscribed and "x" in svc.backend.index.workers()
+
+
+def test_concurrent_add_and_remove_stay_consistent():
+    import random
+    import threading
+
+    pub = TestPublisher()
+    svc = IndexerService(IndexerConfig(replay_timeout=0.3))
+    svc.start()
+    try:
+        names = ("x", "y")
+        specs = {n: WorkerSpec(n, pub.endpoint, pub.replay_endpoint) for n in names}
+        rng = random.Random(0)
+
+        def hammer(seed: int) -> None:
+            r = random.Random(seed)
+            for _ in range(40):
+                n = r.choice(names)
+                if r.random() < 0.5:
+                    svc.add_worker(specs[n])
+                else:
+                    svc.remove_worker(n)
+
+        for _ in range(30):
+            threads = [threading.Thread(target=hammer, args=(rng.random(),)) for _ in range(4)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            registered = set(svc.backend.specs())
+            assert set(svc._subscribed) == registered
+            assert set(svc.backend.index.workers()) == registered
+            assert set(svc.sub.status()) == registered
+    finally:
+        svc.stop()
+        pub.close()
+
+
 def _cli(argv, capsys) -> tuple[int, str]:
     from kvslots import cli
 

@@ -4,6 +4,7 @@
 import contextlib
 import hmac
 import json
+import logging
 from typing import Annotated, Any, Callable
 
 from fastapi import Depends, FastAPI, Header, HTTPException, Request, Response
@@ -17,6 +18,8 @@ from ..config.loader import loads_strict_json
 from ..errors import InvalidArgumentError
 from .config import ConfigError, WorkerSpec
 from .service import IndexerService
+
+log = logging.getLogger("kvslots.indexer")
 
 U32 = 2**32 - 1
 U64 = 2**64 - 1
@@ -204,7 +207,15 @@ def create_app(service: IndexerService, *, own_service: bool = False) -> FastAPI
             spec = WorkerSpec.from_dict(w.model_dump())
         except ConfigError as e:
             raise HTTPException(422, str(e)) from None
-        if not service.add_worker(spec):
+        try:
+            added = service.add_worker(spec)
+        except ConfigError as e:  # ZMQ refused the address; nothing was kept
+            raise HTTPException(422, _safe(str(e))) from None
+        except Exception as e:  # a server-side failure to subscribe (rolled back)
+            log.exception("worker %s not added", spec.name)
+            raise HTTPException(503, f"worker {spec.name!r} not added: cannot subscribe to its stream now "
+                                     f"({type(e).__name__})") from None
+        if not added:
             raise HTTPException(409, f"worker {spec.name!r} already exists")
         return {**spec.to_dict(), "stream": service.sub.status().get(spec.name)}
 

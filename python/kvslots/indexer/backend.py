@@ -45,7 +45,8 @@ class Backend:
     def register(self, spec: WorkerSpec, *, replace: bool = True) -> bool:
         raise NotImplementedError
 
-    def unregister(self, name: str) -> bool:
+    def unregister(self, name: str, *, spec: WorkerSpec | None = None) -> bool:
+        """Removes the worker (only if its spec is `spec`, when given); False if absent."""
         raise NotImplementedError
 
     def specs(self) -> dict[str, WorkerSpec]:
@@ -99,9 +100,12 @@ class MemoryBackend(Backend):
             self._specs[spec.name] = spec
             return True
 
-    def unregister(self, name: str) -> bool:
+    def unregister(self, name: str, *, spec: WorkerSpec | None = None) -> bool:
         with self._lock:
-            return self._specs.pop(name, None) is not None
+            if name not in self._specs or spec is not None and self._specs[name] != spec:
+                return False
+            del self._specs[name]
+            return True
 
     def specs(self) -> dict[str, WorkerSpec]:
         with self._lock:

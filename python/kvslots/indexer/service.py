@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import errno
 import logging
 import threading
 import time
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from .._core import ApplyStats
+from ..errors import ConfigError, InvalidArgumentError
 from .backend import TIER_NAMES, Backend, MemoryBackend, ScoreResult
 from .config import IndexerConfig, WorkerSpec
 from .metrics import Metrics
@@ -46,7 +49,10 @@ class IndexerService:
             self.backend.register(spec, replace=True)
         self.backend.start(self)
         if isinstance(self.backend, MemoryBackend):
-            self.sync_subscriptions(self.backend.specs())
+            failed = self.sync_subscriptions(self.backend.specs)
+            if failed:  # a worker given on the command line or in the file
+                name, e = next(iter(failed.items()))
+                raise _subscribe_error(self.backend.specs().get(name), name, e)
 
     def stop(self) -> None:
         self.backend.close()
@@ -54,10 +60,19 @@ class IndexerService:
 
     # ---- workers ----
 
-    def sync_subscriptions(self, specs: dict[str, WorkerSpec]) -> None:
+    def sync_subscriptions(
+        self, specs: Mapping[str, WorkerSpec] | Callable[[], Mapping[str, WorkerSpec]]
+    ) -> dict[str, Exception]:
         """Subscribes to exactly `specs` (the backend decides: all workers, or none on a Redis
-        replica that is not the writer)."""
+        replica that is not the writer). A callable is called under the lock: a snapshot taken
+        before it could be stale by then (a worker removed meanwhile would come back).
+
+        Returns the workers that could not be subscribed, with why; each is left out entirely
+        (not subscribed, not in the index), so a later call tries again."""
+        failed: dict[str, Exception] = {}
         with self._sync_lock:
+            if callable(specs):
+                specs = specs()
             for name, spec in list(self._subscribed.items()):
                 if specs.get(name) != spec:
                     self.sub.remove(name)
@@ -69,26 +84,36 @@ class IndexerService:
             for name, spec in specs.items():
                 if name not in self._subscribed:
                     self.backend.add_worker(name, eagle=spec.eagle)
-                    self._subscribed[name] = spec
+                    self._subscribed[name] = spec  # before add: its catch-up batches need the tier
                     try:
                         self.sub.add(spec)
-                    except Exception:
+                    except Exception as e:
                         del self._subscribed[name]
-                        raise
+                        self.sub.remove(name)
+                        self.backend.remove_worker(name)
+                        failed[name] = e
+        return failed
 
     def add_worker(self, spec: WorkerSpec) -> bool:
-        """Registers a worker; False if the name is taken."""
+        """Registers a worker; False if the name is taken. If its stream cannot be subscribed
+        to, nothing is left of it and the error is raised (a ConfigError when ZMQ refuses the
+        address)."""
         if not self.backend.register(spec, replace=False):
             return False
         if isinstance(self.backend, MemoryBackend):
-            self.sync_subscriptions(self.backend.specs())
+            failed = self.sync_subscriptions(self.backend.specs)
+            if spec.name in failed:
+                self.backend.unregister(spec.name, spec=spec)
+                self.sync_subscriptions(self.backend.specs)
+                raise _subscribe_error(spec, spec.name, failed[spec.name])
+            _log_failed(failed)
         return True
 
     def remove_worker(self, name: str) -> bool:
         if not self.backend.unregister(name):
             return False
         if isinstance(self.backend, MemoryBackend):
-            self.sync_subscriptions(self.backend.specs())
+            _log_failed(self.sync_subscriptions(self.backend.specs))
         return True
 
     def local_stream_status(self) -> dict[str, dict]:
@@ -178,6 +203,30 @@ class IndexerService:
             "workers": len(self._subscribed),
             "syncing_workers": len(self.sub.syncing()),
         }
+
+
+#: What ZMQ says of an address it will not connect to (the client's fault, not the server's).
+_REFUSED_ADDRESS = {errno.EINVAL, errno.ENAMETOOLONG, errno.EPROTONOSUPPORT, errno.EAFNOSUPPORT}
+
+
+def _subscribe_error(spec: WorkerSpec | None, name: str, e: Exception) -> Exception:
+    """A ConfigError when the worker's address is refused; else `e` itself (a server-side
+    failure, e.g. out of file descriptors)."""
+    code = getattr(e, "errno", None)
+    if code is None:
+        code = (getattr(e, "details", None) or {}).get("errno", getattr(e.__cause__, "errno", None))
+    if code in _REFUSED_ADDRESS or (code is None and isinstance(e, (ConfigError, InvalidArgumentError))):
+        where = f" at {spec.endpoint}" if spec is not None else ""
+        err = ConfigError(f"worker {name!r}: cannot subscribe to its stream{where}: {' '.join(str(e).split())}")
+        err.__cause__ = e
+        return err
+    return e
+
+
+def _log_failed(failed: dict[str, Exception]) -> None:
+    # Another caller's worker, rolled back by that caller.
+    for name, e in failed.items():
+        log.warning("worker %s: cannot subscribe to its stream: %s", name, e)
 
 
 def _entry(blocks: int, tier_blocks, score: float, bs: int) -> dict[str, Any]:
