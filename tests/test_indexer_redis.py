@@ -3,6 +3,7 @@ started later, a writer failing over, Redis restarted mid-run (stale meanwhile, 
 
 from __future__ import annotations
 
+import time
 import uuid
 
 import pytest
@@ -11,6 +12,7 @@ from indexer_support import Oracle, RedisServer, TestPublisher, have_redis, scor
 
 from kvslots.indexer import IndexerConfig, IndexerService, WorkerSpec
 from kvslots.indexer.app import create_app
+from kvslots.indexer.redis_backend import LEASE_MS
 
 pytestmark = pytest.mark.skipif(not have_redis(), reason="redis-server not installed (scripts/system-deps.txt)")
 
@@ -164,3 +166,106 @@ def test_writer_failover_resumes_from_the_cursor(cluster):
     cluster.settle()
     cluster.publish([remove(1, P3, BS, [0])])
     cluster.converge(cb)
+
+
+# ---- robustness: the upkeep thread, Redis down, hostile settings ----
+
+TOKEN = "t" * 20
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
+LEASE_S = LEASE_MS / 1000
+
+
+def _admin_replica(cluster: Cluster) -> tuple[IndexerService, TestClient]:
+    cfg = IndexerConfig(workers=[WorkerSpec("a", cluster.pub.endpoint, cluster.pub.replay_endpoint)],
+                        backend="redis", redis_url=cluster.redis.url, redis_namespace=cluster.ns, block_size=BS,
+                        replay_timeout=1.0, capacity=None, admin_token=TOKEN)
+    svc = IndexerService(cfg)
+    svc.start()
+    client = TestClient(create_app(svc), raise_server_exceptions=False)
+    cluster.replicas.append((svc, client))
+    wait_for(lambda: svc.backend.is_writer and "a" in svc._subscribed, 10, "the writer to subscribe")
+    return svc, client
+
+
+def _registry(cluster: Cluster) -> list[str]:
+    import redis
+
+    r = redis.Redis(port=cluster.redis.port)
+    try:
+        return sorted(k.decode() for k in r.hkeys(f"{cluster.ns}:workers"))
+    finally:
+        r.close()
+
+
+def test_bad_endpoint_is_refused_and_stored_nowhere(cluster):
+    a, ca = _admin_replica(cluster)
+    for ep in ("tcp://127.0.0.1", "tcp://:::", "tcp://a:b", "ipc://" + "a" * 400):
+        for body in ({"name": "bad", "endpoint": ep}, {"name": "bad", "endpoint": "tcp://127.0.0.1:1", "replay": ep}):
+            r = ca.post("/workers", json=body, headers=AUTH)
+            assert r.status_code == 422, r.text
+    assert _registry(cluster) == ["a"]
+    assert a.backend._thread.is_alive() and ca.get("/healthz").status_code == 200
+
+
+def test_upkeep_thread_survives_any_error(cluster, monkeypatch):
+    a, ca = _admin_replica(cluster)
+    real_sync = a.sync_subscriptions
+
+    def broken(specs):
+        raise RuntimeError("reconcile is broken")
+
+    monkeypatch.setattr(a, "sync_subscriptions", broken)
+    wait_for(lambda: a.backend.upkeep_errors >= 3, 5, "ticks to fail")
+    time.sleep(LEASE_S + 0.5)  # longer than the lease: it is still renewed, by the same thread
+    assert a.backend._thread.is_alive() and a.backend.is_writer
+    assert cluster.score(ca, P1)["stale_reasons"] == []  # a live writer holds the lease
+    assert ca.get("/healthz").status_code == 200
+    monkeypatch.setattr(a, "sync_subscriptions", real_sync)
+
+    # A worker whose stream cannot be subscribed to is left out and retried, not fatal.
+    real_add = a.sub.add
+
+    def failing_add(spec):
+        if spec.name == "b":
+            raise RuntimeError("no sockets left")
+        return real_add(spec)
+
+    monkeypatch.setattr(a.sub, "add", failing_add)
+    assert ca.post("/workers", json={"name": "b", "endpoint": "tcp://127.0.0.1:1"}, headers=AUTH).status_code == 201
+    wait_for(lambda: ca.get("/healthz").json()["unsubscribed_workers"] == ["b"], 5, "b to be reported")
+    assert "b" not in a._subscribed and "b" not in a.backend.local.workers() and "a" in a._subscribed
+    monkeypatch.setattr(a.sub, "add", real_add)
+    wait_for(lambda: "b" in a._subscribed, 5, "b to be subscribed on a later tick")
+    assert ca.get("/healthz").json()["unsubscribed_workers"] == []
+
+
+def test_healthz_is_unhealthy_when_the_upkeep_thread_is_gone(cluster):
+    a, ca = _admin_replica(cluster)
+    assert ca.get("/healthz").json()["upkeep"] == "running"
+    a.backend._stop.set()
+    a.backend._thread.join(5)
+    r = ca.get("/healthz")
+    assert r.status_code == 503 and r.json()["upkeep"] == "stopped"
+
+
+def test_admin_api_answers_503_while_redis_is_down():
+    srv = RedisServer()  # its own: this test stops it
+    cluster = Cluster(srv)
+    try:
+        a, ca = _admin_replica(cluster)
+        names = [w["name"] for w in ca.get("/workers").json()]
+        srv.stop()
+        wait_for(lambda: not a.backend.redis_ok, 5, "redis to be missed")
+        r = ca.post("/workers", json={"name": "n", "endpoint": "tcp://127.0.0.1:1"}, headers=AUTH)
+        assert r.status_code == 503 and "unreachable" in r.json()["detail"], r.text
+        r = ca.delete("/workers/a", headers=AUTH)
+        assert r.status_code == 503 and "nothing was changed" in r.json()["detail"], r.text
+        assert [w["name"] for w in ca.get("/workers").json()] == names
+        assert set(a._subscribed) == {"a"}
+        srv.start()  # empty: the writer restores the registry from its copy
+        wait_for(lambda: _registry(cluster) == ["a"] and a.backend.redis_ok, 10, "the registry restored")
+        assert ca.post("/workers", json={"name": "n", "endpoint": "tcp://127.0.0.1:1"}, headers=AUTH).status_code == 201
+        assert ca.delete("/workers/n", headers=AUTH).status_code == 204
+    finally:
+        cluster.close()
+        srv.close()

@@ -211,6 +211,8 @@ def create_app(service: IndexerService, *, own_service: bool = False) -> FastAPI
             added = service.add_worker(spec)
         except ConfigError as e:  # ZMQ refused the address; nothing was kept
             raise HTTPException(422, _safe(str(e))) from None
+        except service.backend.unavailable as e:
+            raise _unavailable(e) from None
         except Exception as e:  # a server-side failure to subscribe (rolled back)
             log.exception("worker %s not added", spec.name)
             raise HTTPException(503, f"worker {spec.name!r} not added: cannot subscribe to its stream now "
@@ -222,7 +224,11 @@ def create_app(service: IndexerService, *, own_service: bool = False) -> FastAPI
     @app.delete("/workers/{name}", status_code=204, dependencies=[Depends(require_admin)],
                 summary="Remove a worker and its entries (admin)")
     def remove_worker(name: str) -> Response:
-        if not service.remove_worker(name):
+        try:
+            removed = service.remove_worker(name)
+        except service.backend.unavailable as e:
+            raise _unavailable(e) from None
+        if not removed:
             raise HTTPException(404, f"no worker {name!r}")
         return Response(status_code=204)
 
@@ -288,6 +294,12 @@ class BodyLimit:
         except Exception:
             if not state["refused"]:
                 raise
+
+
+def _unavailable(e: BaseException) -> HTTPException:
+    """503: the backend's store (Redis) cannot be reached; nothing was changed."""
+    return HTTPException(503, f"the index store is unreachable ({type(e).__name__}); nothing was changed, "
+                              "retry later", headers={"Retry-After": "1"})
 
 
 async def _reply(send, status: int, detail: str) -> None:

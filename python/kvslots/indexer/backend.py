@@ -27,6 +27,8 @@ class Backend:
     the subscription thread; `score` and the registry calls by HTTP handlers (any thread)."""
 
     name = "?"
+    #: Exceptions meaning the backend's store is unreachable (HTTP 503, nothing changed).
+    unavailable: tuple[type[BaseException], ...] = ()
 
     def __init__(self, cfg: IndexerConfig):
         self.cfg = cfg

@@ -88,6 +88,7 @@ class NotWriter(Exception):
 
 class RedisBackend(Backend):
     name = "redis"
+    unavailable = (redis.RedisError,)
 
     def __init__(self, cfg: IndexerConfig, client: redis.Redis | None = None):
         super().__init__(cfg)
@@ -111,7 +112,11 @@ class RedisBackend(Backend):
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._vacant_since: float | None = None
-        self.errors = 0
+        self.errors = 0  # Redis errors
+        self.upkeep_errors = 0  # anything else a tick raised (logged; the tick goes on)
+        self._last_upkeep_error: str | None = None
+        self._failing: dict[str, str] = {}  # worker -> why it cannot be subscribed (logged once)
+        self._bad_specs: set[tuple[bytes, bytes]] = set()  # registry entries ignored (logged once)
 
     def k(self, *parts: str) -> str:
         return ":".join((self.ns, *parts))
@@ -120,7 +125,7 @@ class RedisBackend(Backend):
 
     def start(self, service: Any) -> None:
         self._service = service
-        self._tick()
+        self._safe_tick()
         self._thread = threading.Thread(target=self._loop, name="kvslots-indexer-redis", daemon=True)
         self._thread.start()
 
@@ -141,7 +146,20 @@ class RedisBackend(Backend):
 
     def _loop(self) -> None:
         while not self._stop.wait(TICK_S):
+            self._safe_tick()
+
+    def _safe_tick(self) -> None:
+        # Nothing may end this thread: it renews the lease and notices Redis coming back.
+        try:
             self._tick()
+        except Exception as e:
+            self.upkeep_errors += 1
+            what = f"{type(e).__name__}: {e}"
+            if what != self._last_upkeep_error:  # once per distinct error, not 4 times a second
+                log.exception("redis upkeep: %s (going on)", what)
+            self._last_upkeep_error = what
+        else:
+            self._last_upkeep_error = None
 
     def _tick(self) -> None:
         try:
@@ -259,8 +277,10 @@ class RedisBackend(Backend):
         for name, raw in self.r.hgetall(self.k("workers")).items():
             try:
                 out[name.decode()] = WorkerSpec.from_dict(json.loads(raw))
-            except (ValueError, TypeError) as e:
-                log.warning("ignoring bad worker spec %r in redis: %s", name, e)
+            except (ValueError, TypeError, AttributeError) as e:
+                if (name, raw) not in self._bad_specs:
+                    self._bad_specs.add((name, raw))
+                    log.warning("ignoring bad worker spec %r in redis: %s", name, e)
         if out or self.r.exists(self.k("epoch")):
             self._specs = out  # (an empty registry with no epoch is lost data: keep our copy)
         return out
@@ -276,9 +296,10 @@ class RedisBackend(Backend):
             self._specs[spec.name] = spec
         return ok
 
-    def unregister(self, name: str) -> bool:
+    def unregister(self, name: str, *, spec: WorkerSpec | None = None) -> bool:
+        gone = bool(self.r.hdel(self.k("workers"), name))  # first: if Redis fails, nothing changed
         self._specs.pop(name, None)
-        return bool(self.r.hdel(self.k("workers"), name))
+        return gone
 
     def specs(self) -> dict[str, WorkerSpec]:
         try:
@@ -292,8 +313,14 @@ class RedisBackend(Backend):
         if not self.is_writer:
             self._read_specs()
             self._service.sync_subscriptions({})
+            self._failing = {}
             return
-        self._service.sync_subscriptions(self._read_specs())
+        failed = self._service.sync_subscriptions(self._read_specs)
+        for name, e in failed.items():  # tried again each tick; logged once per reason
+            why = f"{type(e).__name__}: {e}"
+            if self._failing.get(name) != why:
+                log.error("worker %s: cannot subscribe to its stream (will retry): %s", name, why)
+        self._failing = {name: f"{type(e).__name__}: {e}" for name, e in failed.items()}
 
     # ---- writing (subscription thread, writer only) ----
 
@@ -484,11 +511,16 @@ class RedisBackend(Backend):
         return None if doc is None else doc.get("streams", {})
 
     def health(self) -> tuple[bool, dict]:
-        return self.redis_ok, {
+        # A dead upkeep thread renews no lease and never notices Redis again: unhealthy.
+        upkeep = self._thread is not None and self._thread.is_alive()
+        return self.redis_ok and upkeep, {
             "redis": "ok" if self.redis_ok else "unreachable",
+            "upkeep": "running" if upkeep else "stopped",
+            "upkeep_errors": self.upkeep_errors,
             "writer": self.is_writer,
             "replica": self.id,
             "resyncing": self.needs_resync,
+            "unsubscribed_workers": sorted(self._failing),
         }
 
     def wait_ready(self, timeout: float = 10.0) -> bool:
