@@ -319,3 +319,25 @@ def test_scores_equal_the_connectors_hits(models, chunk, variant):
     if variant != "same":  # the last block is not served: only the EAGLE registration knows it
         assert scored["plain"] == scored["eagle"] + 1
     h.run_until_done()
+
+
+def test_yaml_eagle_takes_booleans_and_the_docs_example_loads(tmp_path):
+    import argparse
+    import pathlib
+    import re
+
+    from kvslots.indexer.config import build_config
+
+    docs = (pathlib.Path(__file__).parent.parent / "docs" / "indexer.md").read_text()
+    example = re.search(r"```yaml\n(# indexer\.yaml\n.*?)```", docs, re.S).group(1)
+    f = tmp_path / "indexer.yaml"
+    f.write_text(example)
+    cfg = build_config(argparse.Namespace(config=str(f)))
+    assert {w.name: w.eagle for w in cfg.workers} == {"w0": False, "w0-host": False, "w1": True}
+    assert cfg.workers[1].tier == "CPU" and cfg.capacity == 2_000_000
+    f.write_text("workers:\n  - {name: w, endpoint: 'tcp://h:1', eagle: false}\n")
+    assert build_config(argparse.Namespace(config=str(f))).workers[0].eagle is False
+    for bad in ("'true'", "1", "0", "null", "[true]"):
+        f.write_text(f"workers:\n  - {{name: w, endpoint: 'tcp://h:1', eagle: {bad}}}\n")
+        with pytest.raises(ConfigError, match=r"workers\[0\]\.eagle: must be true or false"):
+            build_config(argparse.Namespace(config=str(f)))

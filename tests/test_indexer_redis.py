@@ -269,3 +269,17 @@ def test_admin_api_answers_503_while_redis_is_down():
     finally:
         cluster.close()
         srv.close()
+
+
+def test_redis_settings_are_checked_up_front():
+    import argparse
+
+    from kvslots.errors import ConfigError
+    from kvslots.indexer.config import build_config
+
+    for url in ("notaurl", "redis://127.0.0.1:abc/0", "redis://h:99999/0", "redis://h:1/0?socket_timeout=x",
+                "redis://h:1/0?nope=1", "http://h:1"):
+        with pytest.raises(ConfigError, match="redis_url"):
+            build_config(argparse.Namespace(backend="redis", redis_url=url))
+        with pytest.raises(ConfigError, match="redis_url"):  # a config built in code, too
+            IndexerService(IndexerConfig(backend="redis", redis_url=url))

@@ -480,12 +480,24 @@ def _cli(argv, capsys) -> tuple[int, str]:
 @pytest.mark.parametrize("argv, problem", [
     (["--worker", "a=tcp://127.0.0.1"], "port in 1-65535"),
     (["--worker", "a=tcp://h:1,replay=tcp://h"], "replay"),
+    (["--backend", "redis", "--redis-url", "notaurl"], "redis_url 'notaurl'"),
+    (["--backend", "redis", "--redis-url", "redis://127.0.0.1:abc/0"], "Port could not be cast"),
+    (["--backend", "redis", "--redis-url", "redis://h:1/0?nope=1"], "nope"),
+    (["--tier-weight", "GPU=1e308"], "tier weight GPU"),
+    (["--tier-weight", "CPU=-1"], "tier weight CPU"),
+    (["--capacity", "-1"], "capacity -1"),
+    (["--admin-token", "\u00e9" * 20], "printable ASCII"),
 ])
 def test_cli_errors_are_one_line(argv, problem, capsys):
     code, err = _cli(argv, capsys)
     assert code == 2, err
     assert err.startswith("kvslots indexer: ") and err.count("\n") == 1 and "Traceback" not in err, err
     assert problem in err, err
+
+
+def test_cli_redis_url_error_hides_the_password(capsys):
+    code, err = _cli(["--backend", "redis", "--redis-url", "redis://user:hunter2@h:abc/0"], capsys)
+    assert code == 2 and "hunter2" not in err and "***" in err, err
 
 
 def test_cli_bad_worker_process_exits_2_without_a_traceback():
@@ -495,3 +507,39 @@ def test_cli_bad_worker_process_exits_2_without_a_traceback():
     r = subprocess.run([sys.executable, "-m", "kvslots", "indexer", "--worker", "a=tcp://127.0.0.1", "--port", "0"],
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and r.stderr.count("\n") == 1 and "Traceback" not in r.stderr, r.stderr
+
+
+def test_capacity_zero_means_no_limit_everywhere(tmp_path):
+    f = tmp_path / "idx.yaml"
+    f.write_text("capacity: 0\n")
+    assert build_config(argparse.Namespace(config=str(f))).capacity is None
+    assert build_config(argparse.Namespace(capacity=0)).capacity is None
+    f.write_text("capacity: -5\n")
+    with pytest.raises(ConfigError, match="capacity"):
+        build_config(argparse.Namespace(config=str(f)))
+
+
+def test_tier_weights_are_bounded(tmp_path):
+    assert build_config(argparse.Namespace(tier_weight=["GPU=1e6"])).tier_weights["GPU"] == 1e6
+    for bad in ("GPU=1000000.5", "GPU=1e308", "CPU=-0.1", "CPU=nan", "CPU=inf"):
+        with pytest.raises(ConfigError, match="tier weight"):
+            build_config(argparse.Namespace(tier_weight=[bad]))
+    f = tmp_path / "idx.yaml"
+    f.write_text("tier_weights: {STORAGE: 1.0e+300}\n")
+    with pytest.raises(ConfigError, match="tier weight STORAGE"):
+        build_config(argparse.Namespace(config=str(f)))
+
+
+def test_largest_tier_weight_keeps_scores_finite(harness):
+    h = harness(tier_weights={"GPU": 1e6, "CPU": 1e6, "STORAGE": 1e6})
+    settle(h, "a")
+    h.pubs["a"].publish([store(1, P1, BS)])
+    wait_for(lambda: h.score(P1)["workers"]["a"]["blocks"] == 4, 5, "applied")
+    assert h.score(P1)["workers"]["a"]["score"] == 4e6
+
+
+def test_admin_token_must_be_printable_ascii():
+    for bad in ("\u00e9" * 16, "x" * 16 + "\n", " " + "x" * 16, "x" * 8 + "\x00" + "x" * 8):
+        with pytest.raises(ConfigError, match="admin token"):
+            build_config(argparse.Namespace(admin_token=bad))
+    assert build_config(argparse.Namespace(admin_token="a-Valid_token.0123+/=")).admin_token == "a-Valid_token.0123+/="

@@ -25,6 +25,8 @@ _PORT = re.compile(r"[0-9]{1,5}", re.ASCII)
 #: Longest ipc:// path in bytes: sun_path (108 bytes on Linux, 104 elsewhere) less its NUL.
 MAX_IPC_PATH = (108 if sys.platform.startswith("linux") else 104) - 1
 MAX_INPROC_NAME = 256
+#: Largest tier weight: a score (weight x blocks, up to 2**24 blocks) stays finite and exact enough.
+MAX_TIER_WEIGHT = 1e6
 
 
 def check_endpoint(endpoint: str, what: str = "endpoint") -> None:
@@ -78,6 +80,25 @@ def check_endpoint(endpoint: str, what: str = "endpoint") -> None:
             raise bad(f"the path is longer than {MAX_IPC_PATH} bytes (the OS limit)")
     elif not rest or len(rest) > MAX_INPROC_NAME:
         raise bad(f"use inproc://NAME with a name of 1-{MAX_INPROC_NAME} characters")
+
+
+def redact_url(url: str) -> str:
+    """``url`` without its password (for messages and logs)."""
+    return re.sub(r"(?<=://)[^@]*(?=@)", "***", url, count=1)
+
+
+def check_redis_url(url: str) -> None:
+    """What redis-py accepts as a connection URL (it is the judge), as a ConfigError."""
+    try:
+        import redis
+    except ImportError:
+        raise ConfigError("the redis backend needs redis-py: pip install 'kvslots[indexer]'") from None
+    try:
+        client = redis.Redis.from_url(url)
+        client.connection_pool.make_connection()  # checks the URL's options; connects to nothing
+    except (ValueError, TypeError) as e:
+        raise ConfigError(f"redis_url {brief(redact_url(url))}: {e} (use redis://HOST:PORT/DB, "
+                          "rediss://... or unix:///PATH)") from None
 
 
 @dataclass(frozen=True)
@@ -182,6 +203,7 @@ class IndexerConfig:
         return self.max_tokens * 12 + 4096
 
     def validate(self) -> None:
+        """The settings' rules; also normalizes ``capacity`` 0 to ``None`` (no limit)."""
         if self.backend not in ("memory", "redis"):
             raise ConfigError(f"backend {self.backend!r}: use 'memory' or 'redis'")
         names = [w.name for w in self.workers]
@@ -191,10 +213,12 @@ class IndexerConfig:
         for t, w in self.tier_weights.items():
             if t not in TIERS:
                 raise ConfigError(f"tier weight for {t!r}: tiers are {', '.join(TIERS)}")
-            if not (w >= 0.0 and w < float("inf")):
-                raise ConfigError(f"tier weight {t}={w}: must be finite and >= 0")
-        if self.capacity is not None and self.capacity < 1:
-            raise ConfigError(f"capacity {self.capacity}: must be >= 1 (or unset for no limit)")
+            if not 0.0 <= w <= MAX_TIER_WEIGHT:
+                raise ConfigError(f"tier weight {t}={w}: must be a number in [0, {MAX_TIER_WEIGHT:g}]")
+        if self.capacity == 0:
+            self.capacity = None
+        if self.capacity is not None and not 0 <= self.capacity <= 2**63 - 1:
+            raise ConfigError(f"capacity {self.capacity}: must be in [0, 2**63-1] (0 or null: no limit)")
         if not 1 <= self.block_size <= 65536:
             raise ConfigError(f"block_size {self.block_size}: must be in [1, 65536]")
         if not 1 <= self.max_tokens <= 16_777_216:
@@ -205,8 +229,15 @@ class IndexerConfig:
             raise ConfigError(f"replay_timeout {self.replay_timeout}: must be in (0, {MAX_REPLAY_TIMEOUT:g}] seconds")
         if self.log_level not in LOG_LEVELS:
             raise ConfigError(f"log_level {self.log_level!r}: use one of {', '.join(LOG_LEVELS)}")
-        if self.admin_token is not None and len(self.admin_token) < 16:
-            raise ConfigError("admin token: use at least 16 characters")
+        if self.admin_token is not None:
+            if len(self.admin_token) < 16:
+                raise ConfigError("admin token: use at least 16 characters")
+            # HTTP headers are bytes: only printable ASCII can ever be sent back and match.
+            if not (self.admin_token.isascii() and self.admin_token.isprintable()) \
+                    or self.admin_token != self.admin_token.strip():
+                raise ConfigError("admin token: use printable ASCII characters only (no leading or trailing spaces)")
+        if self.backend == "redis":
+            check_redis_url(self.redis_url)
 
 
 def parse_weight(text: str) -> tuple[str, float]:
@@ -279,7 +310,9 @@ def _config_from_yaml(path: str) -> IndexerConfig:
         for k, v in d.items():
             if not isinstance(k, str):
                 raise ConfigError(f"keys must be strings, got {_kind(k)} {brief(k)}", f"workers[{i}]", path)
-            if v is not None or k != "replay":
+            if k == "eagle":
+                _typed(v, f"workers[{i}].{k}", (bool,), "true or false", path)
+            elif v is not None or k != "replay":
                 _typed(v, f"workers[{i}].{k}", (str, int), "a string", path)
         try:
             cfg.workers.append(WorkerSpec.from_dict(d))
@@ -322,7 +355,7 @@ def build_config(args: Any) -> IndexerConfig:
         if v is not None:
             setattr(cfg, k, v)
     if getattr(args, "capacity", None) is not None:
-        cfg.capacity = None if args.capacity == 0 else args.capacity
+        cfg.capacity = args.capacity  # 0: no limit (validate)
     token = getattr(args, "admin_token", None)
     if getattr(args, "admin_token_file", None):
         token = read_config_text(args.admin_token_file, max_bytes=4096).strip()

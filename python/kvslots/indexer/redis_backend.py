@@ -43,7 +43,7 @@ import redis
 
 from .._core import ApplyStats, PrefixIndex
 from .backend import Backend, ScoreResult
-from .config import IndexerConfig, WorkerSpec
+from .config import IndexerConfig, WorkerSpec, check_redis_url, redact_url
 
 log = logging.getLogger("kvslots.indexer")
 
@@ -92,6 +92,8 @@ class RedisBackend(Backend):
 
     def __init__(self, cfg: IndexerConfig, client: redis.Redis | None = None):
         super().__init__(cfg)
+        if client is None:  # (cfg.validate() checks it too; a config built in code may skip it)
+            check_redis_url(cfg.redis_url)
         self.ns = cfg.redis_namespace
         self.id = f"{os.uname().nodename}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
         self.r = client or redis.Redis.from_url(
@@ -165,7 +167,7 @@ class RedisBackend(Backend):
         try:
             self.r.ping()
             if not self.redis_ok:
-                log.info("redis %s reachable", self.cfg.redis_url)
+                log.info("redis %s reachable", redact_url(self.cfg.redis_url))
             self.redis_ok = True
             if self.is_writer:
                 self._keep_lease()
