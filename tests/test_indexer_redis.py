@@ -283,3 +283,41 @@ def test_redis_settings_are_checked_up_front():
             build_config(argparse.Namespace(backend="redis", redis_url=url))
         with pytest.raises(ConfigError, match="redis_url"):  # a config built in code, too
             IndexerService(IndexerConfig(backend="redis", redis_url=url))
+    for ns in ("*", "a*", "a?", "a[b]", "a\\b", "", ":", "a:", ":a", "a::b", "a b", "k", "a:k", "a:e:b", "é",
+               "a" * 201):
+        with pytest.raises(ConfigError, match="redis namespace"):
+            build_config(argparse.Namespace(redis_namespace=ns))
+    for ns in ("kvslots:indexer", "idx", "idx:two", "a.b-c_d:0", "ke:ek"):
+        assert build_config(argparse.Namespace(redis_namespace=ns)).redis_namespace == ns
+
+
+def test_resync_deletes_only_its_own_namespace(redis_server):
+    import redis
+
+    ns = f"t{uuid.uuid4().hex[:8]}"
+    r = redis.Redis(port=redis_server.port)
+    others = {f"{ns}:two:k:123": "h", f"{ns}:two:e:w": "h", f"{ns}:two:epoch": "s", f"{ns}:two:workers": "h",
+              f"{ns}:two:cursor": "h", f"{ns}x:k:1": "h", f"{ns}x:cursor": "h", "unrelated": "s"}
+    stale = {f"{ns}:k:999": "h", f"{ns}:e:ghost": "h", f"{ns}:cursor": "h"}
+    for key, kind in {**others, **stale}.items():
+        r.hset(key, "f", "1") if kind == "h" else r.set(key, "1")
+    pub = TestPublisher()
+    svc = IndexerService(IndexerConfig(workers=[WorkerSpec("a", pub.endpoint, pub.replay_endpoint)],
+                                       backend="redis", redis_url=redis_server.url, redis_namespace=ns,
+                                       block_size=BS, replay_timeout=1.0))
+    try:
+        svc.start()
+        assert svc.backend.wait_ready(10)
+        epoch = r.get(f"{ns}:epoch")
+        svc.backend.needs_resync = True  # as after a Redis restart
+        wait_for(lambda: r.get(f"{ns}:epoch") != epoch, 5, "a resync")
+        assert all(r.exists(k) for k in others), [k for k in others if not r.exists(k)]
+        assert not r.exists(f"{ns}:k:999") and not r.exists(f"{ns}:e:ghost")
+        assert r.hkeys(f"{ns}:cursor") in ([], [b"a"])  # rewritten from the writer's own cursors
+    finally:
+        svc.stop()
+        pub.close()
+        r.delete(*others, *stale)
+        for key in r.scan_iter(match=f"{ns}:*"):
+            r.delete(key)
+        r.close()

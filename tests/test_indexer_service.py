@@ -483,6 +483,8 @@ def _cli(argv, capsys) -> tuple[int, str]:
     (["--backend", "redis", "--redis-url", "notaurl"], "redis_url 'notaurl'"),
     (["--backend", "redis", "--redis-url", "redis://127.0.0.1:abc/0"], "Port could not be cast"),
     (["--backend", "redis", "--redis-url", "redis://h:1/0?nope=1"], "nope"),
+    (["--redis-namespace", "*"], "redis namespace"),
+    (["--redis-namespace", "a:k:b"], "redis namespace"),
     (["--tier-weight", "GPU=1e308"], "tier weight GPU"),
     (["--tier-weight", "CPU=-1"], "tier weight CPU"),
     (["--capacity", "-1"], "capacity -1"),

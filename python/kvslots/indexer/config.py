@@ -27,6 +27,11 @@ MAX_IPC_PATH = (108 if sys.platform.startswith("linux") else 104) - 1
 MAX_INPROC_NAME = 256
 #: Largest tier weight: a score (weight x blocks, up to 2**24 blocks) stays finite and exact enough.
 MAX_TIER_WEIGHT = 1e6
+#: A Redis namespace: ':'-separated segments. No glob characters (it is a SCAN pattern), and no
+#: segment "k" or "e" (those key kinds take a suffix, so such a namespace would overlap the keys
+#: of the namespace before that segment).
+_NAMESPACE = re.compile(r"[A-Za-z0-9_.-]+(:[A-Za-z0-9_.-]+)*", re.ASCII)
+_KEY_KINDS_WITH_SUFFIX = ("k", "e")
 
 
 def check_endpoint(endpoint: str, what: str = "endpoint") -> None:
@@ -80,6 +85,17 @@ def check_endpoint(endpoint: str, what: str = "endpoint") -> None:
             raise bad(f"the path is longer than {MAX_IPC_PATH} bytes (the OS limit)")
     elif not rest or len(rest) > MAX_INPROC_NAME:
         raise bad(f"use inproc://NAME with a name of 1-{MAX_INPROC_NAME} characters")
+
+
+def check_namespace(ns: str) -> None:
+    """The Redis key namespace: segments of letters, digits, '_', '.', '-' joined by ':', none of
+    them 'k' or 'e', at most 200 characters (see :data:`_NAMESPACE`)."""
+    if (not isinstance(ns, str) or len(ns) > 200 or not _NAMESPACE.fullmatch(ns)
+            or any(seg in _KEY_KINDS_WITH_SUFFIX for seg in ns.split(":"))):
+        raise ConfigError(
+            f"redis namespace {brief(ns)}: use 1-200 letters, digits, '_', '.', '-' in segments joined by ':' "
+            "(none of them 'k' or 'e', which would overlap another namespace's keys), e.g. kvslots:indexer"
+        )
 
 
 def redact_url(url: str) -> str:
@@ -236,6 +252,7 @@ class IndexerConfig:
             if not (self.admin_token.isascii() and self.admin_token.isprintable()) \
                     or self.admin_token != self.admin_token.strip():
                 raise ConfigError("admin token: use printable ASCII characters only (no leading or trailing spaces)")
+        check_namespace(self.redis_namespace)
         if self.backend == "redis":
             check_redis_url(self.redis_url)
 

@@ -34,6 +34,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import threading
 import time
 import uuid
@@ -43,7 +44,7 @@ import redis
 
 from .._core import ApplyStats, PrefixIndex
 from .backend import Backend, ScoreResult
-from .config import IndexerConfig, WorkerSpec, check_redis_url, redact_url
+from .config import WORKER_NAME, IndexerConfig, WorkerSpec, check_namespace, check_redis_url, redact_url
 
 log = logging.getLogger("kvslots.indexer")
 
@@ -82,6 +83,10 @@ return 0
 """
 
 
+_DIGITS = re.compile(rb"[0-9]+")
+_WORKER = re.compile(WORKER_NAME.pattern.encode())
+
+
 class NotWriter(Exception):
     """This replica lost the lease: it must stop writing."""
 
@@ -92,7 +97,8 @@ class RedisBackend(Backend):
 
     def __init__(self, cfg: IndexerConfig, client: redis.Redis | None = None):
         super().__init__(cfg)
-        if client is None:  # (cfg.validate() checks it too; a config built in code may skip it)
+        check_namespace(cfg.redis_namespace)  # (cfg.validate() checks these too; a config built in code may skip it)
+        if client is None:
             check_redis_url(cfg.redis_url)
         self.ns = cfg.redis_namespace
         self.id = f"{os.uname().nodename}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
@@ -427,15 +433,18 @@ class RedisBackend(Backend):
             log.info("resync done: %d entries", len(holders))
 
     def _delete_data(self) -> None:
-        keep = {self.k("leader").encode(), self.k("epoch").encode(), self.k("state").encode(),
-                self.k("workers").encode()}
-        batch = []
-        for key in self.r.scan_iter(match=self.ns + ":*", count=1000):
-            if key not in keep:
-                batch.append(key)
-            if len(batch) >= 1000:
-                self.r.delete(*batch)
-                batch.clear()
+        """Deletes this namespace's entries, cursors and status, and nothing else: only keys of
+        the shapes it writes (``{ns}:k:<digits>``, ``{ns}:e:<worker>``), so a namespace that
+        extends this one (``{ns}:x``, see config.check_namespace) keeps its keys."""
+        batch = [self.k("cursor"), self.k("status")]
+        for kind, suffix in (("k", _DIGITS), ("e", _WORKER)):
+            head = self.k(kind, "").encode()
+            for key in self.r.scan_iter(match=self.k(kind, "*"), count=1000):
+                if key.startswith(head) and suffix.fullmatch(key[len(head):]):
+                    batch.append(key)
+                if len(batch) >= 1000:
+                    self.r.delete(*batch)
+                    batch.clear()
         if batch:
             self.r.delete(*batch)
 
