@@ -488,6 +488,7 @@ def _cli(argv, capsys) -> tuple[int, str]:
     (["--tier-weight", "GPU=1e308"], "tier weight GPU"),
     (["--tier-weight", "CPU=-1"], "tier weight CPU"),
     (["--capacity", "-1"], "capacity -1"),
+    (["--host", "no-such-host.invalid"], "cannot resolve"),
     (["--admin-token", "\u00e9" * 20], "printable ASCII"),
 ])
 def test_cli_errors_are_one_line(argv, problem, capsys):
@@ -500,6 +501,17 @@ def test_cli_errors_are_one_line(argv, problem, capsys):
 def test_cli_redis_url_error_hides_the_password(capsys):
     code, err = _cli(["--backend", "redis", "--redis-url", "redis://user:hunter2@h:abc/0"], capsys)
     assert code == 2 and "hunter2" not in err and "***" in err, err
+
+
+def test_cli_port_in_use_is_one_line(capsys):
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        code, err = _cli(["--port", str(port)], capsys)
+    assert code == 2 and err.count("\n") == 1 and f"cannot listen on 127.0.0.1:{port}" in err, err
 
 
 def test_cli_bad_worker_process_exits_2_without_a_traceback():
