@@ -287,6 +287,41 @@ def test_speculators_config_json(tmp_path, capsys, content, problem):
     assert err.startswith(f"kvslots convert-config: error: {cfg}: ") and problem in err, err
 
 
+# --------------------------------------------------------------------------- the strict JSON parser
+
+
+@pytest.mark.parametrize("depth", [65, 1000, 100_000])
+@pytest.mark.parametrize("open_, close", [("[", "]"), ('{"a":', "}")])
+def test_strict_json_depth_limit_holds_at_any_depth(depth, open_, close):
+    text = open_ * depth + "1" + close * depth
+    start = time.perf_counter()
+    with pytest.raises(ConfigError, match="nested more than 64 levels deep"):
+        loader.loads_strict_json(text)
+    with pytest.raises(ConfigError, match="nested more than 64 levels deep"):
+        loader.loads_strict_json(text.encode())
+    assert time.perf_counter() - start < 5
+
+
+def test_strict_json_depth_counts_structure_not_strings():
+    assert loader.loads_strict_json("[" * 64 + "]" * 64) is not None
+    inside = '["' + "[{" * 500 + '\\"", "x"]'  # brackets in strings (and an escaped quote) are text
+    assert loader.loads_strict_json(inside)[1] == "x"
+    flat = "[" + "[]," * 10_000 + "[]]"  # many brackets, none deep
+    assert len(loader.loads_strict_json(flat)) == 10_001
+
+
+@pytest.mark.parametrize("text", [b'{"prompt": "\\ud800"}', b'{"\\udc80": 1}', b'["a\\udfff"]',
+                                  '{"a": "\ud800"}', b'{"a": "\xed\xa0\x80"}'])
+def test_strict_json_refuses_lone_surrogates(text):
+    with pytest.raises(ConfigError, match="surrogate|not UTF-8"):
+        loader.loads_strict_json(text)
+
+
+def test_strict_json_keeps_surrogate_pairs_and_escaped_backslashes():
+    assert loader.loads_strict_json(b'{"a": "\\ud83d\\ude00"}') == {"a": "\U0001f600"}
+    assert loader.loads_strict_json(b'{"a": "\\\\ud800"}') == {"a": "\\ud800"}
+
+
 # --------------------------------------------------------------------------- JSON output
 
 

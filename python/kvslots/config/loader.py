@@ -30,8 +30,10 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import stat
 from collections.abc import Mapping
+from itertools import accumulate
 from typing import Any
 
 from ..errors import ConfigError
@@ -418,25 +420,62 @@ def _finite_float(text: str) -> float:
     return value
 
 
+#: A JSON string (an unterminated one runs to the end); what is left between strings is structure.
+_JSON_STRING = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"?', re.DOTALL)
+_NOT_BRACKET = re.compile(r"[^\[\]{}]+")
+_BRACKET_STEP = {ord("["): 1, ord("{"): 1, ord("]"): -1, ord("}"): -1}
+#: A ``\uD800``-``\uDFFF`` escape: may decode to a lone surrogate, which no UTF-8 text holds.
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89abcdefABCDEF]")
+
+
+def _json_too_deep(text: str, max_depth: int) -> bool:
+    """Whether ``text`` opens more than ``max_depth`` arrays/objects inside each other, found
+    before parsing (json.loads recurses per level: a deep document would cost a RecursionError
+    at best)."""
+    if text.count("[") + text.count("{") <= max_depth:
+        return False
+    brackets = _NOT_BRACKET.sub("", _JSON_STRING.sub("", text))
+    return max(accumulate(map(_BRACKET_STEP.__getitem__, brackets.encode("ascii"))), default=0) > max_depth
+
+
 def loads_strict_json(text: str | bytes, source: str | None = None, *, finite: bool = True) -> Any:
-    """``json.loads`` under RFC 8259's rules, without walking the result: no duplicate keys, no
-    ``NaN``/``Infinity`` and no number that overflows a float (unless ``finite`` is False: then
-    :func:`check_values` refuses them later, naming the field), bounded nesting. The one strict
-    JSON parser (config files here, HTTP request bodies in the indexer); a :class:`ConfigError`
-    otherwise."""
+    """``json.loads`` under RFC 8259's rules: no duplicate keys, no ``NaN``/``Infinity`` and no
+    number that overflows a float (unless ``finite`` is False: then :func:`check_values` refuses
+    them later, naming the field), at most :data:`MAX_DEPTH` levels of nesting (checked before
+    parsing, whatever the depth), Unicode text only (no lone surrogate, raw or escaped: it could
+    not be written out as UTF-8). The one strict JSON parser (config files and command-line JSON
+    here, HTTP request bodies in the indexer and the proxy); a :class:`ConfigError` otherwise."""
+    if isinstance(text, (bytes, bytearray)):
+        try:
+            text = bytes(text).decode(json.detect_encoding(text))
+        except UnicodeDecodeError:
+            raise ConfigError("invalid JSON: not UTF-8", None, source) from None
+    if not text.isascii():
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise ConfigError(f"invalid JSON: a lone surrogate at offset {e.start} (not Unicode text)",
+                              None, source) from None
+    if _json_too_deep(text, MAX_DEPTH):
+        raise ConfigError(f"nested more than {MAX_DEPTH} levels deep", None, source)
     hooks: dict[str, Any] = {"parse_constant": _refuse_constant, "parse_float": _finite_float} if finite else {}
     try:
-        return json.loads(text, object_pairs_hook=_json_object, **hooks)
+        doc = json.loads(text, object_pairs_hook=_json_object, **hooks)
     except _Refused as e:
         raise ConfigError(e.text(), None, source) from None
     except json.JSONDecodeError as e:
         raise ConfigError(f"invalid JSON: {e.msg} at line {e.lineno} column {e.colno}", None, source) from None
-    except RecursionError:
+    except RecursionError:  # not expected: the depth is checked first
         raise ConfigError(f"nested more than {MAX_DEPTH} levels deep", None, source) from None
-    except UnicodeDecodeError:
-        raise ConfigError("invalid JSON: not UTF-8", None, source) from None
     except ValueError:  # an integer with more digits than Python converts
         raise ConfigError("invalid JSON: an integer with too many digits", None, source) from None
+    if "\\u" in text and _SURROGATE_ESCAPE.search(text):
+        try:  # a pair decodes to one character; only an unpaired escape fails here
+            json.dumps(doc, ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError:
+            raise ConfigError("invalid JSON: a \\u escape of a lone surrogate (not Unicode text)",
+                              None, source) from None
+    return doc
 
 
 def parse_json(text: str, source: str | None = None, *, max_nodes: int = MAX_NODES) -> Any:
