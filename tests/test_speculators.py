@@ -152,6 +152,61 @@ def test_model_references_are_classified_in_one_place(tmp_path, monkeypatch):
         assert classify_model(missing).kind == "missing" and not is_hub_id(missing), missing
 
 
+NO_USER = "~kvslots-no-such-user-x9"
+LONG = "m" * 300  # a path component past NAME_MAX (255 bytes): stat() fails with ENAMETOOLONG
+
+
+@pytest.mark.parametrize("name", [f"{NO_USER}/llama", LONG, f"/tmp/{LONG}/x", "a\0b", "org/model\n",
+                                  "x" * 97, "caf\u00e9/model"])
+def test_references_the_system_cannot_look_up_are_missing(tmp_path, monkeypatch, name):
+    # ~ of no user (expanduser: RuntimeError), a component too long (OSError), a NUL, a newline
+    # after a Hub id, a Hub part past 96 characters, non-ASCII: none is a Hub id, nothing is there.
+    monkeypatch.chdir(tmp_path)
+    ref = classify_model(name)
+    assert ref.kind == "missing" and not is_hub_id(name), ref
+    with pytest.raises(ConfigError, match="is not a directory"):
+        load_speculators_checkpoint(name)
+    d = write_dir(tmp_path / "spec", spec_with(speculators_config__verifier__name_or_path=name))
+    with pytest.raises(ConfigError, match="does not exist") as ei:
+        load_speculators_checkpoint(d)
+    assert ei.value.field == "speculators_config.verifier.name_or_path"
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_speculators_checkpoint(write_dir(tmp_path / "spec2", SPECULATOR_CONFIG), verifier=name)
+
+
+def test_hub_ids_are_matched_whole():
+    assert is_hub_id("org/model") and is_hub_id("o" * 96 + "/" + "m" * 96)
+    for name in ("org/model\n", "org/model\nx", "o" * 97 + "/m", "org/" + "m" * 97, "org/m\u00e9", "org/..x"):
+        assert not is_hub_id(name), name
+
+
+@pytest.mark.parametrize("name", [5, None, 1.5, ["a"], b"org/model"])
+def test_a_reference_that_is_not_a_string_is_a_config_error(tmp_path, name):
+    with pytest.raises(ConfigError, match="must be a path or a Hub id"):
+        classify_model(name)
+    with pytest.raises(ConfigError, match="must be a path or a Hub id"):
+        load_speculators_checkpoint(name)
+    if name is not None:
+        with pytest.raises(ConfigError, match="verifier must be a path or a Hub id"):
+            load_speculators_checkpoint(write_dir(tmp_path / "spec", SPECULATOR_CONFIG), verifier=name)
+
+
+@pytest.mark.parametrize("config, method", [
+    ({"architectures": 5}, None),
+    ({"architectures": "EagleLlamaForCausalLM"}, None),  # a string, not a list: no evidence
+    ({"architectures": [5, None, {"a": 1}, "EagleLlamaForCausalLM"]}, "eagle"),
+    ({"model_type": 5}, None),
+    ({"model_type": ["eagle"]}, None),
+    ({"speculators_config": {}, "speculators_model_type": ["eagle3"]}, None),
+    ({"speculators_config": {}, "speculators_model_type": {"eagle3": 1}}, None),
+    ({"speculators_config": {}, "speculators_model_type": "eagle3"}, "eagle3"),
+])
+def test_draft_method_takes_only_strings_as_evidence(tmp_path, config, method):
+    ref = classify_model(str(write_dir(tmp_path / "draft", config)))
+    found = ref.draft_method
+    assert (found[0] if found else None) == method
+
+
 def test_verifier_that_is_a_file_is_rejected(tmp_path):
     (tmp_path / "weights.bin").write_text("x")
     d = write_dir(tmp_path / "spec", spec_with(speculators_config__verifier__name_or_path="../weights.bin"))

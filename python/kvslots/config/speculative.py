@@ -11,25 +11,28 @@ speculative config's ``model``, a TRT-LLM ``speculative_model_dir``, a speculato
 * ``"hub"``: nothing there locally, and a well-formed Hugging Face Hub id (``name`` or
   ``org/name``), which vLLM looks up itself;
 * ``"missing"``: nothing there locally, and no Hub id is spelled so (it starts with ``/``, ``./``,
-  ``../`` or ``~``, has more than one ``/``, a ``..``, or a character Hub ids do not have): a path
-  that does not exist.
+  ``../`` or ``~``, has more than one ``/``, a ``..``, a part past 96 characters, or a character
+  Hub ids do not have): a path that does not exist. A name the system cannot look up (``~`` of
+  no user, a component past 255 bytes) names nothing there.
 
 :func:`resolve_speculative_config` gives the dict vLLM takes as ``--speculative-config`` from a
 base config (a speculators checkpoint's or a converted TRT-LLM YAML's) and an explicit one, and
-validates it: ``num_speculative_tokens`` an integer >= 1, a dynamic schedule that fits it, a draft
-model that is a local directory or a Hub id.
+validates it: ``num_speculative_tokens`` given, an integer >= 1, a dynamic schedule that fits it, a
+draft model that is a local directory or a Hub id.
 """
 
 from __future__ import annotations
 
 import os
 import re
+import stat
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from ..errors import ConfigError
+from .loader import brief as short
 from .loader import load_json
 from .schedule import DynamicSDSchedule
 from .vllm_args import brief
@@ -57,8 +60,9 @@ def drops_eagle_block(spec: Mapping[str, Any] | None) -> bool:
     return spec.get("method") in EAGLE_BLOCK_DROP_METHODS and not spec.get("disable_eagle_block_drop")
 
 
-#: A Hugging Face Hub model id: ``name`` or ``org/name``.
-HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
+#: A Hugging Face Hub model id: ``name`` or ``org/name``, each part at most 96 ASCII characters
+#: (the Hub's limit). Matched whole (:func:`is_hub_id`): a trailing newline is not an id.
+HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]{0,95}(/[\w.-]{1,96})?", re.ASCII)
 
 #: Keys of a speculators checkpoint's speculative config that an explicit one may not change.
 CHECKPOINT_LOCKED_KEYS = ("method", "model")
@@ -66,7 +70,37 @@ CHECKPOINT_LOCKED_KEYS = ("method", "model")
 
 def is_hub_id(name: str) -> bool:
     """Whether ``name`` is spelled like a Hugging Face Hub model id (``org/name``, no ``..``)."""
-    return bool(HUB_ID.match(name)) and ".." not in name
+    return isinstance(name, str) and HUB_ID.fullmatch(name) is not None and ".." not in name
+
+
+def reference_text(name: Any, what: str) -> str:
+    """A model reference as text: a str or an ``os.PathLike`` of one; a ConfigError otherwise."""
+    try:
+        text = os.fspath(name)
+    except TypeError:
+        text = None
+    if not isinstance(text, str):
+        raise ConfigError(f"{what} must be a path or a Hub id (a string), got {type(name).__name__} {short(name)}")
+    return text
+
+
+def _local_path(text: str) -> Path:
+    """``text`` as a local path, ``~`` expanded. A ``~name`` of no user stays as written (it then
+    names nothing, like any other path that does not exist)."""
+    try:
+        return Path(text).expanduser()
+    except RuntimeError:  # no such user / no home directory
+        return Path(text)
+
+
+def _kind_on_disk(path: Path) -> str | None:
+    """``"dir"``, ``"not_dir"`` (a file, a device, ...) or ``None``: nothing there, or a name the
+    system cannot look up (a component past 255 bytes, a NUL, a symlink loop, no permission)."""
+    try:
+        st = path.stat()
+    except (OSError, ValueError):
+        return None
+    return "dir" if stat.S_ISDIR(st.st_mode) else "not_dir"
 
 
 def read_model_config(
@@ -76,12 +110,12 @@ def read_model_config(
     :class:`~kvslots.ConfigError` naming the directory or file (``what`` names the directory's
     role in the messages) when it is not a directory or the file is missing, unreadable, not JSON
     or not an object."""
-    path = Path(model_dir).expanduser()
-    if not path.is_dir():
+    path = _local_path(reference_text(model_dir, what))
+    if _kind_on_disk(path) != "dir":
         raise ConfigError(f"{what} {str(path)!r} is not a directory")
     cfg_path = path / "config.json"
     source = str(cfg_path)
-    if not cfg_path.is_file():
+    if _kind_on_disk(cfg_path) != "not_dir":
         raise ConfigError(f"no config.json in the {what} directory", source=str(path))
     doc = load_json(cfg_path)  # the limits and rules of kvslots.config.loader
     if not isinstance(doc, dict):
@@ -122,28 +156,34 @@ class ModelRef:
         if doc is None:
             return None
         smt = doc.get("speculators_model_type")
-        if doc.get("speculators_config") is not None and smt in SPECULATORS_METHODS:
+        if doc.get("speculators_config") is not None and isinstance(smt, str) and smt in SPECULATORS_METHODS:
             return SPECULATORS_METHODS[smt][0], f"speculators_model_type={smt}"
-        archs = [str(a) for a in doc.get("architectures") or []]
-        mtype = str(doc.get("model_type", ""))
-        if any("eagle3" in a.lower() for a in archs) or "eagle3" in mtype.lower() \
+        # Only strings are evidence: a config.json with other types says nothing.
+        raw_archs = doc.get("architectures")
+        archs = [a.lower() for a in raw_archs if isinstance(a, str)] if isinstance(raw_archs, list) else []
+        mtype = doc.get("model_type")
+        mtype = mtype.lower() if isinstance(mtype, str) else ""
+        if any("eagle3" in a for a in archs) or "eagle3" in mtype \
                 or "eagle_aux_hidden_state_layer_ids" in doc or "draft_vocab_size" in doc:
             return "eagle3", "EAGLE-3 fields in its config.json"
-        if any("eagle" in a.lower() for a in archs) or mtype.lower() == "eagle":
+        if any("eagle" in a for a in archs) or mtype == "eagle":
             return "eagle", "EAGLE architecture in its config.json"
         return None
 
 
 def classify_model(name: str | os.PathLike[str], *, base: str | os.PathLike[str] | None = None) -> ModelRef:
     """What ``name`` refers to; a relative name is looked up under ``base`` (default: the working
-    directory). Reads only the local config.json; never raises for what it finds."""
-    text = os.fspath(name)
-    expanded = Path(text).expanduser()
+    directory). Reads only the local config.json; never raises for what it finds (a name the
+    system cannot look up, such as ``~nosuchuser/x`` or a component past 255 bytes, names nothing
+    there). A ``name`` that is not a string is a :class:`~kvslots.ConfigError`."""
+    text = reference_text(name, "a model reference")
+    expanded = _local_path(text)
     candidate = expanded if expanded.is_absolute() or base is None else Path(base) / expanded
-    if candidate.exists():
-        if not candidate.is_dir():
-            return ModelRef(text, "not_dir", str(candidate.absolute()))
-        has_config = (candidate / "config.json").is_file()
+    found = _kind_on_disk(candidate)
+    if found == "not_dir":
+        return ModelRef(text, "not_dir", str(candidate.absolute()))
+    if found == "dir":
+        has_config = _kind_on_disk(candidate / "config.json") == "not_dir"
         config = None
         if has_config:
             try:
@@ -175,9 +215,10 @@ def resolve_speculative_config(
     config replaces a YAML's; over a checkpoint's it is merged, as vLLM does, and may not change
     its ``method`` or ``model``. Either way, what is overridden is appended to ``notes``.
 
-    The result is validated: ``num_speculative_tokens`` an integer >= 1, a
-    ``num_speculative_tokens_per_batch_size`` schedule that fits it, and a ``model`` that is a
-    local directory or a Hub id. Raises :class:`~kvslots.ConfigError` naming the key.
+    The result is validated: ``num_speculative_tokens`` given, an integer >= 1 (for every method),
+    a ``num_speculative_tokens_per_batch_size`` schedule that fits it, ``method`` a string and a
+    ``model``, when given, a string naming a local directory or a Hub id. Raises
+    :class:`~kvslots.ConfigError` naming the key.
     """
     said = notes if notes is not None else []
     spec = dict(base) if base is not None else None
@@ -198,12 +239,23 @@ def resolve_speculative_config(
             spec = dict(explicit)
     if spec is None:
         return None
+    method = spec.get("method")
+    if method is not None and not isinstance(method, str):
+        raise ConfigError(f"must be a string, got {short(method)}", "speculative_config.method")
+    # Required for every method: vLLM derives K only for suffix decoding and for drafts whose
+    # config.json has n_predict, and kvslots needs K (the lookahead it reserves) before vLLM runs.
     nst = spec.get("num_speculative_tokens")
-    if nst is not None and (isinstance(nst, bool) or not isinstance(nst, int) or nst < 1):
-        raise ConfigError(f"must be an integer >= 1, got {nst!r}", "speculative_config.num_speculative_tokens")
+    if nst is None:
+        raise ConfigError("is required (an integer >= 1: the draft tokens per step)",
+                          "speculative_config.num_speculative_tokens")
+    if isinstance(nst, bool) or not isinstance(nst, int) or nst < 1:
+        raise ConfigError(f"must be an integer >= 1, got {short(nst)}", "speculative_config.num_speculative_tokens")
     DynamicSDSchedule.from_speculative_config(spec)
     draft = spec.get("model")
-    if isinstance(draft, str):
+    if draft is not None and not isinstance(draft, str):
+        raise ConfigError(f"must be a local directory or a Hub id (a string), got {short(draft)}",
+                          "speculative_config.model")
+    if draft is not None:
         ref = classify_model(draft)
         if ref.kind == "missing":
             raise ConfigError(f"draft model directory {draft!r} does not exist", "speculative_config.model")
@@ -221,5 +273,6 @@ __all__ = [
     "is_hub_id",
     "is_speculators_checkpoint",
     "read_model_config",
+    "reference_text",
     "resolve_speculative_config",
 ]

@@ -30,7 +30,13 @@ from typing import Any
 from ..errors import ConfigError
 # What a checkpoint's type means to vLLM, and whether a directory is a checkpoint, are decided
 # in .speculative (with every other model-reference rule); re-exported here.
-from .speculative import SPECULATORS_METHODS, classify_model, is_speculators_checkpoint, read_model_config
+from .speculative import (
+    SPECULATORS_METHODS,
+    classify_model,
+    is_speculators_checkpoint,
+    read_model_config,
+    reference_text,
+)
 
 
 @dataclass
@@ -151,8 +157,9 @@ def load_speculators_checkpoint(
     declared = ver.get("name_or_path")
     name_field = "speculators_config.verifier.name_or_path"
     if verifier is not None:
-        target, local = _resolve_verifier(os.fspath(verifier), Path.cwd(), "verifier", None)
-        if declared not in (None, "") and declared != os.fspath(verifier):
+        verifier = reference_text(verifier, "verifier")
+        target, local = _resolve_verifier(verifier, Path.cwd(), "verifier", None)
+        if declared not in (None, "") and declared != verifier:
             warnings.append(f"verifier {target!r} overrides the checkpoint's {declared!r}")
     else:
         if not isinstance(declared, str) or not declared:
