@@ -75,6 +75,52 @@ def test_direct_construction_is_validated():
         DynamicSDSchedule(((1, 2, 5),), 3)
 
 
+@pytest.mark.parametrize("rows, nst, field", [
+    (((1, "2", 3),), 3, f"{F}[0]"),
+    (((1, 2, 3),), "3", "speculative_config.num_speculative_tokens"),
+    (5, 3, F),
+    (((1, 2, 3),), None, "speculative_config.num_speculative_tokens"),
+    (((1, 2**63, 0),), 3, f"{F}[0]"),  # past 64 bits
+    (["abc"], 3, f"{F}[0]"),
+])
+def test_direct_construction_checks_types_too(rows, nst, field):
+    with pytest.raises(ConfigError) as ei:
+        DynamicSDSchedule(rows, nst)
+    assert ei.value.field == field
+
+
+def test_direct_construction_normalises_rows():
+    s = DynamicSDSchedule([[1, np.int64(4), 3], (5, 8, 1)], np.int32(3))
+    assert s.rows == ((1, 4, 3), (5, 8, 1)) and type(s.rows[0][1]) is int and s.num_speculative_tokens == 3
+    assert s == DynamicSDSchedule.parse([[1, 4, 3], [5, 8, 1]], 3)
+
+
+@pytest.mark.parametrize("call, field", [
+    (lambda: DynamicSDSchedule.from_draft_len_schedule({1: 3}, "3"), "speculative_config.max_draft_len"),
+    (lambda: DynamicSDSchedule.from_draft_len_schedule({1: 3}, None), "speculative_config.max_draft_len"),
+    (lambda: DynamicSDSchedule.from_draft_len_schedule({1: 3}, 3, max_batch_size="x"), "max_batch_size"),
+    (lambda: DynamicSDSchedule.from_draft_len_schedule({1: 3}, 3, max_batch_size=2**63), "max_batch_size"),
+    (lambda: DynamicSDSchedule.from_draft_len_schedule({2**63 - 1: 3}, 3),
+     f"speculative_config.draft_len_schedule.{2**63 - 1}"),
+    (lambda: DynamicSDSchedule.from_max_concurrency([4], 3), "speculative_config.max_concurrency"),
+    (lambda: DynamicSDSchedule.from_max_concurrency("4", 3), "speculative_config.max_concurrency"),
+    (lambda: DynamicSDSchedule.from_max_concurrency(2**63 - 1, 3), "speculative_config.max_concurrency"),
+    (lambda: DynamicSDSchedule.from_max_concurrency(0, 3), "speculative_config.max_concurrency"),
+    (lambda: lookahead_array(3, batch_size=-1), "batch_size"),
+    (lambda: lookahead_array(3, batch_size="2"), "batch_size"),
+    (lambda: lookahead_array(3, batch_size=2, num_requests=-1), "num_requests"),
+    (lambda: lookahead_array(3, batch_size=2, num_requests=2.0), "num_requests"),
+    (lambda: lookahead_array(3, batch_size=2**40), "batch_size"),
+    (lambda: lookahead_array(2**40, 2), "lookahead"),
+    (lambda: lookahead_array(DynamicSDSchedule.parse([[1, 2, 2**40]], 2**40), 2), "lookahead"),
+    (lambda: DynamicSDSchedule.parse([[1, 4, 3]], 3).dense(2**40), "max_batch_size"),
+])
+def test_api_arguments_are_config_errors_naming_them(call, field):
+    with pytest.raises(ConfigError) as ei:
+        call()
+    assert ei.value.field == field and isinstance(ei.value, ValueError)
+
+
 def test_bad_query_arguments_are_config_errors():
     s = DynamicSDSchedule.parse([[1, 4, 3], [5, 8, 1]], 3)
     for call, field in [(lambda: s.k_for_batch_size(-1), "batch_size"), (lambda: s.k_for_batch_size("2"), "batch_size"),

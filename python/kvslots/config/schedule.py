@@ -31,15 +31,21 @@ from typing import Any, Protocol
 import numpy as np
 
 from ..errors import ConfigError
+from .loader import INT_MAX, brief
 
 SCHEDULE_KEY = "num_speculative_tokens_per_batch_size"
 DEFAULT_FIELD = f"speculative_config.{SCHEDULE_KEY}"
 
 Row = tuple[int, int, int]
 
+#: Batch-size bounds of the per-step queries: a C int of requests; a dense table of at most 2**24.
+MAX_BATCH = 2**31 - 1
+MAX_DENSE = 2**24
+UINT32_MAX = 2**32 - 1
+
 
 def _describe(value: Any) -> str:
-    return f"{type(value).__name__} {value!r}"
+    return f"{type(value).__name__} {brief(value)}"
 
 
 def _strict_int(value: Any, field: str, what: str) -> int:
@@ -56,9 +62,12 @@ class DynamicSDSchedule:
     num_speculative_tokens: int
 
     def __post_init__(self) -> None:
-        # Direct construction is validated too.
-        _validate(self.rows, self.num_speculative_tokens, DEFAULT_FIELD)
-        object.__setattr__(self, "_starts", [r[0] for r in self.rows])
+        # Direct construction is validated too, types included (a str in a row is a ConfigError).
+        rows, nst = _typed(self.rows, self.num_speculative_tokens, DEFAULT_FIELD)
+        _validate(rows, nst, DEFAULT_FIELD)
+        object.__setattr__(self, "rows", rows)
+        object.__setattr__(self, "num_speculative_tokens", nst)
+        object.__setattr__(self, "_starts", [r[0] for r in rows])
 
     # ---------------------------------------------------------------- construction
 
@@ -70,29 +79,9 @@ class DynamicSDSchedule:
 
         ``field`` is the dotted path used in error messages.
         """
-        nst = _strict_int(num_speculative_tokens, _sibling(field, "num_speculative_tokens"),
-                          "num_speculative_tokens")
-        if nst < 1:
-            raise ConfigError(f"num_speculative_tokens must be >= 1, got {nst}",
-                              _sibling(field, "num_speculative_tokens"))
-        if isinstance(rows, (str, bytes, Mapping)) or not isinstance(rows, Iterable):
-            raise ConfigError(
-                f"must be a list of [start, end, num_speculative_tokens] rows, got {_describe(rows)}",
-                field,
-            )
-        parsed: list[Row] = []
-        for i, row in enumerate(rows):
-            where = f"{field}[{i}]"
-            if isinstance(row, (str, bytes, Mapping)) or not isinstance(row, Sequence) or len(row) != 3:
-                raise ConfigError(
-                    f"row must be [start, end, num_speculative_tokens], got {_describe(row)}", where
-                )
-            start = _strict_int(row[0], where, "start")
-            end = _strict_int(row[1], where, "end")
-            k = _strict_int(row[2], where, "num_speculative_tokens")
-            parsed.append((start, end, k))
-        _validate(tuple(parsed), nst, field)
-        return cls(tuple(parsed), nst)
+        parsed, nst = _typed(rows, num_speculative_tokens, field)
+        _validate(parsed, nst, field)
+        return cls(parsed, nst)
 
     @classmethod
     def from_speculative_config(
@@ -132,6 +121,11 @@ class DynamicSDSchedule:
                 f"must be a non-empty mapping of batch-size threshold -> draft length, got {_describe(schedule)}",
                 field,
             )
+        max_draft_len = _strict_int(max_draft_len, _sibling(field, "max_draft_len"), "max_draft_len")
+        if max_batch_size is not None:
+            max_batch_size = _strict_int(max_batch_size, "max_batch_size", "max_batch_size")
+            if not 0 <= max_batch_size <= INT_MAX:
+                raise ConfigError(f"must be in [0, 2**63-1], got {max_batch_size}", "max_batch_size")
         items: list[tuple[int, int]] = []
         for key, value in schedule.items():
             where = f"{field}.{key}"
@@ -139,6 +133,8 @@ class DynamicSDSchedule:
             draft_len = _strict_int(value, where, "draft length")
             if threshold < 1:
                 raise ConfigError(f"batch-size threshold must be >= 1, got {threshold}", where)
+            if threshold >= INT_MAX:  # the K = 0 row after it starts at threshold + 1
+                raise ConfigError(f"batch-size threshold must be < 2**63-1, got {threshold}", where)
             if draft_len < 0:
                 raise ConfigError(f"draft length must be >= 0, got {draft_len}", where)
             if draft_len > max_draft_len:
@@ -169,10 +165,12 @@ class DynamicSDSchedule:
     ) -> DynamicSDSchedule:
         """TensorRT-LLM's ``max_concurrency``: speculate with ``max_draft_len`` up to that many
         requests, not at all above."""
-        return cls.from_draft_len_schedule(
-            {max_concurrency: max_draft_len}, max_draft_len, max_batch_size=max_batch_size,
-            field="speculative_config.max_concurrency",
-        )
+        field = "speculative_config.max_concurrency"
+        n = _strict_int(max_concurrency, field, "max_concurrency")
+        if not 1 <= n < INT_MAX:  # the K = 0 row after it starts at n + 1
+            raise ConfigError(f"must be in [1, 2**63-1), got {n}", field)
+        return cls.from_draft_len_schedule({n: max_draft_len}, max_draft_len, max_batch_size=max_batch_size,
+                                           field=field)
 
     # ---------------------------------------------------------------- queries
 
@@ -189,9 +187,10 @@ class DynamicSDSchedule:
 
     def dense(self, max_batch_size: int) -> list[int]:
         """``[unused, K(1), K(2), ..., K(max_batch_size)]``: the lookup table vLLM's scheduler builds."""
-        if _strict_int(max_batch_size, "max_batch_size", "max_batch_size") < 1:
-            raise ConfigError(f"must be >= 1, got {max_batch_size}", "max_batch_size")
-        return [0] + [self.k_for_batch_size(n) for n in range(1, max_batch_size + 1)]
+        n = _strict_int(max_batch_size, "max_batch_size", "max_batch_size")
+        if not 1 <= n <= MAX_DENSE:
+            raise ConfigError(f"must be in [1, {MAX_DENSE}], got {n}", "max_batch_size")
+        return [0] + [self.k_for_batch_size(b) for b in range(1, n + 1)]
 
     @property
     def max_k(self) -> int:
@@ -220,6 +219,28 @@ def _merge_equal(rows: list[Row]) -> list[Row]:
     return merged
 
 
+def _typed(rows: Any, nst: Any, field: str) -> tuple[tuple[Row, ...], int]:
+    """``rows`` as a tuple of integer triples and ``nst`` as an int >= 1; a ConfigError naming the
+    row otherwise."""
+    nst_field = _sibling(field, "num_speculative_tokens")
+    n = _strict_int(nst, nst_field, "num_speculative_tokens")
+    if n < 1:
+        raise ConfigError(f"num_speculative_tokens must be >= 1, got {n}", nst_field)
+    if isinstance(rows, (str, bytes, Mapping)) or not isinstance(rows, Iterable):
+        raise ConfigError(
+            f"must be a list of [start, end, num_speculative_tokens] rows, got {_describe(rows)}", field)
+    parsed: list[Row] = []
+    for i, row in enumerate(rows):
+        where = f"{field}[{i}]"
+        if isinstance(row, (str, bytes, Mapping)) or not isinstance(row, Sequence) or len(row) != 3:
+            raise ConfigError(f"row must be [start, end, num_speculative_tokens], got {_describe(row)}", where)
+        start = _strict_int(row[0], where, "start")
+        end = _strict_int(row[1], where, "end")
+        k = _strict_int(row[2], where, "num_speculative_tokens")
+        parsed.append((start, end, k))
+    return tuple(parsed), n
+
+
 def _validate(rows: tuple[Row, ...], nst: int, field: str) -> None:
     if not rows:
         raise ConfigError("must contain at least one [start, end, num_speculative_tokens] row", field)
@@ -231,6 +252,8 @@ def _validate(rows: tuple[Row, ...], nst: int, field: str) -> None:
             raise ConfigError(f"{text}: start must be >= 1", where)
         if end < start:
             raise ConfigError(f"{text}: end must be >= start", where)
+        if end > INT_MAX:  # vLLM's and every engine argument's integers are 64-bit
+            raise ConfigError(f"{text}: end must be <= 2**63-1", where)
         if k < 0:
             raise ConfigError(f"{text}: num_speculative_tokens must be >= 0", where)
         if k > nst:
@@ -328,8 +351,19 @@ def lookahead_array(
 ) -> np.ndarray:
     """The ``lookahead`` argument for :meth:`SlotManager.step`: K for ``batch_size``, repeated
     for ``num_requests`` (default ``batch_size``) requests, as uint32."""
-    k = _lookahead(schedule, batch_size)
-    return np.full(batch_size if num_requests is None else num_requests, k, dtype=np.uint32)
+    n = _count(batch_size, "batch_size")
+    count = n if num_requests is None else _count(num_requests, "num_requests")
+    k = _lookahead(schedule, n)
+    if k > UINT32_MAX:
+        raise ConfigError(f"K {k} does not fit the slot manager's uint32 lookahead", "lookahead")
+    return np.full(count, k, dtype=np.uint32)
+
+
+def _count(value: Any, name: str) -> int:
+    n = _strict_int(value, name, name)
+    if not 0 <= n <= MAX_BATCH:
+        raise ConfigError(f"must be in [0, {MAX_BATCH}], got {n}", name)
+    return n
 
 
 __all__ = [

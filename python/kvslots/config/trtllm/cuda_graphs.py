@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..loader import INT_MAX
 from .base import ConverterBase
 from .keys import ENCODER_GRAPH_KEYS, MAX_BATCH_KEYS, PADDING_KEYS, REASON_DEFAULT
 
@@ -89,12 +90,15 @@ class CudaGraphKeys(ConverterBase):
         spec = self.args.get("speculative_config")
         k = spec["num_speculative_tokens"] if spec else 0
 
-        def tokens(b: int) -> int:
+        def tokens(b: int, path: str) -> int:
             kb = self.schedule.k_for_batch_size(b) if self.schedule else k
-            return b * (1 + kb)
+            n = b * (1 + kb)
+            if n > INT_MAX:  # vLLM's integers are 64-bit
+                raise self.fail(path, f"batch size {b} x (1 + K={kb}) = {n} tokens per step is beyond 64 bits")
+            return n
 
         if "batch_sizes" in g:
-            sizes = sorted({tokens(b) for b in g["batch_sizes"]})
+            sizes = sorted({tokens(b, g["batch_sizes_path"]) for b in g["batch_sizes"]})
             self.map(g["batch_sizes_path"], "cudagraph_capture_sizes", sizes)
             limit = self.args.get("max_num_batched_tokens")
             if limit is not None and sizes[-1] > limit:
@@ -106,7 +110,7 @@ class CudaGraphKeys(ConverterBase):
             # K is constant within a schedule row, so b * (1 + K) peaks at a row's last batch
             # size or at mbs: no need to try every batch size up to mbs.
             peaks = {min(end, mbs) for start, end, _ in self.schedule.rows if start <= mbs} if self.schedule else set()
-            size = max(tokens(b) for b in peaks | {mbs})
+            size = max(tokens(b, g["max_batch_size_path"]) for b in peaks | {mbs})
             self.map(g["max_batch_size_path"], "max_cudagraph_capture_size", size)
         else:
             return

@@ -159,7 +159,10 @@ class SpeculativeKeys(ConverterBase):
             raise self.fail(f"{p}.draft_len_schedule", "max_concurrency and draft_len_schedule are mutually exclusive")
         if mc is not None:
             mc = self.int_(mc, f"{p}.max_concurrency", 1)
-            self.schedule = DynamicSDSchedule.from_max_concurrency(mc, k, max_batch_size=max_bs)
+            try:
+                self.schedule = DynamicSDSchedule.from_max_concurrency(mc, k, max_batch_size=max_bs)
+            except ConfigError as e:
+                raise ConfigError(e.reason, e.field, self.source) from None
             self.note(f"{p}.max_concurrency", f"speculative_config.{SCHEDULE_KEY}", self.schedule.to_list())
         elif dls is not None:
             try:
