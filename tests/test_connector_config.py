@@ -38,6 +38,30 @@ def test_bad_config_names_the_key(extra, named):
         ConnectorConfig.from_extra_config(extra)
 
 
+@pytest.mark.parametrize("extra, named", [
+    ({"host_cache_gb": float("inf")}, "host_cache_gb"),
+    ({"host_cache_gb": float("nan")}, "host_cache_gb"),
+    ({"host_cache_gb": 1 << 20}, "host_cache_gb"),
+    ({"host_cache_blocks": 1 << 31}, "host_cache_blocks"),
+    ({"copy_threads": 1025}, "copy_threads"),
+    ({"events_hwm": 1 << 31}, "events_hwm"),
+    ({"events_topic": "x" * 10_000, "bogus" * 1000: 1}, "unknown key"),
+])
+def test_sizes_are_bounded_so_sizing_never_overflows(extra, named):
+    # infinity GiB once passed and then overflowed num_host_blocks (OverflowError)
+    with pytest.raises(ConnectorConfigError, match=named) as ei:
+        ConnectorConfig.from_extra_config(extra)
+    assert len(str(ei.value)) < 2000  # values are shortened in messages
+    big = ConnectorConfig.from_extra_config({"host_cache_gb": (1 << 20) - 1})
+    assert big.num_host_blocks(4096) == ((1 << 20) - 1) * (1 << 30) // 4096
+
+
+@pytest.mark.parametrize("extra", [[("host_cache_gb", 1)], "host_cache_gb=1", 5])
+def test_extra_config_that_is_not_a_mapping(extra):
+    with pytest.raises(ConnectorConfigError, match="must be a mapping"):
+        ConnectorConfig.from_extra_config(extra)
+
+
 def test_tiny_host_cache_is_refused():
     with pytest.raises(ConnectorConfigError, match="host_cache_gb"):
         ConnectorConfig(host_cache_gb=1e-9).num_host_blocks(4096)

@@ -7,10 +7,12 @@ at start-up.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
 from ..errors import ConnectorConfigError
+from .loader import brief
 
 
 GIB = 1 << 30
@@ -52,13 +54,15 @@ class ConnectorConfig:
     pd_timeout_s: float = 120.0
 
     @classmethod
-    def from_extra_config(cls, extra: dict[str, Any] | None) -> "ConnectorConfig":
+    def from_extra_config(cls, extra: Mapping[str, Any] | None) -> "ConnectorConfig":
+        if extra is not None and not isinstance(extra, Mapping):
+            raise ConnectorConfigError(f"kv_connector_extra_config must be a mapping, got {type(extra).__name__}")
         extra = dict(extra or {})
         known = {f.name: f for f in fields(cls)}
         unknown = sorted(set(extra) - set(known))
         if unknown:
             raise ConnectorConfigError(
-                f"kv_connector_extra_config: unknown key(s) {', '.join(map(repr, unknown))}; "
+                f"kv_connector_extra_config: unknown key(s) {', '.join(map(brief, unknown))}; "
                 f"known keys: {', '.join(sorted(known))}"
             )
         values: dict[str, Any] = {}
@@ -96,9 +100,15 @@ class ConnectorConfig:
         return vllm_says if self.eagle_block_drop == "auto" else bool(self.eagle_block_drop)
 
 
+#: Integer keys' upper bounds: a block count within a C int, BlockCopier's thread limit
+#: (kvslots.vllm.transfer.MAX_THREADS), the event publisher's limits (ZMQ options are C ints).
+_INT_LIMITS = {"host_cache_blocks": (1 << 31) - 1, "copy_threads": 1024,
+               "events_buffer_steps": (1 << 30) - 2, "events_hwm": (1 << 31) - 1}
+
+
 def _check(key: str, value: Any) -> Any:
     def bad(why: str) -> ConnectorConfigError:
-        return ConnectorConfigError(f"kv_connector_extra_config.{key}={value!r}: {why}")
+        return ConnectorConfigError(f"kv_connector_extra_config.{key}={brief(value)}: {why}")
 
     if key == "disk_gb":
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < 1 << 20:
@@ -117,14 +127,16 @@ def _check(key: str, value: Any) -> Any:
             raise bad("must be a directory path")
         return value
     if key == "host_cache_gb":
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-            raise bad("must be a number > 0")
+        # Bounded like disk_gb: infinity (or 1e999) would overflow sizing it in blocks.
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < 1 << 20:
+            raise bad("must be a number of GiB > 0 and < 2**20")
         return float(value)
-    if key in ("host_cache_blocks", "copy_threads", "events_buffer_steps", "events_hwm"):
+    if key in _INT_LIMITS:
         if value is None and key == "host_cache_blocks":
             return None
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise bad("must be an integer >= 1")
+        hi = _INT_LIMITS[key]
+        if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= hi:
+            raise bad(f"must be an integer in [1, {hi}]")
         return value
     if key == "pd_host":
         if not isinstance(value, str) or not value or ":" in value or len(value) > 253:
