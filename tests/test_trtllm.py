@@ -11,6 +11,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+import yaml
 
 from kvslots import ConfigError, cli
 from kvslots.config.trtllm import (
@@ -838,6 +839,73 @@ def test_cli_unwritable_output_exits_2_with_one_line(tmp_path, capsys):
     code, out, err = run_cli(["convert-config", str(f), "-q", "-o", str(tmp_path / "no" / "such" / "out")], capsys)
     assert code == 2 and out == ""
     assert err.count("\n") == 1 and err.startswith("kvslots convert-config: error: ") and "cannot write" in err
+
+
+def one_error_line(argv: list[str], capsys) -> str:
+    code, out, err = run_cli(argv, capsys)
+    assert code == 2 and out == "" and "Traceback" not in err, (code, out, err)
+    assert err.count("\n") == 1 and err.startswith("kvslots convert-config: error: "), err
+    return err
+
+
+@pytest.mark.parametrize("ckpt, problem", [("~kvslots-no-such-user-x9/ck", "is not a directory"),
+                                           ("d" * 300, "is not a directory"),
+                                           ("/tmp/" + "d" * 300 + "/ck", "is not a directory")])
+def test_cli_speculators_dir_the_system_cannot_look_up(tmp_path, capsys, ckpt, problem):
+    f = tmp_path / "cfg.yaml"
+    f.write_text("max_batch_size: 4\n")
+    assert problem in one_error_line(["convert-config", str(f), "--speculators-dir", ckpt], capsys)
+
+
+def test_cli_verifier_needs_a_speculators_dir(tmp_path, capsys):
+    # The rule lives in convert_trtllm_config (kvslots serve --verifier comes here too).
+    f = tmp_path / "cfg.yaml"
+    f.write_text("max_batch_size: 4\n")
+    err = one_error_line(["convert-config", str(f), "--verifier", "/does/not/exist"], capsys)
+    assert "verifier: applies to a speculators checkpoint" in err
+    with pytest.raises(ConfigError, match="applies to a speculators checkpoint") as ei:
+        convert_trtllm_config({"max_batch_size": 4}, verifier="org/model")
+    assert ei.value.field == "verifier"
+
+
+@pytest.mark.parametrize("config", [{"architectures": 5}, {"speculators_config": {}, "speculators_model_type": ["eagle3"]},
+                                    {"model_type": {"a": 1}, "architectures": [None, 3]}])
+def test_draft_checkpoint_with_odd_types_is_no_evidence(tmp_path, capsys, config):
+    draft = tmp_path / "draft"
+    draft.mkdir()
+    (draft / "config.json").write_text(json.dumps(config))
+    doc = {"speculative_config": {"decoding_type": "Eagle", "max_draft_len": 3, "speculative_model_dir": str(draft)}}
+    r = convert_trtllm_config(doc)
+    assert r.speculative_config["method"] == "eagle3"  # TRT-LLM's default, warned
+    assert any("nothing says whether the draft is EAGLE or EAGLE-3" in w for w in r.warnings)
+    f = tmp_path / "cfg.yaml"
+    f.write_text(json.dumps(doc))
+    code, out, err = run_cli(["convert-config", str(f), "-q"], capsys)
+    assert code == 0 and "eagle3" in out and err == ""
+
+
+@pytest.mark.parametrize("doc, field", [
+    ({"speculative_config": {"decoding_type": "NGram", "max_draft_len": 3},
+      "cuda_graph_config": {"batch_sizes": [2**63 - 1]}}, "cuda_graph_config.batch_sizes"),
+    ({"speculative_config": {"decoding_type": "NGram", "max_draft_len": 3},
+      "cuda_graph_config": {"max_batch_size": 2**62}}, "cuda_graph_config.max_batch_size"),
+    ({"max_batch_size": 2**63 - 1, "speculative_config": {"decoding_type": "NGram", "max_draft_len": 3,
+                                                          "max_concurrency": 2**63 - 1}},
+     "speculative_config.max_concurrency"),
+    ({"speculative_config": {"decoding_type": "NGram", "max_draft_len": 3,
+                             "draft_len_schedule": {2**63 - 1: 3}}}, "speculative_config.draft_len_schedule"),
+])
+def test_no_argument_beyond_64_bits(tmp_path, capsys, doc, field):
+    with pytest.raises(ConfigError) as ei:
+        convert_trtllm_config(doc)
+    assert ei.value.field.startswith(field), ei.value
+    f = tmp_path / "big.yaml"
+    f.write_text(yaml.safe_dump(doc))  # YAML keeps the integer keys
+    assert f"{ei.value.field}: {ei.value.reason}" in one_error_line(["convert-config", str(f)], capsys)
+    # At the edge it still converts: 2**63-2 requests speculate, the K = 0 row is the last one.
+    r = convert_trtllm_config({"max_batch_size": 2**63 - 1, "speculative_config": {
+        "decoding_type": "NGram", "max_draft_len": 3, "max_concurrency": 2**63 - 2}})
+    assert r.schedule.to_list() == [[1, 2**63 - 2, 3], [2**63 - 1, 2**63 - 1, 0]]
 
 
 def test_api_misuse_raises_config_errors():

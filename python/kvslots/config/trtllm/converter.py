@@ -86,10 +86,15 @@ def convert_trtllm_config(
     key in the YAML). ``speculators_dir`` is a speculators-format draft checkpoint: its
     speculative config replaces the YAML's ``speculative_config`` (method and K from the
     checkpoint; a dynamic schedule from the YAML is kept) and its verifier becomes the model
-    unless ``model`` is given; ``verifier`` overrides the checkpoint's verifier.
+    unless ``model`` is given; ``verifier`` overrides the checkpoint's verifier (and is an error
+    without ``speculators_dir``).
 
     Raises :class:`~kvslots.ConfigError` naming the field on bad input.
     """
+    if verifier is not None and speculators_dir is None:
+        # The one home of this rule (kvslots serve and convert-config both come here).
+        raise ConfigError("applies to a speculators checkpoint (a draft directory whose config.json has "
+                          "speculators_config), and none is given", "verifier")
     src: str | None = None
     if isinstance(source, (str, os.PathLike)):
         src = os.fspath(source)
