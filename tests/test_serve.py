@@ -230,6 +230,85 @@ def test_unknown_flags_and_bad_values(target, capsys, argv, expect):
     assert expect in error_line([target, *argv], capsys)
 
 
+NO_USER = "~kvslots-no-such-user-x9"
+DEEP = "[" * 50_000 + "]" * 50_000
+DIGITS = "1" * 5000
+
+
+@pytest.mark.parametrize("argv, expect", [
+    # model references the system cannot look up: missing, not a traceback
+    ([f"{NO_USER}/model"], f"model directory '{NO_USER}/model' does not exist"),
+    (["a" * 300], "does not exist"),
+    (["/tmp/" + "a" * 300 + "/m"], "does not exist"),
+    (["org/model\n"], "does not exist"),  # not a Hub id: matched whole
+    (["org/m", "--speculative-config", json.dumps({"method": "eagle", "model": f"{NO_USER}/x",
+                                                   "num_speculative_tokens": 2})],
+     f"speculative_config.model: draft model directory '{NO_USER}/x' does not exist"),
+    (["org/m", "--speculative-config", json.dumps({"method": "eagle", "model": "e" * 300,
+                                                   "num_speculative_tokens": 2})], "does not exist"),
+    (["org/m", "--speculative-config", json.dumps({"method": "eagle", "model": "org/e\n",
+                                                   "num_speculative_tokens": 2})], "does not exist"),
+    # JSON options: kvslots' strict parser
+    (["org/m", "--speculative-config", DEEP], "--speculative-config: nested more than 64 levels deep"),
+    (["org/m", "--connector-config", '{"x": ' + DIGITS + "}"], "--connector-config: invalid JSON: an integer"),
+    (["org/m", "--connector-config", '{"copy_threads": 2, "copy_threads": 3}'], "duplicate key 'copy_threads'"),
+    (["org/m", "--connector-config", '{"host_cache_gb": 1e999}'], "host_cache_gb: must be a finite number"),
+    (["org/m", "--connector-config", '{"host_cache_gb": 2e6}'], "host_cache_gb=2000000.0: must be a number of GiB"),
+    (["org/m", "--connector-config", '{"pd_host": "\\ud800"}'], "surrogate"),
+    (["org/m", "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": NaN}'],
+     "prompt_lookup_max: must be a finite number"),
+    (["org/m", "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2, "x": ' + "9" * 30 + "}"],
+     "x: integer out of range"),
+    (["org/m", "--", "--kv-transfer-config", "{" + '"a":{' * 20_000 + "}" * 20_001],
+     "after --: --kv-transfer-config: nested more than 64"),
+    (["org/m", "--", "--speculative-config.num_speculative_tokens", DIGITS], "invalid JSON: an integer"),
+    (["org/m", "--", "-sc.method", "ngram", "-sc.num_speculative_tokens", "2", "-sc.prompt_lookup_max", "NaN"],
+     "prompt_lookup_max: must be a finite number"),
+    (["org/m", "--", "-sc.method", "ngram", "-sc.num_speculative_tokens", "2", "-sc.x", DEEP],
+     "nested more than 64"),
+    (["org/m", "--", "-sc" + ".a" * 100, "1"], "more than 63 dotted keys"),
+    (["org/m", "--kv-events-endpoint", "tcp://*:" + "9" * 5000], "--kv-events-endpoint tcp://*:999"),
+    (["org/m", "--kv-events-replay-endpoint", "tcp://127.0.0.1:70000"], "the port must be in 0..65535"),
+    # merged options cannot be negated (vLLM has no --no-x for them either)
+    (["org/m", "--", "--no-speculative-config"], "--no-speculative-config: --speculative-config cannot be negated"),
+    (["org/m", "--", "--no-kv-transfer-config"], "cannot be negated; leave it out (kvslots serve --no-connector"),
+    (["org/m", "--", "--no_kv_events_config"], "cannot be negated; leave it out (kvslots serve --no-kv-events"),
+    # numbers of the flags are finite
+    (["org/m", "--host-cache-gb", "inf"], "argument --host-cache-gb: must be a finite number, got inf"),
+    (["org/m", "--host-cache-gb", "1e999"], "argument --host-cache-gb: must be a finite number"),
+    (["org/m", "--host-cache-gb", "nan"], "argument --host-cache-gb: must be a finite number"),
+    (["org/m", "--disk-path", "/tmp/d", "--disk-gb", "inf"], "argument --disk-gb: must be a finite number"),
+    (["org/m", "--grace-period", "inf"], "argument --grace-period: must be a finite number"),
+    # the speculative config docs/config.md describes
+    (["org/m", "--speculative-config", "{}"], "speculative_config.num_speculative_tokens: is required"),
+    (["org/m", "--speculative-config", '{"method": "ngram"}'], "speculative_config.num_speculative_tokens: is required"),
+    (["org/m", "--speculative-config", '{"method": "ngram", "num_speculative_tokens": null}'], "is required"),
+    (["org/m", "--speculative-config", '{"method": "eagle", "model": 5, "num_speculative_tokens": 2}'],
+     "speculative_config.model: must be a local directory or a Hub id (a string), got 5"),
+    (["org/m", "--speculative-config", '{"method": ["eagle"], "num_speculative_tokens": 2}'],
+     "speculative_config.method: must be a string"),
+    (["org/m", "--speculative-config", '{"method": "ngram", "num_speculative_tokens": "' + "7" * 500 + '"}'],
+     "num_speculative_tokens: must be an integer >= 1, got '777"),
+])
+def test_hostile_arguments_are_one_line(capsys, argv, expect):
+    line = error_line(argv, capsys)
+    assert expect in line, line
+    assert len(line) < 1000  # values are shortened in messages
+
+
+def test_dotted_values_that_are_not_json_stay_strings():
+    plan = plan_from_argv(["org/m", "--", "-sc.method", "ngram", "-sc.num_speculative_tokens", "2",
+                           "-sc.revision", "1.0.2", "-sc.prompt_lookup_max", "3"])
+    assert plan.speculative_config == {"method": "ngram", "num_speculative_tokens": 2, "revision": "1.0.2",
+                                       "prompt_lookup_max": 3}
+
+
+def test_speculators_checkpoint_whose_verifier_cannot_be_looked_up(tmp_path, capsys):
+    for name in (f"{NO_USER}/llama", "v" * 300):
+        ckpt = speculator(tmp_path / name[:8], verifier=name)
+        assert "speculators_config.verifier.name_or_path: local verifier path" in error_line([ckpt], capsys)
+
+
 # --------------------------------------------------------------------------- the TRT-LLM YAML
 
 ENGINE_YAML = """\
@@ -351,7 +430,8 @@ def test_speculators_errors(tmp_path, target, capsys):
     ckpt = speculator(tmp_path, verifier=target)
     assert "method 'eagle' conflicts with the speculators checkpoint MODEL" in error_line(
         [ckpt, "--speculative-config", '{"method": "eagle"}', "--dry-run"], capsys)
-    assert "--verifier applies to a speculators checkpoint" in error_line([target, "--verifier", target], capsys)
+    # The rule is the converter's (convert-config --verifier without --speculators-dir too).
+    assert "verifier: applies to a speculators checkpoint" in error_line([target, "--verifier", target], capsys)
     missing = speculator(tmp_path / "m", verifier="./no-such-verifier")
     assert "speculators_config.verifier.name_or_path" in error_line([missing], capsys)
 
@@ -389,6 +469,22 @@ def test_slot_manager(target, argv, manager, cls, note):
     # The choice does not touch the connector or the events.
     assert json_flag(a, "--kv-events-config")["enable_kv_cache_events"] is True
     assert (plan.kv_transfer_config is None) == ("--no-connector" in argv)
+
+
+def test_usage_in_the_docs_lists_every_option():
+    # docs/serve.md's usage block and the serve.cli docstring, against the parser itself.
+    import re
+
+    import kvslots.serve.cli as serve_cli_module
+
+    parser = serve_cli_module.make_parser()
+    options = {o for a in parser._actions for o in a.option_strings if o not in ("-h", "--help", "--quiet")}
+    doc = (Path(PKG_ROOT).parent / "docs" / "serve.md").read_text()
+    usage = doc[doc.index("```\nkvslots serve MODEL"):]
+    usage = usage[:usage.index("```", 4)]
+    for text in (usage, serve_cli_module.__doc__):
+        found = set(re.findall(r"\[(-[-\w]+)", text)) - {"--"}
+        assert found == options, (sorted(options - found), sorted(found - options))
 
 
 def test_slot_manager_in_help_and_dry_run(target, capsys):
@@ -447,7 +543,7 @@ def test_connector_config_after_dashes_is_merged(target):
 
 @pytest.mark.parametrize("argv, expect", [
     (["--connector-config", '{"host_cache_mb": 1}'], "unknown key(s) 'host_cache_mb'"),
-    (["--connector-config", '{"copy_threads": 0}'], "kv_connector_extra_config.copy_threads=0: must be an integer >= 1"),
+    (["--connector-config", '{"copy_threads": 0}'], "kv_connector_extra_config.copy_threads=0: must be an integer in [1, 1024]"),
     (["--connector-config", "[]"], "--connector-config: must be a JSON object"),
     (["--host-cache-gb", "1", "--connector-config", '{"host_cache_gb": 2}'],
      "--host-cache-gb 1 conflicts with --connector-config host_cache_gb 2"),

@@ -1,12 +1,13 @@
 """The ``kvslots serve`` command line: its parser (everything after ``--`` is vLLM's) and the
 command, which prints the plan's vLLM command and runs it under the supervisor.
 
-    kvslots serve MODEL [--extra-engine-args FILE.yaml] [--speculative-config JSON]
+    kvslots serve MODEL [--extra-engine-args FILE.yaml] [--speculative-config JSON] [--verifier MODEL]
                         [--slot-manager {kvslots,vllm}] [--host-cache-gb N] [--disk-path DIR] [--disk-gb N]
                         [--connector-config JSON] [--no-connector]
-                        [--kv-events-endpoint EP] [--kv-events-replay-endpoint EP]
-                        [--kv-events-topic T] [--no-kv-events]
-                        [--host H] [--port P] [--dry-run] [-- VLLM_ARGS...]
+                        [--role {prefill,decode,both}] [--is-prefill-worker] [--pd-host ADDR] [--pd-port PORT]
+                        [--kv-events-endpoint EP] [--kv-events-replay-endpoint EP] [--kv-events-topic T]
+                        [--no-kv-events] [--host 127.0.0.1] [--port 8000] [--grace-period 15]
+                        [--dry-run] [-q] [-- VLLM_ARGS...]
 
 Bad input exits with status 2 and one line naming the problem.
 """
@@ -14,6 +15,7 @@ Bad input exits with status 2 and one line naming the problem.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 from collections.abc import Sequence
@@ -59,6 +61,8 @@ def _positive_float(text: str) -> float:
         v = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not math.isfinite(v):  # inf GiB or seconds would overflow a size or a deadline
+        raise argparse.ArgumentTypeError(f"must be a finite number, got {text}")
     if not v > 0:
         raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
     return v

@@ -13,6 +13,7 @@ import argparse
 import re
 from typing import Any
 
+from ..config.vllm_args import brief
 from ..errors import ServeError
 from ..events.protocol import vllm_binds
 from .tail import merge_over_flags
@@ -25,14 +26,22 @@ DEFAULT_EVENTS_ENDPOINT = f"tcp://{LOOPBACK_BIND_HOST}:{DEFAULT_EVENTS_PORT}"
 
 
 
-_TCP_PORT = re.compile(r"^tcp://(.+):(\d+)$")
+#: A TCP endpoint and its port; at most 5 ASCII digits are read as a number (a longer run is not
+#: a port, and int() of thousands of digits would raise).
+_TCP_PORT = re.compile(r"tcp://(.+):([0-9]{1,5})", re.DOTALL)
+_TCP_ANY_PORT = re.compile(r"tcp://.+:[0-9]+", re.DOTALL)
+
+
+def _tcp_port(endpoint: str) -> tuple[str, int] | None:
+    m = _TCP_PORT.fullmatch(endpoint)
+    return (m.group(1), int(m.group(2))) if m else None
 
 
 def default_replay(endpoint: str, dp_size: int) -> str | None:
-    m = _TCP_PORT.match(endpoint)
-    if not m or int(m.group(2)) == 0:
+    hp = _tcp_port(endpoint)
+    if hp is None or hp[1] == 0:
         return None
-    port = int(m.group(2)) + max(1, dp_size)
+    port = hp[1] + max(1, dp_size)
     if port > 65535:
         return None
     return f"tcp://127.0.0.1:{port}"
@@ -59,6 +68,10 @@ def events_config(args: argparse.Namespace, hints: dict[str, Any], tail_cfg: dic
         v = given.get(k)
         if v is not None and "://" not in v:
             raise ServeError(f"{_EVENT_FLAGS[k]} {v!r}: must be a ZMQ endpoint such as tcp://*:{DEFAULT_EVENTS_PORT}")
+        if v is not None and _TCP_ANY_PORT.fullmatch(v):
+            hp = _tcp_port(v)
+            if hp is None or hp[1] > 65535:
+                raise ServeError(f"{_EVENT_FLAGS[k]} {brief(v)}: the port must be in 0..65535")
 
     cfg: dict[str, Any] = {"enable_kv_cache_events": True, "publisher": "zmq",
                            "endpoint": given.get("endpoint", DEFAULT_EVENTS_ENDPOINT)}
@@ -73,8 +86,8 @@ def events_config(args: argparse.Namespace, hints: dict[str, Any], tail_cfg: dic
         del cfg["replay_endpoint"]
     ep = str(cfg["endpoint"])
     if cfg.get("enable_kv_cache_events") and cfg.get("publisher") == "zmq" and not vllm_binds(ep):
-        m = _TCP_PORT.match(ep)
-        hint = f"tcp://{LOOPBACK_BIND_HOST}:{m.group(2)}" if m else "an endpoint with '*' or '::'"
+        hp = _tcp_port(ep)
+        hint = f"tcp://{LOOPBACK_BIND_HOST}:{hp[1]}" if hp else "an endpoint with '*' or '::'"
         notes.append(f"note: vLLM's publisher connects to {ep} (e.g. an XSUB proxy) instead of binding it: "
                      f"it binds only endpoints with '*' or '::'; to bind on loopback use {hint}")
     return cfg

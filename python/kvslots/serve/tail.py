@@ -13,8 +13,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..config.loader import MAX_DEPTH, check_values, parse_json
 from ..config.vllm_args import to_json
-from ..errors import ServeError
+from ..errors import ConfigError, ServeError
 
 #: parser). ``-O<n>`` is handled separately (vLLM rewrites it to --optimization-level).
 VLLM_SHORT_OPTIONS: dict[str, str] = {
@@ -45,6 +46,10 @@ VLLM_SHORT_OPTIONS: dict[str, str] = {
 
 #: JSON-valued vLLM arguments kvslots serve builds itself and merges with the ones after ``--``.
 MERGED_OPTIONS = ("speculative-config", "kv-transfer-config", "kv-events-config")
+#: How to turn off what kvslots serve adds for a merged option.
+_TURN_OFF = {"speculative-config": "no speculative decoding: no --speculative-config and no YAML speculative_config",
+             "kv-transfer-config": "kvslots serve --no-connector runs vLLM without the KVSlotsConnector",
+             "kv-events-config": "kvslots serve --no-kv-events leaves vLLM's KV events off"}
 #: vLLM arguments after ``--`` whose value kvslots serve reads (they take exactly one value).
 _VALUED_OPTIONS = {*MERGED_OPTIONS, "host", "port", "model", "data-parallel-size", "scheduler-cls"}
 
@@ -94,12 +99,17 @@ def scan_vllm_args(tail: Sequence[str]) -> list[TailOption]:
         else:
             short, *keys = head.split(".")
             base = VLLM_SHORT_OPTIONS.get(short, short.lstrip("-"))
+        if len(keys) >= MAX_DEPTH:  # the merge recurses per key
+            raise ServeError(f"after --: {head[:80]}...: more than {MAX_DEPTH - 1} dotted keys")
         append = bool(keys) and keys[-1].endswith("+")
         if append:
             keys[-1] = keys[-1][:-1]
         negated = False
         if base.startswith("no-") and not keys:
             base, negated = base[3:], True
+            if base in MERGED_OPTIONS:  # vLLM has no --no-x for them either
+                raise ServeError(f"after --: {tok}: --{base} cannot be negated; leave it out "
+                                 f"({_TURN_OFF[base]})")
         opt = TailOption(base, tok, keys=keys, append=append, negated=negated, span=(i, i + 1))
         if (base in _VALUED_OPTIONS or keys) and not negated:
             if eq:
@@ -139,28 +149,51 @@ def tail_json(opts: list[TailOption], name: str) -> dict[str, Any] | None:
         return None
     merged: dict[str, Any] = {}
     for o in found:
-        assert o.value is not None
+        if o.value is None:  # scan_vllm_args refuses a negated merged option; a caller may not
+            raise ServeError(f"after --: {o.text} has no value")
+        where = f"after --: {o.text}"
         if o.keys:
-            raw = o.value
-            try:
-                value: Any = json.dumps(raw.split(",")) if o.append else raw
-                value = json.loads(value)
-            except json.JSONDecodeError:
-                value = raw
+            value: Any = o.value.split(",") if o.append else _dotted_value(o.value, where)
             merged = _merge(merged, _nested(o.keys, value))
         else:
             merged = _merge(merged, json_object(o.value, f"after --: --{name}"))
+    _checked(merged, f"after --: --{name}")
     return merged
 
 
-def json_object(text: str, what: str) -> dict[str, Any]:
+def _dotted_value(raw: str, where: str) -> Any:
+    """A dotted ``--x.key value``: JSON when it reads as JSON, else the text (vLLM's rule: what
+    ``json.loads`` cannot read is a string). JSON kvslots' strict parser refuses is an error."""
     try:
-        value = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise ServeError(f"{what}: invalid JSON: {e.msg} at line {e.lineno} column {e.colno}") from None
+        json.loads(raw)  # only vLLM's test of "is it JSON"; the value comes from the strict parser
+    except json.JSONDecodeError:
+        return raw
+    except (RecursionError, ValueError):
+        pass  # JSON, but too deep or an integer too long: parse_json says which
+    return _parse(raw, where)
+
+
+def json_object(text: str, what: str) -> dict[str, Any]:
+    value = _parse(text, what)
     if not isinstance(value, dict):
         raise ServeError(f"{what}: must be a JSON object, got {type(value).__name__}")
     return value
+
+
+def _parse(text: str, what: str) -> Any:
+    """kvslots' strict JSON (no NaN, no duplicate keys, 64-bit integers, bounded nesting)."""
+    try:
+        return parse_json(text, what)
+    except ConfigError as e:
+        raise ServeError(str(e)) from None
+
+
+def _checked(value: Any, what: str) -> None:
+    """The merged dotted values under the same limits as a JSON value."""
+    try:
+        check_values(value, what)
+    except ConfigError as e:
+        raise ServeError(str(e)) from None
 
 
 def merge_over_flags(cfg: dict[str, Any], tail_cfg: Mapping[str, Any], option: str,
