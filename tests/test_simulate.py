@@ -1,9 +1,13 @@
-"""The simulated EAGLE workload (the CLI's `simulate`) runs to completion under memory pressure."""
+"""The simulated EAGLE workload (the CLI's `simulate`) runs to completion under memory pressure; bad
+arguments are one line and exit 2, never a hang."""
 
 import json
 
-from kvslots.cli import main
+import pytest
+
 from kvslots._dev.simulate import SimConfig, run
+from kvslots.cli import main
+from kvslots.errors import InvalidArgumentError
 
 
 def test_simulation_completes_with_preemption_and_eviction():
@@ -19,3 +23,42 @@ def test_cli_json(capsys):
     assert main(["simulate", "--requests", "8", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["completed"] == 8 and out["stats"]["committed_blocks"] > 0
+
+
+@pytest.mark.parametrize("argv, problem", [
+    (["--batch", "0"], "batch must be in [1, 4096], got 0"),  # was a hang: nothing was ever admitted
+    (["--batch", "-1"], "batch must be in"),
+    (["--seed", "-1"], "seed must be in [0, 2**64-1], got -1"),  # was numpy's ValueError
+    (["--seed", str(2**64)], "seed must be in"),
+    (["--requests", "-1"], "requests must be in"),
+    (["--lookahead", "-1"], "lookahead must be in"),
+    (["--lookahead", "65"], "lookahead must be in"),
+    (["--acceptance", "nan"], "acceptance must be a finite number"),
+    (["--acceptance", "1.5"], "acceptance must be <= 1"),
+    (["--block-size", "0"], "block_size must be in"),
+    (["--num-blocks", "0"], "num_blocks must be in"),
+    (["--num-blocks", str(2**40)], "num_blocks must be in"),
+    (["--num-blocks", "10"], "num_blocks 10 is too small"),  # a request that cannot finish alone looped forever
+    (["--num-blocks", "1"], "out of blocks"),
+])
+def test_cli_bad_arguments_are_one_line_exit_2(capsys, argv, problem):
+    assert main(["simulate", "--requests", "8", *argv]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("\n") == 1 and err.startswith("kvslots simulate: error: "), err
+    assert problem in err, err
+
+
+def test_edge_values_run():
+    assert run(SimConfig(requests=0)).completed == 0
+    rep = run(SimConfig(requests=6, lookahead=0))
+    assert rep.completed == 6 and rep.drafted_tokens == 0
+    assert run(SimConfig(requests=4, batch=1, seed=2**64 - 1)).completed == 4
+
+
+def test_config_is_checked_from_python_too():
+    with pytest.raises(InvalidArgumentError, match="batch"):
+        SimConfig(batch=0)
+    with pytest.raises(InvalidArgumentError, match="prompt_max"):
+        SimConfig(prompt_min=100, prompt_max=10)
+    with pytest.raises(InvalidArgumentError, match="seed"):
+        SimConfig(seed="1")

@@ -17,7 +17,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..errors import OutOfBlocksError
+from .. import _args
+from ..errors import InvalidArgumentError, OutOfBlocksError
 from ..events import AllBlocksCleared, BlockRemoved, BlockStored
 from ..slots import SlotManager
 
@@ -38,6 +39,25 @@ class SimConfig:
     output_max: int = 128
     vocab: int = 32000
     seed: int = 0
+
+    def __post_init__(self) -> None:
+        # Checked before anything runs: a batch of 0 never admitted a request (a hang), a negative
+        # seed was numpy's ValueError. Bounds keep a run finite and its arrays small.
+        for name, lo, hi in _INT_FIELDS:
+            _args.integer(getattr(self, name), name, lo, hi)
+        for name in ("acceptance", "shared_fraction"):
+            _args.number(getattr(self, name), name, 0.0, 1.0)
+        if self.prompt_max < self.prompt_min:
+            raise InvalidArgumentError(f"prompt_max {self.prompt_max} is below prompt_min {self.prompt_min}")
+        if self.output_max < self.output_min:
+            raise InvalidArgumentError(f"output_max {self.output_max} is below output_min {self.output_min}")
+
+
+#: (field, lowest, highest) of SimConfig's integers.
+_INT_FIELDS = (("requests", 0, 100_000), ("batch", 1, 4096), ("lookahead", 0, 64), ("block_size", 1, 4096),
+               ("num_blocks", 1, 1 << 24), ("prompt_min", 1, 1 << 16), ("prompt_max", 1, 1 << 16),
+               ("shared_prefix", 0, 1 << 16), ("output_min", 1, 1 << 16), ("output_max", 1, 1 << 16),
+               ("vocab", 1, 1 << 32), ("seed", 0, (1 << 64) - 1))
 
 
 @dataclass
@@ -113,7 +133,7 @@ def run(cfg: SimConfig) -> SimReport:
             running.append(req)
         # Verify this step's drafts: each accepted with probability p until the first rejection.
         draws = rng.random((len(running), k)) < cfg.acceptance
-        accepted = np.where(draws.all(axis=1), k, draws.argmin(axis=1))
+        accepted = np.where(draws.all(axis=1), k, draws.argmin(axis=1)) if k else np.zeros(len(running), np.int64)
         num_accepted = 1 + accepted  # the token sampled last step plus the accepted drafts
         tokens = rng.integers(0, cfg.vocab, int(num_accepted.sum()), dtype=np.uint32)
         rep.steps += 1
@@ -146,7 +166,11 @@ def run(cfg: SimConfig) -> SimReport:
                 try:
                     m.step(ids, acc, tok_keep, rej, new)
                     break
-                except OutOfBlocksError:
+                except OutOfBlocksError as e:
+                    if len(running) == 1:  # alone, every other block is free or evictable: requeued, it would loop forever
+                        raise InvalidArgumentError(
+                            f"num_blocks {cfg.num_blocks} is too small: request {running[0].rid} cannot finish "
+                            f"even alone ({e})") from None
                     # Commit what was verified, then free the newest request and retry.
                     victim_j = len(running) - 1
                     preempt()
