@@ -9,34 +9,44 @@ import json
 
 import httpx
 import pytest
+from ports import free_port
 
 pytest.importorskip("fastapi")
 from fastapi.testclient import TestClient  # noqa: E402
 
+from kvslots import cli  # noqa: E402
+from kvslots.errors import InvalidArgumentError  # noqa: E402
 from kvslots.proxy.app import DecodeWorker, create_app, prefill_body  # noqa: E402
 
 PARAMS = {"do_remote_prefill": True, "remote_engine_id": "e", "remote_block_ids": [1, 2]}
 
 
 class Backends:
-    def __init__(self, prefill_status=200, decode_status=200, scores=None, prefill_params=PARAMS):
+    def __init__(self, prefill_status=200, decode_status=200, scores=None, prefill_params=PARAMS,
+                 prefill_content=None, indexer_content=None):
         self.calls: list[tuple[str, dict]] = []
         self.prefill_status = prefill_status
         self.decode_status = decode_status
         self.scores = scores
         self.prefill_params = prefill_params
+        self.prefill_content = prefill_content  # raw bytes answered instead of the JSON object
+        self.indexer_content = indexer_content
 
     def __call__(self, request: httpx.Request) -> httpx.Response:
         body = json.loads(request.content) if request.content else {}
         self.calls.append((str(request.url), body))
         host = request.url.host
         if host == "indexer":
+            if self.indexer_content is not None:
+                return httpx.Response(200, content=self.indexer_content)
             if self.scores is None:
                 return httpx.Response(500)
             return httpx.Response(200, json={"workers": {k: {"score": v} for k, v in self.scores.items()}})
         if host.startswith("prefill"):
             if self.prefill_status == "down":
                 raise httpx.ConnectError("refused", request=request)
+            if self.prefill_content is not None:
+                return httpx.Response(self.prefill_status, content=self.prefill_content)
             return httpx.Response(self.prefill_status, json={"choices": [{"text": "x"}],
                                                              "kv_transfer_params": self.prefill_params})
         if self.decode_status != 200:
@@ -114,6 +124,133 @@ def test_failed_decode_is_a_502():
 def test_bad_body_is_a_400(body):
     with _client(Backends()) as c:
         assert c.post("/v1/completions", content=body).status_code == 400
+
+
+@pytest.mark.parametrize("body, problem", [
+    # nested deeper than 64 at any depth (500 and 900 levels were a RecursionError: 500)
+    (b'{"prompt": ' + b"[" * 500 + b"]" * 500 + b"}", "nested more than 64 levels deep"),
+    (b'{"prompt": ' + b"[" * 900 + b"]" * 900 + b"}", "nested more than 64 levels deep"),
+    # strings that are not Unicode text (a UnicodeEncodeError when forwarded: 500)
+    (b'{"prompt": "\\ud800"}', "lone surrogate"),
+    (b'{"prompt": "\\ud800", "stream": true}', "lone surrogate"),
+    (b'{"\\udc80": 1, "prompt": "x"}', "lone surrogate"),
+    (b'{"prompt": "\xed\xa0\x80"}', "not UTF-8"),
+    (b'{"prompt": [' + b"9" * 5000 + b"]}", "too many digits"),
+])
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_hostile_body_is_a_400_naming_the_problem(body, problem, path):
+    be = Backends()
+    with _client(be) as c:
+        r = c.post(path, content=body)
+        assert r.status_code == 400 and problem in r.json()["error"], r.text
+        assert c.get("/healthz").status_code == 200
+    assert be.calls == []  # nothing was forwarded
+
+
+def test_prefill_body_copies_only_the_top_level():
+    nested = {"a": [[{"b": 1}]]}
+    out = prefill_body({"prompt": "x", "extra": nested})
+    assert out["extra"] is nested and out is not nested
+
+
+@pytest.mark.parametrize("content", [b"[1, 2]", b'"text"', b"42", b"null", b"not json", b"",
+                                     b"[" * 100_000 + b"]" * 100_000, b'{"kv_transfer_params": [1]}',
+                                     b'{"kv_transfer_params": {"do_remote_prefill": true}, "a": NaN}'])
+def test_prefill_answer_that_is_not_a_json_object_is_recomputed(content):
+    # The module docstring's promise; a JSON array was an AttributeError (500).
+    be = Backends(prefill_content=content)
+    with _client(be) as c:
+        r = c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 3})
+        assert r.status_code == 200 and r.headers["x-kvslots-pd"] == "recomputed", r.text
+        assert c.get("/healthz").json()["recomputed"] == 1
+    assert "kv_transfer_params" not in be.calls[-1][1]
+
+
+@pytest.mark.parametrize("content", [b"[1]", b'{"workers": []}', b'{"workers": {"wb": 5}}',
+                                     b'{"workers": {"wb": {"score": "x"}}}',
+                                     b'{"workers": {"wb": {"score": 1' + b"0" * 400 + b'}}}',
+                                     b'{"workers": {"wb": {"score": true}}}',
+                                     b'{"workers": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", b"\xff"])
+def test_odd_indexer_answer_falls_back_to_round_robin(content):
+    be = Backends(indexer_content=content)
+    names = {"http://decode-a": "wa", "http://decode-b": "wb"}
+    with _client(be, decode=("http://decode-a", "http://decode-b"), indexer="http://indexer", names=names) as c:
+        workers = [c.post("/v1/completions", json={"prompt": [5, 6]}).headers["x-kvslots-decode-worker"]
+                   for _ in range(2)]
+    assert workers == ["http://decode-a", "http://decode-b"]
+
+
+class _BrokenStream(httpx.AsyncByteStream):
+    async def __aiter__(self):
+        yield b"data: {\"a\": 1}\n\n"
+        raise httpx.ReadError("connection reset")
+
+
+def test_stream_broken_off_by_the_decode_worker_ends_the_stream():
+    def backend(request: httpx.Request) -> httpx.Response:
+        if request.url.host.startswith("prefill"):
+            return httpx.Response(200, json={"kv_transfer_params": PARAMS})
+        return httpx.Response(200, headers={"content-type": "text/event-stream"}, stream=_BrokenStream())
+
+    with _client(backend) as c:
+        r = c.post("/v1/completions", json={"prompt": "hi", "stream": True})
+        assert r.status_code == 200 and r.text == 'data: {"a": 1}\n\n'
+        assert c.get("/healthz").json()["decode_errors"] == 1
+
+
+@pytest.mark.parametrize("prefill, decode", [
+    (["http://[::1"], [DecodeWorker("http://d")]), (["ftp://p"], [DecodeWorker("http://d")]),
+    (["http://p"], [DecodeWorker("http://d:99999")]), (["http://p"], [DecodeWorker("http://\u65e5\u672c.jp")]),
+    ([], [DecodeWorker("http://d")]), (["http://p"], []),
+])
+def test_create_app_checks_the_urls(prefill, decode):
+    with pytest.raises(InvalidArgumentError):
+        create_app(prefill, decode)
+
+
+def _proxy_cli(argv, capsys):
+    capsys.readouterr()
+    code = cli.main(["proxy", *argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+@pytest.mark.parametrize("argv, problem", [
+    (["--prefill", "http://127.0.0.1:1", "--decode", "http://[::1"], "--decode 'http://[::1' is not an http(s) URL"),
+    (["--prefill", "http://[::1", "--decode", "http://127.0.0.1:2"], "--prefill 'http://[::1' is not an http(s) URL"),
+    (["--prefill", "x", "--decode", "http://127.0.0.1:2"], "--prefill 'x' is not an http(s) URL"),
+    (["--prefill", "http://p", "--decode", "http://d", "--indexer", "http://i:70000"], "--indexer"),
+    (["--prefill", "http://p", "--decode", "http://d=w", "--port", "0"], "--port 0 is not a TCP port"),
+    (["--prefill", "http://p", "--decode", "http://d", "--timeout", "inf"], "--timeout inf must be a finite"),
+    (["--prefill", "http://p", "--decode", "http://d", "--timeout", "nan"], "--timeout nan must be a finite"),
+    (["--prefill", "http://p", "--decode", "http://d", "--host", "256.1.1.1"], "host '256.1.1.1': cannot resolve"),
+])
+def test_cli_bad_arguments_are_one_line_exit_2(capsys, monkeypatch, argv, problem):
+    import uvicorn
+
+    monkeypatch.setattr(uvicorn, "run", lambda *a, **k: pytest.fail("uvicorn started"))
+    code, out, err = _proxy_cli(argv, capsys)
+    assert code == 2 and out == "" and err.count("\n") == 1 and err.startswith("kvslots proxy: error: "), err
+    assert problem in err, err
+
+
+def test_cli_port_in_use_is_one_line_exit_2(capsys, monkeypatch):
+    import socket
+
+    import uvicorn
+
+    monkeypatch.setattr(uvicorn, "run", lambda *a, **k: pytest.fail("uvicorn started"))
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        code, out, err = _proxy_cli(["--prefill", "http://p", "--decode", "http://d", "--port", str(port)], capsys)
+    assert code == 2 and err.startswith(f"kvslots proxy: error: cannot listen on 127.0.0.1:{port}"), err
+    started = []
+    monkeypatch.setattr(uvicorn, "run", lambda app, **k: started.append(k))
+    free = free_port()
+    assert _proxy_cli(["--prefill", "http://p/", "--decode", "http://d=w", "--port", str(free)], capsys)[0] == 0
+    assert started == [{"host": "127.0.0.1", "port": free, "log_level": "warning"}]
 
 
 def test_indexer_picks_the_decode_worker():

@@ -13,17 +13,19 @@ For ``POST /v1/completions`` and ``/v1/chat/completions``:
 The decode worker is the one with the best ``kvslots indexer`` score for the prompt when an
 indexer is given and the prompt is token ids (the proxy does not tokenize), else round robin.
 
-A prefill worker that fails or answers without ``kv_transfer_params`` does not fail the request:
-it goes to the decode worker without them and is computed there (the response then has the
-header ``x-kvslots-pd: recomputed``). A decode worker that fails is a 502 with the reason.
+A prefill worker that fails or answers without ``kv_transfer_params`` (or with anything but a
+JSON object) does not fail the request: it goes to the decode worker without them and is
+computed there (the response then has the header ``x-kvslots-pd: recomputed``). A decode worker
+that fails is a 502 with the reason. A request body that is not a JSON object under kvslots'
+strict parser (no NaN, no duplicate keys, at most 64 levels, Unicode text) is a 400.
 """
 
 from __future__ import annotations
 
 import contextlib
-import copy
 import itertools
 import logging
+import math
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -33,7 +35,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from ..config.loader import loads_strict_json
-from ..errors import ConfigError
+from ..errors import ConfigError, InvalidArgumentError
+from .cli import http_url
 
 logger = logging.getLogger(__name__)
 
@@ -49,7 +52,7 @@ class DecodeWorker:
 
 def prefill_body(body: dict[str, Any]) -> dict[str, Any]:
     """The prefill worker's copy of a request: one token, no stream, asks for a remote decode."""
-    out = copy.deepcopy(body)
+    out = dict(body)  # only top-level keys change: nothing nested is copied
     out["max_tokens"] = 1
     if "max_completion_tokens" in out:
         out["max_completion_tokens"] = 1
@@ -57,6 +60,28 @@ def prefill_body(body: dict[str, Any]) -> dict[str, Any]:
     out.pop("stream_options", None)
     out["kv_transfer_params"] = {"do_remote_decode": True}
     return out
+
+
+def _json_object(content: bytes) -> dict[str, Any] | None:
+    """A backend's answer as a JSON object (kvslots' strict parser), None when it is not one."""
+    try:
+        doc = loads_strict_json(content)
+    except ConfigError:
+        return None
+    return doc if isinstance(doc, dict) else None
+
+
+def _score(workers: Any, name: str | None) -> float:
+    """A worker's score in the indexer's answer; 0 for anything but a finite number."""
+    entry = workers.get(name) if isinstance(workers, dict) else None
+    score = entry.get("score") if isinstance(entry, dict) else None
+    if isinstance(score, bool) or not isinstance(score, (int, float)):
+        return 0.0
+    try:
+        value = float(score)
+    except OverflowError:  # an integer past float's range
+        return 0.0
+    return value if math.isfinite(value) else 0.0
 
 
 def _token_ids(body: dict[str, Any]) -> list[int] | None:
@@ -70,7 +95,12 @@ def create_app(prefill_urls: Sequence[str], decode_workers: Sequence[DecodeWorke
                timeout_s: float = 600.0, transport: httpx.AsyncBaseTransport | None = None) -> FastAPI:
     """The proxy app. ``transport`` replaces the network (tests)."""
     if not prefill_urls or not decode_workers:
-        raise ValueError("the proxy needs at least one prefill and one decode worker")
+        raise InvalidArgumentError("the proxy needs at least one prefill and one decode worker")
+    prefill_urls = [http_url(u, "prefill URL") for u in prefill_urls]
+    for w in decode_workers:
+        http_url(w.url, "decode URL")
+    if indexer_url is not None:
+        http_url(indexer_url, "indexer URL")
     prefill_cycle = itertools.cycle(list(prefill_urls))
     decode_cycle = itertools.cycle(list(decode_workers))
     state: dict[str, Any] = {"recomputed": 0, "disaggregated": 0, "decode_errors": 0}
@@ -91,12 +121,17 @@ def create_app(prefill_urls: Sequence[str], decode_workers: Sequence[DecodeWorke
             try:
                 r = await client.post(f"{indexer_url.rstrip('/')}/score", json={"token_ids": ids}, timeout=2.0)
                 r.raise_for_status()
-                workers = r.json().get("workers", {})
-                best = max(scored, key=lambda w: float(workers.get(w.indexer_name, {}).get("score", 0.0)))
-                if float(workers.get(best.indexer_name, {}).get("score", 0.0)) > 0:
-                    return best
-            except (httpx.HTTPError, ValueError, TypeError, AttributeError) as e:
+            except httpx.HTTPError as e:
                 logger.warning("kvslots proxy: indexer %s unusable (%s); round robin", indexer_url, e)
+            else:
+                answer = _json_object(r.content)
+                if answer is None:
+                    logger.warning("kvslots proxy: indexer %s answered no JSON object; round robin", indexer_url)
+                else:
+                    workers = answer.get("workers")
+                    best = max(scored, key=lambda w: _score(workers, w.indexer_name))
+                    if _score(workers, best.indexer_name) > 0:
+                        return best
         return next(decode_cycle)
 
     def decode_failed(worker: DecodeWorker, what: str) -> JSONResponse:
@@ -108,13 +143,18 @@ def create_app(prefill_urls: Sequence[str], decode_workers: Sequence[DecodeWorke
         params = None
         try:
             r = await client.post(f"{prefill_url.rstrip('/')}{path}", json=prefill_body(body))
-            if r.status_code == 200:
-                params = r.json().get("kv_transfer_params")
+        except httpx.HTTPError as e:
+            logger.warning("kvslots proxy: prefill worker %s failed: %s", prefill_url, e)
+        else:
+            answer = _json_object(r.content) if r.status_code == 200 else None
+            if answer is not None:
+                params = answer.get("kv_transfer_params")
+            elif r.status_code == 200:  # an array, a string, not JSON: recomputed on the decode worker
+                logger.warning("kvslots proxy: prefill worker %s answered 200 without a JSON object: %r",
+                               prefill_url, r.content[:300])
             else:
                 logger.warning("kvslots proxy: prefill worker %s answered %d: %s", prefill_url, r.status_code,
                                r.text[:300])
-        except (httpx.HTTPError, ValueError) as e:
-            logger.warning("kvslots proxy: prefill worker %s failed: %s", prefill_url, e)
         decode_req = dict(body)
         headers = {}
         if isinstance(params, dict) and params.get("do_remote_prefill"):
@@ -129,20 +169,26 @@ def create_app(prefill_urls: Sequence[str], decode_workers: Sequence[DecodeWorke
         headers["x-kvslots-decode-worker"] = worker.url
         url = f"{worker.url.rstrip('/')}{path}"
         if body.get("stream"):
-            req = client.build_request("POST", url, json=decode_req)
             try:
-                resp = await client.send(req, stream=True)
+                resp = await client.send(client.build_request("POST", url, json=decode_req), stream=True)
             except httpx.HTTPError as e:
                 return decode_failed(worker, f"failed: {e}")
             if resp.status_code != 200:
-                text = (await resp.aread()).decode(errors="replace")
-                await resp.aclose()
+                try:
+                    text = (await resp.aread()).decode(errors="replace")
+                except httpx.HTTPError as e:
+                    text = f"(body unreadable: {e})"
+                finally:
+                    await resp.aclose()
                 return decode_failed(worker, f"answered {resp.status_code}: {text[:500]}")
 
             async def chunks() -> AsyncIterator[bytes]:
                 try:
                     async for chunk in resp.aiter_bytes():  # decoded: we do not forward content-encoding
                         yield chunk
+                except httpx.HTTPError as e:  # the status is sent already: end the stream, log why
+                    state["decode_errors"] += 1
+                    logger.warning("kvslots proxy: decode worker %s broke off the stream: %s", worker.url, e)
                 finally:
                     await resp.aclose()
 
@@ -157,7 +203,7 @@ def create_app(prefill_urls: Sequence[str], decode_workers: Sequence[DecodeWorke
         return Response(resp.content, media_type="application/json", headers=headers)
 
     async def read_body(request: Request) -> dict[str, Any] | JSONResponse:
-        try:  # kvslots' one strict JSON parser: no NaN, no duplicate keys, bounded nesting
+        try:  # kvslots' one strict JSON parser: no NaN, no duplicate keys, bounded nesting, Unicode text
             body = loads_strict_json(await request.body())
         except ConfigError as e:
             return JSONResponse({"error": f"request body is not JSON: {e.reason}"}, status_code=400)

@@ -1,18 +1,34 @@
-"""``kvslots proxy``: the command."""
+"""``kvslots proxy``: the command. Bad input (a URL, the port, the timeout, an address it cannot
+listen on) is one line, ``kvslots proxy: error: ...``, and exit status 2."""
 
 from __future__ import annotations
 
 import argparse
 import logging
+import math
 from urllib.parse import urlparse
 
-from ..errors import ServeError
+from ..errors import InvalidArgumentError, ServeError
 
 
-def _url(text: str) -> str:
-    u = urlparse(text)
-    if u.scheme not in ("http", "https") or not u.netloc:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an http(s) URL")
+def http_url(text: str, what: str = "URL") -> str:
+    """``text`` without a trailing ``/`` when it is an http(s) URL httpx can send to (scheme,
+    host, a port in range); an :class:`~kvslots.InvalidArgumentError` naming ``what`` otherwise.
+    The one check of a backend's URL (the command line and :func:`~kvslots.proxy.app.create_app`)."""
+    import httpx
+
+    if not isinstance(text, str):
+        raise InvalidArgumentError(f"{what} must be a str, got {type(text).__name__}")
+    try:
+        u = urlparse(text)
+        u.port  # noqa: B018 - reading it checks the port's range
+        httpx.URL(text)
+    except (ValueError, httpx.InvalidURL) as e:  # "http://[::1" is a ValueError of urlparse
+        raise InvalidArgumentError(f"{what} {text!r} is not an http(s) URL ({e})") from None
+    if u.scheme not in ("http", "https") or not u.hostname:
+        raise InvalidArgumentError(f"{what} {text!r} is not an http(s) URL")
+    if not text.isascii() or not text.isprintable():  # it goes into a response header too
+        raise InvalidArgumentError(f"{what} {text!r}: printable ASCII only (punycode for a non-ASCII host name)")
     return text.rstrip("/")
 
 
@@ -27,16 +43,23 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
             "the decode worker's answer. A failed prefill is recomputed on the decode worker."
         ),
     )
-    p.add_argument("--prefill", action="append", type=_url, required=True, metavar="URL",
+    p.add_argument("--prefill", action="append", required=True, metavar="URL",
                    help="a prefill worker's HTTP address, e.g. http://127.0.0.1:8100 (repeatable)")
     p.add_argument("--decode", action="append", required=True, metavar="URL[=WORKER]",
                    help="a decode worker's HTTP address, with its name in the indexer after '=' (repeatable)")
-    p.add_argument("--indexer", type=_url, metavar="URL",
+    p.add_argument("--indexer", metavar="URL",
                    help="kvslots indexer to pick the decode worker holding most of a token-id prompt")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8300, help="port (default 8300)")
     p.add_argument("--timeout", type=float, default=600.0, metavar="S", help="per backend request (default 600)")
     p.set_defaults(func=run)
+
+
+def _flag_url(flag: str, url: str) -> str:
+    try:
+        return http_url(url, flag)
+    except InvalidArgumentError as e:
+        raise ServeError(str(e)) from None
 
 
 def decode_workers(specs: list[str]) -> list:
@@ -45,25 +68,28 @@ def decode_workers(specs: list[str]) -> list:
     out = []
     for spec in specs:
         url, _, name = spec.partition("=")
-        try:
-            url = _url(url)
-        except argparse.ArgumentTypeError as e:
-            raise ServeError(f"--decode {spec!r}: {e}") from None
-        out.append(DecodeWorker(url, name or None))
+        out.append(DecodeWorker(_flag_url("--decode", url), name or None))
     return out
 
 
 def run(args: argparse.Namespace) -> int:
+    # Checked here, not by argparse types: every bad value is one line (argparse adds its usage).
+    prefill = [_flag_url("--prefill", u) for u in args.prefill]
+    indexer = _flag_url("--indexer", args.indexer) if args.indexer is not None else None
+    workers = decode_workers(args.decode)
     if not 0 < args.port < 65536:
         raise ServeError(f"--port {args.port} is not a TCP port")
-    if not args.timeout > 0:
-        raise ServeError(f"--timeout {args.timeout} must be > 0")
-    workers = decode_workers(args.decode)
+    if not (math.isfinite(args.timeout) and args.timeout > 0):
+        raise ServeError(f"--timeout {args.timeout} must be a finite number of seconds > 0")
     import uvicorn
 
+    from ..indexer.cli import check_listen
     from .app import create_app
 
+    # Before uvicorn: a host that does not resolve or a port in use is one line, exit 2 (uvicorn
+    # would log it and exit with status 3).
+    check_listen(args.host, args.port)
     logging.basicConfig(level="INFO", format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    app = create_app(args.prefill, workers, indexer_url=args.indexer, timeout_s=args.timeout)
+    app = create_app(prefill, workers, indexer_url=indexer, timeout_s=args.timeout)
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
     return 0
