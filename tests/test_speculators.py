@@ -174,6 +174,16 @@ def test_references_the_system_cannot_look_up_are_missing(tmp_path, monkeypatch,
         load_speculators_checkpoint(write_dir(tmp_path / "spec2", SPECULATOR_CONFIG), verifier=name)
 
 
+def test_a_config_json_that_is_not_a_regular_file_is_no_config(tmp_path):
+    d = tmp_path / "model"
+    d.mkdir()
+    os.mkfifo(d / "config.json")  # reading it would block: never opened
+    ref = classify_model(str(d))
+    assert ref.kind == "dir" and not ref.has_config and ref.config is None
+    with pytest.raises(ConfigError, match="no config.json"):
+        load_speculators_checkpoint(d)
+
+
 def test_hub_ids_are_matched_whole():
     assert is_hub_id("org/model") and is_hub_id("o" * 96 + "/" + "m" * 96)
     for name in ("org/model\n", "org/model\nx", "o" * 97 + "/m", "org/" + "m" * 97, "org/m\u00e9", "org/..x"):

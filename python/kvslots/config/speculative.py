@@ -94,13 +94,14 @@ def _local_path(text: str) -> Path:
 
 
 def _kind_on_disk(path: Path) -> str | None:
-    """``"dir"``, ``"not_dir"`` (a file, a device, ...) or ``None``: nothing there, or a name the
-    system cannot look up (a component past 255 bytes, a NUL, a symlink loop, no permission)."""
+    """``"dir"``, ``"file"`` (a regular one), ``"other"`` (a FIFO, a device, ...) or ``None``:
+    nothing there, or a name the system cannot look up (a component past 255 bytes, a NUL, a
+    symlink loop, no permission)."""
     try:
         st = path.stat()
     except (OSError, ValueError):
         return None
-    return "dir" if stat.S_ISDIR(st.st_mode) else "not_dir"
+    return "dir" if stat.S_ISDIR(st.st_mode) else "file" if stat.S_ISREG(st.st_mode) else "other"
 
 
 def read_model_config(
@@ -115,7 +116,7 @@ def read_model_config(
         raise ConfigError(f"{what} {str(path)!r} is not a directory")
     cfg_path = path / "config.json"
     source = str(cfg_path)
-    if _kind_on_disk(cfg_path) != "not_dir":
+    if _kind_on_disk(cfg_path) != "file":
         raise ConfigError(f"no config.json in the {what} directory", source=str(path))
     doc = load_json(cfg_path)  # the limits and rules of kvslots.config.loader
     if not isinstance(doc, dict):
@@ -180,10 +181,10 @@ def classify_model(name: str | os.PathLike[str], *, base: str | os.PathLike[str]
     expanded = _local_path(text)
     candidate = expanded if expanded.is_absolute() or base is None else Path(base) / expanded
     found = _kind_on_disk(candidate)
-    if found == "not_dir":
+    if found in ("file", "other"):
         return ModelRef(text, "not_dir", str(candidate.absolute()))
     if found == "dir":
-        has_config = _kind_on_disk(candidate / "config.json") == "not_dir"
+        has_config = _kind_on_disk(candidate / "config.json") == "file"
         config = None
         if has_config:
             try:
