@@ -46,10 +46,14 @@ def argv_for(command: str, path: str) -> list[str]:
 
 @pytest.fixture
 def no_server(monkeypatch):
-    """`kvslots indexer` with a good config would serve forever: uvicorn.run returns at once."""
+    """`kvslots indexer` with a good config would serve forever: uvicorn.run returns at once,
+    and nothing is bound (the address check would fail where the config's port is taken)."""
     import uvicorn
 
+    from kvslots.indexer import cli as indexer_cli
+
     monkeypatch.setattr(uvicorn, "run", lambda *a, **k: None)
+    monkeypatch.setattr(indexer_cli, "check_listen", lambda host, port: None)
 
 
 def run_cli(argv: list[str], capsys) -> tuple[int, str, str, float]:
