@@ -463,3 +463,41 @@ def test_indexer_counts_given_up_replays_and_keeps_applying(setup, caplog):
     assert st["batches"] == 1 + len(sent)  # every live batch applied
     assert st["unhealed_gaps"] == 4  # resync_on_loss: each lost gap rebuilt the worker
     assert len(given_up_logs(caplog)) == given_up
+
+
+def test_publisher_replay_socket_refuses_oversized_frames_and_rate_limits_its_log(caplog):
+    """A replay request is 8 bytes: a peer sending a big frame is dropped by ZMQ (MAXMSGSIZE)
+    instead of the publisher buffering it whole (a 300 MB frame cost the worker 300 MB), and a
+    flood of malformed requests logs a handful of warnings, not one each; real requests still work."""
+    from kvslots.events import publisher as pubmod
+    from kvslots.events.publisher import EventPublisher
+
+    pub = EventPublisher(LOCAL, replay_endpoint=LOCAL)
+    ctx = zmq.Context()
+    try:
+        assert pub._replay.getsockopt(zmq.MAXMSGSIZE) == pubmod.REPLAY_MAX_FRAME
+        pub.publish(payload(0))
+        assert pub.flush(5)
+        with caplog.at_level(logging.WARNING, logger="kvslots.events.publisher"):
+            big = ctx.socket(zmq.DEALER)
+            big.setsockopt(zmq.LINGER, 0)
+            big.connect(pub.replay_endpoint)
+            big.send_multipart([b"", b"x" * (pubmod.REPLAY_MAX_FRAME + 1)])
+            bad = ctx.socket(zmq.DEALER)
+            bad.setsockopt(zmq.LINGER, 0)
+            bad.connect(pub.replay_endpoint)
+            for _ in range(200):
+                bad.send_multipart([b"", b"short"])
+            wait_until(lambda: pub.stats()["replay_malformed"] >= 200, what="malformed requests counted")
+            assert pub.stats()["replay_malformed"] == 200  # the oversized frame never got through
+            warnings = [r for r in caplog.records if "malformed replay request" in r.getMessage()]
+            assert 1 <= len(warnings) <= 9  # 1, 2, 4, ..., 128
+        good = ctx.socket(zmq.DEALER)
+        good.setsockopt(zmq.LINGER, 0)
+        good.connect(pub.replay_endpoint)
+        good.send_multipart(replay_request(0))
+        assert good.poll(5000)
+        assert parse_replay_reply(good.recv_multipart()) is not None
+    finally:
+        ctx.destroy(linger=0)
+        pub.shutdown()

@@ -44,6 +44,9 @@ __all__ = ["END_SEQ", "EventPublisher", "is_bind_endpoint", "offset_endpoint_por
 
 log = logging.getLogger(__name__)
 
+#: Largest frame the replay ROUTER accepts (a request's frames are an empty delimiter and 8 bytes).
+REPLAY_MAX_FRAME = 1024
+
 Payload = Union[EventBatch, msgspec.Struct, bytes, bytearray, memoryview]
 
 
@@ -158,6 +161,10 @@ class EventPublisher:
                 # queue instead of ROUTER silently dropping past the default HWM of 1000.
                 self._replay.setsockopt(zmq.SNDHWM, 2 * (buffer_steps + 1))
                 self._replay.setsockopt(zmq.LINGER, 0)
+                # A request is an 8-byte sequence number: a peer sending a bigger frame is
+                # disconnected by ZMQ instead of having it buffered whole (a 300 MB frame cost
+                # the worker 300 MB).
+                self._replay.setsockopt(zmq.MAXMSGSIZE, REPLAY_MAX_FRAME)
                 if is_ipv6(rep):
                     self._replay.setsockopt(zmq.IPV6, 1)
                 self._replay.bind(rep)
@@ -346,7 +353,9 @@ class EventPublisher:
             request = parse_replay_request(frames)
             if request is None:
                 self._stats["replay_malformed"] += 1
-                log.warning("malformed replay request (%d frames)", len(frames))
+                n = self._stats["replay_malformed"]
+                if n & (n - 1) == 0:  # 1st, 2nd, 4th, 8th, ...: a flood cannot flood the log
+                    log.warning("malformed replay request (%d frames; %d so far)", len(frames), n)
                 continue
             client, start = request
             self._stats["replay_requests"] += 1
