@@ -59,10 +59,11 @@ class ConnectorConfig:
             raise ConnectorConfigError(f"kv_connector_extra_config must be a mapping, got {type(extra).__name__}")
         extra = dict(extra or {})
         known = {f.name: f for f in fields(cls)}
-        unknown = sorted(set(extra) - set(known))
+        # Sorted by their shown form: keys of mixed types (1 and "a") do not compare.
+        unknown = sorted(_brief(k) for k in extra if k not in known)
         if unknown:
             raise ConnectorConfigError(
-                f"kv_connector_extra_config: unknown key(s) {', '.join(map(brief, unknown))}; "
+                f"kv_connector_extra_config: unknown key(s) {', '.join(unknown)}; "
                 f"known keys: {', '.join(sorted(known))}"
             )
         values: dict[str, Any] = {}
@@ -106,9 +107,30 @@ _INT_LIMITS = {"host_cache_blocks": (1 << 31) - 1, "copy_threads": 1024,
                "events_buffer_steps": (1 << 30) - 2, "events_hwm": (1 << 31) - 1}
 
 
+def _brief(value: Any) -> str:
+    """``brief(value)``, or the type's name when its ``repr`` fails (a list nested deeper than
+    the recursion limit, an object whose ``__repr__`` raises)."""
+    try:
+        return brief(value)
+    except Exception:  # RecursionError included
+        return f"<{type(value).__name__}>"
+
+
+def _text(value: Any) -> bool:
+    """A str that is valid Unicode (no lone surrogate: it could not be encoded to bytes for a
+    path, a ZMQ address or topic, or a host name) and holds no NUL."""
+    if not isinstance(value, str) or "\0" in value:
+        return False
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def _check(key: str, value: Any) -> Any:
     def bad(why: str) -> ConnectorConfigError:
-        return ConnectorConfigError(f"kv_connector_extra_config.{key}={brief(value)}: {why}")
+        return ConnectorConfigError(f"kv_connector_extra_config.{key}={_brief(value)}: {why}")
 
     if key == "disk_gb":
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < 1 << 20:
@@ -123,8 +145,8 @@ def _check(key: str, value: Any) -> Any:
     if key == "disk_path":
         if value is None:
             return None
-        if not isinstance(value, str) or not value.strip() or "\0" in value:
-            raise bad("must be a directory path")
+        if not _text(value) or not value.strip():
+            raise bad("must be a directory path (valid Unicode, no NUL)")
         return value
     if key == "host_cache_gb":
         # Bounded like disk_gb: infinity (or 1e999) would overflow sizing it in blocks.
@@ -139,7 +161,8 @@ def _check(key: str, value: Any) -> Any:
             raise bad(f"must be an integer in [1, {hi}]")
         return value
     if key == "pd_host":
-        if not isinstance(value, str) or not value or ":" in value or len(value) > 253:
+        if not _text(value) or not value or ":" in value or len(value) > 253 \
+                or any(c.isspace() or not c.isprintable() for c in value):
             raise bad("must be a host name or address, without a port")
         return value
     if key == "pd_port":
@@ -153,7 +176,8 @@ def _check(key: str, value: Any) -> Any:
             raise bad("must be a number of seconds in (0, 86400]")
         return float(value)
     if key == "eagle_block_drop":
-        if value in ("auto", True, False):
+        # isinstance, not ``in``: 1, 0 and 1.0 equal True and False but are no booleans.
+        if isinstance(value, bool) or isinstance(value, str) and value == "auto":
             return value
         if isinstance(value, str) and value.lower() in ("true", "false"):
             return value.lower() == "true"
@@ -161,11 +185,11 @@ def _check(key: str, value: Any) -> Any:
     if key in ("events_endpoint", "events_replay_endpoint"):
         if value is None:
             return None
-        if not isinstance(value, str) or "://" not in value:
+        if not _text(value) or not value.startswith(("tcp://", "ipc://", "inproc://")):
             raise bad("must be a ZMQ endpoint such as tcp://127.0.0.1:5557")
         return value
     if key == "events_topic":
-        if not isinstance(value, str):
-            raise bad("must be a string")
+        if not _text(value):
+            raise bad("must be a string (valid Unicode, no NUL)")
         return value
     raise bad("unknown key")  # unreachable: filtered by from_extra_config
