@@ -88,3 +88,96 @@ def test_plugin_registers_the_connector_by_name():
             "print([e.value for e in entry_points(group='vllm.general_plugins') if e.name == 'kvslots'])")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert "kvslots.vllm:register" in out
+
+
+class _ReprRaises:
+    def __repr__(self) -> str:
+        raise RuntimeError("no repr")
+
+
+def _deep(n: int) -> list:
+    out: list = []
+    cur = out
+    for _ in range(n):
+        cur.append([])
+        cur = cur[0]
+    return out
+
+
+@pytest.mark.parametrize("extra, named", [
+    # unknown keys of mixed types were sorted together: TypeError ('<' between str and int)
+    ({1: 2, "a": 3}, "unknown key"),
+    ({None: 1, ("t",): 2, "b": 3}, "unknown key"),
+    ({_ReprRaises(): 1}, "unknown key"),
+    # a value whose repr fails (nested past the recursion limit) was a RecursionError
+    ({"host_cache_gb": _deep(100_000)}, "host_cache_gb"),
+    ({"copy_threads": _ReprRaises()}, "copy_threads"),
+    # 1, 0 and 1.0 equal True / False but are not booleans
+    ({"eagle_block_drop": 1}, "eagle_block_drop"),
+    ({"eagle_block_drop": 0}, "eagle_block_drop"),
+    ({"eagle_block_drop": 1.0}, "eagle_block_drop"),
+    # text that could never be encoded (lone surrogate) or holds NUL: refused up front, not
+    # a UnicodeEncodeError in the worker (disk_path) or an unnamed error later (ZMQ, Mooncake)
+    ({"disk_path": "/tmp/x\ud800"}, "disk_path"),
+    ({"disk_path": "/tmp/\udc80"}, "disk_path"),
+    ({"events_topic": "\ud800"}, "events_topic"),
+    ({"events_topic": "a\0b"}, "events_topic"),
+    ({"events_endpoint": "tcp://\ud800:1"}, "events_endpoint"),
+    ({"events_endpoint": "tcp://127.0.0.1:5557\0"}, "events_endpoint"),
+    ({"events_endpoint": "a://b"}, "events_endpoint"),
+    ({"events_replay_endpoint": "udp://127.0.0.1:1"}, "events_replay_endpoint"),
+    ({"pd_host": "\ud800"}, "pd_host"),
+    ({"pd_host": "a\0b"}, "pd_host"),
+    ({"pd_host": " "}, "pd_host"),
+    ({"pd_host": "host name"}, "pd_host"),
+])
+def test_hostile_values_are_named_config_errors(extra, named):
+    with pytest.raises(ConnectorConfigError, match=named) as ei:
+        ConnectorConfig.from_extra_config(extra)
+    assert len(str(ei.value)) < 2000
+
+
+def test_accepted_text_and_booleans_are_unchanged():
+    cfg = ConnectorConfig.from_extra_config({
+        "eagle_block_drop": "false", "events_endpoint": "ipc:///tmp/kvs-ev", "events_topic": "",
+        "pd_host": "10.0.0.1", "disk_path": "/tmp/kvslots disk"})
+    assert cfg.eagle_block_drop is False and cfg.events_endpoint == "ipc:///tmp/kvs-ev"
+    assert cfg.pd_host == "10.0.0.1" and cfg.disk_path == "/tmp/kvslots disk"
+    for v in (True, False, "auto"):
+        assert ConnectorConfig.from_extra_config({"eagle_block_drop": v}).eagle_block_drop == v
+
+
+def test_disk_tier_too_large_for_its_index_is_a_config_error(tmp_path, monkeypatch):
+    # 2^31-1 disk blocks made the disk index allocate ~160 GiB up front: the process aborted
+    # (SIGABRT from the failed allocation in Rust) instead of stopping with a message.
+    from kvslots._dev.tiny import build_tiny_models
+    from kvslots.vllm.connector import connector as mod
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+    from vllm_harness import engine_config, kv_cache_config
+
+    models = build_tiny_models(str(tmp_path))
+    cfg = engine_config(models["target"], None,
+                        extra={"disk_path": str(tmp_path / "disk"), "disk_blocks": (1 << 31) - 1})
+    for role in (KVConnectorRole.SCHEDULER, KVConnectorRole.WORKER):
+        with pytest.raises(ConnectorConfigError, match="disk_blocks"):
+            mod.KVSlotsConnector(cfg, role, kv_cache_config(16))
+    with pytest.raises(ConnectorConfigError, match="disk_gb"):
+        mod._check_disk_index_fits(1 << 40, ConnectorConfig(disk_gb=1000.0))
+    mod._check_disk_index_fits(1 << 10, ConnectorConfig())  # a small tier passes
+
+
+def test_publisher_that_cannot_open_is_a_config_error(tmp_path, monkeypatch):
+    from kvslots._dev.tiny import build_tiny_models
+    from kvslots.errors import InvalidArgumentError
+    from kvslots.vllm.connector import connector as mod
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+    from vllm_harness import engine_config, kv_cache_config
+
+    def refuse(cfg, dp_rank):
+        raise InvalidArgumentError("endpoint refused")
+
+    monkeypatch.setattr(mod, "_make_publisher", refuse)
+    models = build_tiny_models(str(tmp_path))
+    cfg = engine_config(models["target"], None, extra={"events_endpoint": "tcp://127.0.0.1:0"})
+    with pytest.raises(ConnectorConfigError, match="events_endpoint.*endpoint refused"):
+        mod.KVSlotsConnector(cfg, KVConnectorRole.SCHEDULER, kv_cache_config(16))

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import time
 from typing import TYPE_CHECKING, Any, Iterable
 
@@ -30,6 +31,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from ...events import MEDIUM_CPU, MEDIUM_STORAGE
 from ...config.connector import ConnectorConfig, ConnectorConfigError
+from ...errors import KVSlotsError
 from ..compat import check_supported, features
 from .metadata import EMPTY_METADATA, KVSlotsMetadata, KVSlotsWorkerMetadata
 from .scheduler_side import SchedulerSide
@@ -100,7 +102,12 @@ class KVSlotsConnector(KVConnectorBase_V1):
                 max_decode_tokens=1 + (spec.num_speculative_tokens if spec is not None else 0),
             )
             if self.config.events_endpoint:
-                self._publisher = _make_publisher(self.config, self._dp_rank)
+                try:
+                    self._publisher = _make_publisher(self.config, self._dp_rank)
+                except KVSlotsError as e:  # a malformed or taken address: named as the config's key
+                    raise ConnectorConfigError(
+                        f"kv_connector_extra_config.events_endpoint={self.config.events_endpoint!r} "
+                        f"(events_replay_endpoint={self.config.events_replay_endpoint!r}): {e}") from e
             # Without a reader, stores skip reading the token ids the events would carry.
             self._sched.planner.events_wanted = self._vllm_events or self._publisher is not None
             _warn_cpu_reservation(vllm_config)
@@ -133,6 +140,7 @@ class KVSlotsConnector(KVConnectorBase_V1):
         bpb = bytes_per_block(kv_cache_config)
         layout = DiskLayout.of(vllm_config, kv_cache_config, bpb)
         n = self.config.num_disk_blocks(bpb)
+        _check_disk_index_fits(n, self.config)
         path = self.config.disk_path or ""
         if self._sched is not None:
             self._disk_sched = DiskScheduler(self._sched.planner, directory=path, num_slots=n,
@@ -465,6 +473,26 @@ def _warn_cpu_reservation(vllm_config: "VllmConfig") -> None:
         msg = reservation_warning(pc.tensor_parallel_size * pc.pipeline_parallel_size)
         if msg:
             logger.warning(msg)
+
+
+#: Host memory the disk tier's index (kvslots._core.DiskIndex) takes per slot, allocated up front
+#: (measured: 7.5 GB for 10^8 slots).
+DISK_INDEX_BYTES_PER_SLOT = 80
+
+
+def _check_disk_index_fits(num_slots: int, cfg: ConnectorConfig) -> None:
+    """A disk tier whose index cannot fit in this machine's memory is a config error: the index
+    would abort the process (a failed allocation in Rust) instead of raising."""
+    try:
+        phys = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):
+        return
+    need = num_slots * DISK_INDEX_BYTES_PER_SLOT
+    if phys > 0 and need > phys:
+        key = "disk_blocks" if cfg.disk_blocks is not None else "disk_gb"
+        raise ConnectorConfigError(
+            f"kv_connector_extra_config.{key}={getattr(cfg, key)}: a disk tier of {num_slots} blocks needs "
+            f"{need / 2**30:.1f} GiB of host memory for its index; this machine has {phys / 2**30:.1f} GiB")
 
 
 def _make_publisher(cfg: ConnectorConfig, dp_rank: int) -> Any:
