@@ -68,12 +68,24 @@ def parse_series(version: str) -> tuple[int, int]:
     """``"0.33.0"``, ``"0.32.0+cpu"``, ``"0.33.1rc1.dev3"`` -> ``(0, 33)``.
 
     Raises :class:`UnsupportedVLLMVersionError` for a string that is not a version at all."""
-    m = re.match(r"^\s*v?(\d+)\.(\d+)(?:[.+\-a-z]|$)", version if isinstance(version, str) else "")
+    # ASCII digits only (``\d`` also matched full-width and Arabic-Indic ones), at most 9 of them
+    # (a 5000-digit number was int()'s ValueError past its 4300-digit limit).
+    m = re.match(r"^\s*v?([0-9]{1,9})\.([0-9]{1,9})(?:[.+\-a-z]|$)", version if isinstance(version, str) else "")
     if m is None:
+        shown = _shown(version)
         raise UnsupportedVLLMVersionError(
-            f"cannot read the vLLM version {version!r}; kvslots supports vLLM {SUPPORTED_RANGE}",
-            version=str(version))
+            f"cannot read the vLLM version {shown}; kvslots supports vLLM {SUPPORTED_RANGE}",
+            version=version if isinstance(version, str) else shown)
     return int(m.group(1)), int(m.group(2))
+
+
+def _shown(version: object, limit: int = 60) -> str:
+    """``repr(version)`` shortened for a message (a version string may be anything)."""
+    try:
+        text = repr(version)
+    except Exception:
+        text = f"<{type(version).__name__}>"
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def installed_version() -> str | None:
@@ -97,7 +109,7 @@ def features_for(version: str) -> VLLMFeatures:
     row = _TABLE.get(series)
     if row is None:
         raise UnsupportedVLLMVersionError(
-            f"vLLM {version} is not supported: kvslots supports vLLM {SUPPORTED_RANGE}",
+            f"vLLM {version if len(version) <= 60 else version[:57] + '...'} is not supported: kvslots supports vLLM {SUPPORTED_RANGE}",
             version=version)
     return row
 
