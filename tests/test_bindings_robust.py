@@ -691,3 +691,61 @@ def test_disk_tier_arguments_are_typed(tmp_path):
         with pytest.raises(kind):
             call()
     assert ds.reads_in_flight == 0 and ds.wait_reads(1.0)
+
+
+@pytest.mark.parametrize("events_wanted", [True, False])
+def test_planner_refuses_more_computed_tokens_than_the_request_has(events_wanted):
+    """A request claiming blocks beyond its tokens is refused whether or not events are read
+    (with events off it planned stores of no tokens and sized a scratch buffer by the claim)."""
+    bs = 2**20
+    p = _core.ConnectorPlanner(bs, 128, False)
+    p.events_wanted = events_wanted
+    req = _PlannerReq([1] * 10, 10, bs)
+    req.num_computed_tokens = 64 * bs
+    req.block_hashes = list(range(1, 65))
+    p.track(req)
+    with pytest.raises(InvalidArgumentError, match="tokens asked, the request has 10"):
+        p.finish(req, list(range(64)))
+    assert p.host_stats()["stores_started"] == 0
+    assert p.check_invariants() is None
+
+
+def test_planner_malformed_cached_reqs_change_nothing():
+    """scheduled_cached_reqs' lists of unequal lengths are refused before the step begins: the
+    mirrored block tables, the step and a finished request's deferred stores are as before."""
+    import types
+
+    bs = 4
+    p = _core.ConnectorPlanner(bs, 64, False)
+    reqs = []
+    for i in range(4):
+        r = _PlannerReq([5] * 12, 12, bs)
+        r.request_id = f"r{i}"
+        r.block_hashes = [i * 10 + j + 1 for j in range(3)]
+        p.track(r)
+        reqs.append(r)
+    empty = types.SimpleNamespace(req_ids=[], new_block_ids=[], num_computed_tokens=[], resumed_req_ids=set())
+    p.build(types.SimpleNamespace(
+        num_scheduled_tokens={r.request_id: 12 for r in reqs}, preempted_req_ids=set(),
+        scheduled_new_reqs=[types.SimpleNamespace(req_id=r.request_id, block_ids=([i * 10, i * 10 + 1, i * 10 + 2],),
+                                                  num_computed_tokens=0) for i, r in enumerate(reqs)],
+        scheduled_cached_reqs=empty))
+    p.complete(p.step, 1, None, 0)
+    p.finish(reqs[3], [30, 31, 32])  # its stores are deferred to the next step
+    ids = [r.request_id for r in reqs[:3]]
+    before = (p.step, [p.device_blocks(i) for i in ids])
+
+    def output(nb):
+        return types.SimpleNamespace(
+            num_scheduled_tokens={i: 4 for i in ids}, preempted_req_ids=set(), scheduled_new_reqs=[],
+            scheduled_cached_reqs=types.SimpleNamespace(req_ids=list(ids), new_block_ids=nb,
+                                                        num_computed_tokens=[12] * 3, resumed_req_ids=set()))
+
+    with pytest.raises(InvalidArgumentError, match="3 req_ids, 2 new_block_ids"):
+        p.build(output([([60],), ([61],)]))
+    assert (p.step, [p.device_blocks(i) for i in ids]) == before
+    step, dev, _, _ = p.build(output([([60],), ([61],), ([62],)]))
+    assert step == before[0] + 1
+    assert [p.device_blocks(i) for i in ids] == [b + [60 + k] for k, b in enumerate(before[1])]
+    assert {30, 31, 32} <= set(dev)  # the finished request's deferred stores were kept
+    assert p.check_invariants() is None

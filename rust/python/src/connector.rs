@@ -325,6 +325,14 @@ impl ConnectorPlanner {
         num_tokens: usize,
     ) -> PyResult<()> {
         let bs = self.inner.config().block_size;
+        // Checked whether or not the tokens are read: a request claiming more computed tokens
+        // than it has would otherwise store blocks of no tokens (and size `tokens` by its claim).
+        if hi * bs > num_tokens {
+            return Err(invalid(
+                None,
+                format!("{} tokens asked, the request has {num_tokens}", hi * bs),
+            ));
+        }
         let end = (hi * bs + 1).min(num_tokens);
         self.tokens.clear();
         if !self.events_wanted {
@@ -431,17 +439,43 @@ impl ConnectorPlanner {
         py: Python<'py>,
         scheduler_output: &Bound<'py, PyAny>,
     ) -> PyResult<PyPlan<'py>> {
-        let step = self.inner.begin_step();
         let scheduled = scheduler_output.getattr(intern!(py, "num_scheduled_tokens"))?;
         let scheduled = scheduled.cast::<PyDict>()?;
         let n_computed = intern!(py, "num_computed_tokens");
         let n_inflight = intern!(py, "num_in_flight_tokens");
         let n_tokens = intern!(py, "num_tokens");
         let hashes_attr = intern!(py, "block_hashes");
+        let preempted = scheduler_output.getattr(intern!(py, "preempted_req_ids"))?;
+        let new_reqs = scheduler_output.getattr(intern!(py, "scheduled_new_reqs"))?;
+        let new_reqs = new_reqs.cast::<PyList>()?;
+        let cached = scheduler_output.getattr(intern!(py, "scheduled_cached_reqs"))?;
+        let req_ids = cached.getattr(intern!(py, "req_ids"))?;
+        let req_ids = req_ids.cast::<PyList>()?;
+        let new_block_ids = cached.getattr(intern!(py, "new_block_ids"))?;
+        let new_block_ids = new_block_ids.cast::<PyList>()?;
+        let computed = cached.getattr(n_computed)?;
+        let computed = computed.cast::<PyList>()?;
+        let resumed = cached.getattr(intern!(py, "resumed_req_ids"))?;
+        let resumed = resumed.cast::<PySet>().ok();
+        // The output's shape is checked before the step begins: a malformed one changes
+        // nothing (begun, the step would drop finished requests' deferred stores, and a retry
+        // would append the blocks mirrored before the error a second time).
+        if new_block_ids.len() != req_ids.len() || computed.len() != req_ids.len() {
+            return Err(invalid(
+                None,
+                format!(
+                    "scheduled_cached_reqs lists {} req_ids, {} new_block_ids and {} \
+                     num_computed_tokens (want as many of each)",
+                    req_ids.len(),
+                    new_block_ids.len(),
+                    computed.len()
+                ),
+            ));
+        }
+        let step = self.inner.begin_step();
 
         // Preempted requests: vLLM freed their blocks in this schedule(); store their full
         // verified blocks before this step's forward can reuse them.
-        let preempted = scheduler_output.getattr(intern!(py, "preempted_req_ids"))?;
         if !preempted.is_none() {
             for rid in preempted.try_iter()? {
                 let rid = rid?;
@@ -466,8 +500,7 @@ impl ConnectorPlanner {
         }
 
         // New requests: their whole block table.
-        let new_reqs = scheduler_output.getattr(intern!(py, "scheduled_new_reqs"))?;
-        for nr in new_reqs.cast::<PyList>()?.iter() {
+        for nr in new_reqs.iter() {
             let rid_obj = nr.getattr(intern!(py, "req_id"))?;
             let Some(slot) = self.slot_of_id(&rid_obj)? else {
                 continue;
@@ -484,15 +517,6 @@ impl ConnectorPlanner {
         }
 
         // Running and resumed requests: the blocks vLLM added this step.
-        let cached = scheduler_output.getattr(intern!(py, "scheduled_cached_reqs"))?;
-        let req_ids = cached.getattr(intern!(py, "req_ids"))?;
-        let req_ids = req_ids.cast::<PyList>()?;
-        let new_block_ids = cached.getattr(intern!(py, "new_block_ids"))?;
-        let new_block_ids = new_block_ids.cast::<PyList>()?;
-        let computed = cached.getattr(n_computed)?;
-        let computed = computed.cast::<PyList>()?;
-        let resumed = cached.getattr(intern!(py, "resumed_req_ids"))?;
-        let resumed = resumed.cast::<PySet>().ok();
         let mut due = std::mem::take(&mut self.due);
         due.clear();
         let any_resumed = resumed.as_ref().is_some_and(|s| !s.is_empty());
