@@ -40,3 +40,50 @@ def test_unsupported_long_version_message_is_short():
     with pytest.raises(UnsupportedVLLMVersionError, match="0.99") as ei:
         features_for("0.99." + "x" * 10_000)
     assert len(str(ei.value)) < 300
+
+
+def _kcc(num_blocks: int = 64, groups: int = 1):
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("vllm")
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, KVCacheTensor
+
+    layers, page = ["a", "b"], 16 * 2 * 2 * 4
+    spec = FullAttentionSpec(block_size=16, num_kv_heads=1, head_size=2, dtype=torch.float32)
+    return KVCacheConfig(
+        num_blocks=num_blocks,
+        kv_cache_tensors=[KVCacheTensor(size=page * num_blocks, layers=[n], layer_stride=page * num_blocks,
+                                        block_stride=page) for n in layers],
+        kv_cache_groups=[KVCacheGroupSpec(layers, spec)] * groups)
+
+
+@pytest.mark.parametrize("kw", [
+    {"watermark": float("nan")},   # was int()'s ValueError
+    {"watermark": float("inf")},   # was an OverflowError
+    {"watermark": "0.1"},          # was a TypeError
+    {"watermark": None},
+    {"watermark": 1.5},            # vLLM's own SchedulerConfig refuses >= 1
+    {"num_hash_lookahead_tokens": "x"},           # was a ValueError
+    {"num_hash_lookahead_tokens": float("nan")},
+    {"num_hash_lookahead_tokens": -1},            # was taken as is
+])
+def test_scheduler_mode_manager_hostile_options_are_scheduler_mode_errors(kw):
+    from kvslots.vllm.scheduler.kv_cache_manager import KVSlotsKVCacheManager, SchedulerModeError
+
+    with pytest.raises(SchedulerModeError):
+        KVSlotsKVCacheManager(_kcc(), max_model_len=2048, scheduler_block_size=16, hash_block_size=16, **kw)
+
+
+def test_scheduler_mode_with_no_kv_cache_group_is_refused_by_name():
+    # An attention-free model has no KV cache group: kv_cache_groups[0] was an IndexError.
+    from kvslots.vllm.scheduler.kv_cache_manager import KVSlotsKVCacheManager, SchedulerModeError
+
+    with pytest.raises(SchedulerModeError, match="0 KV cache groups"):
+        KVSlotsKVCacheManager(_kcc(groups=0), max_model_len=2048, scheduler_block_size=16, hash_block_size=16)
+
+
+def test_scheduler_mode_manager_plain_options_still_work():
+    from kvslots.vllm.scheduler.kv_cache_manager import KVSlotsKVCacheManager
+
+    m = KVSlotsKVCacheManager(_kcc(), max_model_len=2048, scheduler_block_size=16, hash_block_size=16,
+                              watermark=0.5, num_hash_lookahead_tokens=None)
+    assert m.watermark_blocks == 32 and m.num_hash_lookahead_tokens == 0

@@ -229,9 +229,12 @@ class KVSlotsKVCacheManager(DeviceKVManager):
                         hash_block_size=hash_block_size, dcp_world_size=dcp_world_size,
                         pcp_world_size=pcp_world_size, metrics_collector=metrics_collector,
                         enable_caching=enable_caching, num_prefill_lookahead=num_prefill_lookahead,
-                        use_eagle=use_eagle or bool(kv_cache_config.kv_cache_groups[0].is_eagle_group))
-        if watermark < 0:
-            raise SchedulerModeError("watermark must be non-negative")
+                        use_eagle=use_eagle or bool(getattr(next(iter(kv_cache_config.kv_cache_groups), None),
+                                                            "is_eagle_group", False)))
+        # vLLM's SchedulerConfig.watermark is a fraction in [0, 1): NaN or infinity here was
+        # int()'s ValueError / OverflowError, a str or None a TypeError.
+        if isinstance(watermark, bool) or not isinstance(watermark, (int, float)) or not 0 <= watermark < 1:
+            raise SchedulerModeError(f"watermark must be a fraction in [0, 1), got {watermark!r:.60}")
         return super().__new__(
             cls, kv_cache_config.num_blocks, kv_cache_config.kv_cache_groups[0].kv_cache_spec.block_size,
             max_model_len=max_model_len, enable_caching=enable_caching,
@@ -272,7 +275,13 @@ class KVSlotsKVCacheManager(DeviceKVManager):
         # vLLM 0.33 (EAGLE, no connector): each block hash also covers the next L tokens, so
         # request.block_hashes only reaches a block once L tokens follow it; the Rust core
         # commits only blocks that have a hash. Events carry those tokens (lookahead_token_ids).
-        self.num_hash_lookahead_tokens = int(num_hash_lookahead_tokens or 0)
+        if num_hash_lookahead_tokens is None:
+            num_hash_lookahead_tokens = 0
+        if isinstance(num_hash_lookahead_tokens, bool) or not isinstance(num_hash_lookahead_tokens, int) \
+                or not 0 <= num_hash_lookahead_tokens < 1 << 31:
+            raise SchedulerModeError(f"num_hash_lookahead_tokens must be an integer in [0, 2**31), "
+                                     f"got {num_hash_lookahead_tokens!r:.60}")
+        self.num_hash_lookahead_tokens = num_hash_lookahead_tokens
         self.kv_cache_event_metadata = (
             (get_kv_cache_spec_kind(group.kv_cache_spec).value,
              get_kv_cache_spec_sliding_window(group.kv_cache_spec)),)
