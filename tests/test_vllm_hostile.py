@@ -87,3 +87,17 @@ def test_scheduler_mode_manager_plain_options_still_work():
     m = KVSlotsKVCacheManager(_kcc(), max_model_len=2048, scheduler_block_size=16, hash_block_size=16,
                               watermark=0.5, num_hash_lookahead_tokens=None)
     assert m.watermark_blocks == 32 and m.num_hash_lookahead_tokens == 0
+
+
+@pytest.mark.parametrize("data", [None, {}, {"gauges": None}, {"counters": [1, 2]}, {"gauges": 5, "counters": "x"},
+                                  [("gauges", {})], {"gauges": {"host/used_blocks": 3}}])
+def test_connector_stats_from_odd_data(data):
+    # {"gauges": None} and {"counters": [1, 2]} were TypeErrors from dict()
+    pytest.importorskip("vllm")
+    from kvslots.vllm.connector import KVSlotsConnector
+
+    stats = KVSlotsConnector.build_kv_connector_stats(data)
+    assert set(stats.data) == {"gauges", "counters"}
+    assert all(isinstance(v, dict) for v in stats.data.values())
+    if isinstance(data, dict) and isinstance(data.get("gauges"), dict):
+        assert stats.data["gauges"] == data["gauges"] and stats.data["gauges"] is not data["gauges"]

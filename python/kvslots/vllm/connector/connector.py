@@ -17,6 +17,7 @@ import dataclasses
 import logging
 import os
 import time
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Iterable
 
 import msgspec
@@ -281,8 +282,12 @@ class KVSlotsConnector(KVConnectorBase_V1):
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> Any:
         from .stats import KVSlotsConnectorStats
 
-        data = data or {}  # copied: aggregate() adds into its own dicts
-        return KVSlotsConnectorStats(data={k: dict(data.get(k, {})) for k in ("gauges", "counters")})
+        # Copied: aggregate() adds into its own dicts. A part that is not a mapping (None, a
+        # list) was a TypeError from dict(); it is dropped: metrics never stop the engine.
+        if not isinstance(data, Mapping):
+            data = {}
+        parts = {k: data.get(k) for k in ("gauges", "counters")}
+        return KVSlotsConnectorStats(data={k: dict(v) if isinstance(v, Mapping) else {} for k, v in parts.items()})
 
     @classmethod
     def build_prom_metrics(cls, vllm_config: "VllmConfig", metric_types: Any, labelnames: list[str],
