@@ -105,12 +105,30 @@ struct FullHashes {
     lens: Vec<u8>,
 }
 
-impl FullHashes {
-    fn new(n: usize) -> Self {
-        FullHashes {
-            bytes: vec![0u8; n * FullHash::MAX_LEN],
-            lens: vec![0; n],
+/// `n` zeroed bytes (lazily filled by the OS, as `vec![0u8; n]`), or `None` when they cannot
+/// be allocated: `vec!` would abort the process, and `n` comes from the caller's `num_blocks`.
+fn zeroed_bytes(n: usize) -> Option<Vec<u8>> {
+    if n == 0 {
+        return Some(Vec::new());
+    }
+    let layout = std::alloc::Layout::array::<u8>(n).ok()?;
+    // SAFETY: `layout` has a nonzero size; a non-null result is `n` zeroed bytes from the
+    // global allocator with that layout, which is what `Vec<u8>` of capacity `n` frees.
+    unsafe {
+        let p = std::alloc::alloc_zeroed(layout);
+        if p.is_null() {
+            return None;
         }
+        Some(Vec::from_raw_parts(p, n, n))
+    }
+}
+
+impl FullHashes {
+    fn new(n: usize) -> Option<Self> {
+        Some(FullHashes {
+            bytes: zeroed_bytes(n.checked_mul(FullHash::MAX_LEN)?)?,
+            lens: zeroed_bytes(n)?,
+        })
     }
     #[inline]
     fn get(&self, b: BlockId) -> FullHash {
@@ -299,9 +317,23 @@ impl DeviceAllocator {
         if cfg.block_size == 0 || cfg.block_size > u32::MAX as usize {
             return Err(SlotError::invalid(
                 None,
-                format!("block_size must be positive, got {}", cfg.block_size),
+                format!(
+                    "block_size must be in [1, {}], got {}",
+                    u32::MAX,
+                    cfg.block_size
+                ),
             ));
         }
+        let full = FullHashes::new(cfg.num_blocks).ok_or_else(|| {
+            SlotError::invalid(
+                None,
+                format!(
+                    "num_blocks = {}: the block hashes' {} bytes cannot be allocated",
+                    cfg.num_blocks,
+                    cfg.num_blocks.saturating_mul(FullHash::MAX_LEN + 1)
+                ),
+            )
+        })?;
         let mut pool = BlockPool::with_duplicates(cfg.num_blocks);
         let (mut out, mut ev) = (Vec::with_capacity(1), Vec::new());
         pool.allocate(1, &mut out, &mut ev);
@@ -313,7 +345,7 @@ impl DeviceAllocator {
             record_evictions: cfg.record_evictions,
             record_new_blocks: cfg.record_new_blocks,
             prefer_held: cfg.prefer_held_duplicates,
-            full: FullHashes::new(cfg.num_blocks),
+            full,
             reqs: FxHashMap::default(),
             slots: Vec::new(),
             free_slots: Vec::new(),
