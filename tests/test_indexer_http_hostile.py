@@ -149,3 +149,116 @@ def test_random_score_bodies_never_500(client, obj):
     assert r.status_code < 500, (r.status_code, r.text, body[:200])
     if r.status_code == 200:  # only a well-formed request is answered
         assert all(type(t) is int and 0 <= t < 2**32 for t in obj["token_ids"])
+
+
+# ---- connection limits (kvslots.indexer.httpguard), on a real uvicorn server ----
+
+
+@pytest.fixture
+def guarded_server(monkeypatch):
+    """The indexer app on uvicorn with the guarded protocol the command uses; a 1.5 s read
+    timeout so the tests are quick."""
+    import socket
+    import threading
+    import time
+
+    import uvicorn
+
+    from kvslots.indexer import httpguard
+    from ports import free_port
+
+    monkeypatch.setattr(httpguard, "READ_TIMEOUT_S", 1.5)
+    svc = IndexerService(IndexerConfig(block_size=BS))
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(create_app(svc), host="127.0.0.1", port=port, log_level="error",
+                                           http=httpguard.protocol_class(), lifespan="off"))
+    t = threading.Thread(target=server.run, daemon=True)
+    t.start()
+    deadline = time.monotonic() + 10
+    while not server.started:
+        assert time.monotonic() < deadline, "server did not start"
+        time.sleep(0.02)
+
+    def connect() -> socket.socket:
+        s = socket.create_connection(("127.0.0.1", port))
+        s.settimeout(10)
+        return s
+
+    yield connect
+    server.should_exit = True
+    t.join(10)
+
+
+def _read_all(s) -> bytes:
+    out = b""
+    try:
+        while chunk := s.recv(65536):
+            out += chunk
+    except (ConnectionResetError, TimeoutError):
+        pass
+    return out
+
+
+def test_huge_header_is_a_431_not_read_into_memory(guarded_server):
+    from kvslots.indexer.httpguard import MAX_HEAD_BYTES
+
+    s = guarded_server()
+    sent = 0
+    s.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\nX-A: ")
+    try:  # uvicorn read a 300 MB header whole (700 MB of memory); now it stops past 64 KiB
+        while sent < 50 * MAX_HEAD_BYTES:
+            s.sendall(b"a" * 65536)
+            sent += 65536
+    except (BrokenPipeError, ConnectionResetError):
+        pass
+    answer = _read_all(s)
+    assert sent < 50 * MAX_HEAD_BYTES or answer.startswith(b"HTTP/1.1 431")
+    # Many headers, each small, count too; an ordinary request with a body still works.
+    s = guarded_server()
+    s.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n" + b"".join(b"X-%d: a\r\n" % i for i in range(20000)) + b"\r\n")
+    assert _read_all(s).startswith(b"HTTP/1.1 431")
+    s = guarded_server()
+    body = json.dumps({"token_ids": list(range(50_000))}).encode()  # head and body in one write
+    s.sendall(b"POST /score HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nConnection: close\r\n"
+              b"Content-Length: %d\r\n\r\n" % len(body) + body)
+    assert _read_all(s).startswith(b"HTTP/1.1 200")
+
+
+@pytest.mark.parametrize("partial", [b"", b"POST /score HTTP/1.1\r\nHost: x\r\n",
+                                     b"POST /score HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{"])
+def test_partial_request_times_out(guarded_server, partial):
+    """Nothing, a head without its end, a body short of its length: the connection was held
+    open for ever (slowloris); now a 408 (or a close, once the body started) after the timeout."""
+    import time
+
+    s = guarded_server()
+    s.sendall(partial)
+    t0 = time.monotonic()
+    answer = _read_all(s)
+    assert time.monotonic() - t0 < 6
+    if b"Content-Length" not in partial:
+        assert answer.startswith(b"HTTP/1.1 408")
+
+
+def test_slow_but_steady_request_is_cut_and_keep_alive_requests_are_not(guarded_server):
+    import time
+
+    s = guarded_server()  # a byte every 0.2 s never completes the head: cut at the timeout
+    t0 = time.monotonic()
+    with pytest.raises((BrokenPipeError, ConnectionResetError)):
+        for b in b"POST /score HTTP/1.1\r\nHost: x\r\n" + b"X" * 1000:
+            s.sendall(bytes([b]))
+            time.sleep(0.2)
+            assert time.monotonic() - t0 < 8
+    import http.client
+
+    s = guarded_server()  # requests on one keep-alive connection, each quick, for longer than the timeout
+    port = s.getpeername()[1]
+    s.close()
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+    for _ in range(4):
+        conn.request("GET", "/healthz")
+        r = conn.getresponse()
+        assert r.status == 200 and json.loads(r.read())["ok"]
+        time.sleep(0.6)
+    conn.close()

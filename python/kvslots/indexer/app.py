@@ -17,6 +17,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 from ..config.loader import loads_strict_json
 from ..errors import InvalidArgumentError
 from .config import ConfigError, WorkerSpec
+from .httpguard import BodyLimit
 from .service import IndexerService
 
 log = logging.getLogger("kvslots.indexer")
@@ -244,69 +245,10 @@ def create_app(service: IndexerService, *, own_service: bool = False) -> FastAPI
     return app
 
 
-class BodyLimit:
-    """Refuses request bodies over `max_bytes` with 413 before anything parses them. A body with
-    no Content-Length is counted as it streams in; past the limit the client gets the 413 and
-    the app sees a disconnect (whatever it answers then is dropped)."""
-
-    def __init__(self, app: Any, max_bytes: int):
-        self.app = app
-        self.max = max_bytes
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        for k, v in scope.get("headers", ()):
-            if k == b"content-length":
-                try:
-                    n = int(v)
-                except ValueError:
-                    return await _reply(send, 400, "bad Content-Length")
-                if n > self.max:
-                    return await _reply(send, 413, f"request body over {self.max} bytes")
-        seen = 0
-        state = {"started": False, "refused": False}
-
-        async def limited():
-            nonlocal seen
-            if state["refused"]:
-                return {"type": "http.disconnect"}
-            msg = await receive()
-            if msg["type"] == "http.request":
-                seen += len(msg.get("body", b""))
-                if seen > self.max:
-                    state["refused"] = True
-                    if not state["started"]:
-                        state["started"] = True
-                        await _reply(send, 413, f"request body over {self.max} bytes")
-                    return {"type": "http.disconnect"}
-            return msg
-
-        async def tracked(msg):
-            if state["refused"]:
-                return
-            if msg["type"] == "http.response.start":
-                state["started"] = True
-            await send(msg)
-
-        try:
-            await self.app(scope, limited, tracked)
-        except Exception:
-            if not state["refused"]:
-                raise
-
-
 def _unavailable(e: BaseException) -> HTTPException:
     """503: the backend's store (Redis) cannot be reached; nothing was changed."""
     return HTTPException(503, f"the index store is unreachable ({type(e).__name__}); nothing was changed, "
                               "retry later", headers={"Retry-After": "1"})
-
-
-async def _reply(send, status: int, detail: str) -> None:
-    body = json.dumps({"detail": detail}).encode()
-    await send({"type": "http.response.start", "status": status,
-                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
-    await send({"type": "http.response.body", "body": body})
 
 
 def _version() -> str:

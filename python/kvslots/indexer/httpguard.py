@@ -1,0 +1,162 @@
+"""Limits on HTTP connections that uvicorn does not set, shared by ``kvslots indexer`` and
+``kvslots proxy``:
+
+* a request's head (request line and headers) is at most :data:`MAX_HEAD_BYTES`: past it the
+  client gets a 431 and the connection is closed (uvicorn's httptools parser has no limit: a
+  300 MB header was read whole into memory);
+* a request must arrive whole (head and body) within :data:`READ_TIMEOUT_S` of the connection
+  opening or of the previous response on it: past it the client gets a 408 (or, when part of the
+  body was read already, the connection is closed), so partial requests sent a byte at a time
+  (slowloris) or connections that never send anything no longer stay open for ever.
+
+:func:`protocol_class` is what ``uvicorn.run(..., http=...)`` takes. Bodies are bounded by
+:class:`BodyLimit` (ASGI middleware)."""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+MAX_HEAD_BYTES = 64 * 1024
+READ_TIMEOUT_S = 60.0
+_TICK_S = 1.0
+
+
+def _raw_response(status: int, reason: str, detail: str) -> bytes:
+    body = json.dumps({"detail": detail}).encode()
+    return (f"HTTP/1.1 {status} {reason}\r\ncontent-type: application/json\r\ncontent-length: {len(body)}\r\n"
+            "connection: close\r\n\r\n").encode() + body
+
+
+class _Guard:
+    """Mixin over a uvicorn HTTP protocol (httptools or h11); both keep the request in flight in
+    ``self.cycle`` (None before the first request's head is parsed), with ``more_body`` true
+    while its body is being read and ``response_complete`` once it is answered."""
+
+    cycle: Any
+    transport: Any
+    loop: Any
+
+    def connection_made(self, transport: Any) -> None:
+        super().connection_made(transport)  # type: ignore[misc]
+        self._guard_head = 0  # bytes received while the current request's head is incomplete
+        self._guard_cycle: Any = None  # the cycle the timer last saw
+        self._guard_since: float | None = time.monotonic()
+        self._guard_timer = self.loop.call_later(_TICK_S, self._guard_tick)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        timer = getattr(self, "_guard_timer", None)
+        if timer is not None:
+            timer.cancel()
+        super().connection_lost(exc)  # type: ignore[misc]
+
+    def _in_head(self) -> bool:
+        c = self.cycle
+        return c is None or c.response_complete
+
+    def data_received(self, data: bytes) -> None:
+        before = self.cycle
+        super().data_received(data)  # type: ignore[misc]
+        if self.transport.is_closing():
+            return
+        if self.cycle is not before or not self._in_head():
+            self._guard_head = 0  # a new head was parsed (its body may be in this chunk)
+            return
+        self._guard_head += len(data)
+        if self._guard_head > MAX_HEAD_BYTES:
+            self.transport.write(_raw_response(431, "Request Header Fields Too Large",
+                                               f"request line and headers over {MAX_HEAD_BYTES} bytes"))
+            self.transport.close()
+
+    def _guard_tick(self) -> None:
+        self._guard_timer = None
+        if self.transport.is_closing():
+            return
+        c = self.cycle
+        reading = self._in_head() or bool(c.more_body)
+        now = time.monotonic()
+        if not reading:
+            self._guard_since = None
+        elif self._guard_since is None or c is not self._guard_cycle:
+            self._guard_since = now
+        elif now - self._guard_since > READ_TIMEOUT_S:
+            if self._in_head():  # no response under way: say why
+                self.transport.write(_raw_response(408, "Request Timeout",
+                                                   f"the request did not arrive whole within {READ_TIMEOUT_S:g} s"))
+            self.transport.close()
+            return
+        self._guard_cycle = c
+        self._guard_timer = self.loop.call_later(_TICK_S, self._guard_tick)
+
+
+def protocol_class() -> type:
+    """uvicorn's HTTP protocol (httptools when installed, as its 'auto' picks, else h11) with
+    the limits above."""
+    try:
+        from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol as base
+    except ImportError:
+        from uvicorn.protocols.http.h11_impl import H11Protocol as base
+
+    return type(f"Guarded{base.__name__}", (_Guard, base), {})
+
+
+class BodyLimit:
+    """Refuses request bodies over `max_bytes` with 413 before anything parses them. A body with
+    no Content-Length is counted as it streams in; past the limit the client gets the 413 and
+    the app sees a disconnect (whatever it answers then is dropped). The answer is
+    ``{key: reason}`` (the indexer's ``detail``, the proxy's OpenAI-style ``error``)."""
+
+    def __init__(self, app: Any, max_bytes: int, key: str = "detail"):
+        self.app = app
+        self.max = max_bytes
+        self.key = key
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        for k, v in scope.get("headers", ()):
+            if k == b"content-length":
+                try:
+                    n = int(v)
+                except ValueError:
+                    return await self._reply(send, 400, "bad Content-Length")
+                if n > self.max:
+                    return await self._reply(send, 413, f"request body over {self.max} bytes")
+        seen = 0
+        state = {"started": False, "refused": False}
+
+        async def limited():
+            nonlocal seen
+            if state["refused"]:
+                return {"type": "http.disconnect"}
+            msg = await receive()
+            if msg["type"] == "http.request":
+                seen += len(msg.get("body", b""))
+                if seen > self.max:
+                    state["refused"] = True
+                    if not state["started"]:
+                        state["started"] = True
+                        await self._reply(send, 413, f"request body over {self.max} bytes")
+                    return {"type": "http.disconnect"}
+            return msg
+
+        async def tracked(msg):
+            if state["refused"]:
+                return
+            if msg["type"] == "http.response.start":
+                state["started"] = True
+            await send(msg)
+
+        try:
+            await self.app(scope, limited, tracked)
+        except Exception:
+            if not state["refused"]:
+                raise
+
+    async def _reply(self, send, status: int, detail: str) -> None:
+        body = json.dumps({self.key: detail}).encode()
+        await send({"type": "http.response.start", "status": status,
+                    "headers": [(b"content-type", b"application/json"),
+                                (b"content-length", str(len(body)).encode())]})
+        await send({"type": "http.response.body", "body": body})
