@@ -53,7 +53,9 @@ def test_sizes_are_bounded_so_sizing_never_overflows(extra, named):
         ConnectorConfig.from_extra_config(extra)
     assert len(str(ei.value)) < 2000  # values are shortened in messages
     big = ConnectorConfig.from_extra_config({"host_cache_gb": (1 << 20) - 1})
-    assert big.num_host_blocks(4096) == ((1 << 20) - 1) * (1 << 30) // 4096
+    assert big.num_host_blocks(1 << 20) == ((1 << 20) - 1) * (1 << 30) // (1 << 20)
+    with pytest.raises(ConnectorConfigError, match="host_cache_gb"):  # past the core's 2^31-1 blocks
+        big.num_host_blocks(4096)
 
 
 @pytest.mark.parametrize("extra", [[("host_cache_gb", 1)], "host_cache_gb=1", 5])
@@ -181,3 +183,13 @@ def test_publisher_that_cannot_open_is_a_config_error(tmp_path, monkeypatch):
     cfg = engine_config(models["target"], None, extra={"events_endpoint": "tcp://127.0.0.1:0"})
     with pytest.raises(ConnectorConfigError, match="events_endpoint.*endpoint refused"):
         mod.KVSlotsConnector(cfg, KVConnectorRole.SCHEDULER, kv_cache_config(16))
+
+
+def test_tier_sized_in_gib_past_the_block_limit_is_named():
+    # host_cache_gb 100000 at 1536-byte blocks: 7e10 blocks, refused by the planner with an
+    # error naming num_blocks, not the key
+    with pytest.raises(ConnectorConfigError, match="host_cache_gb"):
+        ConnectorConfig(host_cache_gb=100000.0).num_host_blocks(1536)
+    with pytest.raises(ConnectorConfigError, match="disk_gb"):
+        ConnectorConfig(disk_gb=100000.0).num_disk_blocks(1536)
+    assert ConnectorConfig(host_cache_gb=1.0).num_host_blocks(1) == 1 << 30

@@ -16,6 +16,8 @@ from .loader import brief
 
 
 GIB = 1 << 30
+#: The most blocks a tier may hold (the core's block ids are below 2^31).
+MAX_BLOCKS = (1 << 31) - 1
 
 
 @dataclass(frozen=True)
@@ -83,6 +85,10 @@ class ConnectorConfig:
                 f"kv_connector_extra_config.host_cache_gb={self.host_cache_gb} holds no block of "
                 f"{bytes_per_block} bytes"
             )
+        if n > MAX_BLOCKS:  # the core's limit: named here, not an unnamed error from the planner
+            raise ConnectorConfigError(
+                f"kv_connector_extra_config.host_cache_gb={self.host_cache_gb} holds {n} blocks of "
+                f"{bytes_per_block} bytes, more than {MAX_BLOCKS}")
         return n
 
     def num_disk_blocks(self, bytes_per_block: int) -> int:
@@ -95,6 +101,10 @@ class ConnectorConfig:
         if n < 1:
             raise ConnectorConfigError(
                 f"kv_connector_extra_config.disk_gb={self.disk_gb} holds no block of {bytes_per_block} bytes")
+        if n > MAX_BLOCKS:  # disk_blocks' own bound
+            raise ConnectorConfigError(
+                f"kv_connector_extra_config.disk_gb={self.disk_gb} holds {n} blocks of {bytes_per_block} bytes, "
+                f"more than {MAX_BLOCKS}")
         return n
 
     def use_eagle_block_drop(self, vllm_says: bool) -> bool:
