@@ -250,7 +250,34 @@ def test_cli_port_in_use_is_one_line_exit_2(capsys, monkeypatch):
     monkeypatch.setattr(uvicorn, "run", lambda app, **k: started.append(k))
     free = free_port()
     assert _proxy_cli(["--prefill", "http://p/", "--decode", "http://d=w", "--port", str(free)], capsys)[0] == 0
+    assert len(started) == 1 and started[0].pop("http").__name__.startswith("Guarded")
     assert started == [{"host": "127.0.0.1", "port": free, "log_level": "warning"}]
+
+
+def test_body_over_the_cap_is_a_413_before_it_is_read_whole(capsys, monkeypatch):
+    """A 1000 MB body was read whole (2 GB of memory) and forwarded; now a 413 past
+    --max-body-mb (64 MiB by default), with or without a Content-Length, and nothing is forwarded."""
+    be = Backends()
+    workers = [DecodeWorker("http://decode-a")]
+    app = create_app(["http://prefill-1"], workers, transport=httpx.MockTransport(be), max_body_mb=1)
+    with TestClient(app) as c:
+        big = b'{"prompt": "' + b"a" * 2**20 + b'"}'
+        r = c.post("/v1/completions", content=big, headers={"content-type": "application/json"})
+        assert r.status_code == 413 and r.json() == {"error": f"request body over {2**20} bytes"}
+        r = c.post("/v1/completions", content=iter([big[:2**19], big[2**19:]]))  # chunked: no Content-Length
+        assert r.status_code == 413
+        assert be.calls == []
+        r = c.post("/v1/completions", json={"prompt": "a" * (2**20 - 100)})
+        assert r.status_code == 200
+    for bad in (0, -1, 65537, True, 1.5, "64"):
+        with pytest.raises(InvalidArgumentError, match="max_body_mb"):
+            create_app(["http://p"], workers, max_body_mb=bad)
+    import uvicorn
+
+    monkeypatch.setattr(uvicorn, "run", lambda *a, **k: pytest.fail("uvicorn started"))
+    for value in ("0", "65537", "-5"):
+        code, out, err = _proxy_cli(["--prefill", "http://p", "--decode", "http://d", "--max-body-mb", value], capsys)
+        assert code == 2 and err == f"kvslots proxy: error: --max-body-mb {value} must be in 1..65536\n", err
 
 
 def test_indexer_picks_the_decode_worker():

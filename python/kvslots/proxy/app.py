@@ -36,11 +36,16 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from ..config.loader import loads_strict_json
 from ..errors import ConfigError, InvalidArgumentError
+from ..indexer.httpguard import BodyLimit
 from .cli import http_url
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["DecodeWorker", "create_app", "prefill_body"]
+__all__ = ["DecodeWorker", "create_app", "prefill_body", "DEFAULT_MAX_BODY_MB"]
+
+#: Largest request body accepted by default (``--max-body-mb``): a 1000 MB body was read whole
+#: (2 GB of memory) before a byte of it was looked at.
+DEFAULT_MAX_BODY_MB = 64
 
 
 @dataclass(frozen=True)
@@ -92,10 +97,14 @@ def _token_ids(body: dict[str, Any]) -> list[int] | None:
 
 
 def create_app(prefill_urls: Sequence[str], decode_workers: Sequence[DecodeWorker], *, indexer_url: str | None = None,
-               timeout_s: float = 600.0, transport: httpx.AsyncBaseTransport | None = None) -> FastAPI:
-    """The proxy app. ``transport`` replaces the network (tests)."""
+               timeout_s: float = 600.0, transport: httpx.AsyncBaseTransport | None = None,
+               max_body_mb: int = DEFAULT_MAX_BODY_MB) -> FastAPI:
+    """The proxy app. ``transport`` replaces the network (tests). A request body over
+    ``max_body_mb`` MiB is a 413 before it is read whole."""
     if not prefill_urls or not decode_workers:
         raise InvalidArgumentError("the proxy needs at least one prefill and one decode worker")
+    if isinstance(max_body_mb, bool) or not isinstance(max_body_mb, int) or not 0 < max_body_mb <= 65536:
+        raise InvalidArgumentError(f"max_body_mb {max_body_mb!r} must be an integer in 1..65536")
     prefill_urls = [http_url(u, "prefill URL") for u in prefill_urls]
     for w in decode_workers:
         http_url(w.url, "decode URL")
@@ -113,6 +122,7 @@ def create_app(prefill_urls: Sequence[str], decode_workers: Sequence[DecodeWorke
 
     app = FastAPI(title="kvslots proxy", summary="OpenAI-compatible front door for disaggregated prefill/decode",
                   lifespan=lifespan)
+    app.add_middleware(BodyLimit, max_bytes=max_body_mb * 2**20, key="error")
 
     async def pick_decode(body: dict[str, Any]) -> DecodeWorker:
         ids = _token_ids(body)

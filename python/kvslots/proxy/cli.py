@@ -1,5 +1,5 @@
-"""``kvslots proxy``: the command. Bad input (a URL, the port, the timeout, an address it cannot
-listen on) is one line, ``kvslots proxy: error: ...``, and exit status 2."""
+"""``kvslots proxy``: the command. Bad input (a URL, the port, the timeout, the body cap, an
+address it cannot listen on) is one line, ``kvslots proxy: error: ...``, and exit status 2."""
 
 from __future__ import annotations
 
@@ -52,6 +52,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8300, help="port (default 8300)")
     p.add_argument("--timeout", type=float, default=600.0, metavar="S", help="per backend request (default 600)")
+    p.add_argument("--max-body-mb", type=int, default=64, metavar="MB",
+                   help="largest request body accepted, in MiB (default 64; larger: 413)")
     p.set_defaults(func=run)
 
 
@@ -81,15 +83,19 @@ def run(args: argparse.Namespace) -> int:
         raise ServeError(f"--port {args.port} is not a TCP port")
     if not (math.isfinite(args.timeout) and args.timeout > 0):
         raise ServeError(f"--timeout {args.timeout} must be a finite number of seconds > 0")
+    if not 0 < args.max_body_mb <= 65536:
+        raise ServeError(f"--max-body-mb {args.max_body_mb} must be in 1..65536")
     import uvicorn
 
     from ..indexer.cli import check_listen
+    from ..indexer.httpguard import protocol_class
     from .app import create_app
 
     # Before uvicorn: a host that does not resolve or a port in use is one line, exit 2 (uvicorn
     # would log it and exit with status 3).
     check_listen(args.host, args.port)
     logging.basicConfig(level="INFO", format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    app = create_app(prefill, workers, indexer_url=indexer, timeout_s=args.timeout)
-    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+    app = create_app(prefill, workers, indexer_url=indexer, timeout_s=args.timeout, max_body_mb=args.max_body_mb)
+    # protocol_class: a request's head is at most 64 KiB and it must arrive within 60 s (see httpguard).
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning", http=protocol_class())
     return 0
