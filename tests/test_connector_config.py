@@ -193,3 +193,26 @@ def test_tier_sized_in_gib_past_the_block_limit_is_named():
     with pytest.raises(ConnectorConfigError, match="disk_gb"):
         ConnectorConfig(disk_gb=100000.0).num_disk_blocks(1536)
     assert ConnectorConfig(host_cache_gb=1.0).num_host_blocks(1) == 1 << 30
+
+
+@pytest.mark.parametrize("kw, named", [
+    ({"host_cache_gb": float("nan")}, "host_cache_gb"),   # was int()'s ValueError when sizing
+    ({"host_cache_gb": float("inf")}, "host_cache_gb"),   # an OverflowError
+    ({"disk_gb": "x"}, "disk_gb"),
+    ({"host_cache_blocks": -5}, "host_cache_blocks"),     # was taken as -5 blocks
+    ({"eagle_block_drop": 1}, "eagle_block_drop"),
+    ({"pd_host": "a\0b"}, "pd_host"),
+])
+def test_public_constructor_checks_like_from_extra_config(kw, named):
+    with pytest.raises(ConnectorConfigError, match=named):
+        ConnectorConfig(**kw)
+
+
+def test_public_constructor_normalises_like_from_extra_config():
+    import dataclasses
+
+    cfg = ConnectorConfig(host_cache_gb=2, eagle_block_drop="TRUE", pd_timeout_s=5)
+    assert cfg == ConnectorConfig.from_extra_config({"host_cache_gb": 2, "eagle_block_drop": "TRUE", "pd_timeout_s": 5})
+    assert cfg.host_cache_gb == 2.0 and isinstance(cfg.host_cache_gb, float) and cfg.eagle_block_drop is True
+    with pytest.raises(ConnectorConfigError, match="copy_threads"):
+        dataclasses.replace(cfg, copy_threads=0)

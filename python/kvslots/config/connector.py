@@ -55,6 +55,15 @@ class ConnectorConfig:
     pd_port: int | None = None
     pd_timeout_s: float = 120.0
 
+    def __post_init__(self) -> None:
+        # The constructor is public (kvslots.vllm.ConnectorConfig): its values get the checks
+        # from_extra_config's do (NaN GiB was int()'s ValueError when sizing, -5 blocks taken).
+        for f in fields(self):
+            value = getattr(self, f.name)
+            checked = _check(f.name, value)
+            if checked is not value:
+                object.__setattr__(self, f.name, checked)
+
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any] | None) -> "ConnectorConfig":
         if extra is not None and not isinstance(extra, Mapping):
