@@ -799,3 +799,40 @@ def test_subscriber_calls_with_hostile_arguments_change_nothing(closing):
     assert sub.add_publisher("w", ep) and sub.poll_once(1) == 0
     assert sub.next_seq("w") is None
     assert sub.remove_publisher("w", wait=float("inf"))  # infinity: as long as it takes
+
+
+def test_a_flood_of_bad_frames_logs_a_bounded_number_of_lines(closing, caplog):
+    """A publisher sending bad batches and restarting streams at will wrote one warning per frame
+    (137,000 lines in 3 s through the indexer); now at most a burst per publisher and kind in each
+    period, the counters still counting every one, and other publishers still logged."""
+    import logging
+
+    from kvslots.events import _ratelog
+
+    xpub, ep, _ = raw_xpub(closing)
+    rec = Recorder()
+    sub = EventSubscriber(rec.on_batch, rec.on_reset)
+    closing(sub)
+    sub.add_publisher("w", ep)
+    subscribed(xpub, sub)
+    with caplog.at_level(logging.INFO, logger="kvslots.events.subscriber"):
+        for i in range(300):
+            xpub.send_multipart([b"", seqb(2 * i), b"\x92\x01"])  # not a batch
+            xpub.send_multipart([b"", seqb(2 * i + 1), b"\xc1"])  # undecodable
+        for i in range(300):  # a stream that starts over, again and again
+            xpub.send_multipart([b"", seqb(0), encode_batch(batch(1000 + i))])
+        wait_until(lambda: sub.counters["malformed"] == 600 and sub.counters["resets"] >= 290, sub)
+    lines = [r.getMessage() for r in caplog.records if r.name == "kvslots.events.subscriber"]
+    malformed = [m for m in lines if "not a batch" in m or "undecodable" in m]
+    resets = [m for m in lines if "starts over" in m]
+    assert len(malformed) == _ratelog.BURST and len(resets) == _ratelog.BURST, lines
+    assert "left out for up to" in malformed[-1]
+
+    limiter = _ratelog.RateLimitedLog(logging.getLogger("kvslots.test.ratelog"), burst=2, period_s=0.2)
+    with caplog.at_level(logging.INFO, logger="kvslots.test.ratelog"):
+        caplog.clear()
+        got = [limiter.log(logging.WARNING, "a", "m %d", i) for i in range(5)]
+        assert got == [True, True, False, False, False] and limiter.log(logging.WARNING, "b", "other")
+        time.sleep(0.25)
+        assert limiter.log(logging.WARNING, "a", "again")
+        assert caplog.records[-1].getMessage() == "again (3 such messages were left out before this one)"

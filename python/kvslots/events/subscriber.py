@@ -104,6 +104,7 @@ from ..errors import (
     InvalidStateError,
     UnknownWorkerError,
 )
+from ._ratelog import RateLimitedLog
 from ._wakeup import WakePipe
 from .codec import KVEventBatch
 from .protocol import REPLAY_END, SEQ_MAX, check_endpoint, parse_live, parse_replay_reply, replay_request
@@ -251,6 +252,9 @@ class EventSubscriber:
         self._burst = max(1.0, self._rate)
         self._max_wait = replay_max_wait_ms / 1000.0
         self._random = random.Random()  # jitter
+        # What a publisher's frames trigger, bounded per publisher (a flood of bad frames was a
+        # flood of log lines).
+        self._peer_log = RateLimitedLog(log)
         # How far a replay may run ahead of the live stream (batches in flight to us).
         self._max_ahead = max(2**20, 4 * hwm)
         self._hwm = hwm
@@ -769,8 +773,8 @@ class EventSubscriber:
     def _notify_reset(self, peer: _Peer, new_seq: int, why: str) -> None:
         last = (peer.next or 0) - 1
         self._count(peer, "resets")
-        log.warning("publisher %r: stream starts over at seq %d after %d (%s)", peer.worker_id,
-                    new_seq, last, why)
+        self._peer_log.log(logging.WARNING, (peer.worker_id, "reset"), "publisher %r: stream starts over at seq %d "
+                     "after %d (%s)", peer.worker_id, new_seq, last, why)
         if self._on_reset is not None:
             try:
                 self._on_reset(peer.worker_id, last, new_seq)
@@ -894,7 +898,8 @@ class EventSubscriber:
             # It delivered, then went quiet: the rest of it (or its end marker) was dropped on
             # the way. Ask again from where we are, on a fresh socket (a retry that advances
             # is at once; one that does not backs off, and counts toward giving up).
-            log.info("replay from %r stalled at seq %s; asking again", peer.worker_id, peer.next)
+            self._peer_log.log(logging.INFO, (peer.worker_id, "stalled"), "replay from %r stalled at seq %s; asking again",
+                         peer.worker_id, peer.next)
             peer.replaying = False
             self._new_dealer(peer)
             self._request_replay(peer)
@@ -969,17 +974,20 @@ class EventSubscriber:
                 batch = self._decoder.decode(payload)
             except (msgspec.DecodeError, msgspec.ValidationError):
                 self._count(peer, "malformed")
-                log.warning("undecodable batch %d from %r skipped", seq, peer.worker_id)
+                self._peer_log.log(logging.WARNING, (peer.worker_id, "malformed"), "undecodable batch %d from %r skipped",
+                             seq, peer.worker_id)
                 return
         try:
             self._on_batch(peer.worker_id, seq, batch)
         except EventDecodeError as e:
             self._count(peer, "malformed")
-            log.warning("batch %d from %r is not a batch: %s", seq, peer.worker_id, e)
+            self._peer_log.log(logging.WARNING, (peer.worker_id, "malformed"), "batch %d from %r is not a batch: %s",
+                         seq, peer.worker_id, e)
             return
         except Exception:
             self._count(peer, "callback_errors")
-            log.exception("on_batch callback failed for %r seq %d", peer.worker_id, seq)
+            self._peer_log.log(logging.ERROR, (peer.worker_id, "callback"), "on_batch callback failed for %r seq %d",
+                         peer.worker_id, seq, exc_info=True)
         self._count(peer, "applied")
         if replayed:
             self._count(peer, "replayed")

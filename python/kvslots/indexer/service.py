@@ -10,6 +10,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from .._core import ApplyStats
+from ..events._ratelog import RateLimitedLog
 from ..errors import ConfigError, InvalidArgumentError
 from .backend import TIER_NAMES, Backend, MemoryBackend, ScoreResult
 from .config import IndexerConfig, WorkerSpec
@@ -33,6 +34,8 @@ class IndexerService:
     def __init__(self, cfg: IndexerConfig, backend: Backend | None = None):
         self.cfg = cfg
         self.metrics = Metrics()
+        # What a worker's stream triggers, bounded per worker (a flood of bad frames was a flood of lines).
+        self._worker_log = RateLimitedLog(log)
         self.backend = backend or make_backend(cfg)
         self.sub = Subscription(self, replay_timeout=cfg.replay_timeout)
         self._subscribed: dict[str, WorkerSpec] = {}
@@ -142,12 +145,13 @@ class IndexerService:
 
             if isinstance(e, EventDecodeError):
                 raise
-            log.warning("worker %s: batch %d not applied: %s", worker, seq, e)
+            self._worker_log.log(logging.WARNING, (worker, "not_applied"), "worker %s: batch %d not applied: %s",
+                           worker, seq, e)
             return
         self.metrics.applied(worker, st)
 
     def on_reset(self, worker: str, reason: str) -> None:
-        log.warning("worker %s: dropping its entries (%s)", worker, reason)
+        self._worker_log.log(logging.WARNING, (worker, "reset"), "worker %s: dropping its entries (%s)", worker, reason)
         self.backend.clear_worker(worker)
 
     def resume_seq(self, worker: str) -> int:

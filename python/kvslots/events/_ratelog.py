@@ -1,0 +1,52 @@
+"""Log lines a remote peer can trigger at will (a malformed batch, a stream that starts over),
+bounded per peer: a publisher sending a flood of bad frames wrote a warning per frame (137,000
+lines in 3 s), enough to fill a disk."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Hashable
+from typing import Any
+
+#: Messages logged per key in each period; the rest are counted and reported with the next one.
+BURST = 10
+PERIOD_S = 60.0
+_MAX_KEYS = 4096  # keys are (peer, kind): bounded, but workers come and go by name
+
+
+class RateLimitedLog:
+    def __init__(self, logger: logging.Logger, burst: int = BURST, period_s: float = PERIOD_S) -> None:
+        self._log = logger
+        self._burst = burst
+        self._period = period_s
+        self._lock = threading.Lock()
+        self._state: dict[Hashable, list] = {}  # key -> [window start, logged, left out]
+
+    def log(self, level: int, key: Hashable, msg: str, *args: Any, exc_info: bool = False) -> bool:
+        """Logs ``msg % args`` unless ``key`` has used its burst in this period (then counts it);
+        the first message of a new period says how many were left out. True if logged."""
+        if not self._log.isEnabledFor(level):
+            return False
+        now = time.monotonic()
+        with self._lock:
+            st = self._state.get(key)
+            left_out = 0
+            if st is None or now - st[0] >= self._period:
+                if st is None and len(self._state) >= _MAX_KEYS:
+                    self._state.clear()
+                left_out = st[2] if st is not None else 0
+                st = self._state[key] = [now, 0, 0]
+            if st[1] >= self._burst:
+                st[2] += 1
+                return False
+            st[1] += 1
+            if st[1] == self._burst:
+                msg += " (further such messages for it are left out for up to %g s)"
+                args = (*args, self._period)
+        if left_out:
+            msg += " (%d such messages were left out before this one)"
+            args = (*args, left_out)
+        self._log.log(level, msg, *args, exc_info=exc_info)
+        return True
