@@ -751,33 +751,42 @@ def test_planner_malformed_cached_reqs_change_nothing():
     assert p.check_invariants() is None
 
 
-def test_device_manager_too_many_blocks_is_an_error_not_an_abort():
-    """num_blocks whose per-block hash table cannot be allocated is an InvalidArgumentError
-    (``vec![0; n]`` aborted the process: 'memory allocation of 68719476704 bytes failed')."""
+@pytest.mark.parametrize("ctor", [
+    "DeviceKVManager(2**31 - 1, 16, max_model_len=1024)",
+    "SlotManager(2**31 - 1, 16)",
+    "HostCache(2**31 - 1, 16)",
+    "ConnectorPlanner(16, 2**31 - 1, False)",
+    "DiskIndex(2**32 - 2, 16)",
+])
+def test_too_many_blocks_is_an_error_not_an_abort(ctor):
+    """A block count whose metadata cannot be allocated is an InvalidArgumentError (``vec![0;
+    n]`` aborted the process: 'memory allocation of 68719476704 bytes failed')."""
     import resource
+    import subprocess
+    import sys
 
     _, hard = resource.getrlimit(resource.RLIMIT_AS)
     # A cap on the address space makes the allocation fail on any host; the test runs it in a
     # child process so the cap does not reach the rest of the suite.
     code = (
-        "import resource, sys\n"
-        "resource.setrlimit(resource.RLIMIT_AS, (8 << 30, %d))\n"
+        "import resource\n"
+        "resource.setrlimit(resource.RLIMIT_AS, (4 << 30, %d))\n"
         "from kvslots import _core\n"
         "from kvslots.errors import InvalidArgumentError\n"
         "try:\n"
-        "    _core.DeviceKVManager(2**31 - 1, 16, max_model_len=1024)\n"
+        "    _core.%s\n"
         "except InvalidArgumentError as e:\n"
         "    assert 'cannot be allocated' in str(e), e\n"
         "    print('refused')\n"
         "m = _core.DeviceKVManager(64, 16, max_model_len=1024)\n"
         "assert m.check_invariants() is None\n"
-    ) % hard
-    import subprocess
-    import sys
-
+    ) % (hard, ctor)
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
     assert r.returncode == 0, r.stderr[-2000:]
     assert r.stdout.strip() == "refused"
+
+
+def test_device_manager_block_size_range_is_named():
     with pytest.raises(InvalidArgumentError, match=r"block_size must be in \[1, 4294967295\]"):
         _core.DeviceKVManager(16, 2**32, max_model_len=1024)

@@ -113,15 +113,21 @@ impl HostCache {
                 format!("num_blocks must be below {}", BlockPool::MAX_BLOCKS),
             ));
         }
+        let no_memory = || {
+            SlotError::invalid(
+                None,
+                format!("num_blocks = {num_blocks}: the cache's metadata cannot be allocated"),
+            )
+        };
         Ok(HostCache {
-            pool: BlockPool::new(num_blocks),
+            pool: BlockPool::try_new(num_blocks).ok_or_else(no_memory)?,
             block_size,
             events: EventLog::new(block_size as u32),
             storing: HashMap::default(),
             runs: BTreeMap::new(),
             spare_runs: Vec::new(),
             evicted: Vec::new(),
-            succ: vec![NO_SUCCESSOR; num_blocks],
+            succ: crate::pool::try_filled(NO_SUCCESSOR, num_blocks).ok_or_else(no_memory)?,
             stats: CacheStats::default(),
             spill: None,
         })

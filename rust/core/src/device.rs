@@ -105,29 +105,11 @@ struct FullHashes {
     lens: Vec<u8>,
 }
 
-/// `n` zeroed bytes (lazily filled by the OS, as `vec![0u8; n]`), or `None` when they cannot
-/// be allocated: `vec!` would abort the process, and `n` comes from the caller's `num_blocks`.
-fn zeroed_bytes(n: usize) -> Option<Vec<u8>> {
-    if n == 0 {
-        return Some(Vec::new());
-    }
-    let layout = std::alloc::Layout::array::<u8>(n).ok()?;
-    // SAFETY: `layout` has a nonzero size; a non-null result is `n` zeroed bytes from the
-    // global allocator with that layout, which is what `Vec<u8>` of capacity `n` frees.
-    unsafe {
-        let p = std::alloc::alloc_zeroed(layout);
-        if p.is_null() {
-            return None;
-        }
-        Some(Vec::from_raw_parts(p, n, n))
-    }
-}
-
 impl FullHashes {
     fn new(n: usize) -> Option<Self> {
         Some(FullHashes {
-            bytes: zeroed_bytes(n.checked_mul(FullHash::MAX_LEN)?)?,
-            lens: zeroed_bytes(n)?,
+            bytes: crate::pool::try_zeroed(n.checked_mul(FullHash::MAX_LEN)?)?,
+            lens: crate::pool::try_zeroed(n)?,
         })
     }
     #[inline]
@@ -334,7 +316,15 @@ impl DeviceAllocator {
                 ),
             )
         })?;
-        let mut pool = BlockPool::with_duplicates(cfg.num_blocks);
+        let mut pool = BlockPool::try_with_duplicates(cfg.num_blocks).ok_or_else(|| {
+            SlotError::invalid(
+                None,
+                format!(
+                    "num_blocks = {}: the pool's metadata cannot be allocated",
+                    cfg.num_blocks
+                ),
+            )
+        })?;
         let (mut out, mut ev) = (Vec::with_capacity(1), Vec::new());
         pool.allocate(1, &mut out, &mut ev);
         debug_assert_eq!(out, vec![NULL_BLOCK]);

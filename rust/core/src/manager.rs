@@ -138,8 +138,18 @@ impl SlotManager {
                 "max_tokens_per_slot must be at least 1",
             ));
         }
+        // The pool's metadata, allocated fallibly: `num_blocks` is the caller's number.
+        let pool = BlockPool::try_new(cfg.num_blocks).ok_or_else(|| {
+            SlotError::invalid(
+                None,
+                format!(
+                    "num_blocks = {}: the pool's metadata cannot be allocated",
+                    cfg.num_blocks
+                ),
+            )
+        })?;
         Ok(SlotManager {
-            pool: BlockPool::new(cfg.num_blocks),
+            pool,
             events: EventLog::new(cfg.block_size as u32),
             cfg,
             slots: Vec::new(),

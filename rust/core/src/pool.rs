@@ -15,6 +15,39 @@
 
 use std::hash::{BuildHasher, RandomState};
 
+/// Integer types whose all-zero bytes are the value 0.
+pub(crate) trait ZeroInt: Copy {}
+impl ZeroInt for u8 {}
+impl ZeroInt for u32 {}
+impl ZeroInt for u64 {}
+
+/// `n` zeros, lazily zeroed by the OS as `vec![0; n]` is, or `None` when they cannot be
+/// allocated: `vec!` would abort the process, and `n` comes from a caller's block count.
+pub(crate) fn try_zeroed<T: ZeroInt>(n: usize) -> Option<Vec<T>> {
+    let layout = std::alloc::Layout::array::<T>(n).ok()?;
+    if layout.size() == 0 {
+        return Some(Vec::new());
+    }
+    // SAFETY: `layout` has a nonzero size; a non-null result is `n` zeroed `T`s (zero bytes
+    // are the integer 0) from the global allocator with the layout `Vec<T>` of capacity `n`
+    // frees with.
+    unsafe {
+        let p = std::alloc::alloc_zeroed(layout);
+        if p.is_null() {
+            return None;
+        }
+        Some(Vec::from_raw_parts(p.cast::<T>(), n, n))
+    }
+}
+
+/// `n` copies of `v`, or `None` when they cannot be allocated (see [`try_zeroed`]).
+pub(crate) fn try_filled<T: Clone>(v: T, n: usize) -> Option<Vec<T>> {
+    let mut out = Vec::new();
+    out.try_reserve_exact(n).ok()?;
+    out.resize(n, v);
+    Some(out)
+}
+
 pub type BlockId = u32;
 const NIL: u32 = u32::MAX;
 /// Top bit of `meta`: the block is registered (in the prefix index).
@@ -102,16 +135,16 @@ enum Probe {
 }
 
 impl PrefixIndex {
-    fn new(num_blocks: usize, max_dist_bits: u32) -> Self {
+    fn new(num_blocks: usize, max_dist_bits: u32) -> Option<Self> {
         // Enough bits for `num_blocks` (the largest id + 1); at least one is left over.
         let id_bits = u32::BITS - (num_blocks as u32).leading_zeros();
-        PrefixIndex {
-            slots: vec![0; (2 * num_blocks).max(8)],
+        Some(PrefixIndex {
+            slots: try_zeroed((2 * num_blocks).max(8))?,
             key: RandomState::new().hash_one(0x006b_7673_6c6f_7473_u64),
             id_bits,
             dist_bits: (u32::BITS - id_bits).min(max_dist_bits),
             len: 0,
-        }
+        })
     }
 
     #[inline]
@@ -258,6 +291,11 @@ impl BlockPool {
     pub const MAX_BLOCKS: usize = REGISTERED as usize;
 
     pub fn new(num_blocks: usize) -> Self {
+        Self::try_new(num_blocks).expect("pool metadata allocation")
+    }
+
+    /// As [`BlockPool::new`], `None` when the pool's metadata cannot be allocated.
+    pub fn try_new(num_blocks: usize) -> Option<Self> {
         Self::with_index_dist_bits(num_blocks, 4)
     }
 
@@ -268,29 +306,34 @@ impl BlockPool {
     ///
     /// [`register_or_chain`]: BlockPool::register_or_chain
     pub fn with_duplicates(num_blocks: usize) -> Self {
-        let mut p = Self::with_index_dist_bits(num_blocks, 4);
-        p.dup = vec![0; num_blocks];
-        p
+        Self::try_with_duplicates(num_blocks).expect("pool metadata allocation")
     }
 
-    fn with_index_dist_bits(num_blocks: usize, dist_bits: u32) -> Self {
+    /// As [`BlockPool::with_duplicates`], `None` when the metadata cannot be allocated.
+    pub fn try_with_duplicates(num_blocks: usize) -> Option<Self> {
+        let mut p = Self::with_index_dist_bits(num_blocks, 4)?;
+        p.dup = try_zeroed(num_blocks)?;
+        Some(p)
+    }
+
+    fn with_index_dist_bits(num_blocks: usize, dist_bits: u32) -> Option<Self> {
         assert!(num_blocks < Self::MAX_BLOCKS, "pool too large");
-        BlockPool {
-            meta: vec![0; num_blocks],
-            hash: vec![0; num_blocks],
-            prev: vec![0; num_blocks],
-            next: vec![0; num_blocks],
+        Some(BlockPool {
+            meta: try_zeroed(num_blocks)?,
+            hash: try_zeroed(num_blocks)?,
+            prev: try_zeroed(num_blocks)?,
+            next: try_zeroed(num_blocks)?,
             head: NIL,
             tail: NIL,
             num_cached: 0,
             free_top: NIL,
             num_pushed: 0,
             fresh: 0,
-            index: PrefixIndex::new(num_blocks, dist_bits),
+            index: PrefixIndex::new(num_blocks, dist_bits)?,
             victims: Vec::new(),
             dup: Vec::new(),
             num_dups: 0,
-        }
+        })
     }
 
     pub fn num_blocks(&self) -> usize {
@@ -823,7 +866,7 @@ mod tests {
             (16, 2),
             (33, 4),
         ] {
-            let mut p = BlockPool::with_index_dist_bits(size, dist_bits);
+            let mut p = BlockPool::with_index_dist_bits(size, dist_bits).unwrap();
             // Model: free stack, held refcounts, registry, LRU order.
             let mut free: Vec<u32> = (0..size as u32).rev().collect();
             let mut refs = vec![0u32; size];

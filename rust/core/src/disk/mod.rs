@@ -99,16 +99,27 @@ impl DiskIndex {
                 format!("num_slots must be below {}", Self::MAX_SLOTS),
             ));
         }
+        // Allocated fallibly (`vec!` would abort the process): `num_slots` is the caller's.
+        let no_memory = || {
+            SlotError::invalid(
+                None,
+                format!("num_slots = {num_slots}: the index's metadata cannot be allocated"),
+            )
+        };
+        let mut free = crate::pool::try_filled(0u32, num_slots).ok_or_else(no_memory)?;
+        for (i, f) in free.iter_mut().enumerate() {
+            *f = (num_slots - 1 - i) as u32;
+        }
         Ok(DiskIndex {
             block_size,
-            state: vec![State::Free; num_slots],
-            meta: vec![None; num_slots],
+            state: crate::pool::try_filled(State::Free, num_slots).ok_or_else(no_memory)?,
+            meta: crate::pool::try_filled(None, num_slots).ok_or_else(no_memory)?,
             map: HashMap::new(),
-            pins: vec![0; num_slots],
+            pins: crate::pool::try_filled(0, num_slots).ok_or_else(no_memory)?,
             lru: BTreeMap::new(),
-            tick_of: vec![0; num_slots],
+            tick_of: crate::pool::try_filled(0, num_slots).ok_or_else(no_memory)?,
             next_tick: 1,
-            free: (0..num_slots as u32).rev().collect(),
+            free,
             events: EventLog::new(block_size as u32),
             stats: DiskStats::default(),
         })
