@@ -216,3 +216,20 @@ def test_public_constructor_normalises_like_from_extra_config():
     assert cfg.host_cache_gb == 2.0 and isinstance(cfg.host_cache_gb, float) and cfg.eagle_block_drop is True
     with pytest.raises(ConnectorConfigError, match="copy_threads"):
         dataclasses.replace(cfg, copy_threads=0)
+
+
+def test_docs_key_table_lists_exactly_the_accepted_keys():
+    """docs/connector.md's table of kv_connector_extra_config keys names every field, no more."""
+    import dataclasses
+    import re
+    from pathlib import Path
+
+    from kvslots.config.connector import ConnectorConfig as Config
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "connector.md").read_text()
+    section = text.split("## `kv_connector_extra_config`", 1)[1].split("\n## ", 1)[0]
+    documented = set()
+    for line in section.splitlines():
+        if line.startswith("| `"):
+            documented |= set(re.findall(r"`([a-z_]+)`", line.split("|")[1]))
+    assert documented == {f.name for f in dataclasses.fields(Config)}
