@@ -321,3 +321,35 @@ def test_resync_deletes_only_its_own_namespace(redis_server):
         for key in r.scan_iter(match=f"{ns}:*"):
             r.delete(key)
         r.close()
+
+
+def test_damaged_redis_data_is_not_a_500(cluster, monkeypatch):
+    """What another writer (another version) or a damaged key left in Redis: a status that is not
+    a JSON object, or one whose parts have other types, was a 500 on /workers and /metrics; a
+    block entry whose worker is not UTF-8 or whose value is not an integer was a 500 on /score
+    (out of range: a 422 blaming the client). Now the bad parts are left out."""
+    import redis
+
+    from kvslots._core import PrefixIndex
+
+    svc, client = _admin_replica(cluster)
+    r = redis.Redis(port=cluster.redis.port)
+    try:
+        key = PrefixIndex().chain_keys(P1, BS)[0]
+        for bad in ({b"a": b"x"}, {b"\xff": b"1"}, {b"a": b"-1"}, {b"a": b"9" * 30}):
+            r.delete(f"{cluster.ns}:k:{key}")
+            r.hset(f"{cluster.ns}:k:{key}", mapping=bad)
+            res = client.post("/score", json={"token_ids": P1})
+            assert res.status_code == 200 and res.json()["workers"]["a"]["blocks"] == 0, (bad, res.text)
+        r.delete(f"{cluster.ns}:k:{key}")
+    finally:
+        r.close()
+    real_get = svc.backend.r.get
+    for raw in (b"not json", b"NaN", b"[1, 2]", b'{"streams": 5, "size": "x"}', b'{"streams": {"a": 5}}',
+                b'{"size": {"keys": 1.5}}', b'{"a": 1, "a": 2}'):
+        monkeypatch.setattr(svc.backend.r, "get", lambda k, raw=raw: raw if str(k).endswith(":status")
+                            else real_get(k))
+        for path in ("/workers", "/metrics", "/healthz"):
+            res = client.get(path)
+            assert res.status_code == 200, (raw, path, res.text)
+        assert [w["name"] for w in client.get("/workers").json()] == ["a"]

@@ -43,6 +43,8 @@ from typing import Any
 import redis
 
 from .._core import ApplyStats, PrefixIndex
+from ..config.loader import loads_strict_json
+from ..errors import ConfigError
 from .backend import Backend, ScoreResult
 from .config import WORKER_NAME, IndexerConfig, WorkerSpec, check_namespace, check_redis_url, redact_url
 
@@ -489,7 +491,7 @@ class RedisBackend(Backend):
                     if not h:
                         stop = True
                         break
-                    blocks.append({w.decode(): int(t) for w, t in h.items()})
+                    blocks.append(_entry(h))
                 if stop or i + want >= len(keys):
                     break
                 i += want
@@ -507,19 +509,36 @@ class RedisBackend(Backend):
             return ScoreResult([], stale=True, stale_reasons=reasons)
 
     def size(self) -> dict[str, int]:
-        st = self.status_doc()
-        return (st or {}).get("size") or self._local_size()
+        size = (self.status_doc() or {}).get("size")
+        if isinstance(size, dict) and all(
+                isinstance(size.get(k), int) and not isinstance(size.get(k), bool) for k in ("keys", "entries", "evictions")):
+            return size
+        return self._local_size()
 
     def status_doc(self) -> dict | None:
+        """The writer's published status; None when there is none, or none this replica can read
+        (not a JSON object: a writer of another version, a damaged key). It is read on
+        /workers, /metrics and /healthz: a bad one was a 500 on each."""
         try:
             raw = self.r.get(self.k("status"))
         except redis.RedisError:
             return None
-        return json.loads(raw) if raw else None
+        if not raw:
+            return None
+        try:
+            doc = loads_strict_json(raw)
+        except ConfigError:
+            return None
+        return doc if isinstance(doc, dict) else None
 
     def status_of_streams(self) -> dict[str, dict] | None:
         doc = self.status_doc()
-        return None if doc is None else doc.get("streams", {})
+        if doc is None:
+            return None
+        streams = doc.get("streams", {})
+        if not isinstance(streams, dict):
+            return {}
+        return {name: st for name, st in streams.items() if isinstance(st, dict)}
 
     def health(self) -> tuple[bool, dict]:
         # A dead upkeep thread renews no lease and never notices Redis again: unhealthy.
@@ -546,3 +565,18 @@ class RedisBackend(Backend):
                 pass
             time.sleep(0.05)
         return False
+
+
+def _entry(h: dict[bytes, bytes]) -> dict[str, int]:
+    """A block's hash ``{worker: tier bits}`` as Redis holds it; fields that are not a worker
+    name and an integer in [0, 2**64) (a damaged key, a writer of another version) are left out, so a
+    /score reading them is not a 500."""
+    out: dict[str, int] = {}
+    for w, t in h.items():
+        try:
+            name, bits = w.decode(), int(t)
+        except (UnicodeDecodeError, ValueError):
+            continue
+        if 0 <= bits < 2**64:
+            out[name] = bits
+    return out
