@@ -1,7 +1,7 @@
 """``kvslots proxy`` against stand-in workers (httpx MockTransport): the prefill request is cut to
 one token with do_remote_decode, its kv_transfer_params reach the decode request, streams pass
-through, a failed prefill is recomputed on the decode worker, a failed decode is a 502, the
-indexer's scores pick the decode worker."""
+through, a failed prefill is recomputed on the decode worker, a failed decode is a 502 (its 4xx
+passed on), the indexer's scores pick the decode worker."""
 
 from __future__ import annotations
 
@@ -117,6 +117,19 @@ def test_failed_decode_is_a_502():
         assert r.status_code == 502 and "boom" in r.json()["error"]
         r = c.post("/v1/completions", json={"prompt": "hi", "stream": True})
         assert r.status_code == 502
+
+
+@pytest.mark.parametrize("status", [400, 404, 422, 429])
+def test_decode_workers_4xx_is_passed_on_not_a_502(status):
+    """vLLM's 400 for a bad parameter (stream: "yes", max_tokens: 0, a prompt over the model's
+    length) is the client's fault: it was a 502 blaming the worker."""
+    be = Backends(decode_status=status)
+    with _client(be) as c:
+        for body in ({"prompt": "hi", "max_tokens": 0}, {"prompt": "hi", "stream": True}):
+            r = c.post("/v1/completions", json=body)
+            assert r.status_code == status and r.text == "boom", r.text
+            assert r.headers["x-kvslots-decode-worker"] == "http://decode-a"
+        assert c.get("/healthz").json()["decode_errors"] == 0
 
 
 @pytest.mark.parametrize("body", [b"{", b"[1, 2]", b"\xff\xfe", b"[" * 100_000 + b"]" * 100_000,

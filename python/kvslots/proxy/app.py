@@ -16,8 +16,10 @@ indexer is given and the prompt is token ids (the proxy does not tokenize), else
 A prefill worker that fails or answers without ``kv_transfer_params`` (or with anything but a
 JSON object) does not fail the request: it goes to the decode worker without them and is
 computed there (the response then has the header ``x-kvslots-pd: recomputed``). A decode worker
-that fails is a 502 with the reason. A request body that is not a JSON object under kvslots'
-strict parser (no NaN, no duplicate keys, at most 64 levels, Unicode text) is a 400.
+that fails (no answer, a 5xx) is a 502 with the reason; its 4xx answer (the request's fault:
+vLLM's 400 for a bad parameter) is the client's, status and body. A request body that is not a
+JSON object under kvslots' strict parser (no NaN, no duplicate keys, at most 64 levels, Unicode
+text) is a 400.
 """
 
 from __future__ import annotations
@@ -94,6 +96,18 @@ def _token_ids(body: dict[str, Any]) -> list[int] | None:
     if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
         return prompt
     return None
+
+
+def _client_error(status: int) -> bool:
+    """A 4xx from the decode worker: the request's fault (vLLM's 400 for a bad max_tokens, a
+    prompt over the model's length, an unknown model; 429), so the client gets it as it is, not
+    a 502 blaming the worker."""
+    return 400 <= status < 500
+
+
+def _passed_on(resp: httpx.Response, content: bytes, headers: dict[str, str]) -> Response:
+    return Response(content, status_code=resp.status_code,
+                    media_type=resp.headers.get("content-type", "application/json"), headers=headers)
 
 
 def create_app(prefill_urls: Sequence[str], decode_workers: Sequence[DecodeWorker], *, indexer_url: str | None = None,
@@ -185,12 +199,14 @@ def create_app(prefill_urls: Sequence[str], decode_workers: Sequence[DecodeWorke
                 return decode_failed(worker, f"failed: {e}")
             if resp.status_code != 200:
                 try:
-                    text = (await resp.aread()).decode(errors="replace")
+                    content = await resp.aread()
                 except httpx.HTTPError as e:
-                    text = f"(body unreadable: {e})"
+                    content = f"(body unreadable: {e})".encode()
                 finally:
                     await resp.aclose()
-                return decode_failed(worker, f"answered {resp.status_code}: {text[:500]}")
+                if _client_error(resp.status_code):
+                    return _passed_on(resp, content, headers)
+                return decode_failed(worker, f"answered {resp.status_code}: {content.decode(errors='replace')[:500]}")
 
             async def chunks() -> AsyncIterator[bytes]:
                 try:
@@ -208,6 +224,8 @@ def create_app(prefill_urls: Sequence[str], decode_workers: Sequence[DecodeWorke
             resp = await client.post(url, json=decode_req)
         except httpx.HTTPError as e:
             return decode_failed(worker, f"failed: {e}")
+        if _client_error(resp.status_code):
+            return _passed_on(resp, resp.content, headers)
         if resp.status_code != 200:
             return decode_failed(worker, f"answered {resp.status_code}: {resp.text[:500]}")
         return Response(resp.content, media_type="application/json", headers=headers)
