@@ -790,3 +790,40 @@ def test_too_many_blocks_is_an_error_not_an_abort(ctor):
 def test_device_manager_block_size_range_is_named():
     with pytest.raises(InvalidArgumentError, match=r"block_size must be in \[1, 4294967295\]"):
         _core.DeviceKVManager(16, 2**32, max_model_len=1024)
+
+
+def test_copy_keeps_a_tensor_storage_another_thread_replaces():
+    """copy_blocks runs without the GIL: a thread giving the source tensor a new storage
+    (``set_``) meanwhile freed the bytes being read (a segfault); the copy now holds the storage
+    it checked, so it finishes or refuses the moved region."""
+    torch = pytest.importorskip("torch")
+    import time
+
+    n, bb = 32 << 20, 1 << 20  # large enough to be mmap-backed: freed memory is unmapped
+    src = torch.ones(n, dtype=torch.uint8)
+    dst = torch.zeros(n, dtype=torch.uint8)
+    rs = _core.BlockRegion(src, block_bytes=bb, num_blocks=n // bb)
+    rd = _core.BlockRegion(dst, block_bytes=bb, num_blocks=n // bb)
+    ids = list(range(n // bb))
+    stop = time.monotonic() + 2
+    unexpected = []
+
+    def copier():
+        while time.monotonic() < stop:
+            try:
+                _core.copy_blocks(rs, rd, ids, ids)
+            except InvalidArgumentError as e:
+                if "moved" not in str(e):
+                    unexpected.append(e)
+
+    def swapper():
+        while time.monotonic() < stop:
+            src.set_(torch.ones(n, dtype=torch.uint8))
+            time.sleep(0.001)
+
+    threads = [threading.Thread(target=copier), threading.Thread(target=swapper)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not unexpected

@@ -89,6 +89,49 @@ fn torch_memory(obj: &Bound<'_, PyAny>) -> PyResult<Option<Memory>> {
     }))
 }
 
+/// The storage of a torch tensor whose memory is `mem` (`None` for a numpy array), held across
+/// a copy with the GIL released: another thread may give the tensor another storage (`set_`)
+/// meanwhile, which would free the bytes being copied; the held storage keeps them alive, as
+/// torch's own ops do. Checked to hold `mem` (a storage swapped before it was taken is refused).
+/// A numpy array's memory is kept by the region's reference (only `resize(refcheck=False)`,
+/// numpy's own unchecked path, could release it).
+fn pin_storage<'py>(
+    obj: &Bound<'py, PyAny>,
+    mem: &Memory,
+    which: &str,
+) -> PyResult<Option<Bound<'py, PyAny>>> {
+    let py = obj.py();
+    let module: String = obj
+        .get_type()
+        .module()
+        .map(|m| m.to_string())
+        .unwrap_or_default();
+    if !module.starts_with("torch") {
+        return Ok(None);
+    }
+    let base_cls = py.import("torch")?.getattr("_C")?.getattr("TensorBase")?;
+    let storage = base_cls.getattr("untyped_storage")?.call1((obj,))?;
+    let start = int::<usize>(
+        &storage.call_method0("data_ptr")?,
+        "storage.data_ptr()",
+        None,
+    )?;
+    let len = int::<usize>(&storage.call_method0("nbytes")?, "storage.nbytes()", None)?;
+    let inside = mem.nbytes == 0
+        || (start <= mem.base
+            && mem
+                .base
+                .checked_add(mem.nbytes)
+                .is_some_and(|end| end <= start.saturating_add(len)));
+    if !inside {
+        return Err(invalid(
+            None,
+            format!("the {which} region's memory moved while the copy started; register it again"),
+        ));
+    }
+    Ok(Some(storage))
+}
+
 /// A C-contiguous numpy array's memory, read from the array struct itself.
 fn array_memory(obj: &Bound<'_, PyAny>) -> PyResult<Memory> {
     let arr = obj.cast::<PyUntypedArray>().map_err(|_| {
@@ -351,6 +394,11 @@ pub(crate) fn copy_blocks(
     }
     let sm = src.current(py, "src")?;
     let dm = dst.current(py, "dst")?;
+    // Held until the copy below has finished (see `pin_storage`).
+    let _pins = (
+        pin_storage(src.memory.bind(py), &sm, "src")?,
+        pin_storage(dst.memory.bind(py), &dm, "dst")?,
+    );
     if !dm.writable || !dst.mem.writable {
         return Err(invalid(None, "the dst region's memory is read-only".into()));
     }
