@@ -113,14 +113,10 @@ impl HostCache {
                 format!("num_blocks must be below {}", BlockPool::MAX_BLOCKS),
             ));
         }
-        let no_memory = || {
-            SlotError::invalid(
-                None,
-                format!("num_blocks = {num_blocks}: the cache's metadata cannot be allocated"),
-            )
-        };
+        let no_memory =
+            || SlotError::unallocatable("num_blocks", num_blocks, "the cache's metadata");
         Ok(HostCache {
-            pool: BlockPool::try_new(num_blocks).ok_or_else(no_memory)?,
+            pool: BlockPool::try_new(num_blocks)?,
             block_size,
             events: EventLog::new(block_size as u32),
             storing: HashMap::default(),

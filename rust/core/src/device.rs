@@ -307,24 +307,14 @@ impl DeviceAllocator {
             ));
         }
         let full = FullHashes::new(cfg.num_blocks).ok_or_else(|| {
-            SlotError::invalid(
-                None,
-                format!(
-                    "num_blocks = {}: the block hashes' {} bytes cannot be allocated",
-                    cfg.num_blocks,
-                    cfg.num_blocks.saturating_mul(FullHash::MAX_LEN + 1)
-                ),
+            let bytes = cfg.num_blocks.saturating_mul(FullHash::MAX_LEN + 1);
+            SlotError::unallocatable(
+                "num_blocks",
+                cfg.num_blocks,
+                &format!("the block hashes' {bytes} bytes"),
             )
         })?;
-        let mut pool = BlockPool::try_with_duplicates(cfg.num_blocks).ok_or_else(|| {
-            SlotError::invalid(
-                None,
-                format!(
-                    "num_blocks = {}: the pool's metadata cannot be allocated",
-                    cfg.num_blocks
-                ),
-            )
-        })?;
+        let mut pool = BlockPool::try_with_duplicates(cfg.num_blocks)?;
         let (mut out, mut ev) = (Vec::with_capacity(1), Vec::new());
         pool.allocate(1, &mut out, &mut ev);
         debug_assert_eq!(out, vec![NULL_BLOCK]);

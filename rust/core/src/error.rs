@@ -63,6 +63,12 @@ impl SlotError {
         }
     }
 
+    /// A table sized by a caller's count (`name = n`) that cannot be allocated: an error, since
+    /// `vec!` would abort the process.
+    pub fn unallocatable(name: &str, n: usize, what: &str) -> Self {
+        SlotError::invalid(None, format!("{name} = {n}: {what} cannot be allocated"))
+    }
+
     /// The request the error is about, when there is one.
     pub fn request(&self) -> Option<&str> {
         match self {

@@ -139,15 +139,7 @@ impl SlotManager {
             ));
         }
         // The pool's metadata, allocated fallibly: `num_blocks` is the caller's number.
-        let pool = BlockPool::try_new(cfg.num_blocks).ok_or_else(|| {
-            SlotError::invalid(
-                None,
-                format!(
-                    "num_blocks = {}: the pool's metadata cannot be allocated",
-                    cfg.num_blocks
-                ),
-            )
-        })?;
+        let pool = BlockPool::try_new(cfg.num_blocks)?;
         Ok(SlotManager {
             pool,
             events: EventLog::new(cfg.block_size as u32),

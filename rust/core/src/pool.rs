@@ -15,6 +15,8 @@
 
 use std::hash::{BuildHasher, RandomState};
 
+use crate::error::{Result, SlotError};
+
 /// Integer types whose all-zero bytes are the value 0.
 pub(crate) trait ZeroInt: Copy {}
 impl ZeroInt for u8 {}
@@ -294,9 +296,13 @@ impl BlockPool {
         Self::try_new(num_blocks).expect("pool metadata allocation")
     }
 
-    /// As [`BlockPool::new`], `None` when the pool's metadata cannot be allocated.
-    pub fn try_new(num_blocks: usize) -> Option<Self> {
-        Self::with_index_dist_bits(num_blocks, 4)
+    /// As [`BlockPool::new`], an error when the pool's metadata cannot be allocated.
+    pub fn try_new(num_blocks: usize) -> Result<Self> {
+        Self::with_index_dist_bits(num_blocks, 4).ok_or_else(|| Self::no_memory(num_blocks))
+    }
+
+    fn no_memory(num_blocks: usize) -> SlotError {
+        SlotError::unallocatable("num_blocks", num_blocks, "the pool's metadata")
     }
 
     /// A pool whose registry keeps several blocks under one hash, as vLLM's does: a block
@@ -309,11 +315,11 @@ impl BlockPool {
         Self::try_with_duplicates(num_blocks).expect("pool metadata allocation")
     }
 
-    /// As [`BlockPool::with_duplicates`], `None` when the metadata cannot be allocated.
-    pub fn try_with_duplicates(num_blocks: usize) -> Option<Self> {
-        let mut p = Self::with_index_dist_bits(num_blocks, 4)?;
-        p.dup = try_zeroed(num_blocks)?;
-        Some(p)
+    /// As [`BlockPool::with_duplicates`], an error when the metadata cannot be allocated.
+    pub fn try_with_duplicates(num_blocks: usize) -> Result<Self> {
+        let mut p = Self::try_new(num_blocks)?;
+        p.dup = try_zeroed(num_blocks).ok_or_else(|| Self::no_memory(num_blocks))?;
+        Ok(p)
     }
 
     fn with_index_dist_bits(num_blocks: usize, dist_bits: u32) -> Option<Self> {

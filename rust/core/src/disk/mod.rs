@@ -100,12 +100,7 @@ impl DiskIndex {
             ));
         }
         // Allocated fallibly (`vec!` would abort the process): `num_slots` is the caller's.
-        let no_memory = || {
-            SlotError::invalid(
-                None,
-                format!("num_slots = {num_slots}: the index's metadata cannot be allocated"),
-            )
-        };
+        let no_memory = || SlotError::unallocatable("num_slots", num_slots, "the index's metadata");
         let mut free = crate::pool::try_filled(0u32, num_slots).ok_or_else(no_memory)?;
         for (i, f) in free.iter_mut().enumerate() {
             *f = (num_slots - 1 - i) as u32;
