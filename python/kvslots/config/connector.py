@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
-from ..errors import ConnectorConfigError
+from ..errors import ConnectorConfigError, KVSlotsError
 from .loader import brief
 
 
@@ -204,9 +204,15 @@ def _check(key: str, value: Any) -> Any:
     if key in ("events_endpoint", "events_replay_endpoint"):
         if value is None:
             return None
-        if not _text(value) or not value.startswith(("tcp://", "ipc://", "inproc://")):
+        # The publisher's own rule, checked here so that a bad one names the key at start-up.
+        from ..events.protocol import check_endpoint
+
+        if not _text(value):
             raise bad("must be a ZMQ endpoint such as tcp://127.0.0.1:5557")
-        return value
+        try:
+            return check_endpoint(value, key)
+        except KVSlotsError as e:
+            raise bad(f"must be a ZMQ endpoint such as tcp://127.0.0.1:5557 ({e})") from None
     if key == "events_topic":
         if not _text(value):
             raise bad("must be a string (valid Unicode, no NUL)")

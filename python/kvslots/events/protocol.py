@@ -16,10 +16,20 @@ does either.
 
 from __future__ import annotations
 
+import ipaddress
+import re
+import sys
 from collections.abc import Sequence
 
 from .. import _args
-from ..errors import InvalidArgumentError
+from ..config.loader import brief
+from ..errors import ArgumentTypeError, InvalidArgumentError
+
+_HOST = re.compile(r"[A-Za-z0-9_]([A-Za-z0-9_.-]{0,252})", re.ASCII)
+_PORT = re.compile(r"[0-9]{1,5}", re.ASCII)
+#: Longest ipc:// path in bytes: sun_path (108 bytes on Linux, 104 elsewhere) less its NUL.
+MAX_IPC_PATH = (108 if sys.platform.startswith("linux") else 104) - 1
+MAX_INPROC_NAME = 256
 
 #: The address schemes ZMQ event streams use.
 SCHEMES = ("tcp://", "ipc://", "inproc://")
@@ -162,6 +172,63 @@ def check_endpoint(endpoint: str, name: str = "endpoint", data_parallel_rank: in
         if _is_port(port) and int(port) and int(port) + data_parallel_rank > 65535:
             shifted = f" + data_parallel_rank {data_parallel_rank}" if data_parallel_rank else ""
             raise InvalidArgumentError(f"{name} {endpoint!r}: port {port}{shifted} is past 65535")
+    return endpoint
+
+
+def check_connect_endpoint(endpoint: str, what: str = "endpoint") -> str:
+    """The stricter rule for a worker's live or replay address that an operator registers with
+    the indexer (``--worker``, YAML, ``POST /workers``): what ZMQ refuses to connect to, or would
+    accept and then silently never reach, is an :class:`InvalidArgumentError` here
+    (:class:`ArgumentTypeError` for a non-string). :func:`check_endpoint` is the general rule,
+    which leaves such addresses to ZMQ's own errors at connect time.
+
+    ``tcp://HOST:PORT``: HOST a host name, an IPv4 address or an IPv4-mapped IPv6 one
+    (``[::ffff:127.0.0.1]``), not ``*`` (that is a bind address); PORT 1-65535.
+    ``ipc://PATH`` (``@NAME``: abstract): at most :data:`MAX_IPC_PATH` bytes. ``inproc://NAME``."""
+    def bad(why: str) -> InvalidArgumentError:
+        return InvalidArgumentError(f"{what} {brief(endpoint)}: {why}")
+
+    if not isinstance(endpoint, str):
+        raise ArgumentTypeError(f"{what} must be a string, got {type(endpoint).__name__}")
+    if not endpoint.isprintable() or any(c.isspace() for c in endpoint):
+        raise bad("contains spaces or control characters")
+    try:
+        raw = endpoint.encode("utf-8")
+    except UnicodeEncodeError:
+        raise bad("is not valid Unicode") from None
+    scheme, sep, rest = endpoint.partition("://")
+    if not sep or scheme not in ("tcp", "ipc", "inproc"):
+        raise bad("use tcp://HOST:PORT, ipc://PATH or inproc://NAME")
+    if scheme == "tcp":
+        host, colon, port = rest.rpartition(":")
+        if not colon or not _PORT.fullmatch(port) or not 1 <= int(port) <= 65535:
+            raise bad("use tcp://HOST:PORT with a port in 1-65535")
+        if host == "*":
+            raise bad("'*' is an address to bind, not to connect to: name the publisher's host")
+        if host.startswith("["):
+            try:
+                if not host.endswith("]"):
+                    raise ValueError
+                mapped = ipaddress.IPv6Address(host[1:-1]).ipv4_mapped
+            except ValueError:
+                raise bad("not an IPv6 address in brackets") from None
+            # The subscriber's sockets are IPv4 (no ZMQ_IPV6): only an IPv4-mapped peer is reached.
+            if mapped is None:
+                raise bad("IPv6 addresses are not supported: use an IPv4 address, [::ffff:IPV4] or a host name")
+        elif not _HOST.fullmatch(host):
+            raise bad("the host must be a host name or an IPv4 address")
+        elif re.fullmatch(r"[0-9.]+", host):
+            try:
+                ipaddress.IPv4Address(host)
+            except ValueError:
+                raise bad("not an IPv4 address") from None
+    elif scheme == "ipc":
+        if not rest or rest == "*":
+            raise bad("name the publisher's socket path")
+        if len(raw) - len("ipc://") > MAX_IPC_PATH:
+            raise bad(f"the path is longer than {MAX_IPC_PATH} bytes (the OS limit)")
+    elif not rest or len(rest) > MAX_INPROC_NAME:
+        raise bad(f"use inproc://NAME with a name of 1-{MAX_INPROC_NAME} characters")
     return endpoint
 
 

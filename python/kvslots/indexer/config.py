@@ -3,16 +3,15 @@
 from __future__ import annotations
 
 import dataclasses
-import ipaddress
 import os
 import re
-import sys
 from dataclasses import dataclass, field
 from typing import Any
 
 from ..config.loader import brief, read_config_text
 from ..config.loader import load_yaml as load_config_yaml
-from ..errors import ConfigError
+from ..errors import ConfigError, KVSlotsError
+from ..events.protocol import check_connect_endpoint
 
 TIERS = ("GPU", "CPU", "STORAGE")
 DEFAULT_WEIGHTS = {"GPU": 1.0, "CPU": 0.8, "STORAGE": 0.5}
@@ -20,11 +19,6 @@ ADMIN_TOKEN_ENV = "KVSLOTS_INDEXER_ADMIN_TOKEN"
 
 #: A worker name (also the suffix of its Redis keys).
 WORKER_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,127}")
-_HOST = re.compile(r"[A-Za-z0-9_]([A-Za-z0-9_.-]{0,252})", re.ASCII)
-_PORT = re.compile(r"[0-9]{1,5}", re.ASCII)
-#: Longest ipc:// path in bytes: sun_path (108 bytes on Linux, 104 elsewhere) less its NUL.
-MAX_IPC_PATH = (108 if sys.platform.startswith("linux") else 104) - 1
-MAX_INPROC_NAME = 256
 #: Largest tier weight: a score (weight x blocks, up to 2**24 blocks) stays finite and exact enough.
 MAX_TIER_WEIGHT = 1e6
 #: A Redis namespace: ':'-separated segments. No glob characters (it is a SCAN pattern), and no
@@ -35,56 +29,12 @@ _KEY_KINDS_WITH_SUFFIX = ("k", "e")
 
 
 def check_endpoint(endpoint: str, what: str = "endpoint") -> None:
-    """The one rule for a worker's ZMQ address, as the indexer connects to it: what ZMQ refuses
-    to connect to, or would accept and then silently never reach, is a ConfigError here.
-
-    ``tcp://HOST:PORT``: HOST a host name, an IPv4 address or an IPv4-mapped IPv6 one
-    (``[::ffff:127.0.0.1]``), not ``*`` (that is a bind address); PORT 1-65535.
-    ``ipc://PATH`` (``@NAME``: abstract): at most :data:`MAX_IPC_PATH` bytes. ``inproc://NAME``."""
-    def bad(why: str) -> ConfigError:
-        return ConfigError(f"{what} {brief(endpoint)}: {why}")
-
-    if not isinstance(endpoint, str):
-        raise ConfigError(f"{what} must be a string, got {type(endpoint).__name__}")
-    if not endpoint.isprintable() or any(c.isspace() for c in endpoint):
-        raise bad("contains spaces or control characters")
+    """The subscriber's rule for a worker's address (:func:`kvslots.events.protocol.check_connect_endpoint`),
+    as a ConfigError."""
     try:
-        raw = endpoint.encode("utf-8")
-    except UnicodeEncodeError:
-        raise bad("is not valid Unicode") from None
-    scheme, sep, rest = endpoint.partition("://")
-    if not sep or scheme not in ("tcp", "ipc", "inproc"):
-        raise bad("use tcp://HOST:PORT, ipc://PATH or inproc://NAME")
-    if scheme == "tcp":
-        host, colon, port = rest.rpartition(":")
-        if not colon or not _PORT.fullmatch(port) or not 1 <= int(port) <= 65535:
-            raise bad("use tcp://HOST:PORT with a port in 1-65535")
-        if host == "*":
-            raise bad("'*' is an address to bind, not to connect to: name the publisher's host")
-        if host.startswith("["):
-            try:
-                if not host.endswith("]"):
-                    raise ValueError
-                mapped = ipaddress.IPv6Address(host[1:-1]).ipv4_mapped
-            except ValueError:
-                raise bad("not an IPv6 address in brackets") from None
-            # The subscriber's sockets are IPv4 (no ZMQ_IPV6): only an IPv4-mapped peer is reached.
-            if mapped is None:
-                raise bad("IPv6 addresses are not supported: use an IPv4 address, [::ffff:IPV4] or a host name")
-        elif not _HOST.fullmatch(host):
-            raise bad("the host must be a host name or an IPv4 address")
-        elif re.fullmatch(r"[0-9.]+", host):
-            try:
-                ipaddress.IPv4Address(host)
-            except ValueError:
-                raise bad("not an IPv4 address") from None
-    elif scheme == "ipc":
-        if not rest or rest == "*":
-            raise bad("name the publisher's socket path")
-        if len(raw) - len("ipc://") > MAX_IPC_PATH:
-            raise bad(f"the path is longer than {MAX_IPC_PATH} bytes (the OS limit)")
-    elif not rest or len(rest) > MAX_INPROC_NAME:
-        raise bad(f"use inproc://NAME with a name of 1-{MAX_INPROC_NAME} characters")
+        check_connect_endpoint(endpoint, what)
+    except KVSlotsError as e:
+        raise ConfigError(str(e)) from None
 
 
 def check_namespace(ns: str) -> None:
