@@ -257,12 +257,20 @@ def resolve_speculative_config(
         raise ConfigError(f"must be a local directory or a Hub id (a string), got {short(draft)}",
                           "speculative_config.model")
     if draft is not None:
-        ref = classify_model(draft)
-        if ref.kind == "missing":
-            raise ConfigError(f"draft model directory {draft!r} does not exist", "speculative_config.model")
-        if ref.kind == "not_dir":
-            raise ConfigError(f"draft model {draft!r} is not a directory", "speculative_config.model")
+        check_draft_model(draft, "speculative_config.model")
     return spec
+
+
+def check_draft_model(draft: str, field: str, source: str | None = None) -> ModelRef:
+    """A draft model reference (``field`` names where it was given): a local directory or a Hub
+    id, which vLLM looks up itself. A path that certainly names no directory (``"missing"``,
+    ``"not_dir"``) is a :class:`~kvslots.ConfigError`."""
+    ref = classify_model(draft)
+    if ref.kind == "missing":
+        raise ConfigError(f"draft model directory {draft!r} does not exist", field, source)
+    if ref.kind == "not_dir":
+        raise ConfigError(f"draft model {draft!r} is not a directory", field, source)
+    return ref
 
 
 __all__ = [
@@ -270,6 +278,7 @@ __all__ = [
     "HUB_ID",
     "SPECULATORS_METHODS",
     "ModelRef",
+    "check_draft_model",
     "classify_model",
     "is_hub_id",
     "is_speculators_checkpoint",

@@ -42,6 +42,7 @@ class ConverterBase:
         self.graphs_path = "cuda_graph_config"
         self.spec_doc: Any = None
         self.spec_given = False
+        self.draft_path: str | None = None  # the key that named the converted draft model
         self.schedule: DynamicSDSchedule | None = None
 
     def fail(self, path: str | None, message: str) -> ConfigError:

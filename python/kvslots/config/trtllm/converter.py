@@ -120,6 +120,8 @@ def convert_trtllm_config(
 
     if speculators_dir is not None:
         conv.apply_speculators_checkpoint(speculators_dir, verifier, model)
+    else:  # a draft the checkpoint replaces is not read, so not checked
+        conv.check_draft_model()
     if model is not None:
         args["model"] = model
 

@@ -15,7 +15,7 @@ from typing import Any
 
 from ...errors import ConfigError
 from ..schedule import SCHEDULE_KEY, DynamicSDSchedule
-from ..speculative import classify_model
+from ..speculative import check_draft_model, classify_model
 from ..speculators import load_speculators_checkpoint
 from .base import ConverterBase, describe
 from .keys import (
@@ -150,6 +150,7 @@ class SpeculativeKeys(ConverterBase):
             self.note(f"{p}.max_draft_len", "speculative_config.num_speculative_tokens", out["num_speculative_tokens"])
         if "model" in out:
             self.note(model_path, "speculative_config.model", out["model"])
+            self.draft_path = model_path
 
         # Dynamic draft length.
         k = out["num_speculative_tokens"]
@@ -188,6 +189,13 @@ class SpeculativeKeys(ConverterBase):
             else:
                 self.unknown(sub, value, f"speculative_config option for {dtype}")
         self.args["speculative_config"] = out
+
+    def check_draft_model(self) -> None:
+        """The converted draft model names a directory or a Hub id (kvslots.config.speculative's
+        rule); run unless a speculators checkpoint replaced it."""
+        spec = self.args.get("speculative_config") or {}
+        if self.draft_path is not None and "model" in spec:
+            check_draft_model(spec["model"], self.draft_path, self.source)
 
     def _need_k(self, k: int | None, dtype: str) -> int:
         if k is None:

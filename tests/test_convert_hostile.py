@@ -1,0 +1,81 @@
+"""`kvslots convert-config` against draft model references that certainly name nothing: the
+TRT-LLM YAML's draft (speculative_model_dir / speculative_model / pytorch_weights_path) follows
+kvslots.config.speculative's model-reference rule -- a local directory or a Hub id; a path that
+looks local and does not exist (or is a file) is one ConfigError line, exit status 2."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import yaml
+
+from kvslots import cli
+from kvslots.config.trtllm import convert_trtllm_config
+from kvslots.errors import ConfigError
+
+NO_USER = "~kvslots-no-such-user-x9"
+
+
+def yaml_file(tmp_path, spec: dict) -> str:
+    f = tmp_path / "engine.yaml"
+    f.write_text(yaml.safe_dump({"speculative_config": spec}))
+    return str(f)
+
+
+def spec(dtype: str, key: str, model: str) -> dict:
+    return {"decoding_type": dtype, "max_draft_len": 3, key: model}
+
+
+@pytest.mark.parametrize("key", ["speculative_model_dir", "speculative_model", "pytorch_weights_path"])
+@pytest.mark.parametrize("dtype", ["Eagle", "Eagle3", "MTP", "Draft_Target", "PARD", "DFlash", "DSpark"])
+@pytest.mark.parametrize("model", ["/nonexistent/draft", "./no-such-draft", "../no-such-draft",
+                                   f"{NO_USER}/draft", "~/kvslots-no-such-draft-x9", "a/b/c", "org/..",
+                                   "/tmp/" + "d" * 300 + "/x", "my draft"])
+def test_missing_local_draft_is_one_line_exit_2(tmp_path, capsys, monkeypatch, key, dtype, model):
+    monkeypatch.chdir(tmp_path)
+    path = yaml_file(tmp_path, spec(dtype, key, model))
+    with pytest.raises(ConfigError) as ei:
+        convert_trtllm_config(path)
+    assert ei.value.field == f"speculative_config.{key}" and "does not exist" in str(ei.value)
+    capsys.readouterr()
+    code = cli.main(["convert-config", path])
+    out, err = capsys.readouterr()
+    assert code == 2 and out == ""
+    assert err.count("\n") == 1 and err.startswith("kvslots convert-config: error: ")
+    assert f"speculative_config.{key}: draft model directory" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("dtype", ["Eagle3", "Draft_Target", "MTP"])
+def test_a_file_is_not_a_draft_directory(tmp_path, capsys, dtype):
+    f = tmp_path / "weights.bin"
+    f.write_bytes(b"\0")
+    path = yaml_file(tmp_path, spec(dtype, "speculative_model_dir", str(f)))
+    assert cli.main(["convert-config", path]) == 2
+    assert "is not a directory" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("model", ["org/draft", "draft", "yuhuili/EAGLE3-LLaMA3.1-Instruct-8B"])
+def test_hub_ids_and_local_directories_are_accepted(tmp_path, monkeypatch, model):
+    monkeypatch.chdir(tmp_path)  # nothing named so here: a Hub id, which vLLM looks up itself
+    r = convert_trtllm_config(yaml_file(tmp_path, spec("Eagle3", "speculative_model_dir", model)))
+    assert r.speculative_config["model"] == model
+    (tmp_path / "local").mkdir()
+    for name in ("./local", str(tmp_path / "local"), "local/"):
+        r = convert_trtllm_config(yaml_file(tmp_path, spec("Draft_Target", "speculative_model_dir", name)))
+        assert r.speculative_config["model"] == name
+
+
+def test_an_unused_draft_is_not_checked(tmp_path):
+    # n-gram lookup ignores the draft; a speculators checkpoint replaces it.
+    r = convert_trtllm_config(yaml_file(tmp_path, spec("NGram", "speculative_model_dir", "/nonexistent/d")))
+    assert r.speculative_config["method"] == "ngram"
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    (ckpt / "config.json").write_text(json.dumps({
+        "speculators_model_type": "eagle3", "transformer_layer_config": {},
+        "speculators_config": {"proposal_methods": [{"speculative_tokens": 2}],
+                               "verifier": {"name_or_path": "org/target"}}}))
+    r = convert_trtllm_config(yaml_file(tmp_path, spec("Eagle3", "speculative_model_dir", "/nonexistent/d")),
+                              speculators_dir=str(ckpt))
+    assert r.speculative_config["model"] == str(ckpt.resolve())
