@@ -463,3 +463,100 @@ def test_random_trtllm_shaped_documents_convert_config(capsys, doc, fmt):
                       st.binary(max_size=64)))
 def test_random_documents_indexer_config(text):
     _indexer_config(text)
+
+
+# ---- kvslots demo: its flags and --cache-dir are checked before anything is built or started ----
+
+
+@pytest.fixture
+def demo_starts_nothing(monkeypatch):
+    """Building the models or starting the server fails the test: a bad flag is refused first."""
+    import kvslots._dev.tiny as tiny
+    from kvslots.demo import run as demo
+
+    def started(*a, **k):
+        raise AssertionError("the demo started something before refusing its flags")
+
+    monkeypatch.setattr(demo, "subprocess", argparse.Namespace(Popen=started))
+    monkeypatch.setattr(tiny, "build_tiny_models", started)
+
+
+@pytest.mark.parametrize("argv, flag", [
+    (["-k", "0"], "-k"), (["-k", "-1"], "-k"), (["-k", "65"], "-k"), (["-k", str(10**30)], "-k"),
+    (["--requests", "0"], "--requests"), (["--requests", "-3"], "--requests"), (["--requests", "1001"], "--requests"),
+    (["--prefix-len", "-1"], "--prefix-len"), (["--max-tokens", "0"], "--prefix-len"),
+    (["--max-tokens", "-5"], "--prefix-len"), (["--prefix-len", "2000"], "--prefix-len"),
+    (["--prefix-len", str(10**30)], "--prefix-len"),
+    (["--host-cache-gb", "nan"], "--host-cache-gb"), (["--host-cache-gb", "inf"], "--host-cache-gb"),
+    (["--host-cache-gb", "0"], "--host-cache-gb"), (["--host-cache-gb", "-1"], "--host-cache-gb"),
+    (["--host-cache-gb", "1e7"], "--host-cache-gb"),
+    (["--timeout", "nan"], "--timeout"), (["--timeout", "inf"], "--timeout"), (["--timeout", "0"], "--timeout"),
+    (["--timeout", "-5"], "--timeout"),
+])
+def test_demo_bad_flag_is_one_line_exit_2_before_anything_starts(capsys, demo_starts_nothing, argv, flag):
+    capsys.readouterr()
+    code = cli.main(["demo", *argv])
+    out, err = capsys.readouterr()
+    assert code == 2 and out == "", (code, out, err)
+    assert err.startswith(f"kvslots demo: error: {flag} ") and err.count("\n") == 1, err
+
+
+def _cache_dirs(tmp_path: Path) -> dict[str, str]:
+    (tmp_path / "file").write_text("x")
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / ".complete").write_text('{"layers": 99}\n')
+    (tmp_path / "dir-stamp" / ".complete").mkdir(parents=True)
+    (tmp_path / "binary-stamp").mkdir()
+    (tmp_path / "binary-stamp" / ".complete").write_bytes(b"\xff\xfe\0")
+    return {"a file": str(tmp_path / "file"), "under a file": str(tmp_path / "file" / "sub"),
+            "other dimensions": str(tmp_path / "other"), "stamp is a directory": str(tmp_path / "dir-stamp"),
+            "stamp not UTF-8": str(tmp_path / "binary-stamp"), "NUL": str(tmp_path / "a\0b")}
+
+
+@pytest.mark.parametrize("case", ["a file", "under a file", "other dimensions", "stamp is a directory",
+                                  "stamp not UTF-8", "NUL"])
+def test_demo_cache_dir_it_cannot_use_is_one_line_exit_2(tmp_path, capsys, monkeypatch, case):
+    from kvslots.demo import run as demo
+
+    def started(*a, **k):
+        raise AssertionError("the server was started")
+
+    monkeypatch.setattr(demo, "subprocess", argparse.Namespace(Popen=started))
+    path = _cache_dirs(tmp_path)[case]
+    capsys.readouterr()
+    code = cli.main(["demo", "--cache-dir", path])
+    out, err = capsys.readouterr()
+    assert code == 2 and out == "", (code, out, err)
+    assert err.startswith("kvslots demo: error: ") and err.count("\n") == 1 and "Traceback" not in err, err
+
+
+def test_demo_server_that_fails_mid_workload_is_a_serve_error():
+    from kvslots.demo import run as demo
+
+    with socket_closed_port() as port:
+        with pytest.raises(ServeError, match=f"GET http://127.0.0.1:{port}/metrics: "):
+            demo._http("GET", f"http://127.0.0.1:{port}/metrics", timeout=5)
+
+
+def socket_closed_port():
+    """A context manager giving a local port nothing listens on."""
+    import contextlib
+    import socket
+
+    @contextlib.contextmanager
+    def closed():
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        yield port
+
+    return closed()
+
+
+def test_demo_defaults_and_edges_pass_the_check():
+    from kvslots.demo import run as demo
+
+    parser = cli.build_parser()
+    demo.check_args(parser.parse_args(["demo"]))
+    demo.check_args(parser.parse_args(["demo", "-k", "64", "--requests", "1", "--prefix-len", "0",
+                                       "--max-tokens", "2008", "--host-cache-gb", "0.01", "--timeout", "1"]))

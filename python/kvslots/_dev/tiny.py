@@ -40,6 +40,9 @@ from dataclasses import asdict, dataclass
 import torch
 from safetensors.torch import save_file
 
+from ..config.loader import brief, read_config_text
+from ..errors import ConfigError
+
 VOCAB = 2048
 HIDDEN = 128
 INTER = 256
@@ -219,20 +222,26 @@ def build_tiny_models(root: str, dims: Dims = TINY) -> dict[str, str]:
     paths = {name: os.path.join(root, name) for name in ("target", "eagle", "eagle3")}
     done = os.path.join(root, ".complete")
     stamp = json.dumps(asdict(dims), sort_keys=True)
-    if os.path.exists(done):
-        with open(done) as f:
-            text = f.read().strip()
-        # "ok" marks a build of the tiny dimensions made before Dims existed.
-        if text == stamp or (text == "ok" and dims == TINY):
-            return paths
-        raise ValueError(f"{root} holds models of other dimensions ({text}), not {stamp}")
-    build_target(paths["target"], dims=dims)
-    build_eagle(paths["eagle"], paths["target"], dims=dims)
-    # The EAGLE-3 head reads three auxiliary hidden states: embeddings, layer L//2, last layer.
-    aux = (0, 1, 2) if dims.layers <= 2 else (0, dims.layers // 2, dims.layers)
-    build_eagle3(paths["eagle3"], paths["target"], aux_layer_ids=aux, dims=dims)
-    with open(done, "w") as f:
-        f.write(stamp + "\n")
+    # A ConfigError naming root, not a traceback, for a root that is a file, unwritable, full,
+    # or holds something else (kvslots demo --cache-dir).
+    try:
+        if os.path.lexists(done):
+            text = read_config_text(done, max_bytes=4096).strip()
+            # "ok" marks a build of the tiny dimensions made before Dims existed.
+            if text == stamp or (text == "ok" and dims == TINY):
+                return paths
+            raise ConfigError(f"holds models of other dimensions ({brief(text)}), not {stamp}", None, root)
+        build_target(paths["target"], dims=dims)
+        build_eagle(paths["eagle"], paths["target"], dims=dims)
+        # The EAGLE-3 head reads three auxiliary hidden states: embeddings, layer L//2, last layer.
+        aux = (0, 1, 2) if dims.layers <= 2 else (0, dims.layers // 2, dims.layers)
+        build_eagle3(paths["eagle3"], paths["target"], aux_layer_ids=aux, dims=dims)
+        with open(done, "w") as f:
+            f.write(stamp + "\n")
+    except ConfigError:
+        raise
+    except (OSError, ValueError) as e:  # ValueError: a NUL in the path
+        raise ConfigError(f"cannot build the tiny models: {getattr(e, 'strerror', None) or e}", None, root) from None
     return paths
 
 

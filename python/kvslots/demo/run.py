@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import random
 import signal
@@ -40,9 +41,44 @@ def _free_port() -> int:
 def _http(method: str, url: str, body: Any = None, timeout: float = 120.0) -> Any:
     data = None if body is None else json.dumps(body).encode()
     req = urllib.request.Request(url, data=data, method=method, headers={"content-type": "application/json"})
-    with urllib.request.urlopen(req, timeout=timeout) as r:
-        raw = r.read()
-    return json.loads(raw) if raw[:1] in (b"{", b"[") else raw.decode()
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            raw = r.read()
+        return json.loads(raw) if raw[:1] in (b"{", b"[") else raw.decode()
+    except (OSError, ValueError) as e:  # HTTPError, URLError, a timeout, an answer that is not JSON
+        raise ServeError(f"{method} {url}: {e}") from None
+
+
+#: The demo server's --max-model-len, and the tokens each request adds to the shared prefix.
+MAX_MODEL_LEN = 2048
+SUFFIX_LEN = 40
+
+
+def check_args(args: argparse.Namespace) -> None:
+    """Refuses, before anything is built or started, what the demo cannot run: a ServeError
+    naming the flag (a zero --requests was an IndexError, --max-tokens 0 vLLM's 400 as a
+    traceback, a NaN --timeout a server started and given up at once)."""
+    from ..config.connector import ConnectorConfig
+    from ..errors import ConfigError
+
+    def bad(flag: str, value: Any, why: str) -> ServeError:
+        return ServeError(f"{flag} {value!r}: {why}")
+
+    if not 1 <= args.k <= 64:
+        raise bad("-k", args.k, "must be in [1, 64]")
+    if not 1 <= args.requests <= 1000:
+        raise bad("--requests", args.requests, "must be in [1, 1000]")
+    if args.prefix_len < 0 or args.max_tokens < 1 \
+            or args.prefix_len + SUFFIX_LEN + args.max_tokens > MAX_MODEL_LEN:
+        raise ServeError(f"--prefix-len {args.prefix_len} and --max-tokens {args.max_tokens}: need "
+                         f"--prefix-len >= 0, --max-tokens >= 1 and their sum <= {MAX_MODEL_LEN - SUFFIX_LEN} "
+                         f"(the demo's model length, less {SUFFIX_LEN} tokens per prompt)")
+    try:  # the connector's own rule for the size
+        ConnectorConfig(host_cache_gb=args.host_cache_gb)
+    except ConfigError:
+        raise bad("--host-cache-gb", args.host_cache_gb, "must be a number of GiB > 0 and < 2**20") from None
+    if not (math.isfinite(args.timeout) and args.timeout > 0):
+        raise bad("--timeout", args.timeout, "must be a finite number of seconds > 0")
 
 
 def _metrics(base: str) -> dict[str, float]:
@@ -78,6 +114,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from ..indexer.service import IndexerService
     from .._dev.tiny import build_tiny_models
 
+    check_args(args)
     log = (lambda *a: None) if args.json else (lambda *a: print(*a, flush=True))
     models = build_tiny_models(args.cache_dir)
     log(f"[1/5] tiny random-weight models in {args.cache_dir}")
@@ -92,7 +129,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
            "--kv-events-replay-endpoint", f"tcp://127.0.0.1:{replay}",
            "--kv-events-topic", "kv", "--host", "127.0.0.1", "--port", str(http), "--",
            "--served-model-name", MODEL_NAME, "--enforce-eager", "--dtype", "float32",
-           "--block-size", str(BLOCK_SIZE), "--max-model-len", "2048", "--max-num-seqs", "8"]
+           "--block-size", str(BLOCK_SIZE), "--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", "8"]
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
                VLLM_SERVER_DEV_MODE="1")  # dev mode: /reset_prefix_cache
     log("[2/5] starting kvslots serve (vLLM on CPU; this takes a minute or two here)")
@@ -122,7 +159,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 def _workload(base: str, indexer: Any, args: argparse.Namespace, log: Any) -> dict[str, Any]:
     rng = random.Random(args.seed)
     shared = [rng.randrange(3, 2000) for _ in range(args.prefix_len)]
-    prompts = [shared + [rng.randrange(3, 2000) for _ in range(40)] for _ in range(args.requests)]
+    prompts = [shared + [rng.randrange(3, 2000) for _ in range(SUFFIX_LEN)] for _ in range(args.requests)]
 
     def complete(tokens: list[int]) -> tuple[list[int], float]:
         t0 = time.perf_counter()
@@ -186,13 +223,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--method", choices=["draft_model", "eagle", "eagle3"], default="draft_model",
                    help="speculative method; draft_model uses the target itself (100%% acceptance), "
                         "the tiny random EAGLE heads accept almost nothing")
-    p.add_argument("-k", type=int, default=3, help="draft tokens per step")
-    p.add_argument("--requests", type=int, default=4)
-    p.add_argument("--prefix-len", type=int, default=320)
-    p.add_argument("--max-tokens", type=int, default=32)
-    p.add_argument("--host-cache-gb", type=float, default=0.25)
+    p.add_argument("-k", type=int, default=3, help="draft tokens per step (1-64)")
+    p.add_argument("--requests", type=int, default=4, help="requests sharing the prefix (1-1000)")
+    p.add_argument("--prefix-len", type=int, default=320,
+                   help=f"tokens of the shared prefix (with --max-tokens, at most {MAX_MODEL_LEN - SUFFIX_LEN})")
+    p.add_argument("--max-tokens", type=int, default=32, help="tokens generated per request (>= 1)")
+    p.add_argument("--host-cache-gb", type=float, default=0.25, help="host-memory tier in GiB")
     p.add_argument("--cache-dir", default=os.path.join(os.path.expanduser("~"), ".cache", "kvslots", "tiny-models"))
-    p.add_argument("--timeout", type=float, default=900, help="seconds to wait for the server")
+    p.add_argument("--timeout", type=float, default=900, help="seconds to wait for the server (> 0)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.add_argument("--verbose", action="store_true", help="show the server's output")
