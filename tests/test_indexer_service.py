@@ -498,6 +498,40 @@ def test_cli_errors_are_one_line(argv, problem, capsys):
     assert problem in err, err
 
 
+#: Redis URL options redis-py parses but does not check: each was a ValueError / TypeError /
+#: OverflowError when connecting, and every HTTP route a 500.
+BAD_REDIS_URL_OPTIONS = ["socket_timeout=nan", "socket_timeout=-1", "socket_timeout=0", "socket_timeout=inf",
+                         "socket_timeout=1e300", "socket_connect_timeout=nan", "socket_connect_timeout=-1",
+                         "socket_connect_timeout=0", "health_check_interval=-5", "socket_read_size=0",
+                         "socket_read_size=-1", "retry_on_error=abc"]
+
+
+@pytest.mark.parametrize("option", BAD_REDIS_URL_OPTIONS)
+def test_redis_url_option_values_are_checked_up_front(option, capsys):
+    from kvslots.indexer import IndexerConfig, IndexerService
+
+    url = f"redis://user:hunter2@127.0.0.1:1/0?{option}"
+    key = option.partition("=")[0]
+    code, err = _cli(["--backend", "redis", "--redis-url", url], capsys)
+    assert code == 2 and err.count("\n") == 1 and f": {key}=" in err and "hunter2" not in err, err
+    with pytest.raises(ConfigError, match=f"redis_url .*{key}="):  # a config built in code, too
+        IndexerService(IndexerConfig(backend="redis", redis_url=url))
+
+
+@pytest.mark.parametrize("url", ["redis://h:1/-1", "unix:///tmp/r.sock?db=-2"])
+def test_redis_url_negative_db_is_refused(url, capsys):
+    code, err = _cli(["--backend", "redis", "--redis-url", url], capsys)
+    assert code == 2 and "db=-" in err, err
+
+
+def test_redis_url_good_options_pass():
+    from kvslots.indexer.config import check_redis_url
+
+    check_redis_url("redis://h:1/0?socket_timeout=2.5&socket_connect_timeout=1&health_check_interval=0"
+                    "&socket_read_size=65536&max_connections=4")
+    check_redis_url("unix:///tmp/r.sock?db=3")
+
+
 def test_cli_redis_url_error_hides_the_password(capsys):
     code, err = _cli(["--backend", "redis", "--redis-url", "redis://user:hunter2@h:abc/0"], capsys)
     assert code == 2 and "hunter2" not in err and "***" in err, err

@@ -53,18 +53,41 @@ def redact_url(url: str) -> str:
     return re.sub(r"(?<=://)[^@]*(?=@)", "***", url, count=1)
 
 
+#: Query options of a Redis URL that redis-py parses without checking the value, and the rule
+#: each must meet: a NaN, negative, zero or huge timeout (or a negative read size) failed at
+#: connect time with a ValueError or OverflowError, every route a 500; retry_on_error parses as a
+#: list of characters (a TypeError on the first error). Absent options keep the backend's values.
+_REDIS_URL_OPTIONS: dict[str, tuple[Any, str]] = {
+    "socket_timeout": (lambda v: 0 < v <= 86400, "must be a number of seconds in (0, 86400]"),
+    "socket_connect_timeout": (lambda v: 0 < v <= 86400, "must be a number of seconds in (0, 86400]"),
+    "health_check_interval": (lambda v: 0 <= v <= 86400, "must be a number of seconds in [0, 86400]"),
+    "socket_read_size": (lambda v: v >= 1, "must be an integer >= 1"),
+    "db": (lambda v: v >= 0, "must be a database number >= 0"),
+    "retry_on_error": (lambda v: False, "cannot be given in a URL (it is a list of exception classes)"),
+}
+
+
 def check_redis_url(url: str) -> None:
-    """What redis-py accepts as a connection URL (it is the judge), as a ConfigError."""
+    """What redis-py accepts as a connection URL (it is the judge of the form), with the values of
+    :data:`_REDIS_URL_OPTIONS` checked, as a ConfigError."""
     try:
         import redis
     except ImportError:
         raise ConfigError("the redis backend needs redis-py: pip install 'kvslots[indexer]'") from None
+
+    def bad(why: str) -> ConfigError:
+        return ConfigError(f"redis_url {brief(redact_url(url))}: {why} (use redis://HOST:PORT/DB, "
+                           "rediss://... or unix:///PATH)")
+
     try:
         client = redis.Redis.from_url(url)
         client.connection_pool.make_connection()  # checks the URL's options; connects to nothing
     except (ValueError, TypeError) as e:
-        raise ConfigError(f"redis_url {brief(redact_url(url))}: {e} (use redis://HOST:PORT/DB, "
-                          "rediss://... or unix:///PATH)") from None
+        raise bad(str(e)) from None
+    given = client.connection_pool.connection_kwargs
+    for key, (ok, what) in _REDIS_URL_OPTIONS.items():
+        if key in given and given[key] is not None and not ok(given[key]):
+            raise bad(f"{key}={brief(given[key])} {what}")
 
 
 @dataclass(frozen=True)
