@@ -13,10 +13,12 @@ the hot path builds no Python object per event.
 
 from __future__ import annotations
 
+import errno
 import logging
 import threading
 import time
 from collections import deque
+from dataclasses import dataclass
 from itertools import islice
 from typing import Any, Union
 
@@ -47,7 +49,28 @@ log = logging.getLogger(__name__)
 #: Largest frame the replay ROUTER accepts (a request's frames are an empty delimiter and 8 bytes).
 REPLAY_MAX_FRAME = 1024
 
+#: Replay messages queued for one peer at most (the ROUTER's send high-water mark). With
+#: ROUTER_MANDATORY a full queue is an EAGAIN, not a silent drop: the replay waits and resumes
+#: where it stopped, so a peer that never reads holds at most this many batches of ours (it was
+#: the whole buffer, twice, per peer: 50 such peers grew the process by 1.2 GB in 8 s).
+REPLAY_HWM = 256
+#: A replay the peer has taken nothing of for this long is dropped (counted replay_truncated).
+REPLAY_STALL_S = 10.0
+#: Retries of a replay whose peer's queue is full: after 1 ms, doubling up to 100 ms.
+_RETRY_MIN, _RETRY_MAX = 0.001, 0.1
+
 Payload = Union[EventBatch, msgspec.Struct, bytes, bytearray, memoryview]
+
+
+@dataclass
+class _Replay:
+    """One peer's replay in progress: batches ``next`` .. ``stop - 1``, then the end marker."""
+
+    next: int
+    stop: int  # the publisher's next_seq when asked: later batches reach the peer live
+    progress_at: float  # when the peer last took a message
+    retry_at: float = 0.0
+    delay: float = _RETRY_MIN
 
 
 class EventPublisher:
@@ -100,7 +123,7 @@ class EventPublisher:
         if replay_endpoint is not None:
             replay_endpoint = check_endpoint(replay_endpoint, "replay_endpoint", data_parallel_rank)
         topic = _args.text(topic, "topic")
-        # The replay ROUTER's high-water mark is 2 * (buffer_steps + 1), a C int too.
+        # (The bound is the one the connector's config documents.)
         buffer_steps = _args.integer(buffer_steps, "buffer_steps", 1, _args.C_INT_MAX // 2 - 1)
         hwm = _args.integer(hwm, "hwm", 0, _args.C_INT_MAX)
         max_queue_size = _args.integer(max_queue_size, "max_queue_size", 1)
@@ -130,9 +153,10 @@ class EventPublisher:
         self._next_seq = 0
         self._encoder = msgspec.msgpack.Encoder()
         self._drop_on_wire: set[int] = set()
+        self._replays: dict[bytes, _Replay] = {}  # by peer identity; at most one per peer
         self._stats = dict.fromkeys(
             ("published", "dropped_on_wire", "replay_requests", "replayed", "replay_malformed",
-             "errors"),
+             "replay_refused", "replay_truncated", "errors"),
             0,
         )
 
@@ -157,9 +181,10 @@ class EventPublisher:
             rep = offset_endpoint_port(replay_endpoint, data_parallel_rank)
             if rep is not None:
                 self._replay = self._ctx.socket(zmq.ROUTER)
-                # A replay is a burst of up to buffer_steps messages to one peer: let it all
-                # queue instead of ROUTER silently dropping past the default HWM of 1000.
-                self._replay.setsockopt(zmq.SNDHWM, 2 * (buffer_steps + 1))
+                # A replay is sent as the peer takes it (see REPLAY_HWM): a full queue raises
+                # EAGAIN and a gone peer EHOSTUNREACH instead of ROUTER dropping silently.
+                self._replay.setsockopt(zmq.SNDHWM, REPLAY_HWM)
+                self._replay.setsockopt(zmq.ROUTER_MANDATORY, 1)
                 self._replay.setsockopt(zmq.LINGER, 0)
                 # A request is an 8-byte sequence number: a peer sending a bigger frame is
                 # disconnected by ZMQ instead of having it buffered whole (a 300 MB frame cost
@@ -234,7 +259,9 @@ class EventPublisher:
 
     def stats(self) -> dict[str, int]:
         """Counters: published, dropped_on_wire (test hook), replay_requests, replayed (batches
-        resent), replay_malformed, errors; plus queued and next_seq."""
+        resent), replay_malformed, replay_refused (requests from a peer whose previous replay is
+        still being sent), replay_truncated (replays dropped before their end: the peer took
+        nothing for ``REPLAY_STALL_S`` or disconnected), errors; plus queued and next_seq."""
         with self._lock:
             queued = len(self._queue) + self._in_flight
         return {**self._stats, "queued": queued, "next_seq": self._next_seq}
@@ -290,9 +317,10 @@ class EventPublisher:
     def _round(self, poller: zmq.Poller) -> bool:
         """One wake-up of the sender thread; True when it should exit."""
         try:
-            ready = dict(poller.poll())
+            ready = dict(poller.poll(self._retry_timeout_ms()))
             if self._replay is not None and self._replay in ready:
                 self._serve_replays()
+            self._resume_replays()
             if self._wakeup.fileno() in ready:
                 # Drain the pipe before taking the queue: a publish() after this point
                 # writes a fresh wake-up byte.
@@ -359,19 +387,66 @@ class EventPublisher:
                 continue
             client, start = request
             self._stats["replay_requests"] += 1
-            first = self._buffer[0][0] if self._buffer else 0
-            skip = min(max(start - first, 0), len(self._buffer))
-            try:
-                # Buffered seqs are consecutive, so the first one to send is at start - first.
-                for seq, payload in islice(self._buffer, skip, None):
-                    self._replay.send_multipart(
-                        replay_reply(client, self._topic, seq, payload), copy=False
-                    )
-                    self._stats["replayed"] += 1
-                self._replay.send_multipart(replay_end(client))
-            except zmq.ZMQError:
+            if client in self._replays:
+                # One replay per peer: a peer asking again before it took the last one's end
+                # marker would only pile up copies of the buffer.
+                self._stats["replay_refused"] += 1
+                continue
+            replay = _Replay(start, self._next_seq, time.monotonic())
+            self._replays[client] = replay
+            self._pump(client, replay)
+
+    def _retry_timeout_ms(self) -> float | None:
+        """How long the sender thread may sleep: until the next replay retry is due."""
+        if not self._replays:
+            return None
+        due = min(r.retry_at for r in self._replays.values())
+        return max(0.0, (due - time.monotonic()) * 1000.0)
+
+    def _resume_replays(self) -> None:
+        now = time.monotonic()
+        for client, replay in list(self._replays.items()):
+            if replay.retry_at <= now:
+                self._pump(client, replay)
+
+    def _pump(self, client: bytes, replay: _Replay) -> None:
+        """Hands the peer as much of its replay as its queue takes; the rest is retried later."""
+        assert self._replay is not None
+        first = self._buffer[0][0] if self._buffer else self._next_seq
+        # Batches that left the buffer meanwhile are skipped: the subscriber sees a hole, as if
+        # it had asked later. Buffered seqs are consecutive, so seq s is at index s - first.
+        replay.next = max(replay.next, first)
+        sent = 0
+        try:
+            for seq, payload in islice(self._buffer, replay.next - first, replay.stop - first):
+                self._replay.send_multipart(
+                    replay_reply(client, self._topic, seq, payload), zmq.NOBLOCK, copy=False
+                )
+                replay.next = seq + 1
+                sent += 1
+                self._stats["replayed"] += 1
+            self._replay.send_multipart(replay_end(client), zmq.NOBLOCK)
+        except zmq.Again:  # the peer's queue is full (REPLAY_HWM)
+            now = time.monotonic()
+            if sent:
+                replay.progress_at, replay.delay = now, _RETRY_MIN
+            elif now - replay.progress_at >= REPLAY_STALL_S:
+                self._stats["replay_truncated"] += 1
+                del self._replays[client]
+                return
+            else:
+                replay.delay = min(2 * replay.delay, _RETRY_MAX)
+            replay.retry_at = now + replay.delay
+            return
+        except zmq.ZMQError as e:
+            del self._replays[client]
+            if e.errno == errno.EHOSTUNREACH:  # the peer disconnected
+                self._stats["replay_truncated"] += 1
+            else:
                 self._stats["errors"] += 1
                 log.exception("replay to a subscriber failed")
+            return
+        del self._replays[client]
 
     def _close_thread_sockets(self) -> None:
         for sock in (self._pub, self._replay):

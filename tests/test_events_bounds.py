@@ -1,0 +1,198 @@
+"""What a remote peer can make an event publisher or subscriber hold: replay memory per peer
+(``REPLAY_HWM``), frame sizes (``MAXMSGSIZE``), and IPv6 literals end to end. Real ZMQ sockets;
+the publisher whose memory is measured runs in a child process, so the peers' own buffers in
+this process do not count."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from collections.abc import Callable
+
+import pytest
+import zmq
+
+from kvslots.events import BlockRemoved, KVEventBatch, encode_batch
+from kvslots.events import publisher as pubmod
+from kvslots.events.protocol import REPLAY_END, parse_replay_reply, replay_request
+from kvslots.events.publisher import EventPublisher
+from kvslots.events.subscriber import EventSubscriber
+
+LOCAL = "tcp://127.0.0.1:0"
+
+
+def wait_until(pred: Callable[[], bool], timeout: float = 10.0, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout
+    while not pred():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.005)
+
+
+def batch(i: int, hashes: int = 1) -> bytes:
+    """A valid batch; ``hashes`` 9-byte block hashes make it about 9 * hashes bytes."""
+    return encode_batch(KVEventBatch(float(i), [BlockRemoved([2**40 + k for k in range(hashes)], None)]))
+
+
+class Recorder:
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.got: list[int] = []
+
+    def on_batch(self, worker, seq, b) -> None:
+        with self.lock:
+            self.got.append(seq)
+
+    def seqs(self) -> list[int]:
+        with self.lock:
+            return list(self.got)
+
+
+def dealer(ctx: zmq.Context, endpoint: str, rcvhwm: int = 1000) -> zmq.Socket:
+    d = ctx.socket(zmq.DEALER)
+    d.setsockopt(zmq.LINGER, 0)
+    d.setsockopt(zmq.RCVHWM, rcvhwm)
+    d.connect(endpoint)
+    return d
+
+
+# ---- 1. replay memory per peer ---------------------------------------------------------------
+
+CHILD = textwrap.dedent("""
+    import sys
+    from kvslots.events import BlockRemoved, KVEventBatch, encode_batch
+    from kvslots.events.publisher import EventPublisher
+
+    n, hashes = int(sys.argv[1]), int(sys.argv[2])
+    def batch(i):
+        return encode_batch(KVEventBatch(float(i), [BlockRemoved([2**40 + k for k in range(hashes)], None)]))
+    pub = EventPublisher("tcp://127.0.0.1:0", "tcp://127.0.0.1:0", buffer_steps=n)
+    for i in range(n):
+        pub.publish(batch(i))
+    pub.flush()
+    def rss():
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS"))
+    print(pub.endpoint, pub.replay_endpoint, len(batch(0)), flush=True)
+    for line in sys.stdin:
+        cmd = line.split()
+        if cmd[0] == "rss":
+            st = pub.stats()
+            print(rss(), st["replay_refused"], st["replay_truncated"], st["replayed"], flush=True)
+        elif cmd[0] == "gap":  # three batches, the second not sent live
+            pub._test_drop_on_wire(pub.next_seq + 1)
+            for i in range(3):
+                pub.publish(batch(i))
+            pub.flush()
+            print(pub.next_seq, flush=True)
+""")
+
+BUFFER, HASHES, PEERS = 10_000, 170, 50  # 10,000 batches of ~1.5 KB: a 15 MB buffer
+#: The bound the probe asserts: 50 peers x REPLAY_HWM (256) batches of ~1.6 KB is ~21 MB (the
+#: measured growth is about that); before the bound the same probe grew the process by 1.2 GB.
+RSS_BOUND = 64 * 2**20
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/<pid>/status")
+def test_peers_that_never_read_replays_cannot_grow_the_publisher():
+    """50 peers ask for replays of the whole buffer over and over and never read their DEALER
+    sockets: the publisher (another process) grows by less than RSS_BOUND, refuses the repeated
+    requests, and a normal subscriber meanwhile catches up on the whole buffer and heals a gap."""
+    child = subprocess.Popen([sys.executable, "-c", CHILD, str(BUFFER), str(HASHES)],
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    ctx = zmq.Context()
+    sub = None
+    try:
+        assert child.stdin is not None and child.stdout is not None
+        endpoint, replay_ep, size = child.stdout.readline().split()
+        assert 1400 < int(size) < 1700
+
+        def ask(cmd: str) -> list[int]:
+            child.stdin.write(cmd + "\n")
+            child.stdin.flush()
+            return [int(x) for x in child.stdout.readline().split()]
+
+        base = ask("rss")[0]
+        peers = [dealer(ctx, replay_ep) for _ in range(PEERS)]
+        rec = Recorder()
+        sub = EventSubscriber(rec.on_batch, replay_timeout_ms=5000, context=ctx)
+        sub.start()
+        deadline = time.monotonic() + 4.0
+        added = False
+        while time.monotonic() < deadline:
+            for d in peers:
+                d.send_multipart(replay_request(0), zmq.NOBLOCK)
+            if not added:  # once the peers are attached and their queues filling
+                sub.add_publisher("w", endpoint, replay_ep, start_seq=0)
+                added = True
+            time.sleep(0.1)
+        wait_until(lambda: len(rec.seqs()) == BUFFER, 30, "the catch-up replay")
+        assert rec.seqs() == list(range(BUFFER))
+        time.sleep(0.5)  # live subscription settled
+        next_seq = ask("gap")[0]
+        wait_until(lambda: rec.seqs()[-1:] == [next_seq - 1], 30, "the gap healed")
+        assert rec.seqs() == list(range(next_seq))
+        assert sub.counters["gaps"] == 1 and sub.counters["lost"] == 0
+        rss, refused, truncated, replayed = ask("rss")
+        growth = rss - base
+        print(f"publisher RSS growth with {PEERS} non-reading peers: {growth / 2**20:.1f} MiB "
+              f"(refused {refused}, truncated {truncated}, replayed {replayed})")
+        assert growth < RSS_BOUND
+        assert refused >= PEERS  # each peer asked again while its first replay was stuck
+    finally:
+        if sub is not None:
+            sub.stop()
+        ctx.destroy(linger=0)
+        child.kill()
+        child.wait()
+
+
+def test_a_replay_waits_for_a_slow_reader_and_a_stalled_one_is_truncated(monkeypatch):
+    """A peer whose queue is full gets the rest of its replay as it reads (in order, nothing
+    dropped, then the end marker); one that stops reading for REPLAY_STALL_S is dropped and
+    counted; a second request while the first is under way is refused and counted."""
+    monkeypatch.setattr(pubmod, "REPLAY_STALL_S", 0.5)
+    n = 3000  # of 9 KB: 27 MB, more than the loopback's socket buffers hold for a stalled peer
+    pub = EventPublisher(LOCAL, LOCAL, buffer_steps=n)
+    ctx = zmq.Context()
+    try:
+        one = batch(0, 1000)
+        for i in range(n):
+            pub.publish(one)
+        assert pub.flush(5)
+        slow = dealer(ctx, pub.replay_endpoint, rcvhwm=10)
+        slow.send_multipart(replay_request(0))
+        wait_until(lambda: pub.stats()["replay_requests"] == 1, what="the request")
+        slow.send_multipart(replay_request(5))
+        wait_until(lambda: pub.stats()["replay_refused"] == 1, what="the second request refused")
+        got = []
+        while True:
+            assert slow.poll(5000)
+            seq, _ = parse_replay_reply(slow.recv_multipart())
+            if seq == REPLAY_END:
+                break
+            got.append(seq)
+            if len(got) % 50 == 0:
+                time.sleep(0.02)  # reads slowly: the publisher's queue for it fills
+        assert got == list(range(n))
+        assert pub.stats()["replay_truncated"] == 0
+
+        stalled = dealer(ctx, pub.replay_endpoint, rcvhwm=10)
+        stalled.send_multipart(replay_request(0))
+        wait_until(lambda: pub.stats()["replay_truncated"] == 1, 10, "the stalled replay truncated")
+        stalled.send_multipart(replay_request(0))  # accepted again once the old one is dropped
+        wait_until(lambda: pub.stats()["replay_requests"] == 4, what="the new request")
+        assert pub.stats()["replay_refused"] == 1
+
+        gone = dealer(ctx, pub.replay_endpoint, rcvhwm=10)
+        gone.send_multipart(replay_request(0))
+        wait_until(lambda: pub.stats()["replay_requests"] == 5, what="the last request")
+        gone.close(linger=0)  # disconnects mid-replay: dropped at the next retry
+        wait_until(lambda: pub.stats()["replay_truncated"] >= 2, 10, "the gone peer's replay dropped")
+        assert pub.stats()["errors"] == 0
+    finally:
+        ctx.destroy(linger=0)
+        pub.shutdown()
