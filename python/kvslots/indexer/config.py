@@ -37,6 +37,14 @@ def check_endpoint(endpoint: str, what: str = "endpoint") -> None:
         raise ConfigError(str(e)) from None
 
 
+def check_worker_name(name: Any) -> None:
+    """A worker's name (:data:`WORKER_NAME`), as a ConfigError; also the rule for the names
+    ``kvslots proxy --decode URL=WORKER`` looks up in the indexer."""
+    if not isinstance(name, str) or not WORKER_NAME.fullmatch(name):
+        raise ConfigError(f"worker name {brief(name)}: use 1-128 letters, digits, '.', '_', ':', '-' "
+                          "(starting with a letter or digit)")
+
+
 def check_namespace(ns: str) -> None:
     """The Redis key namespace: segments of letters, digits, '_', '.', '-' joined by ':', none of
     them 'k' or 'e', at most 200 characters (see :data:`_NAMESPACE`)."""
@@ -108,11 +116,7 @@ class WorkerSpec:
     eagle: bool = False
 
     def __post_init__(self) -> None:
-        if not isinstance(self.name, str) or not WORKER_NAME.fullmatch(self.name):
-            raise ConfigError(
-                f"worker name {self.name!r}: use 1-128 letters, digits, '.', '_', ':', '-' "
-                "(starting with a letter or digit)"
-            )
+        check_worker_name(self.name)
         check_endpoint(self.endpoint, f"worker {self.name!r}: endpoint")
         if self.replay is not None:
             check_endpoint(self.replay, f"worker {self.name!r}: replay")

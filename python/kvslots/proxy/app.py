@@ -38,8 +38,9 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from ..config.loader import loads_strict_json
 from ..errors import ConfigError, InvalidArgumentError
+from ..indexer.config import check_worker_name
 from ..indexer.httpguard import BodyLimit
-from .cli import http_url
+from .cli import http_url, shown_url
 
 logger = logging.getLogger(__name__)
 
@@ -122,6 +123,11 @@ def create_app(prefill_urls: Sequence[str], decode_workers: Sequence[DecodeWorke
     prefill_urls = [http_url(u, "prefill URL") for u in prefill_urls]
     for w in decode_workers:
         http_url(w.url, "decode URL")
+        if w.indexer_name is not None:
+            try:
+                check_worker_name(w.indexer_name)
+            except ConfigError as e:
+                raise InvalidArgumentError(f"decode worker {shown_url(w.url)}: {e}") from None
     if indexer_url is not None:
         http_url(indexer_url, "indexer URL")
     prefill_cycle = itertools.cycle(list(prefill_urls))
@@ -146,11 +152,11 @@ def create_app(prefill_urls: Sequence[str], decode_workers: Sequence[DecodeWorke
                 r = await client.post(f"{indexer_url.rstrip('/')}/score", json={"token_ids": ids}, timeout=2.0)
                 r.raise_for_status()
             except httpx.HTTPError as e:
-                logger.warning("kvslots proxy: indexer %s unusable (%s); round robin", indexer_url, e)
+                logger.warning("kvslots proxy: indexer %s unusable (%s); round robin", shown_url(indexer_url), e)
             else:
                 answer = _json_object(r.content)
                 if answer is None:
-                    logger.warning("kvslots proxy: indexer %s answered no JSON object; round robin", indexer_url)
+                    logger.warning("kvslots proxy: indexer %s answered no JSON object; round robin", shown_url(indexer_url))
                 else:
                     workers = answer.get("workers")
                     best = max(scored, key=lambda w: _score(workers, w.indexer_name))
@@ -160,7 +166,7 @@ def create_app(prefill_urls: Sequence[str], decode_workers: Sequence[DecodeWorke
 
     def decode_failed(worker: DecodeWorker, what: str) -> JSONResponse:
         state["decode_errors"] += 1
-        return JSONResponse({"error": f"decode worker {worker.url} {what}"}, status_code=502)
+        return JSONResponse({"error": f"decode worker {shown_url(worker.url)} {what}"}, status_code=502)
 
     async def forward(path: str, body: dict[str, Any]) -> Response:
         prefill_url = next(prefill_cycle)
@@ -168,16 +174,16 @@ def create_app(prefill_urls: Sequence[str], decode_workers: Sequence[DecodeWorke
         try:
             r = await client.post(f"{prefill_url.rstrip('/')}{path}", json=prefill_body(body))
         except httpx.HTTPError as e:
-            logger.warning("kvslots proxy: prefill worker %s failed: %s", prefill_url, e)
+            logger.warning("kvslots proxy: prefill worker %s failed: %s", shown_url(prefill_url), e)
         else:
             answer = _json_object(r.content) if r.status_code == 200 else None
             if answer is not None:
                 params = answer.get("kv_transfer_params")
             elif r.status_code == 200:  # an array, a string, not JSON: recomputed on the decode worker
                 logger.warning("kvslots proxy: prefill worker %s answered 200 without a JSON object: %r",
-                               prefill_url, r.content[:300])
+                               shown_url(prefill_url), r.content[:300])
             else:
-                logger.warning("kvslots proxy: prefill worker %s answered %d: %s", prefill_url, r.status_code,
+                logger.warning("kvslots proxy: prefill worker %s answered %d: %s", shown_url(prefill_url), r.status_code,
                                r.text[:300])
         decode_req = dict(body)
         headers = {}
@@ -190,7 +196,7 @@ def create_app(prefill_urls: Sequence[str], decode_workers: Sequence[DecodeWorke
             state["recomputed"] += 1
             headers["x-kvslots-pd"] = "recomputed"
         worker = await pick_decode(body)
-        headers["x-kvslots-decode-worker"] = worker.url
+        headers["x-kvslots-decode-worker"] = shown_url(worker.url)
         url = f"{worker.url.rstrip('/')}{path}"
         if body.get("stream"):
             try:
@@ -214,7 +220,7 @@ def create_app(prefill_urls: Sequence[str], decode_workers: Sequence[DecodeWorke
                         yield chunk
                 except httpx.HTTPError as e:  # the status is sent already: end the stream, log why
                     state["decode_errors"] += 1
-                    logger.warning("kvslots proxy: decode worker %s broke off the stream: %s", worker.url, e)
+                    logger.warning("kvslots proxy: decode worker %s broke off the stream: %s", shown_url(worker.url), e)
                 finally:
                     await resp.aclose()
 
@@ -255,10 +261,14 @@ def create_app(prefill_urls: Sequence[str], decode_workers: Sequence[DecodeWorke
             r = await client.get(f"{decode_workers[0].url.rstrip('/')}/v1/models")
         except httpx.HTTPError as e:
             return JSONResponse({"error": f"decode worker failed: {e}"}, status_code=502)
+        if r.status_code >= 500 or r.status_code < 200:  # the worker's failure, as for completions
+            return JSONResponse({"error": f"decode worker {shown_url(decode_workers[0].url)} answered "
+                                          f"{r.status_code}: {r.text[:500]}"}, status_code=502)
         return Response(r.content, status_code=r.status_code, media_type="application/json")
 
     @app.get("/healthz")
     async def healthz() -> dict[str, Any]:
-        return {"prefill": list(prefill_urls), "decode": [w.url for w in decode_workers], **state}
+        return {"prefill": [shown_url(u) for u in prefill_urls], "decode": [shown_url(w.url) for w in decode_workers],
+                **state}
 
     return app

@@ -8,7 +8,7 @@ import logging
 import math
 from urllib.parse import urlparse
 
-from ..errors import InvalidArgumentError, ServeError
+from ..errors import InvalidArgumentError, KVSlotsError, ServeError
 
 
 def http_url(text: str, what: str = "URL") -> str:
@@ -29,7 +29,16 @@ def http_url(text: str, what: str = "URL") -> str:
         raise InvalidArgumentError(f"{what} {text!r} is not an http(s) URL")
     if not text.isascii() or not text.isprintable():  # it goes into a response header too
         raise InvalidArgumentError(f"{what} {text!r}: printable ASCII only (punycode for a non-ASCII host name)")
+    if "?" in text or "#" in text:  # the proxy appends /v1/... or /score: it would land in them
+        raise InvalidArgumentError(f"{what} {text!r}: no query or fragment (the proxy appends a path to it)")
     return text.rstrip("/")
+
+
+def shown_url(url: str) -> str:
+    """``url`` without its user and password, as clients and logs see it (an ``/healthz``, a
+    response header, an error message)."""
+    u = urlparse(url)
+    return u._replace(netloc=u.netloc.rpartition("@")[2]).geturl() if "@" in u.netloc else url
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -65,11 +74,17 @@ def _flag_url(flag: str, url: str) -> str:
 
 
 def decode_workers(specs: list[str]) -> list:
+    from ..indexer.config import check_worker_name
     from .app import DecodeWorker
 
     out = []
     for spec in specs:
         url, _, name = spec.partition("=")
+        if name:  # the indexer's rule: another name could never be found there
+            try:
+                check_worker_name(name)
+            except KVSlotsError as e:
+                raise ServeError(f"--decode {spec!r}: {e}") from None
         out.append(DecodeWorker(_flag_url("--decode", url), name or None))
     return out
 

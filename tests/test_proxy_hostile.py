@@ -1,0 +1,100 @@
+"""`kvslots proxy` under hostile configuration and backends (what test_pd_proxy.py leaves out):
+a backend URL the proxy appends paths to has no query or fragment, a decode worker's indexer name
+is one the indexer can have, a decode worker's 5xx to /v1/models is a 502 (never the proxy's own
+500), and a URL's credentials never reach a client."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+pytest.importorskip("fastapi")
+from fastapi.testclient import TestClient  # noqa: E402
+
+from kvslots import cli  # noqa: E402
+from kvslots.errors import InvalidArgumentError  # noqa: E402
+from kvslots.proxy.app import DecodeWorker, create_app  # noqa: E402
+
+
+@pytest.fixture
+def no_server(monkeypatch):
+    import uvicorn
+
+    monkeypatch.setattr(uvicorn, "run", lambda *a, **k: pytest.fail("uvicorn started"))
+
+
+def _cli(capsys, argv):
+    capsys.readouterr()
+    code = cli.main(["proxy", *argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+BAD_URLS = ["http://p:1/?x=1", "http://p:1/v?", "http://p:1#frag", "http://p:1/a#", "http://p:1/a?b#c"]
+
+
+@pytest.mark.parametrize("url", BAD_URLS)
+@pytest.mark.parametrize("flag", ["--prefill", "--decode", "--indexer"])
+def test_url_with_a_query_or_fragment_is_one_line_exit_2(capsys, no_server, flag, url):
+    good = {"--prefill": "http://p:1", "--decode": "http://d:2"}
+    argv = [x for f, u in good.items() if f != flag for x in (f, u)] + [flag, url]
+    if flag == "--indexer":
+        argv += ["--prefill", "http://p:1", "--decode", "http://d:2"]
+    code, out, err = _cli(capsys, argv)
+    assert code == 2 and out == "" and err.count("\n") == 1, err
+    assert err.startswith(f"kvslots proxy: error: {flag} ") and "query or fragment" in err, err
+
+
+@pytest.mark.parametrize("url", BAD_URLS)
+def test_create_app_refuses_a_url_with_a_query_or_fragment(url):
+    for prefill, decode, indexer in ([url], [DecodeWorker("http://d")], None), \
+            (["http://p"], [DecodeWorker(url)], None), (["http://p"], [DecodeWorker("http://d")], url):
+        with pytest.raises(InvalidArgumentError, match="query or fragment"):
+            create_app(prefill, decode, indexer_url=indexer)
+
+
+def test_a_path_prefix_is_still_a_good_url():
+    create_app(["http://p:1/base/"], [DecodeWorker("http://d:2/x", "w")], indexer_url="http://i:3/idx")
+
+
+@pytest.mark.parametrize("name", ["bad name", "a\x01", "a=b", "-lead", "x" * 129, "a/b", "\u00e9"])
+def test_decode_worker_name_the_indexer_cannot_have_is_refused(capsys, no_server, name):
+    code, out, err = _cli(capsys, ["--prefill", "http://p:1", "--decode", f"http://d:2={name}"])
+    assert code == 2 and out == "" and err.count("\n") == 1 and "worker name" in err, err
+    with pytest.raises(InvalidArgumentError, match="worker name"):
+        create_app(["http://p"], [DecodeWorker("http://d", name)])
+
+
+def _client(handler, decode="http://decode-a", prefill="http://prefill"):
+    app = create_app([prefill], [DecodeWorker(decode, "w")], transport=httpx.MockTransport(handler))
+    return TestClient(app, raise_server_exceptions=False)
+
+
+@pytest.mark.parametrize("status", [500, 502, 503, 599])
+def test_models_5xx_from_the_decode_worker_is_a_502(status):
+    c = _client(lambda r: httpx.Response(status, content=b"<html>oops</html>", headers={"content-type": "text/html"}))
+    r = c.get("/v1/models")
+    assert r.status_code == 502 and r.headers["content-type"] == "application/json", (r.status_code, r.text)
+    assert f"answered {status}" in r.json()["error"]
+
+
+def test_models_4xx_and_200_pass_through():
+    c = _client(lambda r: httpx.Response(404, json={"error": "nope"}))
+    assert c.get("/v1/models").status_code == 404
+    c = _client(lambda r: httpx.Response(200, json={"data": []}))
+    assert c.get("/v1/models").json() == {"data": []}
+
+
+def test_credentials_in_a_url_never_reach_a_client():
+    def handler(request):
+        if request.url.host == "decode-a":
+            raise httpx.ConnectError("refused", request=request)
+        return httpx.Response(500)
+
+    c = _client(handler, decode="http://user:hunter2@decode-a", prefill="http://u:pw2@prefill")
+    r = c.post("/v1/completions", json={"prompt": "x"})
+    assert r.status_code == 502 and "hunter2" not in r.text and "hunter2" not in str(r.headers), (r.text, r.headers)
+    r = c.get("/healthz")
+    assert "hunter2" not in r.text and "pw2" not in r.text, r.text
+    r = c.get("/v1/models")
+    assert "hunter2" not in r.text, r.text
