@@ -196,3 +196,43 @@ def test_a_replay_waits_for_a_slow_reader_and_a_stalled_one_is_truncated(monkeyp
     finally:
         ctx.destroy(linger=0)
         pub.shutdown()
+
+
+def test_replay_from_past_the_end_and_of_batches_evicted_meanwhile():
+    """A start past the buffer (up to 2**64-1) gets just the end marker; a replay whose batches
+    leave the buffer while its peer is slow goes on from what is still buffered, in order."""
+    pub = EventPublisher(LOCAL, LOCAL, buffer_steps=2000)
+    ctx = zmq.Context()
+    try:
+        one = batch(0, 1000)
+        for _ in range(2000):
+            pub.publish(one)
+        assert pub.flush(5)
+        for start in (2000, 2**63, 2**64 - 1):
+            d = dealer(ctx, pub.replay_endpoint)
+            d.send_multipart(replay_request(start))
+            assert d.poll(5000)
+            assert parse_replay_reply(d.recv_multipart())[0] == REPLAY_END
+        slow = dealer(ctx, pub.replay_endpoint, rcvhwm=10)
+        slow.send_multipart(replay_request(0))
+        wait_until(lambda: pub.stats()["replay_requests"] == 4, what="the request")
+        time.sleep(0.2)  # its queue fills
+        for _ in range(1000):  # half the buffer is replaced
+            pub.publish(one)
+        assert pub.flush(5)
+        got = []
+        while True:
+            assert slow.poll(5000)
+            seq, _ = parse_replay_reply(slow.recv_multipart())
+            if seq == REPLAY_END:
+                break
+            got.append(seq)
+        # What it took before the eviction, then from what is still buffered up to 1999 (the
+        # last batch when it asked; later ones reach a subscriber live).
+        k = next(i for i, s in enumerate(got) if s != i) if got != list(range(len(got))) else len(got)
+        assert got == list(range(k)) + list(range(max(k, 1000), 2000))
+        st = pub.stats()
+        assert st["errors"] == 0 and st["replay_truncated"] == 0
+    finally:
+        ctx.destroy(linger=0)
+        pub.shutdown()

@@ -415,10 +415,11 @@ class EventPublisher:
         first = self._buffer[0][0] if self._buffer else self._next_seq
         # Batches that left the buffer meanwhile are skipped: the subscriber sees a hole, as if
         # it had asked later. Buffered seqs are consecutive, so seq s is at index s - first.
-        replay.next = max(replay.next, first)
+        stop = max(replay.stop, first)
+        replay.next = min(max(replay.next, first), stop)  # a start past the buffer: just the end
         sent = 0
         try:
-            for seq, payload in islice(self._buffer, replay.next - first, replay.stop - first):
+            for seq, payload in islice(self._buffer, replay.next - first, stop - first):
                 self._replay.send_multipart(
                     replay_reply(client, self._topic, seq, payload), zmq.NOBLOCK, copy=False
                 )
