@@ -79,3 +79,56 @@ def test_an_unused_draft_is_not_checked(tmp_path):
     r = convert_trtllm_config(yaml_file(tmp_path, spec("Eagle3", "speculative_model_dir", "/nonexistent/d")),
                               speculators_dir=str(ckpt))
     assert r.speculative_config["model"] == str(ckpt.resolve())
+
+
+# An empty model reference is Path("."), the working directory: it must name nothing, even where
+# the working directory holds a model or a speculators checkpoint.
+
+SPECULATORS = {"speculators_model_type": "eagle3", "transformer_layer_config": {},
+               "speculators_config": {"proposal_methods": [{"speculative_tokens": 2}],
+                                      "verifier": {"name_or_path": "org/target"}}}
+
+
+@pytest.fixture
+def cwd_is_a_checkpoint(tmp_path, monkeypatch):
+    (tmp_path / "config.json").write_text(json.dumps(SPECULATORS))
+    monkeypatch.chdir(tmp_path)
+    return tmp_path
+
+
+def test_an_empty_reference_names_nothing(cwd_is_a_checkpoint):
+    from kvslots.config.speculative import classify_model, read_model_config, resolve_speculative_config
+    from kvslots.config.speculators import load_speculators_checkpoint
+
+    assert classify_model("").kind == "missing" and classify_model(".").kind == "dir"
+    with pytest.raises(ConfigError, match="draft model directory '' does not exist") as ei:
+        resolve_speculative_config(None, {"method": "eagle3", "model": "", "num_speculative_tokens": 2})
+    assert ei.value.field == "speculative_config.model"
+    with pytest.raises(ConfigError, match="'' is not a directory"):
+        read_model_config("")
+    with pytest.raises(ConfigError, match="'' is not a directory"):
+        load_speculators_checkpoint("")
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_speculators_checkpoint(".", verifier="")
+
+
+@pytest.mark.parametrize("argv, problem", [
+    (["--speculators-dir", ""], "speculators checkpoint '' is not a directory"),
+    (["--speculators-dir", ".", "--verifier", ""], "does not exist"),
+])
+def test_convert_config_empty_references_are_one_line_exit_2(cwd_is_a_checkpoint, capsys, argv, problem):
+    f = cwd_is_a_checkpoint / "n.yaml"
+    f.write_text("speculative_config:\n  decoding_type: NGram\n  max_draft_len: 2\n")
+    capsys.readouterr()
+    assert cli.main(["convert-config", str(f), *argv]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("\n") == 1 and problem in err, err
+
+
+def test_serve_empty_draft_model_is_one_line_exit_2(cwd_is_a_checkpoint, capsys):
+    capsys.readouterr()
+    spec = json.dumps({"method": "eagle3", "model": "", "num_speculative_tokens": 2})
+    assert cli.main(["serve", "org/target", "--speculative-config", spec, "--dry-run"]) == 2
+    err = capsys.readouterr().err
+    assert err.strip().splitlines()[-1] == \
+        "kvslots serve: error: speculative_config.model: draft model directory '' does not exist", err

@@ -12,8 +12,8 @@ speculative config's ``model``, a TRT-LLM ``speculative_model_dir``, a speculato
   ``org/name``), which vLLM looks up itself;
 * ``"missing"``: nothing there locally, and no Hub id is spelled so (it starts with ``/``, ``./``,
   ``../`` or ``~``, has more than one ``/``, a ``..``, a part past 96 characters, or a character
-  Hub ids do not have): a path that does not exist. A name the system cannot look up (``~`` of
-  no user, a component past 255 bytes) names nothing there.
+  Hub ids do not have), or the empty string: a path that does not exist. A name the system
+  cannot look up (``~`` of no user, a component past 255 bytes) names nothing there.
 
 :func:`resolve_speculative_config` gives the dict vLLM takes as ``--speculative-config`` from a
 base config (a speculators checkpoint's or a converted TRT-LLM YAML's) and an explicit one, and
@@ -111,9 +111,10 @@ def read_model_config(
     :class:`~kvslots.ConfigError` naming the directory or file (``what`` names the directory's
     role in the messages) when it is not a directory or the file is missing, unreadable, not JSON
     or not an object."""
-    path = _local_path(reference_text(model_dir, what))
-    if _kind_on_disk(path) != "dir":
-        raise ConfigError(f"{what} {str(path)!r} is not a directory")
+    text = reference_text(model_dir, what)
+    path = _local_path(text)
+    if not text or _kind_on_disk(path) != "dir":  # "" is Path("."), but names no directory
+        raise ConfigError(f"{what} {str(path) if text else text!r} is not a directory")
     cfg_path = path / "config.json"
     source = str(cfg_path)
     if _kind_on_disk(cfg_path) != "file":
@@ -178,6 +179,8 @@ def classify_model(name: str | os.PathLike[str], *, base: str | os.PathLike[str]
     system cannot look up, such as ``~nosuchuser/x`` or a component past 255 bytes, names nothing
     there). A ``name`` that is not a string is a :class:`~kvslots.ConfigError`."""
     text = reference_text(name, "a model reference")
+    if not text:  # Path("") is the working directory; an empty reference names nothing
+        return ModelRef(text, "missing", "")
     expanded = _local_path(text)
     candidate = expanded if expanded.is_absolute() or base is None else Path(base) / expanded
     found = _kind_on_disk(candidate)
