@@ -132,3 +132,36 @@ def test_serve_empty_draft_model_is_one_line_exit_2(cwd_is_a_checkpoint, capsys)
     err = capsys.readouterr().err
     assert err.strip().splitlines()[-1] == \
         "kvslots serve: error: speculative_config.model: draft model directory '' does not exist", err
+
+
+@pytest.mark.parametrize("raised, problem", [
+    (ImportError("no module named vllm"), "cannot check: vLLM is not importable (no module named vllm)"),
+    (ConfigError("vLLM parsed x as 1 but the engine args say 2", "x"), "vLLM check failed: x: vLLM parsed"),
+    (ValueError("bad value\nsecond line"), "vLLM rejected the arguments: ValueError: bad value"),
+    (RuntimeError(""), "vLLM rejected the arguments: RuntimeError: "),
+])
+def test_a_failed_check_is_one_line_exit_2(tmp_path, capsys, monkeypatch, raised, problem):
+    from kvslots.config import cli as config_cli
+
+    def check(result):
+        raise raised
+
+    monkeypatch.setattr(config_cli, "check_with_vllm", check)
+    f = tmp_path / "n.yaml"
+    f.write_text("speculative_config:\n  decoding_type: NGram\n  max_draft_len: 2\n")
+    capsys.readouterr()
+    assert cli.main(["convert-config", str(f), "--check", "-q"]) == 2  # was 1
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("\n") == 1 and err.startswith("kvslots convert-config: error: "), err
+    assert problem in err, err
+
+
+@pytest.mark.parametrize("output", ["", "{tmp}", "{tmp}/no/such/dir/x", "/dev/full", "{tmp}/file/x"])
+def test_output_it_cannot_write_is_one_line_exit_2(tmp_path, capsys, output):
+    (tmp_path / "file").write_text("")
+    f = tmp_path / "n.yaml"
+    f.write_text("speculative_config:\n  decoding_type: NGram\n  max_draft_len: 2\n")
+    capsys.readouterr()
+    assert cli.main(["convert-config", str(f), "-q", "-o", output.format(tmp=tmp_path)]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("\n") == 1 and err.startswith("kvslots convert-config: error: "), err

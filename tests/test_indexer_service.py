@@ -490,6 +490,8 @@ def _cli(argv, capsys) -> tuple[int, str]:
     (["--capacity", "-1"], "capacity -1"),
     (["--host", "no-such-host.invalid"], "cannot resolve"),
     (["--admin-token", "\u00e9" * 20], "printable ASCII"),
+    (["--config", ""], "an empty path names no file"),  # was ignored: the defaults served
+    (["--admin-token-file", ""], "an empty path names no file"),  # was ignored: no token, admin off
 ])
 def test_cli_errors_are_one_line(argv, problem, capsys):
     code, err = _cli(argv, capsys)

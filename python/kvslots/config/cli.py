@@ -2,8 +2,8 @@
 
 Prints the arguments on stdout (``--format flags``: a ``vllm serve`` command-line tail;
 ``json``: ``EngineArgs`` keyword arguments; ``yaml``: a ``vllm serve --config`` file) and the
-warnings, ignored keys (with reasons) and unknown keys on stderr. Bad input exits with status 2
-and one line naming the field.
+warnings, ignored keys (with reasons) and unknown keys on stderr. Bad input (a ``--check`` that
+fails included) exits with status 2 and one line naming the field.
 """
 
 from __future__ import annotations
@@ -67,21 +67,21 @@ def run(args: argparse.Namespace) -> int:
         for line in result.notes():
             print(line, file=sys.stderr)
     if args.check:
+        # A failed check is bad input like any other: one line, exit status 2 (it was 1).
         try:
             check_with_vllm(result)
         except ImportError as e:
-            print(f"{PROG}: cannot check: vLLM is not importable ({e})", file=sys.stderr)
-            return 1
+            raise ConfigError(f"cannot check: vLLM is not importable ({e})") from None
         except ConfigError as e:
-            print(f"{PROG}: vLLM check failed: {e}", file=sys.stderr)
-            return 1
+            raise ConfigError(f"vLLM check failed: {e}") from None
         except Exception as e:  # vLLM's own validation errors
-            print(f"{PROG}: vLLM rejected the arguments: {type(e).__name__}: "
-                  f"{str(e).splitlines()[0] if str(e) else ''}", file=sys.stderr)
-            return 1
+            first = str(e).splitlines()[0] if str(e) else ""
+            raise ConfigError(f"vLLM rejected the arguments: {type(e).__name__}: {first}") from None
         if not args.quiet:
             print("checked: vLLM accepts the arguments", file=sys.stderr)
-    if args.output:
+    if args.output is not None:
+        if not args.output:  # was taken as no -o: stdout
+            raise ConfigError("an empty path names no file", "-o/--output")
         try:
             with open(args.output, "w", encoding="utf-8") as f:
                 f.write(text)

@@ -85,6 +85,8 @@ def read_config_text(path: str | os.PathLike[str], *, max_bytes: int = MAX_BYTES
     regular file (a FIFO)``, ``permission denied``, ``larger than ...``, ``not UTF-8 ...``."""
     name = os.fspath(path)
     source = name if isinstance(name, str) else os.fsdecode(name)
+    if not source:  # an option given as "" (--config ""): say so, not "no such file" of no name
+        raise ConfigError("an empty path names no file")
     flags = os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOCTTY", 0) | getattr(os, "O_CLOEXEC", 0)
     try:
         fd = os.open(name, flags)  # O_NONBLOCK: opening a FIFO with no writer does not wait

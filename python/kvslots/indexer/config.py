@@ -337,7 +337,7 @@ _YAML_KEYS = {
 def build_config(args: Any) -> IndexerConfig:
     """Command-line arguments over the YAML file over defaults."""
     config = getattr(args, "config", None)
-    cfg = _config_from_yaml(config) if config else IndexerConfig()
+    cfg = _config_from_yaml(config) if config is not None else IndexerConfig()  # "" is an error, not none
     for text in getattr(args, "worker", None) or []:
         cfg.workers.append(WorkerSpec.parse(text))
     for text in getattr(args, "tier_weight", None) or []:
@@ -351,7 +351,7 @@ def build_config(args: Any) -> IndexerConfig:
     if getattr(args, "capacity", None) is not None:
         cfg.capacity = args.capacity  # 0: no limit (validate)
     token = getattr(args, "admin_token", None)
-    if getattr(args, "admin_token_file", None):
+    if getattr(args, "admin_token_file", None) is not None:
         token = read_config_text(args.admin_token_file, max_bytes=4096).strip()
     cfg.admin_token = token or os.environ.get(ADMIN_TOKEN_ENV) or cfg.admin_token
     cfg.validate()
