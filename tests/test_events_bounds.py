@@ -236,3 +236,99 @@ def test_replay_from_past_the_end_and_of_batches_evicted_meanwhile():
     finally:
         ctx.destroy(linger=0)
         pub.shutdown()
+
+
+# ---- 2. frame size on the subscriber's sockets -----------------------------------------------
+
+HOSTILE_PUB = textwrap.dedent("""
+    import sys, time, zmq
+    from kvslots.events import KVEventBatch, encode_batch
+    big = int(sys.argv[1])
+    ctx = zmq.Context()
+    pub = ctx.socket(zmq.XPUB)
+    pub.bind("tcp://127.0.0.1:0")
+    print(pub.getsockopt_string(zmq.LAST_ENDPOINT), flush=True)
+    pub.recv()  # a subscriber is there
+    def send(seq, payload):
+        pub.send_multipart([b"", seq.to_bytes(8, "big"), payload], copy=False)
+    send(0, encode_batch(KVEventBatch(0.0, [])))
+    time.sleep(0.2)
+    send(1, b"x" * big)  # a frame far past the subscriber's bound
+    for seq in range(2, 1000):  # normal batches, through the reconnect
+        time.sleep(0.01)
+        send(seq, encode_batch(KVEventBatch(float(seq), [])))
+""")
+
+
+def _mem(field: str) -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith(field))
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/status")
+@pytest.mark.parametrize("reset_on_reconnect", [False, True])
+def test_an_oversized_frame_drops_the_connection_and_later_batches_arrive(reset_on_reconnect):
+    """A publisher sends a 256 MiB frame to a subscriber bounded at 1 MiB: ZMQ drops the
+    connection before buffering the frame (this process's peak memory grows by far less than
+    the frame), reconnects, and the batches sent after it are applied."""
+    big = 256 * 2**20
+    child = subprocess.Popen([sys.executable, "-c", HOSTILE_PUB, str(big)], stdout=subprocess.PIPE, text=True)
+    rec = Recorder()
+    sub = EventSubscriber(rec.on_batch, max_frame_bytes=2**20, reset_on_reconnect=reset_on_reconnect)
+    try:
+        assert child.stdout is not None
+        endpoint = child.stdout.readline().strip()
+        try:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")  # resets VmHWM, the peak RSS, to the RSS now
+            measure = True
+        except OSError:
+            measure = False
+        base = _mem("VmRSS")
+        sub.add_publisher("w", endpoint, start_seq=0)
+        sub.start()
+        wait_until(lambda: rec.seqs() and rec.seqs()[-1] >= 100, 30, "batches after the big frame")
+        seqs = rec.seqs()
+        assert seqs[0] == 0 and 1 not in seqs and seqs == sorted(set(seqs))
+        assert sub.counters["malformed"] == 0 and sub.counters["lost"] >= 1
+        if reset_on_reconnect:
+            assert sub.counters["resets"] >= 1
+        if measure:
+            growth = _mem("VmHWM") - base
+            print(f"subscriber peak RSS growth with a {big >> 20} MiB frame: {growth / 2**20:.1f} MiB")
+            assert growth < 32 * 2**20
+    finally:
+        sub.stop()
+        child.kill()
+        child.wait()
+
+
+def test_the_replay_socket_refuses_an_oversized_reply_and_the_stream_goes_on():
+    """A replay server that answers with a frame past the bound: the DEALER's connection is
+    dropped, the replay is given up (no answer), and the live stream keeps being applied."""
+    ctx = zmq.Context()
+    rec = Recorder()
+    sub = EventSubscriber(rec.on_batch, context=ctx, max_frame_bytes=2**16, replay_timeout_ms=300)
+    try:
+        pub = ctx.socket(zmq.PUB)
+        port = pub.bind_to_random_port("tcp://127.0.0.1")
+        router = ctx.socket(zmq.ROUTER)
+        rport = router.bind_to_random_port("tcp://127.0.0.1")
+        sub.add_publisher("w", f"tcp://127.0.0.1:{port}", f"tcp://127.0.0.1:{rport}", start_seq=0)
+        sub.start()
+        ident, _, start = router.recv_multipart()  # the catch-up request
+        router.send_multipart([ident, b"", b"", start, b"x" * (2**16 + 1)])
+        wait_until(lambda: sub.counters["replay_given_up"] == 1, 10, "the replay given up")
+        seq = 5
+
+        def live() -> bool:
+            pub.send_multipart([b"", seq.to_bytes(8, "big"), encode_batch(KVEventBatch(1.0, []))])
+            return 5 in rec.seqs()
+
+        wait_until(live, 10, "a live batch applied")
+        assert sub.counters["malformed"] == 0
+        for s in (sub._peers["w"].sub, sub._peers["w"].dealer):
+            assert s is None or s.getsockopt(zmq.MAXMSGSIZE) == 2**16
+    finally:
+        sub.stop()
+        ctx.destroy(linger=0)

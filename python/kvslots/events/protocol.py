@@ -44,6 +44,13 @@ END_SEQ = (-1).to_bytes(8, "big", signed=True)
 #: What :func:`parse_replay_reply` gives as the seq of the end marker (no wire seq is negative).
 REPLAY_END = -1
 
+#: The largest frame a subscriber takes by default (ZMQ_MAXMSGSIZE on its SUB and replay DEALER
+#: sockets): ZMQ drops the connection of a peer that sends a bigger one before buffering it,
+#: and reconnects. A batch is one engine step's events, about 9 bytes per token of the step
+#: (5-byte token ids, a 34-byte hash per block stored and per block evicted); 64 MiB is a step
+#: of some 7 million tokens, vLLM's default step (max_num_batched_tokens) is 8192.
+MAX_FRAME_BYTES = 64 * 2**20
+
 Frames = Sequence[bytes]
 
 

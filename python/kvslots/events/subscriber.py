@@ -107,7 +107,15 @@ from ..errors import (
 from ._ratelog import RateLimitedLog
 from ._wakeup import WakePipe
 from .codec import KVEventBatch
-from .protocol import REPLAY_END, SEQ_MAX, check_endpoint, parse_live, parse_replay_reply, replay_request
+from .protocol import (
+    MAX_FRAME_BYTES,
+    REPLAY_END,
+    SEQ_MAX,
+    check_endpoint,
+    parse_live,
+    parse_replay_reply,
+    replay_request,
+)
 
 log = logging.getLogger(__name__)
 
@@ -130,11 +138,16 @@ COUNTERS = (
     "replay_given_up",  # gaps whose replay was given up (attempts, time or answers exhausted)
     "replay_skipped",  # gaps not replayed: the replay endpoint cools down after a give-up
     "callback_errors",  # exceptions raised by on_batch / on_reset
+    "reopened",  # live connections ZMQ dropped for good (a frame past max_frame_bytes), reopened
 )
 
 _HELD_WINDOW = 64  # applied payloads kept to tell a duplicate from a restart
 _MAX_HELD = 100_000  # batches held back for one replay; past it the replay is given up
 _COOLDOWN_MAX = 60.0  # seconds: the longest a replay endpoint is left alone after give-ups
+# ZMQ follows a lost connection with EVENT_CONNECT_RETRIED when it reconnects by itself; after a
+# protocol error (a frame past MAXMSGSIZE) it never does. Seconds to wait for that event before
+# reopening the connection ourselves.
+_RELINK_GRACE = 0.2
 
 _LIVE, _REPLAY, _MONITOR = 0, 1, 2  # what a registered socket is to its peer
 
@@ -161,6 +174,7 @@ class _Peer:
     seen: bool = False  # this publisher instance has shown us a seq (live or replayed)
     fresh: bool = False  # the stream starts from nothing: what precedes the buffer is no loss
     reconnected: bool = False  # the live connection dropped since the last live message
+    relink_at: float | None = None  # dropped, ZMQ not reconnecting (yet): reopen it then
     recent: deque[tuple[int, bytes]] = field(default_factory=lambda: deque(maxlen=_HELD_WINDOW))
     replaying: bool = False  # a replay is under way: requested, or waiting to be (pending)
     pending: bool = False  # the request waits for replay_deadline (backoff, rate cap)
@@ -194,7 +208,10 @@ class EventSubscriber:
     ``on_reset`` are logged and counted, never propagated.
 
     ``replay_timeout_ms`` bounds the wait for a replay's next useful message; ``hwm`` is the
-    receive high-water mark of the SUB sockets. ``resync_on_loss`` and ``reset_on_reconnect``:
+    receive high-water mark of the SUB sockets. ``max_frame_bytes`` is the largest frame taken
+    from a publisher (:data:`~.protocol.MAX_FRAME_BYTES` by default): ZMQ drops the connection of
+    one that sends a bigger frame, before buffering it, and reconnects; the batch is missed
+    (a gap, or with ``reset_on_reconnect`` a reset) and later batches are applied. ``resync_on_loss`` and ``reset_on_reconnect``:
     see the module docstring. Bounds on replay traffic (see "Replays that fail" in the module
     docstring): ``replay_max_attempts`` requests in a row that heal nothing give a gap up;
     ``replay_backoff_ms`` is the wait before the first retry, doubling per retry up to
@@ -221,6 +238,7 @@ class EventSubscriber:
         replay_backoff_max_ms: float = 2000,
         replay_max_rate: float = 5.0,
         replay_max_wait_ms: float = 30_000,
+        max_frame_bytes: int = MAX_FRAME_BYTES,
     ) -> None:
         callback(on_batch, "on_batch")
         callback(on_reset, "on_reset", optional=True)
@@ -238,6 +256,7 @@ class EventSubscriber:
         replay_backoff_max_ms = number(replay_backoff_max_ms, "replay_backoff_max_ms", replay_backoff_ms)
         replay_max_rate = number(replay_max_rate, "replay_max_rate", positive=True)
         replay_max_wait_ms = number(replay_max_wait_ms, "replay_max_wait_ms", positive=True)
+        self._max_frame = integer(max_frame_bytes, "max_frame_bytes", 1, 2**63 - 1)  # an int64
         self._on_batch = on_batch
         self._on_reset = on_reset
         self._on_count = on_count
@@ -494,6 +513,8 @@ class EventSubscriber:
         for peer in self._peers.values():
             if peer.replaying:
                 timeout = min(timeout, max(0.0, (peer.replay_deadline - now) * 1000.0))
+            if peer.relink_at is not None:
+                timeout = min(timeout, max(0.0, (peer.relink_at - now) * 1000.0))
         handled = 0
         ready = self._poller.poll(timeout)
         if self._monitors:
@@ -513,6 +534,8 @@ class EventSubscriber:
                 handled += self._drain_socket(peer, sock, kind == _REPLAY)
         now = time.monotonic()
         for peer in list(self._peers.values()):
+            if peer.relink_at is not None and now >= peer.relink_at:
+                self._relink(peer)
             if peer.replaying and now >= peer.replay_deadline:
                 self._replay_timed_out(peer)
         self._notify_waiters()
@@ -552,6 +575,7 @@ class EventSubscriber:
     def _open_peer(self, peer: _Peer) -> None:
         sub = self._ctx.socket(zmq.SUB)
         sub.setsockopt(zmq.RCVHWM, self._hwm)
+        sub.setsockopt(zmq.MAXMSGSIZE, self._max_frame)
         sub.setsockopt(zmq.LINGER, 0)
         sub.setsockopt(zmq.SUBSCRIBE, peer.topic)
         try:
@@ -566,9 +590,8 @@ class EventSubscriber:
             return
         peer.sub = sub
         self._register(sub, peer, _LIVE)
-        if self._reset_on_reconnect:
-            peer.monitor = sub.get_monitor_socket(zmq.EVENT_DISCONNECTED)
-            self._register(peer.monitor, peer, _MONITOR)
+        peer.monitor = sub.get_monitor_socket(zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECT_RETRIED)
+        self._register(peer.monitor, peer, _MONITOR)
         self._peers[peer.worker_id] = peer
         if peer.replay_endpoint is not None:
             self._new_dealer(peer)
@@ -612,6 +635,7 @@ class EventSubscriber:
         assert peer.replay_endpoint is not None
         dealer = self._ctx.socket(zmq.DEALER)
         dealer.setsockopt(zmq.RCVHWM, 0)  # a replay is a burst; do not drop any of it
+        dealer.setsockopt(zmq.MAXMSGSIZE, self._max_frame)
         dealer.setsockopt(zmq.LINGER, 0)
         try:
             dealer.connect(peer.replay_endpoint)
@@ -631,7 +655,28 @@ class EventSubscriber:
                 return
             if event["event"] == zmq.EVENT_DISCONNECTED:
                 log.info("publisher %r: connection lost", peer.worker_id)
-                peer.reconnected = True
+                peer.reconnected = self._reset_on_reconnect
+                peer.relink_at = time.monotonic() + _RELINK_GRACE
+            elif event["event"] == zmq.EVENT_CONNECT_RETRIED:
+                peer.relink_at = None  # ZMQ reconnects by itself
+
+    def _relink(self, peer: _Peer) -> None:
+        """Reopens a live connection ZMQ dropped for good (it never reconnects after a protocol
+        error such as a frame past ``max_frame_bytes``)."""
+        peer.relink_at = None
+        if peer.sub is None:
+            return
+        self._count(peer, "reopened")
+        self._peer_log.log(logging.WARNING, (peer.worker_id, "reopened"), "publisher %r: connection "
+                           "dropped (a frame past %d bytes?); reconnecting", peer.worker_id, self._max_frame)
+        try:
+            peer.sub.disconnect(peer.endpoint)
+        except zmq.ZMQError:  # already gone with its session
+            pass
+        try:
+            peer.sub.connect(peer.endpoint)
+        except zmq.ZMQError as e:  # it resolved before; a name that no longer does, say
+            log.error("cannot reconnect to %r at %s: %s", peer.worker_id, peer.endpoint, e)
 
     # ---- per-message logic ----------------------------------------------------------------
 
