@@ -14,8 +14,8 @@ import re
 from typing import Any
 
 from ..config.vllm_args import brief
-from ..errors import ServeError
-from ..events.protocol import vllm_binds
+from ..errors import KVSlotsError, ServeError
+from ..events.protocol import check_endpoint, vllm_binds
 from .tail import merge_over_flags
 
 DEFAULT_EVENTS_PORT = 5557
@@ -35,6 +35,18 @@ _TCP_ANY_PORT = re.compile(r"tcp://.+:[0-9]+", re.DOTALL)
 def _tcp_port(endpoint: str) -> tuple[str, int] | None:
     m = _TCP_PORT.fullmatch(endpoint)
     return (m.group(1), int(m.group(2))) if m else None
+
+
+def _clash(a: str, b: str, dp_size: int) -> bool:
+    """Whether two bound endpoints share an address for some data-parallel rank: the same text,
+    or TCP ports within ``dp_size`` of each other on the same host (``*`` is every host)."""
+    ha, hb = _tcp_port(a), _tcp_port(b)
+    if ha is None or hb is None:
+        return a == b
+    if 0 in (ha[1], hb[1]):  # port 0: the OS picks a free one
+        return False
+    hosts = {h.replace(LOOPBACK_BIND_HOST, "127.0.0.1") for h in (ha[0], hb[0])}
+    return (len(hosts) == 1 or "*" in hosts) and abs(ha[1] - hb[1]) < max(1, dp_size)
 
 
 def default_replay(endpoint: str, dp_size: int) -> str | None:
@@ -72,6 +84,11 @@ def events_config(args: argparse.Namespace, hints: dict[str, Any], tail_cfg: dic
             hp = _tcp_port(v)
             if hp is None or hp[1] > 65535:
                 raise ServeError(f"{_EVENT_FLAGS[k]} {brief(v)}: the port must be in 0..65535")
+        if v is not None:  # the publisher's own rule (a scheme vLLM's ZMQ takes, the shifted port)
+            try:
+                check_endpoint(v, _EVENT_FLAGS[k], max(1, dp_size) - 1)
+            except KVSlotsError as e:
+                raise ServeError(f"{e} (a ZMQ endpoint such as tcp://*:{DEFAULT_EVENTS_PORT})") from None
 
     cfg: dict[str, Any] = {"enable_kv_cache_events": True, "publisher": "zmq",
                            "endpoint": given.get("endpoint", DEFAULT_EVENTS_ENDPOINT)}
@@ -85,6 +102,12 @@ def events_config(args: argparse.Namespace, hints: dict[str, Any], tail_cfg: dic
     if cfg["replay_endpoint"] is None:
         del cfg["replay_endpoint"]
     ep = str(cfg["endpoint"])
+    replay = cfg.get("replay_endpoint")
+    if replay is not None and vllm_binds(ep) and _clash(ep, str(replay), dp_size):
+        # Both are bound: vLLM's second bind fails (EADDRINUSE) once the engine is loaded.
+        raise ServeError(f"--kv-events-replay-endpoint {brief(replay)} and --kv-events-endpoint {brief(ep)} "
+                         "bind the same address (vLLM adds the data-parallel rank to both ports): use "
+                         "another one for the replay endpoint")
     if cfg.get("enable_kv_cache_events") and cfg.get("publisher") == "zmq" and not vllm_binds(ep):
         hp = _tcp_port(ep)
         hint = f"tcp://{LOOPBACK_BIND_HOST}:{hp[1]}" if hp else "an endpoint with '*' or '::'"
