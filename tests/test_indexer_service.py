@@ -593,3 +593,12 @@ def test_admin_token_must_be_printable_ascii():
         with pytest.raises(ConfigError, match="admin token"):
             build_config(argparse.Namespace(admin_token=bad))
     assert build_config(argparse.Namespace(admin_token="a-Valid_token.0123+/=")).admin_token == "a-Valid_token.0123+/="
+
+
+@pytest.mark.parametrize("weights", ["{gpu: 1, GPU: 2}", "{CPU: 0.5, cpu: 0.8}", "{Storage: 1, STORAGE: 1}"])
+def test_config_tier_given_twice_is_refused(tmp_path, capsys, weights):
+    # Case-folded, the second silently replaced the first.
+    f = tmp_path / "idx.yaml"
+    f.write_text(f"tier_weights: {weights}\n")
+    code, err = _cli(["--config", str(f)], capsys)
+    assert code == 2 and err.count("\n") == 1 and "given twice" in err and str(f) in err, err

@@ -318,9 +318,14 @@ def _config_from_yaml(path: str) -> IndexerConfig:
     weights = data.get("tier_weights")
     if weights is not None:
         _typed(weights, "tier_weights", (dict,), "a mapping of TIER: WEIGHT", path)
+        seen: set[str] = set()
         for t, w in weights.items():
             _typed(w, f"tier_weights.{t}", (int, float), "a number", path)
-            cfg.tier_weights[str(t).upper()] = float(w)
+            tier = str(t).upper()
+            if tier in seen:  # gpu and GPU: one of the two would be dropped silently
+                raise ConfigError(f"tier {tier} given twice (tier names ignore case)", f"tier_weights.{t}", path)
+            seen.add(tier)
+            cfg.tier_weights[tier] = float(w)
     try:
         cfg.validate()
     except ConfigError as e:
