@@ -332,3 +332,77 @@ def test_the_replay_socket_refuses_an_oversized_reply_and_the_stream_goes_on():
     finally:
         sub.stop()
         ctx.destroy(linger=0)
+
+
+# ---- 3. IPv6 literals ------------------------------------------------------------------------
+
+
+def _ipv6_loopback() -> str | None:
+    """Why the machine cannot take a test over ::1, or None."""
+    import socket
+
+    if not socket.has_ipv6:
+        return "Python has no IPv6 support"
+    try:
+        with socket.socket(socket.AF_INET6) as s:
+            s.bind(("::1", 0))
+    except OSError as e:
+        return f"cannot bind ::1: {e}"
+    return None
+
+
+def test_publisher_to_subscriber_over_ipv6_loopback(capsys):
+    """A publisher bound on tcp://[::1]:0 (live and replay) and a subscriber connected to the
+    [::1] endpoints it reports: the catch-up replay and a gap healed by replay both go over IPv6."""
+    why = _ipv6_loopback()
+    if why is not None:
+        with capsys.disabled():
+            print(f"\nskipped: no IPv6 loopback here ({why})")
+        pytest.skip(f"no IPv6 loopback: {why}")
+    pub = EventPublisher("tcp://[::1]:0", "tcp://[::1]:0")
+    rec = Recorder()
+    sub = EventSubscriber(rec.on_batch)
+    try:
+        assert pub.endpoint.startswith("tcp://[::1]:") and pub.replay_endpoint.startswith("tcp://[::1]:")
+        for i in range(3):
+            pub.publish(batch(i))
+        assert pub.flush(5)
+        assert sub.add_publisher("w", pub.endpoint, pub.replay_endpoint, start_seq=0, wait=10)
+        assert rec.seqs() == [0, 1, 2]  # the catch-up replay, over the replay socket
+        sub.start()
+        pub._test_drop_on_wire(4)
+        n = 3
+        while rec.seqs()[-1:] != [n - 1] and n < 500:  # until the live stream is joined
+            pub.publish(batch(n))
+            n += 1
+            time.sleep(0.01)
+        for _ in range(3):
+            pub.publish(batch(n))
+            n += 1
+        wait_until(lambda: rec.seqs()[-1:] == [n - 1], 10, "the live stream over IPv6")
+        assert rec.seqs() == list(range(n))
+        assert sub.counters["lost"] == 0
+    finally:
+        sub.stop()
+        pub.shutdown()
+
+
+@pytest.mark.parametrize("endpoint", ["tcp://[::1:5557", "tcp://[zz]:5557", "tcp://[1.2.3.4]:5557",
+                                      "tcp://[::1]]:5557", "tcp://[]:5557", "tcp://[::1]"])
+def test_malformed_bracketed_hosts_are_refused_before_any_socket(endpoint):
+    from kvslots.errors import InvalidArgumentError
+    from kvslots.events.protocol import check_endpoint
+
+    with pytest.raises(InvalidArgumentError, match="not an IPv6 address in brackets"):
+        check_endpoint(endpoint)
+    with pytest.raises(InvalidArgumentError, match="not an IPv6 address in brackets"):
+        EventPublisher(endpoint)
+    sub = EventSubscriber(lambda *a: None)
+    try:
+        with pytest.raises(InvalidArgumentError, match="not an IPv6 address in brackets"):
+            sub.add_publisher("w", endpoint)
+        with pytest.raises(InvalidArgumentError, match="not an IPv6 address in brackets"):
+            sub.add_publisher("w", "tcp://127.0.0.1:5557", replay_endpoint=endpoint)
+        assert sub.publishers() == []
+    finally:
+        sub.stop()

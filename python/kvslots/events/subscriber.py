@@ -112,6 +112,7 @@ from .protocol import (
     REPLAY_END,
     SEQ_MAX,
     check_endpoint,
+    is_ipv6,
     parse_live,
     parse_replay_reply,
     replay_request,
@@ -578,6 +579,8 @@ class EventSubscriber:
         sub.setsockopt(zmq.MAXMSGSIZE, self._max_frame)
         sub.setsockopt(zmq.LINGER, 0)
         sub.setsockopt(zmq.SUBSCRIBE, peer.topic)
+        if is_ipv6(peer.endpoint):
+            sub.setsockopt(zmq.IPV6, 1)
         try:
             sub.connect(peer.endpoint)
         except zmq.ZMQError as e:
@@ -636,6 +639,8 @@ class EventSubscriber:
         dealer = self._ctx.socket(zmq.DEALER)
         dealer.setsockopt(zmq.RCVHWM, 0)  # a replay is a burst; do not drop any of it
         dealer.setsockopt(zmq.MAXMSGSIZE, self._max_frame)
+        if is_ipv6(peer.replay_endpoint):
+            dealer.setsockopt(zmq.IPV6, 1)
         dealer.setsockopt(zmq.LINGER, 0)
         try:
             dealer.connect(peer.replay_endpoint)
