@@ -171,7 +171,7 @@ def guarded_server(monkeypatch):
     svc = IndexerService(IndexerConfig(block_size=BS))
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(create_app(svc), host="127.0.0.1", port=port, log_level="error",
-                                           http=httpguard.protocol_class(), lifespan="off"))
+                                           lifespan="off", **httpguard.uvicorn_options()))
     t = threading.Thread(target=server.run, daemon=True)
     t.start()
     deadline = time.monotonic() + 10
@@ -262,3 +262,60 @@ def test_slow_but_steady_request_is_cut_and_keep_alive_requests_are_not(guarded_
         assert r.status == 200 and json.loads(r.read())["ok"]
         time.sleep(0.6)
     conn.close()
+
+
+H = b"Host: x\r\nContent-Type: application/json\r\nConnection: close\r\n"
+SCORE = b'{"token_ids":[1,2,3,4]}'
+
+#: Requests uvicorn's parser refuses before the app sees them: its 400 was text/plain.
+UNPARSABLE = {
+    "two Content-Lengths": b"POST /score HTTP/1.1\r\n" + H + b"Content-Length: 3\r\nContent-Length: 23\r\n\r\n" + SCORE,
+    "negative Content-Length": b"POST /score HTTP/1.1\r\n" + H + b"Content-Length: -1\r\n\r\n" + SCORE,
+    "Content-Length past 64 bits": b"POST /score HTTP/1.1\r\n" + H + b"Content-Length: " + b"9" * 30 + b"\r\n\r\n",
+    "chunk size past 64 bits": b"POST /score HTTP/1.1\r\n" + H + b"Transfer-Encoding: chunked\r\n\r\n" + b"f" * 18 + b"\r\n",
+    "bad chunk size": b"POST /score HTTP/1.1\r\n" + H + b"Transfer-Encoding: chunked\r\n\r\nzz\r\n",
+    "chunked and Content-Length": b"POST /score HTTP/1.1\r\n" + H + b"Transfer-Encoding: chunked\r\nContent-Length: 5\r\n\r\n",
+    "Transfer-Encoding gzip": b"POST /score HTTP/1.1\r\n" + H + b"Transfer-Encoding: gzip\r\n\r\n" + SCORE,
+    "raw non-ASCII path": b"DELETE /workers/\xff HTTP/1.1\r\n" + H + b"\r\n",
+    "NUL in the method": b"G\x00T /healthz HTTP/1.1\r\n" + H + b"\r\n",
+    "HTTP/9.9": b"GET /healthz HTTP/9.9\r\n" + H + b"\r\n",
+    "HTTP/2 preface": b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n",
+    "header without a colon": b"GET /healthz HTTP/1.1\r\nHost x\r\n\r\n",
+    "folded header": b"GET /healthz HTTP/1.1\r\nHost: x\r\nX: a\r\n b\r\n\r\n",
+}
+
+
+@pytest.mark.parametrize("request_bytes", UNPARSABLE.values(), ids=UNPARSABLE.keys())
+def test_unparsable_request_is_a_json_400(guarded_server, request_bytes):
+    s = guarded_server()
+    s.sendall(request_bytes)
+    answer = _read_all(s)
+    head, _, body = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 400"), answer[:300]
+    assert b"content-type: application/json" in head.lower(), answer[:300]
+    assert json.loads(body)["detail"], body
+
+
+def test_websocket_upgrade_is_an_ordinary_request(guarded_server):
+    # No route is a WebSocket: the upgrade was refused with a 403 and an empty body.
+    s = guarded_server()
+    s.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+              b"Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n\r\n")
+    head, _, body = _read_all(s).partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 200"), head
+    assert json.loads(body.split(b"HTTP/1.1")[0])["ok"]
+
+
+@pytest.mark.parametrize("command", ["indexer", "proxy"])
+def test_commands_serve_with_the_guard_and_no_websockets(monkeypatch, command):
+    import uvicorn
+
+    from kvslots import cli
+    from kvslots.indexer import cli as indexer_cli
+
+    seen = {}
+    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: seen.update(kw))
+    monkeypatch.setattr(indexer_cli, "check_listen", lambda host, port: None)
+    argv = ["indexer"] if command == "indexer" else ["proxy", "--prefill", "http://p:1", "--decode", "http://d:2"]
+    assert cli.main(argv) == 0
+    assert seen["ws"] == "none" and seen["http"].__name__.startswith("Guarded"), seen

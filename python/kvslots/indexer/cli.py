@@ -54,7 +54,7 @@ def run(args: argparse.Namespace) -> int:
         import uvicorn
 
         from .app import create_app
-        from .httpguard import protocol_class
+        from .httpguard import uvicorn_options
         from .service import IndexerService
     except ImportError as e:
         print(f"kvslots indexer: {e.name} is missing; install the service's extra: pip install 'kvslots[indexer]'",
@@ -68,9 +68,10 @@ def run(args: argparse.Namespace) -> int:
             "binding %s: the API is reachable from other hosts (scores are not secret, but the "
             "admin API %s)", cfg.host, "is enabled" if cfg.admin_token else "is off")
     # The app starts the service on startup and stops it on shutdown (SIGINT/SIGTERM).
-    # protocol_class: a request's head is at most 64 KiB and it must arrive within 60 s (see httpguard).
+    # uvicorn_options: a request's head is at most 64 KiB and it must arrive within 60 s, no
+    # WebSockets (see httpguard).
     uvicorn.run(create_app(service, own_service=True), host=cfg.host, port=cfg.port, log_level=cfg.log_level,
-                access_log=False, http=protocol_class())
+                access_log=False, **uvicorn_options())
     return 0
 
 

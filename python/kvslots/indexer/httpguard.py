@@ -9,8 +9,9 @@
   body was read already, the connection is closed), so partial requests sent a byte at a time
   (slowloris) or connections that never send anything no longer stay open for ever.
 
-:func:`protocol_class` is what ``uvicorn.run(..., http=...)`` takes. Bodies are bounded by
-:class:`BodyLimit` (ASGI middleware)."""
+:func:`protocol_class` is what ``uvicorn.run(..., http=...)`` takes (:func:`uvicorn_options`: all
+the server options the commands use); a request the parser refuses is a JSON 400 too. Bodies are
+bounded by :class:`BodyLimit` (ASGI middleware)."""
 
 from __future__ import annotations
 
@@ -90,6 +91,14 @@ class _Guard:
         self._guard_timer = self.loop.call_later(_TICK_S, self._guard_tick)
 
 
+    def send_400_response(self, msg: str) -> None:
+        # uvicorn's answer to a request its parser refuses (duplicate or negative Content-Length,
+        # a bad chunk size, a raw non-ASCII path, ...) is text/plain: answer JSON as every route does.
+        if not self.transport.is_closing():
+            self.transport.write(_raw_response(400, "Bad Request", msg))
+            self.transport.close()
+
+
 def protocol_class() -> type:
     """uvicorn's HTTP protocol (httptools when installed, as its 'auto' picks, else h11) with
     the limits above."""
@@ -99,6 +108,13 @@ def protocol_class() -> type:
         from uvicorn.protocols.http.h11_impl import H11Protocol as base
 
     return type(f"Guarded{base.__name__}", (_Guard, base), {})
+
+
+def uvicorn_options() -> dict[str, Any]:
+    """What ``uvicorn.run`` / ``uvicorn.Config`` take for the indexer and the proxy: the guarded
+    protocol, and no WebSocket support (neither has a WebSocket route: an ``Upgrade: websocket``
+    request was a 403 with an empty body; without it, it is an ordinary HTTP request)."""
+    return {"http": protocol_class(), "ws": "none"}
 
 
 class BodyLimit:

@@ -103,7 +103,7 @@ def run(args: argparse.Namespace) -> int:
     import uvicorn
 
     from ..indexer.cli import check_listen
-    from ..indexer.httpguard import protocol_class
+    from ..indexer.httpguard import uvicorn_options
     from .app import create_app
 
     # Before uvicorn: a host that does not resolve or a port in use is one line, exit 2 (uvicorn
@@ -111,6 +111,7 @@ def run(args: argparse.Namespace) -> int:
     check_listen(args.host, args.port)
     logging.basicConfig(level="INFO", format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     app = create_app(prefill, workers, indexer_url=indexer, timeout_s=args.timeout, max_body_mb=args.max_body_mb)
-    # protocol_class: a request's head is at most 64 KiB and it must arrive within 60 s (see httpguard).
-    uvicorn.run(app, host=args.host, port=args.port, log_level="warning", http=protocol_class())
+    # uvicorn_options: a request's head is at most 64 KiB and it must arrive within 60 s, no
+    # WebSockets (see httpguard).
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning", **uvicorn_options())
     return 0
