@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import errno
 import logging
+import math
 import threading
 import time
 from collections import deque
@@ -396,12 +397,12 @@ class EventPublisher:
             self._replays[client] = replay
             self._pump(client, replay)
 
-    def _retry_timeout_ms(self) -> float | None:
+    def _retry_timeout_ms(self) -> int | None:
         """How long the sender thread may sleep: until the next replay retry is due."""
         if not self._replays:
             return None
         due = min(r.retry_at for r in self._replays.values())
-        return max(0.0, (due - time.monotonic()) * 1000.0)
+        return max(0, math.ceil((due - time.monotonic()) * 1000.0))
 
     def _resume_replays(self) -> None:
         now = time.monotonic()

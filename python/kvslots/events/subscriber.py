@@ -210,10 +210,11 @@ class EventSubscriber:
 
     ``replay_timeout_ms`` bounds the wait for a replay's next useful message; ``hwm`` is the
     receive high-water mark of the SUB sockets. ``max_frame_bytes`` is the largest frame taken
-    from a publisher (:data:`~.protocol.MAX_FRAME_BYTES` by default): ZMQ drops the connection of
-    one that sends a bigger frame, before buffering it, and reconnects; the batch is missed
-    (a gap, or with ``reset_on_reconnect`` a reset) and later batches are applied. ``resync_on_loss`` and ``reset_on_reconnect``:
-    see the module docstring. Bounds on replay traffic (see "Replays that fail" in the module
+    from a publisher (:data:`~.protocol.MAX_FRAME_BYTES` by default): ZMQ drops the connection
+    of one that sends a bigger frame before buffering it, and the subscriber reopens it
+    (counted ``reopened``); the batch is missed (a gap, or with ``reset_on_reconnect`` a
+    reset), later ones are applied. ``resync_on_loss`` and ``reset_on_reconnect``: see the
+    module docstring. Bounds on replay traffic (see "Replays that fail" in the module
     docstring): ``replay_max_attempts`` requests in a row that heal nothing give a gap up;
     ``replay_backoff_ms`` is the wait before the first retry, doubling per retry up to
     ``replay_backoff_max_ms`` (which also starts the cool-down after a give-up), each with
