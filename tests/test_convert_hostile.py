@@ -165,3 +165,24 @@ def test_output_it_cannot_write_is_one_line_exit_2(tmp_path, capsys, output):
     assert cli.main(["convert-config", str(f), "-q", "-o", output.format(tmp=tmp_path)]) == 2
     out, err = capsys.readouterr()
     assert out == "" and err.count("\n") == 1 and err.startswith("kvslots convert-config: error: "), err
+
+
+@pytest.mark.parametrize("key", ["model", "tokenizer", "revision", "tokenizer_revision", "reasoning_parser",
+                                 "otlp_traces_endpoint"])
+@pytest.mark.parametrize("value", ["a\0b", "\0", "a\ud800"])
+def test_a_string_that_cannot_be_an_argument_is_refused(key, value):
+    # A NUL went into the flags (kvslots serve: vLLM not started, a ValueError traceback).
+    with pytest.raises(ConfigError) as ei:
+        convert_trtllm_config({key: value})
+    assert ei.value.field == key, ei.value
+
+
+def test_a_nul_in_the_yaml_is_one_line_exit_2(tmp_path, capsys):
+    f = tmp_path / "r.yaml"
+    f.write_text('revision: "a\\0b"\nspeculative_config: {decoding_type: Eagle3, max_draft_len: 2, '
+                 'speculative_model_dir: "org/d\\0"}\n')
+    for argv in (["convert-config", str(f)], ["serve", "org/target", "-q", "--dry-run", "--extra-engine-args", str(f)]):
+        capsys.readouterr()
+        assert cli.main(argv) == 2, argv
+        out, err = capsys.readouterr()
+        assert out == "" and err.count("\n") == 1 and "NUL" in err, err

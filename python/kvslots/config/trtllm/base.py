@@ -76,6 +76,14 @@ class ConverterBase:
     def str_(self, value: Any, path: str) -> str:
         if not isinstance(value, str) or not value:
             raise self.fail(path, f"must be a non-empty string, got {describe(value)}")
+        # It becomes a command-line argument: no argv holds a NUL (kvslots serve failed to start
+        # vLLM with a ValueError), and stdout cannot write a lone surrogate.
+        if "\0" in value:
+            raise self.fail(path, f"must not contain a NUL character, got {describe(value)}")
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            raise self.fail(path, f"must be valid Unicode (no lone surrogates), got {describe(value)}") from None
         return value
 
     def fraction(self, value: Any, path: str) -> float:
