@@ -186,3 +186,27 @@ def test_a_nul_in_the_yaml_is_one_line_exit_2(tmp_path, capsys):
         assert cli.main(argv) == 2, argv
         out, err = capsys.readouterr()
         assert out == "" and err.count("\n") == 1 and "NUL" in err, err
+
+
+@pytest.mark.parametrize("model", ["", "a b", "./nope", "../nope", "/nonexistent/target", "a/b/c", f"{NO_USER}/m"])
+def test_a_target_model_that_names_nothing_is_refused(tmp_path, capsys, monkeypatch, model):
+    monkeypatch.chdir(tmp_path)
+    f = tmp_path / "n.yaml"
+    f.write_text("speculative_config:\n  decoding_type: NGram\n  max_draft_len: 2\n")
+    capsys.readouterr()
+    assert cli.main(["convert-config", str(f), "--model", model]) == 2  # was converted
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("\n") == 1 and "model: model directory" in err, err
+    f.write_text(yaml.safe_dump({"model": model}))
+    with pytest.raises(ConfigError, match="model directory|non-empty string") as ei:
+        convert_trtllm_config(str(f))
+    assert ei.value.field == "model" and ei.value.source == str(f)
+
+
+def test_target_models_that_may_be_right_pass(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "local").mkdir()
+    for model in ("org/target", "gpt2", "./local", str(tmp_path / "local")):
+        assert convert_trtllm_config({}, model=model).model == model
+    # A YAML model replaced by --model is not read.
+    assert convert_trtllm_config({"model": "/nonexistent/m"}, model="org/t").model == "org/t"

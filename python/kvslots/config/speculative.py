@@ -264,15 +264,15 @@ def resolve_speculative_config(
     return spec
 
 
-def check_draft_model(draft: str, field: str, source: str | None = None) -> ModelRef:
-    """A draft model reference (``field`` names where it was given): a local directory or a Hub
-    id, which vLLM looks up itself. A path that certainly names no directory (``"missing"``,
-    ``"not_dir"``) is a :class:`~kvslots.ConfigError`."""
+def check_draft_model(draft: str, field: str, source: str | None = None, what: str = "draft model") -> ModelRef:
+    """A draft (or, with ``what``, another) model reference, ``field`` naming where it was given:
+    a local directory or a Hub id, which vLLM looks up itself. A path that certainly names no
+    directory (``"missing"``, ``"not_dir"``) is a :class:`~kvslots.ConfigError`."""
     ref = classify_model(draft)
     if ref.kind == "missing":
-        raise ConfigError(f"draft model directory {draft!r} does not exist", field, source)
+        raise ConfigError(f"{what} directory {draft!r} does not exist", field, source)
     if ref.kind == "not_dir":
-        raise ConfigError(f"draft model {draft!r} is not a directory", field, source)
+        raise ConfigError(f"{what} {draft!r} is not a directory", field, source)
     return ref
 
 

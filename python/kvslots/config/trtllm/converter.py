@@ -8,6 +8,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from ...errors import ConfigError
+from ..speculative import check_draft_model
 from .base import describe
 from .cuda_graphs import CudaGraphKeys
 from .engine_keys import EngineKeys
@@ -122,8 +123,12 @@ def convert_trtllm_config(
         conv.apply_speculators_checkpoint(speculators_dir, verifier, model)
     else:  # a draft the checkpoint replaces is not read, so not checked
         conv.check_draft_model()
+    # The target model: the same rule as a draft's (a checkpoint's verifier is checked by its loader).
     if model is not None:
         args["model"] = model
+        check_draft_model(model, "model", what="model")
+    elif speculators_dir is None and "model" in args:
+        check_draft_model(args["model"], "model", src, what="model")
 
     # Keep ``model`` first for readability.
     if "model" in args:
