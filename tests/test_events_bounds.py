@@ -90,16 +90,19 @@ CHILD = textwrap.dedent("""
             print(pub.next_seq, flush=True)
 """)
 
-BUFFER, HASHES, PEERS = 10_000, 170, 50  # 10,000 batches of ~1.5 KB: a 15 MB buffer
-#: The bound the probe asserts: 50 peers x REPLAY_HWM (256) batches of ~1.6 KB is ~21 MB (the
-#: measured growth is about that); before the bound the same probe grew the process by 1.2 GB.
-RSS_BOUND = 64 * 2**20
+PEERS = 50
+#: The bound the probe asserts: 50 peers x REPLAY_HWM (64) queued replies x the batch size,
+#: plus room. Measured: 1.5 KB batches grew the publisher by ~8 MiB, 30 KB ones by ~77 MiB;
+#: before the bound, the 1.5 KB probe grew it by 1.2 GB in 8 s.
+def rss_bound(batch_bytes: int) -> int:
+    return PEERS * pubmod.REPLAY_HWM * batch_bytes * 3 // 2 + 16 * 2**20
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/<pid>/status")
-def test_peers_that_never_read_replays_cannot_grow_the_publisher():
+@pytest.mark.parametrize(("BUFFER", "HASHES"), [(10_000, 170), (2_000, 3_400)], ids=["1.5KB", "30KB"])
+def test_peers_that_never_read_replays_cannot_grow_the_publisher(BUFFER, HASHES):
     """50 peers ask for replays of the whole buffer over and over and never read their DEALER
-    sockets: the publisher (another process) grows by less than RSS_BOUND, refuses the repeated
+    sockets: the publisher (another process) grows by less than rss_bound, refuses the repeated
     requests, and a normal subscriber meanwhile catches up on the whole buffer and heals a gap."""
     child = subprocess.Popen([sys.executable, "-c", CHILD, str(BUFFER), str(HASHES)],
                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
@@ -108,7 +111,7 @@ def test_peers_that_never_read_replays_cannot_grow_the_publisher():
     try:
         assert child.stdin is not None and child.stdout is not None
         endpoint, replay_ep, size = child.stdout.readline().split()
-        assert 1400 < int(size) < 1700
+        assert 8 * HASHES < int(size) < 10 * HASHES
 
         def ask(cmd: str) -> list[int]:
             child.stdin.write(cmd + "\n")
@@ -140,7 +143,7 @@ def test_peers_that_never_read_replays_cannot_grow_the_publisher():
         growth = rss - base
         print(f"publisher RSS growth with {PEERS} non-reading peers: {growth / 2**20:.1f} MiB "
               f"(refused {refused}, truncated {truncated}, replayed {replayed})")
-        assert growth < RSS_BOUND
+        assert growth < rss_bound(int(size))
         assert refused >= PEERS  # each peer asked again while its first replay was stuck
     finally:
         if sub is not None:
