@@ -16,7 +16,7 @@ from kvslots.indexer import IndexerConfig, IndexerService  # noqa: E402
 from kvslots.indexer.app import create_app  # noqa: E402
 
 BS = 4
-TOKEN = "s3cret"
+TOKEN = "s3cret-s3cret-s3cret"  # the admin token rule: 16 or more printable ASCII characters
 
 
 @pytest.fixture(scope="module")

@@ -135,6 +135,8 @@ class WorkerSpec:
     def parse(cls, text: str) -> WorkerSpec:
         """``NAME=tcp://host:port[,replay=tcp://host:port][,topic=T][,tier=GPU|CPU|STORAGE]
         [,eagle=true|false]``."""
+        if not isinstance(text, str):
+            raise ConfigError(f"--worker must be a string, got {type(text).__name__}")
         name, sep, rest = text.partition("=")
         if not sep or not rest:
             raise ConfigError(f"--worker {text!r}: expected NAME=tcp://host:port[,replay=...][,topic=...][,tier=...]"
@@ -196,7 +198,17 @@ class IndexerConfig:
         return self.max_tokens * 12 + 4096
 
     def validate(self) -> None:
-        """The settings' rules; also normalizes ``capacity`` 0 to ``None`` (no limit)."""
+        """The settings' rules; also normalizes ``capacity`` 0 to ``None`` (no limit). The types
+        are the YAML's (:data:`_YAML_SETTINGS`): a config built in code gets the same checks
+        (port="x" was a TypeError comparing it)."""
+        for k, (kinds, what) in _YAML_SETTINGS.items():
+            _typed(getattr(self, k), k, kinds, what, None)
+        if not isinstance(self.workers, list) or not all(isinstance(w, WorkerSpec) for w in self.workers):
+            raise ConfigError(f"workers must be a list of WorkerSpec, got {brief(self.workers)}")
+        if not isinstance(self.tier_weights, dict) or not all(
+                isinstance(t, str) and isinstance(w, (int, float)) and not isinstance(w, bool)
+                for t, w in self.tier_weights.items()):
+            raise ConfigError(f"tier_weights must be a mapping of tier name to number, got {brief(self.tier_weights)}")
         if self.backend not in ("memory", "redis"):
             raise ConfigError(f"backend {self.backend!r}: use 'memory' or 'redis'")
         names = [w.name for w in self.workers]

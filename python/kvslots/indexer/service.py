@@ -6,12 +6,13 @@ import errno
 import logging
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sized
+from collections.abc import Set as AbstractSet
 from typing import Any
 
 from .._core import ApplyStats
 from ..events._ratelog import RateLimitedLog
-from ..errors import ConfigError, InvalidArgumentError
+from ..errors import ArgumentTypeError, ConfigError, InvalidArgumentError
 from .backend import TIER_NAMES, Backend, MemoryBackend, ScoreResult
 from .config import IndexerConfig, WorkerSpec
 from .metrics import Metrics
@@ -32,6 +33,11 @@ class IndexerService:
     """Implements the subscription's sink (`on_batch`, `on_reset`, `resume_seq`, `on_signal`)."""
 
     def __init__(self, cfg: IndexerConfig, backend: Backend | None = None):
+        # The command validates its config; one built in code gets the same rules (a block size
+        # of 0 was taken, a NaN replay timeout a ValueError in the subscription).
+        if not isinstance(cfg, IndexerConfig):
+            raise ArgumentTypeError(f"cfg must be an IndexerConfig, got {type(cfg).__name__}")
+        cfg.validate()
         self.cfg = cfg
         self.metrics = Metrics()
         # What a worker's stream triggers, bounded per worker (a flood of bad frames was a flood of lines).
@@ -101,6 +107,8 @@ class IndexerService:
         """Registers a worker; False if the name is taken. If its stream cannot be subscribed
         to, nothing is left of it and the error is raised (a ConfigError when ZMQ refuses the
         address)."""
+        if not isinstance(spec, WorkerSpec):
+            raise ArgumentTypeError(f"spec must be a WorkerSpec, got {type(spec).__name__}")
         if not self.backend.register(spec, replace=False):
             return False
         if isinstance(self.backend, MemoryBackend):
@@ -113,6 +121,8 @@ class IndexerService:
         return True
 
     def remove_worker(self, name: str) -> bool:
+        if not isinstance(name, str):
+            raise ArgumentTypeError(f"name must be a str, got {type(name).__name__}")
         if not self.backend.unregister(name):
             return False
         if isinstance(self.backend, MemoryBackend):
@@ -165,6 +175,9 @@ class IndexerService:
     def score(self, tokens: list[int], block_size: int | None, lora_id: int | None,
               lora_name: str | None) -> dict[str, Any]:
         bs = block_size or self.cfg.block_size
+        # A generator: the backend consumed it, then len() failed; a set or a mapping has no order.
+        if not isinstance(tokens, Sized) or isinstance(tokens, (AbstractSet, Mapping)):
+            raise ArgumentTypeError(f"token_ids must be a sequence of integers, got {type(tokens).__name__}")
         t0 = time.perf_counter()
         res: ScoreResult = self.backend.score(tokens, bs, lora_id, lora_name)
         self.metrics.lookups.observe(time.perf_counter() - t0)
