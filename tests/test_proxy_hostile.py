@@ -98,3 +98,25 @@ def test_credentials_in_a_url_never_reach_a_client():
     assert "hunter2" not in r.text and "pw2" not in r.text, r.text
     r = c.get("/v1/models")
     assert "hunter2" not in r.text, r.text
+
+
+@pytest.mark.parametrize("kwargs", [
+    {"prefill_urls": "http://p"},  # a str: each character was taken for a URL
+    {"decode_workers": ["http://d"]},  # AttributeError
+    {"decode_workers": [None]},
+    {"timeout_s": float("nan")}, {"timeout_s": float("inf")}, {"timeout_s": -1}, {"timeout_s": 0},
+    {"timeout_s": "600"}, {"timeout_s": True},
+    {"transport": "x"}, {"transport": httpx.HTTPTransport()},  # a sync transport: AttributeError per request
+])
+def test_create_app_wrong_arguments_are_kvslots_errors(kwargs):
+    args = {"prefill_urls": ["http://p"], "decode_workers": [DecodeWorker("http://d")], **kwargs}
+    with pytest.raises(InvalidArgumentError):
+        create_app(args.pop("prefill_urls"), args.pop("decode_workers"), **args)
+
+
+@pytest.mark.parametrize("body", [None, [], "x", 5, [("a", 1)]])
+def test_prefill_body_needs_a_dict(body):
+    from kvslots.proxy.app import prefill_body
+
+    with pytest.raises(InvalidArgumentError):
+        prefill_body(body)

@@ -37,10 +37,10 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from ..config.loader import loads_strict_json
-from ..errors import ConfigError, InvalidArgumentError
+from ..errors import ArgumentTypeError, ConfigError, InvalidArgumentError
 from ..indexer.config import check_worker_name
 from ..indexer.httpguard import BodyLimit
-from .cli import http_url, shown_url
+from .cli import http_url, seconds, shown_url
 
 logger = logging.getLogger(__name__)
 
@@ -60,6 +60,8 @@ class DecodeWorker:
 
 def prefill_body(body: dict[str, Any]) -> dict[str, Any]:
     """The prefill worker's copy of a request: one token, no stream, asks for a remote decode."""
+    if not isinstance(body, dict):
+        raise ArgumentTypeError(f"body must be a dict (a JSON object), got {type(body).__name__}")
     out = dict(body)  # only top-level keys change: nothing nested is copied
     out["max_tokens"] = 1
     if "max_completion_tokens" in out:
@@ -120,8 +122,15 @@ def create_app(prefill_urls: Sequence[str], decode_workers: Sequence[DecodeWorke
         raise InvalidArgumentError("the proxy needs at least one prefill and one decode worker")
     if isinstance(max_body_mb, bool) or not isinstance(max_body_mb, int) or not 0 < max_body_mb <= 65536:
         raise InvalidArgumentError(f"max_body_mb {max_body_mb!r} must be an integer in 1..65536")
+    if isinstance(prefill_urls, str):  # its characters would be the URLs
+        raise ArgumentTypeError("prefill_urls must be a list of URLs, got a str")
     prefill_urls = [http_url(u, "prefill URL") for u in prefill_urls]
+    seconds(timeout_s, "timeout_s")
+    if transport is not None and not isinstance(transport, httpx.AsyncBaseTransport):
+        raise ArgumentTypeError(f"transport must be an httpx.AsyncBaseTransport, got {type(transport).__name__}")
     for w in decode_workers:
+        if not isinstance(w, DecodeWorker):
+            raise ArgumentTypeError(f"decode_workers must hold DecodeWorker objects, got {type(w).__name__}")
         http_url(w.url, "decode URL")
         if w.indexer_name is not None:
             try:

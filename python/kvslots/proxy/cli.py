@@ -34,6 +34,16 @@ def http_url(text: str, what: str = "URL") -> str:
     return text.rstrip("/")
 
 
+def seconds(value: object, what: str = "timeout") -> float:
+    """``value`` as a finite number of seconds > 0; an :class:`~kvslots.InvalidArgumentError`
+    naming ``what`` otherwise. The one check of the proxy's timeout (the command line and
+    :func:`~kvslots.proxy.app.create_app`)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) \
+            or not (math.isfinite(value) and value > 0):
+        raise InvalidArgumentError(f"{what} {value!r} must be a finite number of seconds > 0")
+    return float(value)
+
+
 def shown_url(url: str) -> str:
     """``url`` without its user and password, as clients and logs see it (an ``/healthz``, a
     response header, an error message)."""
@@ -96,8 +106,10 @@ def run(args: argparse.Namespace) -> int:
     workers = decode_workers(args.decode)
     if not 0 < args.port < 65536:
         raise ServeError(f"--port {args.port} is not a TCP port")
-    if not (math.isfinite(args.timeout) and args.timeout > 0):
-        raise ServeError(f"--timeout {args.timeout} must be a finite number of seconds > 0")
+    try:
+        seconds(args.timeout, "--timeout")
+    except InvalidArgumentError as e:
+        raise ServeError(str(e)) from None
     if not 0 < args.max_body_mb <= 65536:
         raise ServeError(f"--max-body-mb {args.max_body_mb} must be in 1..65536")
     import uvicorn
