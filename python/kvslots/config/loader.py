@@ -36,7 +36,7 @@ from collections.abc import Mapping
 from itertools import accumulate
 from typing import Any
 
-from ..errors import ConfigError
+from ..errors import ArgumentTypeError, ConfigError
 
 #: Largest configuration file read, in bytes.
 MAX_BYTES = 4 * 1024 * 1024
@@ -83,7 +83,10 @@ def read_config_text(path: str | os.PathLike[str], *, max_bytes: int = MAX_BYTES
     """The text of the regular file ``path`` (at most ``max_bytes``, UTF-8). Raises
     :class:`ConfigError` with ``source`` the path: ``no such file``, ``is a directory``, ``not a
     regular file (a FIFO)``, ``permission denied``, ``larger than ...``, ``not UTF-8 ...``."""
-    name = os.fspath(path)
+    try:
+        name = os.fspath(path)
+    except TypeError:
+        raise ArgumentTypeError(f"a file path must be a str, bytes or os.PathLike, got {type(path).__name__}") from None
     source = name if isinstance(name, str) else os.fsdecode(name)
     if not source:  # an option given as "" (--config ""): say so, not "no such file" of no name
         raise ConfigError("an empty path names no file")
@@ -447,6 +450,8 @@ def loads_strict_json(text: str | bytes, source: str | None = None, *, finite: b
     parsing, whatever the depth), Unicode text only (no lone surrogate, raw or escaped: it could
     not be written out as UTF-8). The one strict JSON parser (config files and command-line JSON
     here, HTTP request bodies in the indexer and the proxy); a :class:`ConfigError` otherwise."""
+    if not isinstance(text, (str, bytes, bytearray)):  # .isascii() below was an AttributeError
+        raise ArgumentTypeError(f"JSON text must be a str or bytes, got {type(text).__name__}")
     if isinstance(text, (bytes, bytearray)):
         try:
             text = bytes(text).decode(json.detect_encoding(text))

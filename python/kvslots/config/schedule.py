@@ -30,7 +30,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from ..errors import ConfigError
+from ..errors import ArgumentTypeError, ConfigError
 from .loader import INT_MAX, brief
 
 SCHEDULE_KEY = "num_speculative_tokens_per_batch_size"
@@ -329,6 +329,10 @@ def apply_lookahead(
     Atomic: an unknown request id raises :class:`~kvslots.UnknownRequestError` before any
     lookahead changes.
     """
+    if isinstance(request_ids, (str, bytes)) or not isinstance(request_ids, Sequence):
+        raise ArgumentTypeError(f"request_ids must be a sequence of request ids, got {type(request_ids).__name__}")
+    if not (callable(getattr(target, "slot_info", None)) and callable(getattr(target, "set_lookahead", None))):
+        raise ArgumentTypeError(f"target must be a SlotManager or a SlotTracker, got {type(target).__name__}")
     n = len(request_ids) if batch_size is None else batch_size
     k = _lookahead(schedule, n)
     for rid in request_ids:  # fail before changing anything

@@ -224,6 +224,9 @@ def resolve_speculative_config(
     ``model``, when given, a string naming a local directory or a Hub id. Raises
     :class:`~kvslots.ConfigError` naming the key.
     """
+    for given, what in ((base, "base"), (explicit, explicit_source)):
+        if given is not None and not isinstance(given, Mapping):  # dict() of it was a TypeError
+            raise ConfigError(f"must be a JSON object, got {type(given).__name__} {short(given)}", what)
     said = notes if notes is not None else []
     spec = dict(base) if base is not None else None
     if explicit is not None:

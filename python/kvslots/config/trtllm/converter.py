@@ -8,6 +8,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from ...errors import ConfigError
+from ..loader import check_values
 from ..speculative import check_draft_model
 from .base import describe
 from .cuda_graphs import CudaGraphKeys
@@ -110,6 +111,8 @@ def convert_trtllm_config(
         raise ConfigError(
             f"the document must be a mapping of TRT-LLM options, got {type(doc).__name__}", None, src
         )
+    if src is None:  # a mapping given in code gets the file's value rules (NaN, sets, cycles, depth)
+        check_values(doc)
     for key in doc:
         if not isinstance(key, str):
             raise ConfigError(f"option names must be strings, got {describe(key)}", str(key), src)

@@ -1,0 +1,74 @@
+"""kvslots.config's public calls with wrong types and values a file could not hold: a kvslots
+error (ConfigError, ArgumentTypeError), never a TypeError, AttributeError or ValueError from
+inside, and never a NaN, a set or a cycle converted as if it were configuration."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvslots.config import loader
+from kvslots.config.schedule import DynamicSDSchedule, apply_lookahead
+from kvslots.config.speculative import resolve_speculative_config
+from kvslots.config.trtllm import convert_trtllm_config
+from kvslots.errors import ArgumentTypeError, ConfigError
+
+
+def _cycle() -> dict:
+    d: dict = {}
+    d["x"] = d
+    return d
+
+
+@pytest.mark.parametrize("doc, field", [
+    ({"model_kwargs": {"a": float("nan")}}, "model_kwargs.a"),  # converted into hf_overrides
+    ({"model_kwargs": {"a": float("-inf")}}, "model_kwargs.a"),
+    ({"model_kwargs": {"a": {1, 2}}}, "model_kwargs.a"),
+    ({"model_kwargs": {"a": object()}}, "model_kwargs.a"),
+    ({"model_kwargs": {"a": b"bytes"}}, "model_kwargs.a"),
+    ({"model_kwargs": _cycle()}, None),
+    ({"max_batch_size": 10**30}, "max_batch_size"),  # max_num_seqs=10**30 was converted
+    ({"max_num_tokens": -(10**30)}, "max_num_tokens"),
+    ({"generation_config": {"k": [float("nan")]}}, None),
+])
+def test_a_mapping_gets_the_files_value_rules(doc, field):
+    with pytest.raises(ConfigError) as ei:
+        convert_trtllm_config(doc)
+    if field is not None:
+        assert ei.value.field == field, ei.value
+
+
+@pytest.mark.parametrize("base, explicit", [([1], None), ("x", None), (None, "x"), (None, [("a", 1)]), (None, 5)])
+def test_resolve_speculative_config_needs_mappings(base, explicit):
+    with pytest.raises(ConfigError, match="must be a JSON object"):  # dict() of them: TypeError / ValueError
+        resolve_speculative_config(base, explicit)
+
+
+@pytest.mark.parametrize("text", [5, None, 1.5, memoryview(b"{}"), ["{}"], {"a": 1}])
+def test_strict_json_needs_text(text):
+    with pytest.raises(ArgumentTypeError):  # .isascii() of it was an AttributeError
+        loader.loads_strict_json(text)
+    with pytest.raises(ArgumentTypeError):
+        loader.parse_json(text)
+
+
+@pytest.mark.parametrize("path", [5, None, 1.5, ["a"]])
+def test_read_config_text_needs_a_path(path):
+    with pytest.raises(ArgumentTypeError):  # os.fspath's TypeError
+        loader.read_config_text(path)
+
+
+class _Target:
+    def slot_info(self, rid):
+        return rid
+
+    def set_lookahead(self, rid, k):
+        return 0
+
+
+@pytest.mark.parametrize("target, ids", [(None, ["a"]), (object(), ["a"]), (_Target(), "ab"), (_Target(), None),
+                                         (_Target(), 5), (_Target(), {"a"})])
+def test_apply_lookahead_wrong_arguments(target, ids):
+    schedule = DynamicSDSchedule.parse([[1, 4, 3], [5, 8, 1]], 3)
+    with pytest.raises(ArgumentTypeError):
+        apply_lookahead(target, ids, schedule)
+    assert apply_lookahead(_Target(), ["a", "b"], schedule).k == 3
