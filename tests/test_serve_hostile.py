@@ -57,3 +57,46 @@ def test_distinct_endpoints_still_pass(capsys, argv):
     # (tcp://127.0.0.1:6000 twice: vLLM's publisher connects to it, only the replay socket binds.)
     code, out, err = _serve(capsys, *argv)
     assert code == 0 and "--kv-events-config" in out, err
+
+
+@pytest.mark.parametrize("config, problem", [
+    ('{"endpoint": 5}', "endpoint must be a str"),
+    ('{"endpoint": "pgm://h:1"}', "must start with tcp://"),
+    ('{"replay_endpoint": "tcp://h:99999"}', "port 99999 is past 65535"),
+    ('{"replay_endpoint": "udp://h:1"}', "must start with tcp://"),
+    ('{"enable_kv_cache_events": "yes"}', "enable_kv_cache_events must be true or false"),
+    ('{"enable_kv_cache_events": 1}', "enable_kv_cache_events must be true or false"),
+    ('{"topic": 5}', "topic must be a string"),
+    ('{"publisher": null}', "publisher must be a string"),
+])
+def test_kv_events_config_after_dashes_gets_the_flags_checks(capsys, config, problem):
+    # Passed on to vLLM unchecked: its publisher failed once the engine was loaded.
+    code, out, err = _serve(capsys, "--", "--kv-events-config", config)
+    assert code == 2 and out == "" and err.count("\n") == 1, err
+    assert err.startswith("kvslots serve: error: after --: --kv-events-config: ") and problem in err, err
+
+
+@pytest.mark.parametrize("argv, problem", [
+    (["--", "--kv-transfer-config", '{"kv_connector_extra_config": []}'], "must be a JSON object"),  # was dropped
+    (["--", "--kv-transfer-config", '{"kv_connector_extra_config": ""}'], "must be a JSON object"),
+    (["--", "--kv-transfer-config", '{"kv_connector_extra_config": 0}'], "must be a JSON object"),
+    (["--", "--kv-transfer-config", '{"kv_role": 5}'], "kv_role 5 is not one of"),
+    (["--", "--kv-transfer-config", '{"kv_role": "producer"}'], "is not one of"),
+    (["--role", "prefill", "--", "--kv-transfer-config", '{"kv_role": "kv_consumer"}'], "conflicts with --role prefill"),
+    (["--role", "decode", "--", "--kv-transfer-config", '{"kv_role": "kv_both"}'], "conflicts with --role decode"),
+    (["--is-prefill-worker", "--", "--kv-transfer-config", '{"kv_role": "kv_both"}'], "conflicts with --role prefill"),
+])
+def test_kv_transfer_config_after_dashes_is_checked(capsys, argv, problem):
+    code, out, err = _serve(capsys, *argv)
+    assert code == 2 and out == "" and err.count("\n") == 1 and problem in err, err
+
+
+@pytest.mark.parametrize("argv", [
+    ["--", "--kv-events-config", '{"topic": "kv", "endpoint": "tcp://*:6000", "enable_kv_cache_events": true}'],
+    ["--", "--kv-transfer-config", '{"kv_connector_extra_config": {}, "kv_role": "kv_both"}'],
+    ["--", "--kv-transfer-config", '{"kv_connector_extra_config": null}'],
+    ["--role", "prefill", "--", "--kv-transfer-config", '{"kv_role": "kv_producer"}'],
+])
+def test_good_configs_after_dashes_pass(capsys, argv):
+    code, out, err = _serve(capsys, *argv)
+    assert code == 0, err

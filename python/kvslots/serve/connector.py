@@ -8,7 +8,7 @@ import argparse
 from typing import Any
 
 from ..config.connector import GIB, ConnectorConfig, ConnectorConfigError
-from ..config.vllm_args import to_json
+from ..config.vllm_args import brief, to_json
 from ..errors import ServeError
 from .tail import json_object, merge_over_flags
 
@@ -74,9 +74,18 @@ def connector_config(args: argparse.Namespace, hints: dict[str, Any], tail_cfg: 
         if name not in (None, CONNECTOR_NAME):
             raise ServeError(f"after --: --kv-transfer-config uses connector {name!r}; kvslots serve runs "
                              f"{CONNECTOR_NAME} (add --no-connector to run your own)")
-        tail_extra = tail_cfg.get("kv_connector_extra_config") or {}
+        # None only: a [] or "" was taken for "no extra config" and dropped.
+        tail_extra = tail_cfg.get("kv_connector_extra_config")
+        tail_extra = {} if tail_extra is None else tail_extra
         if not isinstance(tail_extra, dict):
             raise ServeError("after --: --kv-transfer-config: kv_connector_extra_config must be a JSON object")
+        role = tail_cfg.get("kv_role", kv_role)
+        if role not in KV_ROLES:
+            raise ServeError(f"after --: --kv-transfer-config: kv_role {brief(role)} is not one of "
+                             f"{', '.join(KV_ROLES)}")
+        if role != kv_role and (getattr(args, "role", None) or getattr(args, "is_prefill_worker", False)):
+            raise ServeError(f"after --: --kv-transfer-config kv_role {role} conflicts with --role "
+                             f"{'prefill' if kv_role == 'kv_producer' else getattr(args, 'role', None)}")
         flags = {k: (v, f"{k}={to_json(v)} from the kvslots serve flags") for k, v in flag_extra.items()}
         merge_over_flags(extra, tail_extra, "kv-transfer-config", flags, notes)
         for k, v in tail_cfg.items():
@@ -94,6 +103,10 @@ def connector_config(args: argparse.Namespace, hints: dict[str, Any], tail_cfg: 
         # A corrupt disk block is then recomputed, not a failed request.
         cfg.setdefault("kv_load_failure_policy", "recompute")
     return cfg
+
+
+#: vLLM's kv_role values.
+KV_ROLES = ("kv_both", "kv_producer", "kv_consumer")
 
 
 def _pd_role(args: argparse.Namespace, flag_extra: dict[str, Any]) -> str:

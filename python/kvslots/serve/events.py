@@ -13,6 +13,7 @@ import argparse
 import re
 from typing import Any
 
+from ..config.loader import brief as short
 from ..config.vllm_args import brief
 from ..errors import KVSlotsError, ServeError
 from ..events.protocol import check_endpoint, vllm_binds
@@ -35,6 +36,24 @@ _TCP_ANY_PORT = re.compile(r"tcp://.+:[0-9]+", re.DOTALL)
 def _tcp_port(endpoint: str) -> tuple[str, int] | None:
     m = _TCP_PORT.fullmatch(endpoint)
     return (m.group(1), int(m.group(2))) if m else None
+
+
+def _check_tail_values(cfg: dict[str, Any]) -> None:
+    """What ``--kv-events-config`` after ``--`` may set is checked as the flags are (they were
+    passed on: a port past 65535 or a pgm:// endpoint failed in vLLM once the engine was loaded,
+    ``"enable_kv_cache_events": "yes"`` or a numeric topic at its start)."""
+    where = "after --: --kv-events-config"
+    for key in ("endpoint", "replay_endpoint"):
+        value = cfg.get(key)
+        if value is not None:
+            try:
+                check_endpoint(value, f"{where}: {key}")
+            except KVSlotsError as e:
+                raise ServeError(str(e)) from None
+    for key, kind, what in (("enable_kv_cache_events", bool, "true or false"), ("topic", str, "a string"),
+                            ("publisher", str, "a string")):
+        if key in cfg and not isinstance(cfg[key], kind):
+            raise ServeError(f"{where}: {key} must be {what}, got {short(cfg[key])}")
 
 
 def _clash(a: str, b: str, dp_size: int) -> bool:
@@ -101,6 +120,7 @@ def events_config(args: argparse.Namespace, hints: dict[str, Any], tail_cfg: dic
                                   else default_replay(str(cfg["endpoint"]), dp_size))
     if cfg["replay_endpoint"] is None:
         del cfg["replay_endpoint"]
+    _check_tail_values(cfg)
     ep = str(cfg["endpoint"])
     replay = cfg.get("replay_endpoint")
     if replay is not None and vllm_binds(ep) and _clash(ep, str(replay), dp_size):
