@@ -62,3 +62,32 @@ def test_config_is_checked_from_python_too():
         SimConfig(prompt_min=100, prompt_max=10)
     with pytest.raises(InvalidArgumentError, match="seed"):
         SimConfig(seed="1")
+
+
+@pytest.mark.parametrize("cfg", [None, {"requests": 1}, "cfg", 5])
+def test_run_needs_a_sim_config(cfg):
+    from kvslots._dev.simulate import run
+    from kvslots.errors import ArgumentTypeError
+
+    with pytest.raises(ArgumentTypeError):  # its fields were read: AttributeError
+        run(cfg)
+
+
+@pytest.mark.parametrize("dims", [(0, 128, 4, 2, 256), (2, 0, 4, 2, 256), (2, 128, 0, 2, 256), (2, 128, 4, 0, 256),
+                                  (2, 128, 3, 1, 256), (2, 128, 4, 3, 256), (2, 128, 4, 2, -1), (2.0, 128, 4, 2, 256),
+                                  (True, 128, 4, 2, 256), (2, 1 << 20, 4, 2, 256)])
+def test_tiny_model_dimensions_are_checked(dims):
+    from kvslots._dev.tiny import Dims
+    from kvslots.errors import ConfigError
+
+    with pytest.raises(ConfigError):  # 0 was a ZeroDivisionError while building
+        Dims(*dims)
+
+
+@pytest.mark.parametrize("root", [5, None, b"/tmp/x", ["/tmp/x"]])
+def test_tiny_models_root_must_be_a_path(root):
+    from kvslots._dev.tiny import build_tiny_models
+    from kvslots.errors import ConfigError
+
+    with pytest.raises(ConfigError):
+        build_tiny_models(root)

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .. import _args
-from ..errors import InvalidArgumentError, OutOfBlocksError
+from ..errors import ArgumentTypeError, InvalidArgumentError, OutOfBlocksError
 from ..events import AllBlocksCleared, BlockRemoved, BlockStored
 from ..slots import SlotManager
 
@@ -92,6 +92,8 @@ class SimReport:
 
 
 def run(cfg: SimConfig) -> SimReport:
+    if not isinstance(cfg, SimConfig):  # its fields were read: an AttributeError
+        raise ArgumentTypeError(f"cfg must be a SimConfig, got {type(cfg).__name__}")
     rng = np.random.default_rng(cfg.seed)
     shared = rng.integers(0, cfg.vocab, cfg.shared_prefix, dtype=np.uint32)
     waiting: deque[_Req] = deque()

@@ -63,6 +63,16 @@ class Dims:
     kv_heads: int = KV_HEADS
     intermediate: int = INTER
 
+    def __post_init__(self) -> None:
+        # Each is a divisor or a size below: 0 was a ZeroDivisionError while building.
+        for name in ("layers", "hidden", "heads", "kv_heads", "intermediate"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 1 << 16:
+                raise ConfigError(f"must be an integer in [1, 65536], got {value!r}", f"Dims.{name}")
+        if self.hidden % self.heads or self.heads % self.kv_heads:
+            raise ConfigError(f"hidden {self.hidden} must be a multiple of heads {self.heads}, and heads of "
+                              f"kv_heads {self.kv_heads}", "Dims")
+
     @property
     def head_dim(self) -> int:
         return self.hidden // self.heads
@@ -219,6 +229,9 @@ def build_eagle3(out_dir: str, target_dir: str, seed: int = 2,
 def build_tiny_models(root: str, dims: Dims = TINY) -> dict[str, str]:
     """Builds (once: a finished build of the same dimensions is reused) the target, EAGLE and
     EAGLE-3 dirs under root."""
+    root = os.fspath(root) if isinstance(root, os.PathLike) else root
+    if not isinstance(root, str):
+        raise ConfigError(f"the models' directory must be a path (str), got {type(root).__name__}")
     paths = {name: os.path.join(root, name) for name in ("target", "eagle", "eagle3")}
     done = os.path.join(root, ".complete")
     stamp = json.dumps(asdict(dims), sort_keys=True)
