@@ -100,3 +100,44 @@ def test_kv_transfer_config_after_dashes_is_checked(capsys, argv, problem):
 def test_good_configs_after_dashes_pass(capsys, argv):
     code, out, err = _serve(capsys, *argv)
     assert code == 0, err
+
+
+# ---- the Python API: kvslots.serve's public calls ----
+
+from kvslots.errors import ServeError  # noqa: E402
+from kvslots.serve import build_plan, plan_from_argv, scan_vllm_args, supervise  # noqa: E402
+
+
+@pytest.mark.parametrize("argv", ["org/target", None, 5, [5], ["org/target", None], ["org/target\0"]])
+def test_plan_from_argv_needs_a_list_of_arguments(argv):
+    with pytest.raises(ServeError):  # a str was parsed character by character; None, ints: TypeError
+        plan_from_argv(argv)
+
+
+@pytest.mark.parametrize("tail", ["--x", None, 5, [5], ["--max-model-len", "1\0"], [b"--x"]])
+def test_scan_vllm_args_needs_a_list_of_arguments(tail):
+    with pytest.raises(ServeError):  # AttributeError / TypeError
+        scan_vllm_args(tail)
+
+
+@pytest.mark.parametrize("argv, kwargs", [
+    ([], {}), ("/bin/true", {}), ([5], {}), (["/bin/true\0"], {}), (None, {}),  # IndexError, TypeError, ValueError
+    (["/bin/true"], {"grace": float("nan")}), (["/bin/true"], {"grace": "15"}), (["/bin/true"], {"grace": 0}),
+    (["/bin/true"], {"grace": float("inf")}), (["/bin/true"], {"env": {"A": 5}}), (["/bin/true"], {"env": {"A": "a\0"}}),
+    (["/bin/true"], {"env": {"A=B": "1"}}), (["/bin/true"], {"env": {"": "1"}}), (["/bin/true"], {"env": [("A", "1")]}),
+])
+def test_supervise_refuses_what_it_cannot_run_before_starting_anything(argv, kwargs):
+    import signal
+
+    before = signal.getsignal(signal.SIGINT)
+    with pytest.raises(ServeError):
+        supervise(argv, **kwargs)
+    assert signal.getsignal(signal.SIGINT) is before  # no handler left behind
+
+
+def test_supervise_and_build_plan_good_and_bad_calls():
+    assert supervise(("/bin/sh", "-c", "exit 3"), env={"A": "1"}, grace=0.5, log=lambda m: None) == 3
+    with pytest.raises(ServeError):
+        build_plan(None)
+    with pytest.raises(ServeError):
+        build_plan({"model": "org/target"})

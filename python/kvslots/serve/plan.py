@@ -156,6 +156,8 @@ def build_plan(args: argparse.Namespace, *, python: str | None = None) -> ServeP
     :class:`~kvslots.ConfigError` from the converters) on bad input; imports no vLLM."""
     from ..config.trtllm import convert_trtllm_config
 
+    if not isinstance(args, argparse.Namespace):  # its attributes are read: an AttributeError
+        raise ServeError(f"args must be an argparse.Namespace (make_parser().parse_args), got {type(args).__name__}")
     notes: list[str] = []
     tail = list(args.vllm_args or [])
     opts = scan_vllm_args(tail)

@@ -4,15 +4,18 @@ forwarded and escalated, and every process it started stopped before we return."
 from __future__ import annotations
 
 import ctypes
+import math
 import os
 import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from ..errors import ServeError
 from .plan import PROG
+from .tail import _check_argv
 
 DEFAULT_GRACE_S = 15.0
 
@@ -106,6 +109,19 @@ def supervise(argv: Sequence[str], *, env: dict[str, str] | None = None, grace: 
     the leader has exited, what is left of the group (and every orphaned descendant, re-parented
     to us on Linux) gets ``grace`` seconds, then SIGTERM, then SIGKILL; we return when none is left.
     """
+    # Checked before any signal handler changes: Popen's ValueError (a NUL), TypeError (an int)
+    # or an IndexError (no program) otherwise, and a NaN grace escalated at once.
+    _check_argv(argv, "argv")
+    if not argv:
+        raise ServeError("argv is empty: no program to run")
+    if env is not None:
+        if not isinstance(env, Mapping):
+            raise ServeError(f"env must be a mapping of str to str, got {type(env).__name__}")
+        _check_argv(list(env) + list(env.values()), "env")
+        if any(not k or "=" in k for k in env):
+            raise ServeError(f"env: {sorted(k for k in env if not k or '=' in k)[0]!r} is not a variable name")
+    if isinstance(grace, bool) or not isinstance(grace, (int, float)) or not (math.isfinite(grace) and grace > 0):
+        raise ServeError(f"grace {grace!r} must be a finite number of seconds > 0")
     say = log or (lambda msg: print(f"{PROG}: {msg}", file=sys.stderr, flush=True))
     pending: list[int] = []
 

@@ -13,7 +13,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..config.loader import MAX_DEPTH, check_values, parse_json
+from ..config.loader import MAX_DEPTH, brief, check_values, parse_json
 from ..config.vllm_args import to_json
 from ..errors import ConfigError, ServeError
 
@@ -78,9 +78,21 @@ def _is_number(token: str) -> bool:
     return True
 
 
+def _check_argv(argv: Any, what: str) -> None:
+    """A list (or tuple) of str, each one a command-line argument can be (no NUL): a ServeError
+    otherwise (a str was scanned character by character, an int was an AttributeError, a NUL
+    Popen's ValueError)."""
+    if not isinstance(argv, (list, tuple)):
+        raise ServeError(f"{what} must be a list of strings, got {type(argv).__name__}")
+    for a in argv:
+        if not isinstance(a, str) or "\0" in a:
+            raise ServeError(f"{what}: {brief(a)} is not a command-line argument (a string without NUL)")
+
+
 def scan_vllm_args(tail: Sequence[str]) -> list[TailOption]:
     """The vLLM arguments in ``tail`` (without vLLM: names are normalised the way vLLM's
     FlexibleArgumentParser does; values are read only for the arguments kvslots serve manages)."""
+    _check_argv(tail, "vLLM's arguments")
     out: list[TailOption] = []
     i = 0
     while i < len(tail):
