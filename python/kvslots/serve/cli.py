@@ -32,7 +32,7 @@ from .plan import (
     build_plan,
 )
 from .supervisor import DEFAULT_GRACE_S, supervise
-from .tail import _check_argv
+from .tail import check_argv
 
 
 class _ServeParser(argparse.ArgumentParser):
@@ -181,7 +181,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def plan_from_argv(argv: Sequence[str], *, python: str | None = None) -> ServePlan:
     """Parses ``kvslots serve`` arguments (without ``serve``) and builds the plan."""
-    _check_argv(argv, "argv")
+    check_argv(argv, "argv")
     return build_plan(make_parser().parse_args(list(argv)), python=python)
 
 

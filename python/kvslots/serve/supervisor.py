@@ -15,7 +15,7 @@ from typing import Any
 
 from ..errors import ServeError
 from .plan import PROG
-from .tail import _check_argv
+from .tail import check_argv
 
 DEFAULT_GRACE_S = 15.0
 
@@ -111,13 +111,13 @@ def supervise(argv: Sequence[str], *, env: dict[str, str] | None = None, grace: 
     """
     # Checked before any signal handler changes: Popen's ValueError (a NUL), TypeError (an int)
     # or an IndexError (no program) otherwise, and a NaN grace escalated at once.
-    _check_argv(argv, "argv")
+    check_argv(argv, "argv")
     if not argv:
         raise ServeError("argv is empty: no program to run")
     if env is not None:
         if not isinstance(env, Mapping):
             raise ServeError(f"env must be a mapping of str to str, got {type(env).__name__}")
-        _check_argv(list(env) + list(env.values()), "env")
+        check_argv(list(env) + list(env.values()), "env")
         if any(not k or "=" in k for k in env):
             raise ServeError(f"env: {sorted(k for k in env if not k or '=' in k)[0]!r} is not a variable name")
     if isinstance(grace, bool) or not isinstance(grace, (int, float)) or not (math.isfinite(grace) and grace > 0):

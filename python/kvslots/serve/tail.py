@@ -78,7 +78,7 @@ def _is_number(token: str) -> bool:
     return True
 
 
-def _check_argv(argv: Any, what: str) -> None:
+def check_argv(argv: Any, what: str) -> None:
     """A list (or tuple) of str, each one a command-line argument can be (no NUL): a ServeError
     otherwise (a str was scanned character by character, an int was an AttributeError, a NUL
     Popen's ValueError)."""
@@ -92,7 +92,7 @@ def _check_argv(argv: Any, what: str) -> None:
 def scan_vllm_args(tail: Sequence[str]) -> list[TailOption]:
     """The vLLM arguments in ``tail`` (without vLLM: names are normalised the way vLLM's
     FlexibleArgumentParser does; values are read only for the arguments kvslots serve manages)."""
-    _check_argv(tail, "vLLM's arguments")
+    check_argv(tail, "vLLM's arguments")
     out: list[TailOption] = []
     i = 0
     while i < len(tail):
