@@ -141,3 +141,18 @@ def test_supervise_and_build_plan_good_and_bad_calls():
         build_plan(None)
     with pytest.raises(ServeError):
         build_plan({"model": "org/target"})
+
+
+@pytest.mark.parametrize("argv", [["--disk-path", "/etc/passwd"], ["--disk-path", "/dev/null"],
+                                  ["--connector-config", '{"disk_path": "/etc/hostname"}'],
+                                  ["--", "--kv-transfer-config", '{"kv_connector_extra_config": {"disk_path": "/dev/null"}}']])
+def test_disk_path_that_is_not_a_directory_is_one_line_exit_2(capsys, argv):
+    # The connector refused it only once vLLM had started.
+    code, out, err = _serve(capsys, *argv)
+    assert code == 2 and out == "" and err.count("\n") == 1 and "not a directory" in err, err
+
+
+def test_disk_path_directory_or_not_yet_made_passes(capsys, tmp_path):
+    for path in (str(tmp_path), str(tmp_path / "new")):
+        code, out, err = _serve(capsys, "--disk-path", path)
+        assert code == 0, err

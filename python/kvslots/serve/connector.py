@@ -5,6 +5,7 @@ after ``--``, checked by the connector's own :class:`~kvslots.config.ConnectorCo
 from __future__ import annotations
 
 import argparse
+import os
 from typing import Any
 
 from ..config.connector import GIB, ConnectorConfig, ConnectorConfigError
@@ -95,6 +96,10 @@ def connector_config(args: argparse.Namespace, hints: dict[str, Any], tail_cfg: 
         ConnectorConfig.from_extra_config(extra)
     except ConnectorConfigError as e:
         raise ServeError(str(e)) from None
+    disk = extra.get("disk_path")
+    if disk is not None and os.path.exists(disk) and not os.path.isdir(disk):
+        # The disk tier's file goes in it: the connector refused it only once vLLM started.
+        raise ServeError(f"kv_connector_extra_config.disk_path={disk!r} (--disk-path): not a directory")
     cfg["kv_connector_extra_config"] = extra
     if kv_role == "kv_consumer":
         # A pull that fails (prefill worker gone, layouts differ) is recomputed here.
