@@ -425,7 +425,7 @@ impl ConnectorPlanner {
         } else {
             h.computed_hi = usize::MAX;
         }
-        let candidate = !first && h.first_step != step && num_computed >= h.store_at;
+        let candidate = Self::is_candidate(h, step, num_computed, first, h.store_at);
         // Its computed count grows by at most the step's largest scheduled count per step: no
         // need to read it again before the sum of those reaches the next block's end.
         h.read_at = self
@@ -449,6 +449,21 @@ impl ConnectorPlanner {
             self.stats.checked += 1;
         }
         candidate
+    }
+
+    #[inline]
+    fn is_candidate(h: &Hot, step: u64, num_computed: usize, first: bool, store_at: usize) -> bool {
+        !first && h.first_step != step && num_computed >= store_at
+    }
+
+    /// What [`Self::mirror`] will return for the request in the next step (not begun yet), so
+    /// that a caller can read everything a step needs before changing anything; `preempted`:
+    /// [`Self::after_preemption`] comes first in that step.
+    #[inline]
+    pub fn candidate_next(&self, slot: ReqSlot, num_computed: usize, first: bool, preempted: bool) -> bool {
+        let h = &self.hot[slot as usize];
+        let store_at = if preempted { self.cfg.block_size } else { h.store_at };
+        Self::is_candidate(h, self.step + 1, num_computed, first, store_at)
     }
 
     /// Whether a scheduled request can be mirrored without its computed count: it is decoding

@@ -15,7 +15,7 @@ use crate::convert::{
     self as conv, arg, count, events_to_py, flag, int, log_to_msgpack, opt_int, type_name, IntArg,
     MetaArgs,
 };
-use crate::errors::{borrow, borrow_mut, invalid, slot_error};
+use crate::errors::{borrow, borrow_mut, invalid, reading_error, slot_error};
 
 type PyPlan<'py> = (
     u64,
@@ -42,7 +42,14 @@ pub(crate) struct ConnectorPlanner {
     /// found at the same index, checked against `id_objs`, without a hash lookup.
     pos_ptrs: Vec<usize>,
     pos_slots: Vec<core::ReqSlot>,
-    due: Vec<core::ReqSlot>,
+    /// `build`'s inputs, read (and checked) before it changes anything; reused step to step.
+    stage: Stage,
+    /// Per slot: the last `build` call (`builds`) that listed it as new or cached, and as
+    /// preempted (a request listed twice is refused before anything changes).
+    seen: Vec<u64>,
+    pre_seen: Vec<u64>,
+    builds: u64,
+    /// Staged block hashes (`StoreIn::hashes`), read before they are handed to the planner.
     hashes: Vec<u64>,
     tokens: Vec<u32>,
     blocks: Vec<u32>,
@@ -53,6 +60,50 @@ pub(crate) struct ConnectorPlanner {
     ends: Vec<usize>,
     /// Whether anyone reads the host-tier events (their token ids are read only then).
     events_wanted: bool,
+}
+
+/// A store read from Python, not applied yet: blocks `next_block..full` of `slot`, the block
+/// hashes from position `hash_from` on in `hashes` (of the planner's staging buffer) and the
+/// tokens in `tokens` (of its token buffer).
+#[derive(Debug, Clone)]
+struct StoreIn {
+    slot: core::ReqSlot,
+    full: usize,
+    hash_from: usize,
+    hashes: std::ops::Range<usize>,
+    tokens: std::ops::Range<usize>,
+}
+
+/// A request listed by the scheduler output, read: its new blocks (a range of the block
+/// buffer), computed count (None: skippable, appended without one) and scheduled count.
+#[derive(Debug, Clone)]
+struct MirrorIn {
+    slot: core::ReqSlot,
+    blocks: std::ops::Range<usize>,
+    resumed: bool,
+    computed: Option<usize>,
+    scheduled: Option<usize>,
+}
+
+/// Everything one `build` reads from vLLM's objects, in the order it is applied.
+#[derive(Debug, Default)]
+struct Stage {
+    preempted: Vec<(core::ReqSlot, Option<StoreIn>)>,
+    new: Vec<MirrorIn>,
+    cached: Vec<MirrorIn>,
+    /// Store candidates: slot, preempted this step, device blocks once mirrored.
+    due: Vec<(core::ReqSlot, bool, usize)>,
+    stores: Vec<StoreIn>,
+}
+
+impl Stage {
+    fn clear(&mut self) {
+        self.preempted.clear();
+        self.new.clear();
+        self.cached.clear();
+        self.due.clear();
+        self.stores.clear();
+    }
 }
 
 /// Hashes an object address (a multiply: addresses differ in their middle bits).
@@ -291,7 +342,7 @@ impl ConnectorPlanner {
         }
     }
 
-    /// Makes the planner hold the request's external hashes up to `n` blocks.
+    /// Makes the planner hold the request's external hashes up to `n` blocks (all read first).
     fn ensure_hashes(
         &mut self,
         slot: core::ReqSlot,
@@ -303,27 +354,40 @@ impl ConnectorPlanner {
             return Ok(());
         }
         self.hashes.clear();
-        if let Ok(list) = block_hashes.cast::<PyList>() {
-            for j in known..n {
-                self.hashes.push(external_hash(&list.get_item(j)?)?);
-            }
-        } else {
-            for j in known..n {
-                self.hashes.push(external_hash(&block_hashes.get_item(j)?)?);
-            }
-        }
-        self.inner.extend_hashes(slot, &self.hashes);
+        let r = self.stage_hashes(block_hashes, known, n)?;
+        self.inner.extend_hashes(slot, &self.hashes[r]);
         Ok(())
     }
 
-    /// Tokens `lo*bs .. min(hi*bs + 1, num_tokens)` of a request into `self.tokens`.
+    /// Reads the request's external hashes `from..n` into the staging buffer (appended).
+    fn stage_hashes(
+        &mut self,
+        block_hashes: &Bound<'_, PyAny>,
+        from: usize,
+        n: usize,
+    ) -> PyResult<std::ops::Range<usize>> {
+        let start = self.hashes.len();
+        if let Ok(list) = block_hashes.cast::<PyList>() {
+            for j in from..n {
+                self.hashes.push(external_hash(&list.get_item(j)?)?);
+            }
+        } else {
+            for j in from..n {
+                self.hashes.push(external_hash(&block_hashes.get_item(j)?)?);
+            }
+        }
+        Ok(start..self.hashes.len())
+    }
+
+    /// Tokens `lo*bs .. min(hi*bs + 1, num_tokens)` of a request, appended to `self.tokens`;
+    /// returns their range there.
     fn read_tokens(
         &mut self,
         seq: &Bound<'_, PyAny>,
         lo: usize,
         hi: usize,
         num_tokens: usize,
-    ) -> PyResult<()> {
+    ) -> PyResult<std::ops::Range<usize>> {
         let bs = self.inner.config().block_size;
         // Checked whether or not the tokens are read: a request claiming more computed tokens
         // than it has would otherwise store blocks of no tokens (and size `tokens` by its claim).
@@ -334,11 +398,11 @@ impl ConnectorPlanner {
             ));
         }
         let end = (hi * bs + 1).min(num_tokens);
-        self.tokens.clear();
+        let start = self.tokens.len();
         if !self.events_wanted {
             // Nobody reads the BlockStored events: their token ids are not read either (only
             // the successor, below). The events are dropped when taken.
-            self.tokens.resize((hi - lo) * bs, 0);
+            self.tokens.resize(start + (hi - lo) * bs, 0);
         } else if let Ok(list) = seq.cast::<PyList>() {
             if hi * bs > list.len() {
                 return Err(invalid(
@@ -377,7 +441,7 @@ impl ConnectorPlanner {
                 }
             }
             if !all_ints {
-                self.tokens.clear();
+                self.tokens.truncate(start);
                 self.items.clear();
                 for j in lo * bs..hi * bs {
                     self.tokens.push(token_at(seq, j)?);
@@ -394,37 +458,79 @@ impl ConnectorPlanner {
                 self.tokens.push(t);
             }
         }
-        Ok(())
+        Ok(start..self.tokens.len())
+    }
+
+    /// Reads what is storable of a request now (blocks full of `verified` tokens), changing
+    /// nothing: its hashes and tokens are appended to the staging buffers. `lo`: the request's
+    /// next block to store; `blocks`: its device blocks (once this step's are mirrored).
+    #[allow(clippy::too_many_arguments)]
+    fn read_store(
+        &mut self,
+        slot: core::ReqSlot,
+        req: &Bound<'_, PyAny>,
+        verified: usize,
+        block_hashes: &Bound<'_, PyAny>,
+        lo: usize,
+        blocks: usize,
+    ) -> PyResult<Option<StoreIn>> {
+        let bs = self.inner.config().block_size;
+        let n_hashes = block_hashes.len()?;
+        let full = (verified / bs).min(n_hashes).min(blocks);
+        if full <= lo {
+            return Ok(None);
+        }
+        let hash_from = self.inner.known_hashes(slot).min(full);
+        let hashes = self.stage_hashes(block_hashes, hash_from, full)?;
+        let seq = tokens_of(req)?;
+        let num_tokens = seq.len()?;
+        let tokens = self.read_tokens(&seq, lo, full, num_tokens)?;
+        Ok(Some(StoreIn {
+            slot,
+            full,
+            hash_from,
+            hashes,
+            tokens,
+        }))
+    }
+
+    /// Applies a store read by [`Self::read_store`]: the hashes the planner lacks, then the
+    /// store itself. Returns the blocks taken.
+    fn apply_store(
+        &mut self,
+        s: &StoreIn,
+        device: Option<&[u32]>,
+        deferred: bool,
+    ) -> Result<usize, core::SlotError> {
+        let known = self.inner.known_hashes(s.slot);
+        let have = known.saturating_sub(s.hash_from);
+        if have < s.hashes.len() {
+            self.inner
+                .extend_hashes(s.slot, &self.hashes[s.hashes.start + have..s.hashes.end]);
+        }
+        self.inner
+            .store(s.slot, s.full, &self.tokens[s.tokens.clone()], device, deferred)
     }
 
     /// Stores what is storable of a request now: blocks full of `verified` tokens. `device`:
-    /// the blocks to copy from (default: the mirrored table); `deferred`: at the next step.
-    #[allow(clippy::too_many_arguments)]
+    /// the blocks to copy from; `deferred`: at the next step. Everything is read before the
+    /// planner changes.
     fn store_request(
         &mut self,
         slot: core::ReqSlot,
         req: &Bound<'_, PyAny>,
         verified: usize,
         block_hashes: &Bound<'_, PyAny>,
-        device: Option<&[u32]>,
+        device: &[u32],
         deferred: bool,
     ) -> PyResult<usize> {
-        let bs = self.inner.config().block_size;
-        let n_hashes = block_hashes.len()?;
+        self.hashes.clear();
+        self.tokens.clear();
         let lo = self.inner.next_block(slot);
-        let blocks = device.map_or(self.inner.device_blocks(slot).len(), <[u32]>::len);
-        let full = (verified / bs).min(n_hashes).min(blocks);
-        if full <= lo {
+        let Some(s) = self.read_store(slot, req, verified, block_hashes, lo, device.len())? else {
             return Ok(0);
-        }
-        self.ensure_hashes(slot, block_hashes, full)?;
-        let seq = tokens_of(req)?;
-        let num_tokens = seq.len()?;
-        self.read_tokens(&seq, lo, full, num_tokens)?;
-        let tokens = std::mem::take(&mut self.tokens);
-        let r = self.inner.store(slot, full, &tokens, device, deferred);
-        self.tokens = tokens;
-        r.map_err(slot_error)
+        };
+        self.apply_store(&s, Some(device), deferred).map_err(slot_error)
     }
 
     fn obj(&self, py: Python<'_>, slot: core::ReqSlot) -> Option<Py<PyAny>> {
@@ -433,12 +539,119 @@ impl ConnectorPlanner {
             .and_then(|o| o.as_ref().map(|o| o.clone_ref(py)))
     }
 
-    /// `build`: the planner is borrowed by the caller.
+    /// Marks `slot` as listed by build call `next` in `marks`; false if it already was.
+    #[inline]
+    fn mark(marks: &mut Vec<u64>, slot: core::ReqSlot, next: u64) -> bool {
+        let i = slot as usize;
+        if marks.len() <= i {
+            marks.resize(i + 1, 0);
+        }
+        std::mem::replace(&mut marks[i], next) != next
+    }
+
+    #[cold]
+    fn listed_twice(&self, slot: core::ReqSlot) -> PyErr {
+        let rid = self.inner.request_id(slot);
+        invalid(
+            Some(rid),
+            format!("the scheduler output lists request {rid:?} twice"),
+        )
+    }
+
+    /// `build`: the planner is borrowed by the caller. Reads (and checks) everything the step
+    /// needs from vLLM's objects first, into `self.stage`, then applies it: an error, whatever
+    /// Python code the objects run while they are read, leaves the planner as it was.
     fn build_step<'py>(
         &mut self,
         py: Python<'py>,
         scheduler_output: &Bound<'py, PyAny>,
     ) -> PyResult<PyPlan<'py>> {
+        let mut stage = std::mem::take(&mut self.stage);
+        stage.clear();
+        self.hashes.clear();
+        self.tokens.clear();
+        self.blocks.clear();
+        let read = self.read_step(py, scheduler_output, &mut stage);
+        let res = match read {
+            Ok(max_sched) => Ok(self.apply_step(&stage, max_sched)),
+            Err(e) => Err(reading_error(py, e, "the scheduler output")),
+        };
+        self.stage = stage;
+        let step = res?;
+        if let Some(e) = step {
+            return Err(e);
+        }
+        let loads = self
+            .plan
+            .loads
+            .iter()
+            .map(|(slot, dev, host)| {
+                (
+                    PyString::new(py, self.inner.request_id(*slot)),
+                    dev.clone(),
+                    host.clone(),
+                )
+            })
+            .collect();
+        // Plain lists: vLLM pickles the metadata to its workers every step.
+        Ok((
+            self.plan.step,
+            self.plan.store_device.clone(),
+            self.plan.store_host.clone(),
+            loads,
+        ))
+    }
+
+    /// The step's changes, from inputs read and checked by [`Self::read_step`]. Only a store
+    /// the host tier itself refuses can fail here (returned, after the step is ended).
+    fn apply_step(&mut self, stage: &Stage, max_sched: usize) -> Option<PyErr> {
+        let mut failed: Option<PyErr> = None;
+        let step = self.inner.begin_step();
+        for (slot, store) in &stage.preempted {
+            let n = match store {
+                Some(s) => self.apply_store(s, None, false).unwrap_or_else(|e| {
+                    failed.get_or_insert(slot_error(e));
+                    0
+                }),
+                None => 0,
+            };
+            self.inner.after_preemption(*slot, n);
+        }
+        for m in &stage.new {
+            let dev = &self.blocks[m.blocks.clone()];
+            self.inner
+                .mirror(m.slot, dev, true, m.computed.unwrap_or(0), m.scheduled, true);
+        }
+        for m in &stage.cached {
+            let blocks = &self.blocks[m.blocks.clone()];
+            match m.computed {
+                None => self.inner.append_blocks(m.slot, blocks),
+                Some(nc) => {
+                    self.inner
+                        .mirror(m.slot, blocks, m.resumed, nc, m.scheduled, m.resumed);
+                }
+            }
+        }
+        self.inner.note_max_scheduled(max_sched);
+        for s in &stage.stores {
+            if let Err(e) = self.apply_store(s, None, false) {
+                failed.get_or_insert(slot_error(e));
+            }
+        }
+        self.inner.end_step(&mut self.plan);
+        debug_assert_eq!(self.plan.step, step);
+        failed
+    }
+
+    /// Reads everything a step needs from vLLM's `SchedulerOutput` (and the requests it
+    /// names) into `stage` and the staging buffers, changing nothing the planner shows.
+    /// Returns the step's largest scheduled count.
+    fn read_step<'py>(
+        &mut self,
+        py: Python<'py>,
+        scheduler_output: &Bound<'py, PyAny>,
+        stage: &mut Stage,
+    ) -> PyResult<usize> {
         let scheduled = scheduler_output.getattr(intern!(py, "num_scheduled_tokens"))?;
         let scheduled = scheduled.cast::<PyDict>()?;
         let n_computed = intern!(py, "num_computed_tokens");
@@ -457,9 +670,6 @@ impl ConnectorPlanner {
         let computed = computed.cast::<PyList>()?;
         let resumed = cached.getattr(intern!(py, "resumed_req_ids"))?;
         let resumed = resumed.cast::<PySet>().ok();
-        // The output's shape is checked before the step begins: a malformed one changes
-        // nothing (begun, the step would drop finished requests' deferred stores, and a retry
-        // would append the blocks mirrored before the error a second time).
         if new_block_ids.len() != req_ids.len() || computed.len() != req_ids.len() {
             return Err(invalid(
                 None,
@@ -472,7 +682,9 @@ impl ConnectorPlanner {
                 ),
             ));
         }
-        let step = self.inner.begin_step();
+        // This call, marking the requests it lists (the step is begun only once all are read).
+        self.builds += 1;
+        let next = self.builds;
 
         // Preempted requests: vLLM freed their blocks in this schedule(); store their full
         // verified blocks before this step's forward can reuse them.
@@ -485,6 +697,9 @@ impl ConnectorPlanner {
                 let Some(obj) = self.obj(py, slot) else {
                     continue;
                 };
+                if !Self::mark(&mut self.pre_seen, slot, next) {
+                    continue; // listed twice: the second changes nothing
+                }
                 let req = obj.bind(py);
                 let num_tokens = usize_attr(req, n_tokens)?;
                 // The KV of at most computed_hi positions was written; vLLM verified all but
@@ -494,8 +709,10 @@ impl ConnectorPlanner {
                     .preempted_computed(slot)
                     .min(num_tokens.saturating_sub(1));
                 let hashes = req.getattr(hashes_attr)?;
-                let n = self.store_request(slot, req, verified, &hashes, None, false)?;
-                self.inner.after_preemption(slot, n);
+                let lo = self.inner.next_block(slot);
+                let blocks = self.inner.device_blocks(slot).len();
+                let store = self.read_store(slot, req, verified, &hashes, lo, blocks)?;
+                stage.preempted.push((slot, store));
             }
         }
 
@@ -505,6 +722,9 @@ impl ConnectorPlanner {
             let Some(slot) = self.slot_of_id(&rid_obj)? else {
                 continue;
             };
+            if !Self::mark(&mut self.seen, slot, next) {
+                return Err(self.listed_twice(slot));
+            }
             let groups = nr.getattr(intern!(py, "block_ids"))?;
             let ids = groups.get_item(0)?;
             let dev = IntArg::<u32>::extract(&ids, "block_ids", None)?;
@@ -512,13 +732,18 @@ impl ConnectorPlanner {
             let sched = scheduled
                 .get_item(&rid_obj)?
                 .map_or(Ok(0), |v| v.extract::<usize>())?;
-            self.inner
-                .mirror(slot, dev.as_slice(), true, nc, Some(sched), true);
+            let start = self.blocks.len();
+            self.blocks.extend_from_slice(dev.as_slice());
+            stage.new.push(MirrorIn {
+                slot,
+                blocks: start..self.blocks.len(),
+                resumed: true,
+                computed: Some(nc),
+                scheduled: Some(sched),
+            });
         }
 
         // Running and resumed requests: the blocks vLLM added this step.
-        let mut due = std::mem::take(&mut self.due);
-        due.clear();
         let any_resumed = resumed.as_ref().is_some_and(|s| !s.is_empty());
         // Items are read borrowed and by address: a decoding request that cannot have filled a
         // block touches neither its id string nor its computed count (memory the scheduler's
@@ -553,6 +778,9 @@ impl ConnectorPlanner {
                     s
                 }
             };
+            if !Self::mark(&mut self.seen, slot, next) {
+                return Err(self.listed_twice(slot));
+            }
             let is_resumed = any_resumed && {
                 // SAFETY: `rid_ptr` is now an id object the planner holds.
                 let rid_obj = unsafe { Bound::from_borrowed_ptr(py, rid_ptr) };
@@ -561,7 +789,7 @@ impl ConnectorPlanner {
             // Read after the set lookup above, which may run Python code (a str subclass's
             // `__eq__`) that changes the list.
             let nb_ptr = borrowed_item(new_block_ids, i)?;
-            self.blocks.clear();
+            let start = self.blocks.len();
             if nb_ptr != unsafe { pyo3::ffi::Py_None() } {
                 // SAFETY: as above.
                 let nb = unsafe { Bound::from_borrowed_ptr(py, nb_ptr) };
@@ -578,8 +806,17 @@ impl ConnectorPlanner {
                     self.blocks.extend_from_slice(d.as_slice());
                 }
             }
-            if !is_resumed && self.inner.skippable(slot) {
-                self.inner.append_blocks(slot, &self.blocks);
+            let blocks = start..self.blocks.len();
+            // Preempted in this step too: its state then is after_preemption's.
+            let preempted_now = self.pre_seen.get(slot as usize) == Some(&next);
+            if !is_resumed && !preempted_now && self.inner.skippable(slot) {
+                stage.cached.push(MirrorIn {
+                    slot,
+                    blocks,
+                    resumed: false,
+                    computed: None,
+                    scheduled: None,
+                });
                 continue;
             }
             let nc = computed.get_item(i)?.extract::<usize>()?;
@@ -595,64 +832,44 @@ impl ConnectorPlanner {
             } else {
                 None
             };
-            let blocks = std::mem::take(&mut self.blocks);
-            if self
-                .inner
-                .mirror(slot, &blocks, is_resumed, nc, sched, is_resumed)
-            {
-                due.push(slot);
+            if self.inner.candidate_next(slot, nc, is_resumed, preempted_now) {
+                let kept = if is_resumed || preempted_now {
+                    0
+                } else {
+                    self.inner.device_blocks(slot).len()
+                };
+                stage.due.push((slot, preempted_now, kept + blocks.len()));
             }
-            self.blocks = blocks;
+            stage.cached.push(MirrorIn {
+                slot,
+                blocks,
+                resumed: is_resumed,
+                computed: Some(nc),
+                scheduled: sched,
+            });
         }
-        self.inner.note_max_scheduled(max_scheduled(scheduled)?);
+        let max_sched = max_scheduled(scheduled)?;
 
         // The candidates (a block may have filled): only they are read further.
-        let mut failed: Option<PyErr> = None;
-        for &slot in &due {
+        for k in 0..stage.due.len() {
+            let (slot, preempted_now, blocks) = stage.due[k];
             let Some(obj) = self.obj(py, slot) else {
                 continue;
             };
             let req = obj.bind(py);
-            let res = (|| -> PyResult<()> {
-                let nc = usize_attr(req, n_computed)?;
-                let verified = nc.saturating_sub(usize_attr(req, n_inflight).unwrap_or(0));
-                let hashes = req.getattr(hashes_attr)?;
-                // Nothing storable unless vLLM hashed the block (no token read then).
-                if hashes.len()? <= self.inner.next_block(slot) {
-                    return Ok(());
-                }
-                self.store_request(slot, req, verified, &hashes, None, false)?;
-                Ok(())
-            })();
-            if let Err(e) = res {
-                failed.get_or_insert(e);
+            let nc = usize_attr(req, n_computed)?;
+            let verified = nc.saturating_sub(usize_attr(req, n_inflight).unwrap_or(0));
+            let hashes = req.getattr(hashes_attr)?;
+            let lo = if preempted_now { 0 } else { self.inner.next_block(slot) };
+            // Nothing storable unless vLLM hashed the block (no token read then).
+            if hashes.len()? <= lo {
+                continue;
+            }
+            if let Some(s) = self.read_store(slot, req, verified, &hashes, lo, blocks)? {
+                stage.stores.push(s);
             }
         }
-        self.due = due;
-        self.inner.end_step(&mut self.plan);
-        if let Some(e) = failed {
-            return Err(e);
-        }
-        debug_assert_eq!(self.plan.step, step);
-        let loads = self
-            .plan
-            .loads
-            .iter()
-            .map(|(slot, dev, host)| {
-                (
-                    PyString::new(py, self.inner.request_id(*slot)),
-                    dev.clone(),
-                    host.clone(),
-                )
-            })
-            .collect();
-        // Plain lists: vLLM pickles the metadata to its workers every step.
-        Ok((
-            step,
-            self.plan.store_device.clone(),
-            self.plan.store_host.clone(),
-            loads,
-        ))
+        Ok(max_sched)
     }
 
     /// `finish`: the planner is borrowed by the caller.
@@ -672,7 +889,7 @@ impl ConnectorPlanner {
                 usize_attr(request, intern!(py, "num_in_flight_tokens")).unwrap_or(0),
             );
             let hashes = request.getattr(intern!(py, "block_hashes"))?;
-            self.store_request(slot, request, verified, &hashes, Some(block_ids), true)?;
+            self.store_request(slot, request, verified, &hashes, block_ids, true)?;
             Ok(())
         })();
         self.inner.finish(slot);
@@ -709,7 +926,10 @@ impl ConnectorPlanner {
             plan: core::StepPlan::default(),
             pos_ptrs: Vec::new(),
             pos_slots: Vec::new(),
-            due: Vec::new(),
+            stage: Stage::default(),
+            seen: Vec::new(),
+            pre_seen: Vec::new(),
+            builds: 0,
             hashes: Vec::new(),
             tokens: Vec::new(),
             blocks: Vec::new(),

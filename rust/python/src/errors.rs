@@ -133,3 +133,21 @@ pub(crate) fn index_error(e: IndexError) -> PyErr {
 pub(crate) fn index_invalid(msg: String) -> PyErr {
     index_error(IndexError::Invalid(msg))
 }
+
+/// `e` as a kvslots error: an exception raised while reading an argument (a builtin one, or one
+/// an argument's own Python code raised) becomes an `ArgumentTypeError` (from a `TypeError`)
+/// or an `InvalidArgumentError` naming `what`, with `e` as its cause. kvslots errors and
+/// non-`Exception`s (KeyboardInterrupt, SystemExit) pass through.
+pub(crate) fn reading_error(py: Python<'_>, e: PyErr, what: &str) -> PyErr {
+    if e.is_instance_of::<KVSlotsError>(py) || !e.is_instance_of::<pyo3::exceptions::PyException>(py) {
+        return e;
+    }
+    let msg = format!("cannot read {what}: {e}");
+    let new = if e.is_instance_of::<pyo3::exceptions::PyTypeError>(py) {
+        type_error(None, msg)
+    } else {
+        invalid(None, msg)
+    };
+    new.set_cause(py, Some(e));
+    new
+}
