@@ -810,6 +810,9 @@ impl ConnectorPlanner {
             // Preempted in this step too: its state then is after_preemption's.
             let preempted_now = self.pre_seen.get(slot as usize) == Some(&next);
             if !is_resumed && !preempted_now && self.inner.skippable(slot) {
+                if blocks.is_empty() {
+                    continue; // nothing to append (most decoding requests, most steps)
+                }
                 stage.cached.push(MirrorIn {
                     slot,
                     blocks,
