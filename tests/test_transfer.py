@@ -433,6 +433,49 @@ def test_block_region_refuses_memory_that_moved():
         _core.copy_blocks(s, r, [0], [7])
 
 
+def test_block_region_rereads_its_memory_and_storage_every_copy():
+    """Each copy re-reads the region's memory (and a tensor's storage, held while it copies) in
+    one pass: whatever changed since registration is refused with a kvslots error, the data
+    left as it was."""
+    src = np.arange(64, dtype=np.uint8)
+
+    def fresh():
+        t = torch.zeros(64, dtype=torch.uint8)
+        return t, _core.BlockRegion(t, block_bytes=8, num_blocks=8)
+
+    s = _core.BlockRegion(src, block_bytes=8, num_blocks=8)
+    # The storage's bytes reallocated (same size: the tensor's own size did not change).
+    t, r = fresh()
+    t.untyped_storage().resize_(64)
+    with pytest.raises(InvalidArgumentError, match="moved or shrank"):
+        _core.copy_blocks(s, r, [0], [7])
+    # The tensor now a smaller view of its (unchanged) storage.
+    t, r = fresh()
+    t.set_(t.untyped_storage(), 0, (8,))
+    with pytest.raises(InvalidArgumentError, match="moved or shrank"):
+        _core.copy_blocks(s, r, [0], [7])
+    # The tensor's class changed to a subclass: refused, not read through the subclass.
+    t, r = fresh()
+    t.__class__ = type("Sub", (torch.Tensor,), {})
+    with pytest.raises(ArgumentTypeError):
+        _core.copy_blocks(s, r, [0], [7])
+    # A numpy destination made read-only after registration.
+    dst = np.zeros(64, dtype=np.uint8)
+    rd = _core.BlockRegion(dst, block_bytes=8, num_blocks=8)
+    dst.flags.writeable = False
+    with pytest.raises(InvalidArgumentError, match="read-only"):
+        _core.copy_blocks(s, rd, [1], [0])
+    assert not dst.any()
+    dst.flags.writeable = True
+    assert _core.copy_blocks(s, rd, [1], [0]) == 8 and list(dst[:8]) == list(range(8, 16))
+    # Unchanged regions still copy, both ways, torch and numpy.
+    t, r = fresh()
+    assert _core.copy_blocks(s, r, [2], [3]) == 8 and torch.equal(t[24:32], torch.arange(16, 24, dtype=torch.uint8))
+    back = np.zeros(64, dtype=np.uint8)
+    assert _core.copy_blocks(r, _core.BlockRegion(back, block_bytes=8, num_blocks=8), [3], [0]) == 8
+    assert list(back[:8]) == list(range(16, 24))
+
+
 def test_core_copy_blocks_accepts_numpy_ids_of_any_int_dtype():
     src = torch.arange(64, dtype=torch.uint8)
     dst = torch.zeros(64, dtype=torch.uint8)

@@ -10,7 +10,9 @@
 
 use kvslots_core as core;
 use numpy::{PyArrayDescrMethods, PyUntypedArray, PyUntypedArrayMethods};
+use pyo3::intern;
 use pyo3::prelude::*;
+use pyo3::sync::PyOnceLock;
 
 use crate::convert::{arg, block_ids, count, int, show, type_name};
 use crate::errors::{invalid, slot_error, type_error};
@@ -32,6 +34,34 @@ fn bad_memory(obj: &Bound<'_, PyAny>, why: &str) -> PyErr {
     )
 }
 
+/// torch's classes and the `TensorBase` descriptors a region's memory is read through, looked up
+/// once (the first time a torch tensor is registered; numpy-only use never imports torch).
+struct Torch {
+    tensor: Py<PyAny>,
+    parameter: Py<PyAny>,
+    base_cls: Py<PyAny>,
+    data_ptr: Py<PyAny>,
+    nbytes: Py<PyAny>,
+    untyped_storage: Py<PyAny>,
+}
+
+static TORCH: PyOnceLock<Torch> = PyOnceLock::new();
+
+fn torch_api(py: Python<'_>) -> PyResult<&'static Torch> {
+    TORCH.get_or_try_init(py, || {
+        let torch = py.import("torch")?;
+        let base_cls = torch.getattr("_C")?.getattr("TensorBase")?;
+        Ok(Torch {
+            tensor: torch.getattr("Tensor")?.unbind(),
+            parameter: torch.getattr("nn")?.getattr("Parameter")?.unbind(),
+            data_ptr: base_cls.getattr("data_ptr")?.unbind(),
+            nbytes: base_cls.getattr("nbytes")?.unbind(),
+            untyped_storage: base_cls.getattr("untyped_storage")?.unbind(),
+            base_cls: base_cls.unbind(),
+        })
+    })
+}
+
 /// A CPU torch tensor's memory (contiguous), or `None` when `obj` is not a torch tensor. Only
 /// a plain `torch.Tensor` or `torch.nn.Parameter` is accepted, and it is read through the
 /// tensor base class, so neither a subclass (`__torch_function__`) nor an instance attribute
@@ -43,11 +73,10 @@ fn torch_memory(obj: &Bound<'_, PyAny>) -> PyResult<Option<Memory>> {
     if !module.starts_with("torch") {
         return Ok(None);
     }
-    let torch = py.import("torch")?;
-    let tensor = torch.getattr("Tensor")?;
-    let parameter = torch.getattr("nn")?.getattr("Parameter")?;
-    if !ty.is(&tensor) && !ty.is(&parameter) {
-        if obj.is_instance(&tensor)? {
+    let t = torch_api(py)?;
+    let tensor = t.tensor.bind(py);
+    if !ty.is(tensor) && !ty.is(t.parameter.bind(py)) {
+        if obj.is_instance(tensor)? {
             return Err(bad_memory(
                 obj,
                 "a torch.Tensor subclass; register a plain tensor (t.as_subclass(torch.Tensor))",
@@ -55,7 +84,7 @@ fn torch_memory(obj: &Bound<'_, PyAny>) -> PyResult<Option<Memory>> {
         }
         return Ok(None);
     }
-    let base_cls = torch.getattr("_C")?.getattr("TensorBase")?;
+    let base_cls = t.base_cls.bind(py);
     let method =
         |name: &str| -> PyResult<Bound<'_, PyAny>> { base_cls.getattr(name)?.call1((obj,)) };
     let prop = |name: &str| -> PyResult<Bound<'_, PyAny>> {
@@ -89,51 +118,67 @@ fn torch_memory(obj: &Bound<'_, PyAny>) -> PyResult<Option<Memory>> {
     }))
 }
 
-/// The storage of a torch tensor whose memory is `mem` (`None` for a numpy array), held across
-/// a copy with the GIL released: another thread may give the tensor another storage (`set_`)
-/// meanwhile, which would free the bytes being copied; the held storage keeps them alive, as
-/// torch's own ops do. Checked to hold `mem` (a storage swapped before it was taken is refused).
-/// A numpy array's memory is kept by the region's reference (only `resize(refcheck=False)`,
-/// numpy's own unchecked path, could release it).
-fn pin_storage<'py>(
+/// The storage of a CPU torch tensor whose registered memory is `base..base + nbytes`, to be
+/// held across a copy with the GIL released: another thread may give the tensor another storage
+/// (`set_`) meanwhile, which would free the bytes being copied; the held storage keeps them
+/// alive, as torch's own ops do. Checked to be a CPU storage holding those bytes (a storage
+/// swapped before it was taken is refused).
+///
+/// Not covered (documented in docs/design.md): torch reallocates a storage's bytes in place on
+/// `Tensor.resize_` to more bytes than it holds, `UntypedStorage.resize_` and `share_memory_`,
+/// freeing the old bytes whoever else holds the storage (unlike numpy's `resize`, with no
+/// reference check), and exposes no way to pin them or to make a storage non-resizable.
+fn held_storage<'py>(
     obj: &Bound<'py, PyAny>,
-    mem: &Memory,
+    t: &Torch,
+    base: usize,
+    nbytes: usize,
     which: &str,
-) -> PyResult<Option<Bound<'py, PyAny>>> {
+) -> PyResult<Bound<'py, PyAny>> {
     let py = obj.py();
-    let module: String = obj
-        .get_type()
-        .module()
-        .map(|m| m.to_string())
-        .unwrap_or_default();
-    if !module.starts_with("torch") {
-        return Ok(None);
-    }
-    let base_cls = py.import("torch")?.getattr("_C")?.getattr("TensorBase")?;
-    let storage = base_cls.getattr("untyped_storage")?.call1((obj,))?;
+    let storage = t.untyped_storage.bind(py).call1((obj,))?;
+    let device = storage.getattr(intern!(py, "device"))?;
+    let on_cpu = device.getattr(intern!(py, "type"))?.str()?.to_str()? == "cpu";
     let start = int::<usize>(
-        &storage.call_method0("data_ptr")?,
+        &storage.call_method0(intern!(py, "data_ptr"))?,
         "storage.data_ptr()",
         None,
     )?;
-    let len = int::<usize>(&storage.call_method0("nbytes")?, "storage.nbytes()", None)?;
-    let inside = mem.nbytes == 0
-        || (start <= mem.base
-            && mem
-                .base
-                .checked_add(mem.nbytes)
+    let len = int::<usize>(
+        &storage.call_method0(intern!(py, "nbytes"))?,
+        "storage.nbytes()",
+        None,
+    )?;
+    let inside = nbytes == 0
+        || (start <= base
+            && base
+                .checked_add(nbytes)
                 .is_some_and(|end| end <= start.saturating_add(len)));
-    if !inside {
+    if !on_cpu || !inside {
         return Err(invalid(
             None,
             format!("the {which} region's memory moved while the copy started; register it again"),
         ));
     }
-    Ok(Some(storage))
+    Ok(storage)
 }
 
 /// A C-contiguous numpy array's memory, read from the array struct itself.
 fn array_memory(obj: &Bound<'_, PyAny>) -> PyResult<Memory> {
+    let (base, nbytes, writable) = array_raw(obj)?;
+    let arr = obj.cast::<PyUntypedArray>()?;
+    Ok(Memory {
+        base,
+        nbytes,
+        writable,
+        dtype: arr.dtype().str().map(|s| s.to_string()).unwrap_or_default(),
+        device: "cpu".into(),
+    })
+}
+
+/// A C-contiguous numpy array's address, size in bytes and writability, read from the array
+/// struct itself (what a copy needs of it, nothing that costs a Python call).
+fn array_raw(obj: &Bound<'_, PyAny>) -> PyResult<(usize, usize, bool)> {
     let arr = obj.cast::<PyUntypedArray>().map_err(|_| {
         type_error(
             None,
@@ -164,13 +209,7 @@ fn array_memory(obj: &Bound<'_, PyAny>) -> PyResult<Memory> {
     if base == 0 && nbytes > 0 {
         return Err(bad_memory(obj, "its address is null"));
     }
-    Ok(Memory {
-        base,
-        nbytes,
-        writable: flags & numpy::npyffi::NPY_ARRAY_WRITEABLE != 0,
-        dtype: dtype.str().map(|s| s.to_string()).unwrap_or_default(),
-        device: "cpu".into(),
-    })
+    Ok((base, nbytes, flags & numpy::npyffi::NPY_ARRAY_WRITEABLE != 0))
 }
 
 fn memory_of(obj: &Bound<'_, PyAny>) -> PyResult<Memory> {
@@ -305,20 +344,56 @@ impl BlockRegion {
 
 impl BlockRegion {
     /// The region's memory as it is now: it must not have moved, shrunk or become read-only
-    /// since registration (a tensor resized in place, say).
-    fn current(&self, py: Python<'_>, which: &str) -> PyResult<Memory> {
-        let now = memory_of(self.memory.bind(py))?;
-        if now.base != self.mem.base || now.nbytes < self.mem.nbytes {
+    /// since registration (a tensor resized in place, say). For a torch tensor, also its
+    /// storage, to hold while the copy runs (see `held_storage`), read in the same pass.
+    fn current<'py>(&self, py: Python<'py>, which: &str) -> PyResult<Current<'py>> {
+        let obj = self.memory.bind(py);
+        if let Some(t) = TORCH.get(py) {
+            let ty = obj.get_type();
+            if ty.is(t.tensor.bind(py)) || ty.is(t.parameter.bind(py)) {
+                let base = int::<usize>(
+                    &t.data_ptr.bind(py).call1((obj,))?,
+                    "memory.data_ptr()",
+                    None,
+                )?;
+                let nbytes = int::<usize>(
+                    &t.nbytes
+                        .bind(py)
+                        .call_method1(intern!(py, "__get__"), (obj, t.base_cls.bind(py)))?,
+                    "memory.nbytes",
+                    None,
+                )?;
+                self.check_same(which, base, nbytes)?;
+                let pin = held_storage(obj, t, base, self.mem.nbytes, which)?;
+                return Ok(Current {
+                    base,
+                    writable: self.mem.writable,
+                    _pin: Some(pin),
+                });
+            }
+        }
+        // A numpy array (registered as one: its type cannot change to a tensor's).
+        let (base, nbytes, writable) = array_raw(obj)?;
+        self.check_same(which, base, nbytes)?;
+        Ok(Current {
+            base,
+            writable: writable && self.mem.writable,
+            _pin: None,
+        })
+    }
+
+    fn check_same(&self, which: &str, base: usize, nbytes: usize) -> PyResult<()> {
+        if base != self.mem.base || nbytes < self.mem.nbytes {
             return Err(invalid(
                 None,
                 format!(
                     "the {which} region's memory moved or shrank since it was registered \
                      ({:#x}+{} bytes, now {:#x}+{}); register it again",
-                    self.mem.base, self.mem.nbytes, now.base, now.nbytes
+                    self.mem.base, self.mem.nbytes, base, nbytes
                 ),
             ));
         }
-        Ok(now)
+        Ok(())
     }
 
     fn layout(&self) -> core::BlockLayout {
@@ -327,6 +402,14 @@ impl BlockRegion {
             stride: self.stride,
         }
     }
+}
+
+/// A region's memory read at the start of a copy: its address, whether it may be written, and
+/// (a torch tensor's) storage, held until the copy has finished.
+struct Current<'py> {
+    base: usize,
+    writable: bool,
+    _pin: Option<Bound<'py, PyAny>>,
 }
 
 fn region<'a, 'py>(
@@ -364,8 +447,11 @@ fn ids_in(obj: &Bound<'_, PyAny>, what: &str, r: &BlockRegion, which: &str) -> P
 
 /// Copies block `src_blocks[i]` of region `src` into block `dst_blocks[i]` of region `dst` for
 /// every i; returns the bytes copied. Everything is validated before the first byte moves; the
-/// GIL is released during the copy (the regions keep their memory objects alive; resizing or
-/// freeing a tensor's storage while a copy runs is the caller's to avoid, as with any torch op).
+/// GIL is released during the copy (the regions keep their memory objects alive, and a torch
+/// tensor's storage is held, so a tensor given another storage meanwhile frees nothing being
+/// copied; torch reallocating a storage's bytes in place while a copy runs, `resize_` to more
+/// bytes, `UntypedStorage.resize_` or `share_memory_` from another thread, cannot be seen or
+/// prevented from here and is the caller's to avoid, as with any torch op: docs/design.md).
 #[pyfunction]
 #[pyo3(signature = (src, dst, src_blocks, dst_blocks, threads=1))]
 pub(crate) fn copy_blocks(
@@ -392,14 +478,10 @@ pub(crate) fn copy_blocks(
             ),
         ));
     }
+    // Each holds its torch storage (if any) until the copy below has finished.
     let sm = src.current(py, "src")?;
     let dm = dst.current(py, "dst")?;
-    // Held until the copy below has finished (see `pin_storage`).
-    let _pins = (
-        pin_storage(src.memory.bind(py), &sm, "src")?,
-        pin_storage(dst.memory.bind(py), &dm, "dst")?,
-    );
-    if !dm.writable || !dst.mem.writable {
+    if !dm.writable {
         return Err(invalid(None, "the dst region's memory is read-only".into()));
     }
     let (sa, sl, da, dl) = (sm.base, src.mem.nbytes, dm.base, dst.mem.nbytes);
