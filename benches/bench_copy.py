@@ -12,6 +12,12 @@ move by 2x between runs; the ratios are measured within one run, interleaved, an
 
     python benches/bench_copy.py                  # CPU (vLLM's CPU backend layout)
     python benches/bench_copy.py --device cuda    # GPU: vs a pinned host<->device copy
+    python benches/bench_copy.py --per-call       # the fixed cost of one copy_blocks call
+
+``--per-call``: ``kvslots._core.copy_blocks`` of one 64-byte block between two registered
+regions, torch tensors and numpy arrays, microseconds per call (what each call pays besides
+its bytes: argument checks, re-reading each region's memory, holding a tensor's storage);
+median and range of the repeats. Compare builds by running it against each, interleaved.
 """
 
 from __future__ import annotations
@@ -154,6 +160,28 @@ def bench_config(name, nblk, block_shape, nlayers, device, repeats, threads_list
     return total, first.num_segments, results
 
 
+def per_call(repeats: int, calls: int = 20000) -> None:
+    from kvslots import _core
+
+    n = 1 << 16
+    for kind, make in (("torch", lambda v: torch.full((n,), v, dtype=torch.uint8)),
+                       ("numpy", lambda v: np.full(n, v, dtype=np.uint8))):
+        rs = _core.BlockRegion(make(1), block_bytes=64, num_blocks=n // 64)
+        rd = _core.BlockRegion(make(0), block_bytes=64, num_blocks=n // 64)
+        ids = [3]
+        f = _core.copy_blocks
+        for _ in range(calls // 10):
+            f(rs, rd, ids, ids)
+        res = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                f(rs, rd, ids, ids)
+            res.append((time.perf_counter() - t0) / calls * 1e6)
+        print(f"copy_blocks per call, {kind} regions: {statistics.median(res):.2f} us "
+              f"(median of {repeats}; {min(res):.2f} to {max(res):.2f})")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
@@ -161,7 +189,11 @@ def main() -> None:
     p.add_argument("--threads", default="1,2", help="BlockCopier threads to compare (CPU)")
     p.add_argument("--naive-blocks", type=int, default=256, help="blocks the naive indexing copies")
     p.add_argument("--configs", default="all", help="comma-separated config indexes, or 'all'")
+    p.add_argument("--per-call", action="store_true", help="only the fixed cost of one copy_blocks call")
     args = p.parse_args()
+    if args.per_call:
+        per_call(args.repeats)
+        return
     threads_list = [int(t) for t in args.threads.split(",")]
     configs = CONFIGS if args.configs == "all" else [CONFIGS[int(i)] for i in args.configs.split(",")]
     rng = np.random.default_rng(0)
