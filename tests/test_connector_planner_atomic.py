@@ -218,3 +218,20 @@ def test_preempted_and_resumed_in_one_step_matches_the_sequential_rules():
     p.build(so)
     assert p.device_blocks(r.request_id) == r.blocks
     assert p.check_invariants() is None
+
+
+@pytest.mark.parametrize("bad", [3, [], "r0", None, types.SimpleNamespace(request_id=7),
+                                 types.SimpleNamespace(request_id="z", num_prompt_tokens="x", lora_request=None)])
+def test_request_taking_calls_raise_kvslots_errors_for_what_is_not_a_request(bad):
+    (p, _), reqs = _setup(11)
+    rids = [r.request_id for r in reqs]
+    before = _snapshot(p, rids)
+    for call in (lambda: p.track(bad), lambda: p.lookup(bad, 0), lambda: p.after_alloc(bad, [1, 2], 4)):
+        with pytest.raises(KVSlotsError):
+            call()
+        assert _snapshot(p, rids) == before
+    try:  # an id the planner does not track: nothing to finish
+        assert p.finish(bad, [1, 2]) is False
+    except KVSlotsError:
+        pass
+    assert _snapshot(p, rids) == before

@@ -956,19 +956,22 @@ impl ConnectorPlanner {
         let mut this = borrow_mut(slf)?;
         let this = &mut *this;
         let bs = this.inner.config().block_size;
-        let slot = this.slot_for(py, request)?;
-        let block_hashes = request.getattr(intern!(py, "block_hashes"))?;
-        let num_tokens = usize_attr(request, intern!(py, "num_tokens"))?;
-        let max_blocks = (num_tokens.saturating_sub(1) / bs).min(block_hashes.len()?);
-        let local = num_computed / bs;
-        if max_blocks <= local {
-            return Ok(0);
-        }
-        this.ensure_hashes(slot, &block_hashes, max_blocks)?;
-        let seq = tokens_of(request)?;
-        Ok(this
-            .inner
-            .lookup(slot, local, max_blocks, |p| token_at(&seq, p).ok()))
+        (|| -> PyResult<usize> {
+            let slot = this.slot_for(py, request)?;
+            let block_hashes = request.getattr(intern!(py, "block_hashes"))?;
+            let num_tokens = usize_attr(request, intern!(py, "num_tokens"))?;
+            let max_blocks = (num_tokens.saturating_sub(1) / bs).min(block_hashes.len()?);
+            let local = num_computed / bs;
+            if max_blocks <= local {
+                return Ok(0);
+            }
+            this.ensure_hashes(slot, &block_hashes, max_blocks)?;
+            let seq = tokens_of(request)?;
+            Ok(this
+                .inner
+                .lookup(slot, local, max_blocks, |p| token_at(&seq, p).ok()))
+        })()
+        .map_err(|e| reading_error(py, e, "the request"))
     }
 
     /// vLLM allocated the request's blocks (`device_blocks`: its whole block table): pins the
@@ -991,7 +994,9 @@ impl ConnectorPlanner {
             None
         };
         let mut this = borrow_mut(slf)?;
-        let slot = this.slot_for(py, request)?;
+        let slot = this
+            .slot_for(py, request)
+            .map_err(|e| reading_error(py, e, "the request"))?;
         match dev {
             Some(d) => this
                 .inner
@@ -1004,7 +1009,10 @@ impl ConnectorPlanner {
     /// Starts mirroring a request without a lookup (vLLM allocated it without asking).
     fn track(slf: &Bound<'_, Self>, request: &Bound<'_, PyAny>) -> PyResult<()> {
         let py = slf.py();
-        borrow_mut(slf)?.slot_for(py, request).map(|_| ())
+        borrow_mut(slf)?
+            .slot_for(py, request)
+            .map(|_| ())
+            .map_err(|e| reading_error(py, e, "the request"))
     }
 
     /// Plans one engine step from vLLM's `SchedulerOutput`: returns
@@ -1029,6 +1037,7 @@ impl ConnectorPlanner {
         let dev = IntArg::<u32>::extract(block_ids, "block_ids", None)?;
         let mut this = borrow_mut(slf)?;
         this.finish_request(py, request, dev.as_slice())
+            .map_err(|e| reading_error(py, e, "the request"))
     }
 
     /// The workers' report for `step` (see `KVSlotsWorkerMetadata`); returns blocks registered.
