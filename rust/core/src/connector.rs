@@ -686,6 +686,41 @@ mod tests {
     }
 
     #[test]
+    fn candidate_next_is_what_mirror_returns_in_the_next_step() {
+        // Each (computed, first, preempted first) over a few steps, with stores in between:
+        // read before the step begins, candidate_next agrees with mirror's answer in it.
+        let mut p = planner(false);
+        let a = p.track("a", 6, None, false);
+        p.extend_hashes(a, &[11, 12, 13, 14, 15, 16]);
+        let toks: Vec<u32> = (100..130).collect();
+        let cases = [
+            (0, true, false),
+            (6, false, false),
+            (7, false, false),
+            (9, false, true),
+            (9, true, false),
+            (13, false, false),
+            (17, false, false),
+            (18, false, false),
+        ];
+        for (k, &(nc, first, preempt)) in cases.iter().enumerate() {
+            let want = p.candidate_next(a, nc, first, preempt);
+            step_with(&mut p, |p| {
+                if preempt {
+                    p.after_preemption(a, 0);
+                }
+                let got = p.mirror(a, &[k as u32], first, nc, Some(1), first);
+                assert_eq!(got, want, "case {k}");
+                if got {
+                    if let Some((_, hi)) = p.storable(a, nc, 6) {
+                        p.store(a, hi, &toks[p.next_block(a) * 4..], None, false).unwrap();
+                    }
+                }
+            });
+        }
+    }
+
+    #[test]
     fn stores_verified_blocks_once_with_successors_and_serves_eagle_last_block_on_match() {
         let mut p = planner(true);
         let a = p.track("a", 10, None, false);
