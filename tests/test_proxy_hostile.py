@@ -120,3 +120,11 @@ def test_prefill_body_needs_a_dict(body):
 
     with pytest.raises(InvalidArgumentError):
         prefill_body(body)
+
+
+@pytest.mark.parametrize("flag", ["--prefill", "--decode", "--indexer"])
+def test_url_with_port_0_is_one_line_exit_2(capsys, no_server, flag):
+    argv = {"--prefill": "http://p:1", "--decode": "http://d:2"}
+    argv[flag] = "http://h:0"
+    code, out, err = _cli(capsys, [x for kv in argv.items() for x in kv])
+    assert code == 2 and err.count("\n") == 1 and "port 0" in err, err

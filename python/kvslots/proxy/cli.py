@@ -27,6 +27,8 @@ def http_url(text: str, what: str = "URL") -> str:
         raise InvalidArgumentError(f"{what} {text!r} is not an http(s) URL ({e})") from None
     if u.scheme not in ("http", "https") or not u.hostname:
         raise InvalidArgumentError(f"{what} {text!r} is not an http(s) URL")
+    if u.port == 0:  # nothing can be reached there: every request would fail at connect
+        raise InvalidArgumentError(f"{what} {text!r}: port 0 is no port to send to")
     if not text.isascii() or not text.isprintable():  # it goes into a response header too
         raise InvalidArgumentError(f"{what} {text!r}: printable ASCII only (punycode for a non-ASCII host name)")
     if "?" in text or "#" in text:  # the proxy appends /v1/... or /score: it would land in them
