@@ -72,3 +72,18 @@ def test_apply_lookahead_wrong_arguments(target, ids):
     with pytest.raises(ArgumentTypeError):
         apply_lookahead(target, ids, schedule)
     assert apply_lookahead(_Target(), ["a", "b"], schedule).k == 3
+
+
+@pytest.mark.parametrize("k", [10**30, 2**63, -1, 0, 2.0, "2", True])
+def test_speculators_num_speculative_tokens_override_is_bounded(tmp_path, k):
+    import json
+
+    from kvslots.config.speculators import load_speculators_checkpoint
+
+    (tmp_path / "config.json").write_text(json.dumps({
+        "speculators_model_type": "eagle3", "transformer_layer_config": {},
+        "speculators_config": {"proposal_methods": [{"speculative_tokens": 2}], "verifier": {"name_or_path": "org/t"}}}))
+    with pytest.raises(ConfigError) as ei:  # 10**30 went into vLLM's speculative config
+        load_speculators_checkpoint(tmp_path, num_speculative_tokens=k)
+    assert ei.value.field == "num_speculative_tokens"
+    assert load_speculators_checkpoint(tmp_path, num_speculative_tokens=3).speculative_config["num_speculative_tokens"] == 3

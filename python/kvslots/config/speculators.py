@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ConfigError
+from .loader import INT_MAX, brief
 # What a checkpoint's type means to vLLM, and whether a directory is a checkpoint, are decided
 # in .speculative (with every other model-reference rule); re-exported here.
 from .speculative import (
@@ -141,9 +142,10 @@ def load_speculators_checkpoint(
             f"({first.get('proposal_type')!r}, K={k})"
         )
     if num_speculative_tokens is not None:
+        # At most INT_MAX, as in the file (10**30 went into vLLM's JSON).
         if isinstance(num_speculative_tokens, bool) or not isinstance(num_speculative_tokens, int) \
-                or num_speculative_tokens < 1:
-            raise ConfigError(f"must be an integer >= 1, got {num_speculative_tokens!r}",
+                or not 1 <= num_speculative_tokens <= INT_MAX:
+            raise ConfigError(f"must be an integer in [1, 2**63-1], got {brief(num_speculative_tokens)}",
                               "num_speculative_tokens")
         if num_speculative_tokens != k:
             warnings.append(f"num_speculative_tokens {num_speculative_tokens} overrides the "
