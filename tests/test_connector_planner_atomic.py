@@ -14,24 +14,7 @@ from vllm.v1.core.sched.output import CachedRequestData
 from kvslots import KVSlotsError
 from kvslots._core import ConnectorPlanner
 
-BS = 4
-
-
-class Req:
-    def __init__(self, i: int, rng: random.Random):
-        n = 4 * BS + 1
-        self.request_id = f"r{i}"
-        self._all_token_ids = [rng.randrange(1, 1000) for _ in range(n)]
-        self.num_prompt_tokens = n
-        self.lora_request = None
-        self.num_computed_tokens = n
-        self.num_in_flight_tokens = 0
-        self.block_hashes = [rng.getrandbits(63) for _ in range(n // BS)]
-        self.blocks = [i * 1000 + j for j in range(n // BS + 1)]
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self._all_token_ids)
+from planner_support import BS, Req
 
 
 def _cached(ids, nb, computed, resumed=()):
@@ -57,7 +40,7 @@ def _setup(seed: int):
     """Two twin planners, each with 3 requests prefilled and running: one gets the hostile
     builds, the other never sees them."""
     rng = random.Random(seed)
-    reqs = [Req(i, rng) for i in range(3)]
+    reqs = [Req(i, rng, 4 * BS + 1) for i in range(3)]
     twins = [ConnectorPlanner(BS, 64, False, expected_workers=1, max_decode_tokens=4) for _ in range(2)]
     first = types.SimpleNamespace(
         num_scheduled_tokens={r.request_id: r.num_prompt_tokens for r in reqs}, preempted_req_ids=set(),

@@ -13,24 +13,7 @@ from vllm.v1.core.sched.output import CachedRequestData
 from kvslots import KVSlotsError
 from kvslots._core import ConnectorPlanner
 
-BS = 4
-
-
-class Req:
-    def __init__(self, i: int, rng: random.Random):
-        n = rng.randrange(5, 15)
-        self.request_id = f"r{i}"
-        self._all_token_ids = [rng.randrange(1, 1000) for _ in range(n)]
-        self.num_prompt_tokens = n
-        self.lora_request = None
-        self.num_computed_tokens = n
-        self.num_in_flight_tokens = 0
-        self.block_hashes = [rng.getrandbits(63) for _ in range(n // BS)]
-        self.blocks = [i * 1000 + j for j in range(n // BS + 1)]
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self._all_token_ids)
+from planner_support import BS, Req
 
 
 def _output(reqs, sched, nb):

@@ -94,6 +94,20 @@ PEERS = 50
 #: The bound the probe asserts: 50 peers x REPLAY_HWM (64) queued replies x the batch size,
 #: plus room. Measured: 1.5 KB batches grew the publisher by ~8 MiB, 30 KB ones by ~77 MiB;
 #: before the bound, the 1.5 KB probe grew it by 1.2 GB in 8 s.
+def replayed(sock: zmq.Socket, pause_every: int = 0) -> list[int]:
+    """The sequence numbers of one replay, read up to its end marker (pausing 20 ms every
+    pause_every replies when asked: a slow reader)."""
+    got = []
+    while True:
+        assert sock.poll(5000)
+        seq, _ = parse_replay_reply(sock.recv_multipart())
+        if seq == REPLAY_END:
+            return got
+        got.append(seq)
+        if pause_every and len(got) % pause_every == 0:
+            time.sleep(0.02)
+
+
 def rss_bound(batch_bytes: int) -> int:
     return PEERS * pubmod.REPLAY_HWM * batch_bytes * 3 // 2 + 16 * 2**20
 
@@ -171,15 +185,7 @@ def test_a_replay_waits_for_a_slow_reader_and_a_stalled_one_is_truncated(monkeyp
         wait_until(lambda: pub.stats()["replay_requests"] == 1, what="the request")
         slow.send_multipart(replay_request(5))
         wait_until(lambda: pub.stats()["replay_refused"] == 1, what="the second request refused")
-        got = []
-        while True:
-            assert slow.poll(5000)
-            seq, _ = parse_replay_reply(slow.recv_multipart())
-            if seq == REPLAY_END:
-                break
-            got.append(seq)
-            if len(got) % 50 == 0:
-                time.sleep(0.02)  # reads slowly: the publisher's queue for it fills
+        got = replayed(slow, pause_every=50)  # reads slowly: the publisher's queue for it fills
         assert got == list(range(n))
         assert pub.stats()["replay_truncated"] == 0
 
@@ -223,13 +229,7 @@ def test_replay_from_past_the_end_and_of_batches_evicted_meanwhile():
         for _ in range(1000):  # half the buffer is replaced
             pub.publish(one)
         assert pub.flush(5)
-        got = []
-        while True:
-            assert slow.poll(5000)
-            seq, _ = parse_replay_reply(slow.recv_multipart())
-            if seq == REPLAY_END:
-                break
-            got.append(seq)
+        got = replayed(slow)
         # What it took before the eviction, then from what is still buffered up to 1999 (the
         # last batch when it asked; later ones reach a subscriber live).
         k = next(i for i, s in enumerate(got) if s != i) if got != list(range(len(got))) else len(got)
