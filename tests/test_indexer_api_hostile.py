@@ -76,3 +76,24 @@ def test_good_configs_and_calls_still_work(svc):
     assert svc.score([1] * 8, None, None, None)["prompt_blocks"] == 2
     assert svc.score((1, 2, 3, 4), 2, 7, None)["prompt_blocks"] == 2
     assert svc.remove_worker("nobody") is False
+
+
+def test_replay_on_the_endpoint_itself_is_refused(capsys):
+    # A publisher binds its PUB and ROUTER sockets apart: replays asked there were never answered.
+    from fastapi.testclient import TestClient
+
+    from kvslots import cli
+    from kvslots.indexer.app import create_app
+
+    with pytest.raises(ConfigError, match="is the endpoint too"):
+        WorkerSpec("a", "tcp://h:1", replay="tcp://h:1")
+    capsys.readouterr()
+    assert cli.main(["indexer", "--worker", "a=tcp://h:1,replay=tcp://h:1"]) == 2
+    assert "is the endpoint too" in capsys.readouterr().err
+    token = "t" * 20
+    svc = IndexerService(IndexerConfig(block_size=4, admin_token=token))
+    c = TestClient(create_app(svc))
+    r = c.post("/workers", json={"name": "a", "endpoint": "tcp://h:1", "replay": "tcp://h:1"},
+               headers={"authorization": f"Bearer {token}"})
+    assert r.status_code == 422 and "is the endpoint too" in r.json()["detail"], r.text
+    assert c.get("/workers").json() == []

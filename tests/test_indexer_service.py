@@ -380,7 +380,7 @@ BAD_ENDPOINTS = ["tcp://127.0.0.1", "tcp://127.0.0.1:0", "tcp://127.0.0.1:99999"
 
 @pytest.mark.parametrize("endpoint", GOOD_ENDPOINTS)
 def test_endpoint_rule_accepts(endpoint):
-    assert WorkerSpec.parse(f"w={endpoint},replay={endpoint}").replay == endpoint
+    assert WorkerSpec.parse(f"w=tcp://other-host:1,replay={endpoint}").replay == endpoint  # (replay: not the endpoint)
     assert WorkerSpec.from_dict({"name": "w", "endpoint": endpoint}).endpoint == endpoint
 
 

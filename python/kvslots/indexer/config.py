@@ -120,6 +120,9 @@ class WorkerSpec:
         check_endpoint(self.endpoint, f"worker {self.name!r}: endpoint")
         if self.replay is not None:
             check_endpoint(self.replay, f"worker {self.name!r}: replay")
+            if self.replay == self.endpoint:  # one address cannot be both the PUB and the ROUTER socket
+                raise ConfigError(f"worker {self.name!r}: replay {self.replay!r} is the endpoint too: the publisher "
+                                  "binds its replay socket on another address")
         if self.tier not in TIERS:
             raise ConfigError(f"worker {self.name!r}: tier {brief(self.tier)} is not one of {', '.join(TIERS)}")
         if not isinstance(self.topic, str) or len(self.topic) > 256:
