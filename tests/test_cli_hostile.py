@@ -560,3 +560,26 @@ def test_demo_defaults_and_edges_pass_the_check():
     demo.check_args(parser.parse_args(["demo"]))
     demo.check_args(parser.parse_args(["demo", "-k", "64", "--requests", "1", "--prefix-len", "0",
                                        "--max-tokens", "2008", "--host-cache-gb", "0.01", "--timeout", "1"]))
+
+
+@pytest.mark.parametrize("argv", [["convert-config", "{yaml}"], ["simulate", "--requests", "3"],
+                                  ["serve", "org/target", "--dry-run", "-q"]])
+@pytest.mark.parametrize("sink", ["full", "closed pipe"])
+def test_output_that_cannot_be_written_is_one_line_exit_2(tmp_path, argv, sink):
+    # /dev/full (ENOSPC) and a reader gone (`| head -1`: EPIPE) were tracebacks, exit status 1.
+    f = tmp_path / "n.yaml"
+    f.write_text("speculative_config:\n  decoding_type: NGram\n  max_draft_len: 2\n")
+    cmd = [sys.executable, "-m", "kvslots", *[a.format(yaml=f) for a in argv]]
+    if sink == "full":
+        with open("/dev/full", "w") as out:
+            proc = subprocess.run(cmd, stdout=out, stderr=subprocess.PIPE, text=True, timeout=120)
+    else:
+        r, w = os.pipe()
+        os.close(r)  # nobody will read: the first write is EPIPE
+        try:
+            proc = subprocess.run(cmd, stdout=w, stderr=subprocess.PIPE, text=True, timeout=120)
+        finally:
+            os.close(w)
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "cannot write the output" in lines[0] and "Traceback" not in proc.stderr, proc.stderr

@@ -9,7 +9,9 @@ ConfigError naming the file and field, a ServeError, ...) is one line on stderr,
 from __future__ import annotations
 
 import argparse
+import errno
 import importlib
+import os
 import sys
 from collections.abc import Callable
 
@@ -71,9 +73,30 @@ def run_command(func: Callable[[argparse.Namespace], int | None], args: argparse
     subcommand's parser may set the default ``error_label`` (``None``: ``kvslots indexer: ...``,
     as that command has always written its errors)."""
     try:
-        return int(func(args) or 0)
+        status = int(func(args) or 0)
+        sys.stdout.flush()  # here, not at exit: a closed pipe is then the error below
+        return status
     except KVSlotsError as e:
         return report_error(prog, e, label)
+    except OSError as e:
+        if e.errno not in _OUTPUT_ERRNOS:
+            raise
+        # Writing stdout failed (`| head -1`: a broken pipe; >/dev/full): one line, not a
+        # traceback (exit status 1), and stdout pointed at /dev/null so that flushing it at exit
+        # does not fail again.
+        try:
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, sys.stdout.fileno())
+            os.close(devnull)
+        except (OSError, ValueError):  # no file descriptor behind sys.stdout
+            pass
+        head = f"{prog}: {label}: " if label else f"{prog}: "
+        print(head + f"cannot write the output: {e.strerror or e}", file=sys.stderr)
+        return 2
+
+
+#: What writing a command's output may fail with: the reader went away, the disk is full.
+_OUTPUT_ERRNOS = {errno.EPIPE, errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EIO}
 
 
 if __name__ == "__main__":
