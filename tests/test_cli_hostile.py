@@ -583,3 +583,20 @@ def test_output_that_cannot_be_written_is_one_line_exit_2(tmp_path, argv, sink):
     assert proc.returncode == 2, proc.stderr
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and "cannot write the output" in lines[0] and "Traceback" not in proc.stderr, proc.stderr
+
+
+@pytest.mark.parametrize("argv", [
+    ["bogus"], ["--nope"], ["convert-config"], ["convert-config", "x.yaml", "--format", "toml"],
+    ["indexer", "--port", "x"], ["indexer", "--log-level", "trace"], ["indexer", "--capacity", "1.5"],
+    ["simulate", "--requests", "x"], ["simulate", "--acceptance"], ["proxy", "--prefill", "http://p"],
+    ["proxy", "--prefill", "http://p", "--decode", "http://d", "--port", "x"], ["demo", "--method", "x"],
+    ["demo", "-k", "x"], ["serve"], ["serve", "org/m", "--port", "x"], ["convert-config", "x.yaml", "--bogus"],
+])
+def test_argument_errors_are_one_line_exit_2(capsys, argv):
+    # argparse printed its usage first: several lines.
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as ei:
+        cli.main(argv)
+    out, err = capsys.readouterr()
+    assert ei.value.code == 2 and out == "", (out, err)
+    assert err.count("\n") == 1 and err.startswith("kvslots") and ": error: " in err, err

@@ -14,6 +14,7 @@ import importlib
 import os
 import sys
 from collections.abc import Callable
+from typing import NoReturn
 
 from .errors import KVSlotsError
 
@@ -28,15 +29,24 @@ COMMAND_MODULES = [
 ]
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """An argument error is one line, ``PROG: error: MESSAGE (see PROG --help)``, and exit status
+    2, as every other bad input is (argparse printed its usage first: many lines)."""
+
+    def error(self, message: str) -> NoReturn:  # type: ignore[override]
+        print(one_line(f"{self.prog}: error: {message} (see {self.prog} --help)"), file=sys.stderr)
+        raise SystemExit(2)
+
+
 def build_parser() -> argparse.ArgumentParser:
     from . import __version__
 
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog="kvslots",
         description="KV-cache block slot manager for speculative decoding.",
     )
     parser.add_argument("--version", action="version", version=f"kvslots {__version__}")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=OneLineParser)
     for name in COMMAND_MODULES:
         importlib.import_module(name).add_parser(sub)
     return parser
