@@ -41,14 +41,15 @@ class TestPublisher:
 
     __test__ = False  # not a pytest class
 
-    def __init__(self, topic: str = "", buffer_steps: int = 10_000, replay: bool = True):
+    def __init__(self, topic: str = "", buffer_steps: int = 10_000, replay: bool = True, host: str = "127.0.0.1"):
         self.ctx = zmq.Context()
+        self.ctx.setsockopt(zmq.IPV6, host.startswith("["))  # a bracketed host: an IPv6 literal
         self.topic = topic.encode()
         self.buffer_steps = buffer_steps
         self.port = free_port()
         self.replay_port = free_port() if replay else None
-        self.endpoint = f"tcp://127.0.0.1:{self.port}"
-        self.replay_endpoint = f"tcp://127.0.0.1:{self.replay_port}" if replay else None
+        self.endpoint = f"tcp://{host}:{self.port}"
+        self.replay_endpoint = f"tcp://{host}:{self.replay_port}" if replay else None
         self.replays_served = 0
         self._open()
 

@@ -95,7 +95,7 @@ BAD_WORKERS = [
 #: Addresses ZMQ refuses to connect to, or accepts and never reaches: refused up front.
 BAD_ENDPOINTS = [
     "tcp://127.0.0.1", "tcp://127.0.0.1:", "tcp://127.0.0.1:0", "tcp://127.0.0.1:65536", "tcp://127.0.0.1:99999",
-    "tcp://:::", "tcp://a:b", "tcp://:5557", "tcp://*:5557", "tcp://[::1", "tcp://[::1]:5557", "tcp://[zz]:1",
+    "tcp://:::", "tcp://a:b", "tcp://:5557", "tcp://*:5557", "tcp://[::1", "tcp://[::]:5557", "tcp://[zz]:1",
     "tcp://999.0.0.1:1", "tcp://h st:1", "tcp://h:1 ", "tcp://h\u0000:1", "tcp://h:\u00b2", "tcp://h:-1",
     "ipc://", "ipc://*", "ipc://" + "a" * 400, "ipc:///tmp/\u0001", "inproc://", "pgm://h:1", "tcp:/h:1", "",
 ]

@@ -4,6 +4,7 @@ subscription with its gap/replay/restart handling, the in-memory backend, the HT
 from __future__ import annotations
 
 import argparse
+import socket
 
 import pytest
 from fastapi.testclient import TestClient
@@ -71,8 +72,8 @@ class Harness:
 def harness():
     made = []
 
-    def make(names=("a",), **kw):
-        pubs = {n: TestPublisher(buffer_steps=kw.pop(f"buffer_{n}", 10_000)) for n in names}
+    def make(names=("a",), host="127.0.0.1", **kw):
+        pubs = {n: TestPublisher(buffer_steps=kw.pop(f"buffer_{n}", 10_000), host=host) for n in names}
         h = Harness(pubs, **kw)
         made.append(h)
         return h
@@ -107,6 +108,27 @@ def test_scores_follow_the_stream(harness):
     assert h.metric("kvslots_indexer_block_events_total", None) == 0  # labelled only
     assert h.service.metrics.registry.get_sample_value(
         "kvslots_indexer_block_events_total", {"worker": "a", "kind": "stored"}) == 6
+
+
+def test_an_ipv6_worker_is_subscribed_and_healed_by_replay(harness, capsys):
+    """A worker registered at tcp://[::1]:PORT: its live stream and a gap healed over its replay
+    socket reach the index like an IPv4 worker's."""
+    try:
+        with socket.socket(socket.AF_INET6) as s:
+            s.bind(("::1", 0))
+    except OSError as e:
+        with capsys.disabled():
+            print(f"\nskipped: no IPv6 loopback here ({e})")
+        pytest.skip(f"no IPv6 loopback: {e}")
+    h = harness(("a",), host="[::1]")
+    assert h.pubs["a"].endpoint.startswith("tcp://[::1]:")
+    settle(h, "a")
+    h.publish("a", [store(1, P1, BS)])
+    h.publish("a", [store(1, P2, BS, start=2)], drop=True)  # lost on the way: replayed
+    h.publish("a", [store(1, P3, BS)])
+    h.converge(P1, P2, P3)
+    assert h.score(P2)["workers"]["a"]["blocks"] == 4
+    assert h.pubs["a"].replays_served >= 1
 
 
 def test_dropped_messages_healed_by_replay(harness):
@@ -372,9 +394,10 @@ def test_cli_process_serves_and_shuts_down():
 # ---- robustness: workers that cannot be subscribed, concurrent admin calls, the CLI ----
 
 GOOD_ENDPOINTS = ["tcp://10.0.0.5:5557", "tcp://h-1.example.com:65535", "tcp://[::ffff:127.0.0.1]:5557",
+                  "tcp://[::1]:5557", "tcp://[fd00::5]:1",
                   "ipc:///tmp/kvslots.sock", "ipc://@abstract", "inproc://events", "ipc://" + "a" * 107]
 BAD_ENDPOINTS = ["tcp://127.0.0.1", "tcp://127.0.0.1:0", "tcp://127.0.0.1:99999", "tcp://:::", "tcp://a:b",
-                 "tcp://*:5557", "tcp://[::1]:5557", "tcp://[::1", "tcp://1.2.3.256:1", "ipc://", "ipc://*",
+                 "tcp://*:5557", "tcp://[::]:5557", "tcp://[::ffff:0.0.0.0]:1", "tcp://[::1", "tcp://1.2.3.256:1", "ipc://", "ipc://*",
                  "ipc://" + "a" * 108, "inproc://", "tcp://h:1\x00", "udp://h:1"]
 
 
@@ -492,12 +515,20 @@ def _cli(argv, capsys) -> tuple[int, str]:
     (["--admin-token", "\u00e9" * 20], "printable ASCII"),
     (["--config", ""], "an empty path names no file"),  # was ignored: the defaults served
     (["--admin-token-file", ""], "an empty path names no file"),  # was ignored: no token, admin off
+    (["--admin-token", ""], "gave an empty token"),  # was the environment's or the YAML's token
 ])
 def test_cli_errors_are_one_line(argv, problem, capsys):
     code, err = _cli(argv, capsys)
     assert code == 2, err
     assert err.startswith("kvslots indexer: ") and err.count("\n") == 1 and "Traceback" not in err, err
     assert problem in err, err
+
+
+def test_an_empty_admin_token_file_is_refused_not_replaced(tmp_path, monkeypatch, capsys):
+    (tmp_path / "token").write_text(" \n")
+    monkeypatch.setenv("KVSLOTS_INDEXER_ADMIN_TOKEN", TOKEN)  # would have been taken instead
+    code, err = _cli(["--admin-token-file", str(tmp_path / "token")], capsys)
+    assert code == 2 and "gave an empty token" in err and err.count("\n") == 1, err
 
 
 #: Redis URL options redis-py parses but does not check: each was a ValueError / TypeError /

@@ -206,8 +206,8 @@ def check_connect_endpoint(endpoint: str, what: str = "endpoint") -> str:
     (:class:`ArgumentTypeError` for a non-string). :func:`check_endpoint` is the general rule,
     which leaves such addresses to ZMQ's own errors at connect time.
 
-    ``tcp://HOST:PORT``: HOST a host name, an IPv4 address or an IPv4-mapped IPv6 one
-    (``[::ffff:127.0.0.1]``), not ``*`` (that is a bind address); PORT 1-65535.
+    ``tcp://HOST:PORT``: HOST a host name, an IPv4 address or a bracketed IPv6 one (``[::1]``,
+    ``[::ffff:127.0.0.1]``), not ``*`` or ``[::]`` (bind addresses); PORT 1-65535.
     ``ipc://PATH`` (``@NAME``: abstract): at most :data:`MAX_IPC_PATH` bytes. ``inproc://NAME``."""
     def bad(why: str) -> InvalidArgumentError:
         return InvalidArgumentError(f"{what} {brief(endpoint)}: {why}")
@@ -231,13 +231,12 @@ def check_connect_endpoint(endpoint: str, what: str = "endpoint") -> str:
             raise bad("'*' is an address to bind, not to connect to: name the publisher's host")
         if host.startswith("["):
             try:
-                mapped = _bracketed_ipv6(host).ipv4_mapped
+                addr = _bracketed_ipv6(host)
             except ValueError:
                 raise bad("not an IPv6 address in brackets") from None
-            # EventSubscriber reaches any IPv6 peer (is_ipv6 sets ZMQ_IPV6); indexer workers are
-            # not opened to other IPv6 addresses yet (the indexer's endpoint tests refuse [::1]).
-            if mapped is None:
-                raise bad("IPv6 workers are not taken yet: use an IPv4 address, [::ffff:IPV4] or a host name")
+            # EventSubscriber reaches any IPv6 peer (is_ipv6 sets ZMQ_IPV6); [::] only binds.
+            if addr.is_unspecified or (addr.ipv4_mapped is not None and addr.ipv4_mapped.is_unspecified):
+                raise bad(f"'{host}' is an address to bind, not to connect to: name the publisher's host")
         elif not _HOST.fullmatch(host):
             raise bad("the host must be a host name or an IPv4 address")
         elif re.fullmatch(r"[0-9.]+", host):

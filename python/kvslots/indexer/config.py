@@ -373,6 +373,8 @@ def build_config(args: Any) -> IndexerConfig:
     token = getattr(args, "admin_token", None)
     if getattr(args, "admin_token_file", None) is not None:
         token = read_config_text(args.admin_token_file, max_bytes=4096).strip()
+    if token == "":  # given and empty: not silently the environment's or the YAML's token
+        raise ConfigError("admin token: --admin-token / --admin-token-file gave an empty token")
     cfg.admin_token = token or os.environ.get(ADMIN_TOKEN_ENV) or cfg.admin_token
     cfg.validate()
     return cfg
