@@ -1,5 +1,6 @@
 """`POST /score` over HTTP: uvicorn's own HTTP protocol against kvslots' guarded one
-(kvslots.indexer.httpguard: head size and read-time limits), same app, same run.
+(kvslots.indexer.httpguard.uvicorn_options: head size and read-time limits, no WebSockets), same
+app, same run.
 
 Each variant is a fresh `kvslots indexer` app in its own process (embedded defaults, no
 workers); one keep-alive httpx client sends 200 warm-up and then `--requests` scores of a
@@ -26,10 +27,10 @@ import sys, uvicorn
 from kvslots.indexer.config import IndexerConfig
 from kvslots.indexer.service import IndexerService
 from kvslots.indexer.app import create_app
-from kvslots.indexer.httpguard import protocol_class
+from kvslots.indexer.httpguard import uvicorn_options
 cfg = IndexerConfig()
 app = create_app(IndexerService(cfg), own_service=True)
-kw = {"http": protocol_class()} if sys.argv[2] == "guard" else {}
+kw = uvicorn_options() if sys.argv[2] == "guard" else {}  # what `kvslots indexer` runs
 uvicorn.run(app, host="127.0.0.1", port=int(sys.argv[1]), log_level="warning", access_log=False, **kw)
 '''
 
