@@ -5,6 +5,8 @@ starts -- not vLLM's ZMQ error once the engine is loaded."""
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 
 from kvslots import cli
@@ -135,8 +137,20 @@ def test_supervise_refuses_what_it_cannot_run_before_starting_anything(argv, kwa
     assert signal.getsignal(signal.SIGINT) is before  # no handler left behind
 
 
+def _is_subreaper() -> bool:
+    import ctypes
+
+    flag = ctypes.c_int(-1)
+    assert ctypes.CDLL(None, use_errno=True).prctl(37, ctypes.byref(flag), 0, 0, 0) == 0  # PR_GET_CHILD_SUBREAPER
+    return bool(flag.value)
+
+
 def test_supervise_and_build_plan_good_and_bad_calls():
+    before = _is_subreaper() if sys.platform.startswith("linux") else None
     assert supervise(("/bin/sh", "-c", "exit 3"), env={"A": "1"}, grace=0.5, log=lambda m: None) == 3
+    # The subreaper flag is process-wide: left on, this process would adopt every later orphan
+    # and never reap it (a test's grandchild stayed a zombie).
+    assert before is None or _is_subreaper() == before
     with pytest.raises(ServeError):
         build_plan(None)
     with pytest.raises(ServeError):

@@ -30,9 +30,10 @@ DEFAULT_GRACE_S = 15.0
 #   kvslots serve dies without stopping it (SIGKILL, the OOM killer), when no code of ours runs.
 # The PyPI wrappers are not maintained (python-prctl: last release 1.8.1 in 2020, a C extension
 # that needs the libcap headers to build; pyprctl: 0.1.3 in 2021, itself a ctypes wrapper), so
-# libc's prctl is called through ctypes: these two calls, constants from <linux/prctl.h>.
+# libc's prctl is called through ctypes: these calls, constants from <linux/prctl.h>.
 _PR_SET_PDEATHSIG = 1
 _PR_SET_CHILD_SUBREAPER = 36
+_PR_GET_CHILD_SUBREAPER = 37
 
 
 def _prctl() -> Callable[..., int] | None:
@@ -133,6 +134,9 @@ def supervise(argv: Sequence[str], *, env: dict[str, str] | None = None, grace: 
     prctl = _prctl()
     # Orphaned descendants of the server are re-parented to us, so we can wait for every one of
     # them (not only the group leader).
+    was_subreaper = ctypes.c_int(0)
+    if prctl is not None and prctl(_PR_GET_CHILD_SUBREAPER, ctypes.byref(was_subreaper), 0, 0, 0) != 0:
+        was_subreaper.value = 1  # unknown: leave the flag as we found it
     subreaper = prctl is not None and prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
 
     def child_setup() -> None:  # in the child between fork and exec: libc was loaded before the fork
@@ -180,6 +184,10 @@ def supervise(argv: Sequence[str], *, env: dict[str, str] | None = None, grace: 
     finally:
         for s, h in previous.items():
             signal.signal(s, h)
+        # A process-wide flag: a caller that runs on (a test runner, an app) must not go on
+        # adopting orphans it never reaps, which then stay zombies.
+        if subreaper and not was_subreaper.value and prctl is not None:
+            prctl(_PR_SET_CHILD_SUBREAPER, 0, 0, 0, 0)
 
 
 def _wait_for_rest(pgid: int, grace: float, subreaper: bool, say: Callable[[str], None]) -> None:
