@@ -126,7 +126,8 @@ class EventPublisher:
         if replay_endpoint is not None:
             replay_endpoint = check_endpoint(replay_endpoint, "replay_endpoint", data_parallel_rank)
         topic = _args.text(topic, "topic")
-        # (The bound is the one the connector's config documents.)
+        # Kept at the range the connector's config documents (events_buffer_steps), which dates
+        # from the old replay HWM of 2 * (buffer_steps + 1); replays no longer depend on it.
         buffer_steps = _args.integer(buffer_steps, "buffer_steps", 1, _args.C_INT_MAX // 2 - 1)
         hwm = _args.integer(hwm, "hwm", 0, _args.C_INT_MAX)
         max_queue_size = _args.integer(max_queue_size, "max_queue_size", 1)
