@@ -409,3 +409,11 @@ def test_malformed_bracketed_hosts_are_refused_before_any_socket(endpoint):
         assert sub.publishers() == []
     finally:
         sub.stop()
+
+
+@pytest.mark.parametrize("value", [0, -1, 2**63, 10**400, 1.5, float("nan"), "64", None, True])
+def test_max_frame_bytes_is_checked(value):
+    from kvslots.errors import KVSlotsError
+
+    with pytest.raises(KVSlotsError, match="max_frame_bytes"):
+        EventSubscriber(lambda *a: None, max_frame_bytes=value)
