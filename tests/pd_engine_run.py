@@ -16,7 +16,8 @@ Roles:
   blocks before and after. Without ``params`` in the spec it prints ``READY`` and reads
   ``{"prompts", "params"}`` from stdin (so it can start alongside the prefill engine);
   ``pause_pull`` (s) prints ``PULL`` after the hand-shake and waits before the read (fault
-  tests stop or kill a peer there); ``linger`` keeps it alive until stdin closes.
+  tests stop or kill a peer there), from the read after the first ``pause_after`` ones on;
+  ``linger`` keeps it alive until stdin closes.
 
 ``method`` null: no speculative decoding. ``kv_events``: ``{"endpoint", "replay_endpoint"}`` for
 vLLM's ZMQ KV event publisher.
@@ -125,10 +126,13 @@ def main() -> None:
         w = pd_worker()
         if spec.get("pause_pull"):  # fault tests: stop or kill a peer after the hand-shake, before the bytes
             read = w.transport.read_blocks
+            reads = [0]
 
             def paused(*a, **k):
-                print("PULL", flush=True)
-                time.sleep(spec["pause_pull"])
+                reads[0] += 1
+                if reads[0] > spec.get("pause_after", 0):
+                    print("PULL", flush=True)
+                    time.sleep(spec["pause_pull"])
                 return read(*a, **k)
 
             w.transport.read_blocks = paused

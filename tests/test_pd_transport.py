@@ -235,3 +235,63 @@ def test_closed_transport_refuses(peer):
         t.read_blocks(session, remote, [0], [0])
     with pytest.raises(InvalidArgumentError):
         MooncakeTransport("127.0.0.1:5")
+
+
+@pytest.mark.parametrize("bad", [0, -1, float("nan"), float("inf"), 10**30, True, "5", None.__class__])
+def test_transfer_timeout_refuses_bad_values_before_touching_the_environment(bad, monkeypatch):
+    monkeypatch.delenv("MC_TRANSFER_TIMEOUT", raising=False)
+    with pytest.raises(InvalidArgumentError, match="transfer_timeout_s"):
+        MooncakeTransport("127.0.0.1", transfer_timeout_s=bad)
+    assert "MC_TRANSFER_TIMEOUT" not in os.environ
+
+
+_TIMED_READ = """
+import json, os, signal, sys, time
+import numpy as np
+sys.path.insert(0, sys.argv[1])
+from test_pd_transport import NB, BB, NS, _start_peer
+from kvslots.errors import TransferError
+from kvslots.vllm.pd import BlockLayout, MooncakeTransport
+
+proc, session, remote = _start_peer(seed=3)
+buf = np.zeros(NS * NB * BB, dtype=np.uint8)
+t = MooncakeTransport("127.0.0.1", transfer_timeout_s=float(sys.argv[2]))
+t.register(BlockLayout.from_buffer(buf.ctypes.data, block_bytes=BB, num_blocks=NB, num_segments=NS))
+t.read_blocks(session, remote, [0], [0])  # Mooncake's own hand-shake with the peer, once
+os.kill(proc.pid, signal.SIGSTOP)
+time.sleep(0.5)
+start = time.monotonic()
+try:
+    t.read_blocks(session, remote, [1], [1])
+    kind = None
+except TransferError as e:
+    kind = e.kind
+took = time.monotonic() - start
+os.kill(proc.pid, signal.SIGCONT)
+proc.stdin.close()
+proc.wait(30)
+t.close()
+print(json.dumps({"kind": kind, "took": took, "env": os.environ.get("MC_TRANSFER_TIMEOUT")}))
+"""
+
+
+@pytest.mark.parametrize("operator", [None, "2"])
+def test_transfer_timeout_bounds_a_read_from_a_silent_peer(tmp_path, operator):
+    """transfer_timeout_s=1.5 becomes Mooncake's MC_TRANSFER_TIMEOUT=2: a read from a peer that
+    stopped after the hand-shake fails within it rather than Mooncake's 30 s. An operator's
+    MC_TRANSFER_TIMEOUT wins (here also 2, so the bound shows it was not overwritten by 1.5's
+    rounding or by Mooncake's default)."""
+    script = tmp_path / "timed_read.py"
+    script.write_text(_TIMED_READ)
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).parent.parent / "python"))
+    env.pop("MC_TRANSFER_TIMEOUT", None)
+    timeout = "1.5"
+    if operator is not None:
+        env["MC_TRANSFER_TIMEOUT"], timeout = operator, "20"
+    out = subprocess.run([sys.executable, str(script), str(Path(__file__).parent), timeout], env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    res = json.loads(out.stdout.strip().splitlines()[-1])
+    assert res["env"] == "2"
+    assert res["kind"] == "peer", res
+    assert 1.5 <= res["took"] < 10, res

@@ -32,7 +32,9 @@ Failures (prefill worker killed, restarted or silent, layouts or block sizes tha
 hold that timed out): the request is reported in ``failed_recving`` as well as
 ``finished_recving``; vLLM then recomputes it (``kv_load_failure_policy: "recompute"``) or fails
 it with an error (``"fail"``, vLLM's default). Nothing waits longer than Mooncake's transfer
-timeout plus ``pd_timeout_s``; the producer frees every held block at ack or timeout.
+timeout (which the consumer caps at ``pd_timeout_s``) plus twice the control timeout, except a
+first contact with a producer, which Mooncake's own hand-shake can hold for its fixed 60 s; the
+producer frees every held block at ack or timeout.
 """
 
 from __future__ import annotations
@@ -48,6 +50,9 @@ from typing import Any
 from ...errors import TransferError
 
 logger = logging.getLogger(__name__)
+
+#: Mooncake's own transfer timeout (0.3.13), which a consumer's shorter pd_timeout_s replaces.
+MOONCAKE_TRANSFER_TIMEOUT_S = 30.0
 
 __all__ = ["PDScheduler", "PDWorker", "PDStepMeta", "RecvSpec", "parse_remote_params"]
 
@@ -268,7 +273,10 @@ class PDWorker:
         from ..pd import BlockLayout, MooncakeTransport
 
         self.layout = BlockLayout.from_tensors(kv_caches, num_blocks)
-        self.transport = MooncakeTransport(self.host)
+        # A pull still running after pd_timeout_s is useless (the producer's hold has expired and
+        # the ack says so), so a consumer gives a silent producer no longer than that.
+        cap = min(self.timeout_s, MOONCAKE_TRANSFER_TIMEOUT_S) if self.consumer else None
+        self.transport = MooncakeTransport(self.host, transfer_timeout_s=cap)
         self.transport.register(self.layout)
         if self.producer:
             from ..pd.control import ControlServer

@@ -16,7 +16,8 @@ gone, refused, or the transfer failed), ``"timeout"``, ``"layout"`` (the layouts
 undefined and nothing else changed.
 
 Timeouts: Mooncake's own synchronous batch gives up on a silent peer after its transfer timeout
-(30 s in 0.3.13). :meth:`MooncakeTransport.submit_read` runs the batch on a worker thread and
+(30 s in 0.3.13; ``MC_TRANSFER_TIMEOUT``, whole seconds, read when an engine is made, which
+``transfer_timeout_s`` sets unless the operator did). :meth:`MooncakeTransport.submit_read` runs the batch on a worker thread and
 :meth:`PendingRead.result` raises ``kind="timeout"`` at the caller's deadline; the destination
 blocks must still not be reused until :meth:`PendingRead.settled` is true, because Mooncake may
 still be writing into them until it gives up itself.
@@ -24,6 +25,7 @@ still be writing into them until it gives up itself.
 
 from __future__ import annotations
 
+import math
 import os
 import threading
 from collections.abc import Sequence
@@ -94,16 +96,26 @@ class MooncakeTransport:
 
     ``hostname``: the address peers reach this worker at (``127.0.0.1`` on loopback).
     ``protocol``: ``"tcp"`` or ``"rdma"``. ``device_name``: Mooncake's NIC filter (RDMA).
+    ``transfer_timeout_s``: how long a read may wait on a silent peer (rounded up to whole
+    seconds); None keeps Mooncake's default. Mooncake takes it from the process environment
+    (``MC_TRANSFER_TIMEOUT``), so it holds for every engine made after this one too, and an
+    ``MC_TRANSFER_TIMEOUT`` the operator set wins.
     """
 
     def __init__(self, hostname: str = "127.0.0.1", *, protocol: str = "tcp", device_name: str = "",
-                 threads: int = 1):
+                 threads: int = 1, transfer_timeout_s: float | None = None):
         if not isinstance(hostname, str) or not hostname or ":" in hostname:
             raise InvalidArgumentError(f"hostname must be a host name or address without a port, got {hostname!r}")
         if protocol not in ("tcp", "rdma"):
             raise InvalidArgumentError(f"protocol must be 'tcp' or 'rdma', got {protocol!r}")
         if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
             raise InvalidArgumentError(f"threads must be an int >= 1, got {threads!r}")
+        if transfer_timeout_s is not None:
+            if (isinstance(transfer_timeout_s, bool) or not isinstance(transfer_timeout_s, (int, float))
+                    or not math.isfinite(transfer_timeout_s) or not 0 < transfer_timeout_s <= 86_400):
+                raise InvalidArgumentError(f"transfer_timeout_s must be a number of seconds in (0, 86400], got "
+                                           f"{transfer_timeout_s!r}")
+            os.environ.setdefault("MC_TRANSFER_TIMEOUT", str(math.ceil(transfer_timeout_s)))
         engine_cls = load_transfer_engine()
         self._engine = engine_cls()
         rc = self._engine.initialize(hostname, "P2PHANDSHAKE", protocol, device_name)
