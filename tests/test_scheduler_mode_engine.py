@@ -6,8 +6,10 @@ same greedy tokens as vLLM's own KV cache manager, the same speculative-decoding
 repeated prompt, and with the connector on the same against vLLM's manager with the connector,
 the repeat served from the host tier after a device reset.
 
-One process per mode (tests/sched_engine_run.py) runs its engines in turn (n-gram: one process
-per engine, vLLM 0.32 on CPU cannot build a second n-gram engine in a process).
+Per mode two processes side by side (tests/sched_engine_run.py), each on a core of its own,
+run two engines each in turn, without and with the connector (n-gram: one process per engine,
+vLLM 0.32 on CPU cannot build a second n-gram engine in a process: its kernel-override scan
+trips over a module the n-gram proposer imports).
 
 A model scheduler mode refuses (a sliding-window layer) stops the engine at start-up with the
 error that names the feature and says to use ``--slot-manager vllm``.
@@ -41,22 +43,32 @@ def models_dir(tmp_path_factory):
     return root
 
 
-def run_engines(models_dir: str, runs: list[dict]) -> list[dict]:
-    spec = {"models": models_dir, "prompt_len": PROMPT, "runs": runs}
-    proc = subprocess.run([sys.executable, os.path.join(HERE, "sched_engine_run.py"), json.dumps(spec)],
-                          capture_output=True, text=True, timeout=1200)
-    lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
-    assert proc.returncode == 0 and lines, f"engine run failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
-    return json.loads(lines[-1][len("RESULT "):])
+def run_engines(models_dir: str, *groups: list[dict]) -> list[dict]:
+    """Runs each group of engine runs in a process of its own (its engines one after the other),
+    the groups side by side, each process's vLLM worker bound to a core of its own (vLLM's CPU
+    backend binds core 0 by default, so two would share it); the results in the runs' order."""
+    cores = sorted(os.sched_getaffinity(0))
+    results: list[list[dict]] = []
+    for wave in range(0, len(groups), len(cores)):
+        procs = []
+        for core, runs in zip(cores, groups[wave:wave + len(cores)]):
+            spec = {"models": models_dir, "prompt_len": PROMPT, "runs": runs}
+            env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND=str(core)) if len(cores) > 1 else None
+            procs.append(subprocess.Popen([sys.executable, os.path.join(HERE, "sched_engine_run.py"), json.dumps(spec)],
+                                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env))
+        for proc in procs:
+            out, err = proc.communicate(timeout=1200)
+            lines = [l for l in out.splitlines() if l.startswith("RESULT ")]
+            assert proc.returncode == 0 and lines, f"engine run failed:\n{out[-3000:]}\n{err[-6000:]}"
+            results.append(json.loads(lines[-1][len("RESULT "):]))
+    return [r for group in results for r in group]
 
 
 @pytest.mark.parametrize("method", [None, "eagle", "eagle3", "draft_model", "ngram"])
 def test_scheduler_mode_serves_like_vllms_manager(models_dir, method):
     runs = [{"method": method, "kvslots": kv, "connector": conn} for conn in (False, True) for kv in (False, True)]
-    if method == "ngram":
-        vllm, kvslots, vllm_conn, kvslots_conn = (run_engines(models_dir, [r])[0] for r in runs)
-    else:
-        vllm, kvslots, vllm_conn, kvslots_conn = run_engines(models_dir, runs)
+    groups = [[r] for r in runs] if method == "ngram" else [runs[:2], runs[2:]]
+    vllm, kvslots, vllm_conn, kvslots_conn = run_engines(models_dir, *groups)
     for base, ours in ((vllm, kvslots), (vllm_conn, kvslots_conn)):
         assert base["manager"] == "KVCacheManager"
         assert ours["manager"] == "KVSlotsKVCacheManager" and ours["scheduler"] == "KVSlotsScheduler"
@@ -96,8 +108,8 @@ def test_dynamic_speculative_decoding_lookahead_in_the_engine(models_dir):
     """A dynamic-SD schedule: kvslots materialises each step's lookahead for its K; the tokens
     and counters are vLLM's."""
     dyn = [[1, 1, 4], [2, 4, 2]]
-    base, ours = run_engines(models_dir, [{"method": "eagle", "k": 4, "dynamic_sd": dyn, "kvslots": kv}
-                                          for kv in (False, True)])
+    base, ours = run_engines(models_dir, *([{"method": "eagle", "k": 4, "dynamic_sd": dyn, "kvslots": kv}]
+                                           for kv in (False, True)))
     assert ours["outputs"] == base["outputs"]
     assert ours["metrics"] == base["metrics"]
     assert ours["pool_whole"]
