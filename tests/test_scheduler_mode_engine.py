@@ -26,6 +26,7 @@ import sys
 import time
 
 import pytest
+from engine_procs import run_side_by_side
 
 pytest.importorskip("vllm", reason="vLLM is not installed (make test installs it)")
 
@@ -44,24 +45,10 @@ def models_dir(tmp_path_factory):
 
 
 def run_engines(models_dir: str, *groups: list[dict]) -> list[dict]:
-    """Runs each group of engine runs in a process of its own (its engines one after the other),
-    the groups side by side, each process's vLLM worker bound to a core of its own (vLLM's CPU
-    backend binds core 0 by default, so two would share it); the results in the runs' order."""
-    cores = sorted(os.sched_getaffinity(0))
-    results: list[list[dict]] = []
-    for wave in range(0, len(groups), len(cores)):
-        procs = []
-        for core, runs in zip(cores, groups[wave:wave + len(cores)]):
-            spec = {"models": models_dir, "prompt_len": PROMPT, "runs": runs}
-            env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND=str(core)) if len(cores) > 1 else None
-            procs.append(subprocess.Popen([sys.executable, os.path.join(HERE, "sched_engine_run.py"), json.dumps(spec)],
-                                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env))
-        for proc in procs:
-            out, err = proc.communicate(timeout=1200)
-            lines = [l for l in out.splitlines() if l.startswith("RESULT ")]
-            assert proc.returncode == 0 and lines, f"engine run failed:\n{out[-3000:]}\n{err[-6000:]}"
-            results.append(json.loads(lines[-1][len("RESULT "):]))
-    return [r for group in results for r in group]
+    """Each group of runs in a process of its own (its engines one after the other), the
+    processes side by side; the results in the runs' order."""
+    specs = [{"models": models_dir, "prompt_len": PROMPT, "runs": runs} for runs in groups]
+    return [r for group in run_side_by_side(os.path.join(HERE, "sched_engine_run.py"), specs) for r in group]
 
 
 @pytest.mark.parametrize("method", [None, "eagle", "eagle3", "draft_model", "ngram"])

@@ -5,16 +5,15 @@ and EAGLE-3 the last block of a host hit is served exactly when its draft KV is 
 writes (compared byte for byte: random EAGLE heads accept almost nothing, so acceptance counts
 cannot show a wrong draft KV).
 
-Each configuration runs in its own process (tests/engine_run.py): a fresh engine per run."""
+Each configuration runs in its own process (tests/engine_run.py): a fresh engine per run, two
+side by side where a test compares two (tests/engine_procs.py)."""
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
 
 import pytest
+from engine_procs import EngineProcess
 
 pytest.importorskip("vllm", reason="vLLM is not installed (make test installs it)")
 
@@ -32,19 +31,19 @@ def models_dir(tmp_path_factory):
     return root
 
 
+def start_engine(models_dir: str, **spec) -> EngineProcess:
+    return EngineProcess(os.path.join(HERE, "engine_run.py"), {"models": models_dir, "prompt_len": PROMPT, **spec},
+                         timeout=900)
+
+
 def run_engine(models_dir: str, **spec) -> dict:
-    spec = {"models": models_dir, "prompt_len": PROMPT, **spec}
-    proc = subprocess.run([sys.executable, os.path.join(HERE, "engine_run.py"), json.dumps(spec)],
-                          capture_output=True, text=True, timeout=900)
-    lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
-    assert proc.returncode == 0 and lines, f"engine run failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
-    return json.loads(lines[-1][len("RESULT "):])
+    return start_engine(models_dir, **spec).result()
 
 
 @pytest.mark.parametrize("method", ["eagle", "eagle3", "draft_model"])
 def test_connector_is_transparent_and_serves_the_host_tier(models_dir, method):
-    base = run_engine(models_dir, method=method, connector=False)
-    conn = run_engine(models_dir, method=method, connector=True)
+    base, conn = (start_engine(models_dir, method=method, connector=c) for c in (False, True))
+    base, conn = base.result(), conn.result()
     # Same greedy tokens, request by request (the third is the repeat after the device reset).
     assert conn["outputs"] == base["outputs"]
     assert base["outputs"][0] == base["outputs"][2]
@@ -68,14 +67,16 @@ def test_connector_is_transparent_and_serves_the_host_tier(models_dir, method):
 
 @pytest.fixture(scope="module")
 def plain_draft_kv(models_dir):
-    """The same scenario without speculative decoding: the host hits to match."""
-    return run_engine(models_dir, method=None, connector=True, draft_kv=True)
+    """The same scenario without speculative decoding: the host hits to match (started now, it
+    runs beside the first test's own engine)."""
+    return start_engine(models_dir, method=None, connector=True, draft_kv=True)
 
 
 @pytest.mark.parametrize("method", ["eagle", "eagle3"])
 def test_eagle_last_block_is_served_from_host_with_the_draft_kv_a_recompute_writes(models_dir, plain_draft_kv,
                                                                                   method):
     r = run_engine(models_dir, method=method, connector=True, draft_kv=True)
+    plain_draft_kv = plain_draft_kv.result()
     full = r["full_blocks"]
     assert r["draft_layers"], "the drafter's layers are in the host blocks"
     # Each host block recorded the token that followed it when stored.
