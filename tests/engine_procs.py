@@ -19,11 +19,19 @@ _CORES = sorted(os.sched_getaffinity(0))
 _next_core = itertools.cycle(_CORES)
 
 
+def own_core_env(**extra: str) -> dict[str, str]:
+    """The environment for the next engine process: this one's, bound to the next core."""
+    env = dict(os.environ, **extra)
+    if len(_CORES) > 1:
+        env["VLLM_CPU_OMP_THREADS_BIND"] = str(next(_next_core))
+    return env
+
+
 class EngineProcess:
     """A runner script started now; :meth:`result` waits for its RESULT line."""
 
-    def __init__(self, script: str, spec: dict, timeout: float = 1200):
-        env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND=str(next(_next_core))) if len(_CORES) > 1 else None
+    def __init__(self, script: str, spec: dict, timeout: float = 1200, **env: str):
+        env = own_core_env(**env)
         self._timeout = timeout
         self._result: dict | list | None = None
         self._proc = subprocess.Popen([sys.executable, script, json.dumps(spec)], stdout=subprocess.PIPE,

@@ -23,6 +23,7 @@ import threading
 import time
 
 import pytest
+from engine_procs import EngineProcess, own_core_env
 from ports import free_port
 
 pytest.importorskip("vllm", reason="vLLM is not installed (make test installs it)")
@@ -47,24 +48,24 @@ def _prompts() -> list[list[int]]:
     return [[rng.randrange(3, 2000) for _ in range(200)], [rng.randrange(3, 2000) for _ in range(96)]]
 
 
-def _run(spec: dict) -> dict:
-    env = dict(os.environ, GLOG_minloglevel="2")
-    proc = subprocess.run([sys.executable, os.path.join(HERE, "pd_engine_run.py"), json.dumps(spec)],
-                          capture_output=True, text=True, timeout=900, env=env, stdin=subprocess.DEVNULL)
-    lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
-    assert proc.returncode == 0 and lines, f"engine run failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
-    return json.loads(lines[-1][len("RESULT "):])
+def _start(spec: dict) -> EngineProcess:
+    return EngineProcess(os.path.join(HERE, "pd_engine_run.py"), spec, timeout=900, GLOG_minloglevel="2")
 
 
-_AGG: dict[tuple, dict] = {}
+_AGG: dict[tuple, EngineProcess] = {}
 
 
 def _agg(models_dir: str, method: str | None, block_size: int = 32) -> dict:
     """The aggregated engine's run of _prompts() (one per configuration per test session)."""
+    return _agg_started(models_dir, method, block_size).result()
+
+
+def _agg_started(models_dir: str, method: str | None, block_size: int = 32) -> EngineProcess:
+    """The aggregated run, started now unless it was before (it runs beside a test's engines)."""
     key = (models_dir, method, block_size)
     if key not in _AGG:
-        _AGG[key] = _run({"models": models_dir, "method": method, "role": "aggregated", "prompts": _prompts(),
-                          "max_tokens": MAX_TOKENS, "block_size": block_size})
+        _AGG[key] = _start({"models": models_dir, "method": method, "role": "aggregated", "prompts": _prompts(),
+                            "max_tokens": MAX_TOKENS, "block_size": block_size})
     return _AGG[key]
 
 
@@ -73,7 +74,7 @@ class Engine:
     side by side (their start-up is most of a test's time)."""
 
     def __init__(self, spec: dict):
-        env = dict(os.environ, GLOG_minloglevel="2")
+        env = own_core_env(GLOG_minloglevel="2")
         self.err = tempfile.TemporaryFile(mode="w+")
         self.proc = subprocess.Popen([sys.executable, os.path.join(HERE, "pd_engine_run.py"), json.dumps(spec)],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.err, text=True,
@@ -122,12 +123,6 @@ class Engine:
         self.err.close()
 
 
-def Prefill(spec: dict) -> Engine:
-    e = Engine(spec)
-    e.expect("READY")
-    return e
-
-
 # All five speculative modes (none, EAGLE, EAGLE-3, draft model, n-gram) run served, through two
 # `kvslots serve` and the proxy (tests/test_pd_served.py). Here, at engine level, the two whose
 # drafter KV is shipped in layers of its own, with what only the engine shows: the layers
@@ -136,20 +131,20 @@ def Prefill(spec: dict) -> Engine:
 @pytest.mark.parametrize("method", ["eagle", "draft_model"], ids=str)
 def test_pd_outputs_and_acceptance_equal_aggregated(models_dir, method):
     prompts = _prompts()
-    port = free_port()
-    prefill = Prefill({"models": models_dir, "method": method, "role": "prefill", "pd_port": port})
+    prefill, decode = _pair(models_dir, free_port(), prefill={"method": method}, decode={"method": method})
     try:
         pre = prefill.call({"prompts": prompts})
         params = pre["params"]
         for p, prm in zip(prompts, params):
             assert prm["do_remote_prefill"] and prm["num_tokens"] == len(p)
             assert len(prm["remote_block_ids"]) >= -(-len(p) // 32)
-        dec = _run({"models": models_dir, "method": method, "role": "decode", "prompts": prompts, "params": params,
-                    "max_tokens": MAX_TOKENS})
+        agg = _agg_started(models_dir, method)  # beside the decode engine
+        dec = decode.call({"prompts": prompts, "params": params})
         held = prefill.call({"held": True, "wait_s": 30})
     finally:
         prefill.close()
-    agg = _agg(models_dir, method)
+        decode.close()
+    agg = agg.result()
     assert dec["outputs"] == agg["outputs"]
     assert [o[0] for o in dec["outputs"]] == [f[0] for f in pre["first"]]
     # the decode engine computed the last prompt token only (the rest came from the prefill engine)
@@ -285,6 +280,7 @@ def test_mismatched_engines_recompute_and_free_the_prefill(models_dir, mismatch)
     prompts = _prompts()[:1]
     # (vLLM's CPU attention takes multiples of 32 only)
     prefill, decode = {"model": ({}, {"method": None}), "block_size": ({"block_size": 64}, {})}[mismatch]
+    agg = _agg_started(models_dir, None if mismatch == "model" else "eagle")  # beside the pair
     prefill, dec_engine = _pair(models_dir, free_port(), prefill={"pd_timeout_s": 120, **prefill}, decode=decode)
     try:
         pre = prefill.call({"prompts": prompts})
@@ -295,11 +291,9 @@ def test_mismatched_engines_recompute_and_free_the_prefill(models_dir, mismatch)
         dec_engine.close()
     if mismatch == "model":  # found at the hand-shake: a failed pull
         assert dec["pd"]["failed_pulls"] == 1 and dec["pd"]["pulled_blocks"] == 0, dec["pd"]
-        agg = _agg(models_dir, None)
     else:  # found in the hand-off itself: never pulled
         assert dec["pd"]["failed_pulls"] == 0 and dec["pd"]["pulled_blocks"] == 0, dec["pd"]
-        agg = _agg(models_dir, "eagle")
-    _assert_recomputed(dec, prompts, agg)
+    _assert_recomputed(dec, prompts, agg.result())
     assert held["held"] == 0 and held["free"] == held["baseline_free"], held
     assert held["stats"]["acks"] == 1 and held["stats"]["expired"] == 0, held
 
