@@ -24,11 +24,12 @@ from kvslots.events.subscriber import EventSubscriber
 LOCAL = "tcp://127.0.0.1:0"
 
 
-def wait_until(pred: Callable[[], bool], timeout: float = 10.0, what: str = "condition") -> None:
+def wait_until(pred: Callable[[], bool], timeout: float = 10.0, what: str = "condition",
+               state: Callable[[], object] | None = None) -> None:
     deadline = time.monotonic() + timeout
     while not pred():
         if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
+            raise AssertionError(f"timed out waiting for {what}; {state() if state else ''}")
         time.sleep(0.005)
 
 
@@ -370,7 +371,8 @@ def test_publisher_to_subscriber_over_ipv6_loopback(capsys):
         for i in range(3):
             pub.publish(batch(i))
         assert pub.flush(5)
-        assert sub.add_publisher("w", pub.endpoint, pub.replay_endpoint, start_seq=0, wait=10)
+        assert sub.add_publisher("w", pub.endpoint, pub.replay_endpoint, start_seq=0, wait=10), (
+            sub.publisher_status("w"), sub.counters, pub.stats)
         assert rec.seqs() == [0, 1, 2]  # the catch-up replay, over the replay socket
         sub.start()
         pub._test_drop_on_wire(4)
@@ -382,7 +384,8 @@ def test_publisher_to_subscriber_over_ipv6_loopback(capsys):
         for _ in range(3):
             pub.publish(batch(n))
             n += 1
-        wait_until(lambda: rec.seqs()[-1:] == [n - 1], 10, "the live stream over IPv6")
+        wait_until(lambda: rec.seqs()[-1:] == [n - 1], 10, "the live stream over IPv6",
+                   lambda: (rec.seqs()[-5:], sub.publisher_status("w"), sub.counters, pub.stats))
         assert rec.seqs() == list(range(n))
         assert sub.counters["lost"] == 0
     finally:

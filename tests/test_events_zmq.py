@@ -35,14 +35,16 @@ from kvslots.events.subscriber import EventSubscriber
 LOCAL = "tcp://127.0.0.1:0"
 
 
-def wait_until(pred: Callable[[], bool], sub: EventSubscriber | None = None, timeout: float = 30.0):
+def wait_until(pred: Callable[[], bool], sub: EventSubscriber | None = None, timeout: float = 30.0,
+               state: Callable[[], object] | None = None):
     """Polls ``sub`` (or sleeps, when it runs its own thread) until ``pred()`` or timeout. The
     deadline is generous: it costs nothing when the condition holds, and a full suite run on 2
-    cores once took longer than 5 s to deliver over loopback."""
+    cores once took longer than 5 s to deliver over loopback. ``state()`` goes into the failure
+    message (a timeout that was seen once under load, and never again, must say where it stuck)."""
     deadline = time.monotonic() + timeout
     while not pred():
         if time.monotonic() > deadline:
-            raise AssertionError("condition not reached in time")
+            raise AssertionError(f"condition not reached in time; {state() if state else ''}")
         if sub is not None:
             sub.poll_once(10)
         else:
@@ -183,7 +185,8 @@ def test_subscriber_thread_multiple_publishers_and_failing_callback(closing):
     for n in range(5):
         for p in pubs:
             p.publish(batch(n))
-    wait_until(lambda: sub.counters["applied"] == 15)
+    wait_until(lambda: sub.counters["applied"] == 15, state=lambda: (
+        sub.counters, [(sub.publisher_status(i), sub.publisher_counters(i), p.stats) for i, p in enumerate(pubs)]))
     assert rec.seqs(0) == rec.seqs(2) == [0, 1, 2, 3, 4]
     assert rec.seqs(1) == [0, 1, 3, 4]
     assert sub.counters["callback_errors"] == 1
