@@ -588,7 +588,7 @@ def test_output_that_cannot_be_written_is_one_line_exit_2(tmp_path, argv, sink):
 @pytest.mark.parametrize("argv", [
     ["bogus"], ["--nope"], ["convert-config"], ["convert-config", "x.yaml", "--format", "toml"],
     ["indexer", "--port", "x"], ["indexer", "--log-level", "trace"], ["indexer", "--capacity", "1.5"],
-    ["simulate", "--requests", "x"], ["simulate", "--acceptance"], ["proxy", "--prefill", "http://p"],
+    ["indexer", "--max-frame-mb", "1e3"], ["simulate", "--requests", "x"], ["simulate", "--acceptance"], ["proxy", "--prefill", "http://p"],
     ["proxy", "--prefill", "http://p", "--decode", "http://d", "--port", "x"], ["demo", "--method", "x"],
     ["demo", "-k", "x"], ["serve"], ["serve", "org/m", "--port", "x"], ["convert-config", "x.yaml", "--bogus"],
 ])
@@ -600,3 +600,10 @@ def test_argument_errors_are_one_line_exit_2(capsys, argv):
     out, err = capsys.readouterr()
     assert ei.value.code == 2 and out == "", (out, err)
     assert err.count("\n") == 1 and err.startswith("kvslots") and ": error: " in err, err
+
+
+@pytest.mark.parametrize("value", ["0", "-5", "4097", str(2**80)])
+def test_indexer_max_frame_mb_out_of_range_is_one_line_exit_2(capsys, no_server, value):
+    code, out, err, _ = run_cli(["indexer", "--max-frame-mb", value], capsys)
+    assert code == 2 and out == "", (out, err)
+    assert err.count("\n") == 1 and err.startswith("kvslots indexer: ") and "max_frame_mb" in err, err

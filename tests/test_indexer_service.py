@@ -211,6 +211,44 @@ def test_malformed_frames_are_counted_and_skipped(harness):
     assert h.stream("a")["gaps"] == 0  # the bad payloads still advanced the sequence
 
 
+def test_a_frame_past_max_frame_mb_is_dropped_reopened_and_counted(harness):
+    """max_frame_mb reaches the subscription: a 2 MiB frame to an indexer bounded at 1 MiB drops
+    the connection before it is buffered; the indexer reopens it (counted in /workers and the
+    metrics), resets the worker as after any reconnect, and what follows is indexed."""
+    h = harness(max_frame_mb=1)
+    settle(h, "a")
+    h.publish("a", [store(1, P1, BS)])
+    h.converge(P1)
+    h.pubs["a"].publish_raw(b"\x00" * (2 * 2**20))
+    h.oracle = Oracle()  # the reset drops the worker's entries; the rebuild comes from what follows
+    h.oracle.add_worker("a", "GPU")
+    wait_for(lambda: h.stream("a")["reopened"] >= 1, 10, "the dropped connection to be reopened")
+    assert h.metric("kvslots_indexer_reopened_connections_total", "a") >= 1
+    # published until the reopened connection delivers (ZMQ's slow joiner again)
+    wait_for(lambda: h.publish("a", [store(3, P3, BS)], model=False) is not None
+             and h.score(P3)["workers"].get("a", {}).get("blocks") == 3, 10, "a batch after the big frame")
+    assert h.stream("a")["malformed"] == 0
+    assert h.service.sub.status()["a"]["resets"] >= 1
+
+
+@pytest.mark.parametrize("value", [0, -1, 4097, 2**70, 1.5, "64", True, None])
+def test_max_frame_mb_is_checked(value, tmp_path):
+    with pytest.raises(ConfigError, match="max_frame_mb"):
+        IndexerConfig(max_frame_mb=value).validate()
+    f = tmp_path / "idx.yaml"
+    f.write_text(f"max_frame_mb: {value!r}\n" if not isinstance(value, str) else f"max_frame_mb: '{value}'\n")
+    with pytest.raises(ConfigError, match="max_frame_mb"):
+        build_config(argparse.Namespace(config=str(f)))
+
+
+def test_max_frame_mb_from_the_file_and_the_flag(tmp_path):
+    f = tmp_path / "idx.yaml"
+    f.write_text("max_frame_mb: 8\n")
+    assert build_config(argparse.Namespace(config=str(f))).max_frame_mb == 8
+    assert build_config(argparse.Namespace(config=str(f), max_frame_mb=16)).max_frame_mb == 16
+    assert build_config(argparse.Namespace()).max_frame_mb == 64
+
+
 def test_duplicate_store_and_remove(harness):
     h = harness()
     settle(h, "a")

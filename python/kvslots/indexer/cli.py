@@ -38,6 +38,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--block-size", type=int, help="block size of /score requests that name none (default 16)")
     p.add_argument("--max-tokens", type=int, help="most token ids in one /score request (default 262144)")
     p.add_argument("--replay-timeout", type=float, help="seconds to wait for a replay answer (default 2)")
+    p.add_argument("--max-frame-mb", type=int, metavar="MIB",
+                   help="largest event frame taken from a worker; a bigger one drops the connection, which is "
+                        "reopened (default 64, about a 7M-token step)")
     p.add_argument("--admin-token", help=f"bearer token enabling POST/DELETE /workers (prefer {ADMIN_TOKEN_ENV} "
                                          "or --admin-token-file: arguments are visible to other users)")
     p.add_argument("--admin-token-file", metavar="FILE", help="read the admin token from FILE")

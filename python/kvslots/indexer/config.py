@@ -11,7 +11,7 @@ from typing import Any
 from ..config.loader import brief, read_config_text
 from ..config.loader import load_yaml as load_config_yaml
 from ..errors import ConfigError, KVSlotsError
-from ..events.protocol import check_connect_endpoint
+from ..events.protocol import MAX_FRAME_BYTES, check_connect_endpoint
 
 TIERS = ("GPU", "CPU", "STORAGE")
 DEFAULT_WEIGHTS = {"GPU": 1.0, "CPU": 0.8, "STORAGE": 0.5}
@@ -193,6 +193,9 @@ class IndexerConfig:
     max_tokens: int = 262_144
     admin_token: str | None = None
     replay_timeout: float = 2.0
+    #: Largest event frame taken from a worker (MiB); a bigger one drops the connection, which the
+    #: subscriber reopens (events.subscriber). The default holds a step of about 7M tokens.
+    max_frame_mb: int = MAX_FRAME_BYTES // 2**20
     log_level: str = "info"
 
     @property
@@ -235,6 +238,8 @@ class IndexerConfig:
             raise ConfigError(f"port {self.port}: must be in [0, 65535]")
         if not 0 < self.replay_timeout <= MAX_REPLAY_TIMEOUT:
             raise ConfigError(f"replay_timeout {self.replay_timeout}: must be in (0, {MAX_REPLAY_TIMEOUT:g}] seconds")
+        if not 1 <= self.max_frame_mb <= MAX_FRAME_MB:
+            raise ConfigError(f"max_frame_mb {self.max_frame_mb}: must be in [1, {MAX_FRAME_MB}] (MiB)")
         if self.log_level not in LOG_LEVELS:
             raise ConfigError(f"log_level {self.log_level!r}: use one of {', '.join(LOG_LEVELS)}")
         if self.admin_token is not None:
@@ -276,6 +281,7 @@ def _kind(value: Any) -> str:
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
 MAX_REPLAY_TIMEOUT = 3600.0
+MAX_FRAME_MB = 4096  # a single frame past 4 GiB is not an event batch
 
 
 def _typed(value: Any, key: str, kinds: tuple[type, ...], what: str, path: str) -> Any:
@@ -298,6 +304,7 @@ _YAML_SETTINGS: dict[str, tuple[tuple[type, ...], str]] = {
     "max_tokens": ((int,), "an integer"),
     "admin_token": ((str, type(None)), "a string or null"),
     "replay_timeout": ((int, float), "a number"),
+    "max_frame_mb": ((int,), "an integer"),
     "log_level": ((str,), "a string"),
 }
 
@@ -350,7 +357,7 @@ def _config_from_yaml(path: str) -> IndexerConfig:
 
 _YAML_KEYS = {
     "workers", "host", "port", "backend", "redis_url", "redis_namespace", "tier_weights", "capacity",
-    "block_size", "max_tokens", "admin_token", "replay_timeout", "log_level",
+    "block_size", "max_tokens", "admin_token", "replay_timeout", "max_frame_mb", "log_level",
 }
 
 
@@ -364,7 +371,7 @@ def build_config(args: Any) -> IndexerConfig:
         t, w = parse_weight(text)
         cfg.tier_weights[t] = w
     for k in ("host", "port", "backend", "redis_url", "redis_namespace", "block_size", "max_tokens",
-              "replay_timeout", "log_level"):
+              "replay_timeout", "max_frame_mb", "log_level"):
         v = getattr(args, k, None)
         if v is not None:
             setattr(cfg, k, v)

@@ -35,6 +35,8 @@ class Metrics:
             "after a give-up", ["worker"], registry=r)
         self.resets = Counter(f"{PREFIX}_resets", "Worker entries dropped (publisher restart, unhealed gap)",
                               ["worker"], registry=r)
+        self.reopened = Counter(f"{PREFIX}_reopened_connections", "Worker connections ZMQ dropped for good "
+                                "(a frame past max_frame_mb) and the indexer reopened", ["worker"], registry=r)
         self.malformed = Counter(f"{PREFIX}_malformed_frames", "Frames or payloads skipped as malformed",
                                  ["worker"], registry=r)
         self.lookups = Histogram(
@@ -61,7 +63,8 @@ class Metrics:
     def signal(self, worker: str, what: str, n: int = 1) -> None:
         c = {"gap": self.gaps, "replay": self.replays, "replay_failed": self.replay_failures,
              "reset": self.resets, "malformed": self.malformed,
-             "replay_given_up": self.replays_given_up, "replay_skipped": self.replays_skipped}.get(what)
+             "replay_given_up": self.replays_given_up, "replay_skipped": self.replays_skipped,
+             "reopened": self.reopened}.get(what)
         if c is not None:
             c.labels(worker).inc(n)
 

@@ -43,7 +43,7 @@ class IndexerService:
         # What a worker's stream triggers, bounded per worker (a flood of bad frames was a flood of lines).
         self._worker_log = RateLimitedLog(log)
         self.backend = backend or make_backend(cfg)
-        self.sub = Subscription(self, replay_timeout=cfg.replay_timeout)
+        self.sub = Subscription(self, replay_timeout=cfg.replay_timeout, max_frame_bytes=cfg.max_frame_mb * 2**20)
         self._subscribed: dict[str, WorkerSpec] = {}
         self._sync_lock = threading.Lock()
         self.started_at = time.time()

@@ -31,6 +31,7 @@ from typing import Any, Protocol
 
 import zmq
 
+from ..events.protocol import MAX_FRAME_BYTES
 from ..events.subscriber import EventSubscriber
 from .config import WorkerSpec
 
@@ -45,6 +46,7 @@ SIGNALS = {
     "malformed": "malformed",
     "replay_given_up": "replay_given_up",
     "replay_skipped": "replay_skipped",
+    "reopened": "reopened",
 }
 
 
@@ -62,13 +64,13 @@ class EventSink(Protocol):
 
     def on_signal(self, worker: str, what: str, n: int = 1) -> None:
         """Counters: ``gap``, ``replay``, ``replay_failed``, ``malformed``, ``reset``,
-        ``replay_given_up``, ``replay_skipped``."""
+        ``replay_given_up``, ``replay_skipped``, ``reopened``."""
 
 
 class Subscription:
     """Every worker's stream, on one :class:`EventSubscriber` and its one polling thread."""
 
-    def __init__(self, sink: EventSink, *, replay_timeout: float = 2.0,
+    def __init__(self, sink: EventSink, *, replay_timeout: float = 2.0, max_frame_bytes: int = MAX_FRAME_BYTES,
                  context: zmq.Context | None = None):
         self._sink = sink
         self._wait = replay_timeout * 4 + 5  # for add/remove to be carried out
@@ -76,6 +78,7 @@ class Subscription:
             self._on_batch,
             self._on_reset,
             replay_timeout_ms=max(1, int(replay_timeout * 1000)),
+            max_frame_bytes=max_frame_bytes,
             context=context,
             decode=False,
             on_count=self._on_count,
@@ -135,6 +138,7 @@ class Subscription:
                 "replay_paused_s": round(st["replay_paused_s"], 3),
                 "resets": st["resets"],
                 "malformed": st["malformed"],
+                "reopened": st["reopened"],
                 "last_batch_at": self._last_batch_at.get(name),
             }
         return out
