@@ -280,6 +280,9 @@ def test_subprocess_alias_bomb_fifo_and_deep_nesting(tmp_path):
     ("[1, 2]", "must be a JSON object"),
     ('{"a": 1', "invalid JSON"),
     (b"\xff\xfe{}", "not UTF-8"),
+    ('{"a": 1}'.encode("utf-16"), "not UTF-8"),
+    ('{"a": 1}'.encode("utf-16-le"), "invalid JSON"),  # read as UTF-8 text with NULs in it
+    ('{"a": 1}'.encode("utf-32"), "not UTF-8"),
 ])
 def test_speculators_config_json(tmp_path, capsys, content, problem):
     d = tmp_path / "spec"
@@ -607,3 +610,13 @@ def test_indexer_max_frame_mb_out_of_range_is_one_line_exit_2(capsys, no_server,
     code, out, err, _ = run_cli(["indexer", "--max-frame-mb", value], capsys)
     assert code == 2 and out == "", (out, err)
     assert err.count("\n") == 1 and err.startswith("kvslots indexer: ") and "max_frame_mb" in err, err
+
+
+@pytest.mark.parametrize("encoding", ["utf-16", "utf-16-le", "utf-16-be", "utf-32", "utf-32-le", "utf-32-be"])
+def test_strict_json_takes_utf8_only(encoding):
+    from kvslots.config.loader import loads_strict_json
+
+    with pytest.raises(ConfigError, match="not UTF-8"):
+        loads_strict_json('{"token_ids": [1, 2]}'.encode(encoding))
+    assert loads_strict_json('{"token_ids": [1, 2]}'.encode("utf-8")) == {"token_ids": [1, 2]}
+    assert loads_strict_json('{"a": "\u00e9"}'.encode("utf-8-sig")) == {"a": "\u00e9"}  # a BOM may be ignored

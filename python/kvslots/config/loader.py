@@ -453,8 +453,14 @@ def loads_strict_json(text: str | bytes, source: str | None = None, *, finite: b
     if not isinstance(text, (str, bytes, bytearray)):  # .isascii() below was an AttributeError
         raise ArgumentTypeError(f"JSON text must be a str or bytes, got {type(text).__name__}")
     if isinstance(text, (bytes, bytearray)):
+        # RFC 8259 8.1: JSON between systems is UTF-8 (a BOM may be ignored). json.loads would
+        # also take UTF-16 and UTF-32, which no other JSON reader of ours accepts.
+        encoding = json.detect_encoding(text)
+        if encoding not in ("utf-8", "utf-8-sig"):
+            raise ConfigError(f"invalid JSON: not UTF-8 (the bytes read as {encoding.upper()}; JSON text is UTF-8)",
+                              None, source)
         try:
-            text = bytes(text).decode(json.detect_encoding(text))
+            text = bytes(text).decode(encoding)
         except UnicodeDecodeError:
             raise ConfigError("invalid JSON: not UTF-8", None, source) from None
     if not text.isascii():
