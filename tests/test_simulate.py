@@ -84,6 +84,26 @@ def test_tiny_model_dimensions_are_checked(dims):
         Dims(*dims)
 
 
+@pytest.mark.parametrize("argv, problem", [
+    (["--heads", "0"], "Dims.heads: must be an integer in [1, 65536]"),
+    (["--hidden", "abc"], "invalid int value"),
+    (["--heads", "3"], "must be a multiple of heads"),
+    (["/dev/null/x"], "cannot build the tiny models"),
+])
+def test_tiny_models_script_errors_are_one_line_exit_2(capsys, argv, problem):
+    """``python -m kvslots._dev.tiny`` (docs/serve.md tells users to run it) errs as the kvslots
+    commands do: one line, exit status 2, no traceback."""
+    from kvslots._dev.tiny import main
+
+    try:
+        code = main(argv)
+    except SystemExit as e:  # argparse's errors exit from parse_args
+        code = e.code
+    out, err = capsys.readouterr()
+    assert code == 2 and out == "", (out, err)
+    assert err.count("\n") == 1 and err.startswith("python -m kvslots._dev.tiny: error: ") and problem in err, err
+
+
 @pytest.mark.parametrize("root", [5, None, b"/tmp/x", ["/tmp/x"]])
 def test_tiny_models_root_must_be_a_path(root):
     from kvslots._dev.tiny import build_tiny_models

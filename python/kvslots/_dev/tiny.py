@@ -35,6 +35,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 from dataclasses import asdict, dataclass
 
 import torch
@@ -258,8 +259,13 @@ def build_tiny_models(root: str, dims: Dims = TINY) -> dict[str, str]:
     return paths
 
 
-def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description="Build tiny random-weight models (target, EAGLE, EAGLE-3).")
+def main(argv: list[str] | None = None) -> int:
+    """``python -m kvslots._dev.tiny [ROOT]``: errors are one line and exit status 2, as in the
+    ``kvslots`` commands."""
+    from ..cli import OneLineParser, run_command
+
+    ap = OneLineParser(prog="python -m kvslots._dev.tiny",
+                       description="Build tiny random-weight models (target, EAGLE, EAGLE-3).")
     ap.add_argument("root", nargs="?", default="/tmp/kvslots-tiny")
     ap.add_argument("--layers", type=int, default=TINY.layers)
     ap.add_argument("--hidden", type=int, default=TINY.hidden)
@@ -267,9 +273,13 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--kv-heads", type=int, default=TINY.kv_heads)
     ap.add_argument("--intermediate", type=int, default=None, help="MLP size (default: 2 x hidden)")
     a = ap.parse_args(argv)
-    dims = Dims(a.layers, a.hidden, a.heads, a.kv_heads, a.intermediate or 2 * a.hidden)
-    print(json.dumps(build_tiny_models(a.root, dims), indent=1))
+
+    def build(a: argparse.Namespace) -> None:
+        dims = Dims(a.layers, a.hidden, a.heads, a.kv_heads, a.intermediate or 2 * a.hidden)
+        print(json.dumps(build_tiny_models(a.root, dims), indent=1))
+
+    return run_command(build, a, ap.prog)
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
