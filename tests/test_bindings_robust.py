@@ -827,3 +827,91 @@ def test_copy_keeps_a_tensor_storage_another_thread_replaces():
     for t in threads:
         t.join()
     assert not unexpected
+
+
+# ---- DiskStore ----
+
+DISK_CALLS = {"submit": 4, "take_done": 0, "read_into": 3, "read_rows": 4, "read_rows_async": 4, "take_reads": 0,
+              "wait_reads": 1, "invalidate": 1, "flush": 0}
+DISK_KWARGS = {"submit": ["successor", "parent_hash", "lora_id"]}
+
+
+@SETTINGS
+@given(data=st.data())
+def test_disk_store_any_arguments(data, tmp_path_factory):
+    """The disk tier's store with any arguments: success or a kvslots error with its file and
+    counters unchanged (the background writer and readers are settled before each look)."""
+    path = tmp_path_factory.mktemp("disk") / "f.bin"
+    ds = _core.DiskStore(str(path), num_slots=4, block_size=2, num_layers=1, bytes_per_block=8, dtype="uint8",
+                         fingerprint=1)
+    assert ds.submit(1, np.arange(8, dtype=np.uint8), 11, [1, 2])
+
+    def state():
+        ds.flush()
+        assert ds.wait_reads(10.0)
+        return ds.stats(), ds.reads_in_flight, path.read_bytes()
+
+    block = np.arange(8, dtype=np.uint8)
+    valid = [0, 1, 3, 11, [1], [11], [0, 1], [11, 11], [1, 2], block, np.zeros((1, 8), np.uint8),
+             np.zeros((2, 8), np.uint8), 0.5, 1.0]
+    for _ in range(3):
+        name = data.draw(st.sampled_from(sorted(DISK_CALLS)))
+        args = _args(data, DISK_CALLS[name], valid)
+        kw = {k: data.draw(ANY) for k in DISK_KWARGS.get(name, []) if data.draw(st.booleans())}
+        _call(ds, name, args, kw, state)
+    state()
+    ds.take_reads()
+
+
+def test_disk_store_from_many_threads(tmp_path):
+    """Four threads write, invalidate and read (sync and async) one store at once: every call
+    succeeds or is a kvslots error, every accepted write is accounted for, and every block read
+    back whole is one that was written to that slot (never a torn or foreign one)."""
+    import threading
+
+    ds = _core.DiskStore(str(tmp_path / "f.bin"), num_slots=8, block_size=2, num_layers=1, bytes_per_block=64,
+                         dtype="uint8", fingerprint=1, queue_len=4)
+    errors: list[BaseException] = []
+    accepted = [0] * 4
+
+    def block(h: int) -> np.ndarray:
+        return np.full(64, h % 251, np.uint8)
+
+    def work(t: int) -> None:
+        rng = np.random.default_rng(t)
+        out = np.zeros((2, 64), np.uint8)
+        try:
+            for i in range(300):
+                slot, h = int(rng.integers(0, 8)), 1000 + int(rng.integers(0, 16))
+                op = int(rng.integers(0, 5))
+                try:
+                    if op == 0:
+                        accepted[t] += ds.submit(slot, block(h), h, [h, h + 1])
+                    elif op == 1:
+                        ds.invalidate(slot)
+                    elif op == 2:
+                        failed = dict(ds.read_into([slot], [h], out[:1]))
+                        if 0 not in failed:
+                            assert (out[0] == block(h)).all(), (slot, h, out[0][:4])
+                    elif op == 3:
+                        ds.read_rows_async([slot, (slot + 1) % 8], [h, h], out, [0, 1])
+                        ds.wait_reads(5.0)
+                        ds.take_reads()
+                    else:
+                        ds.take_done()
+                except KVSlotsError:
+                    pass
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=work, args=(t,)) for t in range(4)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(60)
+    assert not errors, errors
+    ds.flush()
+    assert ds.wait_reads(10.0)
+    s = ds.stats()
+    assert s["written_blocks"] + s["write_failures"] == sum(accepted), (s, accepted)
+    assert s["queue_depth"] == 0 and ds.reads_in_flight == 0
