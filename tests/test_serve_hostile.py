@@ -170,3 +170,47 @@ def test_disk_path_directory_or_not_yet_made_passes(capsys, tmp_path):
     for path in (str(tmp_path), str(tmp_path / "new")):
         code, out, err = _serve(capsys, "--disk-path", path)
         assert code == 0, err
+
+
+@pytest.fixture
+def busy_port():
+    import socket
+
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    s.listen(1)
+    yield s.getsockname()[1]
+    s.close()
+
+
+def _serve_for_real(capsys, monkeypatch, *argv: str) -> tuple[int, str, str]:
+    """`kvslots serve` without --dry-run, where vLLM must never be started."""
+    from kvslots.serve import cli as serve_cli
+
+    def no_vllm(*a, **k):
+        raise AssertionError("vLLM was started")
+
+    monkeypatch.setattr(serve_cli, "supervise", no_vllm)
+    capsys.readouterr()
+    code = cli.main(["serve", "org/target", "-q", *argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_a_port_in_use_is_one_line_exit_2_before_vllm_starts(capsys, monkeypatch, busy_port):
+    for argv in (["--port", str(busy_port)], ["--", "--port", str(busy_port)]):
+        code, _, err = _serve_for_real(capsys, monkeypatch, "--host", "127.0.0.1", *argv)
+        assert code == 2 and err.count("\n") == 1, err
+        assert err.startswith("kvslots serve: error: ") and f"cannot listen on 127.0.0.1:{busy_port}" in err, err
+
+
+@pytest.mark.parametrize("host", ["a b", "no-such-host.invalid", "300.1.1.1"])
+def test_a_host_that_does_not_resolve_is_one_line_exit_2_before_vllm_starts(capsys, monkeypatch, host):
+    code, _, err = _serve_for_real(capsys, monkeypatch, "--host", host, "--port", "8123")
+    assert code == 2 and err.count("\n") == 1, err
+    assert err.startswith("kvslots serve: error: ") and "cannot resolve it" in err, err
+
+
+def test_dry_run_does_not_check_the_address(capsys, busy_port):
+    code, out, _ = _serve(capsys, "--port", str(busy_port))
+    assert code == 0 and f"--port {busy_port}" in out

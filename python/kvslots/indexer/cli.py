@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import argparse
 import logging
-import socket
 import sys
 
-from ..errors import ConfigError
+from .._listen import check_listen
 from .config import ADMIN_TOKEN_ENV, build_config
 
 
@@ -78,20 +77,3 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def check_listen(host: str, port: int) -> None:
-    """A ConfigError unless ``host:port`` can be listened on, checked the way asyncio's server
-    will bind it (every address the host resolves to), so that a port in use or a host that
-    does not resolve is one line, not uvicorn's log and exit status 3."""
-    try:
-        infos = socket.getaddrinfo(host or None, port, socket.AF_UNSPEC, socket.SOCK_STREAM, 0, socket.AI_PASSIVE)
-    except (socket.gaierror, UnicodeError, ValueError) as e:
-        raise ConfigError(f"host {host!r}: cannot resolve it ({getattr(e, 'strerror', None) or e})") from None
-    for family, kind, proto, _, addr in infos:
-        try:
-            with socket.socket(family, kind, proto) as sock:
-                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as asyncio does
-                if family == socket.AF_INET6 and hasattr(socket, "IPPROTO_IPV6"):
-                    sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
-                sock.bind(addr)
-        except OSError as e:
-            raise ConfigError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None

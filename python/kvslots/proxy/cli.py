@@ -116,7 +116,7 @@ def run(args: argparse.Namespace) -> int:
         raise ServeError(f"--max-body-mb {args.max_body_mb} must be in 1..65536")
     import uvicorn
 
-    from ..indexer.cli import check_listen
+    from .._listen import check_listen
     from ..indexer.httpguard import uvicorn_options
     from .app import create_app
 

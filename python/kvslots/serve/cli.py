@@ -21,6 +21,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+from .._listen import check_listen
 from .events import DEFAULT_EVENTS_ENDPOINT
 from .plan import (
     DEFAULT_HOST,
@@ -195,6 +196,10 @@ def run(args: argparse.Namespace) -> int:
     print(plan.shell(), flush=True)
     if args.dry_run:
         return 0
+    # vLLM would find a port in use or a host that does not resolve only once it runs (its
+    # traceback, exit status 1): one line here instead, before anything starts.
+    check_listen(plan.host if plan.host is not None else DEFAULT_HOST,
+                 plan.port if plan.port is not None else DEFAULT_PORT)
     if not args.quiet:
         sub = plan.events_subscribe_endpoint()
         if sub:
