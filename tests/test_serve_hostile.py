@@ -214,3 +214,15 @@ def test_a_host_that_does_not_resolve_is_one_line_exit_2_before_vllm_starts(caps
 def test_dry_run_does_not_check_the_address(capsys, busy_port):
     code, out, _ = _serve(capsys, "--port", str(busy_port))
     assert code == 0 and f"--port {busy_port}" in out
+
+
+@pytest.mark.parametrize("value", ["abc", "0", "-2", "1.5", "", "99999999999999999999"])
+def test_a_data_parallel_size_vllm_would_refuse_is_one_line_exit_2(capsys, value):
+    code, out, err = _serve(capsys, "--", "--data-parallel-size", value)
+    assert code == 2 and out == "" and err.count("\n") == 1, err
+    assert "--data-parallel-size" in err and "not an integer in [1, 65535]" in err, err
+
+
+def test_a_good_data_parallel_size_after_the_separator_passes(capsys):
+    code, out, _ = _serve(capsys, "--", "-dp", "2")
+    assert code == 0 and "-dp 2" in out

@@ -239,11 +239,16 @@ def build_plan(args: argparse.Namespace, *, python: str | None = None) -> ServeP
 
     # ------------------------------------------------------------------ data parallel size
     dp_size = engine_args.get("data_parallel_size") or 1
-    if tail_value("data-parallel-size") is not None:
+    tail_dp = tail_value("data-parallel-size")
+    if tail_dp is not None:
+        # The events endpoints are laid out per rank from it: a value vLLM would refuse is
+        # refused here, before anything starts (as --port after --).
         try:
-            dp_size = int(tail_value("data-parallel-size"))  # type: ignore[arg-type]
+            dp_size = int(tail_dp)
         except ValueError:
-            pass
+            dp_size = 0
+        if not 1 <= dp_size <= 65535:
+            raise ServeError(f"after --: --data-parallel-size {tail_dp!r} is not an integer in [1, 65535]")
 
     # ------------------------------------------------------------------ slot manager (scheduler mode)
     tail_cls = tail_value("scheduler-cls")
