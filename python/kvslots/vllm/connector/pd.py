@@ -51,9 +51,6 @@ from ...errors import TransferError
 
 logger = logging.getLogger(__name__)
 
-#: Mooncake's own transfer timeout (0.3.13), which a consumer's shorter pd_timeout_s replaces.
-MOONCAKE_TRANSFER_TIMEOUT_S = 30.0
-
 __all__ = ["PDScheduler", "PDWorker", "PDStepMeta", "RecvSpec", "parse_remote_params"]
 
 
@@ -271,6 +268,7 @@ class PDWorker:
     # ---- set-up ----
     def register(self, kv_caches: dict[str, Any], num_blocks: int) -> None:
         from ..pd import BlockLayout, MooncakeTransport
+        from ..pd.transport import MOONCAKE_TRANSFER_TIMEOUT_S
 
         self.layout = BlockLayout.from_tensors(kv_caches, num_blocks)
         # A pull still running after pd_timeout_s is useless (the producer's hold has expired and

@@ -16,8 +16,9 @@ gone, refused, or the transfer failed), ``"timeout"``, ``"layout"`` (the layouts
 undefined and nothing else changed.
 
 Timeouts: Mooncake's own synchronous batch gives up on a silent peer after its transfer timeout
-(30 s in 0.3.13; ``MC_TRANSFER_TIMEOUT``, whole seconds, read when an engine is made, which
-``transfer_timeout_s`` sets unless the operator did). :meth:`MooncakeTransport.submit_read` runs the batch on a worker thread and
+(:data:`MOONCAKE_TRANSFER_TIMEOUT_S`; ``MC_TRANSFER_TIMEOUT``, whole seconds, read when an engine
+is made; ``transfer_timeout_s`` gives one engine its own unless the operator set the variable).
+:meth:`MooncakeTransport.submit_read` runs the batch on a worker thread and
 :meth:`PendingRead.result` raises ``kind="timeout"`` at the caller's deadline; the destination
 blocks must still not be reused until :meth:`PendingRead.settled` is true, because Mooncake may
 still be writing into them until it gives up itself.
@@ -38,7 +39,11 @@ import numpy as np
 from ...errors import ArgumentTypeError, InvalidArgumentError, TransferError
 from .layout import BlockLayout, _as_ids
 
-__all__ = ["MooncakeTransport", "PendingRead", "load_transfer_engine"]
+__all__ = ["MOONCAKE_TRANSFER_TIMEOUT_S", "MooncakeTransport", "PendingRead", "load_transfer_engine"]
+
+#: Mooncake's own transfer timeout (0.3.13), when ``MC_TRANSFER_TIMEOUT`` is not set.
+MOONCAKE_TRANSFER_TIMEOUT_S = 30.0
+_TIMEOUT_ENV = "MC_TRANSFER_TIMEOUT"
 
 
 def load_transfer_engine() -> Any:
@@ -97,9 +102,9 @@ class MooncakeTransport:
     ``hostname``: the address peers reach this worker at (``127.0.0.1`` on loopback).
     ``protocol``: ``"tcp"`` or ``"rdma"``. ``device_name``: Mooncake's NIC filter (RDMA).
     ``transfer_timeout_s``: how long a read may wait on a silent peer (rounded up to whole
-    seconds); None keeps Mooncake's default. Mooncake takes it from the process environment
-    (``MC_TRANSFER_TIMEOUT``), so it holds for every engine made after this one too, and an
-    ``MC_TRANSFER_TIMEOUT`` the operator set wins.
+    seconds); None keeps Mooncake's default. Mooncake reads it from the process environment
+    (``MC_TRANSFER_TIMEOUT``) when the engine is made, so it is set there for that moment only;
+    an ``MC_TRANSFER_TIMEOUT`` the operator set wins.
     """
 
     def __init__(self, hostname: str = "127.0.0.1", *, protocol: str = "tcp", device_name: str = "",
@@ -115,10 +120,18 @@ class MooncakeTransport:
                     or not math.isfinite(transfer_timeout_s) or not 0 < transfer_timeout_s <= 86_400):
                 raise InvalidArgumentError(f"transfer_timeout_s must be a number of seconds in (0, 86400], got "
                                            f"{transfer_timeout_s!r}")
-            os.environ.setdefault("MC_TRANSFER_TIMEOUT", str(math.ceil(transfer_timeout_s)))
         engine_cls = load_transfer_engine()
-        self._engine = engine_cls()
-        rc = self._engine.initialize(hostname, "P2PHANDSHAKE", protocol, device_name)
+        # Mooncake reads the variable when the engine is made: set for that moment only, so that
+        # neither this process's later engines nor its child processes inherit it.
+        scoped = transfer_timeout_s is not None and _TIMEOUT_ENV not in os.environ
+        if scoped:
+            os.environ[_TIMEOUT_ENV] = str(math.ceil(transfer_timeout_s))
+        try:
+            self._engine = engine_cls()
+            rc = self._engine.initialize(hostname, "P2PHANDSHAKE", protocol, device_name)
+        finally:
+            if scoped:
+                os.environ.pop(_TIMEOUT_ENV, None)
         if rc != 0:
             raise TransferError(f"Mooncake initialize({hostname!r}, {protocol!r}) failed with {rc}",
                                 details={"kind": "engine", "code": rc})
