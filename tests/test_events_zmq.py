@@ -440,6 +440,30 @@ def seqb(n: int) -> bytes:
     return n.to_bytes(8, "big")
 
 
+# A batch whose event tag is not UTF-8, and one whose extra_keys nest 100,000 deep: msgspec
+# raises UnicodeDecodeError and RecursionError for these, not DecodeError.
+BAD_UTF8_BATCH = b"\x93\x00\x91\x81\xa4type\xa2\xff\xfe\xc0"
+DEEP_BATCH = (b"\x93\x00\x91\x87\xa4type\xabBlockStored\xacblock_hashes\x90\xb1parent_block_hash\xc0"
+              b"\xa9token_ids\x90\xaablock_size\x01\xa7lora_id\xc0\xaaextra_keys\x91" + b"\x91" * 100_000 + b"\xc0\xc0")
+
+
+def test_frames_with_bad_utf8_or_deep_nesting_are_counted_malformed(closing):
+    """A peer's batch with a string that is not UTF-8, or nested past the recursion limit, is
+    counted malformed and skipped; poll_once raised UnicodeDecodeError / RecursionError."""
+    xpub, ep, _ = raw_xpub(closing)
+    rec = Recorder()
+    sub = EventSubscriber(rec.on_batch, rec.on_reset)
+    closing(sub)
+    sub.add_publisher("w", ep)
+    subscribed(xpub, sub)
+    xpub.send_multipart([b"", seqb(0), BAD_UTF8_BATCH])
+    xpub.send_multipart([b"", seqb(1), DEEP_BATCH])
+    xpub.send_multipart([b"", seqb(2), encode_batch(batch(2))])
+    wait_until(lambda: rec.seqs() == [2], sub)
+    c = sub.counters
+    assert c["malformed"] == 2 and c["applied"] == 1 and c["received"] == 3
+
+
 def test_garbage_frames_are_counted_and_skipped(closing):
     xpub, ep, _ = raw_xpub(closing)
     rec = Recorder()
@@ -652,6 +676,9 @@ def test_stop_from_a_callback_and_poll_after_stop(closing):
         (lambda: decode_batch(b"\xc1"), EventDecodeError),
         (lambda: decode_batch(b"\x92\x00\x00"), EventDecodeError),  # msgpack, not a batch
         (lambda: decode_batch("x"), ArgumentTypeError),
+        (lambda: decode_batch(memoryview(b"\x93\x00\x90\xc0\xc0")[::2]), ArgumentTypeError),  # not contiguous
+        (lambda: decode_batch(BAD_UTF8_BATCH), EventDecodeError),  # was UnicodeDecodeError
+        (lambda: decode_batch(DEEP_BATCH), EventDecodeError),  # was RecursionError
         (lambda: encode_batch(None), ArgumentTypeError),
         (lambda: encode_batch(KVEventBatch(0.0, [BlockStored([1], None, [object()], 2, None, None, None)])),
          ArgumentTypeError),

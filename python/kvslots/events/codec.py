@@ -158,6 +158,12 @@ def _short(value: Any) -> str:
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(KVEventBatch)
 
+#: What msgspec raises for bytes that are not a batch. Besides DecodeError (ValidationError is
+#: one): UnicodeDecodeError (a ValueError) for a string that is not UTF-8, RecursionError for
+#: nesting deeper than the interpreter's limit (an ``extra_keys`` item may hold anything). Both
+#: come from a peer's frames, so every decode of a payload catches all three.
+DECODE_ERRORS = (msgspec.DecodeError, ValueError, RecursionError)
+
 
 def _wire_event(ev: Any) -> Any:
     if type(ev) is BlockStored and ev.lookahead_token_ids is None:
@@ -189,7 +195,9 @@ def decode_batch(payload: bytes) -> KVEventBatch:
         raise ArgumentTypeError(f"payload must be bytes, got {type(payload).__name__}")
     try:
         return _decoder.decode(payload)
-    except (msgspec.DecodeError, msgspec.ValidationError) as e:  # ValidationError is a DecodeError
+    except BufferError as e:  # a memoryview that is not C-contiguous
+        raise ArgumentTypeError(f"payload must be contiguous bytes: {e}") from None
+    except DECODE_ERRORS as e:
         raise EventDecodeError(f"payload of {len(payload)} bytes is not a KVEventBatch: {e}") from None
 
 

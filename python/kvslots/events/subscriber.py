@@ -106,7 +106,7 @@ from ..errors import (
 )
 from ._ratelog import RateLimitedLog
 from ._wakeup import WakePipe
-from .codec import KVEventBatch
+from .codec import DECODE_ERRORS, KVEventBatch
 from .protocol import (
     MAX_FRAME_BYTES,
     REPLAY_END,
@@ -1023,7 +1023,7 @@ class EventSubscriber:
         if self._decoder is not None:
             try:
                 batch = self._decoder.decode(payload)
-            except (msgspec.DecodeError, msgspec.ValidationError):
+            except DECODE_ERRORS:  # bad UTF-8 or deep nesting too: not only DecodeError
                 self._count(peer, "malformed")
                 self._peer_log.log(logging.WARNING, (peer.worker_id, "malformed"), "undecodable batch %d from %r skipped",
                              seq, peer.worker_id)
