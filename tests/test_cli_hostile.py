@@ -620,3 +620,24 @@ def test_strict_json_takes_utf8_only(encoding):
         loads_strict_json('{"token_ids": [1, 2]}'.encode(encoding))
     assert loads_strict_json('{"token_ids": [1, 2]}'.encode("utf-8")) == {"token_ids": [1, 2]}
     assert loads_strict_json('{"a": "\u00e9"}'.encode("utf-8-sig")) == {"a": "\u00e9"}  # a BOM may be ignored
+
+
+@pytest.mark.parametrize("argv", [
+    ["serve", "org/m", "--dry-run", "--kv-events-replay-endpoint=--"],  # was an AttributeError traceback
+    ["serve", "org/m", "--dry-run", "--port=--"], ["serve", "org/m", "--dry-run", "--grace-period=--"],
+    ["serve", "org/m", "--dry-run", "--role=--"], ["convert-config", "x.yaml", "--format=--"],
+    ["indexer", "--tier-weight=--"], ["indexer", "--port=--"], ["simulate", "-k--"], ["demo", "--method=--"],
+])
+def test_an_options_value_of_two_dashes_is_judged_as_text(capsys, no_server, demo_starts_nothing, argv):
+    # Python < 3.13 dropped a "--" given as an option's own value: the option was [] past its
+    # type and choices (--port=-- ran with port [], --format=-- as flags, tracebacks elsewhere).
+    capsys.readouterr()
+    try:
+        code = cli.main(argv)
+    except SystemExit as e:
+        code = e.code
+    out, err = capsys.readouterr()
+    assert code == 2 and out == "", (code, out, err)
+    assert err.count("\n") == 1 and "'--'" in err and "Traceback" not in err, err
+    args = cli.build_parser().parse_args(["serve", "org/m", "--kv-events-topic=--", "--host", "h"])
+    assert args.kv_events_topic == "--" and args.vllm_args == []

@@ -14,7 +14,7 @@ import importlib
 import os
 import sys
 from collections.abc import Callable
-from typing import NoReturn
+from typing import Any, NoReturn
 
 from .errors import KVSlotsError
 
@@ -36,6 +36,17 @@ class OneLineParser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:  # type: ignore[override]
         print(one_line(f"{self.prog}: error: {message} (see {self.prog} --help)"), file=sys.stderr)
         raise SystemExit(2)
+
+    def _get_values(self, action: argparse.Action, arg_strings: list[str]) -> Any:
+        # An option's own value "--" (--topic=--, -k--): Python before 3.13 drops it as if it
+        # were the separator, and the option got [] past its type and choices (--port=-- was
+        # port [], --format=-- ran as flags, a list reached code expecting a str: tracebacks).
+        # Taken as the text "--", as Python 3.13 does: the type and choices then judge it.
+        if action.option_strings and arg_strings == ["--"] and action.nargs in (None, "?", "*", "+"):
+            value = self._get_value(action, "--")
+            self._check_value(action, value)
+            return value if action.nargs in (None, "?") else [value]
+        return super()._get_values(action, arg_strings)
 
 
 def build_parser() -> argparse.ArgumentParser:

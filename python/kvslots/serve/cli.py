@@ -22,6 +22,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from .._listen import check_listen
+from ..cli import OneLineParser
 from .events import DEFAULT_EVENTS_ENDPOINT
 from .plan import (
     DEFAULT_HOST,
@@ -36,8 +37,9 @@ from .supervisor import DEFAULT_GRACE_S, supervise
 from .tail import check_argv
 
 
-class _ServeParser(argparse.ArgumentParser):
-    """Everything after the first ``--`` is vLLM's (``vllm_args``); errors are one line."""
+class _ServeParser(OneLineParser):
+    """Everything after the first ``--`` is vLLM's (``vllm_args``); errors are one line (without
+    OneLineParser's "see --help"); an option's value ``--`` is OneLineParser's rule."""
 
     def parse_known_args(self, args: Sequence[str] | None = None, namespace: Any = None) -> Any:  # type: ignore[override]
         args = list(sys.argv[1:] if args is None else args)
