@@ -662,6 +662,18 @@ def test_stop_from_a_callback_and_poll_after_stop(closing):
 # ---- hostile arguments: a kvslots error, nothing opened or changed --------------------------
 
 
+def _nested(depth: int) -> list:
+    out: list = []
+    for _ in range(depth):
+        out = [out]
+    return out
+
+
+class _RaisingEvents(list):
+    def __iter__(self):
+        raise ZeroDivisionError("boom")
+
+
 @pytest.mark.parametrize(
     ("call", "cls"),
     [
@@ -684,6 +696,12 @@ def test_stop_from_a_callback_and_poll_after_stop(closing):
          ArgumentTypeError),
         (lambda: encode_batch(KVEventBatch(0.0, [BlockStored([2**70], None, [1], 2, None, None, None)])),
          InvalidArgumentError),
+        # Nesting past the recursion limit (or circular) was a RecursionError, an events object
+        # whose __iter__ raises its own error.
+        (lambda: encode_batch(KVEventBatch(0.0, [BlockStored([1], None, [1], 1, None, None, None,
+                                                             extra_keys=[(_nested(100_000),)])])),
+         InvalidArgumentError),
+        (lambda: encode_batch(KVEventBatch(0.0, _RaisingEvents())), ArgumentTypeError),
         (lambda: external_block_hash(None), ArgumentTypeError),
         (lambda: external_block_hash("ab"), ArgumentTypeError),
         (lambda: offset_endpoint_port("tcp://h:5", "1"), ArgumentTypeError),

@@ -184,8 +184,12 @@ def encode_batch(batch: EventBatch) -> bytes:
         return _encoder.encode(batch)
     except TypeError as e:
         raise ArgumentTypeError(f"the batch cannot be encoded: {e}") from None
-    except (msgspec.EncodeError, OverflowError, ValueError) as e:
+    except (msgspec.EncodeError, OverflowError, ValueError, RecursionError) as e:  # deep or circular
         raise InvalidArgumentError(f"the batch cannot be encoded: {e}") from None
+    except KVSlotsError:
+        raise
+    except Exception as e:  # an events object whose __iter__ raises
+        raise ArgumentTypeError(f"the batch cannot be encoded: reading its events raised {type(e).__name__}") from e
 
 
 def decode_batch(payload: bytes) -> KVEventBatch:
