@@ -226,3 +226,13 @@ def test_a_data_parallel_size_vllm_would_refuse_is_one_line_exit_2(capsys, value
 def test_a_good_data_parallel_size_after_the_separator_passes(capsys):
     code, out, _ = _serve(capsys, "--", "-dp", "2")
     assert code == 0 and "-dp 2" in out
+
+
+@pytest.mark.parametrize("arg", ["--x\ny", "--x\x1b[2J"])
+def test_an_unknown_option_with_control_characters_is_one_line(capsys, arg):
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as ei:  # the newline was printed as given: two lines
+        cli.main(["serve", "org/target", "--dry-run", arg])
+    out, err = capsys.readouterr()
+    assert ei.value.code == 2 and out == "" and err.count("\n") == 1, err
+    assert err.startswith("kvslots serve: error: ") and ("\\n" in err or "\\x1b" in err), err

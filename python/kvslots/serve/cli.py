@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from .._listen import check_listen
-from ..cli import OneLineParser
+from ..cli import OneLineParser, one_line
 from .events import DEFAULT_EVENTS_ENDPOINT
 from .plan import (
     DEFAULT_HOST,
@@ -56,7 +56,8 @@ class _ServeParser(OneLineParser):
         return ns, []
 
     def error(self, message: str) -> Any:  # type: ignore[override]
-        print(f"{PROG}: error: {message}", file=sys.stderr)
+        # one_line: an unknown option is shown as given, and a newline in it made two lines.
+        print(one_line(f"{PROG}: error: {message}"), file=sys.stderr)
         raise SystemExit(2)
 
 
