@@ -248,3 +248,32 @@ def test_control_channel_refuses_junk(pair):
     with pytest.raises(TransferError, match="done needs req"):
         control_call("127.0.0.1", port, {"op": "done", "req": 5}, timeout_s=3)
     assert control_call("127.0.0.1", port, {"op": "hello"}, timeout_s=3)["engine_id"] == "P"
+
+
+def test_control_channel_bounds_a_hostile_peer(pair, monkeypatch):
+    import zmq
+
+    from kvslots.vllm.connector import pd as pd_mod
+    from kvslots.vllm.pd import control
+
+    prod, _, _, _, port = pair
+    ctx = zmq.Context.instance()
+
+    def raw(payload, wait_ms=2000):
+        s = ctx.socket(zmq.DEALER)
+        s.setsockopt(zmq.LINGER, 0)
+        s.connect(f"tcp://127.0.0.1:{port}")
+        s.send_multipart([b"", payload])
+        got = s.recv_multipart() if s.poll(wait_ms) else None
+        s.close()
+        return got
+
+    # A frame over the cap is dropped with its connection, unread and unanswered.
+    assert raw(b"\x00" * (control.MAX_REQUEST_BYTES + 1), 1000) is None
+    assert b"RecursionError" in raw(b"\x91" * 60_000 + b"\xc0")[-1]  # deep nesting: an error reply
+    # Acks for holds that never come are kept up to a bound, oldest dropped first.
+    monkeypatch.setattr(pd_mod, "MAX_EARLY_ACKS", 50)
+    for i in range(120):
+        assert control_call("127.0.0.1", port, {"op": "done", "req": f"ghost{i}"}, timeout_s=3) == {"held": True}
+    assert len(prod._early_acks) == 50 and "ghost119" in prod._early_acks and "ghost69" not in prod._early_acks
+    assert control_call("127.0.0.1", port, {"op": "hello"}, timeout_s=3)["engine_id"] == "P"

@@ -53,6 +53,9 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["PDScheduler", "PDWorker", "PDStepMeta", "RecvSpec", "parse_remote_params"]
 
+#: Acks kept for holds whose metadata has not reached the producer yet (normally a step's worth).
+MAX_EARLY_ACKS = 65_536
+
 
 @dataclass
 class RecvSpec:
@@ -305,6 +308,10 @@ class PDWorker:
                     self._sending_done.add(req)
                 else:  # the hold's metadata is not here yet: vLLM still holds the blocks
                     self._early_acks[req] = now
+                    # Bounded: a peer acking ids that never come would grow this for 10 minutes.
+                    # Dropping the oldest only makes its hold (if it ever comes) wait for its timeout.
+                    while len(self._early_acks) > MAX_EARLY_ACKS:
+                        del self._early_acks[next(iter(self._early_acks))]
             return {"held": True}
         raise ValueError(f"unknown op {op!r}")
 

@@ -35,6 +35,12 @@ __all__ = ["ControlServer", "control_call"]
 _ENC = msgspec.msgpack.Encoder()
 _DEC = msgspec.msgpack.Decoder()
 
+#: Largest control message accepted. Requests are under a KiB and a ``hello`` reply (every
+#: layer's segment layout) some KiB; a larger frame is a hostile or broken peer, and ZMQ drops
+#: its connection before buffering it (a 512 MiB frame was read whole before this cap).
+MAX_REQUEST_BYTES = 64 << 10
+MAX_REPLY_BYTES = 16 << 20
+
 
 class ControlServer:
     """Answers control requests on ``tcp://host:port`` with ``handler(msg) -> reply`` on its own
@@ -44,6 +50,7 @@ class ControlServer:
         self._ctx = zmq.Context.instance()
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.setsockopt(zmq.MAXMSGSIZE, MAX_REQUEST_BYTES)
         try:
             if port == 0:
                 self.port = self._sock.bind_to_random_port(f"tcp://{host}")
@@ -108,6 +115,7 @@ def control_call(host: str, port: int, msg: dict[str, Any], *, timeout_s: float,
     for _ in range(max(1, retries + 1)):
         sock = ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, MAX_REPLY_BYTES)
         try:
             sock.connect(f"tcp://{host}:{port}")
             sock.send_multipart([b"", _ENC.encode(msg)])
