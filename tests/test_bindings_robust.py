@@ -431,6 +431,44 @@ def test_reentrant_arguments():
     assert ix.check_invariants() is None
 
 
+class OddInt(int):
+    """An int subclass whose operators lie: only its value may count."""
+
+    def __rshift__(self, n):
+        return 0
+
+    def __and__(self, n):
+        return 0
+
+    def __index__(self):
+        raise ZeroDivisionError("boom")
+
+    def __str__(self):
+        return "7"
+
+    __repr__ = __str__
+
+
+def test_int_subclasses_are_read_by_their_value():
+    """The abi3 build read 128-bit ints with ``>>``: OddInt(-1) was taken as 2**64-1 and
+    OddInt(2**70) as 0 (success where the reference refuses), and messages showed the
+    subclass's own str."""
+    m = _manager()
+    before = _manager_state(m)
+    with pytest.raises(InvalidArgumentError, match="must be >= 0, got -1"):
+        m.reserve("a", OddInt(-1))
+    with pytest.raises(InvalidArgumentError, match=str(2**70)):
+        m.reserve("a", OddInt(2**70))
+    with pytest.raises(InvalidArgumentError, match=r"tokens\[1\] = 4294967296"):
+        m.commit("a", [OddInt(1), OddInt(2**32)])
+    with pytest.raises(InvalidArgumentError):
+        m.set_lookahead("b", OddInt(-(2**64) + 1))
+    assert _manager_state(m) == before
+    m.reserve("b", OddInt(3))
+    assert m.slot_info("b").pending == 3
+    assert m.check_invariants() is None
+
+
 def test_index_raising_callbacks_become_typed():
     m = _manager()
     with pytest.raises(ArgumentTypeError) as e:

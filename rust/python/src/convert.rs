@@ -127,10 +127,15 @@ pub(crate) fn int<T: IntRange>(
         return Err(wrong());
     }
     let owned;
-    let i = match obj.cast::<PyInt>() {
+    // An exact int only: an int subclass goes through PyNumber_Index too, which copies its
+    // value into an exact int without running its Python code. The abi3 128-bit extraction
+    // below calls `>>` on the object, and a subclass's own `__rshift__` made Odd(-1) read as
+    // 2**64-1 and Odd(2**70) as 0.
+    let i = match obj.cast_exact::<PyInt>() {
         Ok(i) => i,
         Err(_) => {
-            // __index__ (numpy integers): Python code, run before any borrow or lock.
+            // __index__ (numpy integers): Python code, run before any borrow or lock. An
+            // __index__ that returns an int subclass gets an exact copy too.
             // SAFETY: PyNumber_Index returns a new reference or NULL with an exception set.
             let r = unsafe {
                 Bound::from_owned_ptr_or_err(py, pyo3::ffi::PyNumber_Index(obj.as_ptr()))
