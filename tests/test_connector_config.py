@@ -69,6 +69,19 @@ def test_tiny_host_cache_is_refused():
         ConnectorConfig(host_cache_gb=1e-9).num_host_blocks(4096)
 
 
+def test_a_tier_that_holds_not_one_byte_is_refused_before_the_block_size_is_known():
+    # kvslots serve checks this before vLLM starts (it was refused only in the engine).
+    for kw, key in (({"host_cache_gb": 1e-300}, "host_cache_gb"), ({"host_cache_gb": 5e-324}, "host_cache_gb"),
+                    ({"disk_path": "/x", "disk_gb": 1e-300}, "disk_gb")):
+        cfg = ConnectorConfig(**kw)
+        with pytest.raises(ConnectorConfigError, match=f"{key}=.* holds no block of 1 byte"):
+            cfg.check_tiers_hold_a_block()
+        assert cfg == ConnectorConfig(**kw)
+    ConnectorConfig(host_cache_gb=1 / (1 << 30)).check_tiers_hold_a_block()  # one byte: a block may fit
+    ConnectorConfig(host_cache_gb=1e-300, host_cache_blocks=4).check_tiers_hold_a_block()  # sized in blocks
+    ConnectorConfig(disk_gb=1e-300).check_tiers_hold_a_block()  # no disk tier
+
+
 def test_bad_key_stops_the_scheduler_at_start_up(tmp_path):
     from kvslots._dev.tiny import build_tiny_models
     from vllm_harness import Harness, engine_config

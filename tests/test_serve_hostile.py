@@ -236,3 +236,15 @@ def test_an_unknown_option_with_control_characters_is_one_line(capsys, arg):
     out, err = capsys.readouterr()
     assert ei.value.code == 2 and out == "" and err.count("\n") == 1, err
     assert err.startswith("kvslots serve: error: ") and ("\\n" in err or "\\x1b" in err), err
+
+
+@pytest.mark.parametrize("argv", [["--host-cache-gb", "1e-300"], ["--host-cache-gb", "5e-324"],
+                                  ["--disk-path", "/nonexistent/kv", "--disk-gb", "1e-300"],
+                                  ["--connector-config", '{"host_cache_gb": 1e-10}'],
+                                  ["--", "--kv-transfer-config", '{"kv_connector_extra_config": {"host_cache_gb": 1e-300}}']])
+def test_a_tier_smaller_than_a_byte_is_one_line_exit_2_before_vllm_starts(capsys, argv):
+    # It holds no block of any model; the engine refused it only once vLLM had loaded.
+    code, out, err = _serve(capsys, *argv)
+    assert code == 2 and out == "" and err.count("\n") == 1 and "holds no block" in err, err
+    code, out, err = _serve(capsys, "--host-cache-gb", "1e-9")  # a byte or more: the engine decides
+    assert code == 0, err

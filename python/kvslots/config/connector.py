@@ -88,12 +88,7 @@ class ConnectorConfig:
             return self.host_cache_blocks
         if bytes_per_block <= 0:
             raise ConnectorConfigError(f"cannot size the host cache: {bytes_per_block} bytes per block")
-        n = int(self.host_cache_gb * GIB) // bytes_per_block
-        if n < 1:
-            raise ConnectorConfigError(
-                f"kv_connector_extra_config.host_cache_gb={self.host_cache_gb} holds no block of "
-                f"{bytes_per_block} bytes"
-            )
+        n = _blocks_in("host_cache_gb", self.host_cache_gb, bytes_per_block)
         if n > MAX_BLOCKS:  # the core's limit: named here, not an unnamed error from the planner
             raise ConnectorConfigError(
                 f"kv_connector_extra_config.host_cache_gb={self.host_cache_gb} holds {n} blocks of "
@@ -106,15 +101,22 @@ class ConnectorConfig:
             return self.disk_blocks
         if bytes_per_block <= 0:
             raise ConnectorConfigError(f"cannot size the disk tier: {bytes_per_block} bytes per block")
-        n = int(self.disk_gb * GIB) // bytes_per_block
-        if n < 1:
-            raise ConnectorConfigError(
-                f"kv_connector_extra_config.disk_gb={self.disk_gb} holds no block of {bytes_per_block} bytes")
+        n = _blocks_in("disk_gb", self.disk_gb, bytes_per_block)
         if n > MAX_BLOCKS:  # disk_blocks' own bound
             raise ConnectorConfigError(
                 f"kv_connector_extra_config.disk_gb={self.disk_gb} holds {n} blocks of {bytes_per_block} bytes, "
                 f"more than {MAX_BLOCKS}")
         return n
+
+    def check_tiers_hold_a_block(self) -> None:
+        """What of the sizing can be checked before vLLM lays out its KV cache (``kvslots serve``,
+        before it starts vLLM): a tier sized in GiB must hold a block of the smallest size there
+        is, one byte (``host_cache_gb`` 1e-300 holds none, whatever the model). The real bytes
+        per block are known only in the engine (:meth:`num_host_blocks`, the same rule)."""
+        if self.host_cache_blocks is None:
+            _blocks_in("host_cache_gb", self.host_cache_gb, 1)
+        if self.disk_path is not None and self.disk_blocks is None:
+            _blocks_in("disk_gb", self.disk_gb, 1)
 
     def use_eagle_block_drop(self, vllm_says: bool) -> bool:
         return vllm_says if self.eagle_block_drop == "auto" else bool(self.eagle_block_drop)
@@ -124,6 +126,17 @@ class ConnectorConfig:
 #: (kvslots.vllm.transfer.MAX_THREADS), the event publisher's limits (ZMQ options are C ints).
 _INT_LIMITS = {"host_cache_blocks": (1 << 31) - 1, "copy_threads": 1024,
                "events_buffer_steps": (1 << 30) - 2, "events_hwm": (1 << 31) - 1}
+
+
+def _blocks_in(key: str, gb: float, bytes_per_block: int) -> int:
+    """Whole blocks of ``bytes_per_block`` bytes in ``gb`` GiB; a ConnectorConfigError naming
+    ``key`` when not one fits."""
+    n = int(gb * GIB) // bytes_per_block
+    if n < 1:
+        raise ConnectorConfigError(
+            f"kv_connector_extra_config.{key}={gb} holds no block of {bytes_per_block} "
+            f"byte{'' if bytes_per_block == 1 else 's'}")
+    return n
 
 
 def _brief(value: Any) -> str:

@@ -93,7 +93,9 @@ def connector_config(args: argparse.Namespace, hints: dict[str, Any], tail_cfg: 
             if k != "kv_connector_extra_config":
                 cfg[k] = v
     try:
-        ConnectorConfig.from_extra_config(extra)
+        # check_tiers_hold_a_block: a size that holds not one byte, refused before vLLM starts
+        # (the engine alone knows the bytes per block, and refused it only once loaded).
+        ConnectorConfig.from_extra_config(extra).check_tiers_hold_a_block()
     except ConnectorConfigError as e:
         raise ServeError(str(e)) from None
     disk = extra.get("disk_path")
