@@ -82,6 +82,29 @@ def test_a_tier_that_holds_not_one_byte_is_refused_before_the_block_size_is_know
     ConnectorConfig(disk_gb=1e-300).check_tiers_hold_a_block()  # no disk tier
 
 
+@pytest.mark.parametrize("bpb", ["4096", None, 1.5, float("nan"), True, [4096]])
+def test_sizing_needs_an_integer_bytes_per_block(bpb):
+    # A str or None was a TypeError; NaN sized the tier as NaN blocks, 1.5 as a float count.
+    from kvslots.errors import ArgumentTypeError
+
+    cfg = ConnectorConfig(disk_path="/x")
+    with pytest.raises(ArgumentTypeError, match="bytes_per_block"):
+        cfg.num_host_blocks(bpb)
+    with pytest.raises(ArgumentTypeError, match="bytes_per_block"):
+        cfg.num_disk_blocks(bpb)
+    assert cfg.num_host_blocks(1 << 20) == 4096
+
+
+@pytest.mark.parametrize("says", [None, 1, 1.5, "true"])
+def test_eagle_block_drop_needs_a_bool_from_vllm(says):
+    from kvslots.errors import ArgumentTypeError
+
+    with pytest.raises(ArgumentTypeError, match="vllm_says"):  # was returned as given
+        ConnectorConfig().use_eagle_block_drop(says)
+    assert ConnectorConfig().use_eagle_block_drop(True) is True
+    assert ConnectorConfig(eagle_block_drop=False).use_eagle_block_drop(True) is False
+
+
 def test_bad_key_stops_the_scheduler_at_start_up(tmp_path):
     from kvslots._dev.tiny import build_tiny_models
     from vllm_harness import Harness, engine_config

@@ -11,6 +11,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
+from .. import _args
 from ..errors import ConnectorConfigError, KVSlotsError
 from .loader import brief
 
@@ -86,6 +87,8 @@ class ConnectorConfig:
         """Host blocks for this worker, given the bytes of one block over all its layers."""
         if self.host_cache_blocks is not None:
             return self.host_cache_blocks
+        # An int (a str or None was a TypeError here, NaN sized the tier as NaN blocks).
+        bytes_per_block = _args.integer(bytes_per_block, "bytes_per_block")
         if bytes_per_block <= 0:
             raise ConnectorConfigError(f"cannot size the host cache: {bytes_per_block} bytes per block")
         n = _blocks_in("host_cache_gb", self.host_cache_gb, bytes_per_block)
@@ -99,6 +102,8 @@ class ConnectorConfig:
         """Disk-tier blocks for this worker, given the bytes of one block over all its layers."""
         if self.disk_blocks is not None:
             return self.disk_blocks
+        # An int (a str or None was a TypeError here, NaN sized the tier as NaN blocks).
+        bytes_per_block = _args.integer(bytes_per_block, "bytes_per_block")
         if bytes_per_block <= 0:
             raise ConnectorConfigError(f"cannot size the disk tier: {bytes_per_block} bytes per block")
         n = _blocks_in("disk_gb", self.disk_gb, bytes_per_block)
@@ -119,6 +124,7 @@ class ConnectorConfig:
             _blocks_in("disk_gb", self.disk_gb, 1)
 
     def use_eagle_block_drop(self, vllm_says: bool) -> bool:
+        vllm_says = _args.flag(vllm_says, "vllm_says")  # returned as given: None or 1.5 came back
         return vllm_says if self.eagle_block_drop == "auto" else bool(self.eagle_block_drop)
 
 
