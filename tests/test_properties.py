@@ -253,3 +253,36 @@ SlotMachine.TestCase.settings = settings(
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
 )
 TestSlotMachine = SlotMachine.TestCase
+
+
+class _OddStr(str):
+    def __hash__(self):
+        return 12345
+
+    def __eq__(self, other):
+        return False
+
+
+class _LyingList(list):
+    def __iter__(self):
+        return iter([1])
+
+    def __len__(self):
+        return 99
+
+
+def test_reference_reads_subclassed_arguments_as_the_extension_does():
+    """The extension reads a str subclass by its text and a list subclass in place; the
+    reference used the subclass's own __hash__/__eq__ (UnknownRequestError where the extension
+    found the request) and __iter__ (other tokens than the extension's)."""
+    def run(m):
+        m.create("r", [1, 2, 3])
+        m.reserve("r", 4)
+        out = [m.commit(_OddStr("r"), _LyingList([4, 4, 4])), m.committed_tokens("r"), m.slot_id(_OddStr("r")),
+               _OddStr("r") in m]
+        m.finish(_OddStr("r"))
+        return out, m.request_ids(), m.stats()
+
+    rust = run(kvslots.SlotManager(8, BLOCK_SIZE))
+    assert rust == run(ReferenceSlotManager(8, BLOCK_SIZE))
+    assert rust[0][1] == [4, 4, 4]

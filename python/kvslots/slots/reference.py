@@ -124,7 +124,9 @@ def _request_id(value: Any) -> str:
         value.encode("utf-8")
     except UnicodeEncodeError:
         raise InvalidArgumentError(f"invalid argument: request_id must be valid Unicode text, got {value!r}") from None
-    return value
+    # Its text as an exact str: a subclass's own __hash__ / __eq__ must not steer the dict
+    # lookups (the extension reads only the text).
+    return str.__str__(value)
 
 
 def _ints(values: Any, what: str, bound: int, request_id: str | None = None) -> list[int]:
@@ -139,6 +141,15 @@ def _ints(values: Any, what: str, bound: int, request_id: str | None = None) -> 
     if isinstance(values, str):
         raise ArgumentTypeError(f"invalid argument{_where(request_id)}: {what} must be a sequence of integers",
                                 request_id)
+    if isinstance(values, (list, tuple)):
+        # Read in place, as the extension does (a subclass's own __iter__ / __len__ is not
+        # called); the length is re-read after each item, whose __index__ may change the list.
+        base = list if isinstance(values, list) else tuple
+        out = []
+        while len(out) < base.__len__(values):
+            i = len(out)
+            out.append(_int(base.__getitem__(values, i), f"{what}[{i}]", 0, bound, request_id))
+        return out
     try:
         items = iter(values)
     except TypeError:
@@ -237,15 +248,14 @@ class ReferenceSlotManager:
         return _request_id(request_id) in self._slots
 
     def _slot(self, request_id: str) -> _Slot:
-        _request_id(request_id)
+        request_id = _request_id(request_id)
         try:
             return self._slots[request_id]
         except KeyError:
             raise UnknownRequestError(f"unknown request {request_id!r}", request_id) from None
 
     def slot_id(self, request_id: str) -> int:
-        self._slot(request_id)
-        i = self._slab.index(request_id)
+        i = self._slab.index(self._slot(request_id).request_id)
         return (self._gen[i] << 32) | i
 
     def slot_info(self, request_id: str) -> SlotInfo:
@@ -497,6 +507,7 @@ class ReferenceSlotManager:
 
     def finish(self, request_id: str) -> None:
         s = self._slot(request_id)
+        request_id = s.request_id
         del self._slots[request_id]
         for b in reversed(s.blocks):
             self._unpin(b)
