@@ -56,6 +56,27 @@ def test_eagle_step_commits_verified_blocks_and_keeps_rejected_tail(m):
     assert m.block_hashes("a") == events[0].block_hashes + second.block_hashes
 
 
+@pytest.mark.parametrize("medium, kind", [(5, kvslots.ArgumentTypeError), (b"GPU", kvslots.ArgumentTypeError),
+                                          ("\ud800", InvalidArgumentError)])
+def test_drain_events_refuses_a_bad_medium_and_keeps_the_queue(m, medium, kind):
+    """drain_events(5) put the int into every struct (which msgspec then would not encode as a
+    medium), with the queue emptied; now refused as drain_events_msgpack refuses it."""
+    m.commit("a", [7, 8])
+    before = state(m)
+    with pytest.raises(kind):
+        m.drain_events(medium)
+    assert state(m) == before and m.num_pending_events() == 2
+
+    class Medium(str):
+        pass
+
+    events = m.drain_events(Medium("CPU"))
+    assert [type(e.medium) for e in events] == [str, str]  # an exact str: encodable
+    from kvslots.events import KVEventBatch, encode_batch
+
+    encode_batch(KVEventBatch(0.0, events))
+
+
 def test_prefix_hit_then_eviction_events():
     m = SlotManager(4, 2)
     m.create("a", [1, 2, 3, 4, 5])

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .. import _core
+from .. import _args, _core
 from ..events import KVEvent, from_raw
 
 
@@ -28,6 +28,11 @@ class SlotManager(_core.SlotManager):
 
     def drain_events(self, medium: str | None = None) -> list[KVEvent]:
         """Takes the queued events as vLLM-compatible structs (``medium`` is set on each)."""
+        if medium is not None:
+            # Checked before the queue is emptied, as drain_events_msgpack does: a medium of
+            # another type went into every struct, which then could not be encoded. An exact
+            # str, since msgspec encodes no str subclass.
+            medium = str.__str__(_args.text(medium, "medium"))
         return [from_raw(raw, medium) for raw in self.drain_raw_events()]
 
     def __repr__(self) -> str:
