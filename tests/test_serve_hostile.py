@@ -248,3 +248,26 @@ def test_a_tier_smaller_than_a_byte_is_one_line_exit_2_before_vllm_starts(capsys
     assert code == 2 and out == "" and err.count("\n") == 1 and "holds no block" in err, err
     code, out, err = _serve(capsys, "--host-cache-gb", "1e-9")  # a byte or more: the engine decides
     assert code == 0, err
+
+
+@pytest.mark.parametrize("content, problem", [
+    ("", "invalid JSON"), (b"\0" * 64, "invalid JSON"), ("null", "must be a JSON object"),
+    ('{"a": 1, "a": 2}', "duplicate key 'a'"), ('{"x": NaN}', "must be a finite number"),
+    ("[" * 100_000 + "]" * 100_000, "nested more than"), (b"\xff{}", "not UTF-8"),
+    # A speculators checkpoint kvslots cannot read was served as a target model.
+    ('{"speculators_model_type": "eagle3", "transformer_layer_config": {}, "speculators_config": '
+     '{"proposal_methods": [{"speculative_tokens": 1e309}], "verifier": {"name_or_path": "org/t"}}}', "finite"),
+    ('{"speculators_model_type": "eagle3", "transformer_layer_config": {}, "speculators_config": '
+     '{"proposal_methods": [{"speculative_tokens": 9223372036854775808}], "verifier": {"name_or_path": "org/t"}}}',
+     "more than 64 bits"),
+])
+def test_a_model_config_json_it_cannot_read_is_one_line_exit_2(tmp_path, capsys, content, problem):
+    model = tmp_path / "m"
+    model.mkdir()
+    cfg = model / "config.json"
+    cfg.write_bytes(content if isinstance(content, bytes) else content.encode())
+    capsys.readouterr()
+    code = cli.main(["serve", str(model), "--dry-run", "-q"])  # was served as a target model
+    out, err = capsys.readouterr()
+    assert code == 2 and out == "" and err.count("\n") == 1, err
+    assert err.startswith(f"kvslots serve: error: {cfg}: ") and problem in err, err

@@ -20,7 +20,7 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
-from ..config.speculative import classify_model, drops_eagle_block, resolve_speculative_config
+from ..config.speculative import classify_model, drops_eagle_block, read_model_config, resolve_speculative_config
 from ..config.vllm_args import brief, engine_flag, flag_name, to_json
 from ..errors import ServeError
 from ..vllm.cpu_cores import connector_cpu_env, vllm_is_cpu_build
@@ -112,6 +112,11 @@ def _check_model(model: str) -> tuple[str, bool, bool]:
         raise ServeError(f"model directory {model!r} does not exist")
     if ref.is_local and not ref.has_config:
         raise ServeError(f"model directory {model!r} has no config.json")
+    if ref.is_local and ref.config is None:
+        # A config.json kvslots cannot read (not JSON, NaN, a key twice, ...): whether MODEL is a
+        # speculators checkpoint is unknown, and it was served as a target model (a checkpoint's
+        # draft tokens unknown to kvslots, or vLLM's own failure once started). The reader's error.
+        read_model_config(model)
     return model, ref.is_local, ref.is_speculators
 
 
