@@ -121,6 +121,19 @@ def test_api_arguments_are_config_errors_naming_them(call, field):
     assert ei.value.field == field and isinstance(ei.value, ValueError)
 
 
+def test_field_keyword_and_huge_k_are_kvslots_errors():
+    from kvslots.errors import ArgumentTypeError
+
+    for call in (lambda: DynamicSDSchedule.parse([[1, 4, 3]], 3, field=5),  # AttributeError
+                 lambda: DynamicSDSchedule.from_draft_len_schedule({4: 3}, 3, field=None)):
+        with pytest.raises(ArgumentTypeError, match="field must be a str"):
+            call()
+    with pytest.raises(ConfigError, match="<= 2\\*\\*63-1") as ei:  # num_speculative_tokens 2**64 was taken
+        DynamicSDSchedule.parse([[1, 4, 3]], 2**64)
+    assert ei.value.field == "speculative_config.num_speculative_tokens"
+    assert DynamicSDSchedule.parse([[1, 4, 3]], 2**63 - 1).num_speculative_tokens == 2**63 - 1
+
+
 def test_bad_query_arguments_are_config_errors():
     s = DynamicSDSchedule.parse([[1, 4, 3], [5, 8, 1]], 3)
     for call, field in [(lambda: s.k_for_batch_size(-1), "batch_size"), (lambda: s.k_for_batch_size("2"), "batch_size"),

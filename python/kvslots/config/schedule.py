@@ -205,6 +205,8 @@ class DynamicSDSchedule:
 
 
 def _sibling(field: str, name: str) -> str:
+    if not isinstance(field, str):  # a public keyword: an int was an AttributeError here
+        raise ArgumentTypeError(f"field must be a str (a dotted path), got {_describe(field)}")
     head, _, _ = field.rpartition(".")
     return f"{head}.{name}" if head else name
 
@@ -226,6 +228,8 @@ def _typed(rows: Any, nst: Any, field: str) -> tuple[tuple[Row, ...], int]:
     n = _strict_int(nst, nst_field, "num_speculative_tokens")
     if n < 1:
         raise ConfigError(f"num_speculative_tokens must be >= 1, got {n}", nst_field)
+    if n > INT_MAX:  # 64-bit, as the rows' ends (2**64 was taken)
+        raise ConfigError(f"num_speculative_tokens must be <= 2**63-1, got {n}", nst_field)
     if isinstance(rows, (str, bytes, Mapping)) or not isinstance(rows, Iterable):
         raise ConfigError(
             f"must be a list of [start, end, num_speculative_tokens] rows, got {_describe(rows)}", field)
