@@ -271,3 +271,16 @@ def test_a_model_config_json_it_cannot_read_is_one_line_exit_2(tmp_path, capsys,
     out, err = capsys.readouterr()
     assert code == 2 and out == "" and err.count("\n") == 1, err
     assert err.startswith(f"kvslots serve: error: {cfg}: ") and problem in err, err
+
+
+@pytest.mark.parametrize("argv, where", [
+    (["--kv-events-topic", "\udcff"], "--kv-events-topic"),  # bytes of argv that are not UTF-8
+    (["--", "--kv-events-config.topic", "k\udcffv"], "after --: --kv-events-config: topic"),
+])
+def test_an_events_topic_that_is_not_unicode_is_one_line_exit_2(capsys, argv, where):
+    # Written into the JSON as "\udcff": vLLM's publisher could not encode it once the engine was loaded.
+    code, out, err = _serve(capsys, *argv)
+    assert code == 2 and out == "" and err.count("\n") == 1, err
+    assert err.startswith(f"kvslots serve: error: {where} must be valid Unicode text"), err
+    code, out, err = _serve(capsys, "--kv-events-topic", "k\u00e9v")
+    assert code == 0 and ('"topic":"k\\u00e9v"' in out or '"topic":"k\u00e9v"' in out), out

@@ -13,6 +13,7 @@ import argparse
 import re
 from typing import Any
 
+from .._args import text
 from ..config.loader import brief as short
 from ..config.vllm_args import brief
 from ..errors import KVSlotsError, ServeError
@@ -54,6 +55,17 @@ def _check_tail_values(cfg: dict[str, Any]) -> None:
                             ("publisher", str, "a string")):
         if key in cfg and not isinstance(cfg[key], kind):
             raise ServeError(f"{where}: {key} must be {what}, got {short(cfg[key])}")
+    if "topic" in cfg:
+        _check_topic(cfg["topic"], f"{where}: topic")
+
+
+def _check_topic(topic: str, name: str) -> None:
+    """The topic is sent as UTF-8: one with a lone surrogate (bytes of the command line that are
+    not UTF-8) failed in vLLM's publisher once the engine was loaded."""
+    try:
+        text(topic, name)
+    except KVSlotsError as e:
+        raise ServeError(str(e)) from None
 
 
 def _clash(a: str, b: str, dp_size: int) -> bool:
@@ -108,6 +120,8 @@ def events_config(args: argparse.Namespace, hints: dict[str, Any], tail_cfg: dic
                 check_endpoint(v, _EVENT_FLAGS[k], max(1, dp_size) - 1)
             except KVSlotsError as e:
                 raise ServeError(f"{e} (a ZMQ endpoint such as tcp://*:{DEFAULT_EVENTS_PORT})") from None
+    if "topic" in given:
+        _check_topic(given["topic"], _EVENT_FLAGS["topic"])
 
     cfg: dict[str, Any] = {"enable_kv_cache_events": True, "publisher": "zmq",
                            "endpoint": given.get("endpoint", DEFAULT_EVENTS_ENDPOINT)}
