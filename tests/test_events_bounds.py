@@ -331,7 +331,7 @@ def test_the_replay_socket_refuses_an_oversized_reply_and_the_stream_goes_on():
 
         wait_until(live, 10, "a live batch applied")
         assert sub.counters["malformed"] == 0
-        for s in (sub._peers["w"].sub, sub._peers["w"].dealer):
+        for s in (sub._by_id["w"].sub, sub._by_id["w"].dealer):
             assert s is None or s.getsockopt(zmq.MAXMSGSIZE) == 2**16
     finally:
         sub.stop()

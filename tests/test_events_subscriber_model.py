@@ -68,7 +68,7 @@ class Model:
         self.dealer = FakeDealer()
         self.peer.dealer = self.dealer  # type: ignore[assignment]
         sub._new_dealer = self.new_dealer  # type: ignore[method-assign]
-        sub._peers["w"] = sub._by_id["w"] = self.peer
+        sub._peers[id(self.peer)] = sub._by_id["w"] = self.peer
         self.pub = ModelPublisher(buffer_steps)
         self.live: list[list[bytes]] = []
         self.replay: list[tuple[list[bytes], int]] = []  # (frames, place in its reply)

@@ -849,6 +849,40 @@ def test_subscriber_calls_with_hostile_arguments_change_nothing(closing):
     assert sub.remove_publisher("w", wait=float("inf"))  # infinity: as long as it takes
 
 
+class _EqRaises:
+    """A worker id that hashes, and raises when compared with a key of equal hash."""
+
+    def __hash__(self):
+        return 1
+
+    def __eq__(self, other):
+        raise ZeroDivisionError("boom")
+
+
+def test_worker_ids_whose_eq_raises_are_typed_and_change_nothing(closing):
+    """A worker id whose __eq__ raises once compared with another key of its hash: add, remove
+    and the queries raised that ZeroDivisionError; now ArgumentTypeError, nothing changed, and
+    the publisher already added still works (the poll thread never compares worker ids)."""
+    pub, sub, rec = new_pair(closing)
+    first = _EqRaises()
+    assert sub.add_publisher(first, pub.endpoint, pub.replay_endpoint, pub.topic, start_seq=0)
+    for call in (lambda: sub.add_publisher(_EqRaises(), pub.endpoint), lambda: sub.remove_publisher(1),
+                 lambda: sub.next_seq(_EqRaises()), lambda: sub.publisher_status(_EqRaises()),
+                 lambda: sub.in_sync(1)):
+        with pytest.raises(ArgumentTypeError, match="cannot be used as a key"):
+            call()
+        assert sub.publishers() == ["w", first]
+    pub.publish(batch(0))
+
+    def got(worker):
+        with rec.lock:
+            return [s for w, s, _ in rec.batches if w is worker]
+
+    wait_until(lambda: got(first) == [0] and got("w") == [0], sub)
+    assert sub.remove_publisher(first, wait=5.0)
+    assert sub.publishers() == ["w"]
+
+
 def test_a_flood_of_bad_frames_logs_a_bounded_number_of_lines(closing, caplog):
     """A publisher sending bad batches and restarting streams at will wrote one warning per frame
     (137,000 lines in 3 s through the indexer); now at most a burst per publisher and kind in each

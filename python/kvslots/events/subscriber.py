@@ -86,7 +86,8 @@ import random
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -102,6 +103,7 @@ from ..errors import (
     EventDecodeError,
     InvalidArgumentError,
     InvalidStateError,
+    KVSlotsError,
     UnknownWorkerError,
 )
 from ._ratelog import RateLimitedLog
@@ -119,6 +121,21 @@ from .protocol import (
 )
 
 log = logging.getLogger(__name__)
+
+
+@contextmanager
+def _as_key(worker_id: Any) -> Iterator[None]:
+    """Runs a lookup of ``worker_id`` in a dict: its own ``__hash__`` / ``__eq__`` raising (an
+    object passed the hashable check, then raised when compared with a key of equal hash) is
+    an ArgumentTypeError, not that error."""
+    try:
+        yield
+    except KVSlotsError:
+        raise
+    except Exception as e:
+        raise ArgumentTypeError(f"worker_id {type(worker_id).__name__} cannot be used as a key: hashing or "
+                                f"comparing it raised {type(e).__name__}") from e
+
 
 OnBatch = Callable[[Hashable, int, Any], Any]
 OnReset = Callable[[Hashable, int, int], Any]
@@ -287,7 +304,9 @@ class EventSubscriber:
         self._commands: deque[tuple[str, Any]] = deque()
         self._queued = self._done = 0  # commands queued, and applied by the polling thread
         self._by_id: dict[Hashable, _Peer] = {}  # every added publisher (as callers see it)
-        self._peers: dict[Hashable, _Peer] = {}  # owned by the polling thread
+        # Owned by the polling thread, keyed by id(peer): it never hashes or compares a caller's
+        # worker_id (whose __hash__ / __eq__ may raise).
+        self._peers: dict[int, _Peer] = {}
         self._sockets: dict[zmq.Socket, tuple[_Peer, int]] = {}  # socket -> (peer, _LIVE...)
         self._monitors = 0  # monitor sockets registered
         self._poller = zmq.Poller()
@@ -333,10 +352,11 @@ class EventSubscriber:
         with self._lock:
             if self._closed:
                 raise InvalidStateError("the event subscriber is stopped")
-            if worker_id in self._by_id:
-                raise DuplicateWorkerError(f"publisher {worker_id!r} is already added")
-            peer = _Peer(worker_id, endpoint, replay_endpoint, topic.encode(), start_seq)
-            self._by_id[worker_id] = peer
+            with _as_key(worker_id):
+                if worker_id in self._by_id:
+                    raise DuplicateWorkerError(f"publisher {worker_id!r} is already added")
+                peer = _Peer(worker_id, endpoint, replay_endpoint, topic.encode(), start_seq)
+                self._by_id[worker_id] = peer
             self._commands.append(("add", peer))
             self._queued += 1
         self._wakeup.wake()
@@ -357,9 +377,11 @@ class EventSubscriber:
         hashable(worker_id, "worker_id")
         wait = _wait_seconds(wait)
         with self._lock:
-            if self._by_id.pop(worker_id, None) is None:
+            with _as_key(worker_id):
+                peer = self._by_id.pop(worker_id, None)
+            if peer is None:
                 raise UnknownWorkerError(f"no publisher {worker_id!r}")
-            self._commands.append(("remove", worker_id))
+            self._commands.append(("remove", peer))
             self._queued += 1
             ticket = self._queued
         self._wakeup.wake()
@@ -466,7 +488,7 @@ class EventSubscriber:
 
     def _peer(self, worker_id: Hashable) -> _Peer:
         hashable(worker_id, "worker_id")
-        with self._lock:
+        with self._lock, _as_key(worker_id):
             peer = self._by_id.get(worker_id)
         if peer is None:
             raise UnknownWorkerError(f"no publisher {worker_id!r}")
@@ -568,7 +590,7 @@ class EventSubscriber:
                 if op == "add":
                     self._open_peer(arg)
                 else:
-                    peer = self._peers.pop(arg, None)
+                    peer = self._peers.pop(id(arg), None)
                     if peer is not None:
                         self._close_peer(peer)
             finally:
@@ -588,15 +610,18 @@ class EventSubscriber:
             sub.close()
             log.error("cannot connect to %r at %s: %s", peer.worker_id, peer.endpoint, e)
             with self._lock:
-                if self._by_id.get(peer.worker_id) is peer:
-                    del self._by_id[peer.worker_id]
+                try:
+                    if self._by_id.get(peer.worker_id) is peer:
+                        del self._by_id[peer.worker_id]
+                except Exception:  # its own __hash__ / __eq__ raised: it stays listed, failed
+                    pass
             peer.error = e
             return
         peer.sub = sub
         self._register(sub, peer, _LIVE)
         peer.monitor = sub.get_monitor_socket(zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECT_RETRIED)
         self._register(peer.monitor, peer, _MONITOR)
-        self._peers[peer.worker_id] = peer
+        self._peers[id(peer)] = peer
         if peer.replay_endpoint is not None:
             self._new_dealer(peer)
         if peer.start_seq is not None:
