@@ -513,11 +513,11 @@ def _cache_dirs(tmp_path: Path) -> dict[str, str]:
     (tmp_path / "binary-stamp" / ".complete").write_bytes(b"\xff\xfe\0")
     return {"a file": str(tmp_path / "file"), "under a file": str(tmp_path / "file" / "sub"),
             "other dimensions": str(tmp_path / "other"), "stamp is a directory": str(tmp_path / "dir-stamp"),
-            "stamp not UTF-8": str(tmp_path / "binary-stamp"), "NUL": str(tmp_path / "a\0b")}
+            "stamp not UTF-8": str(tmp_path / "binary-stamp"), "NUL": str(tmp_path / "a\0b"), "empty": ""}
 
 
 @pytest.mark.parametrize("case", ["a file", "under a file", "other dimensions", "stamp is a directory",
-                                  "stamp not UTF-8", "NUL"])
+                                  "stamp not UTF-8", "NUL", "empty"])
 def test_demo_cache_dir_it_cannot_use_is_one_line_exit_2(tmp_path, capsys, monkeypatch, case):
     from kvslots.demo import run as demo
 
@@ -525,6 +525,7 @@ def test_demo_cache_dir_it_cannot_use_is_one_line_exit_2(tmp_path, capsys, monke
         raise AssertionError("the server was started")
 
     monkeypatch.setattr(demo, "subprocess", argparse.Namespace(Popen=started))
+    monkeypatch.chdir(tmp_path)  # "" built the models in the working directory
     path = _cache_dirs(tmp_path)[case]
     capsys.readouterr()
     code = cli.main(["demo", "--cache-dir", path])
@@ -641,3 +642,18 @@ def test_an_options_value_of_two_dashes_is_judged_as_text(capsys, no_server, dem
     assert err.count("\n") == 1 and "'--'" in err and "Traceback" not in err, err
     args = cli.build_parser().parse_args(["serve", "org/m", "--kv-events-topic=--", "--host", "h"])
     assert args.kv_events_topic == "--" and args.vllm_args == []
+
+
+@pytest.mark.parametrize("argv, problem", [
+    ([""], "an empty path names no directory"),  # the models were built in the working directory
+    (["{tmp}/m", "--intermediate", "0"], "Dims.intermediate"),  # 0 was taken as the default
+])
+def test_tiny_models_refuse_an_empty_root_and_a_zero_size(tmp_path, capsys, monkeypatch, argv, problem):
+    from kvslots._dev import tiny
+
+    monkeypatch.chdir(tmp_path)
+    capsys.readouterr()
+    assert tiny.main([a.format(tmp=tmp_path) for a in argv]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("\n") == 1 and problem in err, err
+    assert list(tmp_path.iterdir()) == [], list(tmp_path.iterdir())  # nothing built

@@ -233,6 +233,8 @@ def build_tiny_models(root: str, dims: Dims = TINY) -> dict[str, str]:
     root = os.fspath(root) if isinstance(root, os.PathLike) else root
     if not isinstance(root, str):
         raise ConfigError(f"the models' directory must be a path (str), got {type(root).__name__}")
+    if not root:  # os.path.join("", "target") is ./target: the models were written into the working directory
+        raise ConfigError("the models' directory: an empty path names no directory")
     paths = {name: os.path.join(root, name) for name in ("target", "eagle", "eagle3")}
     done = os.path.join(root, ".complete")
     stamp = json.dumps(asdict(dims), sort_keys=True)
@@ -275,7 +277,8 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
 
     def build(a: argparse.Namespace) -> None:
-        dims = Dims(a.layers, a.hidden, a.heads, a.kv_heads, a.intermediate or 2 * a.hidden)
+        # "is None", not "or": --intermediate 0 was taken as the default, not refused by Dims.
+        dims = Dims(a.layers, a.hidden, a.heads, a.kv_heads, 2 * a.hidden if a.intermediate is None else a.intermediate)
         print(json.dumps(build_tiny_models(a.root, dims), indent=1))
 
     return run_command(build, a, ap.prog)
