@@ -657,3 +657,20 @@ def test_tiny_models_refuse_an_empty_root_and_a_zero_size(tmp_path, capsys, monk
     out, err = capsys.readouterr()
     assert out == "" and err.count("\n") == 1 and problem in err, err
     assert list(tmp_path.iterdir()) == [], list(tmp_path.iterdir())  # nothing built
+
+
+@pytest.mark.parametrize("argv", [["--layers", "65536"], ["--hidden", "65536", "--heads", "1", "--kv-heads", "1",
+                                                          "--intermediate", "65536"]])
+def test_tiny_models_too_large_to_build_are_refused_before_building(tmp_path, capsys, monkeypatch, argv):
+    # Each size was bounded, not their product: torch was asked for tens of GB of weights.
+    from kvslots._dev import tiny
+
+    def built(*a, **k):
+        raise AssertionError("a model was built")
+
+    monkeypatch.setattr(tiny, "build_target", built)
+    capsys.readouterr()
+    assert tiny.main([str(tmp_path / "m"), *argv]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("\n") == 1 and "not a tiny model" in err, err
+    assert tiny.REALISTIC.num_params <= tiny.MAX_PARAMS

@@ -73,11 +73,27 @@ class Dims:
         if self.hidden % self.heads or self.heads % self.kv_heads:
             raise ConfigError(f"hidden {self.hidden} must be a multiple of heads {self.heads}, and heads of "
                               f"kv_heads {self.kv_heads}", "Dims")
+        # Each size alone is bounded, not their product: --layers 65536 (or hidden and intermediate
+        # 65536) asked torch for tens of GB of float32 weights (MemoryError, or the OOM killer).
+        if self.num_params > MAX_PARAMS:
+            raise ConfigError(f"{self.num_params} target parameters (about {self.num_params * 4 >> 20} MiB of "
+                              f"float32 weights), more than {MAX_PARAMS}: not a tiny model", "Dims")
+
+    @property
+    def num_params(self) -> int:
+        """The target's parameters, about: embeddings and LM head, and per layer the attention
+        and MLP projections."""
+        kv = self.kv_heads * (self.hidden // self.heads)
+        return 2 * VOCAB * self.hidden + self.layers * (
+            2 * self.hidden * self.hidden + 2 * self.hidden * kv + 3 * self.hidden * self.intermediate)
 
     @property
     def head_dim(self) -> int:
         return self.hidden // self.heads
 
+
+#: Most target parameters Dims allows (1 GiB of float32 weights; the "realistic" model has ~80M).
+MAX_PARAMS = 1 << 28
 
 TINY = Dims()
 #: The benchmarks' "realistic" model: compute per KV byte closer to real serving (fp32, ~40M
