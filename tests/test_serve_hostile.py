@@ -116,6 +116,21 @@ def test_plan_from_argv_needs_a_list_of_arguments(argv):
         plan_from_argv(argv)
 
 
+@pytest.mark.parametrize("argv, kwargs", [
+    (["org/target", "--port", "x"], {}), (["org/target", "--bogus"], {}), (["--help"], {}), (["-h"], {}), ([], {}),
+    (["org/target", "--role", "nope"], {}), (["org/target", "--x\ny"], {}),
+    (["org/target"], {"python": 5}), (["org/target"], {"python": "py\0"}), (["org/target"], {"python": ""}),
+])
+def test_plan_from_argv_argument_errors_are_serve_errors(capsys, argv, kwargs):
+    # An argument error was argparse's: a line on stderr and SystemExit (--help: the help, exit 0).
+    capsys.readouterr()
+    with pytest.raises(ServeError) as ei:
+        plan_from_argv(argv, **kwargs)
+    assert "\n" not in str(ei.value)
+    assert capsys.readouterr() == ("", "")
+    assert plan_from_argv(["org/target"], python="/py").argv[0] == "/py"
+
+
 @pytest.mark.parametrize("tail", ["--x", None, 5, [5], ["--max-model-len", "1\0"], [b"--x"]])
 def test_scan_vllm_args_needs_a_list_of_arguments(tail):
     with pytest.raises(ServeError):  # AttributeError / TypeError

@@ -23,6 +23,7 @@ from typing import Any
 
 from .._listen import check_listen
 from ..cli import OneLineParser, one_line
+from ..errors import ServeError
 from .events import DEFAULT_EVENTS_ENDPOINT
 from .plan import (
     DEFAULT_HOST,
@@ -183,10 +184,26 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
+class _PlanParser(_ServeParser):
+    """:func:`plan_from_argv`'s parser: an argument error is a ServeError, as every other bad
+    input of a Python call is (it was a line on stderr and SystemExit; ``--help`` printed the
+    help and exited 0). No ``-h``/``--help``: an unknown option there."""
+
+    def error(self, message: str) -> Any:  # type: ignore[override]
+        raise ServeError(one_line(message))
+
+
 def plan_from_argv(argv: Sequence[str], *, python: str | None = None) -> ServePlan:
-    """Parses ``kvslots serve`` arguments (without ``serve``) and builds the plan."""
+    """Parses ``kvslots serve`` arguments (without ``serve``) and builds the plan. Bad input,
+    an argument error included, raises :class:`~kvslots.ServeError` (or a ConfigError)."""
     check_argv(argv, "argv")
-    return build_plan(make_parser().parse_args(list(argv)), python=python)
+    if python is not None:
+        check_argv([python], "python")  # an int or a NUL went into the command as given
+        if not python:  # was taken as "no interpreter given"
+            raise ServeError("python: an empty path names no interpreter")
+    parser = _PlanParser(prog=PROG, allow_abbrev=False, add_help=False)
+    _add_arguments(parser)
+    return build_plan(parser.parse_args(list(argv)), python=python)
 
 
 def run(args: argparse.Namespace) -> int:
