@@ -597,6 +597,51 @@ def test_shared_objects_from_many_threads():
     assert ix.check_invariants() is None
 
 
+def test_gc_finalizers_during_an_event_drain_find_the_object_free():
+    """drain_raw_events builds its tuples holding the object's borrow; a GC run inside it ran
+    finalizers, and one calling the object (or releasing the GIL to a thread that did) got
+    ConcurrentUseError. The GC now waits until the list is built."""
+    import gc
+
+    def fill_manager(m):
+        m.create("a", list(range(40)))
+        m.reserve("a", 40)
+        for i in range(40):
+            m.commit("a", [i])  # one BlockStored each
+
+    def fill_cache(c):
+        for i in range(40):
+            s = c.begin_store([i + 1])
+            c.complete_store([(h, b) for _, h, b in s], None, [i])
+
+    for obj, fill in ((kvslots.SlotManager(64, 1), fill_manager), (_core.HostCache(64, 1), fill_cache)):
+        fill(obj)
+        refused = []
+
+        class Finalizer:
+            def __init__(self):
+                self.me = self  # a cycle: only the GC frees it
+
+            def __del__(self):
+                try:
+                    obj.num_pending_events()
+                except ConcurrentUseError as e:
+                    refused.append(e)
+
+        threshold = gc.get_threshold()
+        gc.collect()
+        try:
+            for _ in range(50):
+                Finalizer()
+            gc.set_threshold(1)
+            assert len(obj.drain_raw_events()) == 40
+        finally:
+            gc.set_threshold(*threshold)
+            gc.collect()
+        assert not refused, (type(obj).__name__, refused[0])
+        assert gc.isenabled()
+
+
 # ---- memory safety: what a region may hold, what a token read may run ----
 
 

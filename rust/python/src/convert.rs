@@ -507,10 +507,27 @@ fn lookahead_to_py<'py>(py: Python<'py>, successors: &[u32]) -> PyResult<Bound<'
 
 /// Queued events as the tuples `drain_raw_events` returns; a `BlockStored` with successors has
 /// a seventh item, its `lookahead_token_ids`.
+///
+/// Callers hold their object's borrow meanwhile. Allocating the tuples and lists may run
+/// Python's cyclic GC, whose finalizers run Python code: one calling back into the object, or
+/// releasing the GIL to another thread that did, got `ConcurrentUseError`. The GC is paused
+/// until the list is built (nothing here drops a reference to a foreign object).
 pub(crate) fn events_to_py<'py>(
     py: Python<'py>,
     log: &core::EventLog,
 ) -> PyResult<Bound<'py, PyList>> {
+    // SAFETY: both need only the GIL, which `py` proves held; PyGC_Disable returns whether
+    // the GC was enabled, so a GC the caller had turned off stays off.
+    let was_enabled = unsafe { pyo3::ffi::PyGC_Disable() } != 0;
+    let out = events_list(py, log);
+    if was_enabled {
+        // SAFETY: as above.
+        unsafe { pyo3::ffi::PyGC_Enable() };
+    }
+    out
+}
+
+fn events_list<'py>(py: Python<'py>, log: &core::EventLog) -> PyResult<Bound<'py, PyList>> {
     let list = PyList::empty(py);
     for ev in log.iter() {
         let t = match ev {
