@@ -87,3 +87,30 @@ def test_speculators_num_speculative_tokens_override_is_bounded(tmp_path, k):
         load_speculators_checkpoint(tmp_path, num_speculative_tokens=k)
     assert ei.value.field == "num_speculative_tokens"
     assert load_speculators_checkpoint(tmp_path, num_speculative_tokens=3).speculative_config["num_speculative_tokens"] == 3
+
+
+def _spec_cycle() -> dict:
+    d: dict = {"method": "ngram", "num_speculative_tokens": 2}
+    d["x"] = d
+    return d
+
+
+@pytest.mark.parametrize("base, explicit", [
+    ({"method": "ngram", "num_speculative_tokens": 2, "x": float("nan")}, None),
+    (None, {"method": "ngram", "num_speculative_tokens": 2, "x": {1, 2}}),
+    (None, {"method": "ngram", "num_speculative_tokens": 2**64}),
+    (None, {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": float("inf")}),
+    (_spec_cycle(), None),
+])
+def test_resolve_speculative_config_gets_the_files_value_rules(base, explicit):
+    with pytest.raises(ConfigError):  # returned as the speculative config
+        resolve_speculative_config(base, explicit)
+
+
+@pytest.mark.parametrize("base", [5, 1.5, b"/tmp", ["/tmp"]])
+def test_classify_model_base_must_be_a_path(base):
+    from kvslots.config.speculative import classify_model
+
+    with pytest.raises(ConfigError, match="base must be a directory path"):  # Path(5): TypeError
+        classify_model("x", base=base)
+    assert classify_model("x", base="/").kind in ("hub", "missing", "dir")

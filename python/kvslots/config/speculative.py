@@ -33,7 +33,7 @@ from typing import Any
 
 from ..errors import ConfigError
 from .loader import brief as short
-from .loader import load_json
+from .loader import check_values, load_json
 from .schedule import DynamicSDSchedule
 from .vllm_args import brief
 
@@ -179,6 +179,13 @@ def classify_model(name: str | os.PathLike[str], *, base: str | os.PathLike[str]
     system cannot look up, such as ``~nosuchuser/x`` or a component past 255 bytes, names nothing
     there). A ``name`` that is not a string is a :class:`~kvslots.ConfigError`."""
     text = reference_text(name, "a model reference")
+    if base is not None:  # Path(base) of an int was a TypeError
+        try:
+            base_text = os.fspath(base)
+        except TypeError:
+            base_text = None
+        if not isinstance(base_text, str):
+            raise ConfigError(f"base must be a directory path (a string), got {type(base).__name__} {short(base)}")
     if not text:  # Path("") is the working directory; an empty reference names nothing
         return ModelRef(text, "missing", "")
     expanded = _local_path(text)
@@ -227,6 +234,10 @@ def resolve_speculative_config(
     for given, what in ((base, "base"), (explicit, explicit_source)):
         if given is not None and not isinstance(given, Mapping):  # dict() of it was a TypeError
             raise ConfigError(f"must be a JSON object, got {type(given).__name__} {short(given)}", what)
+        if given is not None:
+            # A file's value rules for a mapping from Python too: a NaN, a set, an integer past 64
+            # bits or a cycle was returned as the speculative config (the CLI's JSON is checked).
+            check_values(given, what)
     said = notes if notes is not None else []
     spec = dict(base) if base is not None else None
     if explicit is not None:
