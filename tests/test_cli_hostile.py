@@ -674,3 +674,22 @@ def test_tiny_models_too_large_to_build_are_refused_before_building(tmp_path, ca
     out, err = capsys.readouterr()
     assert out == "" and err.count("\n") == 1 and "not a tiny model" in err, err
     assert tiny.REALISTIC.num_params <= tiny.MAX_PARAMS
+
+
+def test_dump_json_of_a_structure_too_deep_for_the_stack_is_a_config_error():
+    import functools
+
+    deep = functools.reduce(lambda inner, _: [inner], range(100_000), [])
+    with pytest.raises(ConfigError, match="nested too deep"):  # was json's RecursionError
+        loader.dump_json(deep)
+    assert loader.dump_json([[[]]]) == "[[[]]]"
+
+
+@pytest.mark.parametrize("max_bytes", ["4096", None, 1.5, True, -1])
+def test_read_config_text_max_bytes_must_be_a_size(tmp_path, max_bytes):
+    from kvslots.errors import ArgumentTypeError
+
+    f = write(tmp_path / "a.yaml", "a: 1\n")
+    with pytest.raises(ArgumentTypeError, match="max_bytes"):  # "4096" was a TypeError
+        loader.read_config_text(f, max_bytes=max_bytes)
+    assert loader.read_config_text(f, max_bytes=64) == "a: 1\n"

@@ -88,6 +88,8 @@ def read_config_text(path: str | os.PathLike[str], *, max_bytes: int = MAX_BYTES
     except TypeError:
         raise ArgumentTypeError(f"a file path must be a str, bytes or os.PathLike, got {type(path).__name__}") from None
     source = name if isinstance(name, str) else os.fsdecode(name)
+    if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 0:  # "x" was a TypeError
+        raise ArgumentTypeError(f"max_bytes must be an int >= 0, got {type(max_bytes).__name__} {brief(max_bytes)}")
     if not source:  # an option given as "" (--config ""): say so, not "no such file" of no name
         raise ConfigError("an empty path names no file")
     flags = os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOCTTY", 0) | getattr(os, "O_CLOEXEC", 0)
@@ -512,6 +514,8 @@ def dump_json(value: Any, *, indent: int | None = None, **kw: Any) -> str:
         return json.dumps(value, indent=indent, allow_nan=False, **kw)
     except (ValueError, TypeError) as e:
         raise ConfigError(f"cannot be written as JSON: {e}") from None
+    except RecursionError:  # nested deeper than the interpreter's stack (100,000 lists)
+        raise ConfigError("cannot be written as JSON: nested too deep") from None
 
 
 __all__ = [
