@@ -114,3 +114,14 @@ def test_classify_model_base_must_be_a_path(base):
     with pytest.raises(ConfigError, match="base must be a directory path"):  # Path(5): TypeError
         classify_model("x", base=base)
     assert classify_model("x", base="/").kind in ("hub", "missing", "dir")
+
+
+def test_a_path_model_is_converted_as_text_and_yaml_output_errs_as_json_does():
+    from pathlib import Path
+
+    r = convert_trtllm_config({"max_batch_size": 4}, model=Path("org/t"))
+    assert r.engine_args["model"] == "org/t"  # the Path was kept: to_json refused it
+    assert '"model": "org/t"' in r.to_json() and "model: org/t" in r.to_yaml()
+    r.engine_args["bogus"] = object()
+    with pytest.raises(ConfigError, match="cannot be written as YAML"):  # yaml's RepresenterError
+        r.to_yaml()

@@ -128,8 +128,8 @@ def convert_trtllm_config(
         conv.check_draft_model()
     # The target model: the same rule as a draft's (a checkpoint's verifier is checked by its loader).
     if model is not None:
-        args["model"] = model
-        check_draft_model(model, "model", what="model")
+        # As text: a Path was kept as given (to_json refused it, to_yaml raised yaml's error).
+        args["model"] = check_draft_model(model, "model", what="model").name
     elif speculators_dir is None and "model" in args:
         check_draft_model(args["model"], "model", src, what="model")
 

@@ -93,7 +93,10 @@ class ConversionResult:
         """The engine arguments as a ``vllm serve --config`` YAML (dashed option names)."""
         yaml = yaml_module()
         doc = {k.replace("_", "-") if k != "model" else k: v for k, v in self.engine_args.items()}
-        return yaml.safe_dump(doc, sort_keys=False, default_flow_style=None)
+        try:
+            return yaml.safe_dump(doc, sort_keys=False, default_flow_style=None)
+        except yaml.YAMLError as e:  # a value YAML cannot write (an object put in engine_args), as to_json
+            raise ConfigError(f"cannot be written as YAML: {e}") from None
 
     def report(self) -> dict[str, Any]:
         """Everything, as plain data (for logs, ``serve`` and tests)."""
