@@ -705,6 +705,7 @@ class _RaisingEvents(list):
         (lambda: external_block_hash(None), ArgumentTypeError),
         (lambda: external_block_hash("ab"), ArgumentTypeError),
         (lambda: offset_endpoint_port("tcp://h:5", "1"), ArgumentTypeError),
+        (lambda: offset_endpoint_port("tcp://h:" + "9" * 5000, 1), InvalidArgumentError),  # was ValueError
         (lambda: is_bind_endpoint(None), ArgumentTypeError),
         (lambda: seq_bytes(-1), InvalidArgumentError),
         (lambda: replay_request("x"), ArgumentTypeError),
@@ -734,6 +735,9 @@ def test_codec_still_reads_what_it_should():
         ({"endpoint": 5}, ArgumentTypeError, "endpoint must be a str"),
         ({"endpoint": "tcp://127.0.0.1:99999"}, InvalidArgumentError, "past 65535"),
         ({"endpoint": "tcp://127.0.0.1:65535", "data_parallel_rank": 1}, InvalidArgumentError, "past 65535"),
+        # int() refuses a port of 4300 digits or more: that ValueError escaped.
+        ({"endpoint": "tcp://127.0.0.1:" + "9" * 5000}, InvalidArgumentError, "past 65535"),
+        ({"replay_endpoint": "tcp://127.0.0.1:" + "1" * 5000}, InvalidArgumentError, "past 65535"),
         ({"replay_endpoint": "udp://x:1"}, InvalidArgumentError, "replay_endpoint"),
         ({"topic": "\ud800"}, InvalidArgumentError, "topic must be valid Unicode"),
         ({"topic": b"kv"}, ArgumentTypeError, "topic must be a str"),
@@ -824,6 +828,7 @@ def test_subscriber_calls_with_hostile_arguments_change_nothing(closing):
         (lambda: sub.add_publisher("w", ep, start_seq=1.5), ArgumentTypeError),
         (lambda: sub.add_publisher("w", "udp://127.0.0.1:1"), InvalidArgumentError),
         (lambda: sub.add_publisher("w", ep, "udp://127.0.0.1:2"), InvalidArgumentError),
+        (lambda: sub.add_publisher("w", "tcp://127.0.0.1:" + "9" * 5000), InvalidArgumentError),  # was ValueError
         (lambda: sub.add_publisher("w", None), ArgumentTypeError),  # type: ignore[arg-type]
         (lambda: sub.add_publisher("w", ep, topic=5), ArgumentTypeError),  # type: ignore[arg-type]
         (lambda: sub.add_publisher("w", ep, topic="\ud800"), InvalidArgumentError),

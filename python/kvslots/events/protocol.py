@@ -168,11 +168,12 @@ def offset_endpoint_port(endpoint: str | None, data_parallel_rank: int) -> str |
         return f"{endpoint}_dp{data_parallel_rank}"
     if "tcp" in endpoint:
         head, sep, port = endpoint.rpartition(":")
-        if not sep or not _is_port(port):
+        value = _port(port) if sep else None
+        if value is None or value == 0:
             return endpoint
-        if int(port) == 0:
-            return endpoint
-        return f"{head}:{int(port) + data_parallel_rank}"
+        if value >= _LONG_PORT:  # perhaps of thousands of digits, which int() refuses
+            raise InvalidArgumentError(f"endpoint {brief(endpoint)}: port {_show_port(port)} is past 65535")
+        return f"{head}:{value + data_parallel_rank}"
     raise InvalidArgumentError(f"invalid endpoint {endpoint!r}: expected tcp://, ipc:// or inproc://")
 
 
@@ -193,9 +194,10 @@ def check_endpoint(endpoint: str, name: str = "endpoint", data_parallel_rank: in
                 _bracketed_ipv6(host)
             except ValueError:
                 raise InvalidArgumentError(f"{name} {brief(endpoint)}: not an IPv6 address in brackets") from None
-        if _is_port(port) and int(port) and int(port) + data_parallel_rank > 65535:
+        value = _port(port)
+        if value and value + data_parallel_rank > 65535:
             shifted = f" + data_parallel_rank {data_parallel_rank}" if data_parallel_rank else ""
-            raise InvalidArgumentError(f"{name} {endpoint!r}: port {port}{shifted} is past 65535")
+            raise InvalidArgumentError(f"{name} {brief(endpoint)}: port {_show_port(port)}{shifted} is past 65535")
     return endpoint
 
 
@@ -254,6 +256,19 @@ def check_connect_endpoint(endpoint: str, what: str = "endpoint") -> str:
     return endpoint
 
 
-def _is_port(text: str) -> bool:
-    # ASCII only: str.isdigit() is True for "²", which int() refuses.
-    return text.isascii() and text.isdigit()
+#: What :func:`_port` gives for a number of six digits or more.
+_LONG_PORT = 100_000
+
+
+def _port(text: str) -> int | None:
+    """The number a port text of ASCII digits holds (str.isdigit() is True for "²", which int()
+    refuses), None for other text; ``_LONG_PORT`` for six digits or more (int() raises
+    ValueError for 4300 digits or more, and no port is past 65535 anyway)."""
+    if not (text.isascii() and text.isdigit()):
+        return None
+    digits = text.lstrip("0") or "0"
+    return int(digits) if len(digits) <= 5 else _LONG_PORT
+
+
+def _show_port(text: str) -> str:
+    return text if len(text) <= 12 else f"{text[:12]}... ({len(text)} digits)"
