@@ -590,6 +590,7 @@ def test_output_that_cannot_be_written_is_one_line_exit_2(tmp_path, argv, sink):
 
 
 @pytest.mark.parametrize("argv", [
+    [],  # the whole help, on stdout
     ["bogus"], ["--nope"], ["convert-config"], ["convert-config", "x.yaml", "--format", "toml"],
     ["indexer", "--port", "x"], ["indexer", "--log-level", "trace"], ["indexer", "--capacity", "1.5"],
     ["indexer", "--max-frame-mb", "1e3"], ["simulate", "--requests", "x"], ["simulate", "--acceptance"], ["proxy", "--prefill", "http://p"],

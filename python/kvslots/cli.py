@@ -67,10 +67,14 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if not getattr(args, "func", None):
-        parser.print_help()
-        return 2
+        # An argument error like any other: one line (the whole help was printed, exit status 2).
+        parser.error(f"a command is required: one of {', '.join(_commands(parser))}")
     return run_command(args.func, args, f"{parser.prog} {args.command}",
                        label=getattr(args, "error_label", "error"))
+
+
+def _commands(parser: argparse.ArgumentParser) -> list[str]:
+    return [name for a in parser._actions if isinstance(a, argparse._SubParsersAction) for name in a.choices]
 
 
 def one_line(text: str) -> str:
