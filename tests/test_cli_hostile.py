@@ -492,7 +492,7 @@ def demo_starts_nothing(monkeypatch):
     (["--prefix-len", str(10**30)], "--prefix-len"),
     (["--host-cache-gb", "nan"], "--host-cache-gb"), (["--host-cache-gb", "inf"], "--host-cache-gb"),
     (["--host-cache-gb", "0"], "--host-cache-gb"), (["--host-cache-gb", "-1"], "--host-cache-gb"),
-    (["--host-cache-gb", "1e7"], "--host-cache-gb"),
+    (["--host-cache-gb", "1e7"], "--host-cache-gb"), (["--host-cache-gb", "1e-300"], "--host-cache-gb"),
     (["--timeout", "nan"], "--timeout"), (["--timeout", "inf"], "--timeout"), (["--timeout", "0"], "--timeout"),
     (["--timeout", "-5"], "--timeout"),
 ])

@@ -74,9 +74,13 @@ def check_args(args: argparse.Namespace) -> None:
                          f"--prefix-len >= 0, --max-tokens >= 1 and their sum <= {MAX_MODEL_LEN - SUFFIX_LEN} "
                          f"(the demo's model length, less {SUFFIX_LEN} tokens per prompt)")
     try:  # the connector's own rule for the size
-        ConnectorConfig(host_cache_gb=args.host_cache_gb)
+        cfg = ConnectorConfig(host_cache_gb=args.host_cache_gb)
     except ConfigError:
         raise bad("--host-cache-gb", args.host_cache_gb, "must be a number of GiB > 0 and < 2**20") from None
+    try:  # kvslots serve's check (1e-300 holds not one byte): it failed only once the models were built
+        cfg.check_tiers_hold_a_block()
+    except ConfigError:
+        raise bad("--host-cache-gb", args.host_cache_gb, "holds no block (not one byte)") from None
     if not (math.isfinite(args.timeout) and args.timeout > 0):
         raise bad("--timeout", args.timeout, "must be a finite number of seconds > 0")
 
