@@ -299,3 +299,12 @@ def test_an_events_topic_that_is_not_unicode_is_one_line_exit_2(capsys, argv, wh
     assert err.startswith(f"kvslots serve: error: {where} must be valid Unicode text"), err
     code, out, err = _serve(capsys, "--kv-events-topic", "k\u00e9v")
     assert code == 0 and ('"topic":"k\\u00e9v"' in out or '"topic":"k\u00e9v"' in out), out
+
+
+@pytest.mark.parametrize("port", ["99999", "-1", "0", str(2**64)])
+def test_a_port_after_the_separator_out_of_range_is_one_line_exit_2(capsys, monkeypatch, port):
+    # 2**64 was check_listen's OverflowError traceback; 99999 and 0 started vLLM.
+    for run in (_serve, lambda capsys, *a: _serve_for_real(capsys, monkeypatch, *a)):
+        code, out, err = run(capsys, "--", "--port", port)
+        assert code == 2 and out == "" and err.count("\n") == 1, err
+        assert err == f"kvslots serve: error: after --: --port {port!r} is not a port number in 1..65535\n", err

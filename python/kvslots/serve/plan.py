@@ -225,6 +225,8 @@ def build_plan(args: argparse.Namespace, *, python: str | None = None) -> ServeP
             port = int(tail_port)
         except ValueError:
             raise ServeError(f"after --: --port {tail_port!r} is not a port number") from None
+        if not 0 < port < 65536:  # --port's range: 99999 or 2**64 failed binding (tracebacks), 0 a random port
+            raise ServeError(f"after --: --port {tail_port!r} is not a port number in 1..65535")
     elif port is None:
         port = DEFAULT_PORT
 
