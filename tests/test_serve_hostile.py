@@ -308,3 +308,12 @@ def test_a_port_after_the_separator_out_of_range_is_one_line_exit_2(capsys, monk
         code, out, err = run(capsys, "--", "--port", port)
         assert code == 2 and out == "" and err.count("\n") == 1, err
         assert err == f"kvslots serve: error: after --: --port {port!r} is not a port number in 1..65535\n", err
+
+
+@pytest.mark.parametrize("port", [99999, -1, 2**64, "80", True, None])
+def test_check_listen_refuses_what_is_not_a_port(port):
+    from kvslots._listen import check_listen
+    from kvslots.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="not a port number in 0..65535"):  # 2**64: OverflowError; 99999 passed
+        check_listen("127.0.0.1", port)

@@ -15,6 +15,10 @@ def check_listen(host: str, port: int) -> None:
     """A ConfigError unless ``host:port`` can be listened on, checked the way asyncio's server
     will bind it (every address the host resolves to), so that a port in use or a host that
     does not resolve is one line, not uvicorn's log and exit status 3."""
+    # getaddrinfo wraps a port past 65535 (99999 passed, to fail in the server's bind) and
+    # raises OverflowError past a C long: the range is checked first.
+    if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
+        raise ConfigError(f"port {port!r} is not a port number in 0..65535")
     try:
         infos = socket.getaddrinfo(host or None, port, socket.AF_UNSPEC, socket.SOCK_STREAM, 0, socket.AI_PASSIVE)
     except (socket.gaierror, UnicodeError, ValueError) as e:
