@@ -788,6 +788,16 @@ def test_publish_and_flush_arguments(closing):
         pub.flush(float("nan"))
     with pytest.raises(ArgumentTypeError):
         pub.shutdown("x")  # type: ignore[arg-type]
+
+    class RankRaises(msgspec.Struct):
+        ts: float
+
+        @property
+        def data_parallel_rank(self):
+            raise ZeroDivisionError("boom")
+
+    with pytest.raises(ArgumentTypeError, match="data_parallel_rank"):  # was ZeroDivisionError
+        pub.publish(RankRaises(0.0))
     assert pub.stats()["queued"] == 0 and pub.next_seq == 0
     assert pub.flush(float("inf")) and pub.flush(-1)
 

@@ -222,7 +222,11 @@ class EventPublisher:
         if self._closed:  # before touching the batch (checked again under the lock)
             raise InvalidStateError("the event publisher is shut down")
         if isinstance(batch, msgspec.Struct):  # ours, or vLLM's own KVEventBatch
-            if getattr(batch, "data_parallel_rank", 0) is None:
+            try:
+                rank = getattr(batch, "data_parallel_rank", 0)
+            except Exception as e:  # a property of a struct subclass that raises
+                raise ArgumentTypeError(f"publish() cannot read the batch's data_parallel_rank: {e!r}") from e
+            if rank is None:
                 try:  # in place, as vLLM's publisher does
                     batch.data_parallel_rank = self.data_parallel_rank  # type: ignore[attr-defined]
                 except (AttributeError, TypeError):  # a frozen struct: a copy gets the rank
