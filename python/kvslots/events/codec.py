@@ -174,7 +174,8 @@ def _wire_event(ev: Any) -> Any:
 def encode_batch(batch: EventBatch) -> bytes:
     """The batch's msgpack; each ``BlockStored`` in the layout of the vLLM that could have
     written it (see the module docs). A field msgpack cannot hold raises
-    :class:`ArgumentTypeError` (a type) or :class:`InvalidArgumentError` (an int past 64 bits)."""
+    :class:`ArgumentTypeError` (a type) or :class:`InvalidArgumentError` (an int past 64 bits,
+    nesting past the recursion limit or a circular one)."""
     if not isinstance(batch, EventBatch):
         raise ArgumentTypeError(f"encode_batch() takes a KVEventBatch, got {type(batch).__name__}")
     try:
@@ -194,7 +195,8 @@ def encode_batch(batch: EventBatch) -> bytes:
 
 def decode_batch(payload: bytes) -> KVEventBatch:
     """The batch a msgpack payload holds; :class:`EventDecodeError` when it is not a
-    ``KVEventBatch``, :class:`ArgumentTypeError` when ``payload`` is not bytes-like."""
+    ``KVEventBatch`` (a string that is not UTF-8 and nesting past the recursion limit
+    included), :class:`ArgumentTypeError` when ``payload`` is not contiguous bytes."""
     if not isinstance(payload, (bytes, bytearray, memoryview)):
         raise ArgumentTypeError(f"payload must be bytes, got {type(payload).__name__}")
     try:
