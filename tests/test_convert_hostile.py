@@ -156,9 +156,14 @@ def test_a_failed_check_is_one_line_exit_2(tmp_path, capsys, monkeypatch, raised
     assert problem in err, err
 
 
-@pytest.mark.parametrize("output", ["", "{tmp}", "{tmp}/no/such/dir/x", "/dev/full", "{tmp}/file/x"])
+@pytest.mark.parametrize("output", ["", "{tmp}", "{tmp}/no/such/dir/x", "/dev/full", "{tmp}/file/x",
+                                    "{tmp}/fifo",  # nobody reads it: the open waited without end
+                                    "{tmp}/a\0b"])  # open's ValueError
 def test_output_it_cannot_write_is_one_line_exit_2(tmp_path, capsys, output):
+    import os
+
     (tmp_path / "file").write_text("")
+    os.mkfifo(tmp_path / "fifo")
     f = tmp_path / "n.yaml"
     f.write_text("speculative_config:\n  decoding_type: NGram\n  max_draft_len: 2\n")
     capsys.readouterr()
@@ -210,3 +215,22 @@ def test_target_models_that_may_be_right_pass(tmp_path, monkeypatch):
         assert convert_trtllm_config({}, model=model).model == model
     # A YAML model replaced by --model is not read.
     assert convert_trtllm_config({"model": "/nonexistent/m"}, model="org/t").model == "org/t"
+
+
+def test_output_to_a_pipe_with_a_reader_and_to_a_file(tmp_path, capsys):
+    import os
+
+    f = tmp_path / "n.yaml"
+    f.write_text("max_batch_size: 4\n")
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    rfd = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)  # a reader (-o >(cmd)): written as before
+    try:
+        assert cli.main(["convert-config", str(f), "-q", "-o", str(fifo)]) == 0
+        assert os.read(rfd, 4096) == b"--max-num-seqs 4\n"
+    finally:
+        os.close(rfd)
+    out = tmp_path / "out.txt"
+    out.write_text("old and longer content\n")
+    assert cli.main(["convert-config", str(f), "-q", "-o", str(out)]) == 0
+    assert out.read_text() == "--max-num-seqs 4\n"  # truncated, as open(..., "w") did

@@ -9,6 +9,8 @@ fails included) exits with status 2 and one line naming the field.
 from __future__ import annotations
 
 import argparse
+import errno
+import os
 import shlex
 import sys
 
@@ -83,10 +85,17 @@ def run(args: argparse.Namespace) -> int:
         if not args.output:  # was taken as no -o: stdout
             raise ConfigError("an empty path names no file", "-o/--output")
         try:
-            with open(args.output, "w", encoding="utf-8") as f:
+            # O_NONBLOCK for the open only: a FIFO nobody reads is ENXIO, not a wait without end
+            # (it hung); one with a reader (-o >(cmd)) is then written as a blocking pipe.
+            fd = os.open(args.output, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NONBLOCK | os.O_CLOEXEC, 0o666)
+            os.set_blocking(fd, True)
+            with open(fd, "w", encoding="utf-8") as f:
                 f.write(text)
         except OSError as e:
-            raise ConfigError(f"cannot write: {e.strerror or e}", None, args.output) from None
+            why = "a FIFO that nobody reads" if e.errno == errno.ENXIO else e.strerror or e
+            raise ConfigError(f"cannot write: {why}", None, args.output) from None
+        except ValueError:  # a NUL in the path (open's ValueError was a traceback)
+            raise ConfigError("cannot write: a NUL in the path", None, args.output) from None
     else:
         sys.stdout.write(text)
     return 0
