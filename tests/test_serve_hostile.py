@@ -317,3 +317,12 @@ def test_check_listen_refuses_what_is_not_a_port(port):
 
     with pytest.raises(ConfigError, match="not a port number in 0..65535"):  # 2**64: OverflowError; 99999 passed
         check_listen("127.0.0.1", port)
+
+
+def test_a_yaml_host_cache_size_too_large_names_the_yaml_key(capsys, tmp_path):
+    f = tmp_path / "e.yaml"
+    f.write_text(f"kv_cache_config: {{host_cache_size: {2**63 - 1}}}\n")
+    code, out, err = _serve(capsys, "--extra-engine-args", str(f))
+    assert code == 2 and out == "" and err.count("\n") == 1, err
+    # It named only kv_connector_extra_config.host_cache_gb, a key the user never wrote.
+    assert "from the YAML's kv_cache_config.host_cache_size, 9223372036854775807 bytes" in err, err

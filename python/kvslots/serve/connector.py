@@ -97,6 +97,9 @@ def connector_config(args: argparse.Namespace, hints: dict[str, Any], tail_cfg: 
         # (the engine alone knows the bytes per block, and refused it only once loaded).
         ConnectorConfig.from_extra_config(extra).check_tiers_hold_a_block()
     except ConnectorConfigError as e:
+        if hinted and "host_cache_gb" not in flag_extra and extra.get("host_cache_gb") == hinted / GIB \
+                and "host_cache_gb" in str(e):  # a key the user never wrote: say where it came from
+            raise ServeError(f"{e} (from the YAML's kv_cache_config.host_cache_size, {hinted} bytes)") from None
         raise ServeError(str(e)) from None
     disk = extra.get("disk_path")
     if disk is not None and os.path.exists(disk) and not os.path.isdir(disk):
