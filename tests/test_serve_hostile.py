@@ -326,3 +326,25 @@ def test_a_yaml_host_cache_size_too_large_names_the_yaml_key(capsys, tmp_path):
     assert code == 2 and out == "" and err.count("\n") == 1, err
     # It named only kv_connector_extra_config.host_cache_gb, a key the user never wrote.
     assert "from the YAML's kv_cache_config.host_cache_size, 9223372036854775807 bytes" in err, err
+
+
+def test_supervise_from_another_thread_is_a_serve_error_and_starts_nothing(tmp_path):
+    import signal
+    import threading
+
+    marker = tmp_path / "ran"
+    got: list[BaseException] = []
+
+    def call():
+        try:
+            supervise(["/bin/sh", "-c", f"touch {marker}"], grace=0.5, log=lambda m: None)
+        except BaseException as e:  # noqa: BLE001 - what it raised is the test
+            got.append(e)
+
+    before = signal.getsignal(signal.SIGINT)
+    t = threading.Thread(target=call)
+    t.start()
+    t.join(timeout=30)
+    assert len(got) == 1 and isinstance(got[0], ServeError), got  # signal.signal's ValueError
+    assert "main thread" in str(got[0]) and not marker.exists()
+    assert signal.getsignal(signal.SIGINT) is before

@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -123,6 +124,9 @@ def supervise(argv: Sequence[str], *, env: dict[str, str] | None = None, grace: 
             raise ServeError(f"env: {sorted(k for k in env if not k or '=' in k)[0]!r} is not a variable name")
     if isinstance(grace, bool) or not isinstance(grace, (int, float)) or not (math.isfinite(grace) and grace > 0):
         raise ServeError(f"grace {grace!r} must be a finite number of seconds > 0")
+    if threading.current_thread() is not threading.main_thread():
+        # Python installs signal handlers only there: signal.signal's ValueError otherwise.
+        raise ServeError("supervise must be called from the main thread (it handles SIGINT, SIGTERM and SIGHUP)")
     say = log or (lambda msg: print(f"{PROG}: {msg}", file=sys.stderr, flush=True))
     pending: list[int] = []
 
