@@ -595,12 +595,31 @@ def test_redis_url_negative_db_is_refused(url, capsys):
     assert code == 2 and "db=-" in err, err
 
 
+@pytest.mark.parametrize("url, problem", [
+    ("redis://h:1/0?protocol=9", "protocol must be either 2 or 3"),  # a redis ConnectionError: a traceback, exit 1
+    ("redis://h:1/abc", "the path '/abc' is not /DB"),  # was db 0, silently
+    ("redis://h:1/1/2", "the path '/1/2' is not /DB"),  # was db 12
+    ("redis://user:hunter2@h:1/x", "the path '/x' is not /DB"),
+    ("redis://h:1/0?socket_timeout=1&socket_timeout=2", "socket_timeout given twice"),  # was the first
+    ("redis://h:1?db=1&db=2", "db given twice"),
+])
+def test_redis_url_odd_path_protocol_or_twice_given_option_is_one_line(url, problem, capsys, monkeypatch):
+    import uvicorn
+
+    monkeypatch.setattr(uvicorn, "run", lambda *a, **k: pytest.fail("the server started"))
+    code, err = _cli(["--backend", "redis", "--redis-url", url], capsys)
+    assert code == 2 and err.count("\n") == 1 and "Traceback" not in err and problem in err, err
+    assert "hunter2" not in err, err
+
+
 def test_redis_url_good_options_pass():
     from kvslots.indexer.config import check_redis_url
 
     check_redis_url("redis://h:1/0?socket_timeout=2.5&socket_connect_timeout=1&health_check_interval=0"
                     "&socket_read_size=65536&max_connections=4")
     check_redis_url("unix:///tmp/r.sock?db=3")
+    for url in ("redis://h:1", "redis://h:1/", "rediss://h:1/15?protocol=3"):
+        check_redis_url(url)
 
 
 def test_cli_redis_url_error_hides_the_password(capsys):

@@ -7,6 +7,7 @@ import os
 import re
 from dataclasses import dataclass, field
 from typing import Any
+from urllib.parse import parse_qsl, urlsplit
 
 from ..config.loader import brief, read_config_text
 from ..config.loader import load_yaml as load_config_yaml
@@ -87,10 +88,24 @@ def check_redis_url(url: str) -> None:
         return ConfigError(f"redis_url {brief(redact_url(url))}: {why} (use redis://HOST:PORT/DB, "
                            "rediss://... or unix:///PATH)")
 
+    # redis-py reads a path that is not a number as no database at all (redis://h/abc is db 0) and
+    # strips every '/' of one that is (redis://h/1/2 is db 12), and takes the first of an option
+    # given twice: each would be a database or a setting nobody asked for.
+    try:
+        parts = urlsplit(url)
+    except ValueError as e:  # redis://[::1: redis-py's own parser says the same
+        raise bad(str(e)) from None
+    if parts.scheme in ("redis", "rediss") and parts.path not in ("", "/") \
+            and not re.fullmatch(r"/-?[0-9]+", parts.path):  # a negative db: refused below, as db=-N
+        raise bad(f"the path {brief(parts.path)} is not /DB (a database number)")
+    names = [k for k, _ in parse_qsl(parts.query, keep_blank_values=True)]
+    twice = sorted({k for k in names if names.count(k) > 1})
+    if twice:
+        raise bad(f"{', '.join(twice)} given twice")
     try:
         client = redis.Redis.from_url(url)
         client.connection_pool.make_connection()  # checks the URL's options; connects to nothing
-    except (ValueError, TypeError) as e:
+    except (ValueError, TypeError, redis.RedisError) as e:  # protocol=9: a redis ConnectionError
         raise bad(str(e)) from None
     given = client.connection_pool.connection_kwargs
     for key, (ok, what) in _REDIS_URL_OPTIONS.items():
