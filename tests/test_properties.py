@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 
 import hypothesis.strategies as st
+import numpy as np
 from hypothesis import HealthCheck, settings
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
@@ -19,6 +20,56 @@ EXAMPLES = int(os.environ.get("KVSLOTS_HYPOTHESIS_EXAMPLES", "2000"))
 BLOCK_SIZE = 4
 VOCAB = 6  # small, so different requests share blocks by chance too
 SHARED_PREFIXES = [[1, 2, 3, 4, 5, 0, 1, 2], [5, 5, 5, 5, 4, 4, 4, 4, 3, 3]]
+
+
+class _Index:
+    def __init__(self, v):
+        self.v = v
+
+    def __index__(self):
+        return self.v
+
+
+class _OddInt(int):
+    """An int subclass whose operators lie: only its value counts."""
+
+    def __rshift__(self, n):
+        return 0
+
+    def __index__(self):
+        raise ZeroDivisionError("boom")
+
+
+def _mutating_list():
+    """A list whose items' __index__ grow and then empty it while it is read."""
+    lst: list = []
+
+    class Grow:
+        def __index__(self):
+            lst.append(3)
+            return 1
+
+    class Clear:
+        def __index__(self):
+            lst.clear()
+            return 2
+
+    lst.extend([1, Grow(), 2, Clear(), 4])
+    return lst
+
+
+# Factories (each side gets fresh objects: generators are used up, lists mutated).
+HOSTILE_INTS = [lambda: 0, lambda: 1, lambda: 3, lambda: -1, lambda: 2**32, lambda: 2**64, lambda: 2**64 - 1,
+                lambda: True, lambda: 1.0, lambda: float("nan"), lambda: "1", lambda: None, lambda: _Index(2),
+                lambda: _Index(-1), lambda: _OddInt(-1), lambda: _OddInt(2), lambda: np.int64(2), lambda: np.bool_(True)]
+HOSTILE_SEQS = [lambda: [], lambda: [1, 2], lambda: [0, 1, 2, 3, 4], lambda: (1, 2), lambda: (x for x in [1, 2, 3]),
+                lambda: range(3), lambda: _LyingList([4, 4]), lambda: "ab", lambda: b"\x01", lambda: [2**32],
+                lambda: [-1], lambda: [True], lambda: [None], lambda: np.array([1.5]), lambda: np.array([[1]]),
+                lambda: np.array([1, 2], dtype=np.uint8), lambda: np.array([3, 1], dtype=">i4"), lambda: None,
+                lambda: _mutating_list(), lambda: [_OddInt(1), _OddInt(2**32)]]
+HOSTILE_CALLS = {"create": "rsi", "reserve": "ri", "commit": "rs", "rollback": "ri", "set_lookahead": "ri",
+                 "finish": "r", "step": "sssss", "evict": "i", "lookup": "i", "refcount": "i", "registered_hash": "i",
+                 "slot_id": "r", "block_table": "r", "committed_tokens": "r", "__contains__": "r"}
 
 
 def _raw(events):
@@ -142,6 +193,29 @@ class SlotMachine(RuleBasedStateMachine):
     @rule()
     def clear_cache(self):
         self.both("clear_cache")
+
+    # ---- any arguments (wrong types, out of range, subclasses, generators, lists changing while
+    # read): the same outcome on both sides, and a failed call changes nothing ----
+    @rule(name=st.sampled_from(sorted(HOSTILE_CALLS)), data=st.data())
+    def hostile_call(self, name, data):
+        ids = [lambda r=r: r for r in self.live()[:2] + ["nope", "\ud800", b"r0", 5, f"h{self.counter}"]]
+        ids += [lambda r=r: _OddStr(r) for r in self.live()[:1]]  # a fresh subclass object per side
+        makers = [data.draw(st.sampled_from({"r": ids, "i": HOSTILE_INTS, "s": HOSTILE_SEQS}[kind]))
+                  for kind in HOSTILE_CALLS[name]]
+        self.counter += name == "create"
+        before = self.snapshot()
+        results = []
+        for impl in (self.rust, self.ref):
+            try:
+                args = [mk() for mk in makers]
+                kw = {"lookahead": args.pop()} if name == "create" else {}
+                v = getattr(impl, name)(*args, **kw)
+                results.append(("ok", tuple(list(map(int, a)) for a in v) if name == "step" else v))
+            except kvslots.KVSlotsError as e:
+                results.append(("err", type(e).__name__))
+        assert results[0] == results[1], (name, [mk() for mk in makers], results)
+        if results[0][0] == "err":
+            assert self.snapshot() == before, "a failing call changed the manager"
 
     # ---- bad input: typed error, state unchanged, same on both sides ----
     @rule(which=st.sampled_from(["unknown", "negative", "token", "duplicate", "stale", "twice", "lengths"]))
