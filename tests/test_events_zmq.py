@@ -898,6 +898,22 @@ def test_worker_ids_whose_eq_raises_are_typed_and_change_nothing(closing):
     assert sub.publishers() == ["w"]
 
 
+def test_add_publisher_on_a_terminated_context_is_typed_and_not_listed(closing):
+    """Making the SUB socket on a context the caller terminated raised ZMQError out of
+    add_publisher (the publisher stayed listed, never opened); now InvalidArgumentError with
+    ZMQ's error as its cause, as a failed connect is."""
+    ctx = zmq.Context()
+    ctx.term()
+    sub = EventSubscriber(lambda *a: None, context=ctx)
+    closing(sub)
+    with pytest.raises(InvalidArgumentError, match="cannot connect") as e:
+        sub.add_publisher("w", "tcp://127.0.0.1:1", wait=5.0)
+    assert isinstance(e.value.__cause__, zmq.ZMQError)
+    assert sub.publishers() == []
+    assert sub.add_publisher("v", "tcp://127.0.0.1:1") and sub.poll_once(1) == 0  # without wait: dropped
+    assert sub.publishers() == []
+
+
 def test_a_flood_of_bad_frames_logs_a_bounded_number_of_lines(closing, caplog):
     """A publisher sending bad batches and restarting streams at will wrote one warning per frame
     (137,000 lines in 3 s through the indexer); now at most a burst per publisher and kind in each

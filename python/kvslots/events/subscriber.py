@@ -597,17 +597,21 @@ class EventSubscriber:
                 self._done += 1
 
     def _open_peer(self, peer: _Peer) -> None:
-        sub = self._ctx.socket(zmq.SUB)
-        sub.setsockopt(zmq.RCVHWM, self._hwm)
-        sub.setsockopt(zmq.MAXMSGSIZE, self._max_frame)
-        sub.setsockopt(zmq.LINGER, 0)
-        sub.setsockopt(zmq.SUBSCRIBE, peer.topic)
-        if is_ipv6(peer.endpoint):
-            sub.setsockopt(zmq.IPV6, 1)
+        sub = None
         try:
+            # Making the socket fails too, on a context the caller passed in and terminated:
+            # that ZMQError escaped add_publisher, leaving the publisher listed, never opened.
+            sub = self._ctx.socket(zmq.SUB)
+            sub.setsockopt(zmq.RCVHWM, self._hwm)
+            sub.setsockopt(zmq.MAXMSGSIZE, self._max_frame)
+            sub.setsockopt(zmq.LINGER, 0)
+            sub.setsockopt(zmq.SUBSCRIBE, peer.topic)
+            if is_ipv6(peer.endpoint):
+                sub.setsockopt(zmq.IPV6, 1)
             sub.connect(peer.endpoint)
         except zmq.ZMQError as e:
-            sub.close()
+            if sub is not None:
+                sub.close()
             log.error("cannot connect to %r at %s: %s", peer.worker_id, peer.endpoint, e)
             with self._lock:
                 try:
