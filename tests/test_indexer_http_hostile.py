@@ -133,6 +133,41 @@ def test_bad_endpoint_is_a_422_naming_it_and_adds_nothing(client, field, endpoin
     assert _state(client) == before
 
 
+def test_a_burst_of_slow_admin_requests_does_not_hold_up_score():
+    """Adding a worker waits for its catch-up replay. Run in the default thread pool (40
+    threads), a burst of adds took every thread and /score waited behind them (45 adds of a
+    worker whose replay endpoint does not answer: /score answered after 88 s)."""
+    import threading
+    import time
+    from concurrent.futures import ThreadPoolExecutor
+
+    svc = IndexerService(IndexerConfig(block_size=BS, admin_token=TOKEN))
+    release, entered = threading.Event(), []
+
+    def slow_add(spec):  # as an add waiting for a replay that does not come
+        entered.append(spec.name)
+        release.wait(30)
+        return True
+
+    svc.add_worker = slow_add
+    auth = {"authorization": f"Bearer {TOKEN}"}
+    with TestClient(create_app(svc)) as c, ThreadPoolExecutor(50) as pool:
+        try:
+            adds = [pool.submit(c.post, "/workers", json={"name": f"w{i}", "endpoint": "tcp://127.0.0.1:1"},
+                                headers=auth) for i in range(45)]
+            deadline = time.monotonic() + 10
+            while len(entered) < 4:
+                assert time.monotonic() < deadline
+                time.sleep(0.01)
+            time.sleep(0.3)  # the rest are under way
+            score = pool.submit(c.post, "/score", json={"token_ids": [1, 2, 3, 4]})
+            assert score.result(timeout=5).status_code == 200
+            assert c.get("/healthz").status_code == 200
+        finally:
+            release.set()
+        assert [a.result(timeout=30).status_code for a in adds] == [201] * 45
+
+
 json_values = st.recursive(
     st.none() | st.booleans() | st.integers() | st.floats() | st.text(),
     lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),

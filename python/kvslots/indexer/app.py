@@ -7,6 +7,8 @@ import json
 import logging
 from typing import Annotated, Any, Callable
 
+import anyio
+import anyio.to_thread
 from fastapi import Depends, FastAPI, Header, HTTPException, Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
@@ -201,9 +203,19 @@ def create_app(service: IndexerService, *, own_service: bool = False) -> FastAPI
     def workers() -> list[dict[str, Any]]:
         return service.workers()
 
+    # Adding or removing a worker waits for its stream (a catch-up replay: up to about
+    # --replay-timeout each, one at a time). In the default thread pool (40 threads) a burst of
+    # them took every thread and /score, /healthz, ... waited behind them (45 adds of a worker
+    # whose replay endpoint does not answer: /score answered after 88 s). They get a few threads
+    # of their own instead and wait for them without holding one of the pool's.
+    admin_threads = anyio.CapacityLimiter(4)
+
     @app.post("/workers", status_code=201, response_model=WorkerOut, dependencies=[Depends(require_admin)],
               summary="Add a worker (admin)")
-    def add_worker(w: WorkerIn) -> dict[str, Any]:
+    async def add_worker(w: WorkerIn) -> dict[str, Any]:
+        return await anyio.to_thread.run_sync(_add_worker, w, limiter=admin_threads)
+
+    def _add_worker(w: WorkerIn) -> dict[str, Any]:
         try:
             spec = WorkerSpec.from_dict(w.model_dump())
         except ConfigError as e:
@@ -224,7 +236,10 @@ def create_app(service: IndexerService, *, own_service: bool = False) -> FastAPI
 
     @app.delete("/workers/{name}", status_code=204, dependencies=[Depends(require_admin)],
                 summary="Remove a worker and its entries (admin)")
-    def remove_worker(name: str) -> Response:
+    async def remove_worker(name: str) -> Response:
+        return await anyio.to_thread.run_sync(_remove_worker, name, limiter=admin_threads)
+
+    def _remove_worker(name: str) -> Response:
         try:
             removed = service.remove_worker(name)
         except service.backend.unavailable as e:
