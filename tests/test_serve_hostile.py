@@ -348,3 +348,26 @@ def test_supervise_from_another_thread_is_a_serve_error_and_starts_nothing(tmp_p
     assert len(got) == 1 and isinstance(got[0], ServeError), got  # signal.signal's ValueError
     assert "main thread" in str(got[0]) and not marker.exists()
     assert signal.getsignal(signal.SIGINT) is before
+
+
+@pytest.mark.parametrize("kind, problem", [("fifo", "not a regular file (a FIFO)"), ("dir", "is a directory"),
+                                           ("loop", "Too many levels of symbolic links"), ("dangling", "no such file")])
+def test_a_config_json_that_is_no_file_is_named_as_such(tmp_path, capsys, kind, problem):
+    import os
+    import re
+
+    from kvslots.config.speculators import load_speculators_checkpoint
+    from kvslots.errors import ConfigError
+
+    model = tmp_path / "m"
+    model.mkdir()
+    cfg = model / "config.json"
+    {"fifo": lambda: os.mkfifo(cfg), "dir": cfg.mkdir, "loop": lambda: cfg.symlink_to(cfg),
+     "dangling": lambda: cfg.symlink_to(tmp_path / "nowhere")}[kind]()
+    capsys.readouterr()
+    assert cli.main(["serve", str(model), "--dry-run", "-q"]) == 2  # was "has no config.json"
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(f"kvslots serve: error: {cfg}: ") and problem in err, err
+    with pytest.raises(ConfigError, match=re.escape(problem)) as ei:  # was "no config.json in the ... directory"
+        load_speculators_checkpoint(str(model))
+    assert ei.value.source == str(cfg)

@@ -117,7 +117,7 @@ def read_model_config(
         raise ConfigError(f"{what} {str(path) if text else text!r} is not a directory")
     cfg_path = path / "config.json"
     source = str(cfg_path)
-    if _kind_on_disk(cfg_path) != "file":
+    if not os.path.lexists(cfg_path):  # one that is there but no file (a FIFO, a loop): the reader says what
         raise ConfigError(f"no config.json in the {what} directory", source=str(path))
     doc = load_json(cfg_path)  # the limits and rules of kvslots.config.loader
     if not isinstance(doc, dict):

@@ -15,6 +15,7 @@ importing vLLM. docs/serve.md has the rules; in short:
 from __future__ import annotations
 
 import argparse
+import os
 import shlex
 import sys
 from dataclasses import dataclass
@@ -111,6 +112,8 @@ def _check_model(model: str) -> tuple[str, bool, bool]:
     if ref.kind == "missing":
         raise ServeError(f"model directory {model!r} does not exist")
     if ref.is_local and not ref.has_config:
+        if os.path.lexists(os.path.join(ref.path, "config.json")):
+            read_model_config(model)  # a config.json that is no file (a FIFO, a directory, a loop): which
         raise ServeError(f"model directory {model!r} has no config.json")
     if ref.is_local and ref.config is None:
         # A config.json kvslots cannot read (not JSON, NaN, a key twice, ...): whether MODEL is a
