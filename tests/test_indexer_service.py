@@ -562,6 +562,19 @@ def test_cli_errors_are_one_line(argv, problem, capsys):
     assert problem in err, err
 
 
+@pytest.mark.parametrize("argv, problem", [
+    (["--host", ""], "give an address to bind"),  # bound every address, silently
+    (["--worker", "a=tcp://h:1,tier=GPU,tier=CPU"], "tier= given twice"),  # was the last one, silently
+    (["--worker", "a=tcp://h:1,replay=tcp://h:2,replay=tcp://h:3"], "replay= given twice"),
+])
+def test_cli_settings_once_taken_silently_are_one_line(argv, problem, capsys, monkeypatch):
+    import uvicorn
+
+    monkeypatch.setattr(uvicorn, "run", lambda *a, **k: pytest.fail("the server started"))
+    code, err = _cli(argv, capsys)
+    assert code == 2 and err.count("\n") == 1 and problem in err, err
+
+
 def test_an_empty_admin_token_file_is_refused_not_replaced(tmp_path, monkeypatch, capsys):
     (tmp_path / "token").write_text(" \n")
     monkeypatch.setenv("KVSLOTS_INDEXER_ADMIN_TOKEN", TOKEN)  # would have been taken instead

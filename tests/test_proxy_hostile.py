@@ -128,3 +128,10 @@ def test_url_with_port_0_is_one_line_exit_2(capsys, no_server, flag):
     argv[flag] = "http://h:0"
     code, out, err = _cli(capsys, [x for kv in argv.items() for x in kv])
     assert code == 2 and err.count("\n") == 1 and "port 0" in err, err
+
+
+@pytest.mark.parametrize("host", ["", "  "])
+def test_empty_host_is_one_line_exit_2(capsys, no_server, host):
+    # It bound every address, silently (as --host 0.0.0.0 does, asked for).
+    code, out, err = _cli(capsys, ["--prefill", "http://p:1", "--decode", "http://d:2", "--host", host])
+    assert code == 2 and out == "" and err.count("\n") == 1 and "give an address to bind" in err, err

@@ -165,6 +165,8 @@ class WorkerSpec:
             k, eq, v = opt.partition("=")
             if not eq or k not in ("replay", "topic", "tier", "eagle"):
                 raise ConfigError(f"--worker {text!r}: unknown option {opt!r} (replay=, topic=, tier=, eagle=)")
+            if k in kw:  # tier=GPU,tier=CPU was the last one, silently
+                raise ConfigError(f"--worker {text!r}: {k}= given twice")
             if k == "eagle":
                 if v.lower() not in ("true", "false"):
                     raise ConfigError(f"--worker {text!r}: eagle={v!r}: use eagle=true or eagle=false")
@@ -230,6 +232,8 @@ class IndexerConfig:
                 isinstance(t, str) and isinstance(w, (int, float)) and not isinstance(w, bool)
                 for t, w in self.tier_weights.items()):
             raise ConfigError(f"tier_weights must be a mapping of tier name to number, got {brief(self.tier_weights)}")
+        if not self.host.strip():  # "" bound every address, silently (as 0.0.0.0 and :: would, said)
+            raise ConfigError(f"host {self.host!r}: give an address to bind, e.g. 127.0.0.1 (0.0.0.0: every address)")
         if self.backend not in ("memory", "redis"):
             raise ConfigError(f"backend {self.backend!r}: use 'memory' or 'redis'")
         names = [w.name for w in self.workers]

@@ -106,6 +106,8 @@ def run(args: argparse.Namespace) -> int:
     prefill = [_flag_url("--prefill", u) for u in args.prefill]
     indexer = _flag_url("--indexer", args.indexer) if args.indexer is not None else None
     workers = decode_workers(args.decode)
+    if not args.host.strip():  # "" bound every address, silently
+        raise ServeError(f"--host {args.host!r}: give an address to bind, e.g. 127.0.0.1 (0.0.0.0: every address)")
     if not 0 < args.port < 65536:
         raise ServeError(f"--port {args.port} is not a TCP port")
     try:
