@@ -898,6 +898,36 @@ def test_worker_ids_whose_eq_raises_are_typed_and_change_nothing(closing):
     assert sub.publishers() == ["w"]
 
 
+class _LyingStr(str):
+    """A str subclass whose own methods lie (pyzmq and the checks called them)."""
+
+    def encode(self, *args, **kwargs):
+        return 5
+
+    def startswith(self, *args):
+        return True
+
+
+def test_str_subclasses_are_read_by_their_text(closing):
+    """Endpoints and topics that are str subclasses with lying methods: a udp:// endpoint
+    passed the scheme check, and pyzmq raised TypeError on the encode() result (add_publisher
+    left the publisher listed, never opened). Their text is what counts now."""
+    with pytest.raises(InvalidArgumentError, match="must start with tcp://"):
+        EventPublisher(_LyingStr("udp://127.0.0.1:1"))
+    pub = EventPublisher(_LyingStr(LOCAL), _LyingStr(LOCAL), topic=_LyingStr("kv"))
+    closing(pub)
+    rec = Recorder()
+    sub = EventSubscriber(rec.on_batch, rec.on_reset)
+    closing(sub)
+    with pytest.raises(InvalidArgumentError, match="must start with tcp://"):
+        sub.add_publisher("x", _LyingStr("udp://127.0.0.1:1"))
+    assert sub.add_publisher("w", _LyingStr(pub.endpoint), _LyingStr(pub.replay_endpoint), _LyingStr("kv"),
+                             start_seq=0, wait=5.0)
+    assert sub.publishers() == ["w"]
+    pub.publish(batch(0))
+    wait_until(lambda: rec.seqs() == [0], sub)
+
+
 def test_add_publisher_on_a_terminated_context_is_typed_and_not_listed(closing):
     """Making the SUB socket on a context the caller terminated raised ZMQError out of
     add_publisher (the publisher stayed listed, never opened); now InvalidArgumentError with

@@ -54,6 +54,15 @@ MAX_FRAME_BYTES = 64 * 2**20
 Frames = Sequence[bytes]
 
 
+def text_arg(value: object, name: str) -> str:
+    """A text argument (``_args.text``) as an exact ``str``: a subclass's own methods
+    (``encode``, ``startswith``, ...) lied to the checks and to ZMQ (TypeError from inside
+    pyzmq, a publisher listed that never opened)."""
+    if isinstance(value, str):
+        value = str.__str__(value)
+    return _args.text(value, name)
+
+
 def seq_bytes(seq: int) -> bytes:
     return _args.integer(seq, "seq", 0, SEQ_MAX).to_bytes(8, "big")
 
@@ -183,8 +192,9 @@ def check_endpoint(endpoint: str, name: str = "endpoint", data_parallel_rank: in
     whose bracketed TCP host, if any, is an IPv6 address (``tcp://[::1]:5557``; see
     :func:`is_ipv6`).
     Raises :class:`ArgumentTypeError` or :class:`InvalidArgumentError` naming ``name``; what
-    only ZMQ can judge (a host that does not resolve, a port in use) is left to it."""
-    _args.text(endpoint, name)
+    only ZMQ can judge (a host that does not resolve, a port in use) is left to it. Returns the
+    endpoint as an exact ``str``."""
+    endpoint = text_arg(endpoint, name)
     if not endpoint.startswith(SCHEMES):
         raise InvalidArgumentError(f"{name} {endpoint!r} must start with tcp://, ipc:// or inproc://")
     if endpoint.startswith("tcp://"):

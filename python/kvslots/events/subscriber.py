@@ -118,6 +118,7 @@ from .protocol import (
     parse_live,
     parse_replay_reply,
     replay_request,
+    text_arg,
 )
 
 log = logging.getLogger(__name__)
@@ -342,10 +343,10 @@ class EventSubscriber:
         the publisher is not added. Without it, the sockets are opened by the polling thread
         later, and returns True."""
         hashable(worker_id, "worker_id")
-        check_endpoint(endpoint, "endpoint")
+        endpoint = check_endpoint(endpoint, "endpoint")  # exact str values from here on
         if replay_endpoint is not None:
-            check_endpoint(replay_endpoint, "replay_endpoint")
-        text(topic, "topic")
+            replay_endpoint = check_endpoint(replay_endpoint, "replay_endpoint")
+        topic = text_arg(topic, "topic")
         if start_seq is not None:
             start_seq = integer(start_seq, "start_seq", 0, SEQ_MAX + 1)
         wait = _wait_seconds(wait)
