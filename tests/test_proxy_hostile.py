@@ -135,3 +135,34 @@ def test_empty_host_is_one_line_exit_2(capsys, no_server, host):
     # It bound every address, silently (as --host 0.0.0.0 does, asked for).
     code, out, err = _cli(capsys, ["--prefill", "http://p:1", "--decode", "http://d:2", "--host", host])
     assert code == 2 and out == "" and err.count("\n") == 1 and "give an address to bind" in err, err
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_decode_timeout_is_a_502_that_says_so(stream):
+    # httpx's timeouts have no message: the 502 read "decode worker ... failed: ", nothing more.
+    def handler(request):
+        if request.url.host == "decode-a":
+            raise httpx.ReadTimeout("", request=request)
+        return httpx.Response(200, json={"kv_transfer_params": {"do_remote_prefill": True}})
+
+    r = _client(handler).post("/v1/completions", json={"prompt": "x", "stream": stream})
+    assert r.status_code == 502 and r.json()["error"].endswith("failed: ReadTimeout"), r.text
+
+
+class _UnreadableBody(httpx.AsyncByteStream):
+    async def __aiter__(self):
+        raise httpx.ReadError("connection reset")
+        yield b""  # noqa: unreachable - makes this an async generator
+
+
+def test_a_decode_4xx_whose_body_cannot_be_read_is_a_502_with_or_without_a_stream():
+    # With a stream it was the 4xx, its body the text "(body unreadable: ...)" as application/json.
+    def handler(request):
+        if request.url.host == "decode-a":
+            return httpx.Response(400, headers={"content-type": "application/json"}, stream=_UnreadableBody())
+        return httpx.Response(200, json={"kv_transfer_params": {"do_remote_prefill": True}})
+
+    c = _client(handler)
+    for stream in (False, True):
+        r = c.post("/v1/completions", json={"prompt": "x", "stream": stream})
+        assert r.status_code == 502 and "connection reset" in r.json()["error"], (stream, r.status_code, r.text)

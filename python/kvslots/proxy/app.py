@@ -101,6 +101,12 @@ def _token_ids(body: dict[str, Any]) -> list[int] | None:
     return None
 
 
+def _why(e: Exception) -> str:
+    """What went wrong with a backend request: httpx's timeouts say nothing (str() is ''), and a
+    502 "decode worker ... failed: " said nothing either."""
+    return str(e) or type(e).__name__
+
+
 def _client_error(status: int) -> bool:
     """A 4xx from the decode worker: the request's fault (vLLM's 400 for a bad max_tokens, a
     prompt over the model's length, an unknown model; 429), so the client gets it as it is, not
@@ -161,7 +167,7 @@ def create_app(prefill_urls: Sequence[str], decode_workers: Sequence[DecodeWorke
                 r = await client.post(f"{indexer_url.rstrip('/')}/score", json={"token_ids": ids}, timeout=2.0)
                 r.raise_for_status()
             except httpx.HTTPError as e:
-                logger.warning("kvslots proxy: indexer %s unusable (%s); round robin", shown_url(indexer_url), e)
+                logger.warning("kvslots proxy: indexer %s unusable (%s); round robin", shown_url(indexer_url), _why(e))
             else:
                 answer = _json_object(r.content)
                 if answer is None:
@@ -183,7 +189,7 @@ def create_app(prefill_urls: Sequence[str], decode_workers: Sequence[DecodeWorke
         try:
             r = await client.post(f"{prefill_url.rstrip('/')}{path}", json=prefill_body(body))
         except httpx.HTTPError as e:
-            logger.warning("kvslots proxy: prefill worker %s failed: %s", shown_url(prefill_url), e)
+            logger.warning("kvslots proxy: prefill worker %s failed: %s", shown_url(prefill_url), _why(e))
         else:
             answer = _json_object(r.content) if r.status_code == 200 else None
             if answer is not None:
@@ -211,12 +217,14 @@ def create_app(prefill_urls: Sequence[str], decode_workers: Sequence[DecodeWorke
             try:
                 resp = await client.send(client.build_request("POST", url, json=decode_req), stream=True)
             except httpx.HTTPError as e:
-                return decode_failed(worker, f"failed: {e}")
+                return decode_failed(worker, f"failed: {_why(e)}")
             if resp.status_code != 200:
                 try:
                     content = await resp.aread()
                 except httpx.HTTPError as e:
-                    content = f"(body unreadable: {e})".encode()
+                    # The worker failed, as without a stream (its 4xx went to the client with
+                    # "(body unreadable: ...)" as an application/json body).
+                    return decode_failed(worker, f"failed: {_why(e)}")
                 finally:
                     await resp.aclose()
                 if _client_error(resp.status_code):
@@ -238,7 +246,7 @@ def create_app(prefill_urls: Sequence[str], decode_workers: Sequence[DecodeWorke
         try:
             resp = await client.post(url, json=decode_req)
         except httpx.HTTPError as e:
-            return decode_failed(worker, f"failed: {e}")
+            return decode_failed(worker, f"failed: {_why(e)}")
         if _client_error(resp.status_code):
             return _passed_on(resp, resp.content, headers)
         if resp.status_code != 200:
@@ -269,7 +277,7 @@ def create_app(prefill_urls: Sequence[str], decode_workers: Sequence[DecodeWorke
         try:
             r = await client.get(f"{decode_workers[0].url.rstrip('/')}/v1/models")
         except httpx.HTTPError as e:
-            return JSONResponse({"error": f"decode worker failed: {e}"}, status_code=502)
+            return JSONResponse({"error": f"decode worker failed: {_why(e)}"}, status_code=502)
         if r.status_code >= 500 or r.status_code < 200:  # the worker's failure, as for completions
             return JSONResponse({"error": f"decode worker {shown_url(decode_workers[0].url)} answered "
                                           f"{r.status_code}: {r.text[:500]}"}, status_code=502)
