@@ -234,3 +234,25 @@ def test_output_to_a_pipe_with_a_reader_and_to_a_file(tmp_path, capsys):
     out.write_text("old and longer content\n")
     assert cli.main(["convert-config", str(f), "-q", "-o", str(out)]) == 0
     assert out.read_text() == "--max-num-seqs 4\n"  # truncated, as open(..., "w") did
+
+
+@pytest.mark.parametrize("value", ["--enforce-eager", "-x", "-", "--y=1"])
+def test_a_string_value_that_looks_like_an_option_stays_the_value(tmp_path, capsys, value):
+    # "--tokenizer --enforce-eager": argparse (vLLM's parser) reads the value as an option and
+    # vLLM refused the command ("expected one argument") once kvslots serve had started it.
+    import argparse
+
+    r = convert_trtllm_config({"tokenizer": value, "max_seq_len": 64})
+    args = r.cli_args()
+    assert args == [f"--tokenizer={value}", "--max-model-len", "64"], args
+    p = argparse.ArgumentParser(exit_on_error=False)
+    p.add_argument("--tokenizer")
+    p.add_argument("--max-model-len", type=int)
+    p.add_argument("--enforce-eager", action="store_true")
+    ns = p.parse_args(args)
+    assert ns.tokenizer == value and ns.max_model_len == 64 and not ns.enforce_eager
+    f = tmp_path / "t.yaml"
+    f.write_text(yaml.safe_dump({"tokenizer": value}))
+    from kvslots.serve import plan_from_argv
+
+    assert f"--tokenizer={value}" in plan_from_argv(["org/target", "--extra-engine-args", str(f)]).argv

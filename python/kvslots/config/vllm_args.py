@@ -2,7 +2,7 @@
 
 ``EngineArgs`` field ``max_model_len`` is the flag ``--max-model-len``; a boolean is ``--x`` or
 ``--no-x``; a list is the flag followed by its items; a dict (``speculative_config``, the JSON
-configs) is compact JSON.
+configs) is compact JSON; a value that starts with ``-`` and is no number is ``--x=-value``.
 """
 
 from __future__ import annotations
@@ -30,7 +30,20 @@ def engine_flag(key: str, value: Any) -> list[str]:
         return [name, *(str(v) for v in value)]
     if isinstance(value, dict):
         return [name, to_json(value)]
-    return [name, str(value)]
+    text = str(value)
+    if text.startswith("-") and not _is_number(text):
+        # As "--tokenizer=-x": a separate "-x" (or "--enforce-eager") is read by argparse as an
+        # option, and vLLM refused the command ("expected one argument") once started.
+        return [f"{name}={text}"]
+    return [name, text]
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
 
 
 def brief(value: Any, limit: int = 80) -> str:
