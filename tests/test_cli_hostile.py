@@ -694,3 +694,14 @@ def test_read_config_text_max_bytes_must_be_a_size(tmp_path, max_bytes):
     with pytest.raises(ArgumentTypeError, match="max_bytes"):  # "4096" was a TypeError
         loader.read_config_text(f, max_bytes=max_bytes)
     assert loader.read_config_text(f, max_bytes=64) == "a: 1\n"
+
+
+def test_notes_naming_keys_with_control_characters_stay_one_line_each(tmp_path, capsys):
+    # An unknown key "a\nb\x1b[31m" was printed as it is: a line break and a raw escape sequence.
+    path = write(tmp_path / "k.yaml", '"a\\nb\\e[31m": 1\nkv_cache_config: {"x\\ny": 2}\n')
+    for argv in (["convert-config", path], ["serve", "org/target", "--dry-run", "--extra-engine-args", path]):
+        capsys.readouterr()
+        assert cli.main(argv) == 0
+        err = capsys.readouterr().err
+        assert "\x1b" not in err and "a\\nb\\x1b[31m = 1" in err and "kv_cache_config.x\\ny = 2" in err, err
+        assert all(line.startswith(("unknown:", "kvslots serve:")) for line in err.splitlines()), err

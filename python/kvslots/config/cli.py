@@ -14,6 +14,7 @@ import os
 import shlex
 import sys
 
+from ..cli import one_line
 from ..errors import ConfigError
 from .trtllm import ConversionResult, check_with_vllm, convert_trtllm_config
 
@@ -67,7 +68,7 @@ def run(args: argparse.Namespace) -> int:
     text = _render(result, args.format)
     if not args.quiet:
         for line in result.notes():
-            print(line, file=sys.stderr)
+            print(one_line(line), file=sys.stderr)  # a key from the file may hold a newline or an escape
     if args.check:
         # A failed check is bad input like any other: one line, exit status 2 (it was 1).
         try:

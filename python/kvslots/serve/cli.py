@@ -212,7 +212,7 @@ def run(args: argparse.Namespace) -> int:
     plan = build_plan(args)
     if not args.quiet:
         for line in plan.notes:
-            print(f"{PROG}: {line}", file=sys.stderr)
+            print(one_line(f"{PROG}: {line}"), file=sys.stderr)  # a YAML key may hold a newline or an escape
     print(plan.shell(), flush=True)
     if args.dry_run:
         return 0
