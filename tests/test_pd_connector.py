@@ -277,3 +277,29 @@ def test_control_channel_bounds_a_hostile_peer(pair, monkeypatch):
         assert control_call("127.0.0.1", port, {"op": "done", "req": f"ghost{i}"}, timeout_s=3) == {"held": True}
     assert len(prod._early_acks) == 50 and "ghost119" in prod._early_acks and "ghost69" not in prod._early_acks
     assert control_call("127.0.0.1", port, {"op": "hello"}, timeout_s=3)["engine_id"] == "P"
+
+
+@pytest.mark.parametrize("reply", [b"\x81\xa2ok\xa2\xff\xfe", b"\x91" * 60_000 + b"\xc0", b"\xc1"],
+                         ids=["bad_utf8", "deep", "malformed"])
+def test_a_control_reply_that_does_not_decode_is_a_transfer_error(reply):
+    import threading
+
+    import zmq
+
+    sock = zmq.Context.instance().socket(zmq.ROUTER)
+    sock.setsockopt(zmq.LINGER, 0)
+    port = sock.bind_to_random_port("tcp://127.0.0.1")
+
+    def answer():
+        ident, _, _ = sock.recv_multipart()
+        sock.send_multipart([ident, b"", reply])
+
+    t = threading.Thread(target=answer, daemon=True)
+    t.start()
+    try:
+        with pytest.raises(TransferError, match="does not decode") as e:
+            control_call("127.0.0.1", port, {"op": "hello"}, timeout_s=5, retries=0)
+        assert e.value.details["kind"] == "peer"
+    finally:
+        t.join(5)
+        sock.close()

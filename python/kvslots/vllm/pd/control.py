@@ -27,6 +27,7 @@ import msgspec
 import zmq
 
 from ...errors import TransferError
+from ...events.codec import DECODE_ERRORS
 
 logger = logging.getLogger(__name__)
 
@@ -123,7 +124,7 @@ def control_call(host: str, port: int, msg: dict[str, Any], *, timeout_s: float,
                 frames = sock.recv_multipart()
                 try:
                     reply = _DEC.decode(frames[-1])
-                except msgspec.DecodeError as e:
+                except DECODE_ERRORS as e:  # bad UTF-8 or deep nesting too, not only malformed bytes
                     raise TransferError(f"P/D control reply from {host}:{port} does not decode: {e}",
                                         details={"kind": "peer"}) from None
                 if not isinstance(reply, dict):
