@@ -197,6 +197,14 @@ def test_a_burst_of_slow_admin_requests_does_not_hold_up_score():
         assert [a.result(timeout=30).status_code for a in adds] == [201] * 45
 
 
+def test_delete_of_a_long_unknown_name_does_not_echo_it(client):
+    # The 404 echoed the whole path segment (up to the 64 KiB head limit).
+    r = client.delete("/workers/" + "a" * 60_000, headers={"authorization": f"Bearer {TOKEN}"})
+    assert r.status_code == 404 and len(r.json()["detail"]) < 100 and r.json()["detail"].startswith("no worker 'aaa")
+    r = client.delete("/workers/nobody", headers={"authorization": f"Bearer {TOKEN}"})
+    assert r.status_code == 404 and r.json()["detail"] == "no worker 'nobody'"
+
+
 json_values = st.recursive(
     st.none() | st.booleans() | st.integers() | st.floats() | st.text(),
     lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),

@@ -17,7 +17,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, WrapValidator, model_validator
 from pydantic_core import PydanticCustomError
 
-from ..config.loader import loads_strict_json
+from ..config.loader import brief, loads_strict_json
 from ..errors import InvalidArgumentError
 from .config import ConfigError, WorkerSpec
 from .httpguard import BodyLimit
@@ -283,7 +283,7 @@ def create_app(service: IndexerService, *, own_service: bool = False) -> FastAPI
         except service.backend.unavailable as e:
             raise _unavailable(e) from None
         if not removed:
-            raise HTTPException(404, f"no worker {name!r}")
+            raise HTTPException(404, f"no worker {brief(name)}")  # a path can be 64 KiB: not all echoed
         return Response(status_code=204)
 
     @app.get("/healthz", summary="Liveness and backend state")
