@@ -80,6 +80,8 @@ class ConverterBase:
         # vLLM with a ValueError), and stdout cannot write a lone surrogate.
         if "\0" in value:
             raise self.fail(path, f"must not contain a NUL character, got {describe(value)}")
+        if value == "--":  # however written (--x --, --x=--), vLLM's parser reads no value: [] on Python < 3.13
+            raise self.fail(path, "cannot be '--', which vLLM's argument parser reads as the end of its options")
         try:
             value.encode("utf-8")
         except UnicodeEncodeError:
