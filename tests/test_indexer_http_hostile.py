@@ -197,6 +197,19 @@ def test_a_burst_of_slow_admin_requests_does_not_hold_up_score():
         assert [a.result(timeout=30).status_code for a in adds] == [201] * 45
 
 
+@pytest.mark.parametrize("ctype", [None, "text/plain", "application/x-www-form-urlencoded", "application/json5"])
+def test_a_body_not_sent_as_json_is_a_422_that_says_so(client, ctype):
+    # curl -d sends a form: the 422 read "Input should be a valid dictionary or object to extract
+    # fields from", nothing of the content type.
+    headers = {} if ctype is None else {"content-type": ctype}
+    r = client.post("/score", content=b'{"token_ids":[1,2,3,4]}', headers=headers)
+    assert r.status_code == 422 and "Content-Type: application/json" in r.json()["detail"][0]["msg"], r.text
+    for ok in ("application/json", "application/json; charset=utf-8", "application/vnd.x+json"):
+        assert client.post("/score", content=b'{"token_ids":[1]}', headers={"content-type": ok}).status_code == 200
+    r = post_score(client, b"[1]")  # JSON that is not an object: pydantic's words
+    assert r.status_code == 422 and "Content-Type" not in r.text
+
+
 def test_delete_of_a_long_unknown_name_does_not_echo_it(client):
     # The 404 echoed the whole path segment (up to the 64 KiB head limit).
     r = client.delete("/workers/" + "a" * 60_000, headers={"authorization": f"Bearer {TOKEN}"})

@@ -100,6 +100,12 @@ class _StrictJSONRoute(APIRoute):
         return strict_handler
 
 
+def _is_json(content_type: str | None) -> bool:
+    """Whether FastAPI parses a body of this Content-Type as JSON (application/json, */*+json)."""
+    kind = (content_type or "").partition(";")[0].strip().lower()
+    return kind == "application/json" or (kind.startswith("application/") and kind.endswith("+json"))
+
+
 def _message(error: dict[str, Any]) -> str:
     msg = str(error.get("msg", ""))
     why = (error.get("ctx") or {}).get("error")
@@ -218,7 +224,7 @@ def create_app(service: IndexerService, *, own_service: bool = False) -> FastAPI
         return JSONResponse(status_code=422, content={"detail": _safe(str(exc))})
 
     @app.exception_handler(RequestValidationError)
-    async def _unprocessable(_: Request, exc: RequestValidationError) -> JSONResponse:
+    async def _unprocessable(request: Request, exc: RequestValidationError) -> JSONResponse:
         # FastAPI's own handler echoes the input back, which fails to serialize for NaN or a
         # lone surrogate (a 500): answer what was wrong and where, without the input.
         # The first MAX_ERRORS only: 262,144 bad token ids were as many entries, a 24 MB answer
@@ -229,6 +235,13 @@ def create_app(service: IndexerService, *, own_service: bool = False) -> FastAPI
         if len(errors) > MAX_ERRORS:
             detail.append({"type": "too_many_errors", "loc": ["body"],
                            "msg": f"{len(errors) - MAX_ERRORS} more errors not listed"})
+        # A body sent as anything but JSON (curl -d sends a form) reaches the model as bytes:
+        # "Input should be a valid dictionary" said nothing of why.
+        ctype = request.headers.get("content-type")
+        for d in detail:
+            if d["type"] == "model_attributes_type" and d["loc"] == ["body"] and not _is_json(ctype):
+                d["msg"] = ("the body is read as JSON only when sent with Content-Type: application/json"
+                            + ("" if ctype else " (none was given)"))
         return JSONResponse(status_code=422, content={"detail": detail})
 
     @app.post("/score", response_model=ScoreResponse, summary="Score a prompt against every worker")
