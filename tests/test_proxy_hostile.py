@@ -166,3 +166,15 @@ def test_a_decode_4xx_whose_body_cannot_be_read_is_a_502_with_or_without_a_strea
     for stream in (False, True):
         r = c.post("/v1/completions", json={"prompt": "x", "stream": stream})
         assert r.status_code == 502 and "connection reset" in r.json()["error"], (stream, r.status_code, r.text)
+
+
+def test_an_indexer_name_given_to_two_decode_workers_is_refused(capsys, no_server):
+    # Both got its score and the first always won: the other was never picked by score.
+    code, out, err = _cli(capsys, ["--prefill", "http://p:1", "--decode", "http://d:2=w", "--decode",
+                                   "http://u:hunter2@d:3=w"])
+    assert code == 2 and err.count("\n") == 1 and "worker name 'w' is given to http://d:2 and http://d:3" in err, err
+    assert "hunter2" not in err
+    with pytest.raises(InvalidArgumentError, match="worker name 'w' is given to"):
+        create_app(["http://p"], [DecodeWorker("http://d:2", "w"), DecodeWorker("http://d:3", "w")])
+    # the same worker twice, or names apart, are fine
+    create_app(["http://p"], [DecodeWorker("http://d:2", "w"), DecodeWorker("http://d:2", "w"), DecodeWorker("http://d:3")])

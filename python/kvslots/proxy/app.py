@@ -40,7 +40,7 @@ from ..config.loader import loads_strict_json
 from ..errors import ArgumentTypeError, ConfigError, InvalidArgumentError
 from ..indexer.config import check_worker_name
 from ..indexer.httpguard import BodyLimit
-from .cli import http_url, seconds, shown_url
+from .cli import check_unique_names, http_url, seconds, shown_url
 
 logger = logging.getLogger(__name__)
 
@@ -143,6 +143,7 @@ def create_app(prefill_urls: Sequence[str], decode_workers: Sequence[DecodeWorke
                 check_worker_name(w.indexer_name)
             except ConfigError as e:
                 raise InvalidArgumentError(f"decode worker {shown_url(w.url)}: {e}") from None
+    check_unique_names(decode_workers)
     if indexer_url is not None:
         http_url(indexer_url, "indexer URL")
     prefill_cycle = itertools.cycle(list(prefill_urls))

@@ -98,7 +98,21 @@ def decode_workers(specs: list[str]) -> list:
             except KVSlotsError as e:
                 raise ServeError(f"--decode {spec!r}: {e}") from None
         out.append(DecodeWorker(_flag_url("--decode", url), name or None))
+    try:
+        check_unique_names(out)
+    except InvalidArgumentError as e:
+        raise ServeError(f"--decode: {e}") from None
     return out
+
+
+def check_unique_names(workers: list) -> None:
+    """An indexer name given to two decode workers is an :class:`~kvslots.InvalidArgumentError`:
+    both get its score, and the first always won, so the other was never picked by score."""
+    seen: dict[str, str] = {}
+    for w in workers:
+        if w.indexer_name is not None and seen.setdefault(w.indexer_name, w.url) != w.url:
+            raise InvalidArgumentError(f"worker name {w.indexer_name!r} is given to {shown_url(seen[w.indexer_name])} "
+                                       f"and {shown_url(w.url)}: one indexer worker is one decode worker")
 
 
 def run(args: argparse.Namespace) -> int:
