@@ -243,6 +243,20 @@ def test_a_good_data_parallel_size_after_the_separator_passes(capsys):
     assert code == 0 and "-dp 2" in out
 
 
+@pytest.mark.parametrize("argv", [["-tp", "x"], ["-tp", str(2**64)], ["--tensor-parallel-size=0"],
+                                  ["--pipeline-parallel-size", "-1"], ["-pp", "1e3"], ["-tp"]])
+def test_a_parallel_size_vllm_would_refuse_is_one_line_exit_2(capsys, argv):
+    # With the connector on CPU it sizes VLLM_CPU_NUM_OF_RESERVED_CPU (2**64 went into it).
+    code, out, err = _serve(capsys, "--", *argv)
+    assert code == 2 and out == "" and err.count("\n") == 1, err
+    assert "parallel-size" in err and "integer in [1, 65535]" in err, err
+
+
+def test_good_parallel_sizes_after_the_separator_pass(capsys):
+    code, out, _ = _serve(capsys, "--", "-tp", "2", "--pipeline-parallel-size=2")
+    assert code == 0 and "-tp 2" in out
+
+
 @pytest.mark.parametrize("arg", ["--x\ny", "--x\x1b[2J"])
 def test_an_unknown_option_with_control_characters_is_one_line(capsys, arg):
     capsys.readouterr()

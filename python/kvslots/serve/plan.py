@@ -260,6 +260,9 @@ def build_plan(args: argparse.Namespace, *, python: str | None = None) -> ServeP
         if not 1 <= dp_size <= 65535:
             raise ServeError(f"after --: --data-parallel-size {tail_dp!r} is not an integer in [1, 65535]")
 
+    parallel = _int_arg(opts, tail, engine_args, "tensor-parallel-size") * _int_arg(
+        opts, tail, engine_args, "pipeline-parallel-size")
+
     # ------------------------------------------------------------------ slot manager (scheduler mode)
     tail_cls = tail_value("scheduler-cls")
     manager_flag = getattr(args, "slot_manager", None)
@@ -280,8 +283,7 @@ def build_plan(args: argparse.Namespace, *, python: str | None = None) -> ServeP
     # vLLM's CPU backend reserves a core per rank for any KV connector; ours needs none.
     env = dict(result.env)
     if kv_transfer is not None and kv_transfer.get("kv_connector") == CONNECTOR_NAME and vllm_is_cpu_build():
-        added = connector_cpu_env(_int_arg(opts, tail, engine_args, "tensor-parallel-size")
-                                  * _int_arg(opts, tail, engine_args, "pipeline-parallel-size"))
+        added = connector_cpu_env(parallel)
         if added:
             env.update(added)
             notes.append(f"note: {', '.join(f'{k}={v}' for k, v in added.items())}: vLLM's CPU backend would "
@@ -330,18 +332,26 @@ def build_plan(args: argparse.Namespace, *, python: str | None = None) -> ServeP
 
 
 def _int_arg(opts: list[Any], tail: Any, engine_args: dict[str, Any], name: str) -> int:
-    """An integer engine argument: the last one after ``--``, else the converted YAML's, else 1."""
+    """A parallel size: the last one after ``--``, else the converted YAML's, else 1. One vLLM
+    would refuse is refused here, before anything starts (the core reservation is sized by it)."""
     raw: Any = None
+    given = False
     for o in opts:
         if o.name == name and not o.keys and not o.negated:
+            given = True
             _, eq, inline = o.text.partition("=")
             raw = inline if eq else (tail[o.span[0] + 1] if o.span[0] + 1 < len(tail) else None)
+    if given and raw is None:
+        raise ServeError(f"after --: --{name} needs a value, an integer in [1, 65535]")
     if raw is None:
-        raw = engine_args.get(name.replace("-", "_"))
+        return int(engine_args.get(name.replace("-", "_")) or 1)
     try:
-        return max(1, int(raw)) if raw is not None else 1
+        value = int(raw)
     except (TypeError, ValueError):
-        return 1
+        value = 0
+    if not 1 <= value <= 65535:
+        raise ServeError(f"after --: --{name} {raw!r} is not an integer in [1, 65535]")
+    return value
 
 
 __all__ = ["DEFAULT_HOST", "DEFAULT_PORT", "DEFAULT_SLOT_MANAGER", "PROG", "SCHEDULER_CLS", "SLOT_MANAGERS",
