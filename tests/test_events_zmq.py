@@ -979,3 +979,16 @@ def test_a_flood_of_bad_frames_logs_a_bounded_number_of_lines(closing, caplog):
         time.sleep(0.25)
         assert limiter.log(logging.WARNING, "a", "again")
         assert caplog.records[-1].getMessage() == "again (3 such messages were left out before this one)"
+
+
+def test_str_subclasses_hiding_a_lone_surrogate_are_refused_everywhere():
+    """_args.text reads a subclass by its text, so an encode() that lies cannot hide a lone
+    surrogate from any caller (the endpoint rules of the protocol and serve's included)."""
+    from kvslots.events.protocol import is_ipv6, offset_endpoint_port, vllm_binds
+
+    bad = _LyingStr("tcp://127.0.0.1:5557\udcff")
+    for call in (lambda: vllm_binds(bad), lambda: is_ipv6(bad), lambda: offset_endpoint_port(bad, 1),
+                 lambda: EventPublisher(LOCAL, topic=_LyingStr("kv\udcff"))):
+        with pytest.raises(InvalidArgumentError, match="lone surrogates"):
+            call()
+    assert vllm_binds(_LyingStr("tcp://127.0.0.1:5557")) is False  # read as text: no '*' in it

@@ -71,9 +71,12 @@ def flag(value: Any, name: str, *, optional: bool = False) -> bool | None:
 
 
 def text(value: Any, name: str) -> str:
-    """A ``str`` that encodes as UTF-8 (no lone surrogates: ZMQ and msgpack need the bytes)."""
+    """A ``str`` that encodes as UTF-8 (no lone surrogates: ZMQ and msgpack need the bytes),
+    returned as an exact ``str``: a subclass's own ``encode`` / ``startswith`` could lie to the
+    checks and to ZMQ."""
     if not isinstance(value, str):
         raise ArgumentTypeError(f"{name} must be a str, got {type(value).__name__} {_short(value)}")
+    value = str.__str__(value)
     try:
         value.encode("utf-8")
     except UnicodeEncodeError:

@@ -54,15 +54,6 @@ MAX_FRAME_BYTES = 64 * 2**20
 Frames = Sequence[bytes]
 
 
-def text_arg(value: object, name: str) -> str:
-    """A text argument (``_args.text``) as an exact ``str``: a subclass's own methods
-    (``encode``, ``startswith``, ...) lied to the checks and to ZMQ (TypeError from inside
-    pyzmq, a publisher listed that never opened)."""
-    if isinstance(value, str):
-        value = str.__str__(value)
-    return _args.text(value, name)
-
-
 def seq_bytes(seq: int) -> bytes:
     return _args.integer(seq, "seq", 0, SEQ_MAX).to_bytes(8, "big")
 
@@ -137,7 +128,7 @@ def parse_replay_reply(frames: Frames) -> tuple[int, bytes] | None:
 def vllm_binds(endpoint: str) -> bool:
     """vLLM 0.32's rule (``ZmqEventPublisher._is_bind_endpoint``): a publisher binds wildcard,
     IPv6-any, ipc and inproc addresses and connects to the rest."""
-    _args.text(endpoint, "endpoint")
+    endpoint = _args.text(endpoint, "endpoint")
     return "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://"))
 
 
@@ -153,7 +144,7 @@ def is_ipv6(endpoint: str) -> bool:
     """Whether a socket for ``endpoint`` needs ZMQ_IPV6 (off by default, and then ZMQ refuses
     IPv6 literals): a TCP address with a bracketed host (``tcp://[::1]:5557``) or ``::`` in it.
     Publishers and subscribers alike set it by this rule."""
-    _args.text(endpoint, "endpoint")
+    endpoint = _args.text(endpoint, "endpoint")
     return endpoint.startswith("tcp://") and ("[" in endpoint or "::" in endpoint)
 
 
@@ -170,7 +161,7 @@ def offset_endpoint_port(endpoint: str | None, data_parallel_rank: int) -> str |
     vLLM rejects ipc endpoints for ranks above 0; we suffix them like inproc names."""
     data_parallel_rank = _args.integer(data_parallel_rank, "data_parallel_rank", 0)
     if endpoint is not None:
-        _args.text(endpoint, "endpoint")
+        endpoint = _args.text(endpoint, "endpoint")
     if not endpoint or data_parallel_rank == 0:
         return endpoint
     if endpoint.startswith(("inproc://", "ipc://")) or "inproc" in endpoint:
@@ -194,7 +185,7 @@ def check_endpoint(endpoint: str, name: str = "endpoint", data_parallel_rank: in
     Raises :class:`ArgumentTypeError` or :class:`InvalidArgumentError` naming ``name``; what
     only ZMQ can judge (a host that does not resolve, a port in use) is left to it. Returns the
     endpoint as an exact ``str``."""
-    endpoint = text_arg(endpoint, name)
+    endpoint = _args.text(endpoint, name)
     if not endpoint.startswith(SCHEMES):
         raise InvalidArgumentError(f"{name} {endpoint!r} must start with tcp://, ipc:// or inproc://")
     if endpoint.startswith("tcp://"):

@@ -40,7 +40,6 @@ from .protocol import (
     parse_replay_request,
     replay_end,
     replay_reply,
-    text_arg,
 )
 
 # END_SEQ, is_bind_endpoint and offset_endpoint_port are defined in .protocol; importable here too.
@@ -126,7 +125,7 @@ class EventPublisher:
         endpoint = check_endpoint(endpoint, "endpoint", data_parallel_rank)
         if replay_endpoint is not None:
             replay_endpoint = check_endpoint(replay_endpoint, "replay_endpoint", data_parallel_rank)
-        topic = text_arg(topic, "topic")
+        topic = _args.text(topic, "topic")
         # Kept at the range the connector's config documents (events_buffer_steps), which dates
         # from the old replay HWM of 2 * (buffer_steps + 1); replays no longer depend on it.
         buffer_steps = _args.integer(buffer_steps, "buffer_steps", 1, _args.C_INT_MAX // 2 - 1)

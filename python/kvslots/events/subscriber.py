@@ -118,7 +118,6 @@ from .protocol import (
     parse_live,
     parse_replay_reply,
     replay_request,
-    text_arg,
 )
 
 log = logging.getLogger(__name__)
@@ -346,7 +345,7 @@ class EventSubscriber:
         endpoint = check_endpoint(endpoint, "endpoint")  # exact str values from here on
         if replay_endpoint is not None:
             replay_endpoint = check_endpoint(replay_endpoint, "replay_endpoint")
-        topic = text_arg(topic, "topic")
+        topic = text(topic, "topic")
         if start_seq is not None:
             start_seq = integer(start_seq, "start_seq", 0, SEQ_MAX + 1)
         wait = _wait_seconds(wait)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from .. import _core
 from ..events import KVEvent, from_raw
-from ..events.protocol import text_arg
+from .._args import text
 
 
 class SlotManager(_core.SlotManager):
@@ -33,7 +33,7 @@ class SlotManager(_core.SlotManager):
             # Checked before the queue is emptied, as drain_events_msgpack does: a medium of
             # another type went into every struct, which then could not be encoded. An exact
             # str, since msgspec encodes no str subclass.
-            medium = text_arg(medium, "medium")
+            medium = text(medium, "medium")
         return [from_raw(raw, medium) for raw in self.drain_raw_events()]
 
     def __repr__(self) -> str:
