@@ -207,6 +207,20 @@ def test_bad_endpoint_is_refused_and_stored_nowhere(cluster):
     assert a.backend._thread.is_alive() and ca.get("/healthz").status_code == 200
 
 
+def test_the_registry_read_by_the_upkeep_thread_is_not_changed_by_admin_requests(cluster):
+    """The upkeep thread iterates what _read_specs returned while POST/DELETE /workers change
+    the backend's copy from HTTP threads: it was the same dict ("dictionary changed size during
+    iteration", an upkeep error, seen with 16 threads adding and removing workers)."""
+    a, _ = cluster.replica()
+    read = a.backend._read_specs()
+    before = dict(read)
+    a.backend.register(WorkerSpec("added", "tcp://127.0.0.1:1"), replace=False)
+    a.backend.unregister("a")
+    assert read == before
+    a.backend._specs["x"] = WorkerSpec("x", "tcp://127.0.0.1:1")  # and the other way round
+    assert "x" not in read
+
+
 def test_upkeep_thread_survives_any_error(cluster, monkeypatch):
     a, ca = _admin_replica(cluster)
     real_sync = a.sync_subscriptions

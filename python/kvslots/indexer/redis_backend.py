@@ -266,7 +266,7 @@ class RedisBackend(Backend):
             else:
                 # Nothing complete to build on: start a fresh generation; publishers replay.
                 self.is_writer = True
-                self._specs = specs
+                self._specs = dict(specs)
                 self._resync()
 
     def _load_worker(self, name: str) -> None:
@@ -292,7 +292,10 @@ class RedisBackend(Backend):
                     self._bad_specs.add((name, raw))
                     log.warning("ignoring bad worker spec %r in redis: %s", name, e)
         if out or self.r.exists(self.k("epoch")):
-            self._specs = out  # (an empty registry with no epoch is lost data: keep our copy)
+            # (an empty registry with no epoch is lost data: keep our copy). A copy: register()
+            # and unregister() change ours from HTTP threads while the upkeep thread iterates the
+            # one returned ("dictionary changed size during iteration", an upkeep error).
+            self._specs = dict(out)
         return out
 
     def register(self, spec: WorkerSpec, *, replace: bool = True) -> bool:
@@ -412,7 +415,7 @@ class RedisBackend(Backend):
             self.r.set(self.k("epoch"), epoch)  # any write under the old epoch now fails
             self._delete_data()
             pipe = self.r.pipeline(transaction=False)
-            for name, spec in self._specs.items():
+            for name, spec in list(self._specs.items()):  # a snapshot: HTTP threads change it
                 pipe.hset(self.k("workers"), name, json.dumps(spec.to_dict()))
             n = 0
             for worker, engine, key, groups, last in self.local.dump():
