@@ -236,7 +236,7 @@ def test_output_to_a_pipe_with_a_reader_and_to_a_file(tmp_path, capsys):
     assert out.read_text() == "--max-num-seqs 4\n"  # truncated, as open(..., "w") did
 
 
-@pytest.mark.parametrize("value", ["--enforce-eager", "-x", "-", "--y=1"])
+@pytest.mark.parametrize("value", ["--enforce-eager", "-x", "-", "--y=1", "-inf", "-nan"])
 def test_a_string_value_that_looks_like_an_option_stays_the_value(tmp_path, capsys, value):
     # "--tokenizer --enforce-eager": argparse (vLLM's parser) reads the value as an option and
     # vLLM refused the command ("expected one argument") once kvslots serve had started it.

@@ -31,19 +31,12 @@ def engine_flag(key: str, value: Any) -> list[str]:
     if isinstance(value, dict):
         return [name, to_json(value)]
     text = str(value)
-    if text.startswith("-") and not _is_number(text):
-        # As "--tokenizer=-x": a separate "-x" (or "--enforce-eager") is read by argparse as an
-        # option, and vLLM refused the command ("expected one argument") once started.
+    if text.startswith("-"):
+        # As "--tokenizer=-x": a separate "-x" (or "--enforce-eager", or "-inf", which argparse's
+        # negative-number rule does not cover) is read as an option, and vLLM refused the command
+        # ("expected one argument") once started. Attached, any value is the value.
         return [f"{name}={text}"]
     return [name, text]
-
-
-def _is_number(text: str) -> bool:
-    try:
-        float(text)
-    except ValueError:
-        return False
-    return True
 
 
 def brief(value: Any, limit: int = 80) -> str:
