@@ -566,6 +566,7 @@ def test_cli_errors_are_one_line(argv, problem, capsys):
     (["--host", ""], "give an address to bind"),  # bound every address, silently
     (["--worker", "a=tcp://h:1,tier=GPU,tier=CPU"], "tier= given twice"),  # was the last one, silently
     (["--worker", "a=tcp://h:1,replay=tcp://h:2,replay=tcp://h:3"], "replay= given twice"),
+    (["--tier-weight", "GPU=1", "--tier-weight", "gpu=2"], "tier GPU is given twice"),
 ])
 def test_cli_settings_once_taken_silently_are_one_line(argv, problem, capsys, monkeypatch):
     import uvicorn

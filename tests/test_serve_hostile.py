@@ -288,7 +288,7 @@ def test_a_tier_smaller_than_a_byte_is_one_line_exit_2_before_vllm_starts(capsys
      '{"proposal_methods": [{"speculative_tokens": 1e309}], "verifier": {"name_or_path": "org/t"}}}', "finite"),
     ('{"speculators_model_type": "eagle3", "transformer_layer_config": {}, "speculators_config": '
      '{"proposal_methods": [{"speculative_tokens": 9223372036854775808}], "verifier": {"name_or_path": "org/t"}}}',
-     "more than 64 bits"),
+     "signed 64-bit"),
 ])
 def test_a_model_config_json_it_cannot_read_is_one_line_exit_2(tmp_path, capsys, content, problem):
     model = tmp_path / "m"

@@ -200,7 +200,7 @@ def _scalar_problem(value: Any) -> str | None:
     if isinstance(value, float) and not math.isfinite(value):
         return f"must be a finite number, got {value}"
     if isinstance(value, int) and not isinstance(value, bool) and not INT_MIN <= value <= INT_MAX:
-        return "integer out of range (more than 64 bits)"
+        return "integer out of range (a signed 64-bit integer, -2**63 .. 2**63-1)"
     return None
 
 

@@ -386,8 +386,12 @@ def build_config(args: Any) -> IndexerConfig:
     cfg = _config_from_yaml(config) if config is not None else IndexerConfig()  # "" is an error, not none
     for text in getattr(args, "worker", None) or []:
         cfg.workers.append(WorkerSpec.parse(text))
+    flagged: set[str] = set()
     for text in getattr(args, "tier_weight", None) or []:
         t, w = parse_weight(text)
+        if t in flagged:  # which one was meant? (the last one was taken silently)
+            raise ConfigError(f"--tier-weight {text!r}: tier {t} is given twice")
+        flagged.add(t)
         cfg.tier_weights[t] = w
     for k in ("host", "port", "backend", "redis_url", "redis_namespace", "block_size", "max_tokens",
               "replay_timeout", "max_frame_mb", "log_level"):
