@@ -73,14 +73,14 @@ def is_hub_id(name: str) -> bool:
     return isinstance(name, str) and HUB_ID.fullmatch(name) is not None and ".." not in name
 
 
-def reference_text(name: Any, what: str) -> str:
+def reference_text(name: Any, what: str, kind: str = "a path or a Hub id") -> str:
     """A model reference as text: a str or an ``os.PathLike`` of one; a ConfigError otherwise."""
     try:
         text = os.fspath(name)
     except TypeError:
         text = None
     if not isinstance(text, str):
-        raise ConfigError(f"{what} must be a path or a Hub id (a string), got {type(name).__name__} {short(name)}")
+        raise ConfigError(f"{what} must be {kind} (a string), got {type(name).__name__} {short(name)}")
     return text
 
 
@@ -180,12 +180,7 @@ def classify_model(name: str | os.PathLike[str], *, base: str | os.PathLike[str]
     there). A ``name`` that is not a string is a :class:`~kvslots.ConfigError`."""
     text = reference_text(name, "a model reference")
     if base is not None:  # Path(base) of an int was a TypeError
-        try:
-            base_text = os.fspath(base)
-        except TypeError:
-            base_text = None
-        if not isinstance(base_text, str):
-            raise ConfigError(f"base must be a directory path (a string), got {type(base).__name__} {short(base)}")
+        reference_text(base, "base", "a directory path")
     if not text:  # Path("") is the working directory; an empty reference names nothing
         return ModelRef(text, "missing", "")
     expanded = _local_path(text)
