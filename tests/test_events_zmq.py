@@ -436,6 +436,17 @@ def subscribed(xpub: zmq.Socket, sub: EventSubscriber) -> None:
     assert xpub.recv()[:1] == b"\x01"
 
 
+def raw_publisher_and_subscriber(closing) -> tuple[zmq.Socket, EventSubscriber, Recorder]:
+    """A raw XPUB standing for a publisher, and a subscriber to it as worker "w", subscribed."""
+    xpub, ep, _ = raw_xpub(closing)
+    rec = Recorder()
+    sub = EventSubscriber(rec.on_batch, rec.on_reset)
+    closing(sub)
+    sub.add_publisher("w", ep)
+    subscribed(xpub, sub)
+    return xpub, sub, rec
+
+
 def seqb(n: int) -> bytes:
     return n.to_bytes(8, "big")
 
@@ -450,12 +461,7 @@ DEEP_BATCH = (b"\x93\x00\x91\x87\xa4type\xabBlockStored\xacblock_hashes\x90\xb1p
 def test_frames_with_bad_utf8_or_deep_nesting_are_counted_malformed(closing):
     """A peer's batch with a string that is not UTF-8, or nested past the recursion limit, is
     counted malformed and skipped; poll_once raised UnicodeDecodeError / RecursionError."""
-    xpub, ep, _ = raw_xpub(closing)
-    rec = Recorder()
-    sub = EventSubscriber(rec.on_batch, rec.on_reset)
-    closing(sub)
-    sub.add_publisher("w", ep)
-    subscribed(xpub, sub)
+    xpub, sub, rec = raw_publisher_and_subscriber(closing)
     xpub.send_multipart([b"", seqb(0), BAD_UTF8_BATCH])
     xpub.send_multipart([b"", seqb(1), DEEP_BATCH])
     xpub.send_multipart([b"", seqb(2), encode_batch(batch(2))])
@@ -465,12 +471,7 @@ def test_frames_with_bad_utf8_or_deep_nesting_are_counted_malformed(closing):
 
 
 def test_garbage_frames_are_counted_and_skipped(closing):
-    xpub, ep, _ = raw_xpub(closing)
-    rec = Recorder()
-    sub = EventSubscriber(rec.on_batch, rec.on_reset)
-    closing(sub)
-    sub.add_publisher("w", ep)
-    subscribed(xpub, sub)
+    xpub, sub, rec = raw_publisher_and_subscriber(closing)
     good = [encode_batch(batch(i)) for i in range(4)]
     xpub.send_multipart([b"only-topic"])
     xpub.send_multipart([b"", seqb(0)])
@@ -952,12 +953,7 @@ def test_a_flood_of_bad_frames_logs_a_bounded_number_of_lines(closing, caplog):
 
     from kvslots.events import _ratelog
 
-    xpub, ep, _ = raw_xpub(closing)
-    rec = Recorder()
-    sub = EventSubscriber(rec.on_batch, rec.on_reset)
-    closing(sub)
-    sub.add_publisher("w", ep)
-    subscribed(xpub, sub)
+    xpub, sub, rec = raw_publisher_and_subscriber(closing)
     with caplog.at_level(logging.INFO, logger="kvslots.events.subscriber"):
         for i in range(300):
             xpub.send_multipart([b"", seqb(2 * i), b"\x92\x01"])  # not a batch
