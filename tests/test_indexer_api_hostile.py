@@ -78,7 +78,15 @@ def test_good_configs_and_calls_still_work(svc):
     assert svc.remove_worker("nobody") is False
 
 
-def test_replay_on_the_endpoint_itself_is_refused(capsys):
+#: A replay address that is the endpoint, spelled the same or otherwise (compared as text, the
+#: other spellings were accepted).
+SAME_ADDRESS = [("tcp://h:1", "tcp://h:1"), ("tcp://127.0.0.1:1", "tcp://127.0.0.1:01"),
+                ("tcp://127.0.0.1:01", "tcp://127.0.0.1:1"), ("tcp://h:1", "tcp://H:00001"),
+                ("tcp://[::1]:5557", "tcp://[0:0::1]:5557"), ("ipc:///tmp/k.sock", "ipc:///tmp/k.sock")]
+
+
+@pytest.mark.parametrize("endpoint, replay", SAME_ADDRESS)
+def test_replay_on_the_endpoint_itself_is_refused(endpoint, replay, capsys):
     # A publisher binds its PUB and ROUTER sockets apart: replays asked there were never answered.
     from fastapi.testclient import TestClient
 
@@ -86,14 +94,21 @@ def test_replay_on_the_endpoint_itself_is_refused(capsys):
     from kvslots.indexer.app import create_app
 
     with pytest.raises(ConfigError, match="is the endpoint too"):
-        WorkerSpec("a", "tcp://h:1", replay="tcp://h:1")
+        WorkerSpec("a", endpoint, replay=replay)
     capsys.readouterr()
-    assert cli.main(["indexer", "--worker", "a=tcp://h:1,replay=tcp://h:1"]) == 2
-    assert "is the endpoint too" in capsys.readouterr().err
+    assert cli.main(["indexer", "--worker", f"a={endpoint},replay={replay}"]) == 2
+    err = capsys.readouterr().err
+    assert "is the endpoint too" in err and err.count("\n") == 1, err
     token = "t" * 20
     svc = IndexerService(IndexerConfig(block_size=4, admin_token=token))
     c = TestClient(create_app(svc))
-    r = c.post("/workers", json={"name": "a", "endpoint": "tcp://h:1", "replay": "tcp://h:1"},
+    r = c.post("/workers", json={"name": "a", "endpoint": endpoint, "replay": replay},
                headers={"authorization": f"Bearer {token}"})
     assert r.status_code == 422 and "is the endpoint too" in r.json()["detail"], r.text
     assert c.get("/workers").json() == []
+
+
+@pytest.mark.parametrize("endpoint, replay", [("tcp://h:1", "tcp://h:10"), ("tcp://h:1", "tcp://h2:1"),
+                                              ("tcp://[::1]:1", "tcp://[::2]:1"), ("tcp://h:1", "ipc://h:1")])
+def test_replay_on_another_address_is_taken(endpoint, replay):
+    assert WorkerSpec("a", endpoint, replay=replay).replay == replay

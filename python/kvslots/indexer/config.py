@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 import os
 import re
 from dataclasses import dataclass, field
@@ -36,6 +37,28 @@ def check_endpoint(endpoint: str, what: str = "endpoint") -> None:
         check_connect_endpoint(endpoint, what)
     except KVSlotsError as e:
         raise ConfigError(str(e)) from None
+
+
+def same_address(a: str, b: str) -> bool:
+    """Whether two endpoints that passed :func:`check_endpoint` name one address: a tcp one
+    compared as (host, port number), the host name without case and an IPv6 address in its
+    normal form (``tcp://H:01`` and ``tcp://h:1``, ``[::1]`` and ``[0::1]``); ipc and inproc
+    ones as text."""
+    return _address(a) == _address(b)
+
+
+def _address(endpoint: str) -> tuple[str, str, int | str]:
+    scheme, _, rest = endpoint.partition("://")
+    if scheme != "tcp":
+        return scheme, rest, ""
+    host, _, port = rest.rpartition(":")
+    if host.startswith("["):
+        try:
+            host = f"[{ipaddress.IPv6Address(host[1:-1])}]"
+        except ValueError:  # not an address (unchecked): its text is all there is to compare
+            pass
+    # A port is at most 5 digits once checked; the text of one that is not, as it is.
+    return scheme, host.lower(), int(port) if port.isascii() and port.isdigit() and len(port) <= 16 else port
 
 
 def check_worker_name(name: Any) -> None:
@@ -135,7 +158,9 @@ class WorkerSpec:
         check_endpoint(self.endpoint, f"worker {self.name!r}: endpoint")
         if self.replay is not None:
             check_endpoint(self.replay, f"worker {self.name!r}: replay")
-            if self.replay == self.endpoint:  # one address cannot be both the PUB and the ROUTER socket
+            # One address cannot be both the PUB and the ROUTER socket; compared as addresses
+            # (tcp://h:01 is tcp://h:1), not as text.
+            if same_address(self.replay, self.endpoint):
                 raise ConfigError(f"worker {self.name!r}: replay {self.replay!r} is the endpoint too: the publisher "
                                   "binds its replay socket on another address")
         if self.tier not in TIERS:
