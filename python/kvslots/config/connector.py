@@ -69,19 +69,33 @@ class ConnectorConfig:
     def from_extra_config(cls, extra: Mapping[str, Any] | None) -> "ConnectorConfig":
         if extra is not None and not isinstance(extra, Mapping):
             raise ConnectorConfigError(f"kv_connector_extra_config must be a mapping, got {type(extra).__name__}")
-        extra = dict(extra or {})
-        known = {f.name: f for f in fields(cls)}
-        # Sorted by their shown form: keys of mixed types (1 and "a") do not compare.
-        unknown = sorted(_brief(k) for k in extra if k not in known)
-        if unknown:
+        try:
+            # Read once: a Mapping whose keys() / __iter__ / __getitem__ (or a key's __hash__)
+            # raises is a config error, not that error let through.
+            items = [] if extra is None else list(dict(extra).items())
+        except Exception as e:
             raise ConnectorConfigError(
-                f"kv_connector_extra_config: unknown key(s) {', '.join(unknown)}; "
+                f"kv_connector_extra_config cannot be read as a mapping (reading it raised {type(e).__name__})"
+            ) from None
+        known = {f.name for f in fields(cls)}
+        given: dict[str, Any] = {}
+        unknown: list[str] = []
+        for key, value in items:
+            # A key's text as an exact str: a str subclass's own __eq__ / __hash__ never runs.
+            name = str.__str__(key) if isinstance(key, str) else None
+            if name not in known:
+                unknown.append(_brief(key))
+            elif name in given:  # two str subclass keys of one text (their own __hash__ differed)
+                raise ConnectorConfigError(f"kv_connector_extra_config: key {name} given twice")
+            else:
+                given[name] = value
+        if unknown:
+            # Sorted by their shown form: keys of mixed types (1 and "a") do not compare.
+            raise ConnectorConfigError(
+                f"kv_connector_extra_config: unknown key(s) {', '.join(sorted(unknown))}; "
                 f"known keys: {', '.join(sorted(known))}"
             )
-        values: dict[str, Any] = {}
-        for key, value in extra.items():
-            values[key] = _check(key, value)
-        return cls(**values)
+        return cls(**{key: _check(key, value) for key, value in given.items()})
 
     def num_host_blocks(self, bytes_per_block: int) -> int:
         """Host blocks for this worker, given the bytes of one block over all its layers."""
@@ -157,19 +171,33 @@ def _brief(value: Any) -> str:
 def _text(value: Any) -> bool:
     """A str that is valid Unicode (no lone surrogate: it could not be encoded to bytes for a
     path, a ZMQ address or topic, or a host name) and holds no NUL."""
-    if not isinstance(value, str) or "\0" in value:
-        return False
     try:
-        value.encode("utf-8")
-    except UnicodeEncodeError:
+        value = _args.text(value, "value")
+    except KVSlotsError:
         return False
-    return True
+    return "\0" not in value
+
+
+def _exact(value: Any) -> Any:
+    """A str, int or float as its exact built-in type (the text or number itself), anything
+    else as it is: the checks below and the code after them then never call an override of a
+    subclass (``__lt__``, ``__float__``, ``__eq__``, ``strip``), which could raise or lie."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, int):
+        return _args.integer(value, "value")  # operator.index: an int subclass's __index__ is not called
+    if isinstance(value, float):
+        return float.__float__(value)
+    if isinstance(value, str):
+        return str.__str__(value)
+    return value
 
 
 def _check(key: str, value: Any) -> Any:
     def bad(why: str) -> ConnectorConfigError:
         return ConnectorConfigError(f"kv_connector_extra_config.{key}={_brief(value)}: {why}")
 
+    value = _exact(value)
     if key == "disk_gb":
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < 1 << 20:
             raise bad("must be a number of GiB > 0")
