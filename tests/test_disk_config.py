@@ -4,6 +4,8 @@ the ``kvslots serve`` flags that set them."""
 from __future__ import annotations
 
 import json
+import os
+import re
 from pathlib import Path
 
 import pytest
@@ -72,3 +74,57 @@ def test_bad_serve_disk_flags_exit_2_with_one_line(target: str, argv: list, word
         rc = e.code
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2 and len(err) == 1 and word in err[0], err
+
+
+def test_disk_path_is_tried_before_start(tmp_path: Path) -> None:
+    # A disk_path that exists but takes no file (/proc/self), or lies under a file, passed the
+    # pre-start check: the connector refused it only once vLLM had loaded the model.
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    for path, why in (("/proc/self", "cannot create a file in '/proc/self'"),
+                      ("/proc/self/tier", "cannot create a file in '/proc/self'"),
+                      (str(afile), "not a directory"),
+                      (str(afile / "tier"), f"{str(afile)!r} is not a directory"),
+                      (str(afile / "a" / "b"), f"{str(afile)!r} is not a directory")):
+        with pytest.raises(ConnectorConfigError, match=f"disk_path=.*{re.escape(why)}"):
+            ConnectorConfig(disk_path=path).check_disk_path()
+    (tmp_path / "d" / "kvslots-disk-tier.kvs").mkdir(parents=True)  # where the tier's file goes
+    with pytest.raises(ConnectorConfigError, match="is there and is not a regular file"):
+        ConnectorConfig(disk_path=str(tmp_path / "d")).check_disk_path()
+    # Passes: a directory, one still to be made, one holding an earlier run's file; nothing is
+    # left behind (no probe file, no directory made).
+    (tmp_path / "e").mkdir()
+    (tmp_path / "e" / "kvslots-disk-tier.kvs").write_bytes(b"old")
+    for path in (tmp_path / "e", tmp_path / "new" / "deeper", "."):
+        ConnectorConfig(disk_path=str(path)).check_disk_path()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["afile", "d", "e"]
+    assert [p.name for p in (tmp_path / "e").iterdir()] == ["kvslots-disk-tier.kvs"]
+    assert (tmp_path / "e" / "kvslots-disk-tier.kvs").read_bytes() == b"old"
+    ConnectorConfig().check_disk_path()  # no disk tier: nothing to check
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root creates files in a read-only directory")
+def test_disk_path_without_write_permission_is_refused(tmp_path: Path) -> None:
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    ro.chmod(0o500)
+    try:
+        for path in (ro, ro / "sub"):
+            with pytest.raises(ConnectorConfigError, match="cannot create a file"):
+                ConnectorConfig(disk_path=str(path)).check_disk_path()
+    finally:
+        ro.chmod(0o700)
+
+
+def test_serve_disk_path_that_takes_no_file_is_one_line_exit_2(target: str, tmp_path: Path, capsys) -> None:
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    for argv, word in ((["--disk-path", "/proc/self"], "cannot create a file in '/proc/self'"),
+                       (["--disk-path", str(afile / "tier")], "is not a directory"),
+                       (["--connector-config", json.dumps({"disk_path": "/proc/self/tier"})], "cannot create a file")):
+        try:
+            rc = cli.main(["serve", target, *argv, "--dry-run"])
+        except SystemExit as e:
+            rc = e.code
+        err = capsys.readouterr().err.strip().splitlines()
+        assert rc == 2 and len(err) == 1 and word in err[0] and "disk_path" in err[0], err

@@ -7,6 +7,8 @@ at start-up.
 
 from __future__ import annotations
 
+import os
+import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
@@ -19,6 +21,9 @@ from .loader import brief
 GIB = 1 << 30
 #: The most blocks a tier may hold (the core's block ids are below 2^31).
 MAX_BLOCKS = (1 << 31) - 1
+#: The disk tier's file in ``disk_path`` (kvslots.vllm.connector.disk opens it; named here so
+#: that check_disk_path, run before vLLM starts, need not import vLLM).
+DISK_FILE_NAME = "kvslots-disk-tier.kvs"
 
 
 @dataclass(frozen=True)
@@ -136,6 +141,57 @@ class ConnectorConfig:
             _blocks_in("host_cache_gb", self.host_cache_gb, 1)
         if self.disk_path is not None and self.disk_blocks is None:
             _blocks_in("disk_gb", self.disk_gb, 1)
+
+    def check_disk_path(self) -> None:
+        """Whether the disk tier's worker can do with ``disk_path`` what it will (``kvslots
+        serve``, before it starts vLLM): make the directory when missing (``os.makedirs``) and
+        create or open its file there for reading and writing. Tried, not asked: a probe file
+        is created and removed in the directory, or in its nearest existing parent when it is
+        still to be made (``os.access`` says yes to root for a read-only directory, and to
+        ``/proc/self``). A ConnectorConfigError naming the key says why not."""
+        path = self.disk_path
+        if path is None:
+            return
+
+        def bad(why: str) -> ConnectorConfigError:
+            return ConnectorConfigError(f"kv_connector_extra_config.disk_path={path!r}: {why}")
+
+        # The directory itself, or the nearest parent that is there (a dangling link counts:
+        # makedirs cannot go through it).
+        there = path
+        while True:
+            try:
+                os.lstat(there)
+                break
+            except (FileNotFoundError, NotADirectoryError):  # to be made; under a file: below
+                pass
+            except OSError as e:  # a name too long, a loop of links, no search permission
+                raise bad(f"cannot look up {there!r} ({e.strerror or e})") from None
+            parent = os.path.dirname(there.rstrip(os.sep)) or os.curdir
+            if parent == there:
+                break
+            there = parent
+        if not os.path.isdir(there):
+            raise bad("not a directory" if there == path else f"{there!r} is not a directory")
+        try:
+            fd, probe = tempfile.mkstemp(prefix=".kvslots-probe-", dir=there)
+        except OSError as e:
+            raise bad(f"cannot create a file in {there!r} ({e.strerror or e})") from None
+        os.close(fd)
+        try:
+            os.unlink(probe)
+        except OSError:
+            pass
+        if there != path:
+            return
+        file = os.path.join(path, DISK_FILE_NAME)
+        if os.path.lexists(file):  # the file of an earlier run: opened, never truncated
+            if not os.path.isfile(file):
+                raise bad(f"{file!r} is there and is not a regular file")
+            try:
+                os.close(os.open(file, os.O_RDWR))
+            except OSError as e:
+                raise bad(f"cannot open {file!r} for writing ({e.strerror or e})") from None
 
     def use_eagle_block_drop(self, vllm_says: bool) -> bool:
         vllm_says = _args.flag(vllm_says, "vllm_says")  # returned as given: None or 1.5 came back

@@ -5,7 +5,6 @@ after ``--``, checked by the connector's own :class:`~kvslots.config.ConnectorCo
 from __future__ import annotations
 
 import argparse
-import os
 from typing import Any
 
 from ..config.connector import GIB, ConnectorConfig, ConnectorConfigError
@@ -95,16 +94,16 @@ def connector_config(args: argparse.Namespace, hints: dict[str, Any], tail_cfg: 
     try:
         # check_tiers_hold_a_block: a size that holds not one byte, refused before vLLM starts
         # (the engine alone knows the bytes per block, and refused it only once loaded).
-        ConnectorConfig.from_extra_config(extra).check_tiers_hold_a_block()
+        # check_disk_path: a disk_path the disk tier cannot make or write its file in (a file,
+        # /proc/self, a read-only directory), which the connector refused only once vLLM started.
+        connector_config = ConnectorConfig.from_extra_config(extra)
+        connector_config.check_tiers_hold_a_block()
+        connector_config.check_disk_path()
     except ConnectorConfigError as e:
         if hinted and "host_cache_gb" not in flag_extra and extra.get("host_cache_gb") == hinted / GIB \
                 and "host_cache_gb" in str(e):  # a key the user never wrote: say where it came from
             raise ServeError(f"{e} (from the YAML's kv_cache_config.host_cache_size, {hinted} bytes)") from None
         raise ServeError(str(e)) from None
-    disk = extra.get("disk_path")
-    if disk is not None and os.path.exists(disk) and not os.path.isdir(disk):
-        # The disk tier's file goes in it: the connector refused it only once vLLM started.
-        raise ServeError(f"kv_connector_extra_config.disk_path={disk!r} (--disk-path): not a directory")
     cfg["kv_connector_extra_config"] = extra
     if kv_role == "kv_consumer":
         # A pull that fails (prefill worker gone, layouts differ) is recomputed here.

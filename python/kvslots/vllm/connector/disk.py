@@ -43,10 +43,11 @@ from typing import Any
 import numpy as np
 
 from ..._core import DiskIndex, DiskStore
+from ...config.connector import DISK_FILE_NAME
 
 logger = logging.getLogger(__name__)
 
-FILE_NAME = "kvslots-disk-tier.kvs"
+FILE_NAME = DISK_FILE_NAME  # one name, where kvslots serve's check of disk_path reads it too
 
 
 @dataclass(frozen=True)
