@@ -988,3 +988,58 @@ def test_str_subclasses_hiding_a_lone_surrogate_are_refused_everywhere():
         with pytest.raises(InvalidArgumentError, match="lone surrogates"):
             call()
     assert vllm_binds(_LyingStr("tcp://127.0.0.1:5557")) is False  # read as text: no '*' in it
+
+
+class _Foreign(msgspec.Struct, array_like=True):  # vLLM's own KVEventBatch, as far as publish sees
+    ts: float
+    events: list
+    data_parallel_rank: int | None = None
+
+
+class _FrozenForeign(msgspec.Struct, array_like=True, frozen=True):
+    ts: float
+    events: list
+    data_parallel_rank: int | None = None
+
+
+def _circular() -> list:
+    x: list = []
+    x.append(x)
+    return x
+
+
+@pytest.mark.parametrize("make, err", [
+    (lambda: KVEventBatch(1.0, [object()]), ArgumentTypeError),
+    (lambda: KVEventBatch(1.0, [BlockStored([2**70], None, [1], 1, None, "CPU", None)]), InvalidArgumentError),
+    (lambda: KVEventBatch(1.0, [BlockStored([1], None, [1], 1, None, "CPU", None, extra_keys=[_circular()])]),
+     InvalidArgumentError),
+    (lambda: _Foreign(1.0, [1j]), ArgumentTypeError),
+    (lambda: _FrozenForeign(1.0, [object()]), ArgumentTypeError),
+], ids=["object", "int-past-64-bits", "circular", "foreign-struct", "frozen-foreign-struct"])
+def test_publish_refuses_a_batch_that_cannot_be_encoded(closing, make, err):
+    # It was queued, then dropped by the sender thread and counted in errors: the caller never knew.
+    pub, sub, rec = new_pair(closing, data_parallel_rank=2)
+    b = make()
+    with pytest.raises(err, match="cannot be encoded"):
+        pub.publish(b)
+    assert b.data_parallel_rank is None  # untouched
+    st = pub.stats()
+    assert st["queued"] == 0 and st["errors"] == 0 and pub.next_seq == 0
+    pub.publish(batch(0))  # the next batch takes seq 0: no gap for the subscriber
+    assert pub.flush(5)
+    wait_until(lambda: rec.seqs() == [0], sub)
+    assert pub.stats()["errors"] == 0 and pub.stats()["published"] == 1
+
+
+def test_publish_encodes_foreign_and_frozen_structs_with_its_rank(closing):
+    pub, sub, rec = new_pair(closing, data_parallel_rank=2)
+    ev = BlockStored([5], None, [1, 2], 2, None, "CPU", None)
+    a, f = _Foreign(1.0, [ev]), _FrozenForeign(2.0, [ev])
+    pub.publish(a)
+    pub.publish(f)
+    assert a.data_parallel_rank == 2 and f.data_parallel_rank is None  # in place where it can be
+    a.events.clear()  # what was published is what publish() saw
+    assert pub.flush(5)
+    wait_until(lambda: rec.seqs() == [0, 1], sub)
+    got = [b for _, _, b in rec.batches]
+    assert [(b.ts, b.events, b.data_parallel_rank) for b in got] == [(1.0, [ev], 2), (2.0, [ev], 2)]

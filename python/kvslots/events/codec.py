@@ -178,10 +178,20 @@ def encode_batch(batch: EventBatch) -> bytes:
     nesting past the recursion limit or a circular one)."""
     if not isinstance(batch, EventBatch):
         raise ArgumentTypeError(f"encode_batch() takes a KVEventBatch, got {type(batch).__name__}")
+    return encode_struct(batch)
+
+
+def encode_struct(batch: msgspec.Struct) -> bytes:
+    """What :meth:`EventPublisher.publish <kvslots.events.publisher.EventPublisher.publish>`
+    sends for a struct: kvslots' batch as :func:`encode_batch` writes it, any other struct
+    (vLLM's own ``KVEventBatch``) as msgspec writes it; the errors of :func:`encode_batch`."""
+    if not isinstance(batch, msgspec.Struct):
+        raise ArgumentTypeError(f"encode_struct() takes a msgspec.Struct, got {type(batch).__name__}")
     try:
-        events = batch.events
-        if any(type(ev) is BlockStored and ev.lookahead_token_ids is None for ev in events):
-            batch = msgspec.structs.replace(batch, events=[_wire_event(ev) for ev in events])
+        if isinstance(batch, EventBatch):
+            events = batch.events
+            if any(type(ev) is BlockStored and ev.lookahead_token_ids is None for ev in events):
+                batch = msgspec.structs.replace(batch, events=[_wire_event(ev) for ev in events])
         return _encoder.encode(batch)
     except TypeError as e:
         raise ArgumentTypeError(f"the batch cannot be encoded: {e}") from None

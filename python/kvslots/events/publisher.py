@@ -5,10 +5,13 @@ reads both. The frames (live PUB messages with 8-byte sequence numbers, replay r
 replies on an optional ROUTER socket, the end-of-replay marker) and the bind/connect rule are
 those of :mod:`.protocol`.
 
-Batches are queued by :meth:`EventPublisher.publish` (any thread; it only appends to a queue)
-and sent by one background thread that owns both sockets, because ZMQ sockets are not
-thread-safe. Pre-encoded payloads (``SlotManager.drain_events_msgpack``) are sent as they are, so
-the hot path builds no Python object per event.
+Batches are queued by :meth:`EventPublisher.publish` (any thread) and sent by one background
+thread that owns both sockets, because ZMQ sockets are not thread-safe. ``publish`` encodes a
+struct batch in the caller's thread and queues its bytes, so a batch that cannot be encoded is
+refused at the call (the sender thread used to drop it, counting an error). That is the work the
+sender thread did, moved, not repeated: msgspec holds the GIL while it encodes, so it took the
+same interpreter time there. Pre-encoded payloads (``SlotManager.drain_events_msgpack``, what the
+connector publishes) are queued as they are, so the hot path builds no Python object per event.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ import zmq
 from .. import _args
 from ..errors import ArgumentTypeError, InvalidArgumentError, InvalidStateError
 from ._wakeup import WakePipe
-from .codec import EventBatch, encode_batch
+from .codec import EventBatch, encode_struct
 from .protocol import (
     END_SEQ,
     check_endpoint,
@@ -147,7 +150,7 @@ class EventPublisher:
         self._lock = threading.Lock()
         self._not_full = threading.Condition(self._lock)
         self._idle = threading.Condition(self._lock)
-        self._queue: deque[Payload] = deque()
+        self._queue: deque[bytes] = deque()  # encoded by publish()
         self._closed = False
         self._released = False  # sockets, pipe and context closed
         self._in_flight = 0  # batches taken from the queue but not yet sent
@@ -155,7 +158,6 @@ class EventPublisher:
         # Owned by the sender thread once it runs.
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_steps)
         self._next_seq = 0
-        self._encoder = msgspec.msgpack.Encoder()
         self._drop_on_wire: set[int] = set()
         self._replays: dict[bytes, _Replay] = {}  # by peer identity; at most one per peer
         self._stats = dict.fromkeys(
@@ -216,27 +218,33 @@ class EventPublisher:
     # ---- producer side (any thread) --------------------------------------------------------
 
     def publish(self, batch: Payload) -> None:
-        """Queues one batch: a ``KVEventBatch`` (kvslots' or vLLM's; encoded by the sender
-        thread, its rank set to ``data_parallel_rank`` when None) or its msgpack bytes. Blocks
-        only while the queue is full."""
+        """Queues one batch: a ``KVEventBatch`` (kvslots' or vLLM's; its rank set to
+        ``data_parallel_rank`` when None) or its msgpack bytes. A struct is encoded here, in the
+        caller's thread: one that cannot be encoded raises :class:`ArgumentTypeError` or
+        :class:`InvalidArgumentError` and queues nothing. Blocks only while the queue is full."""
         if self._closed:  # before touching the batch (checked again under the lock)
             raise InvalidStateError("the event publisher is shut down")
+        rank: Any = 0
         if isinstance(batch, msgspec.Struct):  # ours, or vLLM's own KVEventBatch
             try:
                 rank = getattr(batch, "data_parallel_rank", 0)
             except Exception as e:  # a property of a struct subclass that raises
                 raise ArgumentTypeError(f"publish() cannot read the batch's data_parallel_rank: {e!r}") from e
-            if rank is None:
-                try:  # in place, as vLLM's publisher does
-                    batch.data_parallel_rank = self.data_parallel_rank  # type: ignore[attr-defined]
-                except (AttributeError, TypeError):  # a frozen struct: a copy gets the rank
-                    batch = msgspec.structs.replace(batch, data_parallel_rank=self.data_parallel_rank)
+            wire = batch
+            if rank is None:  # encoded with the rank; the batch itself gets it once queued
+                try:
+                    wire = msgspec.structs.replace(batch, data_parallel_rank=self.data_parallel_rank)
+                except Exception as e:  # a data_parallel_rank that is no field (a property)
+                    raise ArgumentTypeError(f"publish() cannot set the batch's data_parallel_rank: {e!r}") from None
+            payload = encode_struct(wire)
         elif isinstance(batch, (bytearray, memoryview)):
             try:
-                batch = bytes(batch)
+                payload = bytes(batch)
             except ValueError as e:  # a released memoryview
                 raise InvalidArgumentError(f"publish() cannot read the payload: {e}") from None
-        elif not isinstance(batch, bytes):
+        elif isinstance(batch, bytes):
+            payload = batch
+        else:
             raise ArgumentTypeError(f"publish() takes a KVEventBatch or bytes, got {type(batch).__name__}")
         with self._lock:
             while len(self._queue) >= self._max_queue and not self._closed:
@@ -244,9 +252,14 @@ class EventPublisher:
             if self._closed:
                 raise InvalidStateError("the event publisher is shut down")
             was_empty = not self._queue
-            self._queue.append(batch)
+            self._queue.append(payload)
         if was_empty:
             self._wakeup.wake()
+        if rank is None:
+            try:  # in place, as vLLM's publisher does
+                batch.data_parallel_rank = self.data_parallel_rank  # type: ignore[union-attr]
+            except Exception:  # a frozen struct (AttributeError): the copy sent had it
+                pass
 
     def flush(self, timeout: float | None = None) -> bool:
         """Waits until every queued batch has been handed to ZMQ; False on timeout."""
@@ -350,18 +363,7 @@ class EventPublisher:
             self._idle.notify_all()
             return closed and not self._queue
 
-    def _send(self, item: Payload) -> None:
-        try:
-            if isinstance(item, bytes):
-                payload = item
-            elif isinstance(item, EventBatch):
-                payload = encode_batch(item)  # each BlockStored in its vLLM version's layout
-            else:
-                payload = self._encoder.encode(item)
-        except Exception:  # a batch msgspec cannot encode: skip it, without using up a seq
-            self._stats["errors"] += 1
-            log.exception("cannot encode event batch; skipped")
-            return
+    def _send(self, payload: bytes) -> None:
         seq = self._next_seq
         self._next_seq += 1
         self._buffer.append((seq, payload))
