@@ -704,3 +704,48 @@ def test_config_tier_given_twice_is_refused(tmp_path, capsys, weights):
     f.write_text(f"tier_weights: {weights}\n")
     code, err = _cli(["--config", str(f)], capsys)
     assert code == 2 and err.count("\n") == 1 and "given twice" in err and str(f) in err, err
+
+
+# ---- file descriptors: more workers than the limit holds ----
+
+
+def test_more_workers_than_the_fd_limit_holds_is_one_line_exit_2():
+    # 300 workers under ulimit -n 256: the subscriptions failed with 'Too many open files' in
+    # uvicorn's startup, a traceback and exit status 3.
+    import resource
+    import subprocess
+    import sys
+
+    workers = [x for i in range(300) for x in ("--worker", f"w{i}=tcp://127.0.0.1:{20000 + i}")]
+    r = subprocess.run([sys.executable, "-m", "kvslots", "indexer", "--port", "0", *workers],
+                       capture_output=True, text=True, timeout=120,
+                       preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (256, 256)))
+    assert r.returncode == 2, r.stderr[-3000:]
+    assert r.stderr.startswith("kvslots indexer: ") and r.stderr.count("\n") == 1, r.stderr[-3000:]
+    assert "file descriptors" in r.stderr and "256" in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+def test_out_of_fds_subscribing_at_start_is_one_line_exit_2(capsys, monkeypatch):
+    # What the limit check cannot foresee (descriptors taken meanwhile): the first worker that
+    # cannot be subscribed stops the start-up, as one line; the others are not tried (each
+    # failed alike, a log line each).
+    import errno
+
+    import uvicorn
+
+    from kvslots.errors import InvalidArgumentError
+    from kvslots.indexer.subscription import Subscription
+
+    tried = []
+
+    def out_of_fds(self, spec):
+        tried.append(spec.name)
+        raise InvalidArgumentError(f"cannot connect to publisher {spec.name!r}: Too many open files",
+                                   details={"errno": errno.EMFILE})
+
+    monkeypatch.setattr(Subscription, "add", out_of_fds)
+    monkeypatch.setattr(uvicorn, "run", lambda *a, **k: pytest.fail("the server started"))
+    code, err = _cli(["--port", "0", "--worker", "a=tcp://127.0.0.1:1", "--worker", "b=tcp://127.0.0.1:2"], capsys)
+    assert code == 2 and err.startswith("kvslots indexer: ") and err.count("\n") == 1, err
+    assert "worker 'a'" in err and "out of file descriptors (the limit, ulimit -n, is" in err, err
+    assert tried == ["a"]

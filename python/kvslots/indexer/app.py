@@ -170,8 +170,10 @@ class WorkerOut(BaseModel):
 
 
 def create_app(service: IndexerService, *, own_service: bool = False) -> FastAPI:
-    """The API over `service`. With `own_service`, the app starts the service on startup and
-    stops it on shutdown (uvicorn's graceful shutdown runs it, before re-raising SIGTERM)."""
+    """The API over `service`. With `own_service`, the app starts the service on startup (a
+    no-op when it is started already: ``kvslots indexer`` starts it before the server, so that a
+    failure is one line, not uvicorn's traceback and exit status 3) and stops it on shutdown
+    (uvicorn's graceful shutdown runs it, before re-raising SIGTERM)."""
     cfg = service.cfg
     max_tokens = cfg.max_tokens
 

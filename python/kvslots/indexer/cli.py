@@ -65,15 +65,24 @@ def run(args: argparse.Namespace) -> int:
 
     check_listen(cfg.host, cfg.port)
     service = IndexerService(cfg)
+    log = logging.getLogger("kvslots.indexer")
     if cfg.host not in ("127.0.0.1", "::1", "localhost"):
-        logging.getLogger("kvslots.indexer").warning(
-            "binding %s: the API is reachable from other hosts (scores are not secret, but the "
-            "admin API %s)", cfg.host, "is enabled" if cfg.admin_token else "is off")
-    # The app starts the service on startup and stops it on shutdown (SIGINT/SIGTERM).
+        log.warning("binding %s: the API is reachable from other hosts (scores are not secret, but the "
+                    "admin API %s)", cfg.host, "is enabled" if cfg.admin_token else "is off")
+    # Started here, not in the app's startup: a worker that cannot be subscribed (more workers
+    # than the file descriptor limit holds) is a ConfigError, one line and exit status 2, where
+    # uvicorn printed a traceback and exited with status 3. Not stopped when it fails: the
+    # process ends, and its threads are daemons (after 'Too many open files' the subscriber can
+    # hold a socket it never registered, and stopping it then waited for ever).
+    service.start()
+    # The app stops the service on shutdown (SIGINT/SIGTERM); here too, if uvicorn fails.
     # uvicorn_options: a request's head is at most 64 KiB and it must arrive within 60 s, no
     # WebSockets (see httpguard).
-    uvicorn.run(create_app(service, own_service=True), host=cfg.host, port=cfg.port, log_level=cfg.log_level,
-                access_log=False, **uvicorn_options())
+    try:
+        uvicorn.run(create_app(service, own_service=True), host=cfg.host, port=cfg.port, log_level=cfg.log_level,
+                    access_log=False, **uvicorn_options())
+    finally:
+        service.stop()
     return 0
 
 

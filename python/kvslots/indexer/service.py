@@ -13,6 +13,7 @@ from typing import Any
 from .._core import ApplyStats
 from ..events._ratelog import RateLimitedLog
 from ..errors import ArgumentTypeError, ConfigError, InvalidArgumentError
+from . import fds
 from .backend import TIER_NAMES, Backend, MemoryBackend, ScoreResult
 from .config import IndexerConfig, WorkerSpec
 from .metrics import Metrics
@@ -46,12 +47,25 @@ class IndexerService:
         self.sub = Subscription(self, replay_timeout=cfg.replay_timeout, max_frame_bytes=cfg.max_frame_mb * 2**20)
         self._subscribed: dict[str, WorkerSpec] = {}
         self._sync_lock = threading.Lock()
+        self._life_lock = threading.Lock()  # start and stop, once each
+        self._started = self._stopped = False
         self.started_at = time.time()
         self.metrics.add_gauges(self._gauges)
 
     # ---- lifecycle ----
 
     def start(self) -> None:
+        """Starts the subscription and the backend; with the memory backend, returns once every
+        worker is subscribed and caught up. A worker that cannot be subscribed (more workers than
+        the file descriptor limit holds, an address ZMQ refuses) is a ConfigError. A second call
+        does nothing."""
+        with self._life_lock:
+            if self._started:
+                return
+            self._started = True
+        # Before any socket is opened: past the limit, the first worker that does not fit failed
+        # with 'Too many open files' after as many as fitted were opened.
+        fds.check_workers_fit(len(self.cfg.workers), sum(w.replay is not None for w in self.cfg.workers))
         self.sub.start()
         for spec in self.cfg.workers:
             # The command line / config file is authoritative for the workers it names.
@@ -61,9 +75,18 @@ class IndexerService:
             failed = self.sync_subscriptions(self.backend.specs)
             if failed:  # a worker given on the command line or in the file
                 name, e = next(iter(failed.items()))
+                if _out_of_fds(e):  # the server's limit, said as such (not 'cannot connect')
+                    raise ConfigError(f"worker {name!r}: cannot subscribe to its stream: {fds.out_of_fds_message()}: "
+                                      f"raise the limit, or split the {len(self.cfg.workers)} workers between "
+                                      "indexers") from e
                 raise _subscribe_error(self.backend.specs().get(name), name, e)
 
     def stop(self) -> None:
+        """Stops the backend and the subscription; a second call does nothing."""
+        with self._life_lock:
+            if self._stopped:
+                return
+            self._stopped = True
         self.backend.close()
         self.sub.stop()
 
@@ -101,6 +124,8 @@ class IndexerService:
                         self.sub.remove(name)
                         self.backend.remove_worker(name)
                         failed[name] = e
+                        if _out_of_fds(e):  # every other would fail alike (and log it): tried next call
+                            break
         return failed
 
     def add_worker(self, spec: WorkerSpec) -> bool:
@@ -224,14 +249,26 @@ class IndexerService:
 
 #: What ZMQ says of an address it will not connect to (the client's fault, not the server's).
 _REFUSED_ADDRESS = {errno.EINVAL, errno.ENAMETOOLONG, errno.EPROTONOSUPPORT, errno.EAFNOSUPPORT}
+#: What it says when the process (EMFILE) or the system (ENFILE) has no descriptor left.
+_NO_FDS = {errno.EMFILE, errno.ENFILE}
+
+
+def _errno(e: Exception) -> int | None:
+    """The errno of a subscription's failure: ZMQ's, or the one its kvslots error carries."""
+    code = getattr(e, "errno", None)
+    if code is None:
+        code = (getattr(e, "details", None) or {}).get("errno", getattr(e.__cause__, "errno", None))
+    return code
+
+
+def _out_of_fds(e: Exception) -> bool:
+    return _errno(e) in _NO_FDS
 
 
 def _subscribe_error(spec: WorkerSpec | None, name: str, e: Exception) -> Exception:
     """A ConfigError when the worker's address is refused; else `e` itself (a server-side
     failure, e.g. out of file descriptors)."""
-    code = getattr(e, "errno", None)
-    if code is None:
-        code = (getattr(e, "details", None) or {}).get("errno", getattr(e.__cause__, "errno", None))
+    code = _errno(e)
     if code in _REFUSED_ADDRESS or (code is None and isinstance(e, (ConfigError, InvalidArgumentError))):
         where = f" at {spec.endpoint}" if spec is not None else ""
         err = ConfigError(f"worker {name!r}: cannot subscribe to its stream{where}: {' '.join(str(e).split())}")
