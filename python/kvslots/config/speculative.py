@@ -206,6 +206,24 @@ def is_speculators_checkpoint(model_dir: str | os.PathLike[str]) -> bool:
     return classify_model(model_dir).is_speculators
 
 
+#: The most draft tokens per step (``num_speculative_tokens``, K) kvslots gives vLLM. vLLM's
+#: config checks only ``> 0``, but its rejection sampler verifies at most 128 draft tokens per
+#: request in a step (``vllm.v1.sample.rejection_sampler.MAX_SPEC_LEN``, asserted there): a larger
+#: K passed vLLM's config and could fail only in the engine.
+MAX_NUM_SPECULATIVE_TOKENS = 128
+
+
+def check_num_speculative_tokens(k: int, field: str, source: str | None = None) -> int:
+    """The bound on K, in one place for every reader of it (``--speculative-config``, a
+    speculators checkpoint and its override, a TRT-LLM ``max_draft_len``): ``k``, an int >= 1 as
+    its reader checked, at most :data:`MAX_NUM_SPECULATIVE_TOKENS`; a
+    :class:`~kvslots.ConfigError` naming ``field`` otherwise."""
+    if k > MAX_NUM_SPECULATIVE_TOKENS:
+        raise ConfigError(f"must be <= {MAX_NUM_SPECULATIVE_TOKENS} (vLLM verifies at most "
+                          f"{MAX_NUM_SPECULATIVE_TOKENS} draft tokens per step), got {k}", field, source)
+    return k
+
+
 def resolve_speculative_config(
     base: Mapping[str, Any] | None,
     explicit: Mapping[str, Any] | None = None,
@@ -263,6 +281,7 @@ def resolve_speculative_config(
                           "speculative_config.num_speculative_tokens")
     if isinstance(nst, bool) or not isinstance(nst, int) or nst < 1:
         raise ConfigError(f"must be an integer >= 1, got {short(nst)}", "speculative_config.num_speculative_tokens")
+    check_num_speculative_tokens(nst, "speculative_config.num_speculative_tokens")
     DynamicSDSchedule.from_speculative_config(spec)
     draft = spec.get("model")
     if draft is not None and not isinstance(draft, str):
@@ -288,9 +307,11 @@ def check_draft_model(draft: str, field: str, source: str | None = None, what: s
 __all__ = [
     "CHECKPOINT_LOCKED_KEYS",
     "HUB_ID",
+    "MAX_NUM_SPECULATIVE_TOKENS",
     "SPECULATORS_METHODS",
     "ModelRef",
     "check_draft_model",
+    "check_num_speculative_tokens",
     "classify_model",
     "is_hub_id",
     "is_speculators_checkpoint",

@@ -22,17 +22,20 @@ the explicit speculative config, so vLLM can be started as
 
 from __future__ import annotations
 
+import operator
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from ..errors import ConfigError
-from .loader import INT_MAX, brief
+from .loader import brief
 # What a checkpoint's type means to vLLM, and whether a directory is a checkpoint, are decided
 # in .speculative (with every other model-reference rule); re-exported here.
 from .speculative import (
+    MAX_NUM_SPECULATIVE_TOKENS,
     SPECULATORS_METHODS,
+    check_num_speculative_tokens,
     classify_model,
     is_speculators_checkpoint,
     read_model_config,
@@ -135,6 +138,7 @@ def load_speculators_checkpoint(
         raise ConfigError(f"must be an integer, got {k!r}", k_field, source)
     if k < 1:
         raise ConfigError(f"must be >= 1, got {k}", k_field, source)
+    check_num_speculative_tokens(k, k_field, source)
     default = spec.get("default_proposal_method")
     if default is not None and first.get("proposal_type") not in (None, default):
         warnings.append(
@@ -142,11 +146,12 @@ def load_speculators_checkpoint(
             f"({first.get('proposal_type')!r}, K={k})"
         )
     if num_speculative_tokens is not None:
-        # At most INT_MAX, as in the file (10**30 went into vLLM's JSON).
-        if isinstance(num_speculative_tokens, bool) or not isinstance(num_speculative_tokens, int) \
-                or not 1 <= num_speculative_tokens <= INT_MAX:
-            raise ConfigError(f"must be an integer in [1, 2**63-1], got {brief(num_speculative_tokens)}",
+        # Bounded as the file's K is (10**30 went into vLLM's JSON).
+        n = num_speculative_tokens
+        if isinstance(n, bool) or not isinstance(n, int) or operator.index(n) < 1:  # index: the int's own value
+            raise ConfigError(f"must be an integer in [1, {MAX_NUM_SPECULATIVE_TOKENS}], got {brief(n)}",
                               "num_speculative_tokens")
+        num_speculative_tokens = check_num_speculative_tokens(operator.index(n), "num_speculative_tokens")
         if num_speculative_tokens != k:
             warnings.append(f"num_speculative_tokens {num_speculative_tokens} overrides the "
                             f"checkpoint's speculative_tokens {k}")

@@ -15,7 +15,7 @@ from typing import Any
 
 from ...errors import ConfigError
 from ..schedule import SCHEDULE_KEY, DynamicSDSchedule
-from ..speculative import check_draft_model, classify_model
+from ..speculative import check_draft_model, check_num_speculative_tokens, classify_model
 from ..speculators import load_speculators_checkpoint
 from .base import ConverterBase, describe
 from .keys import (
@@ -152,8 +152,13 @@ class SpeculativeKeys(ConverterBase):
             self.note(model_path, "speculative_config.model", out["model"])
             self.draft_path = model_path
 
+        # K from max_draft_len, or from the deprecated num_nextn_predict_layers (MTP).
+        k = check_num_speculative_tokens(
+            out["num_speculative_tokens"],
+            f"{p}.max_draft_len" if spec.get("max_draft_len") is not None else f"{p}.num_nextn_predict_layers",
+            self.source)
+
         # Dynamic draft length.
-        k = out["num_speculative_tokens"]
         mc, dls = spec.get("max_concurrency"), spec.get("draft_len_schedule")
         max_bs = self.args.get("max_num_seqs", TRTLLM_DEFAULT_MAX_BATCH_SIZE)
         if mc is not None and dls is not None:
