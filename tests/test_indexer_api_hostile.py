@@ -20,6 +20,8 @@ BAD_CONFIGS = {
     "workers of dicts": {"workers": [{"name": "a", "endpoint": "tcp://h:1"}]}, "workers None": {"workers": None},
     "tier_weights list": {"tier_weights": []}, "tier_weights str value": {"tier_weights": {"GPU": "1"}},
     "tier_weights bool": {"tier_weights": {"GPU": True}}, "tier_weights int key": {"tier_weights": {1: 1.0}},
+    "max_connections 0": {"max_connections": 0}, "max_connections bool": {"max_connections": True},
+    "max_connections str": {"max_connections": "8"}, "max_connections past 2**20": {"max_connections": 2**20 + 1},
 }
 
 

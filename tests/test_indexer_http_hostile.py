@@ -239,10 +239,9 @@ def test_random_score_bodies_never_500(client, obj):
 # ---- connection limits (kvslots.indexer.httpguard), on a real uvicorn server ----
 
 
-@pytest.fixture
-def guarded_server(monkeypatch):
-    """The indexer app on uvicorn with the guarded protocol the command uses; a 1.5 s read
-    timeout so the tests are quick."""
+def _serve(**options):
+    """The indexer app on uvicorn with the guarded protocol the command uses (``options`` for
+    uvicorn_options); yields a function that opens a connection to it."""
     import socket
     import threading
     import time
@@ -252,11 +251,10 @@ def guarded_server(monkeypatch):
     from kvslots.indexer import httpguard
     from ports import free_port
 
-    monkeypatch.setattr(httpguard, "READ_TIMEOUT_S", 1.5)
     svc = IndexerService(IndexerConfig(block_size=BS))
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(create_app(svc), host="127.0.0.1", port=port, log_level="error",
-                                           lifespan="off", **httpguard.uvicorn_options()))
+                                           lifespan="off", **httpguard.uvicorn_options(**options)))
     t = threading.Thread(target=server.run, daemon=True)
     t.start()
     deadline = time.monotonic() + 10
@@ -272,6 +270,15 @@ def guarded_server(monkeypatch):
     yield connect
     server.should_exit = True
     t.join(10)
+
+
+@pytest.fixture
+def guarded_server(monkeypatch):
+    """The server of :func:`_serve`, with a 1.5 s read timeout so the tests are quick."""
+    from kvslots.indexer import httpguard
+
+    monkeypatch.setattr(httpguard, "READ_TIMEOUT_S", 1.5)
+    yield from _serve()
 
 
 def _read_all(s) -> bytes:
@@ -404,3 +411,55 @@ def test_commands_serve_with_the_guard_and_no_websockets(monkeypatch, command):
     argv = ["indexer"] if command == "indexer" else ["proxy", "--prefill", "http://p:1", "--decode", "http://d:2"]
     assert cli.main(argv) == 0
     assert seen["ws"] == "none" and seen["http"].__name__.startswith("Guarded"), seen
+    assert seen["http"].max_connections >= 16, seen  # a cap, by default from the descriptor limit
+    assert cli.main(argv + ["--max-connections", "7"]) == 0
+    assert seen["http"].max_connections == 7
+
+
+def _get(s, path: bytes = b"/healthz") -> bytes:
+    """One keep-alive request on ``s``: the response's head and body (Content-Length)."""
+    s.sendall(b"GET " + path + b" HTTP/1.1\r\nHost: x\r\n\r\n")
+    data = b""
+    while b"\r\n\r\n" not in data:
+        data += s.recv(65536)
+    head, _, body = data.partition(b"\r\n\r\n")
+    length = next(int(line.split(b":")[1]) for line in head.lower().split(b"\r\n")
+                  if line.startswith(b"content-length"))
+    while len(body) < length:
+        body += s.recv(65536)
+    return head + b"\r\n\r\n" + body
+
+
+@pytest.fixture
+def capped_server():
+    yield from _serve(max_connections=3)
+
+
+@pytest.mark.parametrize("sends", [False, True])
+def test_a_connection_past_the_cap_is_a_503_at_once(capped_server, sends):
+    """With no cap, idle connections held a descriptor each until the read timeout: when they
+    ran out, every new connection failed. Past --max-connections one is answered a 503 and closed
+    at once (whether or not it sent a request); those within it are served as before."""
+    import time
+
+    held = [capped_server() for _ in range(3)]
+    assert _get(held[0]).startswith(b"HTTP/1.1 200")  # one has sent a request, two are idle
+    extra = capped_server()
+    if sends:
+        extra.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+    t0 = time.monotonic()
+    head, _, body = _read_all(extra).partition(b"\r\n\r\n")
+    assert time.monotonic() - t0 < 5  # answered and closed, not held until the read timeout
+    assert head.startswith(b"HTTP/1.1 503") and b"retry-after: 1" in head.lower(), head
+    assert "3 connections open" in json.loads(body)["detail"], body
+    for s in held:  # the three within the cap still work
+        assert _get(s).startswith(b"HTTP/1.1 200")
+    held.pop().close()  # a place is free again
+    deadline = time.monotonic() + 5
+    while True:
+        s = capped_server()
+        s.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        if _read_all(s).startswith(b"HTTP/1.1 200"):
+            break
+        assert time.monotonic() < deadline, "no connection was taken after one closed"
+        time.sleep(0.1)

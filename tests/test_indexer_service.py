@@ -706,7 +706,7 @@ def test_config_tier_given_twice_is_refused(tmp_path, capsys, weights):
     assert code == 2 and err.count("\n") == 1 and "given twice" in err and str(f) in err, err
 
 
-# ---- file descriptors: more workers than the limit holds ----
+# ---- file descriptors: more workers than the limit holds, the HTTP connection cap ----
 
 
 def test_more_workers_than_the_fd_limit_holds_is_one_line_exit_2():
@@ -749,3 +749,49 @@ def test_out_of_fds_subscribing_at_start_is_one_line_exit_2(capsys, monkeypatch)
     assert code == 2 and err.startswith("kvslots indexer: ") and err.count("\n") == 1, err
     assert "worker 'a'" in err and "out of file descriptors (the limit, ulimit -n, is" in err, err
     assert tried == ["a"]
+
+
+@pytest.mark.parametrize("value", ["0", "-1", str(2**20 + 1), "99999999999999999999"])
+def test_max_connections_out_of_range_is_one_line(value, capsys, monkeypatch):
+    import uvicorn
+
+    monkeypatch.setattr(uvicorn, "run", lambda *a, **k: pytest.fail("the server started"))
+    code, err = _cli(["--max-connections", value], capsys)
+    assert code == 2 and err.count("\n") == 1, err
+    assert f"max_connections {value}: must be an integer in [1, 1048576]" in err, err
+
+
+@pytest.mark.parametrize("text", ["max_connections: 0", "max_connections: true", "max_connections: '8'",
+                                  "max_connections: 1.5"])
+def test_max_connections_in_the_file_is_checked(text, tmp_path):
+    f = tmp_path / "idx.yaml"
+    f.write_text(text + "\n")
+    with pytest.raises(ConfigError, match="max_connections"):
+        build_config(argparse.Namespace(config=str(f)))
+
+
+@pytest.mark.parametrize("argv, cap", [(["--max-connections", "5"], 5), ([], None)])
+def test_the_server_gets_the_connection_cap(argv, cap, capsys, monkeypatch):
+    import uvicorn
+
+    from kvslots.indexer import fds
+
+    given = {}
+    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: given.update(kw))
+    monkeypatch.setattr(fds, "limit", lambda: 1000)
+    monkeypatch.setattr(fds, "in_use", lambda: 20)
+    code, err = _cli(["--port", "0", "--worker", "a=tcp://127.0.0.1:1", *argv], capsys)
+    assert code == 0, err
+    # By default, what the limit leaves: 1000 - 20 open - 64 spare - 6 for the one worker.
+    assert given["http"].max_connections == (cap or 1000 - 20 - fds.SPARE - fds.FDS_PER_WORKER)
+
+
+def test_default_max_connections_follows_the_fd_limit(monkeypatch):
+    from kvslots.indexer import fds
+
+    assert fds.in_use() >= 3  # stdin, stdout, stderr at least
+    monkeypatch.setattr(fds, "in_use", lambda: 10)
+    for soft, reserved, cap in ((1024, 100, 1024 - 10 - fds.SPARE - 100), (100, 100, fds.MIN_DEFAULT_CONNECTIONS),
+                                (None, 0, fds.MAX_CONNECTIONS), (10**9, 0, fds.MAX_CONNECTIONS)):
+        monkeypatch.setattr(fds, "limit", lambda soft=soft: soft)
+        assert fds.default_max_connections(reserved) == cap

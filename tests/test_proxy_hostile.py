@@ -178,3 +178,27 @@ def test_an_indexer_name_given_to_two_decode_workers_is_refused(capsys, no_serve
         create_app(["http://p"], [DecodeWorker("http://d:2", "w"), DecodeWorker("http://d:3", "w")])
     # the same worker twice, or names apart, are fine
     create_app(["http://p"], [DecodeWorker("http://d:2", "w"), DecodeWorker("http://d:2", "w"), DecodeWorker("http://d:3")])
+
+
+@pytest.mark.parametrize("value", ["0", "-1", str(2**20 + 1)])
+def test_max_connections_out_of_range_is_one_line_exit_2(capsys, no_server, value):
+    code, out, err = _cli(capsys, ["--prefill", "http://p:1", "--decode", "http://d:2", "--max-connections", value])
+    assert code == 2 and out == "" and err.count("\n") == 1, err
+    assert f"--max-connections {value} must be in 1..1048576" in err, err
+
+
+def test_max_connections_default_leaves_room_for_the_backend_pool(capsys, monkeypatch):
+    import uvicorn
+
+    from kvslots import _listen
+    from kvslots.indexer import fds
+    from kvslots.proxy.app import BACKEND_CONNECTIONS
+
+    given = {}
+    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: given.update(kw))
+    monkeypatch.setattr(_listen, "check_listen", lambda host, port: None)
+    monkeypatch.setattr(fds, "limit", lambda: 1024)
+    monkeypatch.setattr(fds, "in_use", lambda: 20)
+    code, out, err = _cli(capsys, ["--prefill", "http://p:1", "--decode", "http://d:2"])
+    assert code == 0, err
+    assert given["http"].max_connections == 1024 - 20 - fds.SPARE - BACKEND_CONNECTIONS

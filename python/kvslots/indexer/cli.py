@@ -40,6 +40,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-frame-mb", type=int, metavar="MIB",
                    help="largest event frame taken from a worker; a bigger one drops the connection, which is "
                         "reopened (default 64, about a 7M-token step)")
+    p.add_argument("--max-connections", type=int, metavar="N",
+                   help="most HTTP connections open at once; one more is answered 503 and closed (default: what "
+                        "the file descriptor limit, ulimit -n, leaves once the workers' subscriptions are set aside)")
     p.add_argument("--admin-token", help=f"bearer token enabling POST/DELETE /workers (prefer {ADMIN_TOKEN_ENV} "
                                          "or --admin-token-file: arguments are visible to other users)")
     p.add_argument("--admin-token-file", metavar="FILE", help="read the admin token from FILE")
@@ -55,6 +58,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         import uvicorn
 
+        from . import fds
         from .app import create_app
         from .httpguard import uvicorn_options
         from .service import IndexerService
@@ -75,12 +79,15 @@ def run(args: argparse.Namespace) -> int:
     # process ends, and its threads are daemons (after 'Too many open files' the subscriber can
     # hold a socket it never registered, and stopping it then waited for ever).
     service.start()
+    max_connections = cfg.max_connections or fds.default_max_connections(fds.FDS_PER_WORKER * len(cfg.workers))
+    log.info("at most %d HTTP connections at once (%s)", max_connections,
+             "--max-connections" if cfg.max_connections else "what the file descriptor limit leaves")
     # The app stops the service on shutdown (SIGINT/SIGTERM); here too, if uvicorn fails.
-    # uvicorn_options: a request's head is at most 64 KiB and it must arrive within 60 s, no
-    # WebSockets (see httpguard).
+    # uvicorn_options: at most max_connections connections, a request's head is at most 64 KiB
+    # and it must arrive within 60 s, no WebSockets (see httpguard).
     try:
         uvicorn.run(create_app(service, own_service=True), host=cfg.host, port=cfg.port, log_level=cfg.log_level,
-                    access_log=False, **uvicorn_options())
+                    access_log=False, **uvicorn_options(max_connections))
     finally:
         service.stop()
     return 0

@@ -14,6 +14,7 @@ from ..config.loader import brief, read_config_text
 from ..config.loader import load_yaml as load_config_yaml
 from ..errors import ConfigError, KVSlotsError
 from ..events.protocol import MAX_FRAME_BYTES, check_connect_endpoint
+from .fds import check_max_connections
 
 TIERS = ("GPU", "CPU", "STORAGE")
 DEFAULT_WEIGHTS = {"GPU": 1.0, "CPU": 0.8, "STORAGE": 0.5}
@@ -238,6 +239,9 @@ class IndexerConfig:
     #: Largest event frame taken from a worker (MiB); a bigger one drops the connection, which the
     #: subscriber reopens (events.subscriber). The default holds a step of about 7M tokens.
     max_frame_mb: int = MAX_FRAME_BYTES // 2**20
+    #: Most HTTP connections open at once (503 beyond); None: what the file descriptor limit
+    #: leaves once the workers' subscriptions are set aside (:func:`kvslots.indexer.fds.default_max_connections`).
+    max_connections: int | None = None
     log_level: str = "info"
 
     @property
@@ -284,6 +288,8 @@ class IndexerConfig:
             raise ConfigError(f"replay_timeout {self.replay_timeout}: must be in (0, {MAX_REPLAY_TIMEOUT:g}] seconds")
         if not 1 <= self.max_frame_mb <= MAX_FRAME_MB:
             raise ConfigError(f"max_frame_mb {self.max_frame_mb}: must be in [1, {MAX_FRAME_MB}] (MiB)")
+        if self.max_connections is not None:
+            check_max_connections(self.max_connections)
         if self.log_level not in LOG_LEVELS:
             raise ConfigError(f"log_level {self.log_level!r}: use one of {', '.join(LOG_LEVELS)}")
         if self.admin_token is not None:
@@ -349,6 +355,7 @@ _YAML_SETTINGS: dict[str, tuple[tuple[type, ...], str]] = {
     "admin_token": ((str, type(None)), "a string or null"),
     "replay_timeout": ((int, float), "a number"),
     "max_frame_mb": ((int,), "an integer"),
+    "max_connections": ((int, type(None)), "an integer or null"),
     "log_level": ((str,), "a string"),
 }
 
@@ -401,7 +408,7 @@ def _config_from_yaml(path: str) -> IndexerConfig:
 
 _YAML_KEYS = {
     "workers", "host", "port", "backend", "redis_url", "redis_namespace", "tier_weights", "capacity",
-    "block_size", "max_tokens", "admin_token", "replay_timeout", "max_frame_mb", "log_level",
+    "block_size", "max_tokens", "admin_token", "replay_timeout", "max_frame_mb", "max_connections", "log_level",
 }
 
 
@@ -419,7 +426,7 @@ def build_config(args: Any) -> IndexerConfig:
         flagged.add(t)
         cfg.tier_weights[t] = w
     for k in ("host", "port", "backend", "redis_url", "redis_namespace", "block_size", "max_tokens",
-              "replay_timeout", "max_frame_mb", "log_level"):
+              "replay_timeout", "max_frame_mb", "max_connections", "log_level"):
         v = getattr(args, k, None)
         if v is not None:
             setattr(cfg, k, v)

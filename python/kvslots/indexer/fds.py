@@ -1,10 +1,13 @@
-"""File descriptors: what ``kvslots indexer`` may use of the process's limit
-(``RLIMIT_NOFILE``, ``ulimit -n``).
+"""File descriptors: what ``kvslots indexer`` and ``kvslots proxy`` may use of the process's
+limit (``RLIMIT_NOFILE``, ``ulimit -n``).
 
-The indexer holds three to six descriptors per worker (its ZMQ subscription: the SUB socket,
-the two sockets of its monitor, their connections, and a replay socket). Past the limit nothing
-can be opened, so an indexer given more workers than the limit can hold is refused at start-up
-(:func:`check_workers_fit`).
+Both servers hold one descriptor per open HTTP connection; the indexer holds three to six per
+worker besides (its ZMQ subscription: the SUB socket, the two sockets of its monitor, their
+connections, and a replay socket), the proxy its pool of backend connections. Past the limit
+nothing can be opened: new connections failed, and so did subscriptions. So the HTTP
+connections are capped (``--max-connections``, :mod:`.httpguard`), by default at what the limit
+leaves once the rest is set aside, and an indexer given more workers than the limit can hold is
+refused at start-up (:func:`check_workers_fit`).
 """
 
 from __future__ import annotations
@@ -20,10 +23,17 @@ try:
 except ImportError:  # not on Windows: no limit to derive anything from
     resource = None  # type: ignore[assignment]
 
-#: Descriptors left for HTTP connections, however many workers there are.
+#: Largest ``--max-connections``: Linux's default cap on any process's descriptors (fs.nr_open).
+MAX_CONNECTIONS = 1 << 20
+#: Fewest connections a default cap allows, however little the limit leaves.
 MIN_DEFAULT_CONNECTIONS = 16
-#: Descriptors a worker's subscription takes at the fewest (the SUB socket and its monitor's
-#: two; one more with a replay socket).
+#: Descriptors set aside for everything but connections and subscriptions (the listening socket,
+#: logs, the Python runtime, Redis, a ZMQ context's own), beyond those open at start-up.
+SPARE = 64
+#: Descriptors a worker's subscription may take (SUB socket, its monitor's two, a replay
+#: DEALER, and their TCP connections), and the fewest it takes (the three sockets; one more
+#: with a replay socket).
+FDS_PER_WORKER = 6
 MIN_FDS_PER_WORKER = 3
 
 
@@ -43,6 +53,25 @@ def in_use() -> int:
         except OSError:
             continue
     return 0
+
+
+def default_max_connections(reserved: int) -> int:
+    """The cap on HTTP connections when none is given: what the limit leaves once those open
+    now, :data:`SPARE` and ``reserved`` (subscriptions, backend connections) are set aside, at
+    least :data:`MIN_DEFAULT_CONNECTIONS`, at most :data:`MAX_CONNECTIONS`."""
+    soft = limit()
+    if soft is None:
+        return MAX_CONNECTIONS
+    left = soft - in_use() - SPARE - reserved
+    return max(MIN_DEFAULT_CONNECTIONS, min(MAX_CONNECTIONS, left))
+
+
+def check_max_connections(value: Any, what: str = "max_connections") -> int:
+    """``value`` when it is an integer in 1..:data:`MAX_CONNECTIONS`; a ConfigError naming
+    ``what`` otherwise."""
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_CONNECTIONS:
+        raise ConfigError(f"{what} {brief(value)}: must be an integer in [1, {MAX_CONNECTIONS}]")
+    return value
 
 
 def check_workers_fit(workers: int, replays: int = 0) -> None:

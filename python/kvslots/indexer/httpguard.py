@@ -7,7 +7,13 @@
 * a request must arrive whole (head and body) within :data:`READ_TIMEOUT_S` of the connection
   opening or of the previous response on it: past it the client gets a 408 (or, when part of the
   body was read already, the connection is closed), so partial requests sent a byte at a time
-  (slowloris) or connections that never send anything no longer stay open for ever.
+  (slowloris) or connections that never send anything no longer stay open for ever;
+* at most ``max_connections`` connections are open at once (``--max-connections``; by default
+  what the file descriptor limit leaves, :mod:`kvslots.indexer.fds`): one past it is answered a
+  503 at once, before it sends anything, and closed, so it holds its descriptor for a moment
+  only (uvicorn's ``limit_concurrency`` answers only once a request has arrived, and an idle
+  connection kept its descriptor until the read timeout: when descriptors ran out, new
+  connections failed, the server's own ones too).
 
 :func:`protocol_class` is what ``uvicorn.run(..., http=...)`` takes (:func:`uvicorn_options`: all
 the server options the commands use); a request the parser refuses is a JSON 400 too. Bodies are
@@ -22,12 +28,15 @@ from typing import Any
 MAX_HEAD_BYTES = 64 * 1024
 READ_TIMEOUT_S = 60.0
 _TICK_S = 1.0
+#: How long a connection refused for the cap is kept once answered, reading and dropping what it
+#: sends: closed with its request unread, the client could get a reset instead of the 503.
+REFUSED_LINGER_S = 2.0
 
 
-def _raw_response(status: int, reason: str, detail: str) -> bytes:
+def _raw_response(status: int, reason: str, detail: str, extra: str = "") -> bytes:
     body = json.dumps({"detail": detail}).encode()
     return (f"HTTP/1.1 {status} {reason}\r\ncontent-type: application/json\r\ncontent-length: {len(body)}\r\n"
-            "connection: close\r\n\r\n").encode() + body
+            f"{extra}connection: close\r\n\r\n").encode() + body
 
 
 class _Guard:
@@ -38,13 +47,31 @@ class _Guard:
     cycle: Any
     transport: Any
     loop: Any
+    connections: set  # the server's open connections, this one included
+    #: Most connections open at once (None: no cap); set by :func:`protocol_class`.
+    max_connections: int | None = None
 
     def connection_made(self, transport: Any) -> None:
         super().connection_made(transport)  # type: ignore[misc]
         self._guard_head = 0  # bytes received while the current request's head is incomplete
         self._guard_cycle: Any = None  # the cycle the timer last saw
         self._guard_since: float | None = time.monotonic()
+        self._guard_refused = self.max_connections is not None and len(self.connections) > self.max_connections
+        if self._guard_refused:
+            self._guard_refuse()
+            return
         self._guard_timer = self.loop.call_later(_TICK_S, self._guard_tick)
+
+    def _guard_refuse(self) -> None:
+        # Answered before its request is read (there may be none): the 503 says why, then the
+        # connection is half-closed and kept a moment only, what the client sends dropped.
+        self.transport.write(_raw_response(
+            503, "Service Unavailable",
+            f"the server has {self.max_connections} connections open, its most; retry later",
+            extra="retry-after: 1\r\n"))
+        if self.transport.can_write_eof():
+            self.transport.write_eof()
+        self._guard_timer = self.loop.call_later(REFUSED_LINGER_S, self.transport.close)
 
     def connection_lost(self, exc: Exception | None) -> None:
         timer = getattr(self, "_guard_timer", None)
@@ -57,6 +84,8 @@ class _Guard:
         return c is None or c.response_complete
 
     def data_received(self, data: bytes) -> None:
+        if self._guard_refused:  # answered already: nothing it sends is read
+            return
         before = self.cycle
         super().data_received(data)  # type: ignore[misc]
         if self.transport.is_closing():
@@ -99,22 +128,23 @@ class _Guard:
             self.transport.close()
 
 
-def protocol_class() -> type:
+def protocol_class(max_connections: int | None = None) -> type:
     """uvicorn's HTTP protocol (httptools when installed, as its 'auto' picks, else h11) with
-    the limits above."""
+    the limits above; ``max_connections`` open at once (None: no cap)."""
     try:
         from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol as base
     except ImportError:
         from uvicorn.protocols.http.h11_impl import H11Protocol as base
 
-    return type(f"Guarded{base.__name__}", (_Guard, base), {})
+    return type(f"Guarded{base.__name__}", (_Guard, base), {"max_connections": max_connections})
 
 
-def uvicorn_options() -> dict[str, Any]:
+def uvicorn_options(max_connections: int | None = None) -> dict[str, Any]:
     """What ``uvicorn.run`` / ``uvicorn.Config`` take for the indexer and the proxy: the guarded
-    protocol, and no WebSocket support (neither has a WebSocket route: an ``Upgrade: websocket``
-    request was a 403 with an empty body; without it, it is an ordinary HTTP request)."""
-    return {"http": protocol_class(), "ws": "none"}
+    protocol (at most ``max_connections`` connections open at once), and no WebSocket support
+    (neither has a WebSocket route: an ``Upgrade: websocket`` request was a 403 with an empty
+    body; without it, it is an ordinary HTTP request)."""
+    return {"http": protocol_class(max_connections), "ws": "none"}
 
 
 class BodyLimit:

@@ -46,6 +46,10 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["DecodeWorker", "create_app", "prefill_body", "DEFAULT_MAX_BODY_MB"]
 
+#: Most connections to the backends (prefill, decode workers, the indexer) open at once (httpx's
+#: default, made explicit): the descriptors set aside for them (kvslots.indexer.fds).
+BACKEND_CONNECTIONS = 100
+
 #: Largest request body accepted by default (``--max-body-mb``): a 1000 MB body was read whole
 #: (2 GB of memory) before a byte of it was looked at.
 DEFAULT_MAX_BODY_MB = 64
@@ -149,7 +153,8 @@ def create_app(prefill_urls: Sequence[str], decode_workers: Sequence[DecodeWorke
     prefill_cycle = itertools.cycle(list(prefill_urls))
     decode_cycle = itertools.cycle(list(decode_workers))
     state: dict[str, Any] = {"recomputed": 0, "disaggregated": 0, "decode_errors": 0}
-    client = httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=10.0), transport=transport)
+    client = httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=10.0), transport=transport,
+                               limits=httpx.Limits(max_connections=BACKEND_CONNECTIONS, max_keepalive_connections=20))
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:

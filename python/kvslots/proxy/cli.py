@@ -1,5 +1,6 @@
-"""``kvslots proxy``: the command. Bad input (a URL, the port, the timeout, the body cap, an
-address it cannot listen on) is one line, ``kvslots proxy: error: ...``, and exit status 2."""
+"""``kvslots proxy``: the command. Bad input (a URL, the port, the timeout, the body cap, the
+connection cap, an address it cannot listen on) is one line, ``kvslots proxy: error: ...``, and
+exit status 2."""
 
 from __future__ import annotations
 
@@ -75,6 +76,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--timeout", type=float, default=600.0, metavar="S", help="per backend request (default 600)")
     p.add_argument("--max-body-mb", type=int, default=64, metavar="MB",
                    help="largest request body accepted, in MiB (default 64; larger: 413)")
+    p.add_argument("--max-connections", type=int, metavar="N",
+                   help="most client connections open at once; one more is answered 503 and closed (default: what "
+                        "the file descriptor limit, ulimit -n, leaves once the backend connections are set aside)")
     p.set_defaults(func=run)
 
 
@@ -130,18 +134,26 @@ def run(args: argparse.Namespace) -> int:
         raise ServeError(str(e)) from None
     if not 0 < args.max_body_mb <= 65536:
         raise ServeError(f"--max-body-mb {args.max_body_mb} must be in 1..65536")
+    from ..indexer import fds
+
+    if args.max_connections is not None and not 0 < args.max_connections <= fds.MAX_CONNECTIONS:
+        raise ServeError(f"--max-connections {args.max_connections} must be in 1..{fds.MAX_CONNECTIONS}")
     import uvicorn
 
     from .._listen import check_listen
     from ..indexer.httpguard import uvicorn_options
-    from .app import create_app
+    from .app import BACKEND_CONNECTIONS, create_app
 
     # Before uvicorn: a host that does not resolve or a port in use is one line, exit 2 (uvicorn
     # would log it and exit with status 3).
     check_listen(args.host, args.port)
     logging.basicConfig(level="INFO", format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     app = create_app(prefill, workers, indexer_url=indexer, timeout_s=args.timeout, max_body_mb=args.max_body_mb)
-    # uvicorn_options: a request's head is at most 64 KiB and it must arrive within 60 s, no
-    # WebSockets (see httpguard).
-    uvicorn.run(app, host=args.host, port=args.port, log_level="warning", **uvicorn_options())
+    max_connections = args.max_connections or fds.default_max_connections(BACKEND_CONNECTIONS)
+    logging.getLogger("kvslots.proxy").info(
+        "at most %d client connections at once (%s)", max_connections,
+        "--max-connections" if args.max_connections else "what the file descriptor limit leaves")
+    # uvicorn_options: at most max_connections connections, a request's head is at most 64 KiB
+    # and it must arrive within 60 s, no WebSockets (see httpguard).
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning", **uvicorn_options(max_connections))
     return 0
