@@ -1043,3 +1043,42 @@ def test_publish_encodes_foreign_and_frozen_structs_with_its_rank(closing):
     wait_until(lambda: rec.seqs() == [0, 1], sub)
     got = [b for _, _, b in rec.batches]
     assert [(b.ts, b.events, b.data_parallel_rank) for b in got] == [(1.0, [ev], 2), (2.0, [ev], 2)]
+
+
+# Run in a child: it lowers its own descriptor limit. Each publisher with a replay socket takes
+# about 4 descriptors (SUB, monitor pair, DEALER); 120 of them cannot fit under 256.
+_FD_EXHAUSTION = r"""
+import resource, sys, time
+resource.setrlimit(resource.RLIMIT_NOFILE, (256, 256))
+from kvslots.errors import KVSlotsError
+from kvslots.events.subscriber import EventSubscriber
+sub = EventSubscriber(lambda *a: None)
+sub.start()
+refused = 0
+for i in range(120):
+    try:
+        sub.add_publisher(f"w{i}", f"tcp://127.0.0.1:{20000 + i}", f"tcp://127.0.0.1:{21000 + i}", wait=5)
+    except KVSlotsError:
+        refused += 1
+t0 = time.monotonic()
+sub.stop()
+print(f"refused={refused} stop_s={time.monotonic() - t0:.1f} thread_alive={sub._thread.is_alive()}")
+"""
+
+
+def test_running_out_of_descriptors_refuses_publishers_and_stop_still_returns():
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, PYTHONPATH=os.path.join(os.path.dirname(__file__), "..", "python"))
+    out = subprocess.run([sys.executable, "-c", _FD_EXHAUSTION], capture_output=True, text=True, timeout=120, env=env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    line = out.stdout.strip().splitlines()[-1]
+    fields = dict(kv.split("=") for kv in line.split())
+    # Some publishers were refused at add_publisher (the limit was reached), none broke the
+    # loop, and stop() closed what was open instead of waiting for ever in ctx.term().
+    assert int(fields["refused"]) > 0, line
+    assert fields["thread_alive"] == "False", line
+    assert float(fields["stop_s"]) < 10, line
+    assert "event subscriber loop error" not in out.stderr, out.stderr[-3000:]

@@ -597,7 +597,7 @@ class EventSubscriber:
                 self._done += 1
 
     def _open_peer(self, peer: _Peer) -> None:
-        sub = None
+        sub = monitor = None
         try:
             # Making the socket fails too, on a context the caller passed in and terminated:
             # that ZMQError escaped add_publisher, leaving the publisher listed, never opened.
@@ -609,9 +609,14 @@ class EventSubscriber:
             if is_ipv6(peer.endpoint):
                 sub.setsockopt(zmq.IPV6, 1)
             sub.connect(peer.endpoint)
+            # The monitor is a socket pair of its own: when descriptors run out it is what fails,
+            # and a SUB socket left open then kept ctx.term() in stop() waiting for ever.
+            monitor = sub.get_monitor_socket(zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECT_RETRIED)
         except zmq.ZMQError as e:
+            if monitor is not None:
+                monitor.close(linger=0)
             if sub is not None:
-                sub.close()
+                sub.close(linger=0)
             log.error("cannot connect to %r at %s: %s", peer.worker_id, peer.endpoint, e)
             with self._lock:
                 try:
@@ -623,8 +628,8 @@ class EventSubscriber:
             return
         peer.sub = sub
         self._register(sub, peer, _LIVE)
-        peer.monitor = sub.get_monitor_socket(zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECT_RETRIED)
-        self._register(peer.monitor, peer, _MONITOR)
+        peer.monitor = monitor
+        self._register(monitor, peer, _MONITOR)
         self._peers[id(peer)] = peer
         if peer.replay_endpoint is not None:
             self._new_dealer(peer)
@@ -666,16 +671,20 @@ class EventSubscriber:
             peer.dealer.close(linger=0)
             peer.dealer = None
         assert peer.replay_endpoint is not None
-        dealer = self._ctx.socket(zmq.DEALER)
-        dealer.setsockopt(zmq.RCVHWM, 0)  # a replay is a burst; do not drop any of it
-        dealer.setsockopt(zmq.MAXMSGSIZE, self._max_frame)
-        if is_ipv6(peer.replay_endpoint):
-            dealer.setsockopt(zmq.IPV6, 1)
-        dealer.setsockopt(zmq.LINGER, 0)
+        dealer = None
         try:
+            # Making it fails when descriptors run out: the peer goes on live-only (no dealer),
+            # rather than the error stopping the loop.
+            dealer = self._ctx.socket(zmq.DEALER)
+            dealer.setsockopt(zmq.RCVHWM, 0)  # a replay is a burst; do not drop any of it
+            dealer.setsockopt(zmq.MAXMSGSIZE, self._max_frame)
+            if is_ipv6(peer.replay_endpoint):
+                dealer.setsockopt(zmq.IPV6, 1)
+            dealer.setsockopt(zmq.LINGER, 0)
             dealer.connect(peer.replay_endpoint)
         except zmq.ZMQError as e:
-            dealer.close()
+            if dealer is not None:
+                dealer.close(linger=0)
             log.error("cannot connect to the replay socket of %r at %s: %s", peer.worker_id,
                       peer.replay_endpoint, e)
             return
