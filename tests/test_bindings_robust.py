@@ -998,3 +998,64 @@ def test_disk_store_from_many_threads(tmp_path):
     s = ds.stats()
     assert s["written_blocks"] + s["write_failures"] == sum(accepted), (s, accepted)
     assert s["queue_depth"] == 0 and ds.reads_in_flight == 0
+
+
+# ---- DeviceKVManager ----
+
+
+class _DeviceReq:
+    """What DeviceKVManager reads of a vLLM Request."""
+
+    def __init__(self, rid, n=8, bs=4):
+        self.request_id = rid
+        self.num_computed_tokens = 0
+        self._all_token_ids = list(range(1, n + 1))
+        self.block_hashes = [bytes([i + 1]) * 32 for i in range(n // bs)]
+
+
+def _device_state(m):
+    return (m.num_free_blocks(), m.num_cached_blocks(), m.num_held_blocks(), m.num_reserved_blocks(),
+            m.num_deferred(), sorted(m.request_ids()), {r: m.block_ids(r) for r in m.request_ids()},
+            m.device_stats(), m.check_invariants())
+
+
+def test_finish_step_with_a_scheduled_that_raises_keeps_the_deferred_lookahead():
+    """finish_step took the step's deferred lookahead, then asked ``scheduled`` about each: one
+    that raised (or was no container) escaped as a builtin exception and the deferral was
+    lost, its reservation kept. Now a kvslots error, nothing changed, and a retry materialises
+    the lookahead."""
+
+    class Raises:
+        def __contains__(self, rid):
+            raise ZeroDivisionError("boom")
+
+    m = _core.DeviceKVManager(64, 4, max_model_len=256, defer_lookahead=True)
+    m.allocate_slots(_DeviceReq("a"), 8, num_lookahead_tokens=4)
+    assert m.num_deferred() == 1 and m.block_ids("a") == [1, 2]
+    before = _device_state(m)
+    for scheduled, kind in ((Raises(), InvalidArgumentError), (5, ArgumentTypeError)):
+        with pytest.raises(kind) as e:
+            m.finish_step(0, scheduled)
+        assert isinstance(e.value, KVSlotsError) and e.value.__cause__ is not None
+        assert _device_state(m) == before
+    assert m.finish_step(0, {"a"}) == [("a", [3])]
+    assert m.num_deferred() == 0 and m.num_reserved_blocks() == 0
+    assert m.check_invariants() is None
+
+
+def test_finish_step_refuses_a_scheduled_that_allocates_meanwhile():
+    m = _core.DeviceKVManager(64, 4, max_model_len=256, defer_lookahead=True)
+    m.allocate_slots(_DeviceReq("a"), 8, num_lookahead_tokens=4)
+
+    class Allocates:
+        def __contains__(self, rid):
+            if "b" not in m:
+                m.allocate_slots(_DeviceReq("b"), 8, num_lookahead_tokens=4)
+            return True
+
+    with pytest.raises(ConcurrentUseError):
+        m.finish_step(0, Allocates())
+    assert m.num_deferred() == 2
+    got = dict(m.finish_step(0, {"a", "b"}))
+    assert sorted(got) == ["a", "b"] and all(len(v) == 1 for v in got.values())
+    assert m.check_invariants() is None

@@ -18,7 +18,9 @@ use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyList, PyString, PyTuple};
 
 use crate::convert::{arg, count, flag, opt_ints, show, text, type_name};
-use crate::errors::{borrow, borrow_mut, invalid, slot_error as err, type_error};
+use crate::errors::{
+    borrow, borrow_mut, busy, invalid, reading_error, slot_error as err, type_error,
+};
 
 /// A request's `block_hashes` list, read on first use (most decode steps read none). On a vLLM
 /// `Request` that is a plain attribute holding a list of `bytes`: no Python code runs.
@@ -905,15 +907,30 @@ impl DeviceKVManager {
         lookahead_cut: &Bound<'_, PyAny>,
         scheduled: &Bound<'_, PyAny>,
     ) -> PyResult<Vec<(String, Vec<u32>)>> {
+        let py = slf.py();
         let cut = count(lookahead_cut, "lookahead_cut", None)?;
-        let deferred = std::mem::take(&mut borrow_mut(slf)?.deferred);
-        let mut live = Vec::with_capacity(deferred.len());
-        for d in deferred {
-            if scheduled.contains(d.0.as_str())? {
-                live.push(d);
-            }
+        // Which deferred requests are still scheduled, asked of `scheduled` (Python code: it may
+        // raise, or call this manager) with no borrow held and before anything changes.
+        let deferred = borrow(slf)?.deferred.clone();
+        let mut keep = Vec::with_capacity(deferred.len());
+        for d in &deferred {
+            keep.push(
+                scheduled
+                    .contains(d.0.as_str())
+                    .map_err(|e| reading_error(py, e, "scheduled"))?,
+            );
         }
         let mut this = borrow_mut(slf)?;
+        if this.deferred != deferred {
+            // `scheduled` allocated meanwhile: its answers are for another list.
+            return Err(busy("DeviceKVManager"));
+        }
+        this.deferred.clear();
+        let live: Vec<_> = deferred
+            .into_iter()
+            .zip(keep)
+            .filter_map(|(d, k)| k.then_some(d))
+            .collect();
         let mut out = Vec::new();
         let mut first_err = None;
         for (rid, main, la) in live {
