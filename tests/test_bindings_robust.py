@@ -1059,3 +1059,71 @@ def test_finish_step_refuses_a_scheduled_that_allocates_meanwhile():
     got = dict(m.finish_step(0, {"a", "b"}))
     assert sorted(got) == ["a", "b"] and all(len(v) == 1 for v in got.values())
     assert m.check_invariants() is None
+
+
+def test_device_manager_calls_during_an_allocation_are_concurrent_use_errors():
+    """A request's ``block_hashes`` is read while the core allocates (the manager borrowed): a
+    property (or a sequence's ``__getitem__``) that called back into the manager got pyo3's
+    builtin ``RuntimeError: Already mutably borrowed`` from the queries (``usage``,
+    ``num_free_blocks``, ...), and the allocation then failed with 'block_hashes is missing'.
+    Now every call made meanwhile is a ConcurrentUseError, and the failed allocation raises it."""
+    m = _core.DeviceKVManager(64, 4, max_model_len=256)
+    queries = [lambda: m.usage, lambda: m.num_free_blocks(), lambda: m.check_invariants(),
+               lambda: m.request_ids(), lambda: m.device_stats(), lambda: m.num_deferred(),
+               lambda: m.last_commit(), lambda: m.block_size, lambda: m.empty_kv_cache_blocks,
+               lambda: m.free_request("x")]
+    seen = []
+
+    class Calls(_DeviceReq):
+        @property
+        def block_hashes(self):
+            for q in queries:
+                try:
+                    q()
+                except BaseException as e:  # noqa: BLE001 - what it raises is the point
+                    seen.append(e)
+                else:
+                    seen.append(None)
+            return [bytes([i + 1]) * 32 for i in range(2)]
+
+        @block_hashes.setter
+        def block_hashes(self, v):
+            pass
+
+    m.allocate_slots(Calls("a"), 8)
+    assert len(seen) == len(queries) and all(isinstance(e, ConcurrentUseError) for e in seen), seen
+    m.free_request("a")
+
+    class Peeks(_DeviceReq):
+        @property
+        def block_hashes(self):
+            m.num_free_blocks()
+            return [bytes([i + 1]) * 32 for i in range(2)]
+
+        @block_hashes.setter
+        def block_hashes(self, v):
+            pass
+
+    before = _device_state(m)
+    with pytest.raises(ConcurrentUseError):
+        m.allocate_slots(Peeks("a"), 8)
+    assert _device_state(m) == before
+
+    class RaisingItems:  # a sequence, not a list: read through __getitem__
+        def __init__(self, items):
+            self.items = items
+
+        def __len__(self):
+            return len(self.items)
+
+        def __getitem__(self, i):
+            raise ZeroDivisionError("boom")
+
+    req = _DeviceReq("b")
+    req.block_hashes = RaisingItems(req.block_hashes)
+    with pytest.raises(InvalidArgumentError, match=r"block_hashes\[0\]") as e:
+        m.computed_blocks(req, 4)
+    assert isinstance(e.value.__cause__, ZeroDivisionError)
+    assert _device_state(m) == before
+    m.allocate_slots(_DeviceReq("a"), 8)
+    assert len(m.block_ids("a")) == 2 and m.check_invariants() is None

@@ -24,9 +24,14 @@ use crate::errors::{
 
 /// A request's `block_hashes` list, read on first use (most decode steps read none). On a vLLM
 /// `Request` that is a plain attribute holding a list of `bytes`: no Python code runs.
+///
+/// Anything else (a property, a sequence that is not a list) runs Python code while the core
+/// works and the manager is borrowed: an error it raises (say, `ConcurrentUseError` from a call
+/// back into the manager) is kept, and is what the failed call raises ([`Self::error`]).
 struct RequestHashes<'a, 'py> {
     request: &'a Bound<'py, PyAny>,
     list: std::cell::OnceCell<Bound<'py, PyAny>>,
+    raised: std::cell::RefCell<Option<(PyErr, String)>>,
 }
 
 impl<'a, 'py> RequestHashes<'a, 'py> {
@@ -34,6 +39,7 @@ impl<'a, 'py> RequestHashes<'a, 'py> {
         Ok(RequestHashes {
             request,
             list: std::cell::OnceCell::new(),
+            raised: std::cell::RefCell::new(None),
         })
     }
     fn list(&self) -> core::Result<&Bound<'py, PyAny>> {
@@ -43,8 +49,26 @@ impl<'a, 'py> RequestHashes<'a, 'py> {
         let l = self
             .request
             .getattr(intern!(self.request.py(), "block_hashes"))
-            .map_err(|_| core::SlotError::invalid(None, "request.block_hashes is missing"))?;
+            .map_err(|e| {
+                self.keep(e, "request.block_hashes");
+                core::SlotError::invalid(None, "request.block_hashes is missing")
+            })?;
         Ok(self.list.get_or_init(|| l))
+    }
+    /// Keeps the first error Python code raised while the hashes were read.
+    fn keep(&self, e: PyErr, what: &str) {
+        let mut r = self.raised.borrow_mut();
+        if r.is_none() {
+            *r = Some((e, what.to_owned()));
+        }
+    }
+    /// The error of a call the core refused: the one the request's Python code raised, if any
+    /// (as a kvslots error naming what was read), else the core's.
+    fn error(&self, e: core::SlotError) -> PyErr {
+        match self.raised.borrow_mut().take() {
+            Some((py_err, what)) => reading_error(self.request.py(), py_err, &what),
+            None => err(e),
+        }
     }
 }
 
@@ -82,7 +106,10 @@ impl HashSource for RequestHashes<'_, '_> {
         let Ok(l) = self.list() else { return 0 };
         match l.cast::<PyList>() {
             Ok(l) => l.len(),
-            Err(_) => l.len().unwrap_or(0),
+            Err(_) => l.len().unwrap_or_else(|e| {
+                self.keep(e, "len(request.block_hashes)");
+                0
+            }),
         }
     }
     fn get(&self, i: usize) -> core::Result<FullHash> {
@@ -91,7 +118,10 @@ impl HashSource for RequestHashes<'_, '_> {
             Ok(list) => list.get_item(i),
             Err(_) => l.get_item(i),
         }
-        .map_err(|_| core::SlotError::invalid(None, format!("block hash {i} is missing")))?;
+        .map_err(|e| {
+            self.keep(e, &format!("request.block_hashes[{i}]"));
+            core::SlotError::invalid(None, format!("block hash {i} is missing"))
+        })?;
         full_hash(&item, i)
     }
 }
@@ -351,8 +381,9 @@ impl DeviceKVManager {
             Ok(None) => return Ok(Some(None)),
             Err(_) => return Ok(None),
         };
-        let (out, hook) = this.allocated(py, &done)?;
+        let (out, hook) = this.allocated(py, &done);
         drop(this);
+        let out = out.into_py(py)?;
         if hook {
             call_hook(slf, request, done.commit.start, done.commit.end)?;
         }
@@ -471,7 +502,7 @@ impl DeviceKVManager {
             Some(s) => this.inner.allocate_tagged(rid, s, tag, &a, &hashes),
             None => this.inner.allocate(rid, &a, &hashes),
         };
-        let Some(done) = done.map_err(err)? else {
+        let Some(done) = done.map_err(|e| hashes.error(e))? else {
             return Ok(None);
         };
         let untagged = this.inner.slot_tag(done.slot) != tag;
@@ -483,8 +514,9 @@ impl DeviceKVManager {
                 .saturating_add(new);
             this.deferred.push((rid.to_owned(), main, lookahead));
         }
-        let (out, hook) = this.allocated(py, &done)?;
+        let (out, hook) = this.allocated(py, &done);
         drop(this);
+        let out = out.into_py(py)?;
         if untagged {
             note_slot(slf, request, rid, done.slot);
         }
@@ -494,20 +526,17 @@ impl DeviceKVManager {
         Ok(Some(out))
     }
 
-    /// What `allocate_slots` hands back for a done allocation, and whether the event hook runs.
-    fn allocated(
-        &mut self,
-        py: Python<'_>,
-        done: &core::device::Allocated,
-    ) -> PyResult<(Py<KVBlocks>, bool)> {
+    /// What `allocate_slots` hands back for a done allocation (made into an object once the
+    /// borrow ends: allocating it may run the GC, whose finalizers may call the manager), and
+    /// whether the event hook runs.
+    fn allocated(&mut self, py: Python<'_>, done: &core::device::Allocated) -> (NewBlocks, bool) {
         self.last_commit = (done.commit.start, done.commit.end);
         let out = if done.new_blocks.is_empty() {
-            self.empty.clone_ref(py)
+            NewBlocks::Empty(self.empty.clone_ref(py))
         } else {
-            let ids = self.inner.slot_blocks(done.slot)[done.new_blocks.clone()].to_vec();
-            Py::new(py, KVBlocks { ids })?
+            NewBlocks::Ids(self.inner.slot_blocks(done.slot)[done.new_blocks.clone()].to_vec())
         };
-        Ok((out, self.hook && (!done.commit.is_empty() || done.evicted > 0)))
+        (out, self.hook && (!done.commit.is_empty() || done.evicted > 0))
     }
 
     fn blocks_of(&self, py: Python<'_>, rid: &str) -> PyResult<Py<KVBlocks>> {
@@ -516,6 +545,21 @@ impl DeviceKVManager {
             return Ok(self.empty.clone_ref(py));
         }
         Py::new(py, KVBlocks { ids: ids.to_vec() })
+    }
+}
+
+/// The new blocks of an allocation: the shared empty result, or ids for a new `KVBlocks`.
+enum NewBlocks {
+    Empty(Py<KVBlocks>),
+    Ids(Vec<u32>),
+}
+
+impl NewBlocks {
+    fn into_py(self, py: Python<'_>) -> PyResult<Py<KVBlocks>> {
+        match self {
+            NewBlocks::Empty(e) => Ok(e),
+            NewBlocks::Ids(ids) => Py::new(py, KVBlocks { ids }),
+        }
     }
 }
 
@@ -666,8 +710,8 @@ impl DeviceKVManager {
 
     /// The shared empty result (vLLM's `empty_kv_cache_blocks`).
     #[getter]
-    fn empty_kv_cache_blocks(&self, py: Python<'_>) -> Py<KVBlocks> {
-        self.empty.clone_ref(py)
+    fn empty_kv_cache_blocks(slf: &Bound<'_, Self>) -> PyResult<Py<KVBlocks>> {
+        Ok(borrow(slf)?.empty.clone_ref(slf.py()))
     }
 
     /// The request statuses the watermark applies to (vLLM: WAITING and PREEMPTED).
@@ -679,12 +723,15 @@ impl DeviceKVManager {
     /// Whether allocations call `self._on_alloc(request, start, end)` when they register or
     /// evict blocks (the subclass builds vLLM's KV events there).
     #[getter(_hook)]
-    fn hook_flag(&self) -> bool {
-        self.hook
+    fn hook_flag(slf: &Bound<'_, Self>) -> PyResult<bool> {
+        let this = borrow(slf)?;
+        Ok(this.hook)
     }
     #[setter(_hook)]
-    fn set_hook_flag(&mut self, on: bool) {
-        self.hook = on;
+    fn set_hook_flag(slf: &Bound<'_, Self>, on: &Bound<'_, PyAny>) -> PyResult<()> {
+        let on = flag(on, "_hook", None)?;
+        borrow_mut(slf)?.hook = on;
+        Ok(())
     }
 
     /// vLLM's `KVCacheManager.allocate_slots`: the new blocks (the shared empty result when
@@ -746,7 +793,10 @@ impl DeviceKVManager {
         let hashes = RequestHashes::of(request, &rid)?;
         let mut this = borrow_mut(slf)?;
         let reprefill = this.num_reprefillable;
-        let done = this.inner.cache(&rid, n, reprefill, &hashes).map_err(err)?;
+        let done = this
+            .inner
+            .cache(&rid, n, reprefill, &hashes)
+            .map_err(|e| hashes.error(e))?;
         let hook = this.hook && (!done.is_empty() || this.inner.num_evicted_pending() > 0);
         drop(this);
         if hook {
@@ -756,8 +806,9 @@ impl DeviceKVManager {
     }
 
     /// The table positions the last allocation registered.
-    fn last_commit(&self) -> (usize, usize) {
-        self.last_commit
+    fn last_commit(slf: &Bound<'_, Self>) -> PyResult<(usize, usize)> {
+        let this = borrow(slf)?;
+        Ok(this.last_commit)
     }
 
     /// The longest prefix hit for the request (vLLM's `find_longest_cache_hit` for one
@@ -779,7 +830,10 @@ impl DeviceKVManager {
         let drop_last = opt_flag(drop_last, "drop_last", None, false)?;
         let hashes = RequestHashes::of(request, &rid)?;
         let mut this = borrow_mut(slf)?;
-        let mut n = this.inner.find_prefix(&hashes, max).map_err(err)?;
+        let mut n = this
+            .inner
+            .find_prefix(&hashes, max)
+            .map_err(|e| hashes.error(e))?;
         if drop_last && n > 0 {
             n -= 1;
         }
@@ -791,10 +845,11 @@ impl DeviceKVManager {
         let res = this.inner.prefix_block_ids(&hashes, n, &mut ids);
         let out = res.map(|_| ids.clone());
         this.scratch = ids;
+        drop(this);
         Py::new(
             py,
             KVBlocks {
-                ids: out.map_err(err)?,
+                ids: out.map_err(|e| hashes.error(e))?,
             },
         )
     }
@@ -956,8 +1011,9 @@ impl DeviceKVManager {
         }
     }
 
-    fn num_deferred(&self) -> usize {
-        self.deferred.len()
+    fn num_deferred(slf: &Bound<'_, Self>) -> PyResult<usize> {
+        let this = borrow(slf)?;
+        Ok(this.deferred.len())
     }
 
     /// Hashes of the blocks evicted since the last call (bytes), in eviction order.
@@ -970,8 +1026,9 @@ impl DeviceKVManager {
     }
 
     /// Evicted hashes waiting in `drain_evicted`.
-    fn num_evicted_pending(&self) -> usize {
-        self.inner.num_evicted_pending()
+    fn num_evicted_pending(slf: &Bound<'_, Self>) -> PyResult<usize> {
+        let this = borrow(slf)?;
+        Ok(this.inner.num_evicted_pending())
     }
 
     fn take_new_block_ids(slf: &Bound<'_, Self>) -> PyResult<Vec<u32>> {
@@ -1036,68 +1093,82 @@ impl DeviceKVManager {
     }
 
     /// Full consistency check: `None` when every invariant holds, else what is wrong.
-    fn check_invariants(&self) -> Option<String> {
-        self.inner.check().err()
+    fn check_invariants(slf: &Bound<'_, Self>) -> PyResult<Option<String>> {
+        let this = borrow(slf)?;
+        Ok(this.inner.check().err())
     }
 
     #[getter]
-    fn usage(&self) -> f64 {
-        self.inner.usage()
+    fn usage(slf: &Bound<'_, Self>) -> PyResult<f64> {
+        let this = borrow(slf)?;
+        Ok(this.inner.usage())
     }
     /// Free plus cached blocks (vLLM's `get_num_free_blocks`).
-    fn num_free_blocks(&self) -> usize {
-        self.inner.num_free_blocks()
+    fn num_free_blocks(slf: &Bound<'_, Self>) -> PyResult<usize> {
+        let this = borrow(slf)?;
+        Ok(this.inner.num_free_blocks())
     }
-    fn num_uncached_free_blocks(&self) -> usize {
-        self.inner.num_uncached_free_blocks()
+    fn num_uncached_free_blocks(slf: &Bound<'_, Self>) -> PyResult<usize> {
+        let this = borrow(slf)?;
+        Ok(this.inner.num_uncached_free_blocks())
     }
-    fn num_cached_blocks(&self) -> usize {
-        self.inner.num_cached_blocks()
+    fn num_cached_blocks(slf: &Bound<'_, Self>) -> PyResult<usize> {
+        let this = borrow(slf)?;
+        Ok(this.inner.num_cached_blocks())
     }
-    fn num_held_blocks(&self) -> usize {
-        self.inner.num_held_blocks()
+    fn num_held_blocks(slf: &Bound<'_, Self>) -> PyResult<usize> {
+        let this = borrow(slf)?;
+        Ok(this.inner.num_held_blocks())
     }
-    fn num_reserved_blocks(&self) -> usize {
-        self.inner.num_reserved_blocks()
+    fn num_reserved_blocks(slf: &Bound<'_, Self>) -> PyResult<usize> {
+        let this = borrow(slf)?;
+        Ok(this.inner.num_reserved_blocks())
     }
     /// Blocks vLLM's manager would hold on top of these (deferred lookahead for a smaller K).
-    fn num_debt_blocks(&self) -> usize {
-        self.inner.num_debt_blocks()
+    fn num_debt_blocks(slf: &Bound<'_, Self>) -> PyResult<usize> {
+        let this = borrow(slf)?;
+        Ok(this.inner.num_debt_blocks())
     }
-    fn num_registered_blocks(&self) -> usize {
-        self.inner.pool().num_registered_blocks()
+    fn num_registered_blocks(slf: &Bound<'_, Self>) -> PyResult<usize> {
+        let this = borrow(slf)?;
+        Ok(this.inner.pool().num_registered_blocks())
     }
-    fn num_parked_holds(&self) -> usize {
-        self.inner.num_parked_holds()
-    }
-    #[getter]
-    fn num_gpu_blocks(&self) -> usize {
-        self.inner.num_blocks()
-    }
-    #[getter]
-    fn block_size(&self) -> usize {
-        self.inner.block_size()
+    fn num_parked_holds(slf: &Bound<'_, Self>) -> PyResult<usize> {
+        let this = borrow(slf)?;
+        Ok(this.inner.num_parked_holds())
     }
     #[getter]
-    fn max_model_len(&self) -> usize {
-        self.max_model_len
+    fn num_gpu_blocks(slf: &Bound<'_, Self>) -> PyResult<usize> {
+        let this = borrow(slf)?;
+        Ok(this.inner.num_blocks())
     }
-    fn request_ids(&self) -> Vec<String> {
-        self.inner.request_ids().map(str::to_owned).collect()
+    #[getter]
+    fn block_size(slf: &Bound<'_, Self>) -> PyResult<usize> {
+        let this = borrow(slf)?;
+        Ok(this.inner.block_size())
+    }
+    #[getter]
+    fn max_model_len(slf: &Bound<'_, Self>) -> PyResult<usize> {
+        let this = borrow(slf)?;
+        Ok(this.max_model_len)
+    }
+    fn request_ids(slf: &Bound<'_, Self>) -> PyResult<Vec<String>> {
+        let this = borrow(slf)?;
+        Ok(this.inner.request_ids().map(str::to_owned).collect())
     }
     fn __contains__(slf: &Bound<'_, Self>, request_id: &Bound<'_, PyAny>) -> PyResult<bool> {
         let rid = text(request_id, "request_id")?;
         Ok(borrow(slf)?.inner.contains(rid))
     }
-    fn device_stats(&self) -> std::collections::HashMap<&'static str, u64> {
-        let s = self.inner.stats();
-        std::collections::HashMap::from([
+    fn device_stats(slf: &Bound<'_, Self>) -> PyResult<std::collections::HashMap<&'static str, u64>> {
+        let s = borrow(slf)?.inner.stats();
+        Ok(std::collections::HashMap::from([
             ("allocated_blocks", s.allocated_blocks),
             ("registered_blocks", s.registered_blocks),
             ("evicted_blocks", s.evicted_blocks),
             ("hit_blocks", s.hit_blocks),
             ("freed_requests", s.freed_requests),
-        ])
+        ]))
     }
     /// Bytes of allocator metadata per block (pool, registry, duplicate chains, full hashes).
     #[staticmethod]
