@@ -1127,3 +1127,44 @@ def test_device_manager_calls_during_an_allocation_are_concurrent_use_errors():
     assert _device_state(m) == before
     m.allocate_slots(_DeviceReq("a"), 8)
     assert len(m.block_ids("a")) == 2 and m.check_invariants() is None
+
+
+def test_device_manager_errors_raised_by_arguments_are_kvslots_errors():
+    """allocate_slots' ``request.status`` (read under a watermark), its
+    ``skip_zeroing_group_ids`` items and release_blocks' / evict_blocks' items let a builtin
+    exception escape (AttributeError, or whatever the object raised); now a kvslots error with
+    the original as its cause, nothing changed."""
+
+    def gen():
+        yield 0
+        raise ZeroDivisionError("boom")
+
+    class Status:
+        def __eq__(self, other):
+            raise ZeroDivisionError("boom")
+
+        __hash__ = None
+
+    m = _core.DeviceKVManager(64, 4, max_model_len=256, watermark_blocks=2)
+    m._set_watermark_statuses(["WAITING"])
+    held = _DeviceReq("held")
+    held.status = "RUNNING"
+    m.allocate_slots(held, 8)
+    popped = m.pop_blocks_for_free(held)
+    no_status = _DeviceReq("a")
+    bad_status = _DeviceReq("b")
+    bad_status.status = Status()
+    before = _device_state(m)
+    for call in (
+        lambda: m.allocate_slots(no_status, 8, has_scheduled_reqs=True),
+        lambda: m.allocate_slots(bad_status, 8, has_scheduled_reqs=True),
+        lambda: m.allocate_slots(_DeviceReq("c"), 8, has_scheduled_reqs=False, skip_zeroing_group_ids=gen()),
+        lambda: m.release_blocks(gen()),
+        lambda: m.evict_blocks(gen()),
+    ):
+        with pytest.raises(KVSlotsError) as e:
+            call()
+        assert e.value.__cause__ is not None, e.value
+        assert _device_state(m) == before
+    m.release_blocks(popped)
+    assert m.check_invariants() is None

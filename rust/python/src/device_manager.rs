@@ -449,7 +449,9 @@ impl DeviceKVManager {
                         "skip_zeroing_group_ids must be a sequence of ints".into(),
                     )
                 })? {
-                    if count(&item?, "skip_zeroing_group_ids[i]", r)? == 0 {
+                    let item =
+                        item.map_err(|e| reading_error(py, e, "skip_zeroing_group_ids"))?;
+                    if count(&item, "skip_zeroing_group_ids[i]", r)? == 0 {
                         zero_external = false;
                     }
                 }
@@ -462,7 +464,8 @@ impl DeviceKVManager {
             "request.num_computed_tokens",
             rid,
         )?;
-        let watermark = watermark_of(slf, request, scheduled)?;
+        let watermark = watermark_of(slf, request, scheduled)
+            .map_err(|e| reading_error(py, e, "request.status"))?;
         let hashes = RequestHashes::of(request, rid)?;
 
         let mut this = borrow_mut(slf)?;
@@ -1190,7 +1193,7 @@ fn block_id_list(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<Vec<u32>> {
         )
     })?;
     for item in it {
-        let item = item?;
+        let item = item.map_err(|e| reading_error(obj.py(), e, what))?;
         let v = if item.is_instance_of::<pyo3::types::PyInt>() {
             count(&item, what, None)?
         } else {
