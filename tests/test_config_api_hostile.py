@@ -4,13 +4,15 @@ inside, and never a NaN, a set or a cycle converted as if it were configuration.
 
 from __future__ import annotations
 
+import io
+
 import pytest
 
 from kvslots.config import loader
 from kvslots.config.schedule import DynamicSDSchedule, apply_lookahead
 from kvslots.config.speculative import resolve_speculative_config
 from kvslots.config.trtllm import convert_trtllm_config
-from kvslots.errors import ArgumentTypeError, ConfigError
+from kvslots.errors import ArgumentTypeError, ConfigError, InvalidArgumentError
 
 
 def _cycle() -> dict:
@@ -125,3 +127,51 @@ def test_a_path_model_is_converted_as_text_and_yaml_output_errs_as_json_does():
     r.engine_args["bogus"] = object()
     with pytest.raises(ConfigError, match="cannot be written as YAML"):  # yaml's RepresenterError
         r.to_yaml()
+
+
+class _EndlessYAML(io.RawIOBase):
+    """A stream of comment lines without end (a pipe that never closes)."""
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, b) -> int:
+        b[:] = b"#" * len(b)
+        return len(b)
+
+
+@pytest.mark.parametrize("text", [None, 5, 1.5, ["a: 1"], {"a": 1}, memoryview(b"a: 1"), io.StringIO("a: 1"),
+                                  pytest.param(io.BufferedReader(_EndlessYAML()), id="endless-stream")])
+def test_parse_yaml_needs_text(text):
+    # PyYAML reads a stream to its end: one without end was read for ever (no size limit);
+    # None or an int was a ConfigError "invalid YAML: TypeError".
+    with pytest.raises(ArgumentTypeError, match="YAML text must be a str or bytes"):
+        loader.parse_yaml(text)
+
+
+def test_parse_yaml_takes_text_as_a_file_holds_it():
+    class Text(str):
+        pass
+
+    assert loader.parse_yaml(Text("a: 1")) == {"a": 1}  # was "invalid YAML: TypeError"
+    assert loader.parse_yaml(b"\xef\xbb\xbfa: 1") == {"a": 1} == loader.parse_yaml(bytearray(b"a: 1"))
+    # Bytes are UTF-8, as a file's are (read_config_text): PyYAML took UTF-16 and UTF-32 too.
+    for data in ("a: 1\n".encode("utf-16"), "a: 1\n".encode("utf-32"), b"a: \xff\n"):
+        with pytest.raises(ConfigError, match=r"not UTF-8 text \(byte 0x"):
+            loader.parse_yaml(data)
+
+
+@pytest.mark.parametrize("limit, error", [("9", ArgumentTypeError), (1.5, ArgumentTypeError), (None, ArgumentTypeError),
+                                          (True, ArgumentTypeError), (-1, InvalidArgumentError)])
+def test_node_and_depth_limits_must_be_counts(limit, error):
+    # parse_json / check_values: a TypeError from a comparison; parse_yaml: a ConfigError
+    # "invalid YAML: TypeError", and -1 "more than -1 nodes ... (an alias bomb?)".
+    with pytest.raises(error, match="max_nodes"):
+        loader.parse_yaml("a: 1", max_nodes=limit)
+    with pytest.raises(error, match="max_nodes"):
+        loader.parse_json('{"a": 1}', max_nodes=limit)
+    with pytest.raises(error, match="max_nodes"):
+        loader.check_values({"a": 1}, max_nodes=limit)
+    with pytest.raises(error, match="max_depth"):
+        loader.check_values({"a": 1}, max_depth=limit)
+    assert loader.parse_yaml("a: 1", max_nodes=3) == {"a": 1} == loader.parse_json('{"a": 1}', max_nodes=3)

@@ -36,6 +36,7 @@ from collections.abc import Mapping
 from itertools import accumulate
 from typing import Any
 
+from .._args import integer
 from ..errors import ArgumentTypeError, ConfigError
 
 #: Largest configuration file read, in bytes.
@@ -127,7 +128,12 @@ def read_config_text(path: str | os.PathLike[str], *, max_bytes: int = MAX_BYTES
         raise ConfigError(f"cannot read: {e.strerror or e}", None, source) from None
     finally:
         os.close(fd)
-    data = b"".join(chunks)
+    return _utf8_text(b"".join(chunks), source)
+
+
+def _utf8_text(data: bytes, source: str | None) -> str:
+    """``data`` decoded as UTF-8, a leading BOM dropped; a :class:`ConfigError` naming the first
+    byte that is not UTF-8 otherwise (a file's rule, and YAML given as bytes)."""
     try:
         return data.decode("utf-8-sig")
     except UnicodeDecodeError as e:
@@ -149,6 +155,8 @@ def check_values(doc: Any, source: str | None = None, *, max_depth: int = MAX_DE
     field, for a non-finite number, an integer beyond 64 bits, a key longer than
     :data:`MAX_KEY_CHARS`, nesting deeper than ``max_depth`` or more than ``max_nodes`` values.
     Types other than the JSON ones are refused too."""
+    max_depth = integer(max_depth, "max_depth", 0)
+    max_nodes = integer(max_nodes, "max_nodes", 0)
     # Entries: (value, parent entry, the key or index in it, depth); a path is only spelled out
     # for an error (spelling every path would cost depth x key length per value).
     stack: list[tuple[Any, Any, Any, int]] = [(doc, None, None, 0)]
@@ -365,9 +373,20 @@ def _loader_class() -> Any:
     return _LOADER
 
 
-def parse_yaml(text: str, source: str | None = None, *, max_nodes: int = MAX_NODES) -> Any:
+def parse_yaml(text: str | bytes, source: str | None = None, *, max_nodes: int = MAX_NODES) -> Any:
     """Parses one YAML document under this module's rules; ``None`` for an empty one. A syntax
-    error or a broken rule is a :class:`ConfigError` naming the line (``source``: the file)."""
+    error or a broken rule is a :class:`ConfigError` naming the line (``source``: the file).
+
+    ``text`` is a ``str``, or bytes of UTF-8 as a file must be (PyYAML itself would also take
+    UTF-16, and read a stream to its end, however long); anything else is an
+    :class:`ArgumentTypeError`."""
+    if isinstance(text, (bytes, bytearray)):
+        text = _utf8_text(bytes(text), source)
+    elif isinstance(text, str):
+        text = str.__str__(text)  # a subclass was "invalid YAML: TypeError" from libyaml
+    else:
+        raise ArgumentTypeError(f"YAML text must be a str or bytes, got {type(text).__name__}")
+    max_nodes = integer(max_nodes, "max_nodes", 0)
     yaml = yaml_module()
     loader = None
     try:
@@ -496,6 +515,7 @@ def loads_strict_json(text: str | bytes, source: str | None = None, *, finite: b
 def parse_json(text: str, source: str | None = None, *, max_nodes: int = MAX_NODES) -> Any:
     """Parses JSON under this module's rules (:func:`loads_strict_json`, then bounded nesting and
     size); a :class:`ConfigError` naming the line or the field otherwise."""
+    max_nodes = integer(max_nodes, "max_nodes", 0)  # before parsing: a str was a TypeError after it
     doc = loads_strict_json(text, source, finite=False)
     check_values(doc, source, max_nodes=max_nodes)
     return doc
