@@ -218,3 +218,54 @@ def test_request_taking_calls_raise_kvslots_errors_for_what_is_not_a_request(bad
     except KVSlotsError:
         pass
     assert _snapshot(p, rids) == before
+
+
+class _RaisingHashes(Req):
+    """A request whose ``block_hashes`` cannot be read."""
+
+    @property
+    def block_hashes(self):
+        raise Boom("block_hashes")
+
+    @block_hashes.setter
+    def block_hashes(self, v):
+        pass
+
+
+def test_failed_lookup_or_after_alloc_does_not_track_the_request():
+    """lookup tracked the request before reading its block hashes and tokens, and after_alloc
+    tracked it before planning the load: a lookup whose request raised, or an after_alloc the
+    planner refused, left a new request tracked (``num_tracked`` one higher, its id known) and
+    a re-tracked one reset. Now both change nothing when they fail, and succeed as before."""
+    (p, twin), reqs = _setup(21)
+    rng = random.Random(21)
+    rids = [r.request_id for r in reqs] + ["new", "hashes"]
+    before = _snapshot(p, rids)
+    bad = _RaisingHashes(7, rng, 4 * BS + 1)
+    bad.request_id = "new"
+    with pytest.raises(KVSlotsError) as e:
+        p.lookup(bad, 0)
+    assert isinstance(e.value.__cause__, Boom)
+    assert _snapshot(p, rids) == before
+    junk = Req(8, rng, 4 * BS + 1)
+    junk.request_id = "hashes"
+    junk.block_hashes = [1, 2, object(), 4]  # the third cannot be a hash
+    with pytest.raises(KVSlotsError):
+        p.lookup(junk, 0)
+    assert _snapshot(p, rids) == before
+    new = Req(9, rng, 4 * BS + 1)
+    new.request_id = "new"
+    with pytest.raises(KVSlotsError, match="external blocks asked"):
+        p.after_alloc(new, new.blocks, 2 * BS)  # no lookup: nothing hit
+    assert _snapshot(p, rids) == before
+    # A known id under a new object (a new request reusing it) is not reset by a failed call.
+    again = Req(0, rng, 4 * BS + 1)
+    again.request_id = reqs[0].request_id
+    with pytest.raises(KVSlotsError, match="external blocks asked"):
+        p.after_alloc(again, again.blocks, 2 * BS)
+    assert _snapshot(p, rids) == before
+    # The same calls that succeed still track.
+    assert p.lookup(new, 0) == 0
+    p.after_alloc(new, new.blocks, 0)
+    assert p.num_tracked == len(reqs) + 1 and p.device_blocks("new") == []
+    assert p.check_invariants() is None

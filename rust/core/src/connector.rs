@@ -355,20 +355,29 @@ impl ConnectorPlanner {
         let n = num_external_tokens / bs;
         let lo = r.local_blocks;
         if lo + n > r.hit_blocks || lo + n > device_blocks.len() || lo + n > r.hashes.len() {
-            return Err(SlotError::invalid(
-                Some(&r.id),
-                format!(
-                    "{n} external blocks asked after {lo} local ones, but {} hit and {} device blocks",
-                    r.hit_blocks,
-                    device_blocks.len()
-                ),
-            ));
+            return Err(load_error(&r.id, n, lo, r.hit_blocks, device_blocks.len()));
         }
         let host = self.cache.begin_load(&r.id, &r.hashes[lo..lo + n])?;
         let device = device_blocks[lo..lo + n].to_vec();
         self.reqs[slot as usize].load = Some(Load { device, host });
         self.planned.push(slot);
         self.stats.hit_tokens += num_external_tokens as u64;
+        Ok(())
+    }
+
+    /// Whether a request not tracked yet (so without a hit) may be planned a load of
+    /// `num_external_tokens` into `device_blocks` blocks: the error [`Self::plan_load`] would
+    /// give once it is tracked, checked before tracking it.
+    pub fn check_new_load(
+        &self,
+        request_id: &str,
+        device_blocks: usize,
+        num_external_tokens: usize,
+    ) -> Result<()> {
+        let n = num_external_tokens / self.cfg.block_size;
+        if n > 0 {
+            return Err(load_error(request_id, n, 0, 0, device_blocks));
+        }
         Ok(())
     }
 
@@ -659,6 +668,14 @@ impl ConnectorPlanner {
         }
         Ok(done)
     }
+}
+
+/// A load of `n` blocks after `lo` local ones that the request's hit or block table cannot take.
+fn load_error(request_id: &str, n: usize, lo: usize, hit: usize, device: usize) -> SlotError {
+    SlotError::invalid(
+        Some(request_id),
+        format!("{n} external blocks asked after {lo} local ones, but {hit} hit and {device} device blocks"),
+    )
 }
 
 #[cfg(test)]

@@ -256,37 +256,80 @@ fn usize_attr(obj: &Bound<'_, PyAny>, name: &Bound<'_, PyString>) -> PyResult<us
     obj.getattr(name)?.extract::<usize>()
 }
 
+/// What tracking a request takes, read from its object before anything changes: its id
+/// object, the slot its id has (if any), and whether it is a new request (`fresh`: not tracked,
+/// or tracked under another object), with the prompt length and LoRA then read too.
+struct Tracking<'py> {
+    rid_obj: Bound<'py, PyAny>,
+    existing: Option<core::ReqSlot>,
+    fresh: bool,
+    prompt_len: usize,
+    lora: Option<u64>,
+}
+
 impl ConnectorPlanner {
     fn slot_for(&mut self, py: Python<'_>, req: &Bound<'_, PyAny>) -> PyResult<core::ReqSlot> {
+        let t = self.read_tracking(py, req)?;
+        Ok(self.apply_tracking(req, &t))
+    }
+
+    /// Reads what [`Self::apply_tracking`] needs of a request, changing nothing.
+    fn read_tracking<'py>(
+        &self,
+        py: Python<'py>,
+        req: &Bound<'py, PyAny>,
+    ) -> PyResult<Tracking<'py>> {
         let rid_obj = req.getattr(intern!(py, "request_id"))?;
-        let rid = rid_obj.cast::<PyString>()?.to_str()?;
-        let existing = self.inner.slot_of(rid);
+        let existing = self.inner.slot_of(rid_obj.cast::<PyString>()?.to_str()?);
         let fresh = match existing {
             Some(s) => !self.objs[s as usize].as_ref().is_some_and(|o| o.is(req)),
             None => true,
         };
-        if !fresh {
-            return Ok(existing.expect("known"));
+        let (mut prompt_len, mut lora) = (0, None);
+        if fresh {
+            prompt_len = usize_attr(req, intern!(py, "num_prompt_tokens"))?;
+            lora = match req.getattr(intern!(py, "lora_request")) {
+                Ok(l) if !l.is_none() => l
+                    .getattr(intern!(py, "lora_int_id"))?
+                    .extract::<Option<u64>>()?,
+                _ => None,
+            };
         }
-        let prompt_len = usize_attr(req, intern!(py, "num_prompt_tokens"))?;
-        let lora = match req.getattr(intern!(py, "lora_request")) {
-            Ok(l) if !l.is_none() => l
-                .getattr(intern!(py, "lora_int_id"))?
-                .extract::<Option<u64>>()?,
-            _ => None,
-        };
-        if let Some(old) = existing {
+        Ok(Tracking {
+            rid_obj,
+            existing,
+            fresh,
+            prompt_len,
+            lora,
+        })
+    }
+
+    /// Tracks a request read by [`Self::read_tracking`] (nothing to do unless it is fresh);
+    /// returns its slot.
+    fn apply_tracking(&mut self, req: &Bound<'_, PyAny>, t: &Tracking<'_>) -> core::ReqSlot {
+        if !t.fresh {
+            return t.existing.expect("known");
+        }
+        let rid = t
+            .rid_obj
+            .cast::<PyString>()
+            .expect("read as a str")
+            .to_str()
+            .expect("read as UTF-8");
+        if let Some(old) = t.existing {
             self.forget(old);
         }
-        let slot = self.inner.track(rid, prompt_len, lora, existing.is_some());
+        let slot = self
+            .inner
+            .track(rid, t.prompt_len, t.lora, t.existing.is_some());
         let i = slot as usize;
         if self.objs.len() <= i {
             self.objs.resize_with(i + 1, || None);
             self.id_objs.resize_with(i + 1, || None);
         }
         self.objs[i] = Some(req.clone().unbind());
-        self.remember_id(slot, &rid_obj);
-        Ok(slot)
+        self.remember_id(slot, &t.rid_obj);
+        slot
     }
 
     /// Drops the binding's references of a slot (its request and id objects).
@@ -340,23 +383,6 @@ impl ConnectorPlanner {
             Some(Some(id)) if id.as_ptr() as usize == ptr => Some(s),
             _ => None,
         }
-    }
-
-    /// Makes the planner hold the request's external hashes up to `n` blocks (all read first).
-    fn ensure_hashes(
-        &mut self,
-        slot: core::ReqSlot,
-        block_hashes: &Bound<'_, PyAny>,
-        n: usize,
-    ) -> PyResult<()> {
-        let known = self.inner.known_hashes(slot);
-        if known >= n {
-            return Ok(());
-        }
-        self.hashes.clear();
-        let r = self.stage_hashes(block_hashes, known, n)?;
-        self.inner.extend_hashes(slot, &self.hashes[r]);
-        Ok(())
     }
 
     /// Reads the request's external hashes `from..n` into the staging buffer (appended).
@@ -957,16 +983,32 @@ impl ConnectorPlanner {
         let this = &mut *this;
         let bs = this.inner.config().block_size;
         (|| -> PyResult<usize> {
-            let slot = this.slot_for(py, request)?;
+            // Everything read (the request may run Python code, and raise) before the request
+            // is tracked: a failed lookup changes nothing.
+            let t = this.read_tracking(py, request)?;
             let block_hashes = request.getattr(intern!(py, "block_hashes"))?;
             let num_tokens = usize_attr(request, intern!(py, "num_tokens"))?;
             let max_blocks = (num_tokens.saturating_sub(1) / bs).min(block_hashes.len()?);
             let local = num_computed / bs;
             if max_blocks <= local {
+                this.apply_tracking(request, &t);
                 return Ok(0);
             }
-            this.ensure_hashes(slot, &block_hashes, max_blocks)?;
+            let known = match (t.fresh, t.existing) {
+                (false, Some(s)) => this.inner.known_hashes(s),
+                _ => 0,
+            };
+            this.hashes.clear();
+            let staged = if known < max_blocks {
+                this.stage_hashes(&block_hashes, known, max_blocks)?
+            } else {
+                0..0
+            };
             let seq = tokens_of(request)?;
+            let slot = this.apply_tracking(request, &t);
+            if !staged.is_empty() {
+                this.inner.extend_hashes(slot, &this.hashes[staged]);
+            }
             Ok(this
                 .inner
                 .lookup(slot, local, max_blocks, |p| token_at(&seq, p).ok()))
@@ -994,9 +1036,18 @@ impl ConnectorPlanner {
             None
         };
         let mut this = borrow_mut(slf)?;
-        let slot = this
-            .slot_for(py, request)
+        let t = this
+            .read_tracking(py, request)
             .map_err(|e| reading_error(py, e, "the request"))?;
+        if let (Some(d), true) = (&dev, t.fresh) {
+            // A request tracked by this call has no hit: a load it cannot take is refused
+            // before it is tracked.
+            let rid = t.rid_obj.cast::<PyString>().expect("read as a str").to_str()?;
+            this.inner
+                .check_new_load(rid, d.as_slice().len(), n)
+                .map_err(slot_error)?;
+        }
+        let slot = this.apply_tracking(request, &t);
         match dev {
             Some(d) => this
                 .inner
