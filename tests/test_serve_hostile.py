@@ -385,3 +385,28 @@ def test_a_config_json_that_is_no_file_is_named_as_such(tmp_path, capsys, kind, 
     with pytest.raises(ConfigError, match=re.escape(problem)) as ei:  # was "no config.json in the ... directory"
         load_speculators_checkpoint(str(model))
     assert ei.value.source == str(cfg)
+
+
+def test_home_relative_models_are_given_to_vllm_expanded(tmp_path, monkeypatch, capsys):
+    # MODEL ~/target, a YAML's ~/draft and --speculative-config's model ~/draft were found here
+    # with ~ expanded and passed on as written; vLLM and Hugging Face refuse "~/target" as a Hub id.
+    import json
+    import shlex
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    for name in ("target", "draft"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text('{"architectures": ["LlamaForCausalLM"]}')
+    yaml_file = tmp_path / "e.yaml"
+    yaml_file.write_text("speculative_config:\n  decoding_type: Eagle3\n  speculative_model_dir: ~/draft\n"
+                         "  max_draft_len: 3\n")
+    explicit = '{"method": "eagle3", "model": "~/draft", "num_speculative_tokens": 3}'
+    for extra in (["--extra-engine-args", str(yaml_file)], ["--speculative-config", explicit]):
+        capsys.readouterr()
+        code = cli.main(["serve", "~/target", "--dry-run", "-q", *extra])
+        out, err = capsys.readouterr()
+        assert code == 0, err
+        argv = shlex.split(out.splitlines()[-1])
+        assert argv[argv.index("--model") + 1] == str(tmp_path / "target")
+        spec = json.loads(argv[argv.index("--speculative-config") + 1])
+        assert spec["model"] == str(tmp_path / "draft")

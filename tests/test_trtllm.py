@@ -1065,3 +1065,27 @@ def test_cli_check_flag(vllm, tmp_path, capsys):
     f.write_text(textwrap.dedent(MTP_DEEPSEEK))
     code, _, err = run_cli(["convert-config", str(f), "--check", "--model", "org/target"], capsys)
     assert code == 0 and "checked: vLLM accepts the arguments" in err
+
+
+def test_a_home_relative_model_is_given_to_vllm_expanded(tmp_path, monkeypatch, capsys):
+    # kvslots found ~/target and ~/draft as local directories (~ expanded) but passed them on as
+    # written: vLLM and Hugging Face do not expand ~ ("~/target" is refused as a Hub id).
+    monkeypatch.setenv("HOME", str(tmp_path))
+    for name in ("target", "draft"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text("{}")
+    draft = "speculative_config:\n  decoding_type: Eagle3\n  speculative_model_dir: ~/draft\n  max_draft_len: 3\n"
+    f = tmp_path / "e.yaml"
+    f.write_text("model: ~/target\n" + draft)
+    code, out, err = run_cli(["convert-config", str(f), "--format", "json"], capsys)
+    assert code == 0, err
+    args = json.loads(out)
+    assert args["model"] == str(tmp_path / "target")
+    assert args["speculative_config"]["model"] == str(tmp_path / "draft")
+    code, out, err = run_cli(["convert-config", str(f), "--format", "json", "--model", "~/target"], capsys)
+    assert code == 0 and json.loads(out)["model"] == str(tmp_path / "target"), err
+    assert convert_text(draft).engine_args["speculative_config"]["model"] == str(tmp_path / "draft")
+    # Not local: as written (a Hub id, and a ~ path that is not there is an error as before).
+    assert convert_text("model: org/target\n").engine_args["model"] == "org/target"
+    with pytest.raises(ConfigError, match="does not exist"):
+        convert_text("model: ~/nothing-here\n")

@@ -15,6 +15,9 @@ speculative config's ``model``, a TRT-LLM ``speculative_model_dir``, a speculato
   Hub ids do not have), or the empty string: a path that does not exist. A name the system
   cannot look up (``~`` of no user, a component past 255 bytes) names nothing there.
 
+A local path is looked up with ``~`` expanded, and vLLM gets it expanded
+(:attr:`ModelRef.argument`): vLLM and Hugging Face do not expand ``~`` themselves.
+
 :func:`resolve_speculative_config` gives the dict vLLM takes as ``--speculative-config`` from a
 base config (a speculators checkpoint's or a converted TRT-LLM YAML's) and an explicit one, and
 validates it: ``num_speculative_tokens`` given, an integer >= 1, a dynamic schedule that fits it, a
@@ -143,6 +146,15 @@ class ModelRef:
     @property
     def is_local(self) -> bool:
         return self.kind == "dir"
+
+    @property
+    def argument(self) -> str:
+        """The reference as vLLM is to get it: as given, but a local directory named with ``~``
+        given expanded. vLLM and Hugging Face take ``~`` literally: ``~/model``, found here as a
+        directory, was passed on as written and refused there as an invalid Hub id."""
+        if self.kind == "dir" and self.name.startswith("~"):
+            return str(_local_path(self.name))
+        return self.name
 
     @property
     def is_speculators(self) -> bool:
@@ -288,14 +300,15 @@ def resolve_speculative_config(
         raise ConfigError(f"must be a local directory or a Hub id (a string), got {short(draft)}",
                           "speculative_config.model")
     if draft is not None:
-        check_draft_model(draft, "speculative_config.model")
+        spec["model"] = check_draft_model(draft, "speculative_config.model").argument
     return spec
 
 
 def check_draft_model(draft: str, field: str, source: str | None = None, what: str = "draft model") -> ModelRef:
     """A draft (or, with ``what``, another) model reference, ``field`` naming where it was given:
     a local directory or a Hub id, which vLLM looks up itself. A path that certainly names no
-    directory (``"missing"``, ``"not_dir"``) is a :class:`~kvslots.ConfigError`."""
+    directory (``"missing"``, ``"not_dir"``) is a :class:`~kvslots.ConfigError`. What vLLM is to
+    get is the result's :attr:`ModelRef.argument`."""
     ref = classify_model(draft)
     if ref.kind == "missing":
         raise ConfigError(f"{what} directory {draft!r} does not exist", field, source)

@@ -120,7 +120,7 @@ def _check_model(model: str) -> tuple[str, bool, bool]:
         # speculators checkpoint is unknown, and it was served as a target model (a checkpoint's
         # draft tokens unknown to kvslots, or vLLM's own failure once started). The reader's error.
         read_model_config(model)
-    return model, ref.is_local, ref.is_speculators
+    return ref.argument, ref.is_local, ref.is_speculators
 
 
 def _is_kvslots_scheduler(name: str) -> bool:

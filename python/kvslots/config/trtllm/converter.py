@@ -129,9 +129,9 @@ def convert_trtllm_config(
     # The target model: the same rule as a draft's (a checkpoint's verifier is checked by its loader).
     if model is not None:
         # As text: a Path was kept as given (to_json refused it, to_yaml raised yaml's error).
-        args["model"] = check_draft_model(model, "model", what="model").name
+        args["model"] = check_draft_model(model, "model", what="model").argument
     elif speculators_dir is None and "model" in args:
-        check_draft_model(args["model"], "model", src, what="model")
+        args["model"] = check_draft_model(args["model"], "model", src, what="model").argument
 
     # Keep ``model`` first for readability.
     if "model" in args:

@@ -65,6 +65,8 @@ class SpeculativeKeys(ConverterBase):
             raise self.fail(f"{p}.{model_keys[1]}", f"conflicts with {p}.{model_keys[0]}")
         model_path = f"{p}.{model_keys[0]}" if model_keys else f"{p}.speculative_model_dir"
         model = self.str_(spec[model_keys[0]], model_path) if model_keys else None
+        if model is not None:  # ~ expanded as vLLM is to get it (checked once the checkpoint is known)
+            model = classify_model(model).argument
         for extra in model_keys[1:]:
             self.ignore(f"{p}.{extra}", spec[extra], f"same draft model as {model_path}")
 
