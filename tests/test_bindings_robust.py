@@ -1168,3 +1168,28 @@ def test_device_manager_errors_raised_by_arguments_are_kvslots_errors():
         assert _device_state(m) == before
     m.release_blocks(popped)
     assert m.check_invariants() is None
+
+
+def test_planner_complete_promote_successors_are_typed():
+    """complete_promote iterated ``successors`` with a bare '?': a non-iterable (None, an int)
+    or an iterator that raised escaped as a builtin TypeError / the raised exception, and
+    2**32 - 1 (the core's 'none' marker) was taken as no successor. Now the same rules as
+    HostCache.begin_store_run's successors: a list or tuple of token ids below 2**32 - 1 or
+    None; anything else is a kvslots error and nothing changes."""
+
+    def gen():
+        yield 1
+        raise ZeroDivisionError("boom")
+
+    p = _core.ConnectorPlanner(2, 8, True)
+    p.enable_spill()
+    [(_, block)] = p.begin_promote([11])
+    before = (p.num_held, p.num_cached, p.num_storing, p.registered_hashes(), p.num_pending_events())
+    for bad, kind in ((None, ArgumentTypeError), (5, ArgumentTypeError), (gen(), ArgumentTypeError),
+                      ([2**32 - 1], InvalidArgumentError), (["x"], ArgumentTypeError), ([1, 2], InvalidArgumentError)):
+        with pytest.raises(kind):
+            p.complete_promote([11], [block], [1, 2], bad)
+        assert (p.num_held, p.num_cached, p.num_storing, p.registered_hashes(), p.num_pending_events()) == before
+    p.complete_promote([11], [block], [1, 2], (7,))
+    assert p.registered_hashes() == [11] and p.successor(11) == 7
+    assert p.check_invariants() is None

@@ -1278,11 +1278,7 @@ impl ConnectorPlanner {
     ) -> PyResult<()> {
         let stores = pending(block_hashes, host_blocks)?;
         let tokens = IntArg::<u32>::extract(token_ids, "token_ids", None)?;
-        let mut succ = Vec::with_capacity(stores.len());
-        for (i, s) in successors.try_iter()?.enumerate() {
-            let s = s?;
-            succ.push(if s.is_none() { core::NO_SUCCESSOR } else { int::<u32>(&s, &format!("successors[{i}]"), None)? });
-        }
+        let succ = conv::successors(successors, "successors")?;
         let parent = opt_int::<u64>(parent_hash, "parent_hash", None)?;
         let lora = opt_int::<u64>(lora_id, "lora_id", None)?;
         borrow_mut(slf)?
