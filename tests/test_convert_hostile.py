@@ -256,3 +256,33 @@ def test_a_string_value_that_looks_like_an_option_stays_the_value(tmp_path, caps
     from kvslots.serve import plan_from_argv
 
     assert f"--tokenizer={value}" in plan_from_argv(["org/target", "--extra-engine-args", str(f)]).argv
+
+
+
+def _closed_stdout(argv: list[str], when: str):
+    """Runs ``kvslots ARGV`` with file descriptor 1 closed: from the start (``>&-``: Python's
+    sys.stdout is None) or once Python has started (a stdout whose writes fail with EBADF)."""
+    import subprocess
+    import sys
+
+    if when == "at start":
+        cmd = ["sh", "-c", 'exec "$@" >&-', "sh", sys.executable, "-m", "kvslots", *argv]
+    else:
+        cmd = [sys.executable, "-c", "import os, runpy, sys; os.close(1); sys.argv = ['kvslots', *sys.argv[1:]]; "
+               "runpy.run_module('kvslots', run_name='__main__')", *argv]
+    return subprocess.run(cmd, stdin=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, timeout=120)
+
+
+@pytest.mark.parametrize("when, why", [("at start", "stdout is closed"), ("later", "Bad file descriptor")])
+def test_a_closed_stdout_is_one_line_exit_2_and_output_to_a_file_still_works(tmp_path, when, why):
+    # At start: sys.stdout.write on None was an AttributeError traceback (exit 1), and with -o the
+    # final flush of a None stdout was one too. Later: EBADF was an OSError traceback.
+    f = tmp_path / "n.yaml"
+    f.write_text("speculative_config:\n  decoding_type: NGram\n  max_draft_len: 2\n")
+    proc = _closed_stdout(["convert-config", str(f), "-q"], when)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr == f"kvslots convert-config: error: cannot write the output: {why}\n", proc.stderr
+    dest = tmp_path / "out.txt"
+    proc = _closed_stdout(["convert-config", str(f), "-q", "-o", str(dest)], when)
+    assert proc.returncode == 0 and proc.stderr == "", proc.stderr
+    assert dest.read_text().startswith("--speculative-config ")

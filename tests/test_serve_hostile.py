@@ -410,3 +410,21 @@ def test_home_relative_models_are_given_to_vllm_expanded(tmp_path, monkeypatch, 
         assert argv[argv.index("--model") + 1] == str(tmp_path / "target")
         spec = json.loads(argv[argv.index("--speculative-config") + 1])
         assert spec["model"] == str(tmp_path / "draft")
+
+
+
+@pytest.mark.parametrize("when, why", [("at start", "stdout is closed"), ("later", "Bad file descriptor")])
+def test_dry_run_with_stdout_closed_is_one_line_exit_2(when, why):
+    # The command is a dry run's whole output. stdout closed at start (>&-): the final flush of a
+    # None stdout was an AttributeError traceback, exit status 1; closed later: an EBADF traceback.
+    import subprocess
+
+    argv = ["serve", "org/target", "--dry-run", "-q"]
+    if when == "at start":
+        cmd = ["sh", "-c", 'exec "$@" >&-', "sh", sys.executable, "-m", "kvslots", *argv]
+    else:
+        cmd = [sys.executable, "-c", "import os, runpy, sys; os.close(1); sys.argv = ['kvslots', *sys.argv[1:]]; "
+               "runpy.run_module('kvslots', run_name='__main__')", *argv]
+    proc = subprocess.run(cmd, stdin=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, timeout=120)
+    assert proc.returncode == 2 and proc.stderr == f"kvslots serve: error: cannot write the output: {why}\n", \
+        proc.stderr

@@ -99,7 +99,8 @@ def run_command(func: Callable[[argparse.Namespace], int | None], args: argparse
     as that command has always written its errors)."""
     try:
         status = int(func(args) or 0)
-        sys.stdout.flush()  # here, not at exit: a closed pipe is then the error below
+        if sys.stdout is not None:  # None: started with stdout closed (>&-); flush() was an AttributeError
+            sys.stdout.flush()  # here, not at exit: a closed pipe is then the error below
         return status
     except KVSlotsError as e:
         return report_error(prog, e, label)
@@ -113,15 +114,26 @@ def run_command(func: Callable[[argparse.Namespace], int | None], args: argparse
             devnull = os.open(os.devnull, os.O_WRONLY)
             os.dup2(devnull, sys.stdout.fileno())
             os.close(devnull)
-        except (OSError, ValueError):  # no file descriptor behind sys.stdout
+        except (OSError, ValueError, AttributeError):  # no file descriptor behind sys.stdout, or none
             pass
         head = f"{prog}: {label}: " if label else f"{prog}: "
         print(head + f"cannot write the output: {e.strerror or e}", file=sys.stderr)
         return 2
 
 
-#: What writing a command's output may fail with: the reader went away, the disk is full.
-_OUTPUT_ERRNOS = {errno.EPIPE, errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EIO}
+#: What writing a command's output may fail with: the reader went away, the disk is full, there is
+#: no stdout (:func:`output`).
+_OUTPUT_ERRNOS = {errno.EPIPE, errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EIO, errno.EBADF}
+
+
+def output() -> Any:
+    """``sys.stdout``, for a command whose output is the point. Started with stdout closed
+    (``>&-``), Python has none (``None``: writing to it was an AttributeError traceback, and
+    ``print`` wrote nothing at all): an OSError that :func:`run_command` reports as one line,
+    exit status 2."""
+    if sys.stdout is None:
+        raise OSError(errno.EBADF, "stdout is closed")
+    return sys.stdout
 
 
 if __name__ == "__main__":

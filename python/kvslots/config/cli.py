@@ -14,7 +14,7 @@ import os
 import shlex
 import sys
 
-from ..cli import one_line
+from ..cli import one_line, output
 from ..errors import ConfigError
 from .trtllm import ConversionResult, check_with_vllm, convert_trtllm_config
 
@@ -98,7 +98,7 @@ def run(args: argparse.Namespace) -> int:
         except ValueError:  # a NUL in the path (open's ValueError was a traceback)
             raise ConfigError("cannot write: a NUL in the path", None, args.output) from None
     else:
-        sys.stdout.write(text)
+        output().write(text)
     return 0
 
 

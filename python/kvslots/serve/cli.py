@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from .._listen import check_listen
-from ..cli import OneLineParser, one_line
+from ..cli import OneLineParser, one_line, output
 from ..errors import ServeError
 from .events import DEFAULT_EVENTS_ENDPOINT
 from .plan import (
@@ -213,7 +213,7 @@ def run(args: argparse.Namespace) -> int:
     if not args.quiet:
         for line in plan.notes:
             print(one_line(f"{PROG}: {line}"), file=sys.stderr)  # a YAML key may hold a newline or an escape
-    print(plan.shell(), flush=True)
+    print(plan.shell(), file=output() if args.dry_run else sys.stdout, flush=True)  # output(): stdout closed
     if args.dry_run:
         return 0
     # vLLM would find a port in use or a host that does not resolve only once it runs (its
