@@ -269,3 +269,28 @@ def test_failed_lookup_or_after_alloc_does_not_track_the_request():
     p.after_alloc(new, new.blocks, 0)
     assert p.num_tracked == len(reqs) + 1 and p.device_blocks("new") == []
     assert p.check_invariants() is None
+
+
+def test_failed_finish_leaves_the_request_tracked():
+    """finish forgot the request even when reading it failed (a block_hashes that raises, a
+    computed count that is not an int), then raised: the error came
+    with the request gone. Now a failed finish changes nothing; a good one forgets it."""
+    (p, _), reqs = _setup(22)
+    rids = [r.request_id for r in reqs]
+    r = reqs[0]
+    r.num_computed_tokens += BS  # a block to store at finish
+    before = _snapshot(p, rids)
+    saved = r.block_hashes
+    r.block_hashes = saved[:-1] + [object()]
+    with pytest.raises(KVSlotsError):
+        p.finish(r, r.blocks)
+    assert _snapshot(p, rids) == before
+    r.block_hashes = saved
+    r.num_computed_tokens, nc = "x", r.num_computed_tokens
+    with pytest.raises(KVSlotsError):
+        p.finish(r, r.blocks)
+    assert _snapshot(p, rids) == before
+    r.num_computed_tokens = nc
+    assert p.finish(r, r.blocks) is True
+    assert p.num_tracked == len(reqs) - 1 and p.device_blocks(r.request_id) is None
+    assert p.check_invariants() is None

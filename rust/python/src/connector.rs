@@ -912,18 +912,17 @@ impl ConnectorPlanner {
         let Some(slot) = self.inner.slot_of(rid_obj.cast::<PyString>()?.to_str()?) else {
             return Ok(false);
         };
-        let res = (|| -> PyResult<()> {
-            let nc = usize_attr(request, intern!(py, "num_computed_tokens"))?;
-            let verified = nc.saturating_sub(
-                usize_attr(request, intern!(py, "num_in_flight_tokens")).unwrap_or(0),
-            );
-            let hashes = request.getattr(intern!(py, "block_hashes"))?;
-            self.store_request(slot, request, verified, &hashes, block_ids, true)?;
-            Ok(())
-        })();
+        // Everything read first: a request that cannot be read, or a store the host tier
+        // refuses, leaves the request tracked as it was (the error says why).
+        let nc = usize_attr(request, intern!(py, "num_computed_tokens"))?;
+        let verified = nc.saturating_sub(
+            usize_attr(request, intern!(py, "num_in_flight_tokens")).unwrap_or(0),
+        );
+        let hashes = request.getattr(intern!(py, "block_hashes"))?;
+        self.store_request(slot, request, verified, &hashes, block_ids, true)?;
         self.inner.finish(slot);
         self.forget(slot);
-        res.map(|_| true)
+        Ok(true)
     }
 }
 
@@ -1078,7 +1077,8 @@ impl ConnectorPlanner {
     }
 
     /// A finished request: its last verified blocks (of `block_ids`, its device blocks) are
-    /// stored at the start of the next step; the request is forgotten. Never holds blocks.
+    /// stored at the start of the next step; the request is forgotten. Never holds blocks. A
+    /// request that cannot be read (or whose store is refused) raises and stays tracked.
     fn finish(
         slf: &Bound<'_, Self>,
         request: &Bound<'_, PyAny>,
