@@ -286,3 +286,25 @@ def test_a_closed_stdout_is_one_line_exit_2_and_output_to_a_file_still_works(tmp
     proc = _closed_stdout(["convert-config", str(f), "-q", "-o", str(dest)], when)
     assert proc.returncode == 0 and proc.stderr == "", proc.stderr
     assert dest.read_text().startswith("--speculative-config ")
+
+
+def test_an_output_file_it_cannot_fill_is_not_left_behind(tmp_path):
+    # A write that failed part way (a full disk; here ulimit -f) left the new file behind,
+    # truncated ("--max-num-"), and exit status 2 said nothing was written.
+    import resource
+    import subprocess
+    import sys
+
+    f = tmp_path / "n.yaml"
+    f.write_text("speculative_config:\n  decoding_type: NGram\n  max_draft_len: 2\n")
+    dest = tmp_path / "out.txt"
+    proc = subprocess.run([sys.executable, "-m", "kvslots", "convert-config", str(f), "-q", "-o", str(dest)],
+                          stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=120,
+                          preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (10, 10)))
+    assert proc.returncode == 2 and proc.stderr == f"kvslots convert-config: error: {dest}: cannot write: File too large\n", \
+        proc.stderr
+    assert not dest.exists()
+    assert cli.main(["convert-config", str(f), "-q", "-o", str(dest)]) == 0  # and then written whole
+    assert dest.read_text().startswith("--speculative-config ")
+    assert cli.main(["convert-config", str(f), "-q", "-o", str(dest)]) == 0  # over an existing file
+    assert dest.read_text().startswith("--speculative-config ")

@@ -85,14 +85,25 @@ def run(args: argparse.Namespace) -> int:
     if args.output is not None:
         if not args.output:  # was taken as no -o: stdout
             raise ConfigError("an empty path names no file", "-o/--output")
+        created = False
         try:
             # O_NONBLOCK for the open only: a FIFO nobody reads is ENXIO, not a wait without end
             # (it hung); one with a reader (-o >(cmd)) is then written as a blocking pipe.
-            fd = os.open(args.output, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NONBLOCK | os.O_CLOEXEC, 0o666)
+            flags = os.O_WRONLY | os.O_CREAT | os.O_NONBLOCK | os.O_CLOEXEC
+            try:
+                fd = os.open(args.output, flags | os.O_EXCL, 0o666)
+                created = True
+            except FileExistsError:
+                fd = os.open(args.output, flags | os.O_TRUNC, 0o666)
             os.set_blocking(fd, True)
             with open(fd, "w", encoding="utf-8") as f:
                 f.write(text)
         except OSError as e:
+            if created:  # a file this run made and could not fill (a full disk, ulimit -f): not left behind
+                try:
+                    os.unlink(args.output)
+                except OSError:
+                    pass
             why = "a FIFO that nobody reads" if e.errno == errno.ENXIO else e.strerror or e
             raise ConfigError(f"cannot write: {why}", None, args.output) from None
         except ValueError:  # a NUL in the path (open's ValueError was a traceback)
