@@ -652,6 +652,24 @@ def test_regions_over_python_objects_are_refused(dtype):
         _core.BlockRegion(dst, block_bytes=8, num_blocks=1)
 
 
+@pytest.mark.parametrize("kind", ["sparse_csr", "mkldnn"])
+def test_tensors_torch_cannot_give_an_address_for_are_refused(kind):
+    """A sparse CSR tensor (``is_contiguous`` raises) or an mkldnn one (``data_ptr`` raises)
+    let torch's builtin RuntimeError escape from BlockRegion; now an InvalidArgumentError
+    naming the memory, torch's error as its cause."""
+    import torch
+
+    if kind == "sparse_csr":
+        t = torch.eye(4).to_sparse_csr()
+    else:
+        if not torch.backends.mkldnn.is_available():
+            pytest.skip("no mkldnn")
+        t = torch.zeros(8).to_mkldnn()
+    with pytest.raises(InvalidArgumentError, match="memory") as e:
+        _core.BlockRegion(t, block_bytes=4, num_blocks=1)
+    assert isinstance(e.value.__cause__, RuntimeError)
+
+
 def test_a_tensor_over_a_read_only_mapping_is_not_a_destination(tmp_path):
     import warnings
 

@@ -15,7 +15,7 @@ use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
 
 use crate::convert::{arg, block_ids, count, int, show, type_name};
-use crate::errors::{invalid, slot_error, type_error};
+use crate::errors::{invalid, reading_error, slot_error, type_error};
 
 /// Where a memory object's bytes are, read from the object itself.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -213,7 +213,9 @@ fn array_raw(obj: &Bound<'_, PyAny>) -> PyResult<(usize, usize, bool)> {
 }
 
 fn memory_of(obj: &Bound<'_, PyAny>) -> PyResult<Memory> {
-    let m = match torch_memory(obj)? {
+    // A tensor torch cannot answer for (a sparse CSR or mkldnn one raises from is_contiguous
+    // or data_ptr): a kvslots error naming the memory, with torch's as its cause.
+    let m = match torch_memory(obj).map_err(|e| reading_error(obj.py(), e, "memory"))? {
         Some(m) => m,
         None => array_memory(obj)?,
     };
