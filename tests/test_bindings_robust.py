@@ -1211,3 +1211,21 @@ def test_planner_complete_promote_successors_are_typed():
     p.complete_promote([11], [block], [1, 2], (7,))
     assert p.registered_hashes() == [11] and p.successor(11) == 7
     assert p.check_invariants() is None
+
+
+def test_drain_events_raw_with_a_raw_that_raises_keeps_the_queue():
+    """drain_events_raw's ``raw`` callable raising (not msgspec.Raw, a wrong one) let its
+    builtin exception escape; now a kvslots error with it as the cause, the queue kept."""
+
+    def bad(b):
+        raise ValueError("nope")
+
+    p = _core.ConnectorPlanner(2, 8, False)
+    [(_, block)] = p.begin_promote([11])
+    p.complete_promote([11], [block], [1, 2], [None])
+    assert p.num_pending_events() == 1
+    with pytest.raises(InvalidArgumentError) as e:
+        p.drain_events_raw(bad)
+    assert isinstance(e.value.__cause__, ValueError)
+    assert p.num_pending_events() == 1
+    assert len(p.drain_events_raw(bytes)) == 1 and p.num_pending_events() == 0

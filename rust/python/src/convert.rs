@@ -832,7 +832,11 @@ pub(crate) fn log_to_raw_list<'py>(
     let out = PyList::empty(py);
     let mut start = 0;
     for &end in ends.iter() {
-        out.append(raw.call1((PyBytes::new(py, &wire[start..end]),))?)?;
+        // `raw` is the caller's: an error it raises is a kvslots error (the queue stays).
+        let item = raw
+            .call1((PyBytes::new(py, &wire[start..end]),))
+            .map_err(|e| crate::errors::reading_error(py, e, "raw(event bytes)"))?;
+        out.append(item)?;
         start = end;
     }
     Ok(out)
