@@ -308,3 +308,23 @@ def test_an_output_file_it_cannot_fill_is_not_left_behind(tmp_path):
     assert dest.read_text().startswith("--speculative-config ")
     assert cli.main(["convert-config", str(f), "-q", "-o", str(dest)]) == 0  # over an existing file
     assert dest.read_text().startswith("--speculative-config ")
+
+
+@pytest.mark.parametrize("value", [
+    "1:" + ":".join(["59"] * 200) + ".5",  # a base-60 float: PyYAML's OverflowError was a traceback
+    "!!float " + ":".join(["9"] * 1000),
+    "1:" + ":".join(["59"] * 1_300_000),  # a base-60 integer of 3.9 MB: ~10 minutes of PyYAML's arithmetic
+], ids=["float-overflow", "tagged-float-overflow", "int-3.9MB"])
+def test_a_yaml_base60_number_with_too_many_parts_is_one_line_exit_2_at_once(tmp_path, capsys, value):
+    import time
+
+    f = tmp_path / "e.yaml"
+    f.write_text(f"gpu_memory_fraction: {value}\n")
+    capsys.readouterr()
+    start = time.monotonic()
+    code = cli.main(["convert-config", str(f)])
+    out, err = capsys.readouterr()
+    assert code == 2 and out == "" and err.count("\n") == 1, err
+    assert "has more than 64 ':' parts (a YAML 1.1 base-60 number)" in err and time.monotonic() - start < 10, err
+    f.write_text("max_batch_size: 1:30\n")  # YAML 1.1, as TRT-LLM's own reader takes it: 90
+    assert convert_trtllm_config(str(f)).engine_args["max_num_seqs"] == 90

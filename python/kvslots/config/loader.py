@@ -51,6 +51,8 @@ MAX_KEY_CHARS = 1024
 INT_MIN, INT_MAX = -(2**63), 2**63 - 1
 
 _TAG = "tag:yaml.org,2002:"
+#: Most parts of a YAML 1.1 base-60 number (``1:30``); 60**63 is far past a 64-bit integer.
+_MAX_BASE60_PARTS = 64
 _REFUSED_TAGS = ("binary", "set", "omap", "pairs", "timestamp")
 
 
@@ -312,7 +314,15 @@ def _loader_class() -> Any:
                 out[key] = self.construct_object(value_node)
             return out
 
+        def kv_base60(self, node: Any) -> None:
+            # YAML 1.1's base-60 numbers (1:30 is 90): PyYAML multiplies by 60 once per part, so
+            # 10**6 parts cost minutes (quadratic), and a float's parts overflowed.
+            if str(node.value).count(":") >= _MAX_BASE60_PARTS:
+                raise _Refused(f"number {brief(node.value)} has more than {_MAX_BASE60_PARTS} ':' parts "
+                               "(a YAML 1.1 base-60 number)", node.start_mark)
+
         def kv_int(self, node: Any) -> int:
+            self.kv_base60(node)
             try:
                 return SafeConstructor.construct_yaml_int(self, node)
             except (ValueError, LookupError):  # LookupError: "!!int ''"
@@ -321,9 +331,10 @@ def _loader_class() -> Any:
                 raise _Refused(what, node.start_mark) from None
 
         def kv_float(self, node: Any) -> float:
+            self.kv_base60(node)
             try:
                 return SafeConstructor.construct_yaml_float(self, node)
-            except (ValueError, LookupError):
+            except (ValueError, LookupError, OverflowError):
                 raise _Refused(f"invalid number {brief(node.value)}", node.start_mark) from None
 
         def kv_bool(self, node: Any) -> bool:
