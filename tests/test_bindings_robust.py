@@ -1229,3 +1229,24 @@ def test_drain_events_raw_with_a_raw_that_raises_keeps_the_queue():
     assert isinstance(e.value.__cause__, ValueError)
     assert p.num_pending_events() == 1
     assert len(p.drain_events_raw(bytes)) == 1 and p.num_pending_events() == 0
+
+
+def test_device_manager_block_lists_take_numpy_integers():
+    """release_blocks / evict_blocks took ints and block objects but refused numpy integers
+    (and so a numpy array of ids), which every other integer argument takes."""
+    m = _core.DeviceKVManager(64, 4, max_model_len=256)
+    r = _DeviceReq("a")
+    m.allocate_slots(r, 8)
+    m.cache_blocks(r, 8)
+    blocks = m.pop_blocks_for_free(r)
+    m.release_blocks(np.array(blocks, dtype=np.int64))
+    assert m.num_registered_blocks() == 2
+    assert m.evict_blocks(np.array(blocks[:1], dtype=np.uint32)) == 1
+    assert m.evict_blocks([np.int64(blocks[1])]) == 1
+    before = _device_state(m)
+    for bad, kind in (([np.int64(-1)], InvalidArgumentError), ([1.5], ArgumentTypeError),
+                      ([object()], ArgumentTypeError), ([True], ArgumentTypeError)):
+        with pytest.raises(kind):
+            m.evict_blocks(bad)
+        assert _device_state(m) == before
+    assert m.check_invariants() is None

@@ -20,6 +20,7 @@ use pyo3::types::{PyBytes, PyList, PyString, PyTuple};
 use crate::convert::{arg, count, flag, opt_ints, show, text, type_name};
 use crate::errors::{
     borrow, borrow_mut, busy, invalid, reading_error, slot_error as err, type_error,
+    ArgumentTypeError,
 };
 
 /// A request's `block_hashes` list, read on first use (most decode steps read none). On a vLLM
@@ -1194,16 +1195,23 @@ fn block_id_list(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<Vec<u32>> {
     })?;
     for item in it {
         let item = item.map_err(|e| reading_error(obj.py(), e, what))?;
+        // An int, an object with `__index__` (a numpy integer, as every integer argument may
+        // be), or a block object with a `block_id`.
         let v = if item.is_instance_of::<pyo3::types::PyInt>() {
             count(&item, what, None)?
-        } else {
-            let b = item.getattr(intern!(item.py(), "block_id")).map_err(|_| {
-                type_error(
-                    None,
-                    format!("{what} must hold block ids, got {}", show(&item)),
-                )
-            })?;
+        } else if let Ok(Some(b)) = item.getattr_opt(intern!(item.py(), "block_id")) {
             count(&b, what, None)?
+        } else {
+            count(&item, what, None).map_err(|e| {
+                if e.is_instance_of::<ArgumentTypeError>(item.py()) {
+                    type_error(
+                        None,
+                        format!("{what} must hold block ids, got {}", show(&item)),
+                    )
+                } else {
+                    e
+                }
+            })?
         };
         ids.push(
             u32::try_from(v)
