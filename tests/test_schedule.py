@@ -363,3 +363,56 @@ def test_lookahead_array_drives_step():
     for rid in rids:
         assert mgr.slot_info(rid).lookahead == 2
     assert mgr.check_invariants() is None
+
+
+class _Boom(Exception):
+    pass
+
+
+class _RowsThatRaise:
+    def __iter__(self):
+        raise _Boom("iter")
+
+
+class _RowThatRaises(list):
+    def __len__(self):
+        raise _Boom("len")
+
+
+class _MappingThatRaises(dict):
+    def items(self):
+        raise _Boom("items")
+
+
+class _EndlessMapping(dict):
+    def __len__(self):
+        return 2**62
+
+
+def _endless_rows():
+    start = 1
+    while True:  # read until memory ran out
+        yield (start, start, 1)
+        start += 1
+
+
+@pytest.mark.parametrize("rows, fragment", [
+    (_RowsThatRaise(), "cannot be read as rows: _Boom: 'iter'"),  # were the _Boom itself
+    ([_RowThatRaises([1, 4, 3])], "cannot be read as rows: _Boom: 'len'"),
+    (_endless_rows(), "more than 100000 rows"),  # read without end
+], ids=["iter-raises", "len-raises", "endless"])
+def test_rows_that_cannot_be_read_are_config_errors(rows, fragment):
+    with pytest.raises(ConfigError) as ei:
+        DynamicSDSchedule.parse(rows, 3)
+    assert fragment in str(ei.value) and ei.value.field == "speculative_config.num_speculative_tokens_per_batch_size"
+    assert DynamicSDSchedule.parse(((s, s, 1) for s in range(1, 100_001)), 3).rows[-1] == (100_000, 100_000, 1)
+
+
+@pytest.mark.parametrize("sched, fragment", [
+    (_MappingThatRaises({4: 2}), "cannot be read as a mapping: _Boom: 'items'"),
+    (_EndlessMapping({4: 2}), "more than 100000 batch-size thresholds"),
+], ids=["items-raises", "endless"])
+def test_draft_len_schedules_that_cannot_be_read_are_config_errors(sched, fragment):
+    with pytest.raises(ConfigError) as ei:
+        DynamicSDSchedule.from_draft_len_schedule(sched, 2, field="x")
+    assert fragment in str(ei.value) and ei.value.field == "x"

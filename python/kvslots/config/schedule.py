@@ -31,7 +31,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from ..errors import ArgumentTypeError, ConfigError
-from .loader import INT_MAX, brief
+from .loader import INT_MAX, MAX_NODES, brief
 
 SCHEDULE_KEY = "num_speculative_tokens_per_batch_size"
 DEFAULT_FIELD = f"speculative_config.{SCHEDULE_KEY}"
@@ -42,6 +42,9 @@ Row = tuple[int, int, int]
 MAX_BATCH = 2**31 - 1
 MAX_DENSE = 2**24
 UINT32_MAX = 2**32 - 1
+#: Most rows (or draft_len_schedule entries) of a schedule: a file holds fewer (loader.MAX_NODES
+#: values); an iterator passed in code is not read past it.
+MAX_ROWS = MAX_NODES
 
 
 def _describe(value: Any) -> str:
@@ -116,7 +119,13 @@ class DynamicSDSchedule:
         ``max_draft_len`` and no draft length may exceed it. The result ends with a K = 0 row
         reaching ``max_batch_size`` (or the largest threshold + 1).
         """
-        if not isinstance(schedule, Mapping) or not schedule:
+        try:  # a hostile __len__ / items() of a Mapping passed in code; an endless one is not read
+            entries = list(schedule.items()) if isinstance(schedule, Mapping) and len(schedule) <= MAX_ROWS else None
+        except Exception as e:
+            raise ConfigError(f"cannot be read as a mapping: {type(e).__name__}: {brief(str(e))}", field) from None
+        if isinstance(schedule, Mapping) and entries is None:
+            raise ConfigError(f"more than {MAX_ROWS} batch-size thresholds", field)
+        if not entries:
             raise ConfigError(
                 f"must be a non-empty mapping of batch-size threshold -> draft length, got {_describe(schedule)}",
                 field,
@@ -127,7 +136,7 @@ class DynamicSDSchedule:
             if not 0 <= max_batch_size <= INT_MAX:
                 raise ConfigError(f"must be in [0, 2**63-1], got {max_batch_size}", "max_batch_size")
         items: list[tuple[int, int]] = []
-        for key, value in schedule.items():
+        for key, value in entries:
             where = f"{field}.{key}"
             threshold = _strict_int(key, where, "batch-size threshold")
             draft_len = _strict_int(value, where, "draft length")
@@ -234,14 +243,21 @@ def _typed(rows: Any, nst: Any, field: str) -> tuple[tuple[Row, ...], int]:
         raise ConfigError(
             f"must be a list of [start, end, num_speculative_tokens] rows, got {_describe(rows)}", field)
     parsed: list[Row] = []
-    for i, row in enumerate(rows):
-        where = f"{field}[{i}]"
-        if isinstance(row, (str, bytes, Mapping)) or not isinstance(row, Sequence) or len(row) != 3:
-            raise ConfigError(f"row must be [start, end, num_speculative_tokens], got {_describe(row)}", where)
-        start = _strict_int(row[0], where, "start")
-        end = _strict_int(row[1], where, "end")
-        k = _strict_int(row[2], where, "num_speculative_tokens")
-        parsed.append((start, end, k))
+    try:
+        for i, row in enumerate(rows):
+            where = f"{field}[{i}]"
+            if i == MAX_ROWS:  # an iterator without end was read until memory ran out
+                raise ConfigError(f"more than {MAX_ROWS} rows", field)
+            if isinstance(row, (str, bytes, Mapping)) or not isinstance(row, Sequence) or len(row) != 3:
+                raise ConfigError(f"row must be [start, end, num_speculative_tokens], got {_describe(row)}", where)
+            start = _strict_int(row[0], where, "start")
+            end = _strict_int(row[1], where, "end")
+            k = _strict_int(row[2], where, "num_speculative_tokens")
+            parsed.append((start, end, k))
+    except ConfigError:
+        raise
+    except Exception as e:  # a hostile __iter__, __len__ or __getitem__ of the rows or a row
+        raise ConfigError(f"cannot be read as rows: {type(e).__name__}: {brief(str(e))}", field) from None
     return tuple(parsed), n
 
 
