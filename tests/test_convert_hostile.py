@@ -328,3 +328,18 @@ def test_a_yaml_base60_number_with_too_many_parts_is_one_line_exit_2_at_once(tmp
     assert "has more than 64 ':' parts (a YAML 1.1 base-60 number)" in err and time.monotonic() - start < 10, err
     f.write_text("max_batch_size: 1:30\n")  # YAML 1.1, as TRT-LLM's own reader takes it: 90
     assert convert_trtllm_config(str(f)).engine_args["max_num_seqs"] == 90
+
+
+def test_a_large_yaml_without_aliases_is_not_called_an_alias_bomb(tmp_path, capsys):
+    # 120000 plain keys (1.3 MB, no alias) were refused as "more than 100000 nodes with aliases
+    # expanded (an alias bomb?)".
+    f = tmp_path / "big.yaml"
+    f.write_text("".join(f"k{i}: {i}\n" for i in range(120_000)))
+    capsys.readouterr()
+    assert cli.main(["convert-config", str(f)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "more than 100000 nodes; not a configuration file" in err, err
+    assert "alias" not in err
+    f.write_text("a: &a [" + ", ".join(["x"] * 1000) + "]\n" + "".join(f"k{i}: *a\n" for i in range(200)))
+    assert cli.main(["convert-config", str(f)]) == 2
+    assert "nodes with aliases expanded (an alias bomb?)" in capsys.readouterr().err

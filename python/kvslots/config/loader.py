@@ -260,10 +260,13 @@ def _loader_class() -> Any:
             self.kv_depth = 0
             self.kv_sizes: dict[str, int] = {}
             self.kv_max_nodes = MAX_NODES
+            self.kv_aliased = False  # an alias counted: the limit may be an alias bomb's
 
         def kv_count(self, n: int, mark: Any) -> None:
             self.kv_nodes += n
             if self.kv_nodes > self.kv_max_nodes:
+                if not self.kv_aliased:  # a plain file that large was called "an alias bomb?"
+                    raise _Refused(f"more than {self.kv_max_nodes} nodes; not a configuration file", mark)
                 raise _Refused(f"more than {self.kv_max_nodes} nodes with aliases expanded "
                                "(an alias bomb?)", mark)
 
@@ -274,6 +277,7 @@ def _loader_class() -> Any:
                     size = self.kv_sizes.get(event.anchor)
                     if size is None:
                         raise _Refused(f"alias *{event.anchor} inside the node it names", event.start_mark)
+                    self.kv_aliased = True
                     self.kv_count(size, event.start_mark)
                 return super().compose_node(parent, index)
             if self.kv_depth >= MAX_DEPTH and not isinstance(event, ScalarEvent):
