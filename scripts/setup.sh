@@ -100,7 +100,6 @@ compile_bytecode() {
     touch "$stamp"
   fi
 }
+# Not $VENV033: only its pytest process imports vLLM 0.33 (no engine is started there), so
+# compiling all of it up front would cost more than it saves.
 compile_bytecode "$VENV"
-if ((WITH_VLLM_033)); then
-  compile_bytecode "$VENV033"
-fi
