@@ -1250,3 +1250,14 @@ def test_device_manager_block_lists_take_numpy_integers():
             m.evict_blocks(bad)
         assert _device_state(m) == before
     assert m.check_invariants() is None
+
+
+def test_device_manager_computed_blocks_refuses_a_bool_count():
+    """computed_blocks took ``max_blocks=False`` as 0 (a non-positive count is no blocks) while
+    every count argument refuses a bool; True was refused already."""
+    m = _core.DeviceKVManager(64, 4, max_model_len=256)
+    r = _DeviceReq("a")
+    for flag_value in (False, True):
+        with pytest.raises(ArgumentTypeError, match="max_blocks"):
+            m.computed_blocks(r, flag_value)
+    assert m.computed_blocks(r, -3).num_blocks == 0 and m.computed_blocks(r, 0).num_blocks == 0

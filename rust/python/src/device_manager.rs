@@ -827,8 +827,9 @@ impl DeviceKVManager {
     ) -> PyResult<Py<KVBlocks>> {
         let py = slf.py();
         let rid = request_id_of(request).unwrap_or_default();
+        // vLLM may ask for a negative number of blocks (none); a bool is no count.
         let max = match max_blocks.extract::<i64>() {
-            Ok(v) if v <= 0 => 0,
+            Ok(v) if v <= 0 && !max_blocks.is_instance_of::<pyo3::types::PyBool>() => 0,
             _ => count(max_blocks, "max_blocks", None)?,
         };
         let drop_last = opt_flag(drop_last, "drop_last", None, false)?;
