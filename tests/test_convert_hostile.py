@@ -343,3 +343,19 @@ def test_a_large_yaml_without_aliases_is_not_called_an_alias_bomb(tmp_path, caps
     f.write_text("a: &a [" + ", ".join(["x"] * 1000) + "]\n" + "".join(f"k{i}: *a\n" for i in range(200)))
     assert cli.main(["convert-config", str(f)]) == 2
     assert "nodes with aliases expanded (an alias bomb?)" in capsys.readouterr().err
+
+
+def test_an_explicit_key_overrides_a_merged_one_however_it_is_spelled():
+    # YAML's << merge: an explicit key overrides a merged one. Spelled as an alias of the merged
+    # key's own node, it was refused as "duplicate key 'max_batch_size'".
+    from kvslots.config.trtllm import parse_trtllm_yaml
+
+    text = ("base: &b {&k max_batch_size: 8, max_num_tokens: 4096}\n"
+            "<<: *b\n"
+            "*k : 16\n")
+    doc = parse_trtllm_yaml(text)
+    assert doc["max_batch_size"] == 16 and doc["max_num_tokens"] == 4096
+    with pytest.raises(ConfigError, match="duplicate key 'max_batch_size'"):  # given twice explicitly: still refused
+        parse_trtllm_yaml(text + "max_batch_size: 32\n")
+    with pytest.raises(ConfigError, match="duplicate key 'max_batch_size'"):
+        parse_trtllm_yaml("&k max_batch_size: 8\n*k : 16\n")

@@ -297,11 +297,15 @@ def _loader_class() -> Any:
         def kv_mapping(self, node: Any) -> dict[Any, Any]:
             if not isinstance(node, MappingNode):
                 raise _Refused(f"expected a mapping, got a {node.id}", node.start_mark)
-            explicit = {id(k) for k, _ in node.value if k.tag != _TAG + "merge"}
+            # flatten_mapping puts the merged pairs first and keeps the explicit ones, in order,
+            # after them: the explicit pairs are the last ones. (By node identity, a merged key
+            # that an explicit alias of the same key node overrides was "a duplicate key".)
+            explicit = sum(1 for k, _ in node.value if k.tag != _TAG + "merge")
             self.flatten_mapping(node)
+            first_explicit = len(node.value) - explicit
             out: dict[Any, Any] = {}
             given: set[Any] = set()
-            for key_node, value_node in node.value:
+            for index, (key_node, value_node) in enumerate(node.value):
                 if not isinstance(key_node, ScalarNode):
                     kind = "list" if isinstance(key_node, SequenceNode) else "mapping"
                     raise _Refused(f"a {kind} as a mapping key (keys are strings or numbers)",
@@ -311,7 +315,7 @@ def _loader_class() -> Any:
                     hash(key)
                 except TypeError:
                     raise _Refused(f"a {type(key).__name__} as a mapping key", key_node.start_mark) from None
-                if id(key_node) in explicit:
+                if index >= first_explicit:
                     if key in given:
                         raise _Refused(f"duplicate key {brief(key)}", key_node.start_mark)
                     given.add(key)
