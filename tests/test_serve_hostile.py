@@ -428,3 +428,22 @@ def test_dry_run_with_stdout_closed_is_one_line_exit_2(when, why):
     proc = subprocess.run(cmd, stdin=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, timeout=120)
     assert proc.returncode == 2 and proc.stderr == f"kvslots serve: error: cannot write the output: {why}\n", \
         proc.stderr
+
+
+@pytest.mark.parametrize("yaml_text, what", [
+    # 20000 thresholds (within the file limits): a 300 KB --speculative-config argument.
+    ("speculative_config:\n  decoding_type: NGram\n  max_draft_len: 4\n  draft_len_schedule: {"
+     + ", ".join(f"{i}: {4 if i == 1 else 1 + i % 2}" for i in range(1, 20_001)) + "}\n",
+     "argument of --speculative-config is"),
+    ("pp_partition: [" + ",".join(["1"] * 70_000) + "]\n", "environment variable VLLM_PP_LAYER_PARTITION is"),
+])
+def test_a_command_string_longer_than_execve_takes_is_one_line_exit_2(tmp_path, capsys, yaml_text, what):
+    # Planned and printed by --dry-run; a real run failed only to start vLLM ('Argument list too
+    # long', exit status 127).
+    f = tmp_path / "e.yaml"
+    f.write_text(yaml_text)
+    code, out, err = _serve(capsys, "--extra-engine-args", str(f))
+    assert code == 2 and out == "" and err.count("\n") == 1, err
+    assert f"kvslots serve: error: the vLLM command's {what} " in err and "at most 131072" in err, err
+    f.write_text("pp_partition: [" + ",".join(["1"] * 1000) + "]\n")  # long, but within the limit
+    assert _serve(capsys, "--extra-engine-args", str(f))[0] == 0
