@@ -294,3 +294,16 @@ def test_failed_finish_leaves_the_request_tracked():
     assert p.finish(r, r.blocks) is True
     assert p.num_tracked == len(reqs) - 1 and p.device_blocks(r.request_id) is None
     assert p.check_invariants() is None
+
+
+def test_expected_workers_setter_refuses_zero_like_the_constructor():
+    """ConnectorPlanner(..., expected_workers=0) is refused, but the setter silently took 0 as
+    1: the call succeeded with another value than given. Now the same InvalidArgumentError."""
+    p = ConnectorPlanner(BS, 8, False, expected_workers=2)
+    with pytest.raises(KVSlotsError, match="expected_workers must be at least 1"):
+        ConnectorPlanner(BS, 8, False, expected_workers=0)
+    with pytest.raises(KVSlotsError, match="expected_workers must be at least 1"):
+        p.expected_workers = 0
+    assert p.expected_workers == 2
+    p.expected_workers = 3
+    assert p.expected_workers == 3

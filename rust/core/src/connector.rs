@@ -203,8 +203,13 @@ impl ConnectorPlanner {
     pub fn step(&self) -> u64 {
         self.step
     }
-    pub fn set_expected_workers(&mut self, n: u32) {
-        self.cfg.expected_workers = n.max(1);
+    /// Worker ranks that must ack a step from now on: at least 1, as at construction.
+    pub fn set_expected_workers(&mut self, n: u32) -> Result<()> {
+        if n == 0 {
+            return Err(SlotError::invalid(None, "expected_workers must be at least 1"));
+        }
+        self.cfg.expected_workers = n;
+        Ok(())
     }
     pub fn num_tracked(&self) -> usize {
         self.ids.len()

@@ -1139,8 +1139,10 @@ impl ConnectorPlanner {
     #[setter]
     fn set_expected_workers(slf: &Bound<'_, Self>, n: &Bound<'_, PyAny>) -> PyResult<()> {
         let n = int::<u32>(n, "expected_workers", None)?;
-        borrow_mut(slf)?.inner.set_expected_workers(n);
-        Ok(())
+        borrow_mut(slf)?
+            .inner
+            .set_expected_workers(n)
+            .map_err(slot_error)
     }
     #[getter]
     fn num_tracked(slf: &Bound<'_, Self>) -> PyResult<usize> {
