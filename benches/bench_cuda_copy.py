@@ -8,9 +8,11 @@ Three checks, printed with their figures:
   2. bandwidth: BlockCopier store / load of those blocks against a plain pinned <-> device copy
      of the same bytes (torch ``copy_(non_blocking=True)``), interleaved repeats, medians;
      target >= 80% of the plain copy;
-  3. overlap: a load on the side stream while the default stream runs matmuls: the wall time
-     of both together against each alone (overlapped = close to the longer of the two), with
-     BlockCopier's side stream at default priority and, as a variant, at high priority.
+  3. overlap: a load on the side streams while the default stream runs matmuls: the wall time
+     of both together against each alone (overlapped = close to the longer of the two).
+Sections 2 and 3 run three variants side by side: the gather / scatter kernels on the bus-copy
+stream (one stream, the path before 2026-11-27), on one high-priority stream of their own, and
+spread over BlockCopier's high-priority kernel streams (its default).
 
     python benches/bench_cuda_copy.py [--layers 32] [--blocks 4096] [--copy 1024] [--repeats 9]
 
@@ -48,7 +50,9 @@ def _block_copier():
     return BlockCopier
 
 
-def median_times(fns, repeats):
+def median_times(fns, repeats, sync):
+    """Median, min and max wall time of each function, interleaved; ``sync`` waits for the
+    copier's side streams too (``torch.cuda.synchronize`` alone would as well, device-wide)."""
     times = {k: [] for k in fns}
     for f in fns.values():
         f()
@@ -58,6 +62,7 @@ def median_times(fns, repeats):
             torch.cuda.synchronize()
             t0 = time.perf_counter()
             f()
+            sync()
             torch.cuda.synchronize()
             times[k].append(time.perf_counter() - t0)
     return {k: (statistics.median(v), min(v), max(v)) for k, v in times.items()}
@@ -109,21 +114,43 @@ def main() -> None:
           f"{'EXACT' if not bad else 'WRONG in ' + ', '.join(bad)}; blocks outside the load untouched: "
           f"{'yes' if not stray else 'NO: ' + ', '.join(stray)}")
 
-    # 2. bandwidth
+    # 2 and 3. Three ways to run the copies, interleaved in one set of repeats: the kernels on
+    # the bus-copy stream (one stream, as before 2026-11-27), on one stream of their own, and
+    # spread over BlockCopier's kernel streams (its default). Each keeps its own events.
+    def kernel_state(streams):
+        return streams, [[torch.cuda.Event() for _ in streams] for _ in c._staging]
+
+    default = (c._kernel_streams, c._kernels_done)
+    variants = {
+        "one stream": kernel_state([c._stream]),
+        "kernels on 1 side stream": kernel_state(c._kernel_streams[:1]),
+        f"kernels on {len(default[0])} side streams": default,
+    }
+
+    def using(state, fn):
+        def run():
+            c._kernel_streams, c._kernels_done = state
+            fn()
+        return run
+
     d = torch.empty(total, dtype=torch.uint8, device=dev).fill_(1)
     h = torch.empty(total, dtype=torch.uint8, pin_memory=True).fill_(2)
-    for direction, ours, plain in (
-        ("device->host", lambda: c.store(dev_ids, host_ids), lambda: h.copy_(d, non_blocking=True)),
-        ("host->device", lambda: c.load(host_ids, back_ids), lambda: d.copy_(h, non_blocking=True)),
-    ):
-        r = median_times({"BlockCopier": ours, "plain pinned copy": plain}, args.repeats)
-        gbs = {k: total / v[0] / 1e9 for k, v in r.items()}
-        spread = {k: f"{total / v[2] / 1e9:.1f}-{total / v[1] / 1e9:.1f}" for k, v in r.items()}
-        print(f"2. {direction}: BlockCopier {gbs['BlockCopier']:.1f} GB/s ({spread['BlockCopier']}), plain pinned copy "
-              f"{gbs['plain pinned copy']:.1f} GB/s ({spread['plain pinned copy']}): "
-              f"{gbs['BlockCopier'] / gbs['plain pinned copy']:.2f}x (target >= 0.80)")
+    fns = {"plain device->host": lambda: h.copy_(d, non_blocking=True),
+           "plain host->device": lambda: d.copy_(h, non_blocking=True)}
+    for name, s in variants.items():
+        fns[f"store, {name}"] = using(s, lambda: c.store(dev_ids, host_ids))
+        fns[f"load, {name}"] = using(s, lambda: c.load(host_ids, back_ids))
+    r = median_times(fns, args.repeats, sync=c.synchronize)
+    for name in variants:
+        for direction, key in (("device->host", "store"), ("host->device", "load")):
+            ours, plain = r[f"{key}, {name}"], r[f"plain {direction}"]
+            print(f"2. {direction}, {name}: BlockCopier {total / ours[0] / 1e9:.1f} GB/s "
+                  f"({total / ours[2] / 1e9:.1f}-{total / ours[1] / 1e9:.1f}), plain pinned copy "
+                  f"{total / plain[0] / 1e9:.1f} GB/s ({total / plain[2] / 1e9:.1f}-{total / plain[1] / 1e9:.1f}): "
+                  f"{plain[0] / ours[0]:.2f}x (target >= 0.80)")
 
-    # 3. overlap: loads on the side stream while the default stream computes
+    # 3. overlap: loads on the side streams while the default stream computes
+    c._kernel_streams, c._kernels_done = default
     c.load(host_ids, back_ids)
     c.synchronize()
     ref = {k: v[:, torch.as_tensor(back_ids, device=dev)].clone() for k, v in layers.items()}
@@ -146,42 +173,39 @@ def main() -> None:
         for _ in range(n_mm):
             a @ a
 
-    def load():
-        c.load(host_ids, back_ids)
+    issue = {}
 
-    def both():
-        c.load(host_ids, back_ids)  # queued on the side stream, returns at once
-        compute()
-
-    # The load's scatter kernels wait behind the matmuls for SMs; a high-priority side stream lets
-    # their thread blocks go first. Measured here as a variant before it becomes the default.
-    streams = {"default-priority stream": c._stream,
-               "high-priority stream": torch.cuda.Stream(dev, priority=-1)}  # negative: higher
-
-    def on(stream, fn):
+    def both(name):
         def run():
-            c._stream = stream
-            fn()
+            t = time.perf_counter()
+            c.load(host_ids, back_ids)  # queued on the side streams
+            issue.setdefault(name, []).append(time.perf_counter() - t)
+            compute()
         return run
 
-    fns = {}
-    for name, s in streams.items():
-        fns[f"load, {name}"] = on(s, load)
-        fns[f"both, {name}"] = on(s, both)
-    fns["compute"] = compute
-    r = median_times(fns, args.repeats)
+    fns = {"compute": compute}
+    for name, s in variants.items():
+        fns[f"load, {name}"] = using(s, lambda: c.load(host_ids, back_ids))
+        fns[f"both, {name}"] = using(s, both(name))
+    r = median_times(fns, args.repeats, sync=c.synchronize)
     tc = r["compute"][0]
-    for name in streams:
+    for name in variants:
         tl, tb = r[f"load, {name}"][0], r[f"both, {name}"][0]
+        lo_b, hi_b = r[f"both, {name}"][1], r[f"both, {name}"][2]
         hidden = (tc + tl - tb) / min(tc, tl)
+        ti = statistics.median(issue[name])
+        # The matmuls are queued only once load() returns, so both together take at least
+        # max(load, issue + compute) however well the GPU overlaps them.
+        bound = max(tl, ti + tc)
         print(f"3. overlap, {name}: compute alone {tc * 1e3:.1f} ms ({n_mm} fp16 8192^2 matmuls), load alone "
-              f"{tl * 1e3:.1f} ms, both {tb * 1e3:.1f} ms (serial would be {(tc + tl) * 1e3:.1f}): "
-              f"{hidden:.0%} of the shorter one hidden")
+              f"{tl * 1e3:.1f} ms, both {tb * 1e3:.1f} ms ({lo_b * 1e3:.1f}-{hi_b * 1e3:.1f}; serial would be "
+              f"{(tc + tl) * 1e3:.1f}): {hidden:.0%} of the shorter one hidden; load() returned after "
+              f"{ti * 1e3:.2f} ms (median), so fully overlapped would take {bound * 1e3:.1f} ms: both took "
+              f"{tb / bound:.2f}x that")
     c.synchronize()
-    c._stream = streams["default-priority stream"]
+    c._kernel_streams, c._kernels_done = default
     ok = all(torch.equal(v[:, torch.as_tensor(back_ids, device=dev)], ref[k]) for k, v in layers.items())
     print(f"   bytes after the overlapped loads: {'EXACT' if ok else 'WRONG'}")
-
 
 if __name__ == "__main__":
     main()

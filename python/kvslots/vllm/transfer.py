@@ -18,11 +18,14 @@ Engines.
   segment and its slice of the host region are registered once as ``_core.BlockRegion`` (from
   the tensors themselves); a copy names regions and block ids, never an address.
   Copies are synchronous: when ``store``/``load`` return, the bytes are in place.
-- CUDA tensors: a side ``torch.cuda.Stream`` and a pinned host region. Blocks are gathered on
-  the GPU into a staging buffer (``index_select`` per segment) and moved with one
-  ``non_blocking`` copy per run of consecutive host blocks (loads: the reverse, then
-  ``index_copy_``). The side stream first waits for the compute stream, so a store sees the KV
-  the forward wrote and a load does not overwrite blocks still being read. Copies are
+- CUDA tensors: a pinned host region and two side streams, one for the copy engine and one,
+  at high priority, for the gather / scatter kernels. Blocks are gathered on the GPU into one
+  of two staging buffers (``index_select`` per layer) and moved with one ``non_blocking`` copy
+  per run of consecutive host blocks (loads: the reverse, then ``index_copy_``); while one
+  buffer crosses the bus the kernels fill or empty the other. The kernel stream first waits for
+  the compute stream, so a store sees the KV the forward wrote and a load does not overwrite
+  blocks still being read; at high priority its thread blocks go ahead of the forward's queued
+  ones instead of waiting behind them for SMs. Copies are
   asynchronous: ``store``/``load`` return a :class:`Transfer`; a stored host block is valid
   only once its transfer is ``done()``, and the forward must not read loaded blocks before
   :meth:`BlockCopier.synchronize` (or the load's ``wait()``) returns. Device blocks being
@@ -37,6 +40,7 @@ BlockCopier over them; block ids are the same on every rank, so nothing here is 
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -49,11 +53,24 @@ from ..errors import ArgumentTypeError, InvalidArgumentError
 
 __all__ = ["BlockCopier", "Transfer"]
 
-#: Device staging buffer of the CUDA path (at most the host pool's size). Each chunk costs two
-#: kernels per segment, so small chunks leave the copy engine waiting on launches: on an H200,
-#: 32 layers x K/V (64 segments of 32 KiB), 64 MiB reached 0.68x / 0.74x of a plain pinned copy
-#: (store / load), 256 MiB 0.82x / 0.82x, 512 MiB 0.85x / 0.84x (benches/bench_cuda_copy.py).
+#: Device staging of the CUDA path, split into ``STAGING_BUFFERS`` buffers (each at most the host
+#: pool's size). On an H100, 32 layers x K/V (64 segments of 32 KiB), 2 GiB scattered: 0.90x /
+#: 0.88x of a plain pinned copy (store / load), against 0.71x / 0.80x for the one-stream path
+#: before (benches/bench_cuda_copy.py, benches/results/cuda_copy_h100.txt).
 STAGING_BYTES = 256 << 20
+
+#: Staging buffers the CUDA path cycles through: one crosses the bus while the other is
+#: scattered (or gathered). On an H100, a 2 GiB load beside matmuls hid as much behind them with
+#: 2 x 128 MiB as with 4 x 128 MiB (91% / 93%), and less with 4 x 64 MiB (67%): smaller chunks
+#: mean more kernels, each one waiting for SMs.
+STAGING_BUFFERS = 2
+
+#: Streams the CUDA path spreads one chunk's per-layer kernels over. On one stream each kernel
+#: waits for the one before it and then for SMs behind the forward's kernels; side by side they
+#: take SMs together. H100, 32 layers: 1 stream hid 23% of a load behind matmuls, 4 streams 91%,
+#: 8 streams 6%: past CUDA's 8 hardware queues (CUDA_DEVICE_MAX_CONNECTIONS), streams share
+#: queues and the compute stream can end up behind a kernel stream that waits for the bus.
+KERNEL_STREAMS = 4
 
 #: Most copy threads per call. ``_core.copy_blocks`` takes any machine-sized count (a count past
 #: it failed every copy later); more threads than cores only adds overhead.
@@ -99,6 +116,23 @@ class _Segment:
     block_bytes: int
     host_offset: int
     block_shape: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class _Group:
+    """All segments of one layer tensor, copied by one kernel per chunk: ``u8`` is
+    ``[outer, N, block_bytes]``, and segment ``o`` sits at ``host_offset + o * block_bytes``."""
+
+    u8: torch.Tensor
+    host_offset: int
+    outer: int
+    block_bytes: int
+
+    def stage_view(self, stage: torch.Tensor) -> torch.Tensor:
+        """This tensor's bytes of staged blocks ``[n, bytes_per_block]`` as ``[outer, n, block_bytes]``."""
+        a = self.host_offset
+        n = stage.shape[0]
+        return stage[:, a : a + self.outer * self.block_bytes].view(n, self.outer, self.block_bytes).transpose(0, 1)
 
 
 class BlockCopier:
@@ -168,6 +202,7 @@ class BlockCopier:
         self._engine = engine
 
         self._segments: list[_Segment] = []
+        self._groups: list[_Group] = []
         seen: set[tuple[int, tuple[int, ...], torch.dtype]] = set()
         offset = 0
         for name, t in tensors:
@@ -175,7 +210,9 @@ class BlockCopier:
             if key in seen:  # the same cache registered under two names (KV sharing)
                 continue
             seen.add(key)
-            for seg in self._segments_of(name, t, block_dim, offset):
+            segs, group = self._segments_of(name, t, block_dim, offset)
+            self._groups.append(group)
+            for seg in segs:
                 self._segments.append(seg)
                 offset += seg.block_bytes
         self._bytes_per_block = offset
@@ -212,11 +249,25 @@ class BlockCopier:
                                          stride=self._bytes_per_block, offset=seg.host_offset)
                 self._regions.append((dev, host))
 
+        # CUDA: host <-> staging copies on ``_stream``, gather / scatter kernels on
+        # ``_kernel_streams`` at the highest priority (a negative number; torch clamps it to the
+        # device's range), so they are not queued behind the forward's kernels.
         self._stream = torch.cuda.Stream(self._device) if is_cuda else None
-        self._chunk = max(1, min(self._num_host_blocks, staging_bytes // self._bytes_per_block))
-        self._staging: torch.Tensor | None = None
+        self._kernel_streams = (
+            [torch.cuda.Stream(self._device, priority=-100) for _ in range(KERNEL_STREAMS)] if is_cuda else []
+        )
+        # Staging buffers of ``_chunk`` blocks: one crosses the bus while others are gathered or
+        # scattered. Per buffer, ``_bus_done[b]`` marks the bus's last use and ``_kernels_done[b][i]``
+        # kernel stream i's; each side waits for the other's before it touches the buffer.
+        nbuf = STAGING_BUFFERS
+        self._chunk = max(1, min(self._num_host_blocks, staging_bytes // (nbuf * self._bytes_per_block)))
+        self._staging: list[tuple[torch.Tensor, list[torch.Tensor]]] = []  # (buffer, view per group)
+        self._bus_done = [torch.cuda.Event() for _ in range(nbuf)] if is_cuda else []
+        self._kernels_done = [[torch.cuda.Event() for _ in self._kernel_streams] for _ in range(nbuf)]
 
-    def _segments_of(self, name: str, t: torch.Tensor, block_dim: int | None, offset: int) -> list[_Segment]:
+    def _segments_of(
+        self, name: str, t: torch.Tensor, block_dim: int | None, offset: int
+    ) -> tuple[list[_Segment], _Group]:
         n = self._num_device_blocks
         shape = tuple(t.shape)
         if not t.is_contiguous():
@@ -248,7 +299,7 @@ class BlockCopier:
         if block_bytes == 0 or outer == 0:
             raise InvalidArgumentError(f"layer {name!r}: KV tensor of shape {shape} holds no bytes")
         u8 = t.reshape(-1).view(torch.uint8).view(outer, n, block_bytes)
-        return [
+        segments = [
             _Segment(
                 layer=name,
                 tensor=t,
@@ -260,6 +311,7 @@ class BlockCopier:
             )
             for o in range(outer)
         ]
+        return segments, _Group(u8, offset, outer, block_bytes)
 
     # ---- properties ----
 
@@ -323,6 +375,8 @@ class BlockCopier:
         """Blocks until every store and load issued so far is complete (a no-op on CPU)."""
         if self._stream is not None:
             self._stream.synchronize()
+            for s in self._kernel_streams:
+                s.synchronize()
 
     # ---- internals ----
 
@@ -358,13 +412,24 @@ class BlockCopier:
         if self._stream is None:
             self._copy_torch(dev, host, to_host)
             return Transfer(nbytes)
-        # Wait for the compute stream: a store must see the KV the forward wrote, a load must
-        # not overwrite device blocks that earlier kernels may still read.
-        self._stream.wait_stream(torch.cuda.current_stream(self._device))
-        with torch.cuda.stream(self._stream):
-            self._copy_torch(dev, host, to_host)
-            event = torch.cuda.Event()
-            event.record(self._stream)
+        # Only the kernels touch the layers, so only they wait for the compute stream: a store
+        # must see the KV the forward wrote, a load must not overwrite blocks earlier kernels may
+        # still read. Host <-> staging copies start at once.
+        compute = torch.cuda.current_stream(self._device)
+        first, *others = self._kernel_streams
+        for s in self._kernel_streams:
+            s.wait_stream(compute)
+        self._copy_torch(dev, host, to_host)
+        # The last step of a store is its last device -> host copy (after every gather); of a
+        # load, the last scatters, joined on the first kernel stream.
+        if to_host:
+            last = self._stream
+        else:
+            last = first
+            for s in others:
+                first.wait_stream(s)
+        event = torch.cuda.Event()
+        event.record(last)
         return Transfer(nbytes, event)
 
     def _copy_rust(self, dev: np.ndarray, host: np.ndarray, to_host: bool) -> None:
@@ -375,42 +440,86 @@ class BlockCopier:
                 _core.copy_blocks(host_region, dev_region, host, dev, self._threads)
 
     def _copy_torch(self, dev: np.ndarray, host: np.ndarray, to_host: bool) -> None:
-        """Gather/scatter through a staging buffer on the layers' device, moving host rows in
-        runs of consecutive host ids (one contiguous copy each). On CUDA this runs on the side
-        stream, so the staging buffer is reused in stream order."""
+        """Gather/scatter through the staging buffers on the layers' device, moving host rows in
+        runs of consecutive host ids (one contiguous copy each). On CUDA, bus copies run on
+        ``_stream`` and kernels on ``_kernel_streams``, ordered per buffer by events, so later
+        chunks cross the bus while chunk k is scattered (or gathered); elsewhere both steps run
+        in program order."""
         order = np.argsort(host, kind="stable")  # longest host runs
         dev, host = dev[order], host[order]
-        if self._staging is None:
-            self._staging = torch.empty(
-                (self._chunk, self._bytes_per_block), dtype=torch.uint8, device=self._device
-            )
-        non_blocking = self._stream is not None
+        if not self._staging:
+            for _ in range(STAGING_BUFFERS):
+                buf = torch.empty((self._chunk, self._bytes_per_block), dtype=torch.uint8, device=self._device)
+                self._staging.append((buf, [g.stage_view(buf) for g in self._groups]))
+        cuda = self._stream is not None
         idx_all = torch.from_numpy(dev)
-        if non_blocking:
-            # From pinned memory: a pageable upload could block this thread until the side stream
-            # (which waits for the forward) has drained.
-            idx_all = idx_all.pin_memory().to(self._device, non_blocking=True)
-        for c0 in range(0, len(dev), self._chunk):
+        kernel_streams = self._kernel_streams or [None]
+        if cuda:
+            # From pinned memory: a pageable upload could block this thread until the kernel
+            # streams (which wait for the forward) have drained.
+            with torch.cuda.stream(kernel_streams[0]):
+                idx_all = idx_all.pin_memory().to(self._device, non_blocking=True)
+            for s in kernel_streams[1:]:
+                s.wait_stream(kernel_streams[0])  # the upload
+                idx_all.record_stream(s)  # read there too: not reused before they are done
+        bus = self._stream_ctx(self._stream)
+        kernels = [(s, self._stream_ctx(s), i) for i, s in enumerate(kernel_streams)]
+        n_streams = len(kernel_streams)
+        for k, c0 in enumerate(range(0, len(dev), self._chunk)):
+            b = k % len(self._staging)
             c1 = min(len(dev), c0 + self._chunk)
-            stage = self._staging[: c1 - c0]
+            stage, views = self._staging[b]
+            if c1 - c0 < self._chunk:  # the last chunk
+                stage = stage[: c1 - c0]
+                views = [v[:, : c1 - c0] for v in views]
             idx = idx_all[c0:c1]
             hs = host[c0:c1]
             cuts = np.flatnonzero(np.diff(hs) != 1) + 1
-            runs = zip(np.r_[0, cuts].tolist(), np.r_[cuts, len(hs)].tolist())
+            runs = list(zip(np.r_[0, cuts].tolist(), np.r_[cuts, len(hs)].tolist()))
+            bus_done = self._bus_done[b] if cuda else None
+            kernels_done = self._kernels_done[b] if cuda else [None]
             if to_host:
-                for s in self._segments:
-                    a = s.host_offset
-                    stage[:, a : a + s.block_bytes].copy_(s.u8.index_select(0, idx))
-                for i, j in runs:
-                    h0 = int(hs[i])
-                    self._host[h0 : h0 + j - i].copy_(stage[i:j], non_blocking=non_blocking)
+                for s, ctx, i in kernels:
+                    with ctx:
+                        self._after(s, bus_done)
+                        for g, view in zip(self._groups[i::n_streams], views[i::n_streams]):
+                            view.copy_(g.u8.index_select(1, idx))
+                        self._mark(s, kernels_done[i])
+                with bus:
+                    for e in kernels_done:
+                        self._after(self._stream, e)
+                    for i, j in runs:
+                        h0 = int(hs[i])
+                        self._host[h0 : h0 + j - i].copy_(stage[i:j], non_blocking=cuda)
+                    self._mark(self._stream, bus_done)
             else:
-                for i, j in runs:
-                    h0 = int(hs[i])
-                    stage[i:j].copy_(self._host[h0 : h0 + j - i], non_blocking=non_blocking)
-                for s in self._segments:
-                    a = s.host_offset
-                    s.u8.index_copy_(0, idx, stage[:, a : a + s.block_bytes])
+                with bus:
+                    for e in kernels_done:
+                        self._after(self._stream, e)
+                    for i, j in runs:
+                        h0 = int(hs[i])
+                        stage[i:j].copy_(self._host[h0 : h0 + j - i], non_blocking=cuda)
+                    self._mark(self._stream, bus_done)
+                for s, ctx, i in kernels:
+                    with ctx:
+                        self._after(s, bus_done)
+                        for g, view in zip(self._groups[i::n_streams], views[i::n_streams]):
+                            g.u8.index_copy_(1, idx, view)
+                        self._mark(s, kernels_done[i])
+
+    @staticmethod
+    def _stream_ctx(stream: Any) -> Any:
+        return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
+
+    @staticmethod
+    def _after(stream: Any, event: Any) -> None:
+        if event is not None:
+            stream.wait_event(event)
+
+    @staticmethod
+    def _mark(stream: Any, event: Any) -> None:
+        if event is not None:
+            event.record(stream)
 
     def __repr__(self) -> str:
         return (
