@@ -89,6 +89,22 @@ def test_direct_construction_checks_types_too(rows, nst, field):
     assert ei.value.field == field
 
 
+@pytest.mark.parametrize("make, field", [
+    (lambda k: DynamicSDSchedule(((1, 4, 3),), k), "speculative_config.num_speculative_tokens"),
+    (lambda k: DynamicSDSchedule.parse([[1, 4, 3]], k), "speculative_config.num_speculative_tokens"),
+    (lambda k: DynamicSDSchedule.from_draft_len_schedule({4: k}, k), "speculative_config.max_draft_len"),
+    (lambda k: DynamicSDSchedule.from_max_concurrency(4, k), "speculative_config.max_draft_len"),
+], ids=["constructor", "parse", "draft_len_schedule", "max_concurrency"])
+def test_k_past_the_bound_is_refused_however_a_schedule_is_built(make, field):
+    # A file's K is capped at 128 (check_num_speculative_tokens); a schedule built in code took
+    # 2**63-1 (vLLM's rejection sampler verifies at most 128 draft tokens per step).
+    for k in (129, 2**40, 2**63 - 1, 2**64):
+        with pytest.raises(ConfigError, match="must be <= 128") as ei:
+            make(k)
+        assert ei.value.field == field, str(ei.value)
+    assert make(128).num_speculative_tokens == 128
+
+
 def test_direct_construction_normalises_rows():
     s = DynamicSDSchedule([[1, np.int64(4), 3], (5, 8, 1)], np.int32(3))
     assert s.rows == ((1, 4, 3), (5, 8, 1)) and type(s.rows[0][1]) is int and s.num_speculative_tokens == 3
@@ -112,7 +128,6 @@ def test_direct_construction_normalises_rows():
     (lambda: lookahead_array(3, batch_size=2, num_requests=2.0), "num_requests"),
     (lambda: lookahead_array(3, batch_size=2**40), "batch_size"),
     (lambda: lookahead_array(2**40, 2), "lookahead"),
-    (lambda: lookahead_array(DynamicSDSchedule.parse([[1, 2, 2**40]], 2**40), 2), "lookahead"),
     (lambda: DynamicSDSchedule.parse([[1, 4, 3]], 3).dense(2**40), "max_batch_size"),
 ])
 def test_api_arguments_are_config_errors_naming_them(call, field):
@@ -128,10 +143,9 @@ def test_field_keyword_and_huge_k_are_kvslots_errors():
                  lambda: DynamicSDSchedule.from_draft_len_schedule({4: 3}, 3, field=None)):
         with pytest.raises(ArgumentTypeError, match="field must be a str"):
             call()
-    with pytest.raises(ConfigError, match="<= 2\\*\\*63-1") as ei:  # num_speculative_tokens 2**64 was taken
+    with pytest.raises(ConfigError, match="<= 128") as ei:  # num_speculative_tokens 2**64 was taken
         DynamicSDSchedule.parse([[1, 4, 3]], 2**64)
     assert ei.value.field == "speculative_config.num_speculative_tokens"
-    assert DynamicSDSchedule.parse([[1, 4, 3]], 2**63 - 1).num_speculative_tokens == 2**63 - 1
 
 
 def test_bad_query_arguments_are_config_errors():

@@ -131,6 +131,10 @@ class DynamicSDSchedule:
                 field,
             )
         max_draft_len = _strict_int(max_draft_len, _sibling(field, "max_draft_len"), "max_draft_len")
+        from .speculative import check_num_speculative_tokens  # see _typed
+
+        # Named as the key it is read from, before parse names it num_speculative_tokens.
+        check_num_speculative_tokens(max_draft_len, _sibling(field, "max_draft_len"))
         if max_batch_size is not None:
             max_batch_size = _strict_int(max_batch_size, "max_batch_size", "max_batch_size")
             if not 0 <= max_batch_size <= INT_MAX:
@@ -231,14 +235,17 @@ def _merge_equal(rows: list[Row]) -> list[Row]:
 
 
 def _typed(rows: Any, nst: Any, field: str) -> tuple[tuple[Row, ...], int]:
-    """``rows`` as a tuple of integer triples and ``nst`` as an int >= 1; a ConfigError naming the
-    row otherwise."""
+    """``rows`` as a tuple of integer triples and ``nst`` as an int in [1, 128]; a ConfigError
+    naming the row otherwise."""
     nst_field = _sibling(field, "num_speculative_tokens")
     n = _strict_int(nst, nst_field, "num_speculative_tokens")
     if n < 1:
         raise ConfigError(f"num_speculative_tokens must be >= 1, got {n}", nst_field)
-    if n > INT_MAX:  # 64-bit, as the rows' ends (2**64 was taken)
-        raise ConfigError(f"num_speculative_tokens must be <= 2**63-1, got {n}", nst_field)
+    # The bound a file's K has, for a schedule built in code too (2**63-1 was taken). Imported
+    # here: kvslots.config.speculative imports this module.
+    from .speculative import check_num_speculative_tokens
+
+    check_num_speculative_tokens(n, nst_field)
     if isinstance(rows, (str, bytes, Mapping)) or not isinstance(rows, Iterable):
         raise ConfigError(
             f"must be a list of [start, end, num_speculative_tokens] rows, got {_describe(rows)}", field)
