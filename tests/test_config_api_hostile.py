@@ -5,6 +5,7 @@ inside, and never a NaN, a set or a cycle converted as if it were configuration.
 from __future__ import annotations
 
 import io
+import json
 
 import pytest
 
@@ -107,6 +108,29 @@ def _spec_cycle() -> dict:
 def test_resolve_speculative_config_gets_the_files_value_rules(base, explicit):
     with pytest.raises(ConfigError):  # returned as the speculative config
         resolve_speculative_config(base, explicit)
+
+
+@pytest.mark.parametrize("method, why", [
+    ("ng\0ram", "must not contain a NUL character"),
+    ("eagle\udc80", "must be valid Unicode"),
+    ("", "must be a non-empty string"),
+], ids=["nul", "lone-surrogate", "empty"])
+def test_speculative_method_is_checked_as_text(capsys, method, why):
+    # Only its type was checked: from Python a NUL or a lone surrogate came back in the config.
+    spec = {"method": method, "num_speculative_tokens": 2}
+    for base, explicit in ((None, spec), (spec, None)):
+        with pytest.raises(ConfigError, match=why) as ei:
+            resolve_speculative_config(base, explicit)
+        assert ei.value.field == "speculative_config.method"
+    if "\udc80" not in method:  # JSON on the command line: its own check refuses a lone surrogate
+        from kvslots import cli
+
+        capsys.readouterr()
+        code = cli.main(["serve", "org/target", "--dry-run", "-q", "--speculative-config",
+                         json.dumps(spec)])
+        err = capsys.readouterr().err
+        assert code == 2 and err.count("\n") == 1 and "speculative_config.method" in err, err
+    assert resolve_speculative_config(None, {"method": "ngram", "num_speculative_tokens": 2})["method"] == "ngram"
 
 
 @pytest.mark.parametrize("base", [5, 1.5, b"/tmp", ["/tmp"]])

@@ -15,7 +15,7 @@ from typing import Any
 
 from .. import _args
 from ..errors import ConnectorConfigError, KVSlotsError
-from .loader import brief
+from .loader import brief, text_problem
 
 
 GIB = 1 << 30
@@ -227,11 +227,7 @@ def _brief(value: Any) -> str:
 def _text(value: Any) -> bool:
     """A str that is valid Unicode (no lone surrogate: it could not be encoded to bytes for a
     path, a ZMQ address or topic, or a host name) and holds no NUL."""
-    try:
-        value = _args.text(value, "value")
-    except KVSlotsError:
-        return False
-    return "\0" not in value
+    return isinstance(value, str) and text_problem(str.__str__(value)) is None
 
 
 def _exact(value: Any) -> Any:

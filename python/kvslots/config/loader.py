@@ -214,6 +214,19 @@ def _scalar_problem(value: Any) -> str | None:
     return None
 
 
+def text_problem(value: str) -> str | None:
+    """What keeps the str ``value`` from being passed on as text (a command-line argument, a path,
+    JSON on stdout), ``None`` when nothing does: a NUL (no argv or path holds one) or a lone
+    surrogate (no UTF-8 holds one). The one home of that rule for configuration strings."""
+    if "\0" in value:
+        return "must not contain a NUL character"
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        return "must be valid Unicode (no lone surrogates)"
+    return None
+
+
 # --------------------------------------------------------------------------- YAML
 
 
@@ -571,5 +584,6 @@ __all__ = [
     "parse_json",
     "parse_yaml",
     "read_config_text",
+    "text_problem",
     "yaml_module",
 ]

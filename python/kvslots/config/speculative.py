@@ -36,7 +36,7 @@ from typing import Any
 
 from ..errors import ConfigError
 from .loader import brief as short
-from .loader import check_values, load_json
+from .loader import check_values, load_json, text_problem
 from .schedule import DynamicSDSchedule
 from .vllm_args import brief
 
@@ -252,8 +252,9 @@ def resolve_speculative_config(
     its ``method`` or ``model``. Either way, what is overridden is appended to ``notes``.
 
     The result is validated: ``num_speculative_tokens`` given, an integer >= 1 (for every method),
-    a ``num_speculative_tokens_per_batch_size`` schedule that fits it, ``method`` a string and a
-    ``model``, when given, a string naming a local directory or a Hub id. Raises
+    a ``num_speculative_tokens_per_batch_size`` schedule that fits it, ``method`` a non-empty
+    string without a NUL or a lone surrogate and a ``model``, when given, a string naming a local
+    directory or a Hub id. Raises
     :class:`~kvslots.ConfigError` naming the key.
     """
     for given, what in ((base, "base"), (explicit, explicit_source)):
@@ -283,8 +284,16 @@ def resolve_speculative_config(
     if spec is None:
         return None
     method = spec.get("method")
-    if method is not None and not isinstance(method, str):
-        raise ConfigError(f"must be a string, got {short(method)}", "speculative_config.method")
+    if method is not None:
+        # Text as the other strings are (from Python a NUL or a lone surrogate was returned).
+        # Not checked against vLLM's methods: its list changes with its version (one Literal per
+        # model's MTP), and vLLM refuses an unknown one naming them.
+        if not isinstance(method, str) or not method:
+            raise ConfigError(f"must be a non-empty string, got {short(method)}", "speculative_config.method")
+        spec["method"] = method = str.__str__(method)  # the text itself: a subclass's __contains__ never runs
+        problem = text_problem(method)
+        if problem:
+            raise ConfigError(f"{problem}, got {short(method)}", "speculative_config.method")
     # Required for every method: vLLM derives K only for suffix decoding and for drafts whose
     # config.json has n_predict, and kvslots needs K (the lookahead it reserves) before vLLM runs.
     nst = spec.get("num_speculative_tokens")

@@ -7,7 +7,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from ...errors import ConfigError
-from ..loader import brief
+from ..loader import brief, text_problem
 from ..schedule import DynamicSDSchedule
 from .result import IgnoredKey, MappedKey
 
@@ -78,14 +78,11 @@ class ConverterBase:
             raise self.fail(path, f"must be a non-empty string, got {describe(value)}")
         # It becomes a command-line argument: no argv holds a NUL (kvslots serve failed to start
         # vLLM with a ValueError), and stdout cannot write a lone surrogate.
-        if "\0" in value:
-            raise self.fail(path, f"must not contain a NUL character, got {describe(value)}")
+        problem = text_problem(value)
+        if problem:
+            raise self.fail(path, f"{problem}, got {describe(value)}")
         if value == "--":  # however written (--x --, --x=--), vLLM's parser reads no value: [] on Python < 3.13
             raise self.fail(path, "cannot be '--', which vLLM's argument parser reads as the end of its options")
-        try:
-            value.encode("utf-8")
-        except UnicodeEncodeError:
-            raise self.fail(path, f"must be valid Unicode (no lone surrogates), got {describe(value)}") from None
         return value
 
     def fraction(self, value: Any, path: str) -> float:
