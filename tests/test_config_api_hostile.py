@@ -133,6 +133,15 @@ def test_speculative_method_is_checked_as_text(capsys, method, why):
     assert resolve_speculative_config(None, {"method": "ngram", "num_speculative_tokens": 2})["method"] == "ngram"
 
 
+def test_a_tilde_reference_with_a_nul_names_nothing():
+    from kvslots.config.speculative import check_draft_model, classify_model
+
+    # Expanding ~ with a NUL in the user name was getpwnam's ValueError out of classify_model.
+    assert classify_model("~\0/x").kind == "missing"
+    with pytest.raises(ConfigError, match="does not exist"):
+        check_draft_model("~\0/x", "speculative_config.model")
+
+
 @pytest.mark.parametrize("base", [5, 1.5, b"/tmp", ["/tmp"]])
 def test_classify_model_base_must_be_a_path(base):
     from kvslots.config.speculative import classify_model

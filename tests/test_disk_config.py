@@ -76,6 +76,28 @@ def test_bad_serve_disk_flags_exit_2_with_one_line(target: str, argv: list, word
     assert rc == 2 and len(err) == 1 and word in err[0], err
 
 
+def test_disk_path_expands_the_home_directory(target: str, tmp_path: Path, monkeypatch, capsys) -> None:
+    # As a model path is: ~ in a --connector-config (JSON, which no shell expands) or a
+    # --disk-path=~/x was taken as a directory named "~" under vLLM's working directory.
+    home = tmp_path / "home"
+    home.mkdir()
+    monkeypatch.setenv("HOME", str(home))
+    want = str(home / "kv")
+    assert ConnectorConfig(disk_path="~/kv").disk_path == want
+    assert ConnectorConfig.from_extra_config({"disk_path": "~/kv"}).disk_path == want
+    assert ConnectorConfig(disk_path="~nosuchuser-kvslots/kv").disk_path == "~nosuchuser-kvslots/kv"  # stays
+    ConnectorConfig(disk_path="~/kv").check_disk_path()
+    # The check kvslots serve runs before vLLM starts looks under $HOME too: a HOME that is a
+    # file takes no disk tier (it tried ./~/kv and passed).
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("HOME", str(target + "/config.json"))
+    for argv in (["--connector-config", '{"disk_path": "~/kv"}'], ["--disk-path=~/kv"]):
+        rc = cli.main(["serve", target, *argv, "--dry-run", "-q"])
+        err = capsys.readouterr().err.strip().splitlines()
+        assert rc == 2 and len(err) == 1 and "is not a directory" in err[0], err
+    assert not (tmp_path / "~").exists()
+
+
 def test_disk_path_is_tried_before_start(tmp_path: Path) -> None:
     # A disk_path that exists but takes no file (/proc/self), or lies under a file, passed the
     # pre-start check: the connector refused it only once vLLM had loaded the model.

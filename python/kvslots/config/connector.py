@@ -15,7 +15,7 @@ from typing import Any
 
 from .. import _args
 from ..errors import ConnectorConfigError, KVSlotsError
-from .loader import brief, text_problem
+from .loader import brief, expand_home, text_problem
 
 
 GIB = 1 << 30
@@ -265,7 +265,7 @@ def _check(key: str, value: Any) -> Any:
             return None
         if not _text(value) or not value.strip():
             raise bad("must be a directory path (valid Unicode, no NUL)")
-        return value
+        return expand_home(value)  # as a model path: ~/kv was a directory "~" in vLLM's working directory
     if key == "host_cache_gb":
         # Bounded like disk_gb: infinity (or 1e999) would overflow sizing it in blocks.
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < 1 << 20:

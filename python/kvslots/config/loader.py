@@ -227,6 +227,18 @@ def text_problem(value: str) -> str | None:
     return None
 
 
+def expand_home(path: str) -> str:
+    """``path`` with a leading ``~`` or ``~user`` expanded, the one home of that rule for the
+    paths a configuration gives (a model directory, the disk tier's ``disk_path``): what it names
+    is read by vLLM or a worker, which take ``~`` literally, and JSON on a command line is never
+    expanded by a shell. A ``~`` that cannot be expanded (a user there is not, a NUL) stays as
+    written: it then names nothing, like any other path that does not exist."""
+    try:
+        return os.path.expanduser(path)
+    except ValueError:  # a NUL (getpwnam's ValueError); no such user returns the path as given
+        return path
+
+
 # --------------------------------------------------------------------------- YAML
 
 
@@ -579,6 +591,7 @@ __all__ = [
     "MAX_NODES",
     "check_values",
     "dump_json",
+    "expand_home",
     "load_json",
     "load_yaml",
     "parse_json",

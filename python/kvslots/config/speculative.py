@@ -36,7 +36,7 @@ from typing import Any
 
 from ..errors import ConfigError
 from .loader import brief as short
-from .loader import check_values, load_json, text_problem
+from .loader import check_values, expand_home, load_json, text_problem
 from .schedule import DynamicSDSchedule
 from .vllm_args import brief
 
@@ -88,12 +88,9 @@ def reference_text(name: Any, what: str, kind: str = "a path or a Hub id") -> st
 
 
 def _local_path(text: str) -> Path:
-    """``text`` as a local path, ``~`` expanded. A ``~name`` of no user stays as written (it then
-    names nothing, like any other path that does not exist)."""
-    try:
-        return Path(text).expanduser()
-    except RuntimeError:  # no such user / no home directory
-        return Path(text)
+    """``text`` as a local path, ``~`` expanded (:func:`~kvslots.config.loader.expand_home`: a
+    ``~name`` of no user, or one holding a NUL, stays as written and names nothing)."""
+    return Path(expand_home(text))
 
 
 def _kind_on_disk(path: Path) -> str | None:
