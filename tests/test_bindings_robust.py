@@ -1261,3 +1261,84 @@ def test_device_manager_computed_blocks_refuses_a_bool_count():
         with pytest.raises(ArgumentTypeError, match="max_blocks"):
             m.computed_blocks(r, flag_value)
     assert m.computed_blocks(r, -3).num_blocks == 0 and m.computed_blocks(r, 0).num_blocks == 0
+
+
+def _region():
+    return _core.BlockRegion(np.zeros(64, np.uint8), block_bytes=8, num_blocks=8)
+
+
+def _stats():
+    ix = _core.PrefixIndex()
+    ix.add_worker("w")
+    return ix.apply("w", _core.encode_event_batch([("BlockStored", [1], None, [1, 2], 2, None)], 0.0))
+
+
+def _slot_info():
+    t = _core.SlotTracker(4)
+    t.add("r")
+    return t.slot_info("r")
+
+
+def _device_manager():
+    m = _core.DeviceKVManager(64, 4, max_model_len=256)
+    m.allocate_slots(_DeviceReq("a"), 8)
+    return m
+
+
+#: For every class of ``kvslots._core``: (build an instance, a call that reads its state). A new
+#: class fails ``test_no_object_of_the_extension_pickles_or_copies`` until it is listed here.
+_EVERY_CLASS = {
+    "SlotManager": (lambda tmp: _core.SlotManager(64, 4), lambda o: (o.num_free, len(o))),
+    "SlotTracker": (lambda tmp: _core.SlotTracker(4), len),
+    "SlotInfo": (lambda tmp: _slot_info(), repr),
+    "HostCache": (lambda tmp: _core.HostCache(8, 2), lambda o: (o.num_free, o.check_invariants())),
+    "ConnectorPlanner": (lambda tmp: _core.ConnectorPlanner(2, 8, False), lambda o: o.num_tracked),
+    "DiskIndex": (lambda tmp: _core.DiskIndex(4, 2), lambda o: (o.num_free, o.check_invariants())),
+    "DiskStore": (lambda tmp: _core.DiskStore(str(tmp / "f.bin"), num_slots=4, block_size=2, num_layers=1,
+                                              bytes_per_block=8, dtype="uint8", fingerprint=1),
+                  lambda o: (o.num_slots, o.stats())),
+    "PrefixIndex": (lambda tmp: _core.PrefixIndex(), lambda o: (len(o), o.check_invariants())),
+    "ApplyStats": (lambda tmp: _stats(), repr),
+    "BlockRegion": (lambda tmp: _region(), lambda o: (o.num_blocks, o.nbytes)),
+    "KVBlocks": (lambda tmp: _core.KVBlocks([3, 4]), lambda o: o.get_block_ids()),
+    "DeviceKVManager": (lambda tmp: _device_manager(), _device_state),
+}
+
+
+def _core_classes():
+    return sorted(n for n, v in vars(_core).items() if isinstance(v, type) and v.__module__ == "kvslots._core")
+
+
+@pytest.mark.parametrize("name", _core_classes() + ["kvslots.SlotManager"])
+def test_no_object_of_the_extension_pickles_or_copies(name, tmp_path):
+    """pickle.dumps, copy.copy and copy.deepcopy of an object of the extension raised a builtin
+    TypeError ("cannot pickle ..."). The objects hold native state (memory, locks, files,
+    threads, the objects they were built from) that must not be silently duplicated: every one
+    now refuses with ``NotCopyableError`` (a kvslots error, still a TypeError) naming its class,
+    and stays usable. Enumerates the module, so a class added without the rule fails here."""
+    import copy
+    import pickle
+
+    from kvslots.errors import NotCopyableError
+
+    if name == "kvslots.SlotManager":  # a Python subclass: named as itself
+        build, read, cls_name = (lambda tmp: kvslots.SlotManager(64, 4)), (lambda o: o.num_free), "SlotManager"
+    else:
+        assert name in _EVERY_CLASS, f"kvslots._core.{name} is new: add it to _EVERY_CLASS"
+        (build, read), cls_name = _EVERY_CLASS[name], name
+    obj = build(tmp_path)
+    before = read(obj)
+    for call in (pickle.dumps, lambda o: pickle.dumps(o, protocol=0), lambda o: pickle.dumps(o, protocol=5),
+                 copy.copy, copy.deepcopy, lambda o: copy.deepcopy([o, {"k": o}])):
+        with pytest.raises(NotCopyableError, match=rf"cannot pickle or copy .*\b{cls_name}: .") as e:
+            call(obj)
+        assert isinstance(e.value, KVSlotsError) and isinstance(e.value, TypeError)
+        assert "\n" not in str(e.value)
+        assert read(obj) == before
+    assert type(pickle.loads(pickle.dumps(e.value))) is NotCopyableError  # the error itself pickles
+    if name == "kvslots.SlotManager":
+        assert "kvslots.slots.manager.SlotManager" in str(e.value)
+
+
+def test_every_class_of_the_extension_is_checked_for_copying():
+    assert sorted(_EVERY_CLASS) == _core_classes()

@@ -11,6 +11,7 @@
     │   └── UnknownWorkerError, DuplicateWorkerError   the prefix index's or an event subscriber's
     │                              workers (also a KeyError, a ValueError)
     ├── InvalidStateError          an object shut down, stopped or already started (also a RuntimeError)
+    ├── NotCopyableError           pickling or copying an object of the extension (also a TypeError)
     ├── ConfigError                a configuration kvslots cannot accept (also a ValueError)
     │   ├── ConnectorConfigError   the connector's kv_connector_extra_config
     │   └── UnsupportedVLLMVersionError   not vLLM 0.32.x or 0.33.x (kvslots.vllm.compat)
@@ -186,6 +187,15 @@ class InvalidStateError(KVSlotsError, RuntimeError):
     :class:`RuntimeError`."""
 
 
+class NotCopyableError(KVSlotsError, TypeError):
+    """``pickle``, ``copy.copy`` or ``copy.deepcopy`` of an object of the Rust extension
+    (``kvslots._core``: a slot manager, a cache, an index, a disk store, a memory region, ...).
+    They hold native state (memory, locks, open files, threads, the Python objects they were
+    built from) that a copy would silently duplicate or detach, so every one refuses; the
+    message names the class and why. The object is unchanged and stays usable. Also a
+    :class:`TypeError` (what pickling raised before)."""
+
+
 __all__ = [
     "KVSlotsError",
     "SlotError",
@@ -207,4 +217,5 @@ __all__ = [
     "UnknownWorkerError",
     "DuplicateWorkerError",
     "InvalidStateError",
+    "NotCopyableError",
 ]

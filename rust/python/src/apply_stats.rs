@@ -24,6 +24,14 @@ pub(crate) struct ApplyStats {
 
 #[pymethods]
 impl ApplyStats {
+    /// Refuses `pickle`, `copy.copy` and `copy.deepcopy`: see `errors::refuse_copy`.
+    fn __reduce__(slf: &Bound<'_, Self>) -> PyResult<()> {
+        crate::errors::refuse_copy(
+            slf,
+            "it is a report the engine returned, not a value to rebuild; read its attributes instead",
+        )
+    }
+
     fn __repr__(&self) -> String {
         format!(
             "ApplyStats(events={}, stored_blocks={}, removed_blocks={}, cleared={}, orphan_blocks={}, \

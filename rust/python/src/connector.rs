@@ -928,6 +928,14 @@ impl ConnectorPlanner {
 
 #[pymethods]
 impl ConnectorPlanner {
+    /// Refuses `pickle`, `copy.copy` and `copy.deepcopy`: see `errors::refuse_copy`.
+    fn __reduce__(slf: &Bound<'_, Self>) -> PyResult<()> {
+        crate::errors::refuse_copy(
+            slf,
+            "it holds the vLLM request objects it tracks and the host tier's blocks, which a copy would detach or hand out twice",
+        )
+    }
+
     #[new]
     #[pyo3(signature = (block_size, num_host_blocks, eagle, expected_workers=None, max_decode_tokens=None))]
     fn new(

@@ -241,6 +241,14 @@ pub(crate) struct BlockRegion {
 
 #[pymethods]
 impl BlockRegion {
+    /// Refuses `pickle`, `copy.copy` and `copy.deepcopy`: see `errors::refuse_copy`.
+    fn __reduce__(slf: &Bound<'_, Self>) -> PyResult<()> {
+        crate::errors::refuse_copy(
+            slf,
+            "it points into the memory of the array or tensor it was built from",
+        )
+    }
+
     #[new]
     #[pyo3(signature = (memory, *, block_bytes, num_blocks, stride=None, offset=0))]
     fn new(

@@ -233,6 +233,14 @@ pub(crate) struct KVBlocks {
 
 #[pymethods]
 impl KVBlocks {
+    /// Refuses `pickle`, `copy.copy` and `copy.deepcopy`: see `errors::refuse_copy`.
+    fn __reduce__(slf: &Bound<'_, Self>) -> PyResult<()> {
+        crate::errors::refuse_copy(
+            slf,
+            "it is a view of a request's block table; get_block_ids() gives plain lists",
+        )
+    }
+
     #[new]
     #[pyo3(signature = (block_ids=Vec::new()))]
     fn py_new(#[pyo3(from_py_with = arg::block_ids)] block_ids: Vec<u32>) -> Self {
@@ -667,6 +675,14 @@ fn call_hook(
 
 #[pymethods]
 impl DeviceKVManager {
+    /// Refuses `pickle`, `copy.copy` and `copy.deepcopy`: see `errors::refuse_copy`.
+    fn __reduce__(slf: &Bound<'_, Self>) -> PyResult<()> {
+        crate::errors::refuse_copy(
+            slf,
+            "it owns the device block pool and its requests' blocks, which a copy would hand out twice",
+        )
+    }
+
     #[new]
     #[pyo3(signature = (num_blocks, block_size, *, max_model_len, enable_caching=None, record_evictions=None, record_new_blocks=None, num_reprefillable_tokens=None, watermark_blocks=None, defer_lookahead=None))]
     #[allow(clippy::too_many_arguments)]

@@ -73,6 +73,14 @@ pub(crate) struct DiskIndex {
 
 #[pymethods]
 impl DiskIndex {
+    /// Refuses `pickle`, `copy.copy` and `copy.deepcopy`: see `errors::refuse_copy`.
+    fn __reduce__(slf: &Bound<'_, Self>) -> PyResult<()> {
+        crate::errors::refuse_copy(
+            slf,
+            "it owns the slots of a disk tier file, which a copy would hand out twice",
+        )
+    }
+
     /// `publish_successors`: every `BlockStored` (written or restored) carries each block's
     /// recorded successor as vLLM 0.33's `lookahead_token_ids` (the connector's EAGLE rule).
     #[new]
@@ -312,6 +320,11 @@ pub(crate) struct DiskStore {
 
 #[pymethods]
 impl DiskStore {
+    /// Refuses `pickle`, `copy.copy` and `copy.deepcopy`: see `errors::refuse_copy`.
+    fn __reduce__(slf: &Bound<'_, Self>) -> PyResult<()> {
+        crate::errors::refuse_copy(slf, "it owns an open file and its writer thread")
+    }
+
     /// Opens (or creates, sized for `num_slots` blocks) the file at `path`. A file of another
     /// model, layout or format is started afresh: `opened` says which happened.
     #[new]

@@ -20,6 +20,7 @@ pyo3::import_exception!(kvslots.errors, InvalidArgumentError);
 pyo3::import_exception!(kvslots.errors, EventDecodeError);
 pyo3::import_exception!(kvslots.errors, UnknownWorkerError);
 pyo3::import_exception!(kvslots.errors, DuplicateWorkerError);
+pyo3::import_exception!(kvslots.errors, NotCopyableError);
 
 /// Maps an engine error to its Python class: `(message, request_id, details)`.
 pub(crate) fn slot_error(e: core::SlotError) -> PyErr {
@@ -110,6 +111,25 @@ pub(crate) fn borrow_mut<'py, T: pyo3::PyClass<Frozen = pyo3::pyclass::boolean_s
     slf: &Bound<'py, T>,
 ) -> PyResult<PyRefMut<'py, T>> {
     slf.try_borrow_mut().map_err(|_| busy(T::NAME))
+}
+
+/// The one rule for pickling and copying the extension's objects. Every class's `__reduce__`
+/// is `errors::refuse_copy(slf, why)`: `pickle.dumps`, `copy.copy` and `copy.deepcopy` all
+/// reach `__reduce__` (through `object.__reduce_ex__`), so each raises `NotCopyableError` (a
+/// kvslots error and a `TypeError`) naming the object's class (a Python subclass's own name)
+/// and `why`, having touched nothing. The objects hold native state (memory, locks, files,
+/// threads, the Python objects they were built from) that a copy would silently duplicate or
+/// detach. `tests/test_bindings_robust.py` checks every class of the module has it.
+pub(crate) fn refuse_copy<T>(slf: &Bound<'_, T>, why: &str) -> PyResult<()> {
+    let ty = slf.as_any().get_type();
+    let name = ty
+        .fully_qualified_name()
+        .map_or_else(|_| "this object".to_owned(), |n| n.to_string());
+    let none: Option<String> = None;
+    Err(NotCopyableError::new_err((
+        format!("cannot pickle or copy {name}: {why}"),
+        none,
+    )))
 }
 
 /// An event batch that cannot be encoded (a length over msgpack's limits).

@@ -24,6 +24,14 @@ pub(crate) struct HostCache {
 
 #[pymethods]
 impl HostCache {
+    /// Refuses `pickle`, `copy.copy` and `copy.deepcopy`: see `errors::refuse_copy`.
+    fn __reduce__(slf: &Bound<'_, Self>) -> PyResult<()> {
+        crate::errors::refuse_copy(
+            slf,
+            "it owns the host tier's blocks and their hashes, which a copy would hand out twice",
+        )
+    }
+
     /// `publish_successors`: `BlockStored` events carry each block's successor (vLLM 0.33's
     /// `lookahead_token_ids`; `begin_store_run`'s `successors`).
     #[new]

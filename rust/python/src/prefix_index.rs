@@ -172,6 +172,14 @@ impl PrefixIndex {
 
 #[pymethods]
 impl PrefixIndex {
+    /// Refuses `pickle`, `copy.copy` and `copy.deepcopy`: see `errors::refuse_copy`.
+    fn __reduce__(slf: &Bound<'_, Self>) -> PyResult<()> {
+        crate::errors::refuse_copy(
+            slf,
+            "it owns a lock and the index behind it; share the one object (it is thread-safe)",
+        )
+    }
+
     #[new]
     #[pyo3(signature = (*, capacity=None, tier_weights=None, hash_seed=0, journal=false))]
     fn new(

@@ -19,6 +19,14 @@ pub(crate) struct SlotInfo {
 
 #[pymethods]
 impl SlotInfo {
+    /// Refuses `pickle`, `copy.copy` and `copy.deepcopy`: see `errors::refuse_copy`.
+    fn __reduce__(slf: &Bound<'_, Self>) -> PyResult<()> {
+        crate::errors::refuse_copy(
+            slf,
+            "it is a snapshot the engine returned, not a value to rebuild; read its attributes instead",
+        )
+    }
+
     fn __repr__(&self) -> String {
         format!(
             "SlotInfo(committed={}, pending={}, lookahead={}, reserved_lookahead={}, num_blocks={}, num_immutable={}, capacity={})",

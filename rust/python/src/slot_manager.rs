@@ -37,6 +37,14 @@ type StepArrays<'py> = (
 /// half done.
 #[pymethods]
 impl SlotManager {
+    /// Refuses `pickle`, `copy.copy` and `copy.deepcopy`: see `errors::refuse_copy`.
+    fn __reduce__(slf: &Bound<'_, Self>) -> PyResult<()> {
+        crate::errors::refuse_copy(
+            slf,
+            "it owns a block pool and its requests' slots, which a copy would hand out twice",
+        )
+    }
+
     #[new]
     #[pyo3(signature = (num_blocks, block_size, *, hash_seed=0, enable_prefix_caching=true, max_tokens_per_slot=None))]
     fn new(

@@ -18,6 +18,14 @@ pub(crate) struct SlotTracker {
 
 #[pymethods]
 impl SlotTracker {
+    /// Refuses `pickle`, `copy.copy` and `copy.deepcopy`: see `errors::refuse_copy`.
+    fn __reduce__(slf: &Bound<'_, Self>) -> PyResult<()> {
+        crate::errors::refuse_copy(
+            slf,
+            "it tracks slots over block ids owned elsewhere (vLLM's device blocks), which a copy would hand out twice",
+        )
+    }
+
     #[new]
     #[pyo3(signature = (block_size, *, hash_seed=0))]
     fn new(
