@@ -113,7 +113,7 @@ def test_resolve_speculative_config_gets_the_files_value_rules(base, explicit):
 @pytest.mark.parametrize("method, why", [
     ("ng\0ram", "must not contain a NUL character"),
     ("eagle\udc80", "must be valid Unicode"),
-    ("", "must be a non-empty string"),
+    ("", "must not be empty"),
 ], ids=["nul", "lone-surrogate", "empty"])
 def test_speculative_method_is_checked_as_text(capsys, method, why):
     # Only its type was checked: from Python a NUL or a lone surrogate came back in the config.

@@ -285,10 +285,10 @@ def resolve_speculative_config(
         # Text as the other strings are (from Python a NUL or a lone surrogate was returned).
         # Not checked against vLLM's methods: its list changes with its version (one Literal per
         # model's MTP), and vLLM refuses an unknown one naming them.
-        if not isinstance(method, str) or not method:
-            raise ConfigError(f"must be a non-empty string, got {short(method)}", "speculative_config.method")
+        if not isinstance(method, str):
+            raise ConfigError(f"must be a string, got {short(method)}", "speculative_config.method")
         spec["method"] = method = str.__str__(method)  # the text itself: a subclass's __contains__ never runs
-        problem = text_problem(method)
+        problem = "must not be empty" if not method else text_problem(method)
         if problem:
             raise ConfigError(f"{problem}, got {short(method)}", "speculative_config.method")
     # Required for every method: vLLM derives K only for suffix decoding and for drafts whose
