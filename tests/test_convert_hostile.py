@@ -359,3 +359,34 @@ def test_an_explicit_key_overrides_a_merged_one_however_it_is_spelled():
         parse_trtllm_yaml(text + "max_batch_size: 32\n")
     with pytest.raises(ConfigError, match="duplicate key 'max_batch_size'"):
         parse_trtllm_yaml("&k max_batch_size: 8\n*k : 16\n")
+
+
+#: Within the file limits, each makes one string of the vLLM command longer than execve takes
+#: (128 KiB): 20000 draft_len_schedule thresholds (a 300 KB --speculative-config), a 70000-entry
+#: pp_partition (a 140 KB VLLM_PP_LAYER_PARTITION).
+LONG_SCHEDULE = ("speculative_config:\n  decoding_type: NGram\n  max_draft_len: 4\n  draft_len_schedule: {"
+                 + ", ".join(f"{i}: {4 if i == 1 else 1 + i % 2}" for i in range(1, 20_001)) + "}\n")
+LONG_PARTITION = "pp_partition: [" + ",".join(["1"] * 70_000) + "]\n"
+
+
+@pytest.mark.parametrize("yaml_text, what", [
+    (LONG_SCHEDULE, "argument of --speculative-config is"),
+    (LONG_PARTITION, "environment variable VLLM_PP_LAYER_PARTITION is"),
+], ids=["argument", "environment"])
+def test_flags_longer_than_execve_takes_are_one_line_exit_2(tmp_path, capsys, yaml_text, what):
+    # Printed as a vllm serve command tail that could not be run ('Argument list too long'),
+    # while kvslots serve refuses the same command.
+    f = tmp_path / "e.yaml"
+    f.write_text(yaml_text)
+    capsys.readouterr()
+    for argv in ([], ["-o", str(tmp_path / "flags.txt")]):
+        assert cli.main(["convert-config", str(f), "-q", *argv]) == 2
+        out, err = capsys.readouterr()
+        assert out == "" and err.count("\n") == 1, err
+        assert err.startswith(f"kvslots convert-config: error: the vLLM command's {what} ") and "at most 131072" in err, err
+    assert not (tmp_path / "flags.txt").exists()
+    if yaml_text is LONG_SCHEDULE:  # as JSON or a --config file the schedule is no argument
+        for fmt in ("json", "yaml"):
+            assert cli.main(["convert-config", str(f), "-q", "--format", fmt]) == 0
+    f.write_text("pp_partition: [" + ",".join(["1"] * 1000) + "]\n")  # long, but within the limit
+    assert cli.main(["convert-config", str(f), "-q"]) == 0

@@ -17,6 +17,7 @@ import sys
 from ..cli import one_line, output
 from ..errors import ConfigError
 from .trtllm import ConversionResult, check_with_vllm, convert_trtllm_config
+from .vllm_args import check_exec_strings
 
 PROG = "kvslots convert-config"
 
@@ -56,7 +57,9 @@ def _render(result: ConversionResult, fmt: str) -> str:
         return result.to_json() + "\n"
     if fmt == "yaml":
         return result.to_yaml()
-    return shlex.join(result.cli_args(include_model=True)) + "\n"
+    argv = result.cli_args(include_model=True)
+    check_exec_strings(argv, result.env)  # serve's rule: a tail vLLM could not be started with
+    return shlex.join(argv) + "\n"
 
 
 def run(args: argparse.Namespace) -> int:

@@ -8,7 +8,10 @@ configs) is compact JSON; a value that starts with ``-`` and is no number is ``-
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping, Sequence
 from typing import Any
+
+from ..errors import ConfigError
 
 
 def flag_name(key: str) -> str:
@@ -39,10 +42,32 @@ def engine_flag(key: str, value: Any) -> list[str]:
     return [name, text]
 
 
+#: The longest string Linux passes to a program as one argument or environment entry, its NUL
+#: included (MAX_ARG_STRLEN, 32 pages of 4 KiB): execve refuses a longer one (E2BIG).
+MAX_ARG_BYTES = 32 * 4096
+
+
+def check_exec_strings(argv: Sequence[str], env: Mapping[str, str] | None = None) -> None:
+    """Every argument and environment entry of a vLLM command fits execve; a ConfigError naming
+    the first that does not (the option it is the value of, or the variable) and its size. The
+    one home of the rule: ``kvslots serve`` checks the command it runs, ``convert-config
+    --format flags`` the arguments it prints (a long dynamic schedule, 20000 draft_len_schedule
+    thresholds, is a 300 KB --speculative-config: it was printed or planned, and failed only to
+    start, 'Argument list too long', exit status 127)."""
+    entries = [(a, None) for a in argv] + [(f"{k}={v}", k) for k, v in (env or {}).items()]
+    for i, (text, env_key) in enumerate(entries):
+        size = len(text.encode("utf-8", "surrogateescape")) + 1
+        if size > MAX_ARG_BYTES:
+            what = f"environment variable {env_key}" if env_key is not None else (
+                f"argument of {argv[i - 1]}" if i > 0 and argv[i - 1].startswith("--") else f"argument {i}")
+            raise ConfigError(f"the vLLM command's {what} is {size} bytes; Linux passes at most "
+                              f"{MAX_ARG_BYTES} to a program as one argument or environment entry")
+
+
 def brief(value: Any, limit: int = 80) -> str:
     """An argument's value as written on the command line, cut to ``limit`` characters for a note."""
     text = value if isinstance(value, str) else to_json(value)
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-__all__ = ["brief", "engine_flag", "flag_name", "to_json"]
+__all__ = ["MAX_ARG_BYTES", "brief", "check_exec_strings", "engine_flag", "flag_name", "to_json"]

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..config.speculative import classify_model, drops_eagle_block, read_model_config, resolve_speculative_config
-from ..config.vllm_args import brief, engine_flag, flag_name, to_json
+from ..config.vllm_args import brief, check_exec_strings, engine_flag, flag_name, to_json
 from ..errors import ServeError
 from ..vllm.cpu_cores import connector_cpu_env, vllm_is_cpu_build
 from .connector import CONNECTOR_NAME, connector_config
@@ -323,33 +323,13 @@ def build_plan(args: argparse.Namespace, *, python: str | None = None) -> ServeP
     if scheduler_cls is not None:
         argv += ["--scheduler-cls", scheduler_cls]
     argv += rest
-    _check_exec_strings(argv, env)
+    check_exec_strings(argv, env)  # a string execve refuses: printed by --dry-run, exit 127 at start
     return ServePlan(
         argv=argv, env=env, notes=notes, model=target, host=host, port=port,
         speculative_config=spec, kv_transfer_config=kv_transfer, kv_events_config=kv_events,
         tail=rest, speculators_checkpoint=model if speculators else None,
         slot_manager=slot_manager, scheduler_cls=scheduler_cls if scheduler_cls is not None else tail_cls,
     )
-
-
-#: The longest string Linux passes to a program as one argument or environment entry, its NUL
-#: included (MAX_ARG_STRLEN, 32 pages of 4 KiB): execve refuses a longer one (E2BIG).
-MAX_ARG_BYTES = 32 * 4096
-
-
-def _check_exec_strings(argv: list[str], env: dict[str, str]) -> None:
-    """Every argument and environment entry of the vLLM command fits execve: a long dynamic
-    schedule (20000 draft_len_schedule thresholds: a 300 KB --speculative-config) or
-    pp_partition was planned, printed by --dry-run, and failed only to start ('Argument list too
-    long', exit status 127)."""
-    entries = [(a, None) for a in argv] + [(f"{k}={v}", k) for k, v in env.items()]
-    for i, (text, env_key) in enumerate(entries):
-        size = len(text.encode("utf-8", "surrogateescape")) + 1
-        if size > MAX_ARG_BYTES:
-            what = f"environment variable {env_key}" if env_key is not None else (
-                f"argument of {argv[i - 1]}" if i > 0 and argv[i - 1].startswith("--") else f"argument {i}")
-            raise ServeError(f"the vLLM command's {what} is {size} bytes; Linux passes at most "
-                             f"{MAX_ARG_BYTES} to a program as one argument or environment entry")
 
 
 def _int_arg(opts: list[Any], tail: Any, engine_args: dict[str, Any], name: str) -> int:
