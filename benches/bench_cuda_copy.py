@@ -10,9 +10,10 @@ Three checks, printed with their figures:
      target >= 80% of the plain copy;
   3. overlap: a load on the side streams while the default stream runs matmuls: the wall time
      of both together against each alone (overlapped = close to the longer of the two).
-Sections 2 and 3 run three variants side by side: the gather / scatter kernels on the bus-copy
-stream (one stream, the path before 2026-11-27), on one high-priority stream of their own, and
-spread over BlockCopier's high-priority kernel streams (its default).
+Sections 2 and 3 run three variants side by side: per-layer torch gather / scatter kernels on
+the bus-copy stream (one stream, the path before 2026-11-27), the same kernels spread over four
+high-priority streams, and BlockCopier's fused Triton kernel on one high-priority stream (its
+default where Triton is installed).
 
     python benches/bench_cuda_copy.py [--layers 32] [--blocks 4096] [--copy 1024] [--repeats 9]
 
@@ -114,22 +115,31 @@ def main() -> None:
           f"{'EXACT' if not bad else 'WRONG in ' + ', '.join(bad)}; blocks outside the load untouched: "
           f"{'yes' if not stray else 'NO: ' + ', '.join(stray)}")
 
-    # 2 and 3. Three ways to run the copies, interleaved in one set of repeats: the kernels on
-    # the bus-copy stream (one stream, as before 2026-11-27), on one stream of their own, and
-    # spread over BlockCopier's kernel streams (its default). Each keeps its own events.
-    def kernel_state(streams):
-        return streams, [[torch.cuda.Event() for _ in streams] for _ in c._staging]
+    # 2 and 3. Three ways to run the copies, interleaved in one set of repeats: per-layer torch
+    # kernels on the bus-copy stream (one stream, as before 2026-11-27), per-layer torch kernels
+    # spread over KERNEL_STREAMS high-priority streams, and one fused Triton kernel per chunk on
+    # one high-priority stream (BlockCopier's default where Triton is installed). Each variant
+    # keeps its own events.
+    from kvslots.vllm import transfer
 
-    default = (c._kernel_streams, c._kernels_done)
+    def kernel_state(streams, fused):
+        return streams, [[torch.cuda.Event() for _ in streams] for _ in c._staging], fused
+
+    fused = c._fused
+    default = (c._kernel_streams, c._kernels_done, fused)
+    per_layer = [torch.cuda.Stream(dev, priority=-100) for _ in range(transfer.KERNEL_STREAMS)]
     variants = {
-        "one stream": kernel_state([c._stream]),
-        "kernels on 1 side stream": kernel_state(c._kernel_streams[:1]),
-        f"kernels on {len(default[0])} side streams": default,
+        "one stream": kernel_state([c._stream], None),
+        f"per-layer kernels on {len(per_layer)} side streams": kernel_state(per_layer, None),
     }
+    if fused is not None:
+        variants["fused kernel on 1 side stream"] = default
+    else:
+        print("Triton is not installed: no fused-kernel variant")
 
     def using(state, fn):
         def run():
-            c._kernel_streams, c._kernels_done = state
+            c._kernel_streams, c._kernels_done, c._fused = state
             fn()
         return run
 
@@ -150,7 +160,7 @@ def main() -> None:
                   f"{plain[0] / ours[0]:.2f}x (target >= 0.80)")
 
     # 3. overlap: loads on the side streams while the default stream computes
-    c._kernel_streams, c._kernels_done = default
+    c._kernel_streams, c._kernels_done, c._fused = default
     c.load(host_ids, back_ids)
     c.synchronize()
     ref = {k: v[:, torch.as_tensor(back_ids, device=dev)].clone() for k, v in layers.items()}
@@ -203,7 +213,7 @@ def main() -> None:
               f"{ti * 1e3:.2f} ms (median), so fully overlapped would take {bound * 1e3:.1f} ms: both took "
               f"{tb / bound:.2f}x that")
     c.synchronize()
-    c._kernel_streams, c._kernels_done = default
+    c._kernel_streams, c._kernels_done, c._fused = default
     ok = all(torch.equal(v[:, torch.as_tensor(back_ids, device=dev)], ref[k]) for k, v in layers.items())
     print(f"   bytes after the overlapped loads: {'EXACT' if ok else 'WRONG'}")
 

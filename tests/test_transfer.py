@@ -513,9 +513,11 @@ def test_cuda_round_trip_on_side_stream():  # not yet run: no GPU where this was
         assert torch.equal(v[:, [3, 4, 5, 9]], orig[k][:, [3, 4, 5, 9]])
 
 
-def _back_to_back(device: str, seed: int) -> None:
-    """300 random stores, loads and forward writes, issued with no synchronize between copies
-    (the CUDA path orders them by streams and events alone), against a CPU reference."""
+def _back_to_back(device: str, seed: int, ops: int = 300, fused: bool | None = None) -> None:
+    """Random stores, loads and forward writes, issued with no synchronize between copies (the
+    CUDA path orders them by streams and events alone), against a CPU reference. ``fused``:
+    True forces the Triton kernel (on CPU tensors only under TRITON_INTERPRET=1), False the
+    per-layer torch kernels, None the copier's default."""
     rng = np.random.default_rng(seed)
     n, h = 96, 48
     g = torch.Generator().manual_seed(seed)
@@ -524,6 +526,10 @@ def _back_to_back(device: str, seed: int) -> None:
     probe = BlockCopier(layers, n, h, engine="torch")
     chunk = int(rng.integers(1, 6))  # a few blocks per staging buffer: every copy cycles them
     c = BlockCopier(layers, n, h, engine="torch", staging_bytes=chunk * STAGING_BUFFERS * probe.bytes_per_block)
+    if fused:
+        assert c._fused is not None or c._enable_fused()
+    elif fused is False:
+        c._fused = None
     c.host.zero_()
     host_ref = c.host.clone()
     pending_loads: set[int] = set()
@@ -531,7 +537,7 @@ def _back_to_back(device: str, seed: int) -> None:
     def host_row(d: int) -> torch.Tensor:
         return torch.cat([cpu[k][:, d].contiguous().view(torch.uint8).reshape(2, -1) for k in cpu]).reshape(-1)
 
-    for _ in range(300):
+    for _ in range(ops):
         kind, k = int(rng.integers(0, 3)), int(rng.integers(1, 20))
         if kind == 0:
             d, hs = rng.choice(n, k, replace=True), rng.choice(h, k, replace=False)
@@ -566,6 +572,30 @@ def test_back_to_back_copies_match_a_reference(seed):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("seed", range(6))
 def test_back_to_back_copies_on_the_side_streams(seed):
-    # Not yet run by pytest (no GPU in CI); the same check as a script ran exact on an H100 on
-    # 2026-11-27, seeds 0-5.
+    # Not yet run by pytest (no GPU in CI); its body ran exact as a script on an H100 on
+    # 2026-11-27: per-layer kernels on 4 streams, seeds 0-5; the fused kernel, seeds 0-3.
     _back_to_back("cuda", seed)
+
+
+def test_the_fused_kernel_moves_the_same_bytes():
+    """The CUDA path's Triton kernel, run by Triton's interpreter on CPU tensors (a fresh
+    interpreter: TRITON_INTERPRET is read when the kernel is compiled)."""
+    pytest.importorskip("triton", reason="Triton is not installed (the fused kernel needs it)")
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = "import test_transfer as t; t._back_to_back('cpu', 1, ops=40, fused=True); print('ok')"
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    out = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).parent, env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("fused", [False, True])
+def test_back_to_back_copies_with_and_without_the_fused_kernel(fused):  # not yet run by pytest
+    if fused:
+        pytest.importorskip("triton", reason="Triton is not installed (the fused kernel needs it)")
+    _back_to_back("cuda", 7, fused=fused)

@@ -18,14 +18,16 @@ Engines.
   segment and its slice of the host region are registered once as ``_core.BlockRegion`` (from
   the tensors themselves); a copy names regions and block ids, never an address.
   Copies are synchronous: when ``store``/``load`` return, the bytes are in place.
-- CUDA tensors: a pinned host region and two side streams, one for the copy engine and one,
-  at high priority, for the gather / scatter kernels. Blocks are gathered on the GPU into one
-  of two staging buffers (``index_select`` per layer) and moved with one ``non_blocking`` copy
-  per run of consecutive host blocks (loads: the reverse, then ``index_copy_``); while one
-  buffer crosses the bus the kernels fill or empty the other. The kernel stream first waits for
-  the compute stream, so a store sees the KV the forward wrote and a load does not overwrite
-  blocks still being read; at high priority its thread blocks go ahead of the forward's queued
-  ones instead of waiting behind them for SMs. Copies are
+- CUDA tensors: a pinned host region, a stream for the copy engine and high-priority streams
+  for the gather / scatter kernels. Blocks are gathered on the GPU into one of two staging
+  buffers and moved with one ``non_blocking`` copy per run of consecutive host blocks (loads:
+  the reverse, then a scatter); while one buffer crosses the bus the kernels fill or empty the
+  other. Where Triton is installed (vLLM's CUDA builds) one fused kernel per chunk moves every
+  layer (``_fused_copy.py``); otherwise one torch kernel per layer (``index_select`` /
+  ``index_copy_``), spread over several streams. The kernel streams first wait for the compute
+  stream, so a store sees the KV the forward wrote and a load does not overwrite blocks still
+  being read; at high priority their thread blocks go ahead of the forward's queued ones
+  instead of waiting behind them for SMs. Copies are
   asynchronous: ``store``/``load`` return a :class:`Transfer`; a stored host block is valid
   only once its transfer is ``done()``, and the forward must not read loaded blocks before
   :meth:`BlockCopier.synchronize` (or the load's ``wait()``) returns. Device blocks being
@@ -41,6 +43,7 @@ BlockCopier over them; block ids are the same on every rank, so nothing here is 
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -50,13 +53,17 @@ import torch
 
 from .. import _args, _core
 from ..errors import ArgumentTypeError, InvalidArgumentError
+from ._fused_copy import FusedMover
 
 __all__ = ["BlockCopier", "Transfer"]
 
+logger = logging.getLogger(__name__)
+
 #: Device staging of the CUDA path, split into ``STAGING_BUFFERS`` buffers (each at most the host
-#: pool's size). On an H100, 32 layers x K/V (64 segments of 32 KiB), 2 GiB scattered: 0.90x /
-#: 0.88x of a plain pinned copy (store / load), against 0.71x / 0.80x for the one-stream path
-#: before (benches/bench_cuda_copy.py, benches/results/cuda_copy_h100.txt).
+#: pool's size). On an H100, 32 layers x K/V (64 segments of 32 KiB), 2 GiB scattered: 0.95x /
+#: 0.98x of a plain pinned copy (store / load) with the fused kernel, 0.90x / 0.88x with
+#: per-layer kernels, against 0.71x / 0.83x for the one-stream path before
+#: (benches/bench_cuda_copy.py, benches/results/cuda_copy_h100.txt).
 STAGING_BYTES = 256 << 20
 
 #: Staging buffers the CUDA path cycles through: one crosses the bus while the other is
@@ -65,11 +72,12 @@ STAGING_BYTES = 256 << 20
 #: mean more kernels, each one waiting for SMs.
 STAGING_BUFFERS = 2
 
-#: Streams the CUDA path spreads one chunk's per-layer kernels over. On one stream each kernel
-#: waits for the one before it and then for SMs behind the forward's kernels; side by side they
-#: take SMs together. H100, 32 layers: 1 stream hid 23% of a load behind matmuls, 4 streams 91%,
-#: 8 streams 6%: past CUDA's 8 hardware queues (CUDA_DEVICE_MAX_CONNECTIONS), streams share
-#: queues and the compute stream can end up behind a kernel stream that waits for the bus.
+#: Streams the CUDA path spreads one chunk's per-layer kernels over where Triton is missing (the
+#: fused kernel needs one). On one stream each kernel waits for the one before it and then for
+#: SMs behind the forward's kernels; side by side they take SMs together. H100, 32 layers:
+#: 1 stream hid 23% of a load behind matmuls, 4 streams 91%, 8 streams 6%: past CUDA's 8
+#: hardware queues (CUDA_DEVICE_MAX_CONNECTIONS), streams share queues and the compute stream
+#: can end up behind a kernel stream that waits for the bus.
 KERNEL_STREAMS = 4
 
 #: Most copy threads per call. ``_core.copy_blocks`` takes any machine-sized count (a count past
@@ -252,9 +260,15 @@ class BlockCopier:
         # CUDA: host <-> staging copies on ``_stream``, gather / scatter kernels on
         # ``_kernel_streams`` at the highest priority (a negative number; torch clamps it to the
         # device's range), so they are not queued behind the forward's kernels.
+        # One Triton launch per chunk for every layer where Triton is installed (vLLM's CUDA
+        # builds have it), else one torch kernel per layer spread over KERNEL_STREAMS streams.
+        self._fused: FusedMover | None = None
+        if is_cuda and self._engine == "torch":
+            self._enable_fused()
         self._stream = torch.cuda.Stream(self._device) if is_cuda else None
+        n_kernel_streams = 1 if self._fused is not None else KERNEL_STREAMS
         self._kernel_streams = (
-            [torch.cuda.Stream(self._device, priority=-100) for _ in range(KERNEL_STREAMS)] if is_cuda else []
+            [torch.cuda.Stream(self._device, priority=-100) for _ in range(n_kernel_streams)] if is_cuda else []
         )
         # Staging buffers of ``_chunk`` blocks: one crosses the bus while others are gathered or
         # scattered. Per buffer, ``_bus_done[b]`` marks the bus's last use and ``_kernels_done[b][i]``
@@ -264,6 +278,21 @@ class BlockCopier:
         self._staging: list[tuple[torch.Tensor, list[torch.Tensor]]] = []  # (buffer, view per group)
         self._bus_done = [torch.cuda.Event() for _ in range(nbuf)] if is_cuda else []
         self._kernels_done = [[torch.cuda.Event() for _ in self._kernel_streams] for _ in range(nbuf)]
+
+    def _enable_fused(self) -> bool:
+        """Moves chunks with the fused Triton kernel from now on, where it supports this layout."""
+        segments = [(seg.u8, seg.host_offset) for seg in self._segments]
+        if not FusedMover.supports(segments, self._bytes_per_block):
+            return False
+        mover = FusedMover(segments, self._bytes_per_block, self._device)
+        try:
+            mover.warm_up()
+        except Exception as e:  # Triton installed but unable to build or launch here
+            logger.warning("kvslots: fused copy kernel unavailable (%s); one kernel per layer instead",
+                           str(e).splitlines()[0] if str(e) else type(e).__name__)
+            return False
+        self._fused = mover
+        return True
 
     def _segments_of(
         self, name: str, t: torch.Tensor, block_dim: int | None, offset: int
@@ -482,8 +511,11 @@ class BlockCopier:
                 for s, ctx, i in kernels:
                     with ctx:
                         self._after(s, bus_done)
-                        for g, view in zip(self._groups[i::n_streams], views[i::n_streams]):
-                            view.copy_(g.u8.index_select(1, idx))
+                        if self._fused is not None:
+                            self._fused.move(stage, idx, to_stage=True)
+                        else:
+                            for g, view in zip(self._groups[i::n_streams], views[i::n_streams]):
+                                view.copy_(g.u8.index_select(1, idx))
                         self._mark(s, kernels_done[i])
                 with bus:
                     for e in kernels_done:
@@ -503,8 +535,11 @@ class BlockCopier:
                 for s, ctx, i in kernels:
                     with ctx:
                         self._after(s, bus_done)
-                        for g, view in zip(self._groups[i::n_streams], views[i::n_streams]):
-                            g.u8.index_copy_(1, idx, view)
+                        if self._fused is not None:
+                            self._fused.move(stage, idx, to_stage=False)
+                        else:
+                            for g, view in zip(self._groups[i::n_streams], views[i::n_streams]):
+                                g.u8.index_copy_(1, idx, view)
                         self._mark(s, kernels_done[i])
 
     @staticmethod
