@@ -491,9 +491,7 @@ class BlockCopier:
             for s in kernel_streams[1:]:
                 s.wait_stream(kernel_streams[0])  # the upload
                 idx_all.record_stream(s)  # read there too: not reused before they are done
-        bus = self._stream_ctx(self._stream)
         kernels = [(s, self._stream_ctx(s), i) for i, s in enumerate(kernel_streams)]
-        n_streams = len(kernel_streams)
         for k, c0 in enumerate(range(0, len(dev), self._chunk)):
             b = k % len(self._staging)
             c1 = min(len(dev), c0 + self._chunk)
@@ -507,40 +505,41 @@ class BlockCopier:
             runs = list(zip(np.r_[0, cuts].tolist(), np.r_[cuts, len(hs)].tolist()))
             bus_done = self._bus_done[b] if cuda else None
             kernels_done = self._kernels_done[b] if cuda else [None]
-            if to_host:
-                for s, ctx, i in kernels:
-                    with ctx:
-                        self._after(s, bus_done)
-                        if self._fused is not None:
-                            self._fused.move(stage, idx, to_stage=True)
+            # Each side waits for the other's last use of this buffer; a store gathers first,
+            # a load crosses the bus first.
+            steps = (self._kernel_step, self._bus_step) if to_host else (self._bus_step, self._kernel_step)
+            for step in steps:
+                step(kernels, stage, views, idx, hs, runs, bus_done, kernels_done, to_host)
+
+    def _kernel_step(self, kernels, stage, views, idx, hs, runs, bus_done, kernels_done, to_host) -> None:
+        """Gathers blocks ``idx`` into the staged rows (store) or scatters the rows into them (load)."""
+        n_streams = len(kernels)
+        for s, ctx, i in kernels:
+            with ctx:
+                self._after(s, bus_done)
+                if self._fused is not None:
+                    self._fused.move(stage, idx, to_stage=to_host)
+                else:
+                    for g, view in zip(self._groups[i::n_streams], views[i::n_streams]):
+                        if to_host:
+                            view.copy_(g.u8.index_select(1, idx))
                         else:
-                            for g, view in zip(self._groups[i::n_streams], views[i::n_streams]):
-                                view.copy_(g.u8.index_select(1, idx))
-                        self._mark(s, kernels_done[i])
-                with bus:
-                    for e in kernels_done:
-                        self._after(self._stream, e)
-                    for i, j in runs:
-                        h0 = int(hs[i])
-                        self._host[h0 : h0 + j - i].copy_(stage[i:j], non_blocking=cuda)
-                    self._mark(self._stream, bus_done)
-            else:
-                with bus:
-                    for e in kernels_done:
-                        self._after(self._stream, e)
-                    for i, j in runs:
-                        h0 = int(hs[i])
-                        stage[i:j].copy_(self._host[h0 : h0 + j - i], non_blocking=cuda)
-                    self._mark(self._stream, bus_done)
-                for s, ctx, i in kernels:
-                    with ctx:
-                        self._after(s, bus_done)
-                        if self._fused is not None:
-                            self._fused.move(stage, idx, to_stage=False)
-                        else:
-                            for g, view in zip(self._groups[i::n_streams], views[i::n_streams]):
-                                g.u8.index_copy_(1, idx, view)
-                        self._mark(s, kernels_done[i])
+                            g.u8.index_copy_(1, idx, view)
+                self._mark(s, kernels_done[i])
+
+    def _bus_step(self, kernels, stage, views, idx, hs, runs, bus_done, kernels_done, to_host) -> None:
+        """Moves the staged rows to their host rows (store) or from them (load), one copy per run."""
+        cuda = self._stream is not None
+        with self._stream_ctx(self._stream):
+            for e in kernels_done:
+                self._after(self._stream, e)
+            for i, j in runs:
+                h0 = int(hs[i])
+                if to_host:
+                    self._host[h0 : h0 + j - i].copy_(stage[i:j], non_blocking=cuda)
+                else:
+                    stage[i:j].copy_(self._host[h0 : h0 + j - i], non_blocking=cuda)
+            self._mark(self._stream, bus_done)
 
     @staticmethod
     def _stream_ctx(stream: Any) -> Any:
