@@ -202,3 +202,36 @@ def test_max_connections_default_leaves_room_for_the_backend_pool(capsys, monkey
     code, out, err = _cli(capsys, ["--prefill", "http://p:1", "--decode", "http://d:2"])
     assert code == 0, err
     assert given["http"].max_connections == 1024 - 20 - fds.SPARE - BACKEND_CONNECTIONS
+
+
+@pytest.mark.parametrize("prefill, decode", [
+    (5, [DecodeWorker("http://d")]),  # not iterable: was a TypeError
+    (["http://p"], 5),
+    (iter([]), [DecodeWorker("http://d")]),  # an empty iterator passed `not prefill_urls`
+    (["http://p"], iter([])),
+])
+def test_create_app_worker_lists_of_the_wrong_kind_are_kvslots_errors(prefill, decode):
+    with pytest.raises(InvalidArgumentError):
+        create_app(prefill, decode, transport=httpx.MockTransport(lambda r: httpx.Response(200)))
+
+
+def test_create_app_takes_worker_iterators_once():
+    # A generator of decode workers was consumed by the checks: every request then found no
+    # worker (StopIteration out of the round robin: a 500), /v1/models too (not subscriptable).
+    def answer(request):
+        if request.url.host == "p":
+            return httpx.Response(200, json={"kv_transfer_params": {"do_remote_prefill": True}})
+        return httpx.Response(200, json={"by": request.url.host})
+
+    app = create_app(iter(["http://p"]), (w for w in [DecodeWorker("http://d")]),
+                     transport=httpx.MockTransport(answer))
+    with TestClient(app) as c:
+        r = c.post("/v1/completions", json={"prompt": "x"})
+        assert r.status_code == 200 and r.json() == {"by": "d"}, r.text
+        assert c.get("/v1/models").status_code == 200
+
+
+@pytest.mark.parametrize("value", [10**400, 10**5000], ids=["400-digits", "5000-digits"])  # repr() refuses 5000
+def test_create_app_timeout_past_float_range_is_a_kvslots_error(value):
+    with pytest.raises(InvalidArgumentError, match="timeout_s"):  # was an OverflowError
+        create_app(["http://p"], [DecodeWorker("http://d")], timeout_s=value)

@@ -76,6 +76,17 @@ def prefill_body(body: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def _listed(items: Any, what: str) -> list[Any]:
+    """``items`` (any iterable) as a list; an :class:`ArgumentTypeError` naming ``what`` when it
+    is not iterable (an int, None) or reading it fails."""
+    if items is None:
+        return []  # the emptiness check names what is missing
+    try:
+        return list(items)
+    except Exception as e:
+        raise ArgumentTypeError(f"{what} must be a list, got {type(items).__name__}") from e
+
+
 def _json_object(content: bytes) -> dict[str, Any] | None:
     """A backend's answer as a JSON object (kvslots' strict parser), None when it is not one."""
     try:
@@ -128,12 +139,16 @@ def create_app(prefill_urls: Sequence[str], decode_workers: Sequence[DecodeWorke
                max_body_mb: int = DEFAULT_MAX_BODY_MB) -> FastAPI:
     """The proxy app. ``transport`` replaces the network (tests). A request body over
     ``max_body_mb`` MiB is a 413 before it is read whole."""
+    if isinstance(prefill_urls, str):  # its characters would be the URLs
+        raise ArgumentTypeError("prefill_urls must be a list of URLs, got a str")
+    # Read once, as lists: an iterator was consumed by the checks below (every request then
+    # found no decode worker: a 500), and an empty one passed the emptiness check.
+    prefill_urls = _listed(prefill_urls, "prefill_urls")
+    decode_workers = _listed(decode_workers, "decode_workers")
     if not prefill_urls or not decode_workers:
         raise InvalidArgumentError("the proxy needs at least one prefill and one decode worker")
     if isinstance(max_body_mb, bool) or not isinstance(max_body_mb, int) or not 0 < max_body_mb <= 65536:
         raise InvalidArgumentError(f"max_body_mb {max_body_mb!r} must be an integer in 1..65536")
-    if isinstance(prefill_urls, str):  # its characters would be the URLs
-        raise ArgumentTypeError("prefill_urls must be a list of URLs, got a str")
     prefill_urls = [http_url(u, "prefill URL") for u in prefill_urls]
     seconds(timeout_s, "timeout_s")
     if transport is not None and not isinstance(transport, httpx.AsyncBaseTransport):

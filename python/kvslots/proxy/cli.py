@@ -9,6 +9,7 @@ import logging
 import math
 from urllib.parse import urlparse
 
+from .._args import _short
 from ..errors import InvalidArgumentError, KVSlotsError, ServeError
 
 
@@ -41,9 +42,13 @@ def seconds(value: object, what: str = "timeout") -> float:
     """``value`` as a finite number of seconds > 0; an :class:`~kvslots.InvalidArgumentError`
     naming ``what`` otherwise. The one check of the proxy's timeout (the command line and
     :func:`~kvslots.proxy.app.create_app`)."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) \
-            or not (math.isfinite(value) and value > 0):
-        raise InvalidArgumentError(f"{what} {value!r} must be a finite number of seconds > 0")
+    try:  # an int past float's range raised OverflowError in isfinite()
+        ok = not isinstance(value, bool) and isinstance(value, (int, float)) \
+            and math.isfinite(value) and value > 0
+    except OverflowError:
+        ok = False
+    if not ok:
+        raise InvalidArgumentError(f"{what} {_short(value)} must be a finite number of seconds > 0")
     return float(value)
 
 
