@@ -235,3 +235,11 @@ def test_create_app_takes_worker_iterators_once():
 def test_create_app_timeout_past_float_range_is_a_kvslots_error(value):
     with pytest.raises(InvalidArgumentError, match="timeout_s"):  # was an OverflowError
         create_app(["http://p"], [DecodeWorker("http://d")], timeout_s=value)
+
+
+def test_decode_worker_with_an_empty_name_is_one_line_exit_2(capsys, no_server):
+    # `--decode http://d=$NAME` with NAME unset was taken as a worker without a name: never
+    # scored by the indexer, silently.
+    code, out, err = _cli(capsys, ["--prefill", "http://p", "--decode", "http://d="])
+    assert code == 2 and out == "" and err.count("\n") == 1, err
+    assert err.startswith("kvslots proxy: error: --decode 'http://d=': worker name ''"), err

@@ -100,8 +100,10 @@ def decode_workers(specs: list[str]) -> list:
 
     out = []
     for spec in specs:
-        url, _, name = spec.partition("=")
-        if name:  # the indexer's rule: another name could never be found there
+        url, sep, name = spec.partition("=")
+        # The indexer's rule: another name could never be found there. An empty one too
+        # ("URL=$NAME" with NAME unset was a worker without a name, never scored).
+        if sep:
             try:
                 check_worker_name(name)
             except KVSlotsError as e:
