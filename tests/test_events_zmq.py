@@ -1082,3 +1082,164 @@ def test_running_out_of_descriptors_refuses_publishers_and_stop_still_returns():
     assert fields["thread_alive"] == "False", line
     assert float(fields["stop_s"]) < 10, line
     assert "event subscriber loop error" not in out.stderr, out.stderr[-3000:]
+
+
+# ---- stop / shutdown that give up waiting, polls from several threads -----------------------
+
+
+def _open_fds() -> int:
+    import os
+
+    return len(os.listdir("/proc/self/fd"))
+
+
+def _fds_back_to(baseline: int, timeout: float = 20.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while _open_fds() > baseline:
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True
+
+
+class _Gate:
+    """An on_batch that holds the polling thread inside the callback until released."""
+
+    def __init__(self) -> None:
+        self.inside = threading.Event()
+        self.release = threading.Event()
+        self.active = 0
+        self.overlaps = 0
+        self.lock = threading.Lock()
+
+    def __call__(self, worker, seq, b) -> None:
+        with self.lock:
+            self.active += 1
+            self.overlaps += self.active > 1
+        self.inside.set()
+        self.release.wait(30)
+        with self.lock:
+            self.active -= 1
+
+
+@pytest.mark.skipif(not __import__("os").path.isdir("/proc/self/fd"), reason="counts /proc/self/fd")
+def test_stop_that_does_not_wait_still_closes_every_socket(closing):
+    # stop(timeout=0) returned before the poll thread ended and nothing closed its sockets, its
+    # wake-up pipe or its context afterwards (a second stop() returns at once): 4 descriptors
+    # leaked per subscriber. The thread now closes them as it ends.
+    pub = EventPublisher(LOCAL, LOCAL)
+    closing(pub)
+    baseline = _open_fds()
+    subs = []
+    for _ in range(3):
+        gate = _Gate()  # holds the poll thread in a callback: it cannot end before stop() returns
+        sub = EventSubscriber(gate)
+        subs.append(sub)
+        sub.add_publisher("w", pub.endpoint, pub.replay_endpoint, start_seq=pub.next_seq, wait=10)
+        sub.start()
+        pub.publish(batch(0))
+        assert gate.inside.wait(30)
+        sub.stop(timeout=0)
+        sub.stop()  # idempotent
+        gate.release.set()
+    assert _fds_back_to(baseline), f"{_open_fds() - baseline} descriptors left open"
+    for sub in subs:
+        sub._thread.join(30)
+        assert not sub._thread.is_alive()
+
+
+def _poll_in_thread(sub: EventSubscriber, gate: _Gate) -> tuple[threading.Thread, list]:
+    out: list = []
+
+    def run() -> None:
+        try:
+            while not gate.inside.is_set():
+                out.append(sub.poll_once(20))
+        except Exception as e:  # noqa: BLE001 - reported by the test
+            out.append(e)
+
+    t = threading.Thread(target=run)
+    t.start()
+    return t, out
+
+
+def test_poll_once_from_a_second_thread_is_a_concurrent_use_error(closing):
+    # Two threads in poll_once used the same ZMQ sockets at once: libzmq aborted the process
+    # ("Bad address (src/fq.cpp:56)") within seconds, and callbacks ran on two threads at once.
+    from kvslots.errors import ConcurrentUseError
+
+    pub = EventPublisher(LOCAL, LOCAL)
+    closing(pub)
+    gate = _Gate()
+    sub = EventSubscriber(gate)
+    closing(sub)
+    sub.add_publisher("w", pub.endpoint, pub.replay_endpoint, start_seq=0, wait=10)
+    for i in range(3):
+        pub.publish(batch(i))
+    t, out = _poll_in_thread(sub, gate)
+    try:
+        assert gate.inside.wait(30)
+        with pytest.raises(ConcurrentUseError):
+            sub.poll_once(0)
+        with pytest.raises(ConcurrentUseError):
+            sub.start()  # its thread would poll beside the other one
+        # add_publisher(wait=...) polls too when there is no poll thread: it waits its turn
+        # (here it times out, the other poll being held) instead of polling beside it.
+        assert sub.add_publisher("v", pub.endpoint, wait=0.2) is False
+        assert gate.overlaps == 0
+    finally:
+        gate.release.set()
+        t.join(30)
+    assert not t.is_alive() and not any(isinstance(x, BaseException) for x in out), out
+    wait_until(lambda: sub.next_seq("w") == 3, sub)
+    assert gate.overlaps == 0
+
+
+def test_poll_once_from_its_own_callback_is_a_concurrent_use_error(closing):
+    from kvslots.errors import ConcurrentUseError
+
+    pub = EventPublisher(LOCAL, LOCAL)
+    closing(pub)
+    seen: list = []
+    holder: list[EventSubscriber] = []
+
+    def on_batch(worker, seq, b) -> None:
+        try:
+            holder[0].poll_once(0)
+        except Exception as e:  # noqa: BLE001
+            seen.append(type(e))
+        else:
+            seen.append(None)
+
+    sub = EventSubscriber(on_batch)
+    holder.append(sub)
+    closing(sub)
+    sub.add_publisher("w", pub.endpoint, pub.replay_endpoint, start_seq=0, wait=10)
+    pub.publish(batch(0))
+    wait_until(lambda: seen, sub)
+    assert seen == [ConcurrentUseError]
+
+
+@pytest.mark.skipif(not __import__("os").path.isdir("/proc/self/fd"), reason="counts /proc/self/fd")
+def test_stop_while_another_thread_polls_closes_after_that_poll(closing):
+    # stop() closed the sockets under a poll_once running in another thread; it now leaves that
+    # to the poll, which closes them as it returns.
+    pub = EventPublisher(LOCAL, LOCAL)
+    closing(pub)
+    baseline = _open_fds()
+    gate = _Gate()
+    sub = EventSubscriber(gate)
+    sub.add_publisher("w", pub.endpoint, pub.replay_endpoint, start_seq=0, wait=10)
+    pub.publish(batch(0))
+    t, out = _poll_in_thread(sub, gate)
+    try:
+        assert gate.inside.wait(30)
+        sub.stop(timeout=0.05)
+        assert _open_fds() > baseline  # still open: the other thread is inside its poll
+    finally:
+        gate.release.set()
+        t.join(30)
+    assert not t.is_alive() and not any(isinstance(x, BaseException) for x in out), out
+    assert _fds_back_to(baseline), f"{_open_fds() - baseline} descriptors left open"
+    with pytest.raises(InvalidStateError):
+        sub.poll_once(0)

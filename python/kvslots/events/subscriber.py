@@ -99,6 +99,7 @@ from .._args import C_INT_MAX, callback, flag, hashable, integer, number, text
 from .._args import timeout as _timeout
 from ..errors import (
     ArgumentTypeError,
+    ConcurrentUseError,
     DuplicateWorkerError,
     EventDecodeError,
     InvalidArgumentError,
@@ -316,7 +317,13 @@ class EventSubscriber:
         self._thread: threading.Thread | None = None
         self._stopping = False
         self._closed = False
-        self._cleanup_by_loop = False
+        # Held by whoever polls the sockets (ZMQ sockets are not thread-safe: two threads in
+        # poll_once aborted the process in libzmq): the poll thread from start() to its end, or
+        # a poll_once / add_publisher(wait=...) call. Whoever releases it after stop() closes
+        # the sockets (_end_poll), so a stop() that does not wait for a poll leaks nothing.
+        self._poll_lock = threading.Lock()
+        self._poller_ident: int | None = None  # the thread holding _poll_lock
+        self._cleaned = False
         self._progress = threading.Condition()  # notified after each round while _waiting
         self._waiting = 0
 
@@ -433,8 +440,17 @@ class EventSubscriber:
                 raise InvalidStateError("the event subscriber is stopped")
             if self._thread is not None:
                 raise InvalidStateError("the event subscriber is already started")
-            self._thread = threading.Thread(target=self._run, name=self._thread_name, daemon=True)
-        self._thread.start()
+            if not self._poll_lock.acquire(blocking=False):  # released by the thread as it ends
+                raise ConcurrentUseError("the event subscriber is being polled (poll_once() in another thread, "
+                                         "or start() from one of its callbacks)")
+            thread = self._thread = threading.Thread(target=self._run, name=self._thread_name, daemon=True)
+        try:
+            thread.start()
+        except BaseException as e:  # no thread to be had ("can't start new thread")
+            with self._lock:
+                self._thread = None
+            self._poll_lock.release()
+            raise InvalidStateError(f"cannot start the event subscriber's thread: {e}") from e
 
     def stop(self, timeout: float | None = 5.0) -> None:
         """Stops the loop thread (if started) and closes every socket. Idempotent; a stopped
@@ -447,17 +463,38 @@ class EventSubscriber:
             self._stopping = True
             thread = self._thread
         self._wakeup.wake()
-        if thread is threading.current_thread():
-            self._cleanup_by_loop = True  # called from a callback: the loop cleans up on exit
-            return
+        if thread is threading.current_thread() or self._poller_ident == threading.get_ident():
+            return  # called from a callback: the poll running it closes everything as it returns
         if thread is not None:
             thread.join(timeout)
-            if thread.is_alive():
+            if thread.is_alive():  # it closes the sockets as it ends (_end_poll)
                 log.warning("event subscriber thread did not stop within %s s", timeout)
-                return
-        self._cleanup()
+            return
+        # poll_once in another thread: wait for it (woken above) rather than close the sockets
+        # under it; if it outlasts the timeout, it closes them as it returns.
+        if self._poll_lock.acquire(timeout=-1 if timeout is None else timeout):
+            try:
+                self._cleanup()
+            finally:
+                self._poll_lock.release()
+        else:
+            log.warning("event subscriber: poll_once() in another thread did not return within %s s", timeout)
+
+    def _end_poll(self) -> None:
+        """Releases ``_poll_lock``; after stop(), closes everything (once)."""
+        self._poller_ident = None
+        self._poll_lock.release()
+        if self._closed and self._poll_lock.acquire(blocking=False):
+            try:
+                self._cleanup()
+            finally:
+                self._poll_lock.release()
 
     def _cleanup(self) -> None:
+        with self._lock:
+            if self._cleaned:
+                return
+            self._cleaned = True
         for peer in list(self._peers.values()):
             self._close_peer(peer)
         self._peers.clear()
@@ -476,13 +513,23 @@ class EventSubscriber:
     def poll_once(self, timeout_ms: float = 0) -> int:
         """One round of the loop: applies pending add/remove calls, waits up to ``timeout_ms``
         for messages, handles every message ready, and expires overdue replays. Returns the
-        number of messages handled. Call it from one thread only, and not after :meth:`start`."""
+        number of messages handled. Not after :meth:`start`; a call while another is running (in
+        another thread, or from one of its callbacks) raises :class:`ConcurrentUseError`."""
         timeout_ms = number(timeout_ms, "timeout_ms", 0, C_INT_MAX)  # ZMQ waits forever below 0
         if self._closed:
             raise InvalidStateError("the event subscriber is stopped")
         if self._thread is not None:
             raise InvalidStateError("the event subscriber runs its own poll thread (start() was called)")
-        return self._poll(timeout_ms)
+        if not self._poll_lock.acquire(blocking=False):
+            raise ConcurrentUseError("poll_once() is already running (in another thread, or this call comes "
+                                     "from one of its callbacks)")
+        self._poller_ident = threading.get_ident()
+        try:
+            if self._closed:  # stopped meanwhile
+                raise InvalidStateError("the event subscriber is stopped")
+            return self._poll(timeout_ms)
+        finally:
+            self._end_poll()
 
     # ---- state, as other threads see it ---------------------------------------------------
 
@@ -504,15 +551,23 @@ class EventSubscriber:
 
     def _wait_for(self, done: Callable[[], bool], timeout: float) -> bool:
         """Until ``done()`` (checked after each round of the loop) or ``timeout``. Without a
-        poll thread, runs the rounds itself; on the poll thread, does not wait."""
+        poll thread, runs the rounds itself, one caller at a time (a poll_once in another thread
+        runs them meanwhile); on the polling thread (a callback), does not wait."""
         deadline = time.monotonic() + timeout
-        if self._thread is None:
-            while not done() and not self._closed:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    return False
-                self._poll(min(10, max(1, int(min(left, 1.0) * 1000))))
-            return done()
+        while self._thread is None:
+            if done() or self._closed or self._poller_ident == threading.get_ident():
+                return done()
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            if not self._poll_lock.acquire(timeout=min(left, 0.05)):
+                continue  # another thread polls: it may get done() there
+            self._poller_ident = threading.get_ident()
+            try:
+                if self._thread is None and not self._closed:
+                    self._poll(min(10, max(1, int(min(left, 1.0) * 1000))))
+            finally:
+                self._end_poll()
         if self._thread is threading.current_thread():
             return done()
         with self._progress:
@@ -571,14 +626,16 @@ class EventSubscriber:
                 self._progress.notify_all()
 
     def _run(self) -> None:
-        while not self._stopping:
-            try:
-                self._poll(1000)
-            except Exception:  # a bug here must not silently stop event delivery
-                log.exception("event subscriber loop error")
-                time.sleep(0.01)
-        if self._cleanup_by_loop:
-            self._cleanup()
+        self._poller_ident = threading.get_ident()  # _poll_lock was taken for it by start()
+        try:
+            while not self._stopping:
+                try:
+                    self._poll(1000)
+                except Exception:  # a bug here must not silently stop event delivery
+                    log.exception("event subscriber loop error")
+                    time.sleep(0.01)
+        finally:
+            self._end_poll()  # stopped: closes the sockets, whether stop() still waits or not
 
     def _apply_commands(self) -> None:
         while True:
