@@ -298,13 +298,10 @@ class EventPublisher:
         if first:
             self._wakeup.wake()
         self._thread.join(timeout)
-        if self._thread.is_alive():
+        if self._thread.is_alive():  # it releases everything as it ends (_run)
             log.warning("event publisher thread did not stop within %s s", timeout)
             return
-        with self._lock:
-            release, self._released = not self._released, True
-        if release:
-            self._close_sockets()
+        self._release()
 
     close = shutdown
 
@@ -334,6 +331,10 @@ class EventPublisher:
                 pass
         finally:
             self._close_thread_sockets()
+            if self._closed:
+                # Shut down: the pipe and the context too, here, since a shutdown() whose
+                # timeout ran out returned without them (3 descriptors each, never closed).
+                self._release()
 
     def _round(self, poller: zmq.Poller) -> bool:
         """One wake-up of the sender thread; True when it should exit."""
@@ -464,6 +465,13 @@ class EventPublisher:
             if sock is not None:
                 sock.close(linger=None)  # keep each socket's LINGER option
         self._pub = self._replay = None
+
+    def _release(self) -> None:
+        """Closes the sockets, the pipe and the context, once (the thread, or shutdown())."""
+        with self._lock:
+            release, self._released = not self._released, True
+        if release:
+            self._close_sockets()
 
     def _close_sockets(self) -> None:
         self._close_thread_sockets()
