@@ -1256,3 +1256,37 @@ def test_stop_while_another_thread_polls_closes_after_that_poll(closing):
     assert _fds_back_to(baseline), f"{_open_fds() - baseline} descriptors left open"
     with pytest.raises(InvalidStateError):
         sub.poll_once(0)
+
+
+class _NotABatch(msgspec.Struct):
+    a: int = 1
+
+
+@pytest.mark.parametrize("make", [
+    lambda: AllBlocksCleared(),  # an event, not a batch of them
+    lambda: _NotABatch(),
+    lambda: KVEventBatch(1.0, [1, 2]),  # events that are no events
+    lambda: KVEventBatch(1.0, "abc"),
+    lambda: KVEventBatch(1.0, {"a": 1}),
+    lambda: KVEventBatch("x", []),  # a ts that is no number
+    lambda: KVEventBatch(1.0, [], "r"),  # a rank that is no int
+    lambda: KVEventBatch(1.0, [], True),
+    lambda: KVEventBatch(1.0, [BlockStored(["h"], None, [1], 1, None, "CPU", None)]),  # a str hash
+    lambda: _Foreign(1.0, [{"type": "Nope"}]),
+], ids=["event", "other-struct", "int-events", "str-events", "dict-events", "str-ts", "str-rank", "bool-rank",
+        "str-hash", "unknown-event"])
+def test_publish_refuses_a_struct_no_subscriber_can_decode(closing, make):
+    # Each was encoded, numbered and sent: every subscriber (and vLLM's decoder) counted it
+    # malformed, a hole in the stream the publisher's caller never heard of.
+    pub, sub, rec = new_pair(closing, data_parallel_rank=2)
+    b = make()
+    before = msgspec.structs.asdict(b) if isinstance(b, msgspec.Struct) else None
+    with pytest.raises(InvalidArgumentError, match="not a KVEventBatch"):
+        pub.publish(b)
+    assert msgspec.structs.asdict(b) == before  # untouched (a rank of None stays None)
+    st = pub.stats()
+    assert st["queued"] == 0 and st["errors"] == 0 and pub.next_seq == 0
+    pub.publish(batch(0))
+    assert pub.flush(5)
+    wait_until(lambda: rec.seqs() == [0], sub)
+    assert sub.counters["malformed"] == 0

@@ -30,9 +30,9 @@ import msgspec
 import zmq
 
 from .. import _args
-from ..errors import ArgumentTypeError, InvalidArgumentError, InvalidStateError
+from ..errors import ArgumentTypeError, EventDecodeError, InvalidArgumentError, InvalidStateError
 from ._wakeup import WakePipe
-from .codec import EventBatch, encode_struct
+from .codec import EventBatch, decode_batch, encode_struct
 from .protocol import (
     END_SEQ,
     check_endpoint,
@@ -220,8 +220,10 @@ class EventPublisher:
     def publish(self, batch: Payload) -> None:
         """Queues one batch: a ``KVEventBatch`` (kvslots' or vLLM's; its rank set to
         ``data_parallel_rank`` when None) or its msgpack bytes. A struct is encoded here, in the
-        caller's thread: one that cannot be encoded raises :class:`ArgumentTypeError` or
-        :class:`InvalidArgumentError` and queues nothing. Blocks only while the queue is full."""
+        caller's thread and read back: one that cannot be encoded, or whose encoding is no
+        ``KVEventBatch`` a subscriber can decode, raises :class:`ArgumentTypeError` or
+        :class:`InvalidArgumentError` and queues nothing. Bytes are queued as they are. Blocks
+        only while the queue is full."""
         if self._closed:  # before touching the batch (checked again under the lock)
             raise InvalidStateError("the event publisher is shut down")
         rank: Any = 0
@@ -237,6 +239,14 @@ class EventPublisher:
                 except Exception as e:  # a data_parallel_rank that is no field (a property)
                     raise ArgumentTypeError(f"publish() cannot set the batch's data_parallel_rank: {e!r}") from None
             payload = encode_struct(wire)
+            try:
+                # Read back as subscribers read it: any struct encodes (an event, a batch of
+                # ints, a str ts), and one that does not decode was numbered and sent, a hole
+                # every subscriber counted as malformed and the caller never heard of.
+                decode_batch(payload)
+            except EventDecodeError as e:
+                raise InvalidArgumentError(f"publish(): the {type(batch).__name__} is not a KVEventBatch "
+                                           f"on the wire: {e}") from None
         elif isinstance(batch, (bytearray, memoryview)):
             try:
                 payload = bytes(batch)
