@@ -740,6 +740,10 @@ def test_codec_still_reads_what_it_should():
         ({"endpoint": "tcp://127.0.0.1:" + "9" * 5000}, InvalidArgumentError, "past 65535"),
         ({"replay_endpoint": "tcp://127.0.0.1:" + "1" * 5000}, InvalidArgumentError, "past 65535"),
         ({"replay_endpoint": "udp://x:1"}, InvalidArgumentError, "replay_endpoint"),
+        # ZMQ reads a C string: it bound tcp://127.0.0.1:0, or ipc:///tmp/kvs, silently.
+        ({"endpoint": "tcp://127.0.0.1:0\x00:5557"}, InvalidArgumentError, "NUL"),
+        ({"endpoint": "ipc:///tmp/kvslots-nul\x00x"}, InvalidArgumentError, "NUL"),
+        ({"replay_endpoint": "tcp://127.0.0.1:0\x00"}, InvalidArgumentError, "replay_endpoint"),
         ({"topic": "\ud800"}, InvalidArgumentError, "topic must be valid Unicode"),
         ({"topic": b"kv"}, ArgumentTypeError, "topic must be a str"),
         ({"hwm": 2**64}, InvalidArgumentError, "hwm must be in [0, 2**31-1]"),
@@ -841,6 +845,8 @@ def test_subscriber_calls_with_hostile_arguments_change_nothing(closing):
         (lambda: sub.add_publisher("w", ep, "udp://127.0.0.1:2"), InvalidArgumentError),
         (lambda: sub.add_publisher("w", "tcp://127.0.0.1:" + "9" * 5000), InvalidArgumentError),  # was ValueError
         (lambda: sub.add_publisher("w", None), ArgumentTypeError),  # type: ignore[arg-type]
+        (lambda: sub.add_publisher("w", ep + "\x00junk"), InvalidArgumentError),  # connected to ep
+        (lambda: sub.add_publisher("w", ep, "ipc:///tmp/x\x00y"), InvalidArgumentError),
         (lambda: sub.add_publisher("w", ep, topic=5), ArgumentTypeError),  # type: ignore[arg-type]
         (lambda: sub.add_publisher("w", ep, topic="\ud800"), InvalidArgumentError),
         (lambda: sub.add_publisher([], ep), ArgumentTypeError),

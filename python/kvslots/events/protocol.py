@@ -178,16 +178,20 @@ def offset_endpoint_port(endpoint: str | None, data_parallel_rank: int) -> str |
 
 
 def check_endpoint(endpoint: str, name: str = "endpoint", data_parallel_rank: int = 0) -> str:
-    """The rule for every endpoint a publisher or subscriber is given: text that starts with
-    one of ``SCHEMES``, whose TCP port (shifted by ``data_parallel_rank``) is at most 65535 and
-    whose bracketed TCP host, if any, is an IPv6 address (``tcp://[::1]:5557``; see
-    :func:`is_ipv6`).
+    """The rule for every endpoint a publisher or subscriber is given: text without a NUL
+    that starts with one of ``SCHEMES``, whose TCP port (shifted by ``data_parallel_rank``) is
+    at most 65535 and whose bracketed TCP host, if any, is an IPv6 address
+    (``tcp://[::1]:5557``; see :func:`is_ipv6`).
     Raises :class:`ArgumentTypeError` or :class:`InvalidArgumentError` naming ``name``; what
     only ZMQ can judge (a host that does not resolve, a port in use) is left to it. Returns the
     endpoint as an exact ``str``."""
     endpoint = _args.text(endpoint, name)
     if not endpoint.startswith(SCHEMES):
         raise InvalidArgumentError(f"{name} {endpoint!r} must start with tcp://, ipc:// or inproc://")
+    if "\0" in endpoint:
+        # ZMQ reads the address as a C string: what follows the NUL was dropped, and the
+        # socket bound or connected elsewhere than asked (tcp://127.0.0.1:0\0:5557, an ipc path).
+        raise InvalidArgumentError(f"{name} {brief(endpoint)}: contains a NUL character")
     if endpoint.startswith("tcp://"):
         host, _, port = endpoint[len("tcp://"):].rpartition(":")
         if host.startswith("["):
