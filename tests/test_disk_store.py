@@ -369,3 +369,31 @@ def test_background_reads_refuse_hostile_arguments_and_start_nothing(tmp_path: P
         with pytest.raises(KVSlotsError):
             s.wait_reads(t)
     assert s.wait_reads(0.0)
+
+
+def test_a_record_of_another_model_under_this_files_header_is_never_served(tmp_path: Path) -> None:
+    # Two engines of different models (same KV layout) on one disk_path, or a record copied in
+    # from another file: the record's own checksums hold, but it is not this model's KV.
+    a, b = tmp_path / "a.kvs", tmp_path / "b.kvs"
+    sa = store(a, fingerprint=1)
+    write(sa, 0, 77)
+    sa.flush()
+    del sa
+    assert store(b, fingerprint=2).opened == "created"  # an empty file of model 2
+    stride = (a.stat().st_size - 4096) // 8
+    with open(a, "rb") as fa, open(b, "r+b") as fb:
+        fa.seek(4096)
+        rec = fa.read(stride)
+        fb.seek(4096)
+        fb.write(rec)
+    _, (n, damaged, why) = restore(b, fingerprint=2)
+    assert (n, damaged, why) == (0, 1, None), "not restored: it belongs to model 1"
+    sb = store(b, fingerprint=2)
+    assert sb.opened == "reused"
+    out = np.zeros((1, BPB), np.uint8)
+    bad = sb.read_into([0], [77], out)
+    assert [i for i, _ in bad] == [0] and "checksum" in bad[0][1]
+    # Model 1 still reads its own record.
+    del sb
+    out[:] = 0
+    assert store(a, fingerprint=1).read_into([0], [77], out) == [] and (out[0] == block(77)).all()

@@ -67,7 +67,8 @@ fn write_all_vectored_at(file: &File, parts: &[&[u8]], mut offset: u64) -> io::R
 }
 
 pub const MAGIC: &[u8; 8] = b"KVSLDSK\0";
-pub const FORMAT_VERSION: u32 = 1;
+/// 2: record header checksums seeded with the layout (version 1 files are started afresh).
+pub const FORMAT_VERSION: u32 = 2;
 pub const HEADER_LEN: u64 = 4096;
 const RECORD_MAGIC: u32 = 0x5253_564b; // "KVSR"
 const RECORD_FIXED: usize = 64;
@@ -145,6 +146,22 @@ impl Layout {
         round_up(self.record_header_len() + self.bytes_per_block, 4096)
     }
 
+    /// The seed of every record header's checksum: the layout's identity (model fingerprint,
+    /// block size, layers, bytes per block, dtype), so that only a file of this very layout
+    /// can hold a record that verifies. The file header alone is not enough: a record of
+    /// another model can land under this header (two engines pointed at one path, a record
+    /// copied from another file) and would pass a checksum over its own bytes only.
+    pub fn record_seed(&self) -> u64 {
+        let mut b = [0u8; 24 + DTYPE_LEN];
+        b[0..4].copy_from_slice(&self.block_size.to_le_bytes());
+        b[4..8].copy_from_slice(&self.num_layers.to_le_bytes());
+        b[8..16].copy_from_slice(&self.bytes_per_block.to_le_bytes());
+        b[16..24].copy_from_slice(&self.fingerprint.to_le_bytes());
+        let n = self.dtype.len().min(DTYPE_LEN);
+        b[24..24 + n].copy_from_slice(&self.dtype.as_bytes()[..n]);
+        xxh3_64(&b)
+    }
+
     fn header(&self, num_slots: u64) -> Vec<u8> {
         let mut h = vec![0u8; HEADER_LEN as usize];
         h[0..8].copy_from_slice(MAGIC);
@@ -217,16 +234,15 @@ fn encode_record_header(layout: &Layout, seq: u64, meta: &BlockMeta, data: &[u8]
     for (i, t) in meta.tokens.iter().enumerate() {
         out[RECORD_FIXED + 4 * i..RECORD_FIXED + 4 * i + 4].copy_from_slice(&t.to_le_bytes());
     }
-    let _ = layout;
-    let sum = header_sum(out, tok_end);
+    let sum = header_sum(out, tok_end, layout.record_seed());
     out[56..64].copy_from_slice(&sum.to_le_bytes());
 }
 
-fn header_sum(h: &[u8], tok_end: usize) -> u64 {
+fn header_sum(h: &[u8], tok_end: usize, seed: u64) -> u64 {
     let mut buf = Vec::with_capacity(tok_end);
     buf.extend_from_slice(&h[..56]);
     buf.extend_from_slice(&h[RECORD_FIXED..tok_end]);
-    xxh3_64(&buf)
+    xxhash_rust::xxh3::xxh3_64_with_seed(&buf, seed)
 }
 
 /// (meta, seq, data checksum) of a record header, or why it is not a valid one.
@@ -241,7 +257,7 @@ fn decode_record_header(layout: &Layout, h: &[u8]) -> Result<(BlockMeta, u64, u6
         return Err(format!("{n} tokens in a record of block size {}", layout.block_size));
     }
     let tok_end = RECORD_FIXED + 4 * n;
-    if u64_at(56) != header_sum(h, tok_end) {
+    if u64_at(56) != header_sum(h, tok_end, layout.record_seed()) {
         return Err("record header checksum mismatch".into());
     }
     let flags = u32_at(4);
