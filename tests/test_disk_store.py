@@ -397,3 +397,26 @@ def test_a_record_of_another_model_under_this_files_header_is_never_served(tmp_p
     del sb
     out[:] = 0
     assert store(a, fingerprint=1).read_into([0], [77], out) == [] and (out[0] == block(77)).all()
+
+
+def test_a_second_store_on_a_file_in_use_is_refused_and_leaves_it_intact(tmp_path: Path) -> None:
+    # Two engines pointed at one disk_path: the second one must not truncate (another layout) or
+    # overwrite (same layout, its own slot numbers) the records the first one is serving.
+    from kvslots.errors import DiskTierError
+
+    p = tmp_path / "tier.kvs"
+    a = store(p)
+    write(a, 0, 5)
+    a.flush()
+    size = p.stat().st_size
+    for other in (dict(fingerprint=2), dict(bytes_per_block=BPB * 2), {}):
+        with pytest.raises(DiskTierError, match="in use"):
+            store(p, **other)
+        assert p.stat().st_size == size
+    out = np.zeros((1, BPB), np.uint8)
+    assert a.read_into([0], [5], out) == [] and (out[0] == block(5)).all()
+    # A read-only restore (the scheduler's) still works while the worker holds the file.
+    _, (n, _, why) = restore(p)
+    assert (n, why) == (1, None)
+    del a  # the lock goes with the store
+    assert store(p).opened == "reused"

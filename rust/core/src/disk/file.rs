@@ -99,6 +99,8 @@ pub enum DiskError {
     Invalid(String),
     #[error("disk record {slot} is corrupt: {why}")]
     Corrupt { slot: u32, why: String },
+    #[error("disk tier file {0} is in use by another engine (each needs a disk_path of its own)")]
+    InUse(PathBuf),
 }
 
 /// How [`DiskFile::open`] found the file.
@@ -310,6 +312,21 @@ impl DiskFile {
             .truncate(false)
             .open(path)
             .map_err(io_err)?;
+        // One engine per file, locked before anything is looked at: a second engine would cut
+        // the file back (another layout) or write over the records of the first (the same)
+        // while it serves them. flock, not fcntl locks: those are per process and dropped when
+        // any descriptor of the file in the process is closed. The lock goes with the
+        // descriptor (dropped, or closed by the kernel after a kill -9). A filesystem without
+        // locks (ENOLCK, EOPNOTSUPP) is used unlocked.
+        {
+            use std::os::fd::AsRawFd;
+            // SAFETY: a plain system call on a descriptor we own.
+            if unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } != 0
+                && io::Error::last_os_error().kind() == io::ErrorKind::WouldBlock
+            {
+                return Err(DiskError::InUse(path.to_path_buf()));
+            }
+        }
         let len = file.metadata().map_err(io_err)?.len();
         let mut opened = Opened::Created;
         if len > 0 {
