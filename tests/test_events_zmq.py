@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Callable
@@ -1296,3 +1297,69 @@ def test_publish_refuses_a_struct_no_subscriber_can_decode(closing, make):
     assert pub.flush(5)
     wait_until(lambda: rec.seqs() == [0], sub)
     assert sub.counters["malformed"] == 0
+
+
+class _ReprRaises:
+    def __repr__(self):
+        raise ZeroDivisionError("repr")
+
+
+class _HashRaisesLater:
+    """Hashes until armed (after add_publisher), then raises."""
+
+    armed = False
+
+    def __hash__(self):
+        if self.armed:
+            raise ZeroDivisionError("hash")
+        return 7
+
+
+def test_worker_ids_whose_repr_or_later_hash_raises_are_never_formatted_or_hashed_by_the_loop(closing, capsys,
+                                                                                                caplog):
+    # An error message formatted the id with repr(): remove_publisher / publisher_status of an
+    # unknown id and a failed add_publisher(wait=...) raised the id's own ZeroDivisionError, and
+    # a duplicate was an ArgumentTypeError saying it could not be hashed. The poll loop formatted
+    # it into every log line (a logging traceback on stderr per malformed frame) and hashed it
+    # into its log limiter's keys (a hash that raises there was an "event subscriber loop error"
+    # and the rest of the round was dropped).
+    pub = EventPublisher(LOCAL, LOCAL)
+    closing(pub)
+    sub = EventSubscriber(lambda *a: None)
+    closing(sub)
+    for call, cls in [
+        (lambda: sub.remove_publisher(_ReprRaises()), UnknownWorkerError),
+        (lambda: sub.publisher_status(_ReprRaises()), UnknownWorkerError),
+        (lambda: sub.add_publisher(_ReprRaises(), "tcp://127.0.0.1:", wait=5), InvalidArgumentError),
+    ]:
+        with pytest.raises(cls) as e:
+            call()
+        assert type(e.value) is cls and "<unprintable>" in str(e.value)
+    w = _ReprRaises()
+    sub.add_publisher(w, pub.endpoint, wait=10)
+    with pytest.raises(DuplicateWorkerError):
+        sub.add_publisher(w, pub.endpoint)
+    raws = []
+    for wid in (w, _HashRaisesLater()):
+        raw = zmq.Context.instance().socket(zmq.PUB)
+        closing(raw)
+        port = raw.bind_to_random_port("tcp://127.0.0.1")
+        if wid is w:
+            sub.remove_publisher(w, wait=10)
+        sub.add_publisher(wid, f"tcp://127.0.0.1:{port}", wait=10)
+        raws.append(raw)
+        if isinstance(wid, _HashRaisesLater):
+            wid.armed = True
+    capsys.readouterr()
+    seq = iter(range(10**6))
+
+    def send_undecodable() -> bool:  # each a log line of the poll loop
+        n = next(seq)
+        for raw in raws:
+            raw.send_multipart([b"", n.to_bytes(8, "big"), b"\xc1"])
+        return sub.counters["malformed"] >= 6
+
+    with caplog.at_level(logging.INFO, logger="kvslots.events.subscriber"):
+        wait_until(send_undecodable, sub)
+    assert "loop error" not in caplog.text
+    assert "Logging error" not in capsys.readouterr().err

@@ -96,6 +96,7 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from .._args import C_INT_MAX, callback, flag, hashable, integer, number, text
+from .._args import _short as _shown
 from .._args import timeout as _timeout
 from ..errors import (
     ArgumentTypeError,
@@ -211,6 +212,13 @@ class _Peer:
     cooldown_until: float = 0.0  # no replay requests before this: gaps are lost at once
     held: dict[int, bytes] = field(default_factory=dict)
     counters: dict[str, int] = field(default_factory=lambda: dict.fromkeys(COUNTERS, 0))
+    # The id's repr, made once by _args._short (never raising, at most 60 characters): the poll
+    # loop logs this and never calls the caller's __repr__ (nor its __hash__: the log limiter's
+    # keys are id(peer)), which may raise.
+    shown: str = ""
+
+    def __post_init__(self) -> None:
+        self.shown = self.shown or _shown(self.worker_id)
 
 
 class EventSubscriber:
@@ -361,7 +369,7 @@ class EventSubscriber:
                 raise InvalidStateError("the event subscriber is stopped")
             with _as_key(worker_id):
                 if worker_id in self._by_id:
-                    raise DuplicateWorkerError(f"publisher {worker_id!r} is already added")
+                    raise DuplicateWorkerError(f"publisher {_shown(worker_id)} is already added")
                 peer = _Peer(worker_id, endpoint, replay_endpoint, topic.encode(), start_seq)
                 self._by_id[worker_id] = peer
             self._commands.append(("add", peer))
@@ -372,7 +380,7 @@ class EventSubscriber:
         synced = self._wait_for(lambda: peer.error is not None or self._synced(peer), wait)
         if peer.error is not None:
             raise InvalidArgumentError(
-                f"cannot connect to publisher {worker_id!r} at {endpoint!r}: {peer.error}",
+                f"cannot connect to publisher {peer.shown} at {endpoint!r}: {peer.error}",
                 details={"errno": getattr(peer.error, "errno", None)},
             ) from peer.error
         return synced
@@ -387,7 +395,7 @@ class EventSubscriber:
             with _as_key(worker_id):
                 peer = self._by_id.pop(worker_id, None)
             if peer is None:
-                raise UnknownWorkerError(f"no publisher {worker_id!r}")
+                raise UnknownWorkerError(f"no publisher {_shown(worker_id)}")
             self._commands.append(("remove", peer))
             self._queued += 1
             ticket = self._queued
@@ -538,7 +546,7 @@ class EventSubscriber:
         with self._lock, _as_key(worker_id):
             peer = self._by_id.get(worker_id)
         if peer is None:
-            raise UnknownWorkerError(f"no publisher {worker_id!r}")
+            raise UnknownWorkerError(f"no publisher {_shown(worker_id)}")
         return peer
 
     @staticmethod
@@ -674,7 +682,7 @@ class EventSubscriber:
                 monitor.close(linger=0)
             if sub is not None:
                 sub.close(linger=0)
-            log.error("cannot connect to %r at %s: %s", peer.worker_id, peer.endpoint, e)
+            log.error("cannot connect to %s at %s: %s", peer.shown, peer.endpoint, e)
             with self._lock:
                 try:
                     if self._by_id.get(peer.worker_id) is peer:
@@ -742,7 +750,7 @@ class EventSubscriber:
         except zmq.ZMQError as e:
             if dealer is not None:
                 dealer.close(linger=0)
-            log.error("cannot connect to the replay socket of %r at %s: %s", peer.worker_id,
+            log.error("cannot connect to the replay socket of %s at %s: %s", peer.shown,
                       peer.replay_endpoint, e)
             return
         peer.dealer = dealer
@@ -755,7 +763,7 @@ class EventSubscriber:
             except zmq.Again:
                 return
             if event["event"] == zmq.EVENT_DISCONNECTED:
-                log.info("publisher %r: connection lost", peer.worker_id)
+                log.info("publisher %s: connection lost", peer.shown)
                 peer.reconnected = self._reset_on_reconnect
                 peer.relink_at = time.monotonic() + _RELINK_GRACE
             elif event["event"] == zmq.EVENT_CONNECT_RETRIED:
@@ -768,8 +776,8 @@ class EventSubscriber:
         if peer.sub is None:
             return
         self._count(peer, "reopened")
-        self._peer_log.log(logging.WARNING, (peer.worker_id, "reopened"), "publisher %r: connection "
-                           "dropped (a frame past %d bytes?); reconnecting", peer.worker_id, self._max_frame)
+        self._peer_log.log(logging.WARNING, (id(peer), "reopened"), "publisher %s: connection "
+                           "dropped (a frame past %d bytes?); reconnecting", peer.shown, self._max_frame)
         try:
             peer.sub.disconnect(peer.endpoint)
         except zmq.ZMQError:  # already gone with its session
@@ -777,7 +785,7 @@ class EventSubscriber:
         try:
             peer.sub.connect(peer.endpoint)
         except zmq.ZMQError as e:  # it resolved before; a name that no longer does, say
-            log.error("cannot reconnect to %r at %s: %s", peer.worker_id, peer.endpoint, e)
+            log.error("cannot reconnect to %s at %s: %s", peer.shown, peer.endpoint, e)
 
     # ---- per-message logic ----------------------------------------------------------------
 
@@ -919,8 +927,8 @@ class EventSubscriber:
     def _notify_reset(self, peer: _Peer, new_seq: int, why: str) -> None:
         last = (peer.next or 0) - 1
         self._count(peer, "resets")
-        self._peer_log.log(logging.WARNING, (peer.worker_id, "reset"), "publisher %r: stream starts over at seq %d "
-                     "after %d (%s)", peer.worker_id, new_seq, last, why)
+        self._peer_log.log(logging.WARNING, (id(peer), "reset"), "publisher %s: stream starts over at seq %d "
+                     "after %d (%s)", peer.shown, new_seq, last, why)
         if self._on_reset is not None:
             try:
                 self._on_reset(peer.worker_id, last, new_seq)
@@ -1044,8 +1052,8 @@ class EventSubscriber:
             # It delivered, then went quiet: the rest of it (or its end marker) was dropped on
             # the way. Ask again from where we are, on a fresh socket (a retry that advances
             # is at once; one that does not backs off, and counts toward giving up).
-            self._peer_log.log(logging.INFO, (peer.worker_id, "stalled"), "replay from %r stalled at seq %s; asking again",
-                         peer.worker_id, peer.next)
+            self._peer_log.log(logging.INFO, (id(peer), "stalled"), "replay from %s stalled at seq %s; asking again",
+                         peer.shown, peer.next)
             peer.replaying = False
             self._new_dealer(peer)
             self._request_replay(peer)
@@ -1067,8 +1075,8 @@ class EventSubscriber:
         cooldown *= self._random.uniform(0.5, 1.0)
         peer.cooldown_until = now + cooldown
         self._count(peer, "replay_given_up")
-        log.error("publisher %r: gave up the replay from seq %s (%s); applying the %d live "
-                  "batches held back, no replay requests for %.1f s", peer.worker_id, peer.next,
+        log.error("publisher %s: gave up the replay from seq %s (%s); applying the %d live "
+                  "batches held back, no replay requests for %.1f s", peer.shown, peer.next,
                   why, len(peer.held), cooldown)
         if peer.replaying and not peer.pending:
             self._new_dealer(peer)  # late replies to the abandoned request are dropped with it
@@ -1120,20 +1128,20 @@ class EventSubscriber:
                 batch = self._decoder.decode(payload)
             except DECODE_ERRORS:  # bad UTF-8 or deep nesting too: not only DecodeError
                 self._count(peer, "malformed")
-                self._peer_log.log(logging.WARNING, (peer.worker_id, "malformed"), "undecodable batch %d from %r skipped",
-                             seq, peer.worker_id)
+                self._peer_log.log(logging.WARNING, (id(peer), "malformed"), "undecodable batch %d from %s skipped",
+                             seq, peer.shown)
                 return
         try:
             self._on_batch(peer.worker_id, seq, batch)
         except EventDecodeError as e:
             self._count(peer, "malformed")
-            self._peer_log.log(logging.WARNING, (peer.worker_id, "malformed"), "batch %d from %r is not a batch: %s",
-                         seq, peer.worker_id, e)
+            self._peer_log.log(logging.WARNING, (id(peer), "malformed"), "batch %d from %s is not a batch: %s",
+                         seq, peer.shown, e)
             return
         except Exception:
             self._count(peer, "callback_errors")
-            self._peer_log.log(logging.ERROR, (peer.worker_id, "callback"), "on_batch callback failed for %r seq %d",
-                         peer.worker_id, seq, exc_info=True)
+            self._peer_log.log(logging.ERROR, (id(peer), "callback"), "on_batch callback failed for %s seq %d",
+                         peer.shown, seq, exc_info=True)
         self._count(peer, "applied")
         if replayed:
             self._count(peer, "replayed")
