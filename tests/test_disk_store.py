@@ -420,3 +420,23 @@ def test_a_second_store_on_a_file_in_use_is_refused_and_leaves_it_intact(tmp_pat
     assert (n, why) == (1, None)
     del a  # the lock goes with the store
     assert store(p).opened == "reused"
+
+
+def test_the_largest_queue_len_allocates_nothing_up_front(tmp_path: Path) -> None:
+    # disk_queue_len is taken up to 2^31 - 1 by the config; a queue preallocated for that many
+    # writes aborted the process (a failed allocation in Rust) instead of starting the store.
+    code = textwrap.dedent(f"""
+        import numpy as np
+        from kvslots._core import DiskStore
+        for q in (2**31 - 1, 2**40):
+            s = DiskStore({str(tmp_path / "q.kvs")!r}, num_slots=4, block_size=4, num_layers=2,
+                          bytes_per_block=3000, dtype="float32", fingerprint=1, queue_len=q)
+            assert s.submit(0, np.zeros(3000, np.uint8), 1, [1] * 4)
+            s.flush()
+            assert s.take_done() == [(0, True)]
+            del s
+        print("ok")
+    """)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-2000:]

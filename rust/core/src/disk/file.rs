@@ -14,7 +14,7 @@ use std::io;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
-use std::sync::mpsc::{sync_channel, Receiver, SyncSender, TrySendError};
+use std::sync::mpsc::{channel, sync_channel, Receiver, Sender, SyncSender};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 
@@ -643,9 +643,15 @@ struct Shared {
 
 /// A thread that writes records with a bounded queue: [`DiskWriter::submit`] never waits; when
 /// the queue is full the write is dropped (counted) and the slot reported not written.
+///
+/// The bound is kept by the `queued` count, over a channel that allocates as it fills: a
+/// `sync_channel` allocates its whole bound at once, and a bound of 2^31 (the largest
+/// `disk_queue_len`) aborted the process.
 pub struct DiskWriter {
     file: Arc<DiskFile>,
-    tx: Option<SyncSender<Job>>,
+    tx: Option<Sender<Job>>,
+    /// Writes queued or being written at most: `queue_len` waiting and the one being written.
+    max_queued: usize,
     shared: Arc<Shared>,
     handle: Option<JoinHandle<()>>,
 }
@@ -656,7 +662,7 @@ impl DiskWriter {
         if queue_len == 0 {
             return Err(DiskError::Invalid("queue_len must be at least 1".into()));
         }
-        let (tx, rx) = sync_channel::<Job>(queue_len);
+        let (tx, rx) = channel::<Job>();
         let shared = Arc::new(Shared {
             stats: WriterStats::default(),
             done: Mutex::new(Vec::new()),
@@ -671,6 +677,7 @@ impl DiskWriter {
         Ok(DiskWriter {
             file,
             tx: Some(tx),
+            max_queued: queue_len.saturating_add(1),
             shared,
             handle: Some(handle),
         })
@@ -694,19 +701,17 @@ impl DiskWriter {
     pub fn submit(&self, slot: u32, meta: BlockMeta, data: Vec<u8>) -> bool {
         let st = &self.shared.stats;
         let tx = self.tx.as_ref().expect("open until dropped");
-        st.queued.fetch_add(1, Ordering::Relaxed);
-        match tx.try_send(Job::Write { slot, meta, data }) {
-            Ok(()) => true,
-            Err(TrySendError::Full(_)) | Err(TrySendError::Disconnected(_)) => {
-                st.queued.fetch_sub(1, Ordering::Relaxed);
-                st.dropped_full.fetch_add(1, Ordering::Relaxed);
-                self.shared.done.lock().unwrap().push((slot, false));
-                false
-            }
+        let full = st.queued.fetch_add(1, Ordering::Relaxed) >= self.max_queued;
+        if full || tx.send(Job::Write { slot, meta, data }).is_err() {
+            st.queued.fetch_sub(1, Ordering::Relaxed);
+            st.dropped_full.fetch_add(1, Ordering::Relaxed);
+            self.shared.done.lock().unwrap().push((slot, false));
+            return false;
         }
+        true
     }
 
-    /// Queues the invalidation of a slot's record (waits for room: it is a few bytes).
+    /// Queues the invalidation of a slot's record (never waits: it is a few bytes).
     pub fn invalidate(&self, slot: u32) {
         let _ = self.tx.as_ref().expect("open").send(Job::Invalidate(slot));
     }
