@@ -1288,7 +1288,7 @@ def test_publish_refuses_a_struct_no_subscriber_can_decode(closing, make):
     pub, sub, rec = new_pair(closing, data_parallel_rank=2)
     b = make()
     before = msgspec.structs.asdict(b) if isinstance(b, msgspec.Struct) else None
-    with pytest.raises(InvalidArgumentError, match="not a KVEventBatch"):
+    with pytest.raises(InvalidArgumentError, match="not a KVEventBatch|events must be a list"):
         pub.publish(b)
     assert msgspec.structs.asdict(b) == before  # untouched (a rank of None stays None)
     st = pub.stats()
@@ -1363,3 +1363,24 @@ def test_worker_ids_whose_repr_or_later_hash_raises_are_never_formatted_or_hashe
         wait_until(send_undecodable, sub)
     assert "loop error" not in caplog.text
     assert "Logging error" not in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("events", [
+    lambda evs: iter(evs),
+    lambda evs: (e for e in evs),
+    lambda evs: reversed(evs),
+], ids=["iterator", "generator", "reversed"])
+def test_a_batch_whose_events_are_an_iterator_is_refused_not_cut(events):
+    # The scan for vLLM 0.32's layout took the first event off an iterator and encoded the
+    # rest: a batch of 3 events went out with 2, silently (publish() too).
+    evs = [BlockStored([i], None, [i], 1, None, "CPU", None) for i in range(3)]
+    with pytest.raises(ArgumentTypeError, match="^the batch cannot be encoded: events must be a list"):
+        encode_batch(KVEventBatch(1.0, events(evs)))
+    pub = EventPublisher(LOCAL)
+    try:
+        with pytest.raises(ArgumentTypeError, match="events must be a list"):
+            pub.publish(KVEventBatch(1.0, events(evs)))
+        assert pub.stats()["queued"] == 0 and pub.next_seq == 0
+    finally:
+        pub.shutdown()
+    assert decode_batch(encode_batch(KVEventBatch(1.0, tuple(evs)))).events == evs  # a tuple is an array

@@ -190,15 +190,20 @@ def encode_struct(batch: msgspec.Struct) -> bytes:
     try:
         if isinstance(batch, EventBatch):
             events = batch.events
+            if not isinstance(events, (list, tuple)):
+                # msgspec encodes no iterator, but the scan below took events off one and the
+                # rest went out as the batch (3 events sent as 2); a str or dict is no list either.
+                raise ArgumentTypeError(f"the batch cannot be encoded: events must be a list, got "
+                                        f"{type(events).__name__}")
             if any(type(ev) is BlockStored and ev.lookahead_token_ids is None for ev in events):
                 batch = msgspec.structs.replace(batch, events=[_wire_event(ev) for ev in events])
         return _encoder.encode(batch)
+    except KVSlotsError:  # first: an ArgumentTypeError is a TypeError too
+        raise
     except TypeError as e:
         raise ArgumentTypeError(f"the batch cannot be encoded: {e}") from None
     except (msgspec.EncodeError, OverflowError, ValueError, RecursionError) as e:  # deep or circular
         raise InvalidArgumentError(f"the batch cannot be encoded: {e}") from None
-    except KVSlotsError:
-        raise
     except Exception as e:  # an events object whose __iter__ raises
         raise ArgumentTypeError(f"the batch cannot be encoded: reading its events raised {type(e).__name__}") from e
 
