@@ -1384,3 +1384,40 @@ def test_a_batch_whose_events_are_an_iterator_is_refused_not_cut(events):
     finally:
         pub.shutdown()
     assert decode_batch(encode_batch(KVEventBatch(1.0, tuple(evs)))).events == evs  # a tuple is an array
+
+
+def test_wake_racing_close_never_writes_to_a_reused_descriptor(monkeypatch):
+    # close() closed the write end, then set it to -1: a wake() from another thread in between
+    # (a publish() or add_publisher() racing a shutdown / stop, now done by the loop thread as
+    # it ends) wrote its byte into whatever the OS had just given that descriptor number to.
+    import os
+
+    from kvslots.events import _wakeup
+
+    wp = _wakeup.WakePipe()
+    write_fd = wp._w
+    reused: list[tuple[int, int]] = []
+    real_close = os.close
+
+    def close(fd: int) -> None:
+        real_close(fd)
+        if fd == write_fd and not reused:
+            r, w = os.pipe()  # the lowest free numbers: the one just closed among them
+            reused.append((r, w))
+            t = threading.Thread(target=wp.wake)
+            t.start()
+            t.join(5)
+
+    monkeypatch.setattr(_wakeup.os, "close", close)
+    wp.close()
+    monkeypatch.undo()
+    (r, w) = reused[0]
+    try:
+        os.set_blocking(r, False)
+        with pytest.raises(BlockingIOError):
+            os.read(r, 16)  # nothing was written into the new pipe
+    finally:
+        os.close(r)
+        os.close(w)
+    wp.wake()  # closed: a no-op
+    wp.close()  # idempotent
