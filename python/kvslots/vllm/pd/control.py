@@ -26,7 +26,9 @@ from typing import Any
 import msgspec
 import zmq
 
-from ...errors import TransferError
+from ..._args import C_INT_MAX, callback, integer, number, text
+from ...config.loader import brief
+from ...errors import ArgumentTypeError, InvalidArgumentError, TransferError
 from ...events.codec import DECODE_ERRORS
 
 logger = logging.getLogger(__name__)
@@ -48,11 +50,17 @@ class ControlServer:
     thread. ``port`` 0 picks a free port (see :attr:`port`)."""
 
     def __init__(self, host: str, port: int, handler: Callable[[dict[str, Any]], dict[str, Any]]):
+        # Checked before a socket exists: a lone surrogate in host was a UnicodeEncodeError that
+        # left the socket open, a port of -1 or 2**70 was "bound", a handler no callable killed
+        # the serving thread at the first request.
+        host = _host(host)
+        port = integer(port, "port", 0, 65535)
+        handler = callback(handler, "handler")
         self._ctx = zmq.Context.instance()
         self._sock = self._ctx.socket(zmq.ROUTER)
-        self._sock.setsockopt(zmq.LINGER, 0)
-        self._sock.setsockopt(zmq.MAXMSGSIZE, MAX_REQUEST_BYTES)
         try:
+            self._sock.setsockopt(zmq.LINGER, 0)
+            self._sock.setsockopt(zmq.MAXMSGSIZE, MAX_REQUEST_BYTES)
             if port == 0:
                 self.port = self._sock.bind_to_random_port(f"tcp://{host}")
             else:
@@ -62,6 +70,9 @@ class ControlServer:
             self._sock.close()
             raise TransferError(f"P/D control socket cannot bind tcp://{host}:{port}: {e}",
                                 details={"kind": "engine"}) from None
+        except BaseException:
+            self._sock.close()
+            raise
         self.host = host
         self._handler = handler
         self._stop = threading.Event()
@@ -69,28 +80,32 @@ class ControlServer:
         self._thread.start()
 
     def _serve(self) -> None:
-        _unpin_thread()
-        poller = zmq.Poller()
-        poller.register(self._sock, zmq.POLLIN)
-        while not self._stop.is_set():
-            if not poller.poll(100):
-                continue
-            try:
-                ident, _, payload = self._sock.recv_multipart(zmq.NOBLOCK)
-            except (zmq.ZMQError, ValueError):
-                continue
-            try:
-                msg = _DEC.decode(payload)
-                if not isinstance(msg, dict):
-                    raise TypeError("not a map")
-                reply = self._handler(msg)
-            except Exception as e:  # a bad request must not stop the server
-                reply = {"error": f"{type(e).__name__}: {e}"}
-            try:
-                self._sock.send_multipart([ident, b"", _ENC.encode(reply)], zmq.NOBLOCK)
-            except zmq.ZMQError:
-                pass
-        self._sock.close()
+        try:
+            _unpin_thread()
+            poller = zmq.Poller()
+            poller.register(self._sock, zmq.POLLIN)
+            while not self._stop.is_set():
+                if not poller.poll(100):
+                    continue
+                try:
+                    ident, _, payload = self._sock.recv_multipart(zmq.NOBLOCK)
+                except (zmq.ZMQError, ValueError):
+                    continue
+                try:
+                    msg = _DEC.decode(payload)
+                    if not isinstance(msg, dict):
+                        raise TypeError("not a map")
+                    reply = _ENC.encode(self._handler(msg))
+                except Exception as e:  # a bad request must not stop the server
+                    # Encoded in here too: a reply msgpack cannot encode (a handler's bug) ended
+                    # this thread, and every later request went unanswered.
+                    reply = _ENC.encode({"error": f"{type(e).__name__}: {e}".encode("utf-8", "replace").decode()})
+                try:
+                    self._sock.send_multipart([ident, b"", reply], zmq.NOBLOCK)
+                except zmq.ZMQError:
+                    pass
+        finally:
+            self._sock.close()
 
     def close(self) -> None:
         self._stop.set()
@@ -107,20 +122,50 @@ def _unpin_thread() -> None:
         pass
 
 
+#: Longest wait of one try, in seconds: ZMQ's poll takes milliseconds as a C int.
+MAX_TIMEOUT_S = C_INT_MAX // 1000
+#: Most retries of one call.
+MAX_RETRIES = 100
+
+
+def _host(host: Any) -> str:
+    host = text(host, "host")
+    if not host or "\0" in host:
+        raise InvalidArgumentError(f"host must be a host name or address, got {host!r}")
+    return host
+
+
 def control_call(host: str, port: int, msg: dict[str, Any], *, timeout_s: float, retries: int = 1) -> dict[str, Any]:
     """Sends ``msg`` to a :class:`ControlServer` and returns its reply; a
     :class:`~kvslots.errors.TransferError` when no reply comes within ``timeout_s`` (per try) or
-    the reply is an error."""
+    the reply is an error. Bad arguments raise :class:`~kvslots.errors.InvalidArgumentError` (or
+    its :class:`~kvslots.errors.ArgumentTypeError`) before anything is sent."""
+    # Checked first: a negative timeout_s was ZMQ's "wait forever" (a hang), NaN, inf or None a
+    # builtin ValueError, OverflowError or TypeError, a msg msgpack cannot encode a TypeError or
+    # UnicodeEncodeError, one over the server's cap waited out every try unanswered.
+    host = _host(host)
+    port = integer(port, "port", 1, 65535)
+    timeout_s = number(timeout_s, "timeout_s", positive=True, hi=MAX_TIMEOUT_S)
+    retries = integer(retries, "retries", 0, MAX_RETRIES)
+    if not isinstance(msg, dict):
+        raise ArgumentTypeError(f"msg must be a dict, got {type(msg).__name__}")
+    try:
+        payload = _ENC.encode(msg)
+    except (TypeError, ValueError, OverflowError) as e:  # UnicodeEncodeError is a ValueError
+        raise ArgumentTypeError(f"msg does not encode as msgpack: {e}") from None
+    if len(payload) > MAX_REQUEST_BYTES:
+        raise InvalidArgumentError(f"msg is {len(payload)} bytes encoded; a control server drops any over "
+                                   f"{MAX_REQUEST_BYTES} unread")
     ctx = zmq.Context.instance()
     last = ""
-    for _ in range(max(1, retries + 1)):
+    for _ in range(retries + 1):
         sock = ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.MAXMSGSIZE, MAX_REPLY_BYTES)
         try:
             sock.connect(f"tcp://{host}:{port}")
-            sock.send_multipart([b"", _ENC.encode(msg)])
-            if sock.poll(int(timeout_s * 1000), zmq.POLLIN):
+            sock.send_multipart([b"", payload])
+            if sock.poll(max(1, int(timeout_s * 1000)), zmq.POLLIN):
                 frames = sock.recv_multipart()
                 try:
                     reply = _DEC.decode(frames[-1])
@@ -130,8 +175,9 @@ def control_call(host: str, port: int, msg: dict[str, Any], *, timeout_s: float,
                 if not isinstance(reply, dict):
                     raise TransferError(f"P/D control reply from {host}:{port} is not a map", details={"kind": "peer"})
                 if "error" in reply:
-                    raise TransferError(f"P/D peer {host}:{port} refused {msg.get('op')!r}: {reply['error']}",
-                                        details={"kind": "peer"})
+                    # brief: the peer's text, cut (a reply may be 16 MiB) and on one line
+                    raise TransferError(f"P/D peer {host}:{port} refused {brief(msg.get('op'))}: "
+                                        f"{brief(reply['error'], 300)}", details={"kind": "peer"})
                 return reply
             last = f"no reply within {timeout_s} s"
         except zmq.ZMQError as e:
@@ -139,5 +185,5 @@ def control_call(host: str, port: int, msg: dict[str, Any], *, timeout_s: float,
         finally:
             sock.close()
         time.sleep(0.05)
-    raise TransferError(f"P/D peer {host}:{port} did not answer {msg.get('op')!r}: {last}",
+    raise TransferError(f"P/D peer {host}:{port} did not answer {brief(msg.get('op'))}: {last}",
                         details={"kind": "timeout"})

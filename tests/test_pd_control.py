@@ -1,0 +1,110 @@
+"""The P/D control channel (kvslots.vllm.pd.control) fed hostile arguments and handlers, without
+vLLM or Mooncake: every bad argument is a kvslots error before a socket exists or a byte is sent,
+a negative timeout never waits forever, and the serving thread outlives a reply it cannot
+encode."""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import pytest
+import zmq
+
+from kvslots.errors import ArgumentTypeError, InvalidArgumentError, TransferError
+from kvslots.vllm.pd.control import MAX_REQUEST_BYTES, ControlServer, control_call
+
+
+@pytest.fixture
+def server():
+    srv = ControlServer("127.0.0.1", 0, lambda msg: {"echo": msg.get("op")})
+    yield srv
+    srv.close()
+
+
+@pytest.mark.parametrize("kwargs, exc", [
+    ({"timeout_s": float("nan")}, InvalidArgumentError), ({"timeout_s": float("inf")}, InvalidArgumentError),
+    ({"timeout_s": None}, ArgumentTypeError), ({"timeout_s": "1"}, ArgumentTypeError),
+    ({"timeout_s": 1e300}, InvalidArgumentError), ({"timeout_s": 0}, InvalidArgumentError),
+    ({"timeout_s": 1, "retries": -5}, InvalidArgumentError), ({"timeout_s": 1, "retries": 1.5}, ArgumentTypeError),
+    ({"timeout_s": 1, "retries": "x"}, ArgumentTypeError), ({"timeout_s": 1, "retries": 10**9}, InvalidArgumentError),
+    ({"timeout_s": 1, "msg": None}, ArgumentTypeError), ({"timeout_s": 1, "msg": [1]}, ArgumentTypeError),
+    ({"timeout_s": 1, "msg": {"op": "\udc80"}}, ArgumentTypeError),
+    ({"timeout_s": 1, "msg": {"op": object()}}, ArgumentTypeError),
+    ({"timeout_s": 1, "msg": {"op": "x" * MAX_REQUEST_BYTES}}, InvalidArgumentError),
+    ({"timeout_s": 1, "host": "\udc80"}, InvalidArgumentError), ({"timeout_s": 1, "host": "a\0b"}, InvalidArgumentError),
+    ({"timeout_s": 1, "host": ""}, InvalidArgumentError), ({"timeout_s": 1, "host": 5}, ArgumentTypeError),
+    ({"timeout_s": 1, "port": -1}, InvalidArgumentError), ({"timeout_s": 1, "port": 70000}, InvalidArgumentError),
+    ({"timeout_s": 1, "port": 2**70}, InvalidArgumentError), ({"timeout_s": 1, "port": "80"}, ArgumentTypeError),
+    ({"timeout_s": 1, "port": None}, ArgumentTypeError), ({"timeout_s": 1, "port": True}, ArgumentTypeError),
+])
+def test_control_call_refuses_bad_arguments_before_sending(server, kwargs, exc):
+    # Before: a builtin ValueError, OverflowError, TypeError, AttributeError or
+    # UnicodeEncodeError; an oversized request waited out every try unanswered.
+    call = {"host": "127.0.0.1", "port": server.port, "msg": {"op": "x"}, **kwargs}
+    with pytest.raises(exc):
+        control_call(call.pop("host"), call.pop("port"), call.pop("msg"), **call)
+    assert control_call("127.0.0.1", server.port, {"op": "ok"}, timeout_s=10) == {"echo": "ok"}
+
+
+def test_a_negative_timeout_does_not_wait_forever():
+    # ZMQ's poll reads a negative timeout as "no timeout": against a peer that never answers the
+    # call never returned.
+    sock = zmq.Context.instance().socket(zmq.ROUTER)
+    sock.setsockopt(zmq.LINGER, 0)
+    port = sock.bind_to_random_port("tcp://127.0.0.1")
+    outcome: list[BaseException | None] = []
+
+    def call() -> None:
+        try:
+            control_call("127.0.0.1", port, {"op": "hello"}, timeout_s=-1, retries=0)
+            outcome.append(None)
+        except BaseException as e:  # noqa: BLE001 - what it raised is the point
+            outcome.append(e)
+
+    t = threading.Thread(target=call, daemon=True)
+    t.start()
+    t.join(30)
+    sock.close()
+    assert not t.is_alive(), "control_call(timeout_s=-1) is still waiting"
+    assert isinstance(outcome[0], InvalidArgumentError), outcome
+
+
+def _open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="counts descriptors in /proc")
+@pytest.mark.parametrize("host, port, handler, exc", [
+    ("\udc80", 0, dict, InvalidArgumentError), ("a\0", 0, dict, InvalidArgumentError),
+    (5, 0, dict, ArgumentTypeError), ("127.0.0.1", -1, dict, InvalidArgumentError),
+    ("127.0.0.1", 2**70, dict, InvalidArgumentError), ("127.0.0.1", "x", dict, ArgumentTypeError),
+    ("127.0.0.1", True, dict, ArgumentTypeError), ("127.0.0.1", 0, None, ArgumentTypeError),
+])
+def test_control_server_refuses_bad_arguments_and_leaks_no_socket(host, port, handler, exc):
+    # A lone surrogate in host was a UnicodeEncodeError that left the ZMQ socket open (a leaked
+    # descriptor per call); port -1 and 2**70 were "bound" and reported as the port.
+    ControlServer("127.0.0.1", 0, dict).close()  # the ZMQ context's own descriptors, once
+    before = _open_fds()
+    threads = threading.active_count()
+    for _ in range(20):
+        with pytest.raises(exc):
+            ControlServer(host, port, handler)
+    assert _open_fds() == before
+    assert threading.active_count() == threads
+
+
+def test_the_server_thread_outlives_a_reply_it_cannot_encode():
+    # The reply was encoded outside the handler's try: a reply msgpack cannot encode ended the
+    # serving thread, and every later request went unanswered (timeouts).
+    replies = iter([{1j: 2}, {"ok": True}])
+    srv = ControlServer("127.0.0.1", 0, lambda msg: next(replies))
+    try:
+        with pytest.raises(TransferError, match="complex") as e:
+            control_call("127.0.0.1", srv.port, {"op": "x"}, timeout_s=10, retries=0)
+        assert e.value.kind == "peer"
+        assert control_call("127.0.0.1", srv.port, {"op": "x"}, timeout_s=10, retries=0) == {"ok": True}
+        assert srv._thread.is_alive()
+    finally:
+        srv.close()
+    assert not srv._thread.is_alive()
