@@ -1421,3 +1421,46 @@ def test_wake_racing_close_never_writes_to_a_reused_descriptor(monkeypatch):
         os.close(w)
     wp.wake()  # closed: a no-op
     wp.close()  # idempotent
+
+
+@pytest.mark.parametrize("exc", [SystemExit, KeyboardInterrupt])
+def test_a_callback_raising_a_base_exception_does_not_end_the_poll_thread(closing, exc):
+    # SystemExit (or a KeyboardInterrupt raised by hand) from on_batch / on_count / on_reset
+    # ended the poll thread, silently for SystemExit: no batch was delivered after it.
+    pub = EventPublisher(LOCAL, LOCAL)
+    closing(pub)
+    got: list[int] = []
+    raised = {"count": False}
+
+    def on_batch(worker, seq, b) -> None:
+        got.append(seq)
+        if seq == 1:
+            raise exc("on_batch")
+
+    def on_count(worker, name, n) -> None:
+        if name == "applied" and len(got) == 3 and not raised["count"]:
+            raised["count"] = True
+            raise exc("on_count")
+
+    sub = EventSubscriber(on_batch, on_count=on_count)
+    closing(sub)
+    sub.add_publisher("w", pub.endpoint, pub.replay_endpoint, start_seq=0, wait=10)
+    sub.start()
+    for i in range(5):
+        pub.publish(batch(i))
+    wait_until(lambda: got == [0, 1, 2, 3, 4] and sub.in_sync("w"), state=lambda: (got, sub.counters))
+    assert sub._thread.is_alive()
+    assert sub.counters["callback_errors"] == 1 and sub.counters["applied"] == 5
+
+
+def test_poll_once_lets_a_callbacks_keyboard_interrupt_through(closing):
+    # On the caller's own thread, Ctrl-C is the caller's: not swallowed.
+    pub, sub, rec = new_pair(closing)
+
+    def on_batch(worker, seq, b) -> None:
+        raise KeyboardInterrupt
+
+    sub._on_batch = on_batch
+    pub.publish(batch(0))
+    with pytest.raises(KeyboardInterrupt):
+        wait_until(lambda: False, sub)

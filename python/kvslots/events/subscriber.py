@@ -795,8 +795,17 @@ class EventSubscriber:
         if self._on_count is not None:
             try:
                 self._on_count(peer.worker_id, name, n)
-            except Exception:
+            except BaseException as e:
+                if self._passes_through(e):
+                    raise
                 log.exception("on_count callback failed")
+
+    def _passes_through(self, e: BaseException) -> bool:
+        """Whether a callback's exception leaves the loop: on the poll thread none does (a
+        SystemExit, or a KeyboardInterrupt raised by hand, ended the thread: no batch was
+        delivered after it, silently for SystemExit); in poll_once, what is no Exception
+        (Ctrl-C) is the caller's."""
+        return not isinstance(e, Exception) and self._thread is not threading.current_thread()
 
     def _drain_socket(self, peer: _Peer, sock: zmq.Socket, is_replay: bool) -> int:
         n = 0
@@ -932,7 +941,9 @@ class EventSubscriber:
         if self._on_reset is not None:
             try:
                 self._on_reset(peer.worker_id, last, new_seq)
-            except Exception:
+            except BaseException as e:
+                if self._passes_through(e):
+                    raise
                 self._count(peer, "callback_errors")
                 log.exception("on_reset callback failed")
 
@@ -1138,7 +1149,9 @@ class EventSubscriber:
             self._peer_log.log(logging.WARNING, (id(peer), "malformed"), "batch %d from %s is not a batch: %s",
                          seq, peer.shown, e)
             return
-        except Exception:
+        except BaseException as e:
+            if self._passes_through(e):
+                raise
             self._count(peer, "callback_errors")
             self._peer_log.log(logging.ERROR, (id(peer), "callback"), "on_batch callback failed for %s seq %d",
                          peer.shown, seq, exc_info=True)
