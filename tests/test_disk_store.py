@@ -440,3 +440,23 @@ def test_the_largest_queue_len_allocates_nothing_up_front(tmp_path: Path) -> Non
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                           env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
     assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-2000:]
+
+
+def test_a_huge_fresh_file_opens_without_reading_every_slot(tmp_path: Path) -> None:
+    # A fresh file is one hole after its header (sparse). Opening it read every slot's record
+    # header, one read each (2^28 slots: minutes, the store not yet returned).
+    code = textwrap.dedent(f"""
+        from kvslots._core import DiskStore
+        from kvslots.errors import DiskTierError
+        try:
+            s = DiskStore({str(tmp_path / "huge.kvs")!r}, num_slots=2**28, block_size=4, num_layers=2,
+                          bytes_per_block=3000, dtype="float32", fingerprint=1)
+        except DiskTierError as e:  # a filesystem without files this large: refused, not stuck
+            print("refused", e)
+        else:
+            print(s.opened, s.stats()["max_seq_at_open"])
+    """)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.split()[0] in ("created", "refused"), proc.stdout
