@@ -204,6 +204,58 @@ def test_malformed_wire_layout(wire):
     assert ei.value.kind == "layout"
 
 
+@pytest.mark.parametrize("wire", [
+    {"num_blocks": 4, "segments": [["a", 2**70, 16, 16, 4]]},  # an OverflowError in plan
+    {"num_blocks": 4, "segments": [["a", 2**64 - 16, 16, 16, 4]]},
+    {"num_blocks": 4, "segments": [["a", 0, 16, 2**62, 4]]},  # planned as a wrapped, negative address
+    {"num_blocks": 2**62, "segments": [["a", 0, 16, 16, 2**62]]},
+    {"num_blocks": 4, "segments": [["a", 0, 2**70, 2**70, 4]]},
+    {"num_blocks": 4, "segments": [["\udc80", 0, 16, 16, 4]]},  # did not encode in a hello reply
+    {"num_blocks": 4, "segments": [["a", 0, 16, 16, 4]] * 70_000},
+], ids=["addr_2_70", "addr_2_64", "stride_2_62", "blocks_2_62", "block_bytes_2_70", "surrogate", "70k_segments"])
+def test_a_wire_layout_past_the_address_space_is_a_layout_error(wire):
+    # A peer's layout whose bytes end past 2**63 was accepted; planning a read from it raised an
+    # OverflowError or handed Mooncake wrapped, negative addresses.
+    with pytest.raises(TransferError) as ei:
+        BlockLayout.from_wire(wire)
+    assert ei.value.kind == "layout"
+
+
+@pytest.mark.parametrize("kwargs, exc", [
+    ({"addr": 2**70}, InvalidArgumentError), ({"addr": 2**64 - 1}, InvalidArgumentError),
+    ({"block_bytes": 2**70}, InvalidArgumentError), ({"num_blocks": 2**62}, InvalidArgumentError),
+    ({"num_segments": 10**7}, InvalidArgumentError), ({"name": "\udc80"}, InvalidArgumentError),
+    ({"name": 5}, ArgumentTypeError),
+])
+def test_from_buffer_refuses_hostile_sizes_quickly(kwargs, exc):
+    # 10**7 segments took half a minute; an end past 2**63 registered as a pybind TypeError.
+    args = {"addr": 1 << 20, "block_bytes": BB, "num_blocks": NB, **kwargs}
+    start = time.monotonic()
+    with pytest.raises(exc):
+        BlockLayout.from_buffer(args.pop("addr"), **args)
+    assert time.monotonic() - start < 5
+
+
+def test_from_tensors_refuses_what_is_no_layer_mapping():
+    torch = pytest.importorskip("torch")
+    t = torch.zeros(4, 2)
+    for layers in ([t], None, "abc"):  # AttributeErrors
+        with pytest.raises(ArgumentTypeError):
+            BlockLayout.from_tensors(layers, 4)
+    for value in (5, "xyz"):  # a TypeError; a str walked character by character
+        with pytest.raises(InvalidArgumentError, match="expected a tensor"):
+            BlockLayout.from_tensors({"a": value}, 4)
+    for dim in ("0", 0.0, True):  # TypeErrors, or True taken as dimension 1
+        with pytest.raises(ArgumentTypeError, match="block_dim"):
+            BlockLayout.from_tensors({"a": t}, 4, block_dim=dim)
+    with pytest.raises(ArgumentTypeError, match="layer name"):  # a Segment that no longer round-trips
+        BlockLayout.from_tensors({5: t}, 4)
+    with pytest.raises(InvalidArgumentError, match="layer name"):
+        BlockLayout.from_tensors({"\udc80": t}, 4)
+    layout = BlockLayout.from_tensors({"a": t, "b": [t.clone()]}, 4)
+    assert BlockLayout.from_wire(layout.to_wire()) == layout
+
+
 def test_layout_of_tensors_target_and_draft():
     torch = pytest.importorskip("torch")
     n = 10

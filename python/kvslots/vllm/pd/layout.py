@@ -24,9 +24,18 @@ from typing import Any
 import msgspec
 import numpy as np
 
+from ..._args import integer, text
 from ...errors import ArgumentTypeError, InvalidArgumentError, TransferError
 
-__all__ = ["Segment", "BlockLayout"]
+__all__ = ["MAX_ADDRESS", "MAX_SEGMENTS", "Segment", "BlockLayout"]
+
+#: Every byte of a layout lies below this address: the transport computes block addresses as
+#: int64 (numpy) and Mooncake takes them as uint64; user-space addresses are far lower (2**47
+#: on x86-64). A span past it wrapped to a negative address or was an OverflowError.
+MAX_ADDRESS = 2**63 - 1
+#: Most segments in one layout. A model has a few hundred (layers x K/V, drafter included);
+#: 10**7 from a caller or a peer took half a minute and gigabytes to build.
+MAX_SEGMENTS = 1 << 16
 
 
 class Segment(msgspec.Struct, frozen=True, array_like=True):
@@ -59,10 +68,23 @@ class BlockLayout(msgspec.Struct, frozen=True):
         if num_blocks < 1:
             raise InvalidArgumentError(f"num_blocks must be >= 1, got {num_blocks}")
         n = int(num_blocks)
+        # Checked here: a list or None was an AttributeError, a str block_dim a TypeError, a
+        # non-str layer name a Segment that no longer round-trips through to_wire / from_wire.
+        if not isinstance(layers, Mapping):
+            raise ArgumentTypeError(f"layers must be a mapping of layer name to tensor, got {type(layers).__name__}")
+        if block_dim is not None:
+            block_dim = integer(block_dim, "block_dim")
         segments: list[Segment] = []
         seen: set[tuple[int, tuple[int, ...]]] = set()
         for name, value in layers.items():
-            tensors = [(name, value)] if hasattr(value, "data_ptr") else [(f"{name}[{i}]", t) for i, t in enumerate(value)]
+            name = text(name, "layer name")
+            if hasattr(value, "data_ptr"):
+                tensors = [(name, value)]
+            elif isinstance(value, (list, tuple)):
+                tensors = [(f"{name}[{i}]", t) for i, t in enumerate(value)]
+            else:  # an int was a TypeError; a str was walked character by character
+                raise InvalidArgumentError(f"layer {name!r}: expected a tensor or a list of tensors, "
+                                           f"got {type(value).__name__}")
             for tname, t in tensors:
                 if not hasattr(t, "data_ptr"):
                     raise InvalidArgumentError(f"layer {tname!r}: expected a tensor, got {type(t).__name__}")
@@ -73,6 +95,10 @@ class BlockLayout(msgspec.Struct, frozen=True):
                 segments.extend(_segments_of(tname, t, n, block_dim))
         if not segments:
             raise InvalidArgumentError("a block layout needs at least one layer tensor")
+        if len(segments) > MAX_SEGMENTS:
+            raise InvalidArgumentError(f"{len(segments)} segments, more than {MAX_SEGMENTS}")
+        for seg in segments:
+            _check_span(seg, InvalidArgumentError)
         return cls(segments=tuple(segments), num_blocks=n)
 
     @classmethod
@@ -87,6 +113,15 @@ class BlockLayout(msgspec.Struct, frozen=True):
                 raise ArgumentTypeError(f"{key} must be an int, got {type(v).__name__}")
             if v < (0 if key == "addr" else 1):
                 raise InvalidArgumentError(f"{key} must be positive, got {v}")
+        name = text(name, "name")
+        # Before any segment is made: 10**7 segments took half a minute, and an end past
+        # MAX_ADDRESS registered as a pybind TypeError or planned wrapped, negative addresses.
+        if num_segments > MAX_SEGMENTS:
+            raise InvalidArgumentError(f"num_segments must be at most {MAX_SEGMENTS}, got {num_segments}")
+        end = int(addr) + int(num_segments) * int(num_blocks) * int(block_bytes)
+        if end > MAX_ADDRESS + 1:
+            raise InvalidArgumentError(f"a buffer of {num_segments} x {num_blocks} blocks of {block_bytes} bytes at "
+                                       f"{int(addr):#x} ends past address 2**63")
         segs = tuple(Segment(f"{name}.{s}", int(addr) + s * num_blocks * block_bytes, int(block_bytes),
                              int(block_bytes), int(num_blocks)) for s in range(num_segments))
         return cls(segments=segs, num_blocks=int(num_blocks))
@@ -143,10 +178,39 @@ class BlockLayout(msgspec.Struct, frozen=True):
             raise TransferError(f"malformed remote block layout: {e}", details={"kind": "layout"}) from None
         if layout.num_blocks < 1 or not layout.segments:
             raise TransferError("malformed remote block layout: no blocks or no segments", details={"kind": "layout"})
+        if len(layout.segments) > MAX_SEGMENTS:
+            raise TransferError(f"malformed remote block layout: {len(layout.segments)} segments, more than "
+                                f"{MAX_SEGMENTS}", details={"kind": "layout"})
         for s in layout.segments:
             if s.addr < 0 or s.block_bytes < 1 or s.stride < s.block_bytes or s.num_blocks != layout.num_blocks:
-                raise TransferError(f"malformed remote block layout: segment {s}", details={"kind": "layout"})
+                raise TransferError(f"malformed remote block layout: segment {_brief(s)}", details={"kind": "layout"})
+            _check_span(s, TransferError)
         return layout
+
+
+def _brief(seg: Segment) -> str:
+    r = repr(seg)
+    return r if len(r) <= 200 else r[:197] + "..."
+
+
+def _check_span(seg: Segment, error: type[InvalidArgumentError] | type[TransferError]) -> None:
+    """A segment's bytes end at or below MAX_ADDRESS + 1 and its name is text: a peer's address
+    past it (2**70, or a stride that reaches past it) was an OverflowError in plan or wrapped
+    to a negative address; a name with a lone surrogate failed to encode in the hello reply."""
+    problem = None
+    if seg.span[1] > MAX_ADDRESS + 1:
+        problem = "ends past address 2**63"
+    else:
+        try:
+            seg.name.encode("utf-8")
+        except UnicodeEncodeError:
+            problem = "name is not valid Unicode (a lone surrogate)"
+    if problem is None:
+        return
+    what = f"segment {_brief(seg)}: {problem}"
+    if error is TransferError:
+        raise TransferError(f"malformed remote block layout: {what}", details={"kind": "layout"})
+    raise InvalidArgumentError(what)
 
 
 def _segments_of(name: str, t: Any, n: int, block_dim: int | None) -> list[Segment]:
