@@ -99,3 +99,56 @@ def test_huge_counts_agree(n):
                        ("rollback", ("a", n)), ("set_lookahead", ("a", 0)), ("reserve", ("a", 1))]:
         assert outcome(rust, name, args, {}) == outcome(ref, name, args, {}), (name, args)
     assert rust.check_invariants() is None
+
+
+def test_reference_model_serializes_threads_as_the_extension_does():
+    # The Rust SlotManager serializes its callers; the reference did not: threads interleaving
+    # inside create / finish / step raised raw KeyErrors ('dictionary is empty', a request id)
+    # and left blocks held by no request (64 of 64 after every request finished).
+    import random
+    import sys
+    import threading
+
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # switch threads as often as the interpreter can
+    try:
+        for _ in range(3):
+            m = ReferenceSlotManager(64, 2)
+            unexpected: list[str] = []
+
+            def worker(seed: int) -> None:
+                rng = random.Random(seed)
+                for _ in range(2000):
+                    rid = rng.choice("abcd")
+                    try:
+                        op = rng.randrange(6)
+                        if op == 0:
+                            m.create(rid, [1, 2, 3, rng.randrange(3)], lookahead=1)
+                        elif op == 1:
+                            m.reserve(rid, rng.randrange(4))
+                        elif op == 2:
+                            m.commit(rid, [1] * rng.randrange(3))
+                        elif op == 3:
+                            m.finish(rid)
+                        elif op == 4:
+                            m.evict(1)
+                        else:
+                            ids = [m.slot_id(r) for r in "ab" if r in m]
+                            m.step(ids, [0] * len(ids), [], [0] * len(ids), [1] * len(ids))
+                    except KVSlotsError:
+                        pass
+                    except Exception as e:  # noqa: BLE001 - the finding
+                        unexpected.append(f"{type(e).__name__}: {e}")
+
+            threads = [threading.Thread(target=worker, args=(seed,)) for seed in range(4)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            assert not unexpected, unexpected[:5]
+            for rid in m.request_ids():
+                m.finish(rid)
+            m.clear_cache()
+            assert (m.num_free, m.num_held, m.num_cached) == (64, 0, 0)
+    finally:
+        sys.setswitchinterval(old)

@@ -9,8 +9,10 @@ released tail first.
 
 from __future__ import annotations
 
+import functools
 import operator
 import struct
+import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Sequence
@@ -205,6 +207,10 @@ class ReferenceSlotManager:
         self.hash_seed = hash_seed
         self.enable_prefix_caching = enable_prefix_caching
         self.max_tokens_per_slot = max_tokens_per_slot
+        # One call at a time, as the extension serializes its callers (threads interleaving in
+        # create / finish / step raised raw KeyErrors and left blocks held by no request).
+        # Re-entrant: an argument's __index__ may call back, as the extension allows too.
+        self._lock = threading.RLock()
         self._refcount = [0] * num_blocks
         self._hash_of: dict[int, int] = {}  # registered block -> hash
         self._registry: dict[int, int] = {}  # hash -> block
@@ -604,3 +610,23 @@ class ReferenceSlotManager:
             new_ids.extend(s.blocks[len(s.blocks) - extra:])
             num_new.append(extra)
         return num_new, new_ids, committed
+
+
+def _serialized(fn: Any) -> Any:
+    @functools.wraps(fn)
+    def call(self: ReferenceSlotManager, *args: Any, **kwargs: Any) -> Any:
+        with self._lock:
+            return fn(self, *args, **kwargs)
+
+    return call
+
+
+# Every public method and property (and __len__ / __contains__) under the instance's lock.
+for _name, _member in list(vars(ReferenceSlotManager).items()):
+    if _name.startswith("_") and _name not in ("__len__", "__contains__"):
+        continue
+    if isinstance(_member, property):
+        setattr(ReferenceSlotManager, _name, property(_serialized(_member.fget)))
+    elif callable(_member):
+        setattr(ReferenceSlotManager, _name, _serialized(_member))
+del _name, _member
