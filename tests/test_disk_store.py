@@ -460,3 +460,22 @@ def test_a_huge_fresh_file_opens_without_reading_every_slot(tmp_path: Path) -> N
                           env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.split()[0] in ("created", "refused"), proc.stdout
+
+
+def test_a_truncated_file_is_not_restored_from(tmp_path: Path) -> None:
+    # The worker starts a file of the wrong length afresh; the scheduler's restore raised on a
+    # cut inside a record header (an engine that did not start) and, cut inside a record's
+    # bytes, restored that record, whose read then failed as an I/O error.
+    p = tmp_path / "tier.kvs"
+    s = store(p)
+    for slot in range(8):
+        write(s, slot, 30 + slot)
+    s.flush()
+    del s
+    full = p.read_bytes()
+    stride = (len(full) - 4096) // 8
+    for cut in (4096 + 3 * stride + 10, 4096 + 3 * stride + 200, len(full) - 1, len(full) + 4096):
+        p.write_bytes(full[:cut] + b"\0" * max(0, cut - len(full)))
+        idx, (n, damaged, why) = restore(p)
+        assert (n, damaged) == (0, 0) and why is not None and "bytes" in why, (cut, n, damaged, why)
+        assert idx.num_stored == 0 and idx.num_pending_events() == 0

@@ -201,7 +201,12 @@ impl DiskIndex {
             Ok(f) => f,
             Err(why) => return Ok((0, 0, Some(why))),
         };
-        let (records, damaged) = slf.py().detach(|| file.scan()).map_err(disk_error)?;
+        // A file that cannot be read through (cut short since it was opened, an I/O error) is
+        // not used, as one whose header does not match: nothing restored, the engine starts.
+        let (records, damaged) = match slf.py().detach(|| file.scan()) {
+            Ok(r) => r,
+            Err(e) => return Ok((0, 0, Some(e.to_string()))),
+        };
         let mut this = borrow_mut(slf)?;
         let before = this.inner.num_stored();
         this.inner.restore(records).map_err(slot_error)?;

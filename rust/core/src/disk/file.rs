@@ -139,6 +139,15 @@ impl Layout {
         }
         Ok(())
     }
+    /// The length of a file of `num_slots` records. A file of another length is not this
+    /// layout's (cut short, or grown): the worker starts it afresh, the restore skips it.
+    pub fn file_len(&self, num_slots: u64) -> Result<u64, DiskError> {
+        num_slots
+            .checked_mul(self.stride())
+            .and_then(|b| b.checked_add(HEADER_LEN))
+            .filter(|&b| b < (1u64 << 62))
+            .ok_or_else(|| DiskError::Invalid(format!("{num_slots} slots do not fit in a file")))
+    }
     /// Bytes of a record header (fixed part and tokens), a multiple of 64.
     pub fn record_header_len(&self) -> u64 {
         round_up(RECORD_FIXED as u64 + 4 * self.block_size as u64, 64)
@@ -300,11 +309,7 @@ impl DiskFile {
             path: path.to_path_buf(),
             source: e,
         };
-        let total = num_slots
-            .checked_mul(layout.stride())
-            .and_then(|b| b.checked_add(HEADER_LEN))
-            .filter(|&b| b < (1u64 << 62))
-            .ok_or_else(|| DiskError::Invalid(format!("{num_slots} slots do not fit in a file")))?;
+        let total = layout.file_len(num_slots)?;
         let file = OpenOptions::new()
             .read(true)
             .write(true)
@@ -356,7 +361,7 @@ impl DiskFile {
         ))
     }
 
-    /// Opens an existing file read-only, only if its header matches; else why not.
+    /// Opens an existing file read-only, only if its header and length match; else why not.
     pub fn open_existing(path: &Path, layout: &Layout, num_slots: u64) -> Result<DiskFile, String> {
         layout.check().map_err(|e| e.to_string())?;
         let file = File::open(path).map_err(|e| format!("{}: {e}", path.display()))?;
@@ -365,6 +370,14 @@ impl DiskFile {
             .map_err(|e| format!("{}: header: {e}", path.display()))?;
         if let Some(why) = layout.mismatch(num_slots, &h) {
             return Err(why);
+        }
+        let total = layout.file_len(num_slots).map_err(|e| e.to_string())?;
+        let len = file
+            .metadata()
+            .map_err(|e| format!("{}: {e}", path.display()))?
+            .len();
+        if len != total {
+            return Err(format!("file is {len} bytes, expected {total}"));
         }
         Ok(DiskFile {
             file,
