@@ -42,14 +42,13 @@ def seconds(value: object, what: str = "timeout") -> float:
     """``value`` as a finite number of seconds > 0; an :class:`~kvslots.InvalidArgumentError`
     naming ``what`` otherwise. The one check of the proxy's timeout (the command line and
     :func:`~kvslots.proxy.app.create_app`)."""
-    try:  # an int past float's range raised OverflowError in isfinite()
-        ok = not isinstance(value, bool) and isinstance(value, (int, float)) \
-            and math.isfinite(value) and value > 0
-    except OverflowError:
-        ok = False
-    if not ok:
-        raise InvalidArgumentError(f"{what} {_short(value)} must be a finite number of seconds > 0")
-    return float(value)
+    if not isinstance(value, bool) and isinstance(value, (int, float)):
+        try:
+            if math.isfinite(value) and value > 0:
+                return float(value)
+        except OverflowError:  # an int past float's range (was this OverflowError)
+            pass
+    raise InvalidArgumentError(f"{what} {_short(value)} must be a finite number of seconds > 0")
 
 
 def shown_url(url: str) -> str:
