@@ -280,3 +280,29 @@ def test_tier_figures_reach_prometheus_through_vllms_connector_metrics(tmp_path)
     assert 'vllm:kvslots_tier_hit_tokens_total{engine="0",model_name="m",tier="disk"} 4.0' in text
     assert 'vllm:kvslots_tier_capacity_blocks{engine="0",model_name="m",tier="host"} 2.0' in text
     assert 'vllm:kvslots_tier_read_bytes_total{engine="0",model_name="m",tier="disk"} 64.0' in text
+
+
+def test_a_read_that_fails_with_an_io_error_drops_its_first_block_like_a_corrupt_one(tmp_path):
+    # The file cut short under the running engine: the read fails as a whole (an I/O error).
+    # Its blocks were recomputed but stayed on disk, so every later hit of that prefix read and
+    # failed again; now the first leaves the index, as a corrupt record's does.
+    import os
+
+    import numpy as np
+
+    from kvslots.vllm.connector.disk import DiskLoad, DiskStepMeta, DiskWorker
+
+    layout = DiskLayout(num_layers=1, bytes_per_block=3000, dtype="float32", fingerprint=1)
+    w = DiskWorker(directory=str(tmp_path), num_slots=8, block_size=BS, layout=layout, queue_len=8)
+    for i in range(4):
+        assert w.store.submit(i, np.full(3000, i, np.uint8), 100 + i, [i] * BS)
+    w.store.flush()
+    assert w.take_done() == [(i, True) for i in range(4)]
+    os.truncate(w.path, 4096 + 4096)  # slot 0 alone is left
+    w.start(DiskStepMeta(loads=[DiskLoad("r", [1, 2, 3], [101, 102, 103], [5, 6, 7], [-1, -1, -1])]))
+    load_errors: set[int] = set()
+    corrupt: set[int] = set()
+    assert w.store.wait_reads(30.0)
+    assert w.poll(load_errors, corrupt) == [("r", 0)]
+    assert load_errors == {5, 6, 7} and corrupt == {101}
+    w.close()

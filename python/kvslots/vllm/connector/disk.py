@@ -464,6 +464,10 @@ class DiskWorker:
             if err is not None:
                 logger.error("kvslots disk tier: read for %s failed: %s", p.load.req_id, err)
                 p.failed = True
+                # Its blocks are as unreadable as corrupt ones (the file cut short, a bad
+                # sector): the first leaves the index (those after it are no prefix then), or
+                # every later hit of this prefix would read and fail again.
+                p.bad.append((min(idx), f"read failed: {err}"))
             p.bad += [(idx[j], why) for j, why in bad]
         out: list[tuple[str, int]] = []
         still = []
