@@ -297,6 +297,33 @@ def test_transfer_timeout_refuses_bad_values_before_touching_the_environment(bad
     assert "MC_TRANSFER_TIMEOUT" not in os.environ
 
 
+@pytest.mark.parametrize("kwargs, exc", [
+    ({"hostname": "\udc80"}, InvalidArgumentError), ({"hostname": "a\0b"}, InvalidArgumentError),
+    ({"hostname": " "}, InvalidArgumentError), ({"hostname": "a\nb"}, InvalidArgumentError),
+    ({"device_name": 5}, ArgumentTypeError), ({"device_name": "\udc80"}, InvalidArgumentError),
+    ({"device_name": "mlx5_0\0"}, InvalidArgumentError),
+])
+def test_constructor_text_mooncake_cannot_take_is_a_kvslots_error(kwargs, exc):
+    # A lone surrogate or a device_name that is no str was pybind's TypeError from initialize;
+    # a NUL or a blank made a session id ("a\0b:port") no peer can use.
+    with pytest.raises(exc):
+        MooncakeTransport(**{"hostname": "127.0.0.1", **kwargs})
+
+
+@pytest.mark.parametrize("session", ["\udc80:1", "a\0b:1", "127.0.0.1:99999", "127.0.0.1:-1", "127.0.0.1:abc",
+                                     ":1", "127.0.0.1:", "127.0.0.1:\u0663", "a b:1", 5, None, b"127.0.0.1:1"])
+def test_hostile_remote_sessions_are_peer_errors(local, session):
+    # "\udc80:1" was pybind's TypeError; the others went to Mooncake as given.
+    t, buf = local
+    remote = BlockLayout.from_buffer(1 << 20, block_bytes=BB, num_blocks=NB, num_segments=NS)
+    with pytest.raises(TransferError, match="bad remote session") as ei:
+        t.read_blocks(session, remote, [0], [0])
+    assert ei.value.kind == "peer"
+    with pytest.raises(TransferError, match="bad remote session"):
+        t.submit_read(session, remote, [0], [0])  # an argument error: raised here, not by result()
+    assert not buf.any()
+
+
 _TIMED_READ = """
 import json, os, signal, sys, time
 import numpy as np

@@ -36,6 +36,7 @@ from typing import Any
 
 import numpy as np
 
+from ..._args import text
 from ...errors import ArgumentTypeError, InvalidArgumentError, TransferError
 from .layout import BlockLayout, _as_ids
 
@@ -62,6 +63,23 @@ def load_transfer_engine() -> Any:
             details={"kind": "engine"},
         ) from None
     return TransferEngine
+
+
+def _check_session(session: Any) -> None:
+    """``host:port`` as Mooncake names a peer; a TransferError (kind ``"peer"``) otherwise. A
+    lone surrogate was pybind's TypeError; a NUL, no host or a port out of range went to Mooncake."""
+    ok = isinstance(session, str) and session.count(":") == 1
+    if ok:
+        host, _, port = session.partition(":")
+        ok = (bool(host) and host.isprintable() and not any(c.isspace() for c in host)
+              and port.isascii() and port.isdigit() and len(port) <= 5 and 0 < int(port) < 65536)
+        try:
+            session.encode("utf-8")
+        except UnicodeEncodeError:
+            ok = False
+    if not ok:
+        shown = repr(session) if len(repr(session)) <= 80 else repr(session)[:77] + "..."
+        raise TransferError(f"bad remote session {shown} (expected host:port)", details={"kind": "peer"})
 
 
 class PendingRead:
@@ -111,6 +129,14 @@ class MooncakeTransport:
                  threads: int = 1, transfer_timeout_s: float | None = None):
         if not isinstance(hostname, str) or not hostname or ":" in hostname:
             raise InvalidArgumentError(f"hostname must be a host name or address without a port, got {hostname!r}")
+        # Text Mooncake can take: a lone surrogate (in hostname or device_name) or a device_name
+        # that is no str was pybind's TypeError; a NUL or blank made a session id peers cannot use.
+        hostname = text(hostname, "hostname")
+        if not hostname.isprintable() or any(c.isspace() for c in hostname):
+            raise InvalidArgumentError(f"hostname must be a host name or address, got {hostname!r}")
+        device_name = text(device_name, "device_name")
+        if "\0" in device_name:
+            raise InvalidArgumentError(f"device_name must not hold a NUL, got {device_name!r}")
         if protocol not in ("tcp", "rdma"):
             raise InvalidArgumentError(f"protocol must be 'tcp' or 'rdma', got {protocol!r}")
         if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
@@ -218,6 +244,7 @@ class MooncakeTransport:
                     local_ids: Sequence[int] | np.ndarray) -> int:
         """Copies the remote blocks into the local ones (all segments) and returns the bytes
         moved; blocks the calling thread until Mooncake finishes or gives up."""
+        _check_session(remote_session)
         lp, rp, ln = self.plan(remote_layout, remote_ids, local_ids)
         self._run(remote_session, lp, rp, ln)
         return int(sum(ln))
@@ -226,6 +253,7 @@ class MooncakeTransport:
                     local_ids: Sequence[int] | np.ndarray) -> PendingRead:
         """As :meth:`read_blocks`, on the transport's worker thread; argument errors raise here,
         transfer errors from :meth:`PendingRead.result`."""
+        _check_session(remote_session)
         lp, rp, ln = self.plan(remote_layout, remote_ids, local_ids)
         self._check_open()
         fut = self._pool.submit(self._run, remote_session, lp, rp, ln)
@@ -234,8 +262,7 @@ class MooncakeTransport:
     def _run(self, remote_session: str, lp: list[int], rp: list[int], ln: list[int]) -> None:
         if not lp:
             return
-        if not isinstance(remote_session, str) or remote_session.count(":") != 1:
-            raise TransferError(f"bad remote session {remote_session!r} (expected host:port)", details={"kind": "peer"})
+        _check_session(remote_session)
         rc = self._engine.batch_transfer_sync_read(remote_session, lp, rp, ln)
         if rc != 0:
             raise TransferError(
