@@ -687,6 +687,11 @@ class _RaisingEvents(list):
         (lambda: from_raw(("BlockRemoved", [-1]), None, hashes_as_bytes=True), EventDecodeError),
         (lambda: from_raw(("AllBlocksCleared",), None, structs=object()), EventDecodeError),
         (lambda: from_raw(None, None), ArgumentTypeError),
+        # A medium or flag of the wrong type went into the struct: encoded, then undecodable.
+        (lambda: from_raw(("BlockRemoved", [1]), 5), ArgumentTypeError),
+        (lambda: from_raw(("BlockRemoved", [1]), b"CPU"), ArgumentTypeError),
+        (lambda: from_raw(("BlockRemoved", [1]), "\ud800"), InvalidArgumentError),
+        (lambda: from_raw(("BlockRemoved", [1]), None, hashes_as_bytes="yes"), ArgumentTypeError),
         (lambda: decode_batch(b"\xc1"), EventDecodeError),
         (lambda: decode_batch(b"\x92\x00\x00"), EventDecodeError),  # msgpack, not a batch
         (lambda: decode_batch("x"), ArgumentTypeError),

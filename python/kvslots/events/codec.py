@@ -16,6 +16,7 @@ from typing import Any, Union
 
 import msgspec
 
+from .. import _args
 from ..errors import ArgumentTypeError, EventDecodeError, InvalidArgumentError, KVSlotsError
 
 ExternalBlockHash = Union[bytes, int]
@@ -118,6 +119,11 @@ def from_raw(
     """
     if not isinstance(raw, (tuple, list)):
         raise ArgumentTypeError(f"an event tuple is a tuple, got {type(raw).__name__}")
+    # Checked as drain_events checks them: a medium of another type went into the struct,
+    # which then encoded into a batch no subscriber could decode.
+    if medium is not None:
+        medium = _args.text(medium, "medium")
+    hashes_as_bytes = bool(_args.flag(hashes_as_bytes, "hashes_as_bytes"))
     try:
         return _from_raw(raw, medium, hashes_as_bytes, structs)
     except KVSlotsError:
