@@ -324,6 +324,118 @@ def test_hostile_remote_sessions_are_peer_errors(local, session):
     assert not buf.any()
 
 
+class _SilentPeer:
+    """A TCP listener that accepts every connection and never answers: a peer that is stopped,
+    hung, or no Mooncake engine at all (the kernel completes the connection either way)."""
+
+    def __init__(self):
+        import socket
+        import threading
+
+        self._srv = socket.socket()
+        self._srv.bind(("127.0.0.1", 0))
+        self._srv.listen(64)
+        self.session = f"127.0.0.1:{self._srv.getsockname()[1]}"
+        self._conns = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self):
+        while True:
+            try:
+                conn, _ = self._srv.accept()
+            except OSError:
+                return
+            self._conns.append(conn)
+
+    def close(self):
+        self._srv.close()
+        for c in self._conns:
+            c.close()
+
+
+def _probe_threads():
+    import threading
+
+    return [t for t in threading.enumerate() if t.name == "kvslots-pd-probe"]
+
+
+def _first_contact_with_a_silent_peer(handshake_kw, limit_s):
+    buf = np.zeros(NS * NB * BB, dtype=np.uint8)
+    t = MooncakeTransport("127.0.0.1", **handshake_kw)
+    t.register(BlockLayout.from_buffer(buf.ctypes.data, block_bytes=BB, num_blocks=NB, num_segments=NS))
+    remote = BlockLayout.from_buffer(1 << 20, block_bytes=BB, num_blocks=NB, num_segments=NS)
+    peer = _SilentPeer()
+    try:
+        start = time.monotonic()
+        with pytest.raises(TransferError, match="did not answer") as ei:
+            t.read_blocks(peer.session, remote, [0, 1], [0, 1])
+        took = time.monotonic() - start
+        assert ei.value.kind == "timeout"
+        assert took < limit_s, took
+        return t, buf, remote, peer
+    except BaseException:
+        peer.close()
+        t.close()
+        raise
+
+
+def test_a_silent_peer_at_first_contact_fails_within_the_handshake_timeout():
+    # Mooncake's hand-shake waited its fixed 60 s for a peer that accepts the connection and
+    # stays silent, holding the reading thread (a vLLM pull thread) all along.
+    t, buf, remote, peer = _first_contact_with_a_silent_peer({"handshake_timeout_s": 1.0}, 15)
+    try:
+        with pytest.raises(TransferError, match="did not answer"):  # the same probe, not another
+            t.read_blocks(peer.session, remote, [2], [2])
+        with pytest.raises(TransferError) as ei:
+            t.submit_read(peer.session, remote, [3], [3]).result(30)
+        assert ei.value.kind == "timeout"
+        assert len(_probe_threads()) == 1
+        assert not buf.any()  # Mooncake never started a read
+    finally:
+        peer.close()  # the probe sees the connection close and ends
+        t.close()
+    deadline = time.monotonic() + 60
+    while _probe_threads() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _probe_threads(), "the probe thread outlived its peer"
+
+
+def test_the_default_handshake_timeout_bounds_a_first_contact():
+    from kvslots.vllm.pd import transport
+
+    # The default (10 s) against Mooncake's 60 s: a generous bound a loaded machine keeps.
+    t, _, _, peer = _first_contact_with_a_silent_peer({}, 40)
+    peer.close()
+    t.close()
+    assert t.handshake_timeout_s == transport.DEFAULT_HANDSHAKE_TIMEOUT_S
+
+
+def test_a_peer_that_answers_is_probed_once(peer, local):
+    _, session, remote = peer
+    t, _ = local
+    calls = []
+    real = t.engine.send_probe
+
+    class Spy:  # the engine is a pybind object: its methods cannot be patched
+        def __getattr__(self, name):
+            return getattr(real.__self__, name)
+
+        def send_probe(self, s):
+            calls.append(s)
+            return real(s)
+
+    t._engine = Spy()
+    for i in range(3):
+        t.read_blocks(session, remote, [i], [i])
+    assert calls == [session]
+
+
+@pytest.mark.parametrize("bad", [0, -1, float("nan"), float("inf"), "5", True, 10**6])
+def test_handshake_timeout_refuses_bad_values(bad):
+    with pytest.raises(InvalidArgumentError, match="handshake_timeout_s"):
+        MooncakeTransport("127.0.0.1", handshake_timeout_s=bad)
+
+
 _TIMED_READ = """
 import json, os, signal, sys, time
 import numpy as np

@@ -22,6 +22,16 @@ is made; ``transfer_timeout_s`` gives one engine its own unless the operator set
 :meth:`PendingRead.result` raises ``kind="timeout"`` at the caller's deadline; the destination
 blocks must still not be reused until :meth:`PendingRead.settled` is true, because Mooncake may
 still be writing into them until it gives up itself.
+
+First contact: before its first read from a peer, Mooncake exchanges metadata with it over the
+peer's RPC port, and it waits a fixed 60 s for an answer (not configurable) from a peer that
+accepts the connection but stays silent (stopped, hung, or no Mooncake engine at all). So the
+first read from each session is preceded by Mooncake's own probe (``send_probe``, on a daemon
+thread) that must answer within ``handshake_timeout_s`` (:data:`DEFAULT_HANDSHAKE_TIMEOUT_S`):
+otherwise a ``kind="timeout"`` TransferError, and Mooncake never starts the read, so no block is
+touched. The probe thread itself ends when Mooncake gives up (at most 60 s) or the peer answers;
+a second read from that peer meanwhile waits on the same probe, and a failed read makes the next
+one probe again.
 """
 
 from __future__ import annotations
@@ -36,15 +46,24 @@ from typing import Any
 
 import numpy as np
 
-from ..._args import text
+from ..._args import number, text
 from ...errors import ArgumentTypeError, InvalidArgumentError, TransferError
 from .layout import BlockLayout, _as_ids
 
-__all__ = ["MOONCAKE_TRANSFER_TIMEOUT_S", "MooncakeTransport", "PendingRead", "load_transfer_engine"]
+__all__ = ["DEFAULT_HANDSHAKE_TIMEOUT_S", "MOONCAKE_TRANSFER_TIMEOUT_S", "MooncakeTransport", "PendingRead",
+           "load_transfer_engine"]
 
 #: Mooncake's own transfer timeout (0.3.13), when ``MC_TRANSFER_TIMEOUT`` is not set.
 MOONCAKE_TRANSFER_TIMEOUT_S = 30.0
 _TIMEOUT_ENV = "MC_TRANSFER_TIMEOUT"
+#: How long a first read from a peer waits for it to answer Mooncake's probe (Mooncake itself
+#: waits 60 s in its hand-shake).
+DEFAULT_HANDSHAKE_TIMEOUT_S = 10.0
+#: Probes of peers that have not answered yet, running at once (each a daemon thread for at most
+#: Mooncake's 60 s); a read from yet another silent peer fails at once.
+MAX_PENDING_PROBES = 16
+#: Sessions remembered as having answered; past it the memory starts over (they probe again).
+MAX_KNOWN_SESSIONS = 4096
 
 
 def load_transfer_engine() -> Any:
@@ -122,11 +141,14 @@ class MooncakeTransport:
     ``transfer_timeout_s``: how long a read may wait on a silent peer (rounded up to whole
     seconds); None keeps Mooncake's default. Mooncake reads it from the process environment
     (``MC_TRANSFER_TIMEOUT``) when the engine is made, so it is set there for that moment only;
-    an ``MC_TRANSFER_TIMEOUT`` the operator set wins.
+    an ``MC_TRANSFER_TIMEOUT`` the operator set wins. ``handshake_timeout_s``: how long the first
+    read from a peer waits for it to answer Mooncake's probe (see the module's "First contact");
+    None leaves it to Mooncake's own 60 s hand-shake.
     """
 
     def __init__(self, hostname: str = "127.0.0.1", *, protocol: str = "tcp", device_name: str = "",
-                 threads: int = 1, transfer_timeout_s: float | None = None):
+                 threads: int = 1, transfer_timeout_s: float | None = None,
+                 handshake_timeout_s: float | None = DEFAULT_HANDSHAKE_TIMEOUT_S):
         if not isinstance(hostname, str) or not hostname or ":" in hostname:
             raise InvalidArgumentError(f"hostname must be a host name or address without a port, got {hostname!r}")
         # Text Mooncake can take: a lone surrogate (in hostname or device_name) or a device_name
@@ -146,6 +168,8 @@ class MooncakeTransport:
                     or not math.isfinite(transfer_timeout_s) or not 0 < transfer_timeout_s <= 86_400):
                 raise InvalidArgumentError(f"transfer_timeout_s must be a number of seconds in (0, 86400], got "
                                            f"{transfer_timeout_s!r}")
+        if handshake_timeout_s is not None:
+            handshake_timeout_s = number(handshake_timeout_s, "handshake_timeout_s", hi=86_400, positive=True)
         engine_cls = load_transfer_engine()
         # Mooncake reads the variable when the engine is made: set for that moment only, so that
         # neither this process's later engines nor its child processes inherit it.
@@ -169,6 +193,10 @@ class MooncakeTransport:
         self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="kvslots-pd-xfer")
         self._closed = False
+        self.handshake_timeout_s = handshake_timeout_s
+        self._probe_lock = threading.Lock()
+        self._probes: dict[str, Future[int]] = {}  # session -> its probe still running
+        self._answered: set[str] = set()  # sessions that answered a probe since their last failure
 
     @property
     def session_id(self) -> str:
@@ -263,13 +291,61 @@ class MooncakeTransport:
         if not lp:
             return
         _check_session(remote_session)
+        self._first_contact(remote_session)
         rc = self._engine.batch_transfer_sync_read(remote_session, lp, rp, ln)
         if rc != 0:
+            with self._probe_lock:  # gone or restarted: the next read probes it again
+                self._answered.discard(remote_session)
             raise TransferError(
                 f"Mooncake read of {len(lp)} entries ({sum(ln)} bytes) from {remote_session} failed with {rc} "
                 "(peer gone, unreachable, or silent past Mooncake's transfer timeout)",
                 details={"kind": "peer", "code": rc},
             )
+
+    def _first_contact(self, session: str) -> None:
+        """Returns once ``session`` answered Mooncake's probe (at once if it did before); a
+        TransferError if it does not within ``handshake_timeout_s``. Mooncake's own hand-shake
+        waited 60 s for a peer that accepts the connection and stays silent."""
+        timeout = self.handshake_timeout_s
+        probe = getattr(self._engine, "send_probe", None)
+        if timeout is None or probe is None:  # asked for Mooncake's own wait, or a Mooncake without probes
+            return
+        with self._probe_lock:
+            if session in self._answered:
+                return
+            fut = self._probes.get(session)
+            if fut is None:
+                if len(self._probes) >= MAX_PENDING_PROBES:
+                    raise TransferError(f"{len(self._probes)} Mooncake peers have not answered yet; not contacting "
+                                        f"another ({session})", details={"kind": "timeout"})
+                fut = Future()
+                self._probes[session] = fut
+                # A daemon thread, not the pool: it may outlive this call by Mooncake's 60 s, and
+                # must neither hold up the reads nor process exit.
+                threading.Thread(target=self._probe, args=(probe, session, fut), name="kvslots-pd-probe",
+                                 daemon=True).start()
+        try:
+            rc = fut.result(timeout)
+        except FutureTimeout:
+            raise TransferError(
+                f"Mooncake peer {session} did not answer within {timeout:g} s (handshake_timeout_s): stopped, hung, "
+                "or no Mooncake engine; nothing was read", details={"kind": "timeout"}) from None
+        if rc != 0:
+            raise TransferError(f"Mooncake peer {session} is unreachable or refused the hand-shake ({rc})",
+                                details={"kind": "peer", "code": rc})
+
+    def _probe(self, probe: Any, session: str, fut: Future[int]) -> None:
+        try:
+            rc = int(probe(session))
+        except Exception:  # noqa: BLE001 - any failure of the probe is a peer that did not answer
+            rc = -1
+        with self._probe_lock:
+            self._probes.pop(session, None)
+            if rc == 0:
+                if len(self._answered) >= MAX_KNOWN_SESSIONS:
+                    self._answered.clear()
+                self._answered.add(session)
+        fut.set_result(rc)
 
     def _check_open(self) -> None:
         if self._closed:
