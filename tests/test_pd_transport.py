@@ -112,6 +112,19 @@ def test_submit_read_async(peer, local):
     assert np.array_equal(_blocks(buf, 1, [5, 6, 7]), _blocks(peer_buffer(7, NB, BB, NS), 1, [0, 1, 2]))
 
 
+@pytest.mark.parametrize("timeout, exc", [("x", ArgumentTypeError), (float("nan"), InvalidArgumentError),
+                                          ([1], ArgumentTypeError), (True, ArgumentTypeError)])
+def test_pending_read_result_refuses_a_timeout_that_is_no_number(peer, local, timeout, exc):
+    # "x" was a TypeError, [1] too; NaN said "not done after nan s".
+    _, session, remote = peer
+    t, _ = local
+    pending = t.submit_read(session, remote, [0], [5])
+    with pytest.raises(exc, match="timeout"):
+        pending.result(timeout)
+    assert pending.result(float("inf")) == NS * BB  # inf waits as None does (was an OverflowError)
+    assert pending.result(-1) == NS * BB  # done: a negative timeout does not wait, and needs not
+
+
 def test_peer_killed_raises_transfer_error(peer, local):
     proc, session, remote = peer
     t, _ = local

@@ -47,6 +47,7 @@ from typing import Any
 import numpy as np
 
 from ..._args import number, text
+from ..._args import timeout as _timeout
 from ...errors import ArgumentTypeError, InvalidArgumentError, TransferError
 from .layout import BlockLayout, _as_ids
 
@@ -122,7 +123,11 @@ class PendingRead:
 
     def result(self, timeout: float | None = None) -> int:
         """Waits up to ``timeout`` seconds (``None``: until Mooncake finishes or gives up);
-        returns the bytes moved or raises :class:`TransferError`."""
+        returns the bytes moved or raises :class:`TransferError`. A negative timeout does not
+        wait; infinity waits as None does."""
+        # The one rule of a timeout argument: a str was a TypeError, inf an OverflowError, NaN
+        # a "not done after nan s" whether done or not.
+        timeout = _timeout(timeout, "timeout")
         try:
             self._future.result(timeout)
         except FutureTimeout:
