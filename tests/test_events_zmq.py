@@ -1469,3 +1469,32 @@ def test_poll_once_lets_a_callbacks_keyboard_interrupt_through(closing):
     pub.publish(batch(0))
     with pytest.raises(KeyboardInterrupt):
         wait_until(lambda: False, sub)
+
+
+def test_failing_on_count_and_on_reset_log_a_bounded_number_of_lines(closing, caplog):
+    # on_batch's failures were rate-limited per publisher, on_count's and on_reset's were not:
+    # with one of them failing, a publisher flooding bad frames (or seqs that keep starting
+    # over) wrote a traceback per frame.
+    def fail(*a) -> None:
+        raise RuntimeError("callback down")
+
+    sub = EventSubscriber(lambda *a: None, fail, on_count=fail)
+    closing(sub)
+    raw = zmq.Context.instance().socket(zmq.PUB)
+    closing(raw)
+    port = raw.bind_to_random_port("tcp://127.0.0.1")
+    sub.add_publisher("w", f"tcp://127.0.0.1:{port}", wait=10)
+    sent = iter(range(10**6))
+
+    def flood() -> bool:
+        n = next(sent)
+        raw.send_multipart([b"garbage"])
+        # 5, 4, 5, 4 with payloads never seen before: each 4 is a restart
+        raw.send_multipart([b"", (5 - n % 2).to_bytes(8, "big"), b"\xc1" + n.to_bytes(4, "big")])
+        return sub.counters["malformed"] >= 200 and sub.counters["resets"] >= 100
+
+    with caplog.at_level(logging.ERROR, logger="kvslots.events.subscriber"):
+        wait_until(flood, sub)
+    for what in ("on_count callback failed", "on_reset callback failed"):
+        lines = [r for r in caplog.records if r.getMessage().startswith(what)]
+        assert 1 <= len(lines) <= 20, (what, len(lines))

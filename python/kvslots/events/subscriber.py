@@ -798,7 +798,9 @@ class EventSubscriber:
             except BaseException as e:
                 if self._passes_through(e):
                     raise
-                log.exception("on_count callback failed")
+                # Rate-limited like on_batch's: a publisher's flood of bad frames is a count each.
+                self._peer_log.log(logging.ERROR, (id(peer), "on_count"), "on_count callback failed for %s",
+                                   peer.shown, exc_info=True)
 
     def _passes_through(self, e: BaseException) -> bool:
         """Whether a callback's exception leaves the loop: on the poll thread none does (a
@@ -945,7 +947,8 @@ class EventSubscriber:
                 if self._passes_through(e):
                     raise
                 self._count(peer, "callback_errors")
-                log.exception("on_reset callback failed")
+                self._peer_log.log(logging.ERROR, (id(peer), "on_reset"), "on_reset callback failed for %s",
+                                   peer.shown, exc_info=True)
 
     def _reset(self, peer: _Peer, seq: int, payload: bytes, why: str) -> None:
         """The publisher restarted: its new stream starts at 0."""
