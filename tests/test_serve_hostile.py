@@ -447,3 +447,44 @@ def test_a_command_string_longer_than_execve_takes_is_one_line_exit_2(tmp_path, 
     assert f"kvslots serve: error: the vLLM command's {what} " in err and "at most 131072" in err, err
     f.write_text("pp_partition: [" + ",".join(["1"] * 1000) + "]\n")  # long, but within the limit
     assert _serve(capsys, "--extra-engine-args", str(f))[0] == 0
+
+
+@pytest.mark.parametrize("where", ["build_plan", "check_listen"])
+def test_ctrl_c_before_vllm_starts_is_one_line_and_status_130(capsys, monkeypatch, where):
+    # A Ctrl-C while the plan was built or the address checked (a slow config, a host name to
+    # resolve) was a KeyboardInterrupt traceback: supervise's handlers were not in place yet.
+    from kvslots.serve import cli as serve_cli
+
+    def interrupted(*a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(serve_cli, where, interrupted)
+    try:
+        code, out, err = _serve_for_real(capsys, monkeypatch, "--port", "8123")
+    except KeyboardInterrupt:  # caught here: escaping, it would stop the whole test session
+        pytest.fail("the KeyboardInterrupt escaped kvslots serve (a traceback)")
+    assert code == 130, (code, err)
+    assert err == "kvslots serve: interrupted before vLLM started\n", err
+    assert out.count("\n") == (where == "check_listen")  # the command, printed before the address check
+
+
+def test_a_real_sigint_before_vllm_starts_leaves_no_traceback(tmp_path):
+    import os
+    import subprocess
+
+    # The signal itself, in a process of its own: the resolver (check_listen) is where it lands.
+    script = (
+        "import os, signal, sys, time\n"
+        "from kvslots import cli\n"
+        "from kvslots.serve import cli as serve_cli\n"
+        "def slow_resolver(*a):\n"
+        "    os.kill(os.getpid(), signal.SIGINT)\n"
+        "    time.sleep(60)\n"
+        "serve_cli.check_listen = slow_resolver\n"
+        "serve_cli.supervise = lambda *a, **k: sys.exit('vLLM was started')\n"
+        "sys.exit(cli.main(['serve', 'org/target', '-q', '--port', '8123']))\n")
+    root = os.path.join(os.path.dirname(__file__), "..", "python")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in [root, os.environ.get("PYTHONPATH")] if p))
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode == 130, proc.stderr
+    assert proc.stderr == "kvslots serve: interrupted before vLLM started\n", proc.stderr

@@ -206,9 +206,24 @@ def plan_from_argv(argv: Sequence[str], *, python: str | None = None) -> ServePl
     return build_plan(parser.parse_args(list(argv)), python=python)
 
 
+#: Exit status after a Ctrl-C (SIGINT) that came before vLLM started: 128 + SIGINT, as a shell reports it.
+INTERRUPTED_STATUS = 130
+
+
 def run(args: argparse.Namespace) -> int:
     # Bad input (a ServeError, or a ConfigError from the converters) raises; kvslots.cli.main
     # prints it as one line and exits with status 2.
+    try:
+        return _run(args)
+    except KeyboardInterrupt:
+        # Ctrl-C before supervise's handlers are in place (a slow model directory or config, a
+        # host name to resolve) was a KeyboardInterrupt traceback. Nothing was started by then
+        # (supervise forwards a Ctrl-C to vLLM once it runs): one line and 128 + SIGINT.
+        print(f"{PROG}: interrupted before vLLM started", file=sys.stderr, flush=True)
+        return INTERRUPTED_STATUS
+
+
+def _run(args: argparse.Namespace) -> int:
     plan = build_plan(args)
     if not args.quiet:
         for line in plan.notes:
