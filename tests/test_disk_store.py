@@ -479,3 +479,21 @@ def test_a_truncated_file_is_not_restored_from(tmp_path: Path) -> None:
         idx, (n, damaged, why) = restore(p)
         assert (n, damaged) == (0, 0) and why is not None and "bytes" in why, (cut, n, damaged, why)
         assert idx.num_stored == 0 and idx.num_pending_events() == 0
+
+
+def test_a_restore_from_a_fifo_or_device_returns_at_once(tmp_path: Path) -> None:
+    # Opening a FIFO to read waits for a writer: the restore hung there, holding the GIL.
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    code = textwrap.dedent(f"""
+        from kvslots._core import DiskIndex
+        for path in ({str(fifo)!r}, "/dev/zero", "/dev/null"):
+            n, damaged, why = DiskIndex(8, 4).restore_from_file(path, num_layers=2, bytes_per_block=3000,
+                                                                dtype="float32", fingerprint=1234)
+            assert (n, damaged) == (0, 0) and why, (path, why)
+            print(why)
+    """)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert all("regular file" in line for line in proc.stdout.splitlines()), proc.stdout

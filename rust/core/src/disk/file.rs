@@ -283,6 +283,16 @@ fn decode_record_header(layout: &Layout, h: &[u8]) -> Result<(BlockMeta, u64, u6
     Ok((meta, u64_at(8), u64_at(48)))
 }
 
+/// The tier's file is a regular file: a FIFO, device or directory at its path is refused before
+/// anything is read from it, cut back or written to it.
+fn check_regular(file: &File) -> io::Result<()> {
+    if file.metadata()?.is_file() {
+        Ok(())
+    } else {
+        Err(io::Error::new(io::ErrorKind::InvalidInput, "not a regular file"))
+    }
+}
+
 /// The tier's file: fixed-size records at known offsets.
 #[derive(Debug)]
 pub struct DiskFile {
@@ -317,6 +327,7 @@ impl DiskFile {
             .truncate(false)
             .open(path)
             .map_err(io_err)?;
+        check_regular(&file).map_err(io_err)?;
         // One engine per file, locked before anything is looked at: a second engine would cut
         // the file back (another layout) or write over the records of the first (the same)
         // while it serves them. flock, not fcntl locks: those are per process and dropped when
@@ -364,7 +375,13 @@ impl DiskFile {
     /// Opens an existing file read-only, only if its header and length match; else why not.
     pub fn open_existing(path: &Path, layout: &Layout, num_slots: u64) -> Result<DiskFile, String> {
         layout.check().map_err(|e| e.to_string())?;
-        let file = File::open(path).map_err(|e| format!("{}: {e}", path.display()))?;
+        // O_NONBLOCK: opening a FIFO to read waits for a writer (forever, for a stray one).
+        let file = {
+            use std::os::unix::fs::OpenOptionsExt;
+            OpenOptions::new().read(true).custom_flags(libc::O_NONBLOCK).open(path)
+        }
+        .and_then(|f| check_regular(&f).map(|()| f))
+        .map_err(|e| format!("{}: {e}", path.display()))?;
         let mut h = vec![0u8; HEADER_LEN as usize];
         file.read_exact_at(&mut h, 0)
             .map_err(|e| format!("{}: header: {e}", path.display()))?;
