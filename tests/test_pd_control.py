@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 
 import pytest
 import zmq
@@ -29,21 +30,27 @@ def server():
     ({"timeout_s": 1, "retries": -5}, InvalidArgumentError), ({"timeout_s": 1, "retries": 1.5}, ArgumentTypeError),
     ({"timeout_s": 1, "retries": "x"}, ArgumentTypeError), ({"timeout_s": 1, "retries": 10**9}, InvalidArgumentError),
     ({"timeout_s": 1, "msg": None}, ArgumentTypeError), ({"timeout_s": 1, "msg": [1]}, ArgumentTypeError),
-    ({"timeout_s": 1, "msg": {"op": "\udc80"}}, ArgumentTypeError),
-    ({"timeout_s": 1, "msg": {"op": object()}}, ArgumentTypeError),
-    ({"timeout_s": 1, "msg": {"op": "x" * MAX_REQUEST_BYTES}}, InvalidArgumentError),
-    ({"timeout_s": 1, "host": "\udc80"}, InvalidArgumentError), ({"timeout_s": 1, "host": "a\0b"}, InvalidArgumentError),
-    ({"timeout_s": 1, "host": ""}, InvalidArgumentError), ({"timeout_s": 1, "host": 5}, ArgumentTypeError),
-    ({"timeout_s": 1, "port": -1}, InvalidArgumentError), ({"timeout_s": 1, "port": 70000}, InvalidArgumentError),
-    ({"timeout_s": 1, "port": 2**70}, InvalidArgumentError), ({"timeout_s": 1, "port": "80"}, ArgumentTypeError),
-    ({"timeout_s": 1, "port": None}, ArgumentTypeError), ({"timeout_s": 1, "port": True}, ArgumentTypeError),
+    # What reaches the peer comes from its hand-off (kv_transfer_params): a TransferError, what
+    # the connector's pull handles as a failed peer.
+    ({"timeout_s": 1, "msg": {"op": "\udc80"}}, TransferError),
+    ({"timeout_s": 1, "msg": {"op": object()}}, TransferError),
+    ({"timeout_s": 1, "msg": {"op": "x" * MAX_REQUEST_BYTES}}, TransferError),
+    ({"timeout_s": 1, "host": "\udc80"}, TransferError), ({"timeout_s": 1, "host": "a\0b"}, TransferError),
+    ({"timeout_s": 1, "host": ""}, TransferError), ({"timeout_s": 1, "host": 5}, TransferError),
+    ({"timeout_s": 1, "port": -1}, TransferError), ({"timeout_s": 1, "port": 70000}, TransferError),
+    ({"timeout_s": 1, "port": 2**70}, TransferError), ({"timeout_s": 1, "port": "80"}, TransferError),
+    ({"timeout_s": 1, "port": None}, TransferError), ({"timeout_s": 1, "port": True}, TransferError),
 ])
 def test_control_call_refuses_bad_arguments_before_sending(server, kwargs, exc):
     # Before: a builtin ValueError, OverflowError, TypeError, AttributeError or
     # UnicodeEncodeError; an oversized request waited out every try unanswered.
     call = {"host": "127.0.0.1", "port": server.port, "msg": {"op": "x"}, **kwargs}
-    with pytest.raises(exc):
+    start = time.monotonic()
+    with pytest.raises(exc) as e:
         control_call(call.pop("host"), call.pop("port"), call.pop("msg"), **call)
+    assert time.monotonic() - start < 5  # refused, not waited out
+    if exc is TransferError:
+        assert e.value.kind == "peer"
     assert control_call("127.0.0.1", server.port, {"op": "ok"}, timeout_s=10) == {"echo": "ok"}
 
 
@@ -108,3 +115,28 @@ def test_the_server_thread_outlives_a_reply_it_cannot_encode():
     finally:
         srv.close()
     assert not srv._thread.is_alive()
+
+
+def test_a_hand_off_that_cannot_reach_its_peer_fails_the_pull_not_the_request():
+    # A hand-off (kv_transfer_params, JSON through the proxy) may carry a lone surrogate in its
+    # host or request id. The ack's control_call raised UnicodeEncodeError, which the pull's
+    # ack handler (TransferError only) let escape: the request never reached finished_recving
+    # and waited in vLLM for good. Now a TransferError: the pull fails and vLLM recomputes.
+    pytest.importorskip("vllm", reason="the connector's package imports vLLM")
+    from kvslots.vllm.connector.pd import PDWorker, RecvSpec
+    from ports import free_port
+
+    port = free_port()  # nothing listens: the hellos time out
+    w = PDWorker(engine_id="C", host="127.0.0.1", port=0, block_size=16, model="m", timeout_s=5,
+                 producer=False, consumer=True, control_timeout_s=0.5)
+    try:
+        reqs = set()
+        for i, (host, req) in enumerate([("\udc80", "r"), ("127.0.0.1", "\udc80"), ("a\0b", "r")]):
+            spec = RecvSpec(req_id=f"req{i}", remote_req_id=req, remote_engine_id="P", remote_host=host,
+                            remote_port=port, remote_block_ids=[0], local_block_ids=[0])
+            w._pull(spec)
+            reqs.add(spec.req_id)
+        _, done, failed = w.take_finished()
+        assert done == reqs and failed == reqs
+    finally:
+        w.close()

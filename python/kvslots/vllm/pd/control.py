@@ -138,24 +138,33 @@ def _host(host: Any) -> str:
 def control_call(host: str, port: int, msg: dict[str, Any], *, timeout_s: float, retries: int = 1) -> dict[str, Any]:
     """Sends ``msg`` to a :class:`ControlServer` and returns its reply; a
     :class:`~kvslots.errors.TransferError` when no reply comes within ``timeout_s`` (per try) or
-    the reply is an error. Bad arguments raise :class:`~kvslots.errors.InvalidArgumentError` (or
-    its :class:`~kvslots.errors.ArgumentTypeError`) before anything is sent."""
+    the reply is an error. Checked before anything is sent: ``timeout_s`` and ``retries``
+    (:class:`~kvslots.errors.InvalidArgumentError`), ``msg`` a dict
+    (:class:`~kvslots.errors.ArgumentTypeError`); a host, port or msg content that cannot reach
+    a server (they come from the peer's hand-off, ``kv_transfer_params``) is a TransferError
+    (kind ``"peer"``), as a peer that does not answer is."""
     # Checked first: a negative timeout_s was ZMQ's "wait forever" (a hang), NaN, inf or None a
     # builtin ValueError, OverflowError or TypeError, a msg msgpack cannot encode a TypeError or
     # UnicodeEncodeError, one over the server's cap waited out every try unanswered.
-    host = _host(host)
-    port = integer(port, "port", 1, 65535)
     timeout_s = number(timeout_s, "timeout_s", positive=True, hi=MAX_TIMEOUT_S)
     retries = integer(retries, "retries", 0, MAX_RETRIES)
     if not isinstance(msg, dict):
         raise ArgumentTypeError(f"msg must be a dict, got {type(msg).__name__}")
     try:
-        payload = _ENC.encode(msg)
-    except (TypeError, ValueError, OverflowError) as e:  # UnicodeEncodeError is a ValueError
-        raise ArgumentTypeError(f"msg does not encode as msgpack: {e}") from None
-    if len(payload) > MAX_REQUEST_BYTES:
-        raise InvalidArgumentError(f"msg is {len(payload)} bytes encoded; a control server drops any over "
-                                   f"{MAX_REQUEST_BYTES} unread")
+        host = _host(host)
+        port = integer(port, "port", 1, 65535)
+        try:
+            payload = _ENC.encode(msg)
+        except (TypeError, ValueError, OverflowError) as e:  # UnicodeEncodeError is a ValueError
+            raise ArgumentTypeError(f"msg does not encode as msgpack: {e}") from None
+        if len(payload) > MAX_REQUEST_BYTES:
+            raise InvalidArgumentError(f"msg is {len(payload)} bytes encoded; a control server drops any over "
+                                       f"{MAX_REQUEST_BYTES} unread")
+    except InvalidArgumentError as e:
+        # A TransferError, which the connector's pull handles as a failed peer (a lone surrogate
+        # in a hand-off's host or request id, a UnicodeEncodeError, escaped its ack handler and
+        # left the request waiting; a NUL was ZMQ's error, a TransferError, before these checks).
+        raise TransferError(f"P/D peer {brief(host)}:{brief(port)}: {e}", details={"kind": "peer"}) from None
     ctx = zmq.Context.instance()
     last = ""
     for _ in range(retries + 1):
