@@ -326,3 +326,37 @@ def test_a_sleep_finishes_the_disk_reads_in_flight_first(plain_cfg, tmp_path):
     assert so.num_scheduled_tokens["a2"] == PROMPT - 5 * BLOCK_SIZE
     for i in range(5):
         assert device_tokens(h, "a2", i) == [float(t) for t in prompt[i * BLOCK_SIZE:(i + 1) * BLOCK_SIZE]]
+
+
+class StalledStore(SlowStore):
+    """A disk stalled past the sleep's bound: waiting for its reads gives up at once."""
+
+    def wait_reads(self, timeout_s: float) -> bool:
+        self.waits.append(timeout_s)
+        return False
+
+
+def test_a_read_still_in_flight_across_a_sleep_is_recomputed_not_copied_from_the_new_host_region(plain_cfg,
+                                                                                                 tmp_path):
+    """The read lands in the host region of before the sleep; after the wake-up the copier has a
+    new one, from which those host blocks were copied to the device: KV that is not the
+    request's. That read is reported failed instead (its blocks recomputed or read again)."""
+    h = disk_harness(plain_cfg, tmp_path)
+    rng = random.Random(11)
+    prompt = tokens(rng, PROMPT)
+    spill_prompt_to_disk(h, prompt, rng)
+    w = h.workers[0]
+    dw = w._disk_worker
+    dw.store = slow = StalledStore(dw.store)
+    h.add("b", tokens(rng, 40), max_tokens=40)
+    h.step()
+    a2 = h.add("a2", prompt, max_tokens=2)
+    h.step()
+    assert a2.status == RequestStatus.WAITING_FOR_REMOTE_KVS and dw.num_pending == 1
+    w.unregister_kv_caches()
+    assert slow.waits == [60.0] and dw.num_pending == 1, "still reading after the sleep's wait"
+    w.restore_kv_caches()
+    slow.gate.set()
+    step_until_scheduled(h, "a2")  # (vLLM looks the request up again: a fresh read, into the new region)
+    for i in range(5):
+        assert device_tokens(h, "a2", i) == [float(t) for t in prompt[i * BLOCK_SIZE:(i + 1) * BLOCK_SIZE]]

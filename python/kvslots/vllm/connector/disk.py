@@ -405,6 +405,12 @@ class DiskWorker:
         if copier.bytes_per_block != self.layout.bytes_per_block:
             raise RuntimeError(f"kvslots disk tier: blocks of {copier.bytes_per_block} bytes, the layout says "
                                f"{self.layout.bytes_per_block}")
+        # A read still in flight from before a sleep (its disk outwaited the sleep's bound) lands
+        # in the host region of before; the new copier would send its own host blocks of those
+        # numbers to the device: KV that is not the request's. Not loaded: recomputed.
+        for p in self._pending:
+            if any(hb >= 0 for hb in p.load.host_blocks) and self.copier is not None and copier is not self.copier:
+                p.failed = True
         self.copier = copier
         self.host_np = copier.host.numpy()
         # Reads with no host block of their own land here, then go to the device blocks.
