@@ -443,6 +443,22 @@ def test_a_peer_that_answers_is_probed_once(peer, local):
     assert calls == [session]
 
 
+def test_the_handshake_timeout_follows_a_shorter_transfer_timeout():
+    # The P/D consumer sets only transfer_timeout_s (its pd_timeout_s, capped): a first contact
+    # must not wait longer than that either.
+    from kvslots.vllm.pd import transport
+
+    cases = [({"transfer_timeout_s": 2}, 2), ({"transfer_timeout_s": 30}, transport.DEFAULT_HANDSHAKE_TIMEOUT_S),
+             ({}, transport.DEFAULT_HANDSHAKE_TIMEOUT_S), ({"transfer_timeout_s": 2, "handshake_timeout_s": 5}, 5),
+             ({"handshake_timeout_s": None}, None)]
+    for kwargs, expect in cases:
+        t = MooncakeTransport("127.0.0.1", **kwargs)
+        try:
+            assert t.handshake_timeout_s == expect, kwargs
+        finally:
+            t.close()
+
+
 @pytest.mark.parametrize("bad", [0, -1, float("nan"), float("inf"), "5", True, 10**6])
 def test_handshake_timeout_refuses_bad_values(bad):
     with pytest.raises(InvalidArgumentError, match="handshake_timeout_s"):

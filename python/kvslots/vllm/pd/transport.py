@@ -63,6 +63,7 @@ DEFAULT_HANDSHAKE_TIMEOUT_S = 10.0
 #: Probes of peers that have not answered yet, running at once (each a daemon thread for at most
 #: Mooncake's 60 s); a read from yet another silent peer fails at once.
 MAX_PENDING_PROBES = 16
+_DEFAULT = object()  # handshake_timeout_s not given
 #: Sessions remembered as having answered; past it the memory starts over (they probe again).
 MAX_KNOWN_SESSIONS = 4096
 
@@ -148,12 +149,13 @@ class MooncakeTransport:
     (``MC_TRANSFER_TIMEOUT``) when the engine is made, so it is set there for that moment only;
     an ``MC_TRANSFER_TIMEOUT`` the operator set wins. ``handshake_timeout_s``: how long the first
     read from a peer waits for it to answer Mooncake's probe (see the module's "First contact");
-    None leaves it to Mooncake's own 60 s hand-shake.
+    by default :data:`DEFAULT_HANDSHAKE_TIMEOUT_S`, or ``transfer_timeout_s`` when that is
+    shorter; None leaves it to Mooncake's own 60 s hand-shake.
     """
 
     def __init__(self, hostname: str = "127.0.0.1", *, protocol: str = "tcp", device_name: str = "",
                  threads: int = 1, transfer_timeout_s: float | None = None,
-                 handshake_timeout_s: float | None = DEFAULT_HANDSHAKE_TIMEOUT_S):
+                 handshake_timeout_s: float | None | object = _DEFAULT):
         if not isinstance(hostname, str) or not hostname or ":" in hostname:
             raise InvalidArgumentError(f"hostname must be a host name or address without a port, got {hostname!r}")
         # Text Mooncake can take: a lone surrogate (in hostname or device_name) or a device_name
@@ -173,7 +175,11 @@ class MooncakeTransport:
                     or not math.isfinite(transfer_timeout_s) or not 0 < transfer_timeout_s <= 86_400):
                 raise InvalidArgumentError(f"transfer_timeout_s must be a number of seconds in (0, 86400], got "
                                            f"{transfer_timeout_s!r}")
-        if handshake_timeout_s is not None:
+        if handshake_timeout_s is _DEFAULT:
+            # Not given: no longer than a read may wait on a silent peer either (the P/D consumer
+            # caps that at its pd_timeout_s, past which the producer's hold has expired anyway).
+            handshake_timeout_s = min(DEFAULT_HANDSHAKE_TIMEOUT_S, transfer_timeout_s or math.inf)
+        elif handshake_timeout_s is not None:
             handshake_timeout_s = number(handshake_timeout_s, "handshake_timeout_s", hi=86_400, positive=True)
         engine_cls = load_transfer_engine()
         # Mooncake reads the variable when the engine is made: set for that moment only, so that
