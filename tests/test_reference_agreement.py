@@ -152,3 +152,26 @@ def test_reference_model_serializes_threads_as_the_extension_does():
             assert (m.num_free, m.num_held, m.num_cached) == (64, 0, 0)
     finally:
         sys.setswitchinterval(old)
+
+
+@pytest.mark.parametrize("limit", [None, 2**64 - 1, 2**64 - 3])
+@pytest.mark.parametrize("n", [2**64 - 1, 2**64 - 4, 2**64 - 7])
+def test_counts_past_two_to_the_64_agree_on_the_error_and_its_figures(limit, n):
+    # The core saturated committed + pending + new at 2**64-1: equal to a limit of 2**64-1, so
+    # the limit passed and OutOfBlocksError came instead of CapacityExceededError, and its
+    # `needed` was off (2**64-3 against the exact 2**62-1 at block size 4).
+    errors = []
+    for cls in (kvslots.SlotManager, ReferenceSlotManager):
+        m = cls(64, 4, **({} if limit is None else {"max_tokens_per_slot": limit}))
+        m.create("a", [1, 2, 3], lookahead=3)
+        m.reserve("a", 2)
+        m.commit("a", [5, 6])
+        with pytest.raises(KVSlotsError) as e:
+            m.reserve("a", n)
+        errors.append(e.value)
+    rust, ref = errors
+    assert type(rust) is type(ref)
+    if isinstance(ref, kvslots.OutOfBlocksError):
+        assert rust.needed == ref.needed
+    else:  # the core's fields are u64: an exact count past it reads as 2**64-1
+        assert (rust.requested, rust.limit) == (min(ref.requested, 2**64 - 1), ref.limit)

@@ -11,7 +11,7 @@ use crate::error::{Result, SlotError};
 use crate::events::EventLog;
 use crate::hash::BlockHasher;
 use crate::pool::{BlockId, BlockPool};
-use crate::slot::{blocks_for, Slot, SlotInfo};
+use crate::slot::{Slot, SlotInfo};
 
 /// A finished slot whose token buffer is larger than this is dropped rather than kept for reuse.
 const MAX_SPARE_TOKENS: usize = 1 << 18;
@@ -247,22 +247,24 @@ impl SlotManager {
             .expect("resolved slot is live")
     }
 
-    fn check_len(&self, slot: &Slot, tokens: usize) -> Result<()> {
+    /// `tokens` is exact (a sum of three `usize` counts fits a `u128`), so a count just past
+    /// `usize::MAX` is still over a limit of `usize::MAX`; a saturated sum would equal it.
+    fn check_len(&self, slot: &Slot, tokens: u128) -> Result<()> {
         match self.cfg.max_tokens_per_slot {
-            Some(limit) if tokens > limit => Err(SlotError::CapacityExceeded {
+            Some(limit) if tokens > limit as u128 => Err(SlotError::CapacityExceeded {
                 request: slot.request_id.clone(),
                 what: "tokens (committed + pending + new) exceed max_tokens_per_slot",
-                requested: tokens as u64,
+                requested: saturate_u64(tokens),
                 limit: limit as u64,
             }),
             _ => Ok(()),
         }
     }
 
-    fn out_of_blocks(&self, request: &str, needed: usize, available: usize) -> SlotError {
+    fn out_of_blocks(&self, request: &str, needed: u128, available: usize) -> SlotError {
         SlotError::OutOfBlocks {
             request: request.to_owned(),
-            needed: needed as u64,
+            needed: saturate_u64(needed),
             available: available as u64,
             total: self.cfg.num_blocks as u64,
         }
@@ -289,7 +291,7 @@ impl SlotManager {
         }
         let mut slot = self.spare.pop().unwrap_or_default();
         slot.reset(request_id, lookahead, extra_key);
-        if let Err(e) = self.check_len(&slot, prompt.len()) {
+        if let Err(e) = self.check_len(&slot, prompt.len() as u128) {
             self.spare.push(slot);
             return Err(e);
         }
@@ -338,16 +340,18 @@ impl SlotManager {
     pub fn reserve(&mut self, request_id: &str, new_tokens: usize) -> Result<usize> {
         let i = self.index_of(request_id)?;
         let slot = self.slots[i as usize].as_ref().expect("live");
-        // A count past usize::MAX is over any limit and any pool: saturating keeps it so.
-        self.check_len(slot, slot.filled_after(new_tokens).unwrap_or(usize::MAX))?;
+        // Exact counts: past usize::MAX they are still over any limit and any pool, and the
+        // error reports them as the reference model does.
+        let filled = slot.filled_exact(new_tokens);
+        self.check_len(slot, filled)?;
         let k = slot.lookahead;
-        let extra = slot
-            .tokens_needed(new_tokens, k)
-            .map_or(usize::MAX, |t| blocks_for(t, self.cfg.block_size))
-            .saturating_sub(slot.blocks.len());
-        if extra > self.pool.available() {
+        let extra = (filled + k as u128)
+            .div_ceil(self.cfg.block_size as u128)
+            .saturating_sub(slot.blocks.len() as u128);
+        if extra > self.pool.available() as u128 {
             return Err(self.out_of_blocks(request_id, extra, self.pool.available()));
         }
+        let extra = extra as usize; // at most the pool's available count
         self.grow(i, extra);
         let slot = self.live(i);
         slot.pending += new_tokens;
@@ -472,7 +476,7 @@ impl SlotManager {
         let bs = self.cfg.block_size;
         self.targets.clear();
         let mut freed = 0usize;
-        let mut needed = 0usize;
+        let mut needed = 0u128;
         for j in 0..n {
             let i = self.resolve(input.slots[j])? as usize;
             let slot = self.slots[i].as_ref().expect("live");
@@ -498,30 +502,28 @@ impl SlotManager {
                 });
             }
             let k = input.lookahead.map_or(slot.lookahead, |l| l[j] as usize);
-            // r <= pending - a <= pending, so only the additions can overflow; a count past
-            // usize::MAX is over any limit and any pool, and saturating keeps it so.
-            let filled = (slot.committed() + (slot.pending - r)).saturating_add(new);
+            // r <= pending - a <= pending, so only the additions can pass usize::MAX; counted
+            // exactly, such a slot is over any limit and any pool (and is never grown).
+            let filled = (slot.committed() + (slot.pending - r)) as u128 + new as u128;
             self.check_len(slot, filled)?;
-            let target = filled
-                .checked_add(k)
-                .map_or(usize::MAX, |t| blocks_for(t, bs));
-            if target < slot.blocks.len() && k < slot.reserved_lookahead {
-                freed += slot.blocks.len() - target;
+            let target = (filled + k as u128).div_ceil(bs as u128);
+            if target < slot.blocks.len() as u128 && k < slot.reserved_lookahead {
+                freed += slot.blocks.len() - target as usize;
             }
-            needed = needed.saturating_add(target.saturating_sub(slot.blocks.len()));
-            self.targets.push(target);
+            needed += target.saturating_sub(slot.blocks.len() as u128);
+            self.targets.push(usize::try_from(target).unwrap_or(usize::MAX));
         }
         // Room: shrinks happen before any allocation, so their blocks count as available.
         // When the batch does not fit, the error names the first request that overflows.
         let available = self.pool.available() + freed;
-        if needed > available {
-            let mut needed = 0usize;
+        if needed > available as u128 {
+            let mut needed = 0u128;
             for j in 0..n {
                 let slot = self.slots[input.slots[j] as u32 as usize]
                     .as_ref()
                     .expect("live");
-                needed = needed.saturating_add(self.targets[j].saturating_sub(slot.blocks.len()));
-                if needed > available {
+                needed += self.targets[j].saturating_sub(slot.blocks.len()) as u128;
+                if needed > available as u128 {
                     let request = slot.request_id.clone();
                     return Err(self.out_of_blocks(&request, needed, available));
                 }
@@ -721,4 +723,9 @@ impl SlotManager {
         }
         Ok(())
     }
+}
+
+/// An exact count for an error's `u64` field (past it only with 2**64 tokens and block size 1).
+fn saturate_u64(v: u128) -> u64 {
+    u64::try_from(v).unwrap_or(u64::MAX)
 }

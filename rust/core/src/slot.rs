@@ -102,6 +102,11 @@ impl Slot {
         self.filled_after(new_tokens)?.checked_add(k)
     }
 
+    /// Committed + pending + `new_tokens`, exactly (three `usize` counts cannot overflow a `u128`).
+    pub fn filled_exact(&self, new_tokens: usize) -> u128 {
+        self.committed() as u128 + self.pending as u128 + new_tokens as u128
+    }
+
     /// Committed + pending tokens after `new_tokens` more are reserved (`None`: overflow).
     pub fn filled_after(&self, new_tokens: usize) -> Option<usize> {
         self.committed()
