@@ -306,3 +306,30 @@ def test_a_read_that_fails_with_an_io_error_drops_its_first_block_like_a_corrupt
     assert w.poll(load_errors, corrupt) == [("r", 0)]
     assert load_errors == {5, 6, 7} and corrupt == {101}
     w.close()
+
+
+def test_other_weights_under_the_same_model_path_change_the_disk_fingerprint(tmp_path):
+    # A model directory retrained or re-downloaded in place: same name, other weights. The disk
+    # file's fingerprint was the name alone, so the restarted engine served the old weights' KV.
+    import os
+
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    (model / "model.safetensors").write_bytes(b"\1" * 100)
+
+    def layout() -> DiskLayout:
+        cfg = SimpleNamespace(model_config=SimpleNamespace(model=str(model), revision=None, dtype="float16"),
+                              cache_config=SimpleNamespace(cache_dtype="auto", block_size=BS),
+                              speculative_config=None)
+        kv = SimpleNamespace(kv_cache_groups=[SimpleNamespace(layer_names=["l0", "l1"])])
+        return DiskLayout.of(cfg, kv, 64)
+
+    before = layout()
+    assert layout() == before, "the same weights: the same fingerprint"
+    (model / "model.safetensors").write_bytes(b"\2" * 101)
+    assert layout().fingerprint != before.fingerprint
+    again = layout()
+    st = os.stat(model / "model.safetensors")
+    os.utime(model / "model.safetensors", ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))  # same size, rewritten
+    assert layout().fingerprint != again.fingerprint

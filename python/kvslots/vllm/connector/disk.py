@@ -65,14 +65,39 @@ class DiskLayout:
         layers = sorted(n for g in kv_cache_config.kv_cache_groups for n in g.layer_names)
         dtype = str(cc.cache_dtype if cc.cache_dtype != "auto" else mc.dtype).replace("torch.", "")
         spec = vllm_config.speculative_config
-        parts = [mc.model, str(getattr(mc, "revision", None)), dtype, str(cc.block_size), ",".join(layers),
-                 str(bytes_per_block), str(getattr(spec, "model", None) if spec is not None else None)]
+        revision = getattr(mc, "revision", None)
+        parts = [mc.model, str(revision), dtype, str(cc.block_size), ",".join(layers),
+                 str(bytes_per_block), str(getattr(spec, "model", None) if spec is not None else None),
+                 _weights_identity(mc.model, revision)]
         fp = int.from_bytes(hashlib.blake2b("\0".join(parts).encode(), digest_size=8).digest(), "little")
         return cls(num_layers=len(layers), bytes_per_block=bytes_per_block, dtype=dtype[:32], fingerprint=fp)
 
     def kwargs(self) -> dict[str, Any]:
         return dict(num_layers=self.num_layers, bytes_per_block=self.bytes_per_block, dtype=self.dtype,
                     fingerprint=self.fingerprint)
+
+
+def _weights_identity(model: str, revision: Any) -> str:
+    """Which weights ``model`` names, beyond its name: the files of a local directory (name,
+    size, modification time), or the snapshot (commit) a hub id resolves to in the local cache.
+    A model directory retrained or re-downloaded in place keeps its name: the disk file must not
+    serve the KV of the weights that were there before. "" where neither can be told (the
+    name alone then, as vLLM resolves it)."""
+    try:
+        if os.path.isdir(model):
+            files = []
+            with os.scandir(model) as it:
+                for e in it:
+                    if not e.name.startswith(".") and e.is_file():
+                        st = e.stat()
+                        files.append((e.name, st.st_size, st.st_mtime_ns))
+            return repr(sorted(files))
+        from huggingface_hub import try_to_load_from_cache
+
+        got = try_to_load_from_cache(model, "config.json", revision=revision)
+        return os.path.dirname(got) if isinstance(got, str) else ""  # .../snapshots/<commit>
+    except Exception:  # an unreadable directory, no hub client: the name alone
+        return ""
 
 
 def external(h: Any) -> int:
