@@ -488,3 +488,40 @@ def test_a_real_sigint_before_vllm_starts_leaves_no_traceback(tmp_path):
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, env=env)
     assert proc.returncode == 130, proc.stderr
     assert proc.stderr == "kvslots serve: interrupted before vLLM started\n", proc.stderr
+
+
+@pytest.mark.parametrize("argv", [["org/t", "--host", "\ud800"], ["org/t", "--", "--foo", "\ud800"],
+                                  ["org/t", "--", "--scheduler-cls", "a\udfff"], ["org/\ud800"]])
+def test_plan_from_argv_refuses_a_lone_surrogate_no_program_can_get(argv):
+    # Only U+DC80..U+DCFF stand for bytes of a command line (os.fsencode); '\ud800' was a
+    # UnicodeEncodeError from the plan's size check (or, run, from Popen).
+    with pytest.raises(ServeError, match="lone surrogates"):
+        plan_from_argv(argv)
+
+
+def test_build_plan_refuses_a_lone_surrogate_in_a_flag_value():
+    from kvslots.errors import KVSlotsError
+    from kvslots.serve import make_parser
+
+    args = make_parser().parse_args(["org/t", "--dry-run"])
+    args.host = "\ud800"  # a caller's own Namespace: no argv check before the plan
+    with pytest.raises(KVSlotsError, match="lone surrogate"):
+        build_plan(args)
+
+
+@pytest.mark.parametrize("argv, env", [(["/bin/true", "\ud800"], None), (["/bin/true"], {"A": "\ud800"}),
+                                       (["/bin/true"], {"\udbff": "1"})])
+def test_supervise_refuses_a_lone_surrogate_before_starting_anything(argv, env):
+    import signal
+
+    before = signal.getsignal(signal.SIGINT)
+    with pytest.raises(ServeError, match="lone surrogates"):  # was Popen's UnicodeEncodeError
+        supervise(argv, env=env, grace=1, log=lambda m: None)
+    assert signal.getsignal(signal.SIGINT) is before
+
+
+def test_surrogate_escaped_bytes_of_a_command_line_still_pass():
+    # '\udcff' is the byte 0xff of a command line that is not UTF-8: the OS takes it as given.
+    plan = plan_from_argv(["org/t", "--", "--x", "\udcff"])
+    assert plan.argv[-1] == "\udcff"
+    assert supervise(["/bin/sh", "-c", "exit 0", "\udcff"], env={"A": "\udcfe"}, grace=1, log=lambda m: None) == 0

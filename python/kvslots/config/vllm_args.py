@@ -56,12 +56,28 @@ def check_exec_strings(argv: Sequence[str], env: Mapping[str, str] | None = None
     start, 'Argument list too long', exit status 127)."""
     entries = [(a, None) for a in argv] + [(f"{k}={v}", k) for k, v in (env or {}).items()]
     for i, (text, env_key) in enumerate(entries):
-        size = len(text.encode("utf-8", "surrogateescape")) + 1
-        if size > MAX_ARG_BYTES:
+        size = exec_size(text)
+        if size is None or size > MAX_ARG_BYTES:
             what = f"environment variable {env_key}" if env_key is not None else (
                 f"argument of {argv[i - 1]}" if i > 0 and argv[i - 1].startswith("--") else f"argument {i}")
+            if size is None:
+                raise ConfigError(f"the vLLM command's {what} holds a NUL or a lone surrogate that is no byte of "
+                                  f"a command line: {brief(ascii(text))}")
             raise ConfigError(f"the vLLM command's {what} is {size} bytes; Linux passes at most "
                               f"{MAX_ARG_BYTES} to a program as one argument or environment entry")
+
+
+def exec_size(text: str) -> int | None:
+    """Bytes ``text`` takes as one argument or environment entry of a program, its NUL included;
+    None when no program can get it: a NUL inside, or a lone surrogate that is no byte of a
+    command line escaped by Python (only U+DC80..U+DCFF are: ``os.fsencode``'s rule, which
+    subprocess applies). '\\ud800' was a UnicodeEncodeError from the size check and from Popen."""
+    if "\0" in text:
+        return None
+    try:
+        return len(text.encode("utf-8", "surrogateescape")) + 1
+    except UnicodeEncodeError:
+        return None
 
 
 def brief(value: Any, limit: int = 80) -> str:
@@ -70,4 +86,4 @@ def brief(value: Any, limit: int = 80) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-__all__ = ["MAX_ARG_BYTES", "brief", "check_exec_strings", "engine_flag", "flag_name", "to_json"]
+__all__ = ["MAX_ARG_BYTES", "brief", "check_exec_strings", "engine_flag", "exec_size", "flag_name", "to_json"]

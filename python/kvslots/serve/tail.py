@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..config.loader import MAX_DEPTH, brief, check_values, parse_json
-from ..config.vllm_args import to_json
+from ..config.vllm_args import exec_size, to_json
 from ..errors import ConfigError, ServeError
 
 #: parser). ``-O<n>`` is handled separately (vLLM rewrites it to --optimization-level).
@@ -85,8 +85,11 @@ def check_argv(argv: Any, what: str) -> None:
     if not isinstance(argv, (list, tuple)):
         raise ServeError(f"{what} must be a list of strings, got {type(argv).__name__}")
     for a in argv:
-        if not isinstance(a, str) or "\0" in a:
-            raise ServeError(f"{what}: {brief(a)} is not a command-line argument (a string without NUL)")
+        # exec_size: the rule of what a program can get (a lone surrogate such as '\ud800' was a
+        # UnicodeEncodeError from Popen or from the plan's size check).
+        if not isinstance(a, str) or exec_size(a) is None:
+            raise ServeError(f"{what}: {brief(a)} is not a command-line argument (a string without NUL "
+                             "or lone surrogates)")
 
 
 def scan_vllm_args(tail: Sequence[str]) -> list[TailOption]:
