@@ -333,3 +333,32 @@ def test_other_weights_under_the_same_model_path_change_the_disk_fingerprint(tmp
     st = os.stat(model / "model.safetensors")
     os.utime(model / "model.safetensors", ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))  # same size, rewritten
     assert layout().fingerprint != again.fingerprint
+
+
+def test_a_worker_let_go_but_not_yet_collected_does_not_keep_the_next_one_out(tmp_path):
+    # The file is locked by the store that holds it (one engine per file). An engine of this
+    # process that was dropped but sits in a reference cycle (vLLM's objects have them) holds
+    # the lock until the cycle collector runs: a new engine on the same disk_path must start.
+    import gc
+
+    from kvslots.errors import DiskTierError
+    from kvslots.vllm.connector.disk import DiskWorker
+
+    layout = DiskLayout(num_layers=1, bytes_per_block=3000, dtype="float32", fingerprint=1)
+    gc.disable()
+    try:
+        old = DiskWorker(directory=str(tmp_path), num_slots=8, block_size=BS, layout=layout, queue_len=8)
+        old.cycle = old
+        del old
+        new = DiskWorker(directory=str(tmp_path), num_slots=8, block_size=BS, layout=layout, queue_len=8)
+        assert new.store.opened == "reused"
+        # One that is still alive keeps it: refused, as another process's.
+        try:
+            DiskWorker(directory=str(tmp_path), num_slots=8, block_size=BS, layout=layout, queue_len=8)
+        except DiskTierError as e:
+            assert "in use" in str(e)
+        else:
+            raise AssertionError("a second live worker on one file")
+    finally:
+        gc.enable()
+    new.close()

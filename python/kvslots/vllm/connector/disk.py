@@ -34,6 +34,7 @@ would have to agree across them; the connector refuses a disk tier otherwise.
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import logging
 import os
@@ -43,6 +44,7 @@ from typing import Any
 import numpy as np
 
 from ..._core import DiskIndex, DiskStore
+from ...errors import DiskTierError
 from ...config.connector import DISK_FILE_NAME
 
 logger = logging.getLogger(__name__)
@@ -414,8 +416,17 @@ class DiskWorker:
         os.makedirs(directory, exist_ok=True)
         self.layout = layout
         self.path = os.path.join(directory, FILE_NAME)
-        self.store = DiskStore(self.path, num_slots=num_slots, block_size=block_size, queue_len=queue_len,
-                               **layout.kwargs())
+        kw = dict(num_slots=num_slots, block_size=block_size, queue_len=queue_len, **layout.kwargs())
+        try:
+            self.store = DiskStore(self.path, **kw)
+        except DiskTierError as e:
+            if "in use" not in str(e):
+                raise
+            # The file is locked by the store holding it (one engine per file). An engine of
+            # this process that was let go but sits in a reference cycle still holds it until
+            # the cycle collector runs: collect, then try once more (another process's stays).
+            gc.collect()
+            self.store = DiskStore(self.path, **kw)
         if self.store.opened.startswith("discarded"):
             logger.warning("kvslots disk tier: %s %s; starting it afresh", self.path, self.store.opened)
         self.staging: Any = None
