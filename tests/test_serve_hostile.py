@@ -525,3 +525,62 @@ def test_surrogate_escaped_bytes_of_a_command_line_still_pass():
     plan = plan_from_argv(["org/t", "--", "--x", "\udcff"])
     assert plan.argv[-1] == "\udcff"
     assert supervise(["/bin/sh", "-c", "exit 0", "\udcff"], env={"A": "\udcfe"}, grace=1, log=lambda m: None) == 0
+
+
+_LEAVES_A_STUBBORN_CHILD = r"""
+import os, subprocess, sys
+kid = subprocess.Popen([sys.executable, "-c", "import signal, time; signal.signal(signal.SIGINT, signal.SIG_IGN); "
+                        "signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(600)"])
+with open(sys.argv[1] + ".tmp", "w") as f:
+    f.write(f"{os.getpid()} {kid.pid}")
+os.rename(sys.argv[1] + ".tmp", sys.argv[1])
+"""
+
+
+def test_ctrl_c_while_waiting_for_leftover_processes_moves_on(tmp_path):
+    import os
+    import signal
+    import subprocess
+    import time
+
+    # vLLM exits at once and leaves a process in its group that ignores SIGINT and SIGTERM.
+    # supervise waits the grace period for it before SIGTERM, then again before SIGKILL; a
+    # Ctrl-C meanwhile was recorded and ignored, so with a long grace period kvslots serve
+    # could not be stopped short of SIGKILL. Now each signal moves to the next step.
+    leader = tmp_path / "leader.py"
+    leader.write_text(_LEAVES_A_STUBBORN_CHILD)
+    ready = tmp_path / "ready"
+    code = (f"import sys; from kvslots.serve import supervise; "
+            f"sys.exit(supervise([sys.executable, {str(leader)!r}, {str(ready)!r}], grace=1000))")
+    root = os.path.join(os.path.dirname(__file__), "..", "python")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in [root, os.environ.get("PYTHONPATH")] if p))
+    sup = subprocess.Popen([sys.executable, "-c", code], env=env, stderr=subprocess.PIPE, text=True,
+                           start_new_session=True)
+    deadline = time.monotonic() + 60
+    while not ready.exists():
+        assert sup.poll() is None and time.monotonic() < deadline, "the leader never got going"
+        time.sleep(0.05)
+    pgid, kid = (int(x) for x in ready.read_text().split())
+    try:
+        time.sleep(0.5)  # the leader has exited: supervise waits for the rest of its group
+        # Each Ctrl-C is one step (SIGTERM now, then SIGKILL now); a few more than needed, in case
+        # the first came while the leader was still exiting (then it was forwarded to the group).
+        for _ in range(6):
+            if sup.poll() is not None:
+                break
+            sup.send_signal(signal.SIGINT)
+            time.sleep(0.5)
+        try:
+            _, err = sup.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            pytest.fail("supervise still waits for the leftover process after six Ctrl-C (grace=1000)")
+        assert "SIGKILL" in err, err
+        assert not os.path.exists(f"/proc/{kid}") or open(f"/proc/{kid}/stat").read().split()[2] == "Z"
+    finally:
+        try:
+            os.killpg(pgid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        if sup.poll() is None:
+            sup.kill()
+            sup.wait()

@@ -181,7 +181,7 @@ def supervise(argv: Sequence[str], *, env: dict[str, str] | None = None, grace: 
             except subprocess.TimeoutExpired:
                 pass
         rc = proc.returncode
-        _wait_for_rest(pgid, grace if step < 1 else min(grace, 5.0), subreaper, say)
+        _wait_for_rest(pgid, grace if step < 1 else min(grace, 5.0), subreaper, say, pending)
         if step >= 0 or rc != 0:
             say(f"vLLM exited with status {rc if rc >= 0 else _signame(-rc)}")
         return rc if rc >= 0 else 128 - rc
@@ -194,7 +194,14 @@ def supervise(argv: Sequence[str], *, env: dict[str, str] | None = None, grace: 
             prctl(_PR_SET_CHILD_SUBREAPER, 0, 0, 0, 0)
 
 
-def _wait_for_rest(pgid: int, grace: float, subreaper: bool, say: Callable[[str], None]) -> None:
+def _wait_for_rest(pgid: int, grace: float, subreaper: bool, say: Callable[[str], None],
+                   pending: list[int] | None = None) -> None:
+    """Waits ``grace`` seconds for what is left of the group (and our re-parented orphans), then
+    SIGTERM, ``grace`` more, then SIGKILL. A signal sent to us meanwhile (``pending``, filled by
+    supervise's handler) moves to the next step at once: Ctrl-C here was recorded and ignored,
+    so a leftover that ignores SIGINT and SIGTERM held kvslots serve for the whole grace period
+    (with --grace-period 1e300, for good) however often Ctrl-C was pressed."""
+
     def left() -> bool:
         children = _reap() if subreaper else False
         return _group_alive(pgid) or children
@@ -212,6 +219,9 @@ def _wait_for_rest(pgid: int, grace: float, subreaper: bool, say: Callable[[str]
         while time.monotonic() < end:
             if not left():
                 return
+            if pending and sig != signal.SIGKILL:
+                pending.clear()
+                break
             time.sleep(0.05)
     if left():
         say(f"warning: processes of group {pgid} survived SIGKILL")
