@@ -97,8 +97,10 @@ def test_control_server_refuses_bad_arguments_and_leaks_no_socket(host, port, ha
     for _ in range(20):
         with pytest.raises(exc):
             ControlServer(host, port, handler)
-    assert _open_fds() == before
-    assert threading.active_count() == threads
+    # A leak is one descriptor (and no thread) per call: 20 here. Other tests' background threads
+    # may close descriptors or end meanwhile, so the counts may only go down.
+    assert _open_fds() < before + 10
+    assert threading.active_count() <= threads
 
 
 def test_the_server_thread_outlives_a_reply_it_cannot_encode():
