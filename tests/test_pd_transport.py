@@ -395,6 +395,7 @@ def _first_contact_with_a_silent_peer(handshake_kw, limit_s):
 def test_a_silent_peer_at_first_contact_fails_within_the_handshake_timeout():
     # Mooncake's hand-shake waited its fixed 60 s for a peer that accepts the connection and
     # stays silent, holding the reading thread (a vLLM pull thread) all along.
+    before = len(_probe_threads())  # another test's probe may still be ending
     t, buf, remote, peer = _first_contact_with_a_silent_peer({"handshake_timeout_s": 1.0}, 15)
     try:
         with pytest.raises(TransferError, match="did not answer"):  # the same probe, not another
@@ -402,15 +403,15 @@ def test_a_silent_peer_at_first_contact_fails_within_the_handshake_timeout():
         with pytest.raises(TransferError) as ei:
             t.submit_read(peer.session, remote, [3], [3]).result(30)
         assert ei.value.kind == "timeout"
-        assert len(_probe_threads()) == 1
+        assert len(_probe_threads()) <= before + 1
         assert not buf.any()  # Mooncake never started a read
     finally:
         peer.close()  # the probe sees the connection close and ends
         t.close()
     deadline = time.monotonic() + 60
-    while _probe_threads() and time.monotonic() < deadline:
+    while len(_probe_threads()) > before and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert not _probe_threads(), "the probe thread outlived its peer"
+    assert len(_probe_threads()) <= before, "the probe thread outlived its peer"
 
 
 def test_the_default_handshake_timeout_bounds_a_first_contact():
