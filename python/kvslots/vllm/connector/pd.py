@@ -32,9 +32,10 @@ Failures (prefill worker killed, restarted or silent, layouts or block sizes tha
 hold that timed out): the request is reported in ``failed_recving`` as well as
 ``finished_recving``; vLLM then recomputes it (``kv_load_failure_policy: "recompute"``) or fails
 it with an error (``"fail"``, vLLM's default). Nothing waits longer than Mooncake's transfer
-timeout (which the consumer caps at ``pd_timeout_s``) plus twice the control timeout, except a
-first contact with a producer, which Mooncake's own hand-shake can hold for its fixed 60 s; the
-producer frees every held block at ack or timeout.
+timeout (which the consumer caps at ``pd_timeout_s``) plus twice the control timeout; a first
+contact with a producer is probed first and fails after 10 s or ``pd_timeout_s``, whichever is
+shorter (Mooncake's own hand-shake would wait 60 s; see ``pd/transport.py``). The producer frees
+every held block at ack or timeout.
 """
 
 from __future__ import annotations
