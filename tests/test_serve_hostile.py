@@ -475,6 +475,9 @@ def test_a_real_sigint_before_vllm_starts_leaves_no_traceback(tmp_path):
     # The signal itself, in a process of its own: the resolver (check_listen) is where it lands.
     script = (
         "import os, signal, sys, time\n"
+        # A shell starts background jobs with SIGINT ignored, and Python then keeps it ignored
+        # (the CI rehearsal ran so): give the child a terminal's Ctrl-C.
+        "signal.signal(signal.SIGINT, signal.default_int_handler)\n"
         "from kvslots import cli\n"
         "from kvslots.serve import cli as serve_cli\n"
         "def slow_resolver(*a):\n"
