@@ -491,7 +491,6 @@ class BlockCopier:
             for s in kernel_streams[1:]:
                 s.wait_stream(kernel_streams[0])  # the upload
                 idx_all.record_stream(s)  # read there too: not reused before they are done
-        kernels = [(s, self._stream_ctx(s), i) for i, s in enumerate(kernel_streams)]
         for k, c0 in enumerate(range(0, len(dev), self._chunk)):
             b = k % len(self._staging)
             c1 = min(len(dev), c0 + self._chunk)
@@ -507,15 +506,19 @@ class BlockCopier:
             kernels_done = self._kernels_done[b] if cuda else [None]
             # Each side waits for the other's last use of this buffer; a store gathers first,
             # a load crosses the bus first.
-            steps = (self._kernel_step, self._bus_step) if to_host else (self._bus_step, self._kernel_step)
-            for step in steps:
-                step(kernels, stage, views, idx, hs, runs, bus_done, kernels_done, to_host)
+            if to_host:
+                self._kernel_step(kernel_streams, stage, views, idx, bus_done, kernels_done, to_host)
+                self._bus_step(stage, hs, runs, bus_done, kernels_done, to_host)
+            else:
+                self._bus_step(stage, hs, runs, bus_done, kernels_done, to_host)
+                self._kernel_step(kernel_streams, stage, views, idx, bus_done, kernels_done, to_host)
 
-    def _kernel_step(self, kernels, stage, views, idx, hs, runs, bus_done, kernels_done, to_host) -> None:
+    def _kernel_step(self, streams: list[Any], stage: torch.Tensor, views: list[torch.Tensor], idx: torch.Tensor,
+                     bus_done: Any, kernels_done: list[Any], to_host: bool) -> None:
         """Gathers blocks ``idx`` into the staged rows (store) or scatters the rows into them (load)."""
-        n_streams = len(kernels)
-        for s, ctx, i in kernels:
-            with ctx:
+        n_streams = len(streams)
+        for i, s in enumerate(streams):
+            with self._stream_ctx(s):
                 self._after(s, bus_done)
                 if self._fused is not None:
                     self._fused.move(stage, idx, to_stage=to_host)
@@ -527,7 +530,8 @@ class BlockCopier:
                             g.u8.index_copy_(1, idx, view)
                 self._mark(s, kernels_done[i])
 
-    def _bus_step(self, kernels, stage, views, idx, hs, runs, bus_done, kernels_done, to_host) -> None:
+    def _bus_step(self, stage: torch.Tensor, hs: np.ndarray, runs: list[tuple[int, int]], bus_done: Any,
+                  kernels_done: list[Any], to_host: bool) -> None:
         """Moves the staged rows to their host rows (store) or from them (load), one copy per run."""
         cuda = self._stream is not None
         with self._stream_ctx(self._stream):
