@@ -18,6 +18,8 @@ from typing import Any
 
 import torch
 
+from ..errors import InvalidStateError
+
 #: 8-byte words one program moves (8 KiB): a 32 KiB flash-attention block segment is 4 programs.
 WORDS = 1024
 
@@ -92,7 +94,7 @@ class FusedMover:
         addrs = tuple(view.data_ptr() for view, _ in self._segments)
         if addrs != self._addrs:  # first use, or a layer's memory moved (resize_, set_)
             if any(a % 8 for a in addrs):
-                raise RuntimeError("a KV layer tensor moved to memory not aligned to 8 bytes")
+                raise InvalidStateError("a KV layer tensor moved to memory not aligned to 8 bytes")
             self._addr_table = torch.tensor(addrs, dtype=torch.int64, device=self._device)
             self._addrs = addrs
         assert self._addr_table is not None
