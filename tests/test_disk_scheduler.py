@@ -302,22 +302,29 @@ def test_after_a_wake_up_the_disk_worker_uses_the_new_host_region(plain_cfg, tmp
     assert np.shares_memory(w._disk_worker.host_np, new) and not np.shares_memory(old, new)
 
 
-def test_a_sleep_finishes_the_disk_reads_in_flight_first(plain_cfg, tmp_path):
-    """Sleep drops the worker's views of the device tensors and its host region: a disk read
-    in flight is finished and copied before that, and its request is reported received at the
-    next step after the wake-up, with the right KV in its device blocks."""
+def a_disk_read_in_flight(plain_cfg, tmp_path, seed, store_cls):
+    """A prompt spilled to disk, asked again while a batch runs: request "a2" waits on one disk
+    read through ``store_cls`` (a SlowStore, held at its gate)."""
     h = disk_harness(plain_cfg, tmp_path)
-    rng = random.Random(10)
+    rng = random.Random(seed)
     prompt = tokens(rng, PROMPT)
     spill_prompt_to_disk(h, prompt, rng)
     w = h.workers[0]
     dw = w._disk_worker
-    dw.store = slow = SlowStore(dw.store)
+    dw.store = slow = store_cls(dw.store)
     h.add("b", tokens(rng, 40), max_tokens=40)  # a batch runs: the steps do not wait for reads
     h.step()
     a2 = h.add("a2", prompt, max_tokens=2)
     h.step()
     assert a2.status == RequestStatus.WAITING_FOR_REMOTE_KVS and dw.num_pending == 1
+    return h, w, dw, slow, prompt
+
+
+def test_a_sleep_finishes_the_disk_reads_in_flight_first(plain_cfg, tmp_path):
+    """Sleep drops the worker's views of the device tensors and its host region: a disk read
+    in flight is finished and copied before that, and its request is reported received at the
+    next step after the wake-up, with the right KV in its device blocks."""
+    h, w, dw, slow, prompt = a_disk_read_in_flight(plain_cfg, tmp_path, 10, SlowStore)
     threading.Timer(0.3, slow.gate.set).start()
     w.unregister_kv_caches()
     assert slow.waits == [60.0] and dw.num_pending == 0, "the read was finished before the sleep"
@@ -341,18 +348,7 @@ def test_a_read_still_in_flight_across_a_sleep_is_recomputed_not_copied_from_the
     """The read lands in the host region of before the sleep; after the wake-up the copier has a
     new one, from which those host blocks were copied to the device: KV that is not the
     request's. That read is reported failed instead (its blocks recomputed or read again)."""
-    h = disk_harness(plain_cfg, tmp_path)
-    rng = random.Random(11)
-    prompt = tokens(rng, PROMPT)
-    spill_prompt_to_disk(h, prompt, rng)
-    w = h.workers[0]
-    dw = w._disk_worker
-    dw.store = slow = StalledStore(dw.store)
-    h.add("b", tokens(rng, 40), max_tokens=40)
-    h.step()
-    a2 = h.add("a2", prompt, max_tokens=2)
-    h.step()
-    assert a2.status == RequestStatus.WAITING_FOR_REMOTE_KVS and dw.num_pending == 1
+    h, w, dw, slow, prompt = a_disk_read_in_flight(plain_cfg, tmp_path, 11, StalledStore)
     w.unregister_kv_caches()
     assert slow.waits == [60.0] and dw.num_pending == 1, "still reading after the sleep's wait"
     w.restore_kv_caches()
