@@ -279,6 +279,22 @@ def test_control_channel_bounds_a_hostile_peer(pair, monkeypatch):
     assert control_call("127.0.0.1", port, {"op": "hello"}, timeout_s=3)["engine_id"] == "P"
 
 
+def test_an_over_long_ack_is_refused_unstored(pair):
+    # The early-ack store bounded the count, not the ids: 65,536 acks of 64 KiB ids held 4 GiB.
+    from kvslots.vllm.connector import pd as pd_mod
+
+    prod, _, _, _, port = pair
+    long_id = "x" * (pd_mod.MAX_ID_CHARS + 1)
+    with pytest.raises(TransferError, match="characters"):
+        control_call("127.0.0.1", port, {"op": "done", "req": long_id}, timeout_s=3)
+    assert long_id not in prod._early_acks and prod.stats["bad_acks"] == 1 and prod.stats["acks"] == 0
+    longest = "y" * pd_mod.MAX_ID_CHARS  # as long as a hand-off's id may be: still taken
+    assert control_call("127.0.0.1", port, {"op": "done", "req": longest}, timeout_s=3) == {"held": True}
+    assert longest in prod._early_acks
+    prod.on_step(PDStepMeta(holds={longest: 10.0}))  # its hold then is done at once
+    assert longest in prod.take_finished()[0]
+
+
 @pytest.mark.parametrize("reply", [b"\x81\xa2ok\xa2\xff\xfe", b"\x91" * 60_000 + b"\xc0", b"\xc1"],
                          ids=["bad_utf8", "deep", "malformed"])
 def test_a_control_reply_that_does_not_decode_is_a_transfer_error(reply):

@@ -56,6 +56,10 @@ __all__ = ["PDScheduler", "PDWorker", "PDStepMeta", "RecvSpec", "parse_remote_pa
 
 #: Acks kept for holds whose metadata has not reached the producer yet (normally a step's worth).
 MAX_EARLY_ACKS = 65_536
+#: Longest id or host name of a hand-off, and so of a request id a ``done`` ack may name (vLLM's
+#: ids are some dozen characters). Bounds the early-ack store to MAX_EARLY_ACKS such ids: a
+#: control frame may hold 64 KiB, and 65,536 ids of that size were 4 GiB.
+MAX_ID_CHARS = 512
 
 
 @dataclass
@@ -95,7 +99,7 @@ def parse_remote_params(params: Any) -> dict[str, Any] | None:
     out: dict[str, Any] = {}
     for key in ("remote_engine_id", "remote_host", "remote_request_id"):
         v = params.get(key)
-        if not isinstance(v, str) or not v or len(v) > 512:
+        if not isinstance(v, str) or not v or len(v) > MAX_ID_CHARS:
             raise bad(key)
         out[key] = v
     for key, lo, hi in (("remote_port", 1, 65535), ("remote_block_size", 1, 1 << 20), ("num_tokens", 1, 1 << 31)):
@@ -267,7 +271,8 @@ class PDWorker:
         self._recving_failed: set[str] = set()
         self._peers: dict[tuple[str, int], dict[str, Any]] = {}
         self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvslots-pd-pull") if consumer else None
-        self.stats = {"pulled_blocks": 0, "pulled_bytes": 0, "failed_pulls": 0, "acks": 0, "expired": 0}
+        self.stats = {"pulled_blocks": 0, "pulled_bytes": 0, "failed_pulls": 0, "acks": 0, "bad_acks": 0,
+                      "expired": 0}
 
     # ---- set-up ----
     def register(self, kv_caches: dict[str, Any], num_blocks: int) -> None:
@@ -298,6 +303,10 @@ class PDWorker:
             req = msg.get("req")
             if not isinstance(req, str):
                 raise ValueError("done needs req")
+            if len(req) > MAX_ID_CHARS:  # no hand-off of ours names such an id (parse_remote_params)
+                with self._lock:
+                    self.stats["bad_acks"] += 1
+                raise ValueError(f"done: req of {len(req)} characters (at most {MAX_ID_CHARS})")
             now = time.monotonic()
             with self._lock:
                 self.stats["acks"] += 1
