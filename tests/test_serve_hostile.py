@@ -5,6 +5,7 @@ starts -- not vLLM's ZMQ error once the engine is loaded."""
 
 from __future__ import annotations
 
+import json
 import sys
 
 import pytest
@@ -587,3 +588,33 @@ def test_ctrl_c_while_waiting_for_leftover_processes_moves_on(tmp_path):
         if sup.poll() is None:
             sup.kill()
             sup.wait()
+
+
+@pytest.mark.parametrize("host, problem", [
+    ("*", "is a wildcard"), ("0.0.0.0", "is a wildcard"), ("::", "is a wildcard"),
+    ("::1", "is an IPv6 address"), ("[fe80::1]", "is an IPv6 address"),
+    ("", "1 to 253 characters"), (" ", "without a scheme, port or spaces"), ("a b", "without a scheme"),
+    ("a\0b", "without a scheme"), ("tcp://10.0.0.5", "without a scheme"), ("10.0.0.5:9000", "without a scheme"),
+    ("node-1.lan/x", "without a scheme"), ("*.lan", "without a scheme"), ("a" * 254, "1 to 253 characters"),
+])
+def test_a_pd_host_that_is_no_address_peers_reach_is_one_line_exit_2(capsys, host, problem):
+    # '*' (and 0.0.0.0) passed: the prefill worker then advertised a wildcard to decode workers,
+    # which failed only once a request was pulled.
+    code, out, err = _serve(capsys, "--role", "prefill", "--pd-host", host)
+    assert code == 2 and out == "" and err.count("\n") == 1, err
+    assert err.startswith("kvslots serve: error: kv_connector_extra_config.pd_host (--pd-host) ") and problem in err, err
+    # The same key from --connector-config, and with it after --, gets the same rule.
+    code, out, err = _serve(capsys, "--role", "decode", "--connector-config", json.dumps({"pd_host": host}))
+    assert code == 2 and problem in err and err.count("\n") == 1, err
+    code, out, err = _serve(capsys, "--role", "decode", "--", "--kv-transfer-config",
+                            json.dumps({"kv_connector_extra_config": {"pd_host": host}}))
+    assert code == 2 and problem in err and err.count("\n") == 1, err
+
+
+@pytest.mark.parametrize("host", ["localhost", "10.0.0.5", "192.168.1.20", "node-1.lan", "node-1.lan.", "kv_pd_0",
+                                  "a" * 63 + ".example"])
+def test_pd_hosts_that_peers_can_reach_pass(capsys, host):
+    for role in ("prefill", "decode"):
+        code, out, err = _serve(capsys, "--role", role, "--pd-host", host)
+        assert code == 0 and err == "", err
+        assert json.dumps(host) in out or host in out, out

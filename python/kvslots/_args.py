@@ -5,9 +5,11 @@ argument. (The slot API's own checks live in the Rust core and its reference mod
 
 from __future__ import annotations
 
+import ipaddress
 import math
 import numbers
 import operator
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -81,6 +83,38 @@ def text(value: Any, name: str) -> str:
         value.encode("utf-8")
     except UnicodeEncodeError:
         raise InvalidArgumentError(f"{name} must be valid Unicode text (no lone surrogates), got {value!r}") from None
+    return value
+
+
+#: A DNS label, as resolvers take it: letters, digits, '-' inside; '_' too (container and service
+#: names use it, and getaddrinfo resolves them).
+_HOST_LABEL = re.compile(r"[A-Za-z0-9_](?:[A-Za-z0-9_-]{0,61}[A-Za-z0-9_])?\Z")
+
+
+def host(value: Any, name: str) -> str:
+    """An address peers can reach this machine at: a host name (``localhost``, ``node-1.lan``) or
+    an IPv4 address, without a scheme or a port. A wildcard (``*``, ``0.0.0.0``) is no such
+    address, and an IPv6 address is refused: Mooncake's TCP transport names a worker
+    ``host:port`` and splits at the first ':'."""
+    value = text(value, name)
+    if not value or len(value) > 253:
+        raise InvalidArgumentError(f"{name} must be a host name or IPv4 address (1 to 253 characters), got {_short(value)}")
+    inner = value[1:-1] if value.startswith("[") and value.endswith("]") else value  # [::1], as in a URL
+    try:
+        address = ipaddress.ip_address(inner)
+    except ValueError:
+        address = None
+    if value == "*" or (address is not None and address.is_unspecified):
+        raise InvalidArgumentError(f"{name} {value!r} is a wildcard, not an address peers can reach: "
+                                   "give this machine's host name or IPv4 address")
+    if isinstance(address, ipaddress.IPv6Address):
+        raise InvalidArgumentError(f"{name} {value!r} is an IPv6 address; Mooncake's TCP transport "
+                                   "takes host names and IPv4 addresses only")
+    if address is not None and inner == value:
+        return value
+    if not all(_HOST_LABEL.match(label) for label in value.removesuffix(".").split(".")):
+        raise InvalidArgumentError(f"{name} must be a host name or IPv4 address, without a scheme, port "
+                                   f"or spaces, got {_short(value)}")
     return value
 
 

@@ -125,7 +125,8 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
                         "decode: pull it and decode (kv_consumer); both (default): no disaggregation")
     d.add_argument("--is-prefill-worker", action="store_true", help="the same as --role prefill (Dynamo's flag)")
     d.add_argument("--pd-host", metavar="ADDR",
-                   help="address of this worker's Mooncake engine and control socket (default 127.0.0.1)")
+                   help="address peers reach this worker's Mooncake engine and control socket at: a host name "
+                        "or IPv4 address, not a wildcard (default 127.0.0.1)")
     d.add_argument("--pd-port", type=_port, metavar="PORT",
                    help=f"prefill worker: its control port, which decode workers reach (default {DEFAULT_PD_PORT})")
     e = p.add_argument_group("KV events (vLLM's --kv-events-config)")

@@ -7,9 +7,10 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from .._args import host as host_arg
 from ..config.connector import GIB, ConnectorConfig, ConnectorConfigError
 from ..config.vllm_args import brief, to_json
-from ..errors import ServeError
+from ..errors import KVSlotsError, ServeError
 from .tail import json_object, merge_over_flags
 
 CONNECTOR_NAME = "KVSlotsConnector"
@@ -91,6 +92,14 @@ def connector_config(args: argparse.Namespace, hints: dict[str, Any], tail_cfg: 
         for k, v in tail_cfg.items():
             if k != "kv_connector_extra_config":
                 cfg[k] = v
+    if "pd_host" in extra:
+        # Stricter than ConnectorConfig's own check, which let '*' and '0.0.0.0' through: the
+        # worker would advertise a wildcard to its peers and fail only once a request ran.
+        try:
+            flag = " (--pd-host)" if getattr(args, "pd_host", None) is not None else ""
+            host_arg(extra["pd_host"], f"kv_connector_extra_config.pd_host{flag}")
+        except KVSlotsError as e:
+            raise ServeError(str(e)) from None
     try:
         # check_tiers_hold_a_block: a size that holds not one byte, refused before vLLM starts
         # (the engine alone knows the bytes per block, and refused it only once loaded).
