@@ -488,6 +488,21 @@ class EventSubscriber:
         else:
             log.warning("event subscriber: poll_once() in another thread did not return within %s s", timeout)
 
+    @contextmanager
+    def _polling(self, wait_s: float = 0.0, *, taken: bool = False) -> Iterator[bool]:
+        """The calling thread polls the sockets inside the block: the one home of the
+        ``_poll_lock`` rule. Takes the lock (waiting up to ``wait_s``; ``taken``: start() took it
+        for this thread) and yields True, or yields False when another thread holds it; on exit
+        releases it through :meth:`_end_poll`, which closes everything after stop()."""
+        if not taken and not self._poll_lock.acquire(timeout=wait_s):
+            yield False
+            return
+        self._poller_ident = threading.get_ident()
+        try:
+            yield True
+        finally:
+            self._end_poll()
+
     def _end_poll(self) -> None:
         """Releases ``_poll_lock``; after stop(), closes everything (once)."""
         self._poller_ident = None
@@ -528,16 +543,13 @@ class EventSubscriber:
             raise InvalidStateError("the event subscriber is stopped")
         if self._thread is not None:
             raise InvalidStateError("the event subscriber runs its own poll thread (start() was called)")
-        if not self._poll_lock.acquire(blocking=False):
-            raise ConcurrentUseError("poll_once() is already running (in another thread, or this call comes "
-                                     "from one of its callbacks)")
-        self._poller_ident = threading.get_ident()
-        try:
+        with self._polling() as mine:
+            if not mine:
+                raise ConcurrentUseError("poll_once() is already running (in another thread, or this call comes "
+                                         "from one of its callbacks)")
             if self._closed:  # stopped meanwhile
                 raise InvalidStateError("the event subscriber is stopped")
             return self._poll(timeout_ms)
-        finally:
-            self._end_poll()
 
     # ---- state, as other threads see it ---------------------------------------------------
 
@@ -568,14 +580,10 @@ class EventSubscriber:
             left = deadline - time.monotonic()
             if left <= 0:
                 return False
-            if not self._poll_lock.acquire(timeout=min(left, 0.05)):
-                continue  # another thread polls: it may get done() there
-            self._poller_ident = threading.get_ident()
-            try:
-                if self._thread is None and not self._closed:
+            with self._polling(min(left, 0.05)) as mine:
+                # not mine: another thread polls, and may get done() there
+                if mine and self._thread is None and not self._closed:
                     self._poll(min(10, max(1, int(min(left, 1.0) * 1000))))
-            finally:
-                self._end_poll()
         if self._thread is threading.current_thread():
             return done()
         with self._progress:
@@ -634,16 +642,15 @@ class EventSubscriber:
                 self._progress.notify_all()
 
     def _run(self) -> None:
-        self._poller_ident = threading.get_ident()  # _poll_lock was taken for it by start()
-        try:
+        # taken by start(); released as the loop ends, which closes the sockets after stop(),
+        # whether stop() still waits or not
+        with self._polling(taken=True):
             while not self._stopping:
                 try:
                     self._poll(1000)
                 except Exception:  # a bug here must not silently stop event delivery
                     log.exception("event subscriber loop error")
                     time.sleep(0.01)
-        finally:
-            self._end_poll()  # stopped: closes the sockets, whether stop() still waits or not
 
     def _apply_commands(self) -> None:
         while True:
