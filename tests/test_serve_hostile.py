@@ -618,3 +618,51 @@ def test_pd_hosts_that_peers_can_reach_pass(capsys, host):
         code, out, err = _serve(capsys, "--role", role, "--pd-host", host)
         assert code == 0 and err == "", err
         assert json.dumps(host) in out or host in out, out
+
+
+@pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM", "SIGHUP"])
+def test_a_signal_after_vllm_exited_leaves_the_servers_exit_status(sig):
+    import os
+    import subprocess
+
+    # One more Ctrl-C (or a SIGTERM from a process manager) that came once vLLM had exited met
+    # the handlers supervise had put back: SIGTERM and SIGHUP ended kvslots serve by the signal,
+    # SIGINT was "interrupted before vLLM started" (or a traceback). The status is the server's.
+    script = (
+        "import os, signal, sys, time\n"
+        "signal.signal(signal.SIGINT, signal.default_int_handler)  # a terminal's Ctrl-C (see above)\n"
+        "from kvslots import cli\n"
+        "from kvslots.serve import cli as serve_cli\n"
+        "real = serve_cli.supervise\n"
+        "def vllm_then_signals(argv, **kw):\n"
+        "    status = real(['/bin/sh', '-c', 'exit 3'], **kw)  # vLLM has exited with status 3\n"
+        f"    os.kill(os.getpid(), signal.{sig})\n"
+        "    time.sleep(0.5)\n"
+        "    return status\n"
+        "serve_cli.check_listen = lambda *a: None\n"
+        "serve_cli.supervise = vllm_then_signals\n"
+        "sys.exit(cli.main(['serve', 'org/target', '-q', '--port', '8123']))\n")
+    root = os.path.join(os.path.dirname(__file__), "..", "python")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in [root, os.environ.get("PYTHONPATH")] if p))
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60, env=env)
+    assert proc.returncode == 3, (proc.returncode, proc.stderr)
+    assert proc.stderr == "kvslots serve: vLLM exited with status 3\n", proc.stderr
+
+
+def test_supervise_puts_the_callers_handlers_back_unless_told_not_to():
+    import signal
+
+    def mine(signum, frame):
+        pass
+
+    before = {s: signal.signal(s, mine) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+    try:
+        assert supervise(["/bin/sh", "-c", "exit 0"], grace=1, log=lambda m: None) == 0
+        assert all(signal.getsignal(s) is mine for s in before)
+        assert supervise(["/bin/sh", "-c", "exit 0"], grace=1, log=lambda m: None, restore_signals=False) == 0
+        assert all(signal.getsignal(s) == signal.SIG_IGN for s in before)
+        with pytest.raises(ServeError, match="restore_signals must be a bool"):
+            supervise(["/bin/sh", "-c", "exit 0"], grace=1, log=lambda m: None, restore_signals=0)
+    finally:
+        for s, h in before.items():
+            signal.signal(s, h)

@@ -245,7 +245,9 @@ def _run(args: argparse.Namespace) -> int:
             print(f"{PROG}: prefix-cache index: kvslots indexer --worker {plan.indexer_worker()}",
                   file=sys.stderr, flush=True)
     sys.stderr.flush()
-    return supervise(plan.argv, env={**os.environ, **plan.env}, grace=args.grace_period)
+    # restore_signals=False: a Ctrl-C or SIGTERM after vLLM exited (one more press while it
+    # stopped) ended kvslots serve by that signal, or as "interrupted before vLLM started".
+    return supervise(plan.argv, env={**os.environ, **plan.env}, grace=args.grace_period, restore_signals=False)
 
 
 __all__ = ["add_parser", "make_parser", "plan_from_argv", "run"]

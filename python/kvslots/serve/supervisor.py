@@ -101,7 +101,7 @@ def _signame(sig: int) -> str:
 
 
 def supervise(argv: Sequence[str], *, env: dict[str, str] | None = None, grace: float = DEFAULT_GRACE_S,
-              log: Callable[[str], None] | None = None) -> int:
+              log: Callable[[str], None] | None = None, restore_signals: bool = True) -> int:
     """Runs ``argv`` as the leader of a new process group and returns its exit status (128 + N
     when a signal N killed it).
 
@@ -110,6 +110,11 @@ def supervise(argv: Sequence[str], *, env: dict[str, str] | None = None, grace: 
     later; after a SIGTERM, SIGKILL after ``grace``; another signal skips to the next step. Once
     the leader has exited, what is left of the group (and every orphaned descendant, re-parented
     to us on Linux) gets ``grace`` seconds, then SIGTERM, then SIGKILL; we return when none is left.
+
+    The caller's handlers are put back on return; with ``restore_signals=False`` (a command that
+    exits with the status next, as ``kvslots serve`` does) SIGINT, SIGTERM and SIGHUP are ignored
+    from then on instead, so that one arriving after the server exited cannot end the process by
+    that signal or with a KeyboardInterrupt traceback: the exit status stays the server's.
     """
     # Checked before any signal handler changes: Popen's ValueError (a NUL), TypeError (an int)
     # or an IndexError (no program) otherwise, and a NaN grace escalated at once.
@@ -124,6 +129,8 @@ def supervise(argv: Sequence[str], *, env: dict[str, str] | None = None, grace: 
             raise ServeError(f"env: {sorted(k for k in env if not k or '=' in k)[0]!r} is not a variable name")
     if isinstance(grace, bool) or not isinstance(grace, (int, float)) or not (math.isfinite(grace) and grace > 0):
         raise ServeError(f"grace {grace!r} must be a finite number of seconds > 0")
+    if not isinstance(restore_signals, bool):
+        raise ServeError(f"restore_signals must be a bool, got {type(restore_signals).__name__}")
     if threading.current_thread() is not threading.main_thread():
         # Python installs signal handlers only there: signal.signal's ValueError otherwise.
         raise ServeError("supervise must be called from the main thread (it handles SIGINT, SIGTERM and SIGHUP)")
@@ -187,7 +194,9 @@ def supervise(argv: Sequence[str], *, env: dict[str, str] | None = None, grace: 
         return rc if rc >= 0 else 128 - rc
     finally:
         for s, h in previous.items():
-            signal.signal(s, h)
+            # SIG_IGN, not our handler left in place: it holds only while Python runs bytecode,
+            # and the process is about to finalize.
+            signal.signal(s, h if restore_signals else signal.SIG_IGN)
         # A process-wide flag: a caller that runs on (a test runner, an app) must not go on
         # adopting orphans it never reaps, which then stay zombies.
         if subreaper and not was_subreaper.value and prctl is not None:
