@@ -705,3 +705,65 @@ def test_notes_naming_keys_with_control_characters_stay_one_line_each(tmp_path, 
         err = capsys.readouterr().err
         assert "\x1b" not in err and "a\\nb\\x1b[31m = 1" in err and "kv_cache_config.x\\ny = 2" in err, err
         assert all(line.startswith(("unknown:", "kvslots serve:")) for line in err.splitlines()), err
+
+
+# Loaded as sitecustomize in the child: a terminal's Ctrl-C (a background shell starts children
+# with SIGINT ignored), and an import of KVSLOTS_TEST_SLOW that waits, after saying so in a file,
+# so that the signal lands inside that import every time.
+_SLOW_IMPORT = """
+import os, signal, sys, time
+signal.signal(signal.SIGINT, signal.default_int_handler)
+class _Slow:
+    def find_spec(self, name, path=None, target=None):
+        if name == os.environ["KVSLOTS_TEST_SLOW"]:
+            open(os.environ["KVSLOTS_TEST_MARK"], "w").close()
+            time.sleep(60)
+        return None
+sys.meta_path.insert(0, _Slow())
+"""
+
+
+@pytest.mark.parametrize("entry, slow", [
+    (["-m", "kvslots"], "kvslots.cli"),  # __main__'s own import
+    (["-m", "kvslots"], "kvslots.serve.cli"),  # build_parser's imports
+    (["-c", "import sys; from kvslots.cli import main; sys.exit(main())"], "kvslots.demo.run"),  # the console script
+])
+def test_ctrl_c_during_the_imports_is_one_line_and_status_130(tmp_path, entry, slow):
+    import signal
+
+    (tmp_path / "sitecustomize.py").write_text(_SLOW_IMPORT)
+    mark = tmp_path / "importing"
+    root = os.path.join(os.path.dirname(__file__), "..", "python")
+    env = dict(os.environ, KVSLOTS_TEST_SLOW=slow, KVSLOTS_TEST_MARK=str(mark),
+               PYTHONPATH=os.pathsep.join(p for p in [str(tmp_path), root, os.environ.get("PYTHONPATH")] if p))
+    proc = subprocess.Popen([sys.executable, *entry, "serve", "org/target", "--dry-run"], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not mark.exists():
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+            time.sleep(0.02)
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 130 and out == "", (proc.returncode, err)
+    assert err == "kvslots: interrupted\n", err
+
+
+def test_ctrl_c_in_a_command_that_does_not_catch_it_is_one_line_and_status_130(capsys, monkeypatch):
+    import signal
+
+    def interrupted(*a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "run_command", interrupted)
+    before = signal.getsignal(signal.SIGINT)
+    try:
+        code = cli.main(["convert-config", "x.yaml"])
+    except KeyboardInterrupt:  # caught here: escaping, it would stop the whole test session
+        pytest.fail("the KeyboardInterrupt escaped kvslots (a traceback)")
+    assert code == 130 and capsys.readouterr().err == "kvslots convert-config: interrupted\n"
+    assert signal.getsignal(signal.SIGINT) is before  # a caller's argv: not the process's exit

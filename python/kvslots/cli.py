@@ -12,6 +12,7 @@ import argparse
 import errno
 import importlib
 import os
+import signal
 import sys
 from collections.abc import Callable
 from typing import Any, NoReturn
@@ -63,14 +64,38 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+#: Exit status after a Ctrl-C: 128 + SIGINT, as a shell reports it.
+INTERRUPTED_STATUS = 130
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    if not getattr(args, "func", None):
-        # An argument error like any other: one line (the whole help was printed, exit status 2).
-        parser.error(f"a command is required: one of {', '.join(_commands(parser))}")
-    return run_command(args.func, args, f"{parser.prog} {args.command}",
-                       label=getattr(args, "error_label", "error"))
+    prog = "kvslots"
+    try:
+        parser = build_parser()
+        args = parser.parse_args(argv)
+        if not getattr(args, "func", None):
+            # An argument error like any other: one line (the whole help was printed, exit status 2).
+            parser.error(f"a command is required: one of {', '.join(_commands(parser))}")
+        prog = f"{parser.prog} {args.command}"
+        return run_command(args.func, args, prog, label=getattr(args, "error_label", "error"))
+    except KeyboardInterrupt:
+        # Ctrl-C while build_parser imported the commands' modules (most of the first half
+        # second: numpy, msgspec, ...) or in a command that does not handle it was a traceback.
+        return interrupted(prog, exiting=argv is None)
+
+
+def interrupted(prog: str, *, exiting: bool = False) -> int:
+    """After a Ctrl-C: ``PROG: interrupted`` on stderr; returns :data:`INTERRUPTED_STATUS`.
+    ``exiting`` (the process ends next): further Ctrl-C are ignored, as one more press before
+    the exit was a KeyboardInterrupt traceback."""
+    if exiting:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        if sys.stderr is not None:  # None: started with stderr closed
+            print(f"{prog}: interrupted", file=sys.stderr, flush=True)
+    except (KeyboardInterrupt, OSError, ValueError):  # another Ctrl-C, or stderr gone: the status says it
+        pass
+    return INTERRUPTED_STATUS
 
 
 def _commands(parser: argparse.ArgumentParser) -> list[str]:
