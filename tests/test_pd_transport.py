@@ -516,3 +516,68 @@ def test_transfer_timeout_bounds_a_read_from_a_silent_peer(tmp_path, operator):
     assert res["env"] == operator  # set only while the engine was made, unless the operator set it
     assert res["kind"] == "peer", res
     assert 1.5 <= res["took"] < 10, res
+
+
+def _xfer_threads():
+    import threading
+
+    return {t for t in threading.enumerate() if t.name.startswith("kvslots-pd-xfer")}
+
+
+@pytest.mark.parametrize("submit", [False, True], ids=["read_blocks", "submit_read"])
+def test_register_and_close_during_a_read_in_flight(peer, submit):
+    # register() unregistered the memory under a running read (and close() under a read_blocks
+    # of another thread), which Mooncake went on writing into.
+    import threading
+
+    from kvslots.errors import InvalidStateError
+
+    proc, session, remote = peer
+    before = _xfer_threads()
+    buf = np.zeros(NS * NB * BB, dtype=np.uint8)
+    other = np.zeros_like(buf)
+    layout = BlockLayout.from_buffer(buf.ctypes.data, block_bytes=BB, num_blocks=NB, num_segments=NS)
+    t = MooncakeTransport("127.0.0.1")
+    t.register(layout)
+    t.read_blocks(session, remote, [0], [0])  # the hand-shake: the next read waits on the peer only
+    outcome = []
+
+    def read():
+        try:
+            if submit:
+                outcome.append(t.submit_read(session, remote, [1, 2], [1, 2]).result(60))
+            else:
+                outcome.append(t.read_blocks(session, remote, [1, 2], [1, 2]))
+        except BaseException as e:  # noqa: BLE001 - judged below
+            outcome.append(e)
+
+    os.kill(proc.pid, signal.SIGSTOP)  # the read waits on the peer until SIGCONT
+    reader = threading.Thread(target=read, daemon=True)
+    closer = threading.Thread(target=t.close, daemon=True)
+    try:
+        reader.start()
+        deadline = time.monotonic() + 10
+        while not getattr(t, "_reads", 0) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.2)  # into Mooncake's call
+        with pytest.raises(InvalidStateError, match="in flight"):
+            t.register(BlockLayout.from_buffer(other.ctypes.data, block_bytes=BB, num_blocks=NB, num_segments=NS))
+        assert t.layout is layout  # unchanged
+        closer.start()
+        time.sleep(0.3)
+        assert closer.is_alive() and t.layout is layout, "close() unregistered the memory under the read"
+    finally:
+        os.kill(proc.pid, signal.SIGCONT)
+        reader.join(60)
+        closer.join(60) if closer.ident else t.close()
+    assert not reader.is_alive() and not closer.is_alive()
+    (res,) = outcome
+    if isinstance(res, TransferError):
+        pass  # a failed read is an allowed outcome; a crash or another exception is not
+    else:
+        assert res == 2 * NS * BB, res
+        assert np.array_equal(_blocks(buf, 2, [1, 2]), _blocks(peer_buffer(7, NB, BB, NS), 2, [1, 2]))
+    assert t.layout is None and not other.any()
+    with pytest.raises(TransferError, match="closed"):
+        t.read_blocks(session, remote, [3], [3])
+    assert _xfer_threads() <= before, "the transport's read thread outlived close()"

@@ -48,7 +48,7 @@ import numpy as np
 
 from ..._args import number, text
 from ..._args import timeout as _timeout
-from ...errors import ArgumentTypeError, InvalidArgumentError, TransferError
+from ...errors import ArgumentTypeError, InvalidArgumentError, InvalidStateError, TransferError
 from .layout import BlockLayout, _as_ids
 
 __all__ = ["DEFAULT_HANDSHAKE_TIMEOUT_S", "MOONCAKE_TRANSFER_TIMEOUT_S", "MooncakeTransport", "PendingRead",
@@ -202,6 +202,10 @@ class MooncakeTransport:
         self.layout: BlockLayout | None = None
         self._regions: list[int] = []
         self._lock = threading.Lock()
+        # Reads between their start and their end, on any thread: each writes into the
+        # registered memory, so register() refuses and close() waits while there is one.
+        self._reads = 0
+        self._reads_ended = threading.Condition(self._lock)
         self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="kvslots-pd-xfer")
         self._closed = False
         self.handshake_timeout_s = handshake_timeout_s
@@ -221,11 +225,18 @@ class MooncakeTransport:
 
     def register(self, layout: BlockLayout) -> None:
         """Registers every region of ``layout`` with Mooncake (once; a second layout replaces the
-        first). The memory must stay allocated until :meth:`close` or the next ``register``."""
+        first). The memory must stay allocated until :meth:`close` or the next ``register``.
+        While a read is in flight (:meth:`read_blocks` on another thread, or a
+        :meth:`submit_read` not settled) an :class:`~kvslots.errors.InvalidStateError`, nothing
+        changed: Mooncake writes into the registered memory until the read ends."""
         if not isinstance(layout, BlockLayout):
             raise ArgumentTypeError(f"layout must be a BlockLayout, got {type(layout).__name__}")
         with self._lock:
             self._check_open()
+            if self._reads:
+                # Unregistered under a running read, the old regions went on being written into.
+                raise InvalidStateError(f"{self._reads} read(s) in flight write into the registered memory; "
+                                        "register a new layout once they ended")
             self._unregister_all()
             done: list[int] = []
             for addr, nbytes in layout.regions():
@@ -284,8 +295,12 @@ class MooncakeTransport:
         """Copies the remote blocks into the local ones (all segments) and returns the bytes
         moved; blocks the calling thread until Mooncake finishes or gives up."""
         _check_session(remote_session)
-        lp, rp, ln = self.plan(remote_layout, remote_ids, local_ids)
-        self._run(remote_session, lp, rp, ln)
+        self._begin_read()
+        try:
+            lp, rp, ln = self.plan(remote_layout, remote_ids, local_ids)
+            self._run(remote_session, lp, rp, ln)
+        finally:
+            self._end_read()
         return int(sum(ln))
 
     def submit_read(self, remote_session: str, remote_layout: BlockLayout, remote_ids: Sequence[int] | np.ndarray,
@@ -293,10 +308,33 @@ class MooncakeTransport:
         """As :meth:`read_blocks`, on the transport's worker thread; argument errors raise here,
         transfer errors from :meth:`PendingRead.result`."""
         _check_session(remote_session)
-        lp, rp, ln = self.plan(remote_layout, remote_ids, local_ids)
-        self._check_open()
-        fut = self._pool.submit(self._run, remote_session, lp, rp, ln)
+        self._begin_read()
+        try:
+            lp, rp, ln = self.plan(remote_layout, remote_ids, local_ids)
+            fut = self._pool.submit(self._run_counted, remote_session, lp, rp, ln)
+        except BaseException:
+            self._end_read()
+            raise
         return PendingRead(fut, int(sum(ln)), len(np.asarray(local_ids)))
+
+    def _begin_read(self) -> None:
+        with self._lock:
+            self._check_open()
+            self._reads += 1
+
+    def _end_read(self) -> None:
+        with self._lock:
+            self._reads -= 1
+            if not self._reads:
+                self._reads_ended.notify_all()
+
+    def _run_counted(self, remote_session: str, lp: list[int], rp: list[int], ln: list[int]) -> None:
+        # Ended here, not in a done-callback: those run after result() returns, and a register()
+        # right after it found the read still counted.
+        try:
+            self._run(remote_session, lp, rp, ln)
+        finally:
+            self._end_read()
 
     def _run(self, remote_session: str, lp: list[int], rp: list[int], ln: list[int]) -> None:
         if not lp:
@@ -368,11 +406,17 @@ class MooncakeTransport:
         self._regions = []
 
     def close(self) -> None:
-        """Waits for submitted reads, unregisters the memory. Idempotent."""
+        """Refuses new reads, waits for those in flight (submitted, or running on other
+        threads; each ends by Mooncake's transfer timeout at most), unregisters the memory.
+        Idempotent."""
         with self._lock:
-            if self._closed:
-                return
-            self._closed = True
+            first, self._closed = not self._closed, True
+            # A read_blocks on another thread had its memory unregistered under it. A second
+            # close waits too: its caller may free the memory once it returns.
+            while self._reads:
+                self._reads_ended.wait()
+        if not first:
+            return
         self._pool.shutdown(wait=True)
         with self._lock:
             self._unregister_all()
