@@ -168,6 +168,9 @@ def _deep(n: int) -> list:
     ({"pd_host": "a\0b"}, "pd_host"),
     ({"pd_host": " "}, "pd_host"),
     ({"pd_host": "host name"}, "pd_host"),
+    # wildcards would be advertised to peers (the rule of kvslots serve's --pd-host, one home)
+    ({"pd_host": "*"}, "pd_host"),
+    ({"pd_host": "0.0.0.0"}, "pd_host"),
 ])
 def test_hostile_values_are_named_config_errors(extra, named):
     with pytest.raises(ConnectorConfigError, match=named) as ei:

@@ -279,10 +279,12 @@ def _check(key: str, value: Any) -> Any:
             raise bad(f"must be an integer in [1, {hi}]")
         return value
     if key == "pd_host":
-        if not _text(value) or not value or ":" in value or len(value) > 253 \
-                or any(c.isspace() or not c.isprintable() for c in value):
-            raise bad("must be a host name or address, without a port")
-        return value
+        # The one rule for an address peers reach (_args.host): a wildcard such as '*' would be
+        # advertised to peers and fail only once a request ran.
+        try:
+            return _args.host(value, "pd_host")
+        except KVSlotsError as e:
+            raise bad(str(e).removeprefix("pd_host ")) from None
     if key == "pd_port":
         if value is None:
             return None
