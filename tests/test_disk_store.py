@@ -497,3 +497,61 @@ def test_a_restore_from_a_fifo_or_device_returns_at_once(tmp_path: Path) -> None
                           env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert all("regular file" in line for line in proc.stdout.splitlines()), proc.stdout
+
+
+def forge_seq(path: Path, slot: int, seq: int, n: int = 8) -> None:
+    """Sets the write sequence number of `slot`'s record to `seq`, its header checksum made
+    valid again (seeded with the layout, as the store does): a record that verifies."""
+    import struct
+
+    import xxhash
+
+    stride = (path.stat().st_size - 4096) // n
+    hdr = (64 + 4 * BS + 63) // 64 * 64
+    seed = xxhash.xxh3_64_intdigest(struct.pack("<IIQQ32s", LAYOUT["block_size"], LAYOUT["num_layers"],
+                                                LAYOUT["bytes_per_block"], LAYOUT["fingerprint"],
+                                                LAYOUT["dtype"].encode()))
+    with open(path, "r+b") as f:
+        f.seek(4096 + slot * stride)
+        h = bytearray(f.read(hdr))
+        h[8:16] = seq.to_bytes(8, "little")
+        h[56:64] = xxhash.xxh3_64_intdigest(bytes(h[:56] + h[64:64 + 4 * BS]), seed=seed).to_bytes(8, "little")
+        f.seek(4096 + slot * stride)
+        f.write(h)
+
+
+def test_a_forged_last_sequence_number_never_wraps_the_writers(tmp_path: Path) -> None:
+    # A record numbered 2^64 - 1 (forged, its checksum valid) made the writer start at
+    # max + 1 = 0: every later record was older than the ones already there, and a restart
+    # served the stale copy of a hash written again.
+    p = tmp_path / "tier.kvs"
+    s = store(p)
+    write(s, 0, 10)
+    write(s, 1, 11)
+    s.flush()
+    del s
+    forge_seq(p, 1, 2**64 - 1)
+    _, got = restore(p)
+    assert got == (1, 1, None), "the forged record is damaged: not restored"
+    s = store(p)
+    assert s.opened == "reused" and s.stats()["max_seq_at_open"] < 2**62
+    assert s.read_into([1], [11], np.zeros((1, BPB), np.uint8))[0][0] == 0, "nor served"
+    assert s.submit(2, block(99), 10, [10] * BS)  # hash 10 again: the newer record must win
+    s.flush()
+    assert s.take_done() == [(2, True)]
+    del s
+    idx, got = restore(p)
+    assert got[0] == 1 and idx.lookup(10) == 2
+    # Numbered past any honest writer (2^62 and above, below the limit): the file is started
+    # afresh, so the writer always has 2^62 numbers ahead of it.
+    for seq in (2**62, 2**63 - 1):
+        s = store(p)
+        write(s, 3, 12)
+        s.flush()
+        del s
+        forge_seq(p, 3, seq)
+        s = store(p)
+        assert s.opened.startswith("discarded") and "sequence" in s.opened, s.opened
+        assert s.stats()["max_seq_at_open"] == 0
+        del s
+        assert restore(p)[1][0] == 0

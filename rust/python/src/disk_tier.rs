@@ -355,9 +355,7 @@ impl DiskStore {
         };
         let (file, opened, max_seq) = py
             .detach(|| -> Result<_, core::DiskError> {
-                let (f, o) = core::DiskFile::open(Path::new(&path), &l, n)?;
-                let max_seq = f.scan()?.0.iter().map(|r| r.2).max().unwrap_or(0);
-                Ok((f, o, max_seq))
+                core::DiskFile::open_for_writer(Path::new(&path), &l, n)
             })
             .map_err(disk_error)?;
         let file = Arc::new(file);

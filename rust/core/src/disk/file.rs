@@ -79,6 +79,14 @@ const FLAG_PARENT: u32 = 1;
 const FLAG_LORA: u32 = 2;
 /// Records per `preadv` (3 iovecs each, under Linux's IOV_MAX of 1024).
 const MAX_RUN: usize = 256;
+/// Write sequence numbers are below this: a record numbered at or above it is damaged (forged,
+/// or not this tier's), and the writer writes no record past it. A writer that started at 0
+/// and wrote a million records a second would get there in about 290,000 years.
+pub const SEQ_LIMIT: u64 = 1 << 63;
+/// A file whose records are numbered at or above this is started afresh by
+/// [`DiskFile::open_for_writer`]: the writer then has at least 2^62 numbers ahead of it, never
+/// wraps, and every record it writes is newer than those already in the file.
+pub const SEQ_RESTART: u64 = 1 << 62;
 
 /// What the file belongs to: a record is served only to an engine with the same layout.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -271,6 +279,11 @@ fn decode_record_header(layout: &Layout, h: &[u8]) -> Result<(BlockMeta, u64, u6
     if u64_at(56) != header_sum(h, tok_end, layout.record_seed()) {
         return Err("record header checksum mismatch".into());
     }
+    let seq = u64_at(8);
+    if seq >= SEQ_LIMIT {
+        // Checked after the checksum: only a record that verifies can carry one.
+        return Err(format!("record sequence number {seq} is past any this tier writes"));
+    }
     let flags = u32_at(4);
     let tokens = (0..n).map(|i| u32_at(RECORD_FIXED + 4 * i)).collect();
     let meta = BlockMeta {
@@ -280,7 +293,7 @@ fn decode_record_header(layout: &Layout, h: &[u8]) -> Result<(BlockMeta, u64, u6
         successor: u32_at(40),
         tokens,
     };
-    Ok((meta, u64_at(8), u64_at(48)))
+    Ok((meta, seq, u64_at(48)))
 }
 
 /// The tier's file is a regular file: a FIFO, device or directory at its path is refused before
@@ -370,6 +383,22 @@ impl DiskFile {
             },
             opened,
         ))
+    }
+
+    /// [`DiskFile::open`] for the tier's writer, and the highest sequence number of a record in
+    /// the file (0 if none): the writer starts above it. A file numbered at or above
+    /// [`SEQ_RESTART`] (forged: no writer gets there) is started afresh (`Discarded`).
+    pub fn open_for_writer(path: &Path, layout: &Layout, num_slots: u64) -> Result<(DiskFile, Opened, u64), DiskError> {
+        let (f, mut opened) = DiskFile::open(path, layout, num_slots)?;
+        let max_seq = f.scan()?.0.iter().map(|r| r.2).max().unwrap_or(0);
+        if max_seq < SEQ_RESTART {
+            return Ok((f, opened, max_seq));
+        }
+        f.wipe()?;
+        if opened == Opened::Reused {
+            opened = Opened::Discarded(format!("a record's sequence number ({max_seq}) is past any this tier writes"));
+        }
+        Ok((f, opened, 0))
     }
 
     /// Opens an existing file read-only, only if its header and length match; else why not.
@@ -819,8 +848,13 @@ fn writer_loop(file: Arc<DiskFile>, shared: Arc<Shared>, rx: Receiver<Job>) {
     while let Ok(job) = rx.recv() {
         match job {
             Job::Write { slot, meta, data } => {
-                let seq = shared.seq.fetch_add(1, Ordering::Relaxed);
-                let ok = file.write_record(slot, seq, &meta, &data, &mut buf).is_ok();
+                // Never past SEQ_LIMIT (a record numbered there is damaged), never wrapped: a
+                // wrapped number would make this record older than the ones it replaces.
+                let seq = shared.seq.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |s| if s < SEQ_LIMIT { Some(s + 1) } else { None });
+                let ok = match seq {
+                    Ok(seq) => file.write_record(slot, seq, &meta, &data, &mut buf).is_ok(),
+                    Err(_) => false,
+                };
                 let st = &shared.stats;
                 if ok {
                     file.start_writeback(slot);
@@ -988,6 +1022,40 @@ mod tests {
         drop(f);
         let (_, o) = DiskFile::open(&p, &layout(1), 4).unwrap();
         assert_eq!(o, Opened::Reused, "the header survived");
+        std::fs::remove_file(&p).unwrap();
+    }
+
+    #[test]
+    fn sequence_numbers_never_wrap_and_forged_ones_are_not_trusted() {
+        let p = tmp("seq");
+        let (f, _) = DiskFile::open(&p, &layout(1), 4).unwrap();
+        let mut buf = Vec::new();
+        let data = vec![1u8; 1000];
+        f.write_record(0, 5, &meta(1), &data, &mut buf).unwrap();
+        f.write_record(1, u64::MAX, &meta(2), &data, &mut buf).unwrap();
+        f.write_record(2, SEQ_LIMIT, &meta(3), &data, &mut buf).unwrap();
+        let (recs, bad) = f.scan().unwrap();
+        assert_eq!((recs.iter().map(|r| r.0).collect::<Vec<_>>(), bad), (vec![0], 2));
+        let mut out = vec![0u8; 1000];
+        assert!(f.read_block(1, 2, &mut out, &mut buf).is_err(), "not served either");
+        drop(f);
+        let (f, o, max) = DiskFile::open_for_writer(&p, &layout(1), 4).unwrap();
+        assert_eq!((o, max), (Opened::Reused, 5));
+        // Numbered past any honest writer: started afresh.
+        f.write_record(3, SEQ_RESTART, &meta(4), &data, &mut buf).unwrap();
+        drop(f);
+        let (f, o, max) = DiskFile::open_for_writer(&p, &layout(1), 4).unwrap();
+        assert!(matches!(o, Opened::Discarded(ref w) if w.contains("sequence")), "{o:?}");
+        assert_eq!(max, 0);
+        assert!(f.scan().unwrap().0.is_empty());
+        // A writer at the limit writes nothing more (its number would wrap past it).
+        let f = Arc::new(f);
+        let w = DiskWriter::new(f.clone(), 4, SEQ_LIMIT - 1).unwrap();
+        assert!(w.submit(0, meta(1), w.buffer()) && w.submit(1, meta(2), w.buffer()));
+        w.flush();
+        assert_eq!(w.take_done(), vec![(0, true), (1, false)]);
+        assert_eq!(f.scan().unwrap().0.iter().map(|r| r.2).collect::<Vec<_>>(), vec![SEQ_LIMIT - 1]);
+        drop(w);
         std::fs::remove_file(&p).unwrap();
     }
 
