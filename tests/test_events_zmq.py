@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import re
 import threading
 import time
 from collections.abc import Callable
@@ -731,6 +732,34 @@ def test_codec_still_reads_what_it_should():
     assert decode_batch(bytearray(encode_batch(batch(3)))) == batch(3)
     assert external_block_hash(b"\x01" * 9) == int.from_bytes(b"\x01" * 8, "big")
     assert external_block_hash(-1) == 2**64 - 1
+
+
+_GOOD_STORED = ("BlockStored", [1, 2], None, [5, 6, 7, 8], 2, None, [[9], []])
+
+
+@pytest.mark.parametrize(("item", "value", "named"), [
+    (1, ["x", 2], "block_hashes[0]"), (1, [1, -1], "block_hashes[1]"), (1, [2**64, 2], "block_hashes[0]"),
+    (1, [True, 2], "block_hashes[0]"), (1, [1.0, 2], "block_hashes[0]"), (1, "ab", "block_hashes"),
+    (2, -5, "parent_block_hash"), (2, "p", "parent_block_hash"), (3, [5, 6, 7, 2**32], "token_ids[3]"),
+    (3, [5, None, 7, 8], "token_ids[1]"), (3, {5: 6}, "token_ids"), (4, -1, "block_size"), (4, 2**32, "block_size"),
+    (4, 2.0, "block_size"),
+    (4, False, "block_size"), (5, -1, "lora_id"), (5, "l", "lora_id"), (6, [[9]], "lookahead_token_ids"),
+    (6, "ab", "lookahead_token_ids"), (6, [[9], [1, 2]], "lookahead_token_ids[1]"),
+    (6, [[9], [2**32 - 1]], "lookahead_token_ids[1][0]"), (6, [[9], 3], "lookahead_token_ids[1]"),
+])
+def test_from_raw_checks_the_tuples_items(item, value, named):
+    # Only the tuple's shape was checked: a string token or a negative hash went into the
+    # struct, and out in a batch no subscriber could decode.
+    raw = list(_GOOD_STORED)
+    raw[item] = value
+    with pytest.raises(EventDecodeError, match=re.escape(named)) as e:
+        from_raw(tuple(raw), "CPU")
+    assert type(e.value) is EventDecodeError and "\n" not in str(e.value)
+    with pytest.raises(EventDecodeError, match="block_hashes"):
+        from_raw(("BlockRemoved", [1, -2]), None)
+    ok = from_raw(_GOOD_STORED, "CPU")
+    assert ok.block_hashes == [1, 2] and ok.lookahead_token_ids == [[9], []]
+    assert from_raw(("BlockStored", (2**64 - 1,), 0, (0, 2**32 - 1), 2, 0, None), None).block_size == 2
 
 
 @pytest.mark.parametrize(

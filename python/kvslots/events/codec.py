@@ -116,6 +116,12 @@ def from_raw(
     ``hashes_as_bytes``). ``structs`` is where the classes come from: any namespace with
     ``BlockStored``, ``BlockRemoved`` and ``AllBlocksCleared`` of vLLM's fields, in vLLM's
     order (``vllm.distributed.kv_events`` itself); by default the ones of this module.
+
+    The items are checked as the Rust core's ``encode_event_batch`` checks them: block hashes,
+    a parent and a LoRA id ints in [0, 2**64), token ids and the block size in [0, 2**32), one
+    ``lookahead_token_ids`` entry per block holding no token or one below 2**32 - 1. Any other
+    item is an :class:`EventDecodeError` naming it; no struct is made. (The Rust core's own
+    tuples need no checks: a caller converting those in bulk uses ``_from_raw``.)
     """
     if not isinstance(raw, (tuple, list)):
         raise ArgumentTypeError(f"an event tuple is a tuple, got {type(raw).__name__}")
@@ -124,7 +130,13 @@ def from_raw(
     if medium is not None:
         medium = _args.text(medium, "medium")
     hashes_as_bytes = bool(_args.flag(hashes_as_bytes, "hashes_as_bytes"))
+    # Checked here, at the public door, not in _from_raw: a string token or a negative hash went
+    # into the struct and out in a batch no subscriber could decode. The per-item pass costs
+    # 2-3 times the conversion itself, which the Rust core's own tuples do not need.
     try:
+        why = _raw_fault(raw)
+        if why is not None:
+            raise EventDecodeError(f"malformed event tuple {_short(raw)}: {why}")
         return _from_raw(raw, medium, hashes_as_bytes, structs)
     except KVSlotsError:
         raise
@@ -132,8 +144,72 @@ def from_raw(
         raise EventDecodeError(f"malformed event tuple {_short(raw)}: {e}") from e
 
 
+_U64 = 1 << 64
+_U32 = 1 << 32
+_NO_SUCCESSOR = _U32 - 1  # the Rust core's "none recorded"
+
+
+def _int_fault(x: Any, what: str, lo: int, hi: int) -> str | None:
+    if type(x) is not int and (not isinstance(x, int) or isinstance(x, bool)):
+        return f"{what} must be an int, got {type(x).__name__} {_short(x)}"
+    if not lo <= x < hi:
+        return f"{what} must be in [{lo}, {_bound(hi)}), got {x}"
+    return None
+
+
+def _bound(hi: int) -> str:
+    return {_U64: "2**64", _U32: "2**32", _NO_SUCCESSOR: "2**32 - 1"}.get(hi, str(hi))
+
+
+def _ints_fault(v: Any, what: str, hi: int) -> str | None:
+    if not isinstance(v, (list, tuple)):
+        return f"{what} must be a list of ints, got {type(v).__name__} {_short(v)}"
+    for x in v:  # the common case in one pass; the index only once something is wrong
+        if type(x) is not int or not 0 <= x < hi:
+            break
+    else:
+        return None
+    for i, x in enumerate(v):
+        why = _int_fault(x, f"{what}[{i}]", 0, hi)
+        if why is not None:
+            return why
+    return None
+
+
+def _raw_fault(raw: tuple[Any, ...] | list[Any]) -> str | None:
+    """What is wrong with an event tuple's items (None: nothing); the arity and kind are left to
+    _from_raw, which names them."""
+    kind = raw[0] if raw else None
+    if kind == "BlockStored" and len(raw) in (6, 7):
+        why = (_ints_fault(raw[1], "block_hashes", _U64)
+               or (None if raw[2] is None else _int_fault(raw[2], "parent_block_hash", 0, _U64))
+               or _ints_fault(raw[3], "token_ids", _U32)
+               or _int_fault(raw[4], "block_size", 0, _U32)
+               or (None if raw[5] is None else _int_fault(raw[5], "lora_id", 0, _U64)))
+        if why is not None or len(raw) == 6 or raw[6] is None:
+            return why
+        lookahead = raw[6]
+        if not isinstance(lookahead, (list, tuple)):
+            return f"lookahead_token_ids must be a list, got {type(lookahead).__name__} {_short(lookahead)}"
+        if len(lookahead) != len(raw[1]):
+            return f"lookahead_token_ids has {len(lookahead)} entries for {len(raw[1])} block hashes (one per block)"
+        for i, entry in enumerate(lookahead):
+            what = f"lookahead_token_ids[{i}]"
+            if not isinstance(entry, (list, tuple)) or len(entry) > 1:
+                return f"{what} must be [] or [token], got {_short(entry)}"
+            why = _ints_fault(entry, what, _NO_SUCCESSOR)
+            if why is not None:
+                return why
+        return None
+    if kind == "BlockRemoved" and len(raw) == 2:
+        return _ints_fault(raw[1], "block_hashes", _U64)
+    return None
+
+
 def _from_raw(raw: tuple[Any, ...] | list[Any], medium: str | None, hashes_as_bytes: bool,
               structs: Any) -> KVEvent:
+    """:func:`from_raw` without its checks: for the Rust core's own tuples (well-formed by
+    construction), where the per-item pass would cost more than the conversion."""
     kind = raw[0] if raw else None
     if kind == "BlockStored":
         _, hashes, parent, tokens, block_size, lora_id, *rest = raw
