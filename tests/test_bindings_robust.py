@@ -383,8 +383,12 @@ def test_huge_lookahead_then_commit_never_panics():
     assert m.check_invariants() is None
     t = _core.SlotTracker(4)
     t.add("a", lookahead=2**64 - 1)
-    with pytest.raises(kvslots.CapacityExceededError):
-        t.blocks_needed("a", 2)
+    # The count is exact (it read 2**64-1 whatever the count): 2 new tokens + the lookahead.
+    for call in (lambda: t.blocks_needed("a", 2), lambda: t.reserve("a", 2, [0])):
+        with pytest.raises(kvslots.CapacityExceededError) as e:
+            call()
+        assert (e.value.requested, e.value.limit) == (2**64 + 1, 2**64 - 1)
+        assert "(18446744073709551617 > 18446744073709551615)" in str(e.value)
     assert t.check_invariants() is None
 
 

@@ -59,3 +59,15 @@ def test_errors_raised_by_the_rust_core_round_trip():
     for err in (unknown.value, out.value):
         same(err, pickle.loads(pickle.dumps(err)))
     assert pickle.loads(pickle.dumps(out.value)).needed == out.value.needed > 0
+
+
+def test_a_core_error_past_two_to_the_64_keeps_its_exact_figures():
+    # The core's error fields were u64: `needed` read 2**64-1 for the 2**65-2 blocks (new tokens
+    # plus lookahead, at block size 1) this takes.
+    m = SlotManager(4, 1)
+    m.create("a", [], lookahead=2**64 - 1)
+    with pytest.raises(E.OutOfBlocksError) as e:
+        m.reserve("a", 2**64 - 1)
+    assert (e.value.needed, e.value.available, e.value.total) == (2**65 - 2, 4, 4)
+    assert "needs 36893488147419103230 more block(s)" in str(e.value)
+    same(e.value, pickle.loads(pickle.dumps(e.value)))

@@ -20,9 +20,9 @@
     └── ServeError                 ``kvslots serve`` cannot build or run the vLLM command
 
 Every error carries the request it is about (``request_id``, ``None`` when the error concerns no
-single request) and the numbers involved as attributes; the message names them too. A call that
-raises has changed nothing. Every class pickles (exceptions cross vLLM's process boundaries),
-attributes included.
+single request) and the numbers involved as attributes, exact ints (a count of tokens or blocks
+can pass 2**64); the message names them too. A call that raises has changed nothing. Every class
+pickles (exceptions cross vLLM's process boundaries), attributes included.
 """
 
 from __future__ import annotations

@@ -763,7 +763,7 @@ impl DeviceAllocator {
             self.scratch_hashes = commit_hashes;
             return Err(SlotError::OutOfBlocks {
                 request: request.to_owned(),
-                needed: (ext_blocks + new_blocks + evictable) as u64,
+                needed: (ext_blocks + new_blocks + evictable) as u128,
                 available: self.pool.available() as u64,
                 total: self.num_blocks() as u64,
             });
@@ -928,14 +928,14 @@ impl DeviceAllocator {
             return Err(SlotError::CapacityExceeded {
                 request: request.to_owned(),
                 what: "lookahead blocks beyond the reservation",
-                requested: n as u64,
+                requested: n as u128,
                 limit: reserved as u64,
             });
         }
         if n > self.pool.available() {
             return Err(SlotError::OutOfBlocks {
                 request: request.to_owned(),
-                needed: n as u64,
+                needed: n as u128,
                 available: self.pool.available() as u64,
                 total: self.num_blocks() as u64,
             });

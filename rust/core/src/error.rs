@@ -17,7 +17,10 @@ pub enum SlotError {
     )]
     OutOfBlocks {
         request: String,
-        needed: u64,
+        /// Exact: a request for up to `usize::MAX` tokens on top of those a slot holds (plus its
+        /// lookahead) needs more than `u64::MAX` blocks at block size 1. The other counts are
+        /// one `usize` each (a pool size, a length), so `u64` holds them.
+        needed: u128,
         available: u64,
         total: u64,
     },
@@ -26,6 +29,8 @@ pub enum SlotError {
         "invalid rollback for request {request:?}: cannot roll back {requested} token(s), \
          only {pending} speculative token(s) are pending after {committed} committed"
     )]
+    /// Each count is one `usize` (committed + accepted is at most committed + pending, which
+    /// the slot's blocks cover), so `u64` holds them exactly.
     InvalidRollback {
         request: String,
         requested: u64,
@@ -37,7 +42,9 @@ pub enum SlotError {
     CapacityExceeded {
         request: String,
         what: &'static str,
-        requested: u64,
+        /// Exact: committed + pending + new tokens (+ lookahead) can pass `u64::MAX`; the
+        /// reference model and the message report the true count, not a saturated one.
+        requested: u128,
         limit: u64,
     },
 

@@ -254,7 +254,7 @@ impl SlotManager {
             Some(limit) if tokens > limit as u128 => Err(SlotError::CapacityExceeded {
                 request: slot.request_id.clone(),
                 what: "tokens (committed + pending + new) exceed max_tokens_per_slot",
-                requested: saturate_u64(tokens),
+                requested: tokens,
                 limit: limit as u64,
             }),
             _ => Ok(()),
@@ -264,7 +264,7 @@ impl SlotManager {
     fn out_of_blocks(&self, request: &str, needed: u128, available: usize) -> SlotError {
         SlotError::OutOfBlocks {
             request: request.to_owned(),
-            needed: saturate_u64(needed),
+            needed,
             available: available as u64,
             total: self.cfg.num_blocks as u64,
         }
@@ -723,9 +723,4 @@ impl SlotManager {
         }
         Ok(())
     }
-}
-
-/// An exact count for an error's `u64` field (past it only with 2**64 tokens and block size 1).
-fn saturate_u64(v: u128) -> u64 {
-    u64::try_from(v).unwrap_or(u64::MAX)
 }

@@ -119,7 +119,7 @@ impl Slot {
             return Err(SlotError::CapacityExceeded {
                 request: self.request_id.clone(),
                 what: "committed tokens exceed the pending (reserved and written) positions",
-                requested: n as u64,
+                requested: n as u128,
                 limit: self.pending as u64,
             });
         }

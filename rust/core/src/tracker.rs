@@ -101,7 +101,8 @@ impl SlotTracker {
             .ok_or_else(|| SlotError::CapacityExceeded {
                 request: slot.request_id.clone(),
                 what: "committed + pending + new tokens + lookahead overflow a usize",
-                requested: u64::MAX,
+                // Exact, as the manager's: a placeholder u64::MAX said nothing of the count.
+                requested: slot.filled_exact(new_tokens) + slot.lookahead as u128,
                 limit: usize::MAX as u64,
             })
     }
@@ -122,7 +123,7 @@ impl SlotTracker {
         if have < needed {
             return Err(SlotError::OutOfBlocks {
                 request: request_id.to_owned(),
-                needed: (needed - slot.blocks.len()) as u64,
+                needed: (needed - slot.blocks.len()) as u128,
                 available: new_blocks.len() as u64,
                 total: have as u64,
             });

@@ -27,7 +27,8 @@ pub(crate) fn slot_error(e: core::SlotError) -> PyErr {
     use core::SlotError as E;
     let msg = e.to_string();
     let rid = e.request().map(str::to_owned);
-    let mut d: HashMap<&'static str, u64> = HashMap::new();
+    // u128: `needed` and `requested` are exact past u64::MAX (a Python int either way).
+    let mut d: HashMap<&'static str, u128> = HashMap::new();
     match e {
         E::UnknownRequest { .. } => UnknownRequestError::new_err((msg, rid, d)),
         E::DuplicateRequest { .. } => DuplicateRequestError::new_err((msg, rid, d)),
@@ -39,8 +40,8 @@ pub(crate) fn slot_error(e: core::SlotError) -> PyErr {
         } => {
             d.extend([
                 ("needed", needed),
-                ("available", available),
-                ("total", total),
+                ("available", available.into()),
+                ("total", total.into()),
             ]);
             OutOfBlocksError::new_err((msg, rid, d))
         }
@@ -51,16 +52,16 @@ pub(crate) fn slot_error(e: core::SlotError) -> PyErr {
             ..
         } => {
             d.extend([
-                ("requested", requested),
-                ("pending", pending),
-                ("committed", committed),
+                ("requested", requested.into()),
+                ("pending", pending.into()),
+                ("committed", committed.into()),
             ]);
             InvalidRollbackError::new_err((msg, rid, d))
         }
         E::CapacityExceeded {
             requested, limit, ..
         } => {
-            d.extend([("requested", requested), ("limit", limit)]);
+            d.extend([("requested", requested), ("limit", limit.into())]);
             CapacityExceededError::new_err((msg, rid, d))
         }
         E::InvalidArgument { .. } => InvalidArgumentError::new_err((msg, rid, d)),
