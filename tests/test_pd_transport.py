@@ -528,12 +528,14 @@ def _xfer_threads():
 def test_register_and_close_during_a_read_in_flight(peer, submit):
     # register() unregistered the memory under a running read (and close() under a read_blocks
     # of another thread), which Mooncake went on writing into.
+    import gc
     import threading
 
     from kvslots.errors import InvalidStateError
 
     proc, session, remote = peer
     before = _xfer_threads()
+    fds = len(os.listdir("/proc/self/fd"))
     buf = np.zeros(NS * NB * BB, dtype=np.uint8)
     other = np.zeros_like(buf)
     layout = BlockLayout.from_buffer(buf.ctypes.data, block_bytes=BB, num_blocks=NB, num_segments=NS)
@@ -581,3 +583,6 @@ def test_register_and_close_during_a_read_in_flight(peer, submit):
     with pytest.raises(TransferError, match="closed"):
         t.read_blocks(session, remote, [3], [3])
     assert _xfer_threads() <= before, "the transport's read thread outlived close()"
+    del t, read, reader, closer  # Mooncake's engine holds its sockets until it is freed
+    gc.collect()
+    assert len(os.listdir("/proc/self/fd")) <= fds, "a socket outlived the transport"
