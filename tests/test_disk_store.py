@@ -5,6 +5,7 @@ with a small reference model (hypothesis)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -555,3 +556,61 @@ def test_a_forged_last_sequence_number_never_wraps_the_writers(tmp_path: Path) -
         assert s.stats()["max_seq_at_open"] == 0
         del s
         assert restore(p)[1][0] == 0
+
+
+@contextlib.contextmanager
+def truncation_fails(path: Path):
+    """The next ftruncate of `path` fails: append-only (chattr +a, root on ext4 or xfs: the
+    records survive the failed wipe), else a file size limit of one header (SIGXFSZ ignored:
+    the wipe cuts the file back, then cannot size it again)."""
+    try:
+        appends_only = subprocess.run(["chattr", "+a", str(path)], capture_output=True).returncode == 0
+    except OSError:  # no chattr
+        appends_only = False
+    if appends_only:
+        try:
+            yield "append-only"
+        finally:
+            subprocess.run(["chattr", "-a", str(path)], check=True)
+        return
+    import resource
+
+    old_sig = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    old = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (4096, old[1]))
+    try:
+        yield "size limit"
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, old)
+        signal.signal(signal.SIGXFSZ, old_sig)
+
+
+def test_a_failed_wipe_is_reported_and_nothing_from_before_it_is_served_again(tmp_path: Path, caplog) -> None:
+    # A wipe (prefix-cache reset) that failed was ignored: the file kept the records of before
+    # the reset (other weights, maybe), and a restart restored and served them.
+    from kvslots.vllm.connector.disk import FILE_NAME, DiskLayout, DiskStepMeta, DiskWorker
+
+    layout = DiskLayout(num_layers=2, bytes_per_block=BPB, dtype="float32", fingerprint=1234)
+    w = DiskWorker(directory=str(tmp_path), num_slots=8, block_size=BS, layout=layout, queue_len=8)
+    p, s = tmp_path / FILE_NAME, w.store
+    for slot in range(3):
+        write(s, slot, 20 + slot)
+    s.flush()
+    assert len(s.take_done()) == 3 and s.out_of_use is None
+    with truncation_fails(p) as how:
+        w.spill(DiskStepMeta(wipe=True))
+        s.flush()
+    with caplog.at_level("WARNING", logger="kvslots.vllm.connector.disk"):
+        assert w.take_done() == [] and w.take_done() == []
+    said = [r.getMessage() for r in caplog.records if "out of use" in r.getMessage()]
+    assert len(said) == 1 and "prefix-cache reset failed" in said[0] and str(p) in said[0], (how, said)
+    assert s.stats()["wipe_failures"] == 1 and "prefix-cache reset failed" in s.out_of_use
+    out = np.zeros((1, BPB), np.uint8)
+    bad = s.read_into([0], [20], out)
+    assert [i for i, _ in bad] == [0] and "out of use" in bad[0][1] and not out.any(), how
+    assert not s.submit(3, block(23), 23, [23] * BS) and s.take_done() == [(3, False)]
+    del w, s
+    # A restart: nothing from before the reset is found again.
+    _, (n, _, why) = restore(p)
+    assert n == 0 and why is not None, how
+    assert store(p).opened.startswith("discarded"), how

@@ -379,6 +379,13 @@ impl DiskStore {
             corrupt_blocks: AtomicU64::new(0),
         })
     }
+    /// Why the store is out of use (a wipe failed: records from before a prefix-cache reset
+    /// may be in the file), or None. Then every read reports its blocks as not intact, every
+    /// write is refused, and a restart starts the file afresh.
+    #[getter]
+    fn out_of_use(&self) -> Option<String> {
+        self.file.out_of_use().map(str::to_owned)
+    }
     /// "created", "reused" or "discarded: <why>".
     #[getter]
     fn opened(&self) -> String {
@@ -420,6 +427,9 @@ impl DiskStore {
             .map_err(|_| type_error(None, "data must be a contiguous uint8 array".into()))?;
         if src.len() as u64 != l.bytes_per_block {
             return Err(invalid(None, format!("data of {} bytes for blocks of {}", src.len(), l.bytes_per_block)));
+        }
+        if self.file.out_of_use().is_some() {
+            return Ok(self.writer.submit(s, m, Vec::new())); // refused, reported: no copy
         }
         let mut buf = self.writer.buffer();
         buf.copy_from_slice(src);
@@ -541,7 +551,8 @@ impl DiskStore {
         Ok(())
     }
     /// Queues dropping every record (the header stays): after a prefix-cache reset nothing
-    /// written before it may be found again, not even after a restart.
+    /// written before it may be found again, not even after a restart. A wipe that fails takes
+    /// the store out of use (`out_of_use`, counted in `wipe_failures`).
     fn wipe(&self) {
         self.writer.wipe();
     }
@@ -557,6 +568,7 @@ impl DiskStore {
             ("bytes_written", w.bytes_written.load(Ordering::Relaxed)),
             ("dropped_full", w.dropped_full.load(Ordering::Relaxed)),
             ("write_failures", w.failed.load(Ordering::Relaxed)),
+            ("wipe_failures", w.wipe_failures.load(Ordering::Relaxed)),
             ("read_blocks", self.read_blocks.load(Ordering::Relaxed)),
             ("bytes_read", self.bytes_read.load(Ordering::Relaxed)),
             ("corrupt_blocks", self.corrupt_blocks.load(Ordering::Relaxed)),

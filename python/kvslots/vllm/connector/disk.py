@@ -434,6 +434,7 @@ class DiskWorker:
         self._warned: set[int] = set()
         self._pending: list[_PendingRead] = []  # in the order they started
         self._by_ticket: dict[int, _PendingRead] = {}
+        self._watch_wipe = False  # a wipe was queued: take_done looks whether it failed
 
     def register(self, kv_caches: dict[str, Any], copier: Any, num_device_blocks: int, threads: int) -> None:
         from ..transfer import BlockCopier
@@ -456,6 +457,7 @@ class DiskWorker:
     def spill(self, disk: DiskStepMeta) -> None:
         if disk.wipe:
             self.store.wipe()  # queued ahead of this step's spills
+            self._watch_wipe = True
         for hb, slot, h, tokens, succ, parent, lora in disk.spills:
             self.store.submit(slot, self.host_np[hb], h, tokens, succ, parent, lora)
 
@@ -553,7 +555,14 @@ class DiskWorker:
             self.staging.synchronize()  # the staging rows are written again next
 
     def take_done(self) -> list[tuple[int, bool]]:
-        return self.store.take_done()
+        done = self.store.take_done()
+        if self._watch_wipe:
+            why = self.store.out_of_use
+            if why is not None:  # said once: the store stays out of use until a restart
+                self._watch_wipe = False
+                logger.warning("kvslots disk tier: %s is out of use until a restart (%s); its blocks are "
+                               "recomputed, its writes dropped", self.path, why)
+        return done
 
     def close(self) -> None:
         self.store.wait_reads(60.0)  # the reads write into the host region: let them end

@@ -15,7 +15,7 @@ use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::mpsc::{channel, sync_channel, Receiver, Sender, SyncSender};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::thread::JoinHandle;
 
 use xxhash_rust::xxh3::xxh3_64;
@@ -313,6 +313,8 @@ pub struct DiskFile {
     path: PathBuf,
     layout: Layout,
     num_slots: u64,
+    /// Set once a wipe failed (see [`DiskFile::out_of_use`]).
+    out_of_use: OnceLock<String>,
 }
 
 impl DiskFile {
@@ -380,6 +382,7 @@ impl DiskFile {
                 path: path.to_path_buf(),
                 layout: layout.clone(),
                 num_slots,
+                out_of_use: OnceLock::new(),
             },
             opened,
         ))
@@ -430,6 +433,7 @@ impl DiskFile {
             path: path.to_path_buf(),
             layout: layout.clone(),
             num_slots,
+            out_of_use: OnceLock::new(),
         })
     }
 
@@ -442,6 +446,25 @@ impl DiskFile {
     pub fn path(&self) -> &Path {
         &self.path
     }
+    /// Why the file is out of use, if it is: a wipe failed, so records from before a
+    /// prefix-cache reset may still be in it. Nothing is read from it or written to it again.
+    pub fn out_of_use(&self) -> Option<&str> {
+        self.out_of_use.get().map(String::as_str)
+    }
+
+    /// Takes the file out of use after a failed wipe (`why`): reads report every block as not
+    /// intact, writes fail, and its header is zeroed so that a restart starts it afresh instead
+    /// of restoring what it held; where even that write fails, the file is unlinked (a restart
+    /// then makes a new one), and where that fails too the reason says to delete it.
+    fn retire(&self, why: String) {
+        let zeroed = self.file.write_all_at(&[0u8; 8], 0).and_then(|()| self.file.sync_data());
+        let why = match zeroed.map_err(|_| std::fs::remove_file(&self.path)) {
+            Ok(()) | Err(Ok(())) => why,
+            Err(Err(e)) => format!("{why}; nor could its header be zeroed or the file be removed ({e}): delete {} before a restart", self.path.display()),
+        };
+        let _ = self.out_of_use.set(why);
+    }
+
     fn offset(&self, slot: u32) -> u64 {
         HEADER_LEN + slot as u64 * self.layout.stride()
     }
@@ -517,6 +540,9 @@ impl DiskFile {
     /// Writes one record (header and block bytes) with one positioned write.
     pub fn write_record(&self, slot: u32, seq: u64, meta: &BlockMeta, data: &[u8], buf: &mut Vec<u8>) -> Result<(), DiskError> {
         self.check_slot(slot)?;
+        if let Some(why) = self.out_of_use() {
+            return Err(DiskError::Invalid(format!("the file is out of use: {why}")));
+        }
         if data.len() as u64 != self.layout.bytes_per_block || meta.tokens.len() != self.layout.block_size as usize {
             return Err(DiskError::Invalid(format!(
                 "record of {} bytes and {} tokens for blocks of {} bytes and {} tokens",
@@ -556,6 +582,10 @@ impl DiskFile {
             if out.len() != bpb {
                 return Err(DiskError::Invalid(format!("read buffer of {} bytes for blocks of {bpb}", out.len())));
             }
+        }
+        if let Some(why) = self.out_of_use() {
+            // Records from before a reset may be there: none is served, each reported.
+            return Ok((0..items.len()).map(|i| (i, format!("the disk tier file is out of use: {why}"))).collect());
         }
         let hl = self.layout.record_header_len() as usize;
         let gap = self.layout.stride() as usize - hl - bpb; // padding between two records
@@ -717,6 +747,8 @@ pub struct WriterStats {
     pub bytes_written: AtomicU64,
     pub dropped_full: AtomicU64,
     pub failed: AtomicU64,
+    /// Wipes that failed (the file is then out of use: [`DiskFile::out_of_use`]).
+    pub wipe_failures: AtomicU64,
 }
 
 enum Job {
@@ -799,6 +831,12 @@ impl DiskWriter {
     pub fn submit(&self, slot: u32, meta: BlockMeta, data: Vec<u8>) -> bool {
         let st = &self.shared.stats;
         let tx = self.tx.as_ref().expect("open until dropped");
+        if self.file.out_of_use().is_some() {
+            // Not queued: it would fail on the writer.
+            st.failed.fetch_add(1, Ordering::Relaxed);
+            self.shared.done.lock().unwrap().push((slot, false));
+            return false;
+        }
         let full = st.queued.fetch_add(1, Ordering::Relaxed) >= self.max_queued;
         if full || tx.send(Job::Write { slot, meta, data }).is_err() {
             st.queued.fetch_sub(1, Ordering::Relaxed);
@@ -816,6 +854,8 @@ impl DiskWriter {
 
     /// Queues dropping every record ([`DiskFile::wipe`]): writes queued before it are lost
     /// (reported written: their slots must be treated as stale by the caller), later ones land.
+    /// A wipe that fails takes the file out of use ([`DiskFile::out_of_use`], counted in
+    /// `wipe_failures`): its records may still be there.
     pub fn wipe(&self) {
         let _ = self.tx.as_ref().expect("open").send(Job::Wipe);
     }
@@ -874,7 +914,11 @@ fn writer_loop(file: Arc<DiskFile>, shared: Arc<Shared>, rx: Receiver<Job>) {
                 let _ = file.invalidate(slot);
             }
             Job::Wipe => {
-                let _ = file.wipe();
+                if let Err(e) = file.wipe() {
+                    // Records from before the reset may have survived: never served again.
+                    shared.stats.wipe_failures.fetch_add(1, Ordering::Relaxed);
+                    file.retire(format!("wiping it after a prefix-cache reset failed ({e})"));
+                }
             }
             Job::Flush(ack) => {
                 let _ = file.sync();
@@ -1057,6 +1101,29 @@ mod tests {
         assert_eq!(f.scan().unwrap().0.iter().map(|r| r.2).collect::<Vec<_>>(), vec![SEQ_LIMIT - 1]);
         drop(w);
         std::fs::remove_file(&p).unwrap();
+    }
+
+    #[test]
+    fn a_failed_wipe_takes_the_file_out_of_use_and_off_its_path() {
+        let p = tmp("wipe-fails");
+        let (f, _) = DiskFile::open(&p, &layout(1), 4).unwrap();
+        let data = vec![2u8; 1000];
+        f.write_record(0, 1, &meta(1), &data, &mut Vec::new()).unwrap();
+        drop(f);
+        // Read-only: the wipe's truncation fails, and so does zeroing the header.
+        let f = Arc::new(DiskFile::open_existing(&p, &layout(1), 4).unwrap());
+        let w = DiskWriter::new(f.clone(), 4, 2).unwrap();
+        w.wipe();
+        w.flush();
+        assert_eq!(w.stats().wipe_failures.load(Ordering::Relaxed), 1);
+        assert!(f.out_of_use().unwrap().contains("wiping it after a prefix-cache reset failed"), "{:?}", f.out_of_use());
+        assert!(!p.exists(), "unlinked: a restart makes a new file, nothing from before comes back");
+        let mut out = vec![0u8; 1000];
+        let bad = f.read_many(&mut [(0, 1, &mut out[..])], &mut Vec::new()).unwrap();
+        assert!(bad.len() == 1 && bad[0].1.contains("out of use"), "{bad:?}");
+        assert!(!w.submit(1, meta(2), w.buffer()));
+        assert_eq!(w.take_done(), vec![(1, false)]);
+        assert_eq!(w.stats().failed.load(Ordering::Relaxed), 1);
     }
 
     #[test]
