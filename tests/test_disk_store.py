@@ -614,3 +614,40 @@ def test_a_failed_wipe_is_reported_and_nothing_from_before_it_is_served_again(tm
     _, (n, _, why) = restore(p)
     assert n == 0 and why is not None, how
     assert store(p).opened.startswith("discarded"), how
+
+
+def test_a_store_used_in_a_forked_child_raises_instead_of_queuing_for_no_writer(tmp_path: Path) -> None:
+    # Threads do not survive fork(): in the child, a write was queued for a writer that is not
+    # there (reported never), a flush waited for it forever, and so did dropping the store.
+    from kvslots.errors import InvalidStateError
+
+    s = store(tmp_path / "tier.kvs")
+    write(s, 0, 10)
+    s.flush()
+    out = np.zeros((1, BPB), np.uint8)
+    pid = os.fork()
+    if pid == 0:  # the child: reports through its exit status, never returns into pytest
+        code = 1
+        try:
+            signal.alarm(20)  # a hang is a failure, not a stuck suite
+            uses = [lambda: s.submit(1, block(11), 11, [11] * BS), s.flush, s.take_done, s.wipe,
+                    lambda: s.read_into([0], [10], out), lambda: s.read_rows_async([0], [10], out, [0]),
+                    s.take_reads, lambda: s.wait_reads(1.0), lambda: s.invalidate(0), s.stats]
+            refused = 0
+            for use in uses:
+                try:
+                    use()
+                except InvalidStateError as e:
+                    refused += "fork" in str(e) and isinstance(e, RuntimeError)
+            code = 0 if refused == len(uses) and s.opened == "created" else 10 + refused
+            del uses, use
+            del s  # dropped here: joins no thread that is not there
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    # The parent's store is untouched and goes on.
+    write(s, 1, 11)
+    s.flush()
+    assert sorted(s.take_done()) == [(0, True), (1, True)]
+    assert s.read_into([0, 1], [10, 11], np.zeros((2, BPB), np.uint8)) == []

@@ -16,6 +16,7 @@ use crate::convert::{arg, count, int, log_to_msgpack, opt_int, text, IntArg, Met
 use crate::errors::{borrow, borrow_mut, invalid, slot_error, type_error};
 
 pyo3::import_exception!(kvslots.errors, DiskTierError);
+pyo3::import_exception!(kvslots.errors, InvalidStateError);
 
 fn meta(
     hash: &Bound<'_, PyAny>,
@@ -321,6 +322,8 @@ pub(crate) struct DiskStore {
     bytes_read: AtomicU64,
     read_blocks: AtomicU64,
     corrupt_blocks: AtomicU64,
+    /// The process that opened the store: its writer and reader threads do not survive `fork`.
+    pid: u32,
 }
 
 #[pymethods]
@@ -377,6 +380,7 @@ impl DiskStore {
             bytes_read: AtomicU64::new(0),
             read_blocks: AtomicU64::new(0),
             corrupt_blocks: AtomicU64::new(0),
+            pid: std::process::id(),
         })
     }
     /// Why the store is out of use (a wipe failed: records from before a prefix-cache reset
@@ -413,6 +417,7 @@ impl DiskStore {
         parent_hash: Option<&Bound<'_, PyAny>>,
         lora_id: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<bool> {
+        self.check_process()?;
         let s = int::<u32>(slot, "slot", None)?;
         if s as u64 >= self.file.num_slots() {
             return Err(invalid(None, format!("slot {s} is outside the file's {} slots", self.file.num_slots())));
@@ -436,8 +441,9 @@ impl DiskStore {
         Ok(self.writer.submit(s, m, buf))
     }
     /// Writes finished since the last call: [(slot, written)].
-    fn take_done(&self) -> Vec<(u32, bool)> {
-        self.writer.take_done()
+    fn take_done(&self) -> PyResult<Vec<(u32, bool)>> {
+        self.check_process()?;
+        Ok(self.writer.take_done())
     }
     /// Reads blocks `slots[i]` (which must hold `block_hashes[i]`) into `out[i]` (a C-contiguous
     /// uint8 array [n, bytes_per_block]) with the GIL released. Returns [(i, why)] for blocks
@@ -476,6 +482,7 @@ impl DiskStore {
         #[pyo3(from_py_with = arg::out)] mut out: PyReadwriteArray2<'_, u8>,
         rows: &Bound<'_, PyAny>,
     ) -> PyResult<u64> {
+        self.check_process()?;
         let r: Vec<usize> = IntArg::<u32>::extract(rows, "rows", None)?.as_slice().iter().map(|&x| x as usize).collect();
         let (s, h) = self.check_read(slots, block_hashes, &out, &r, false)?;
         let bpb = self.file.layout().bytes_per_block as usize;
@@ -501,14 +508,16 @@ impl DiskStore {
     }
     /// Background reads finished since the last call: [(ticket, [(i, why)] of the blocks not
     /// read intact, None)] or (ticket, [], the I/O error that failed the whole read).
-    fn take_reads(&self) -> Vec<FinishedRead> {
+    fn take_reads(&self) -> PyResult<Vec<FinishedRead>> {
+        self.check_process()?;
         let done = self.reader.take_done();
         if done.is_empty() {
-            return Vec::new();
+            return Ok(Vec::new());
         }
         let bpb = self.file.layout().bytes_per_block;
         let mut held = self.held.lock().unwrap_or_else(|p| p.into_inner());
-        done.into_iter()
+        Ok(done
+            .into_iter()
             .map(|d| {
                 let n = held.remove(&d.ticket).map_or(0, |x| x.1) as u64;
                 match d.result {
@@ -522,7 +531,7 @@ impl DiskStore {
                     Err(e) => (d.ticket, Vec::new(), Some(e)),
                 }
             })
-            .collect()
+            .collect())
     }
     /// Waits (the GIL released) until no background read is in flight, at most `timeout_s`
     /// seconds; True when none is.
@@ -531,6 +540,7 @@ impl DiskStore {
         py: Python<'_>,
         #[pyo3(from_py_with = arg::timeout_s)] timeout_s: f64,
     ) -> PyResult<bool> {
+        self.check_process()?;
         if !timeout_s.is_finite() || !(0.0..=3600.0).contains(&timeout_s) {
             return Err(invalid(None, format!("timeout_s must be a number of seconds in [0, 3600], got {timeout_s}")));
         }
@@ -538,11 +548,13 @@ impl DiskStore {
     }
     /// Background reads queued or being read.
     #[getter]
-    fn reads_in_flight(&self) -> usize {
-        self.reader.in_flight()
+    fn reads_in_flight(&self) -> PyResult<usize> {
+        self.check_process()?;
+        Ok(self.reader.in_flight())
     }
     /// Queues making a slot's record unreadable (a block that left the tier).
     fn invalidate(&self, slot: &Bound<'_, PyAny>) -> PyResult<()> {
+        self.check_process()?;
         let s = int::<u32>(slot, "slot", None)?;
         if s as u64 >= self.file.num_slots() {
             return Err(invalid(None, format!("slot {s} is outside the file's {} slots", self.file.num_slots())));
@@ -553,16 +565,21 @@ impl DiskStore {
     /// Queues dropping every record (the header stays): after a prefix-cache reset nothing
     /// written before it may be found again, not even after a restart. A wipe that fails takes
     /// the store out of use (`out_of_use`, counted in `wipe_failures`).
-    fn wipe(&self) {
+    fn wipe(&self) -> PyResult<()> {
+        self.check_process()?;
         self.writer.wipe();
+        Ok(())
     }
     /// Waits until every queued write is on disk.
-    fn flush(&self, py: Python<'_>) {
-        py.detach(|| self.writer.flush())
+    fn flush(&self, py: Python<'_>) -> PyResult<()> {
+        self.check_process()?;
+        py.detach(|| self.writer.flush());
+        Ok(())
     }
-    fn stats(&self) -> HashMap<&'static str, u64> {
+    fn stats(&self) -> PyResult<HashMap<&'static str, u64>> {
+        self.check_process()?;
         let w = self.writer.stats();
-        HashMap::from([
+        Ok(HashMap::from([
             ("queue_depth", w.queued.load(Ordering::Relaxed) as u64),
             ("written_blocks", w.written_blocks.load(Ordering::Relaxed)),
             ("bytes_written", w.bytes_written.load(Ordering::Relaxed)),
@@ -573,7 +590,7 @@ impl DiskStore {
             ("bytes_read", self.bytes_read.load(Ordering::Relaxed)),
             ("corrupt_blocks", self.corrupt_blocks.load(Ordering::Relaxed)),
             ("max_seq_at_open", self.max_seq),
-        ])
+        ]))
     }
 }
 
@@ -585,6 +602,19 @@ type FinishedRead = (u64, Vec<(usize, String)>, Option<String>);
 const READ_THREADS: usize = 4;
 
 impl DiskStore {
+    /// Refuses use in a process forked from the one that opened the store: its writer and
+    /// reader threads are not there, so a write would be queued for nobody and a flush or a
+    /// wait would never return.
+    fn check_process(&self) -> PyResult<()> {
+        if std::process::id() == self.pid {
+            return Ok(());
+        }
+        Err(InvalidStateError::new_err(format!(
+            "this DiskStore was opened by process {} and cannot be used after fork(): its writer and reader threads are not in this one (open a store here instead)",
+            self.pid
+        )))
+    }
+
     /// (slots, hashes) of a read of `slots[i]` into row `rows[i]` of `out`, checked.
     fn check_read(
         &self,
@@ -637,6 +667,7 @@ impl DiskStore {
         rows: Vec<usize>,
         exact: bool,
     ) -> PyResult<Vec<(usize, String)>> {
+        self.check_process()?;
         let (s, h) = self.check_read(slots, block_hashes, &out, &rows, exact)?;
         let bpb = self.file.layout().bytes_per_block as usize;
         let dst = out

@@ -784,6 +784,8 @@ pub struct DiskWriter {
     max_queued: usize,
     shared: Arc<Shared>,
     handle: Option<JoinHandle<()>>,
+    /// The process that started the writer thread (it does not survive `fork`).
+    pid: u32,
 }
 
 impl DiskWriter {
@@ -810,6 +812,7 @@ impl DiskWriter {
             max_queued: queue_len.saturating_add(1),
             shared,
             handle: Some(handle),
+            pid: std::process::id(),
         })
     }
 
@@ -876,6 +879,13 @@ impl DiskWriter {
 
 impl Drop for DiskWriter {
     fn drop(&mut self) {
+        if std::process::id() != self.pid {
+            // A forked child: no writer thread to join; the channel's locks may have been held
+            // by it at the fork. Left as they are.
+            std::mem::forget(self.tx.take());
+            std::mem::forget(self.handle.take());
+            return;
+        }
         self.tx = None;
         if let Some(h) = self.handle.take() {
             let _ = h.join();

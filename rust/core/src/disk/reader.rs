@@ -69,6 +69,8 @@ pub struct DiskReader {
     shared: Arc<Shared>,
     threads: Vec<JoinHandle<()>>,
     bytes_per_block: usize,
+    /// The process that started the threads (they do not survive `fork`).
+    pid: u32,
 }
 
 impl DiskReader {
@@ -93,6 +95,7 @@ impl DiskReader {
             shared,
             threads,
             bytes_per_block,
+            pid: std::process::id(),
         }
     }
 
@@ -184,6 +187,12 @@ impl DiskReader {
 
 impl Drop for DiskReader {
     fn drop(&mut self) {
+        if std::process::id() != self.pid {
+            // A forked child: the threads are not there to join, and the lock may have been
+            // held by one of them at the fork. Left as they are.
+            std::mem::forget(std::mem::take(&mut self.threads));
+            return;
+        }
         // Queued jobs are read first: their memory is the caller's until they are done.
         self.shared.lock().stop = true;
         self.shared.work.notify_all();
