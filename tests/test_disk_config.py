@@ -150,3 +150,16 @@ def test_serve_disk_path_that_takes_no_file_is_one_line_exit_2(target: str, tmp_
             rc = e.code
         err = capsys.readouterr().err.strip().splitlines()
         assert rc == 2 and len(err) == 1 and word in err[0] and "disk_path" in err[0], err
+
+
+def test_disk_path_whose_file_another_engine_holds_is_refused_before_start(tmp_path: Path) -> None:
+    # The store takes an exclusive flock on its file; the pre-check opened it without looking,
+    # so a second engine on one disk_path was refused only once vLLM had loaded the model.
+    from kvslots._core import DiskStore
+
+    held = DiskStore(str(tmp_path / "kvslots-disk-tier.kvs"), num_slots=2, block_size=4, num_layers=1,
+                     bytes_per_block=64, dtype="float32", fingerprint=1)
+    with pytest.raises(ConnectorConfigError, match=r"disk_path=.*kvslots-disk-tier\.kvs' is in use by another engine"):
+        ConnectorConfig(disk_path=str(tmp_path)).check_disk_path()
+    del held  # the lock goes with the store
+    ConnectorConfig(disk_path=str(tmp_path)).check_disk_path()

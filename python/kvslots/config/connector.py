@@ -7,6 +7,7 @@ at start-up.
 
 from __future__ import annotations
 
+import fcntl
 import os
 import tempfile
 from collections.abc import Mapping
@@ -148,7 +149,9 @@ class ConnectorConfig:
         create or open its file there for reading and writing. Tried, not asked: a probe file
         is created and removed in the directory, or in its nearest existing parent when it is
         still to be made (``os.access`` says yes to root for a read-only directory, and to
-        ``/proc/self``). A ConnectorConfigError naming the key says why not."""
+        ``/proc/self``). An earlier run's file must not be held by a running engine (its store's
+        exclusive flock, tried without waiting). A ConnectorConfigError naming the key says why
+        not."""
         path = self.disk_path
         if path is None:
             return
@@ -189,9 +192,18 @@ class ConnectorConfig:
             if not os.path.isfile(file):
                 raise bad(f"{file!r} is there and is not a regular file")
             try:
-                os.close(os.open(file, os.O_RDWR))
+                fd = os.open(file, os.O_RDWR)
             except OSError as e:
                 raise bad(f"cannot open {file!r} for writing ({e.strerror or e})") from None
+            try:
+                # The engine's store holds an exclusive flock on its file while it runs.
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                raise bad(f"{file!r} is in use by another engine (each needs a disk_path of its own)") from None
+            except OSError:  # no locks on this filesystem: the store goes unlocked there too
+                pass
+            finally:
+                os.close(fd)  # the lock, if taken, goes with it
 
     def use_eagle_block_drop(self, vllm_says: bool) -> bool:
         vllm_says = _args.flag(vllm_says, "vllm_says")  # returned as given: None or 1.5 came back
