@@ -125,16 +125,32 @@ def test_disk_path_is_tried_before_start(tmp_path: Path) -> None:
     ConnectorConfig().check_disk_path()  # no disk tier: nothing to check
 
 
-@pytest.mark.skipif(os.geteuid() == 0, reason="root creates files in a read-only directory")
 def test_disk_path_without_write_permission_is_refused(tmp_path: Path) -> None:
     ro = tmp_path / "ro"
     ro.mkdir()
     ro.chmod(0o500)
+    immutable = False
+    if os.geteuid() == 0:
+        # Root creates files in a read-only directory; not in an immutable one (chattr +i,
+        # where the filesystem and the capabilities allow it), which is what is tried then.
+        import subprocess
+
+        try:
+            got = subprocess.run(["chattr", "+i", str(ro)], capture_output=True, text=True)
+            why = got.stderr.strip() or f"exit status {got.returncode}"
+        except OSError as e:
+            got, why = None, str(e)
+        if got is None or got.returncode != 0:
+            ro.chmod(0o700)
+            pytest.skip(f"root creates files in a read-only directory, and chattr +i is not available ({why})")
+        immutable = True
     try:
         for path in (ro, ro / "sub"):
             with pytest.raises(ConnectorConfigError, match="cannot create a file"):
                 ConnectorConfig(disk_path=str(path)).check_disk_path()
     finally:
+        if immutable:
+            subprocess.run(["chattr", "-i", str(ro)], check=True)
         ro.chmod(0o700)
 
 
