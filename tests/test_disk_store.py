@@ -39,6 +39,22 @@ def write(s: DiskStore, slot: int, h: int) -> None:
     assert s.submit(slot, block(h), h, [h] * BS, successor=h + 1, parent_hash=h - 1 if h else None)
 
 
+def fill(s: DiskStore, hashes) -> DiskStore:
+    """`s` with block `hashes[i]` written to slot i, flushed."""
+    for slot, h in enumerate(hashes):
+        write(s, slot, h)
+    s.flush()
+    return s
+
+
+#: A record's header: 64 fixed bytes and the tokens, 64-aligned; records are `stride` apart.
+RECORD_HDR = (64 + 4 * BS + 63) // 64 * 64
+
+
+def stride(path: Path, n: int = 8) -> int:
+    return (path.stat().st_size - 4096) // n
+
+
 def restore(path: Path, n: int = 8, **kw) -> tuple[DiskIndex, tuple[int, int, str | None]]:
     idx = DiskIndex(n, BS)
     args = {k: v for k, v in {**LAYOUT, **kw}.items() if k != "block_size"}
@@ -95,18 +111,13 @@ def test_a_file_of_another_model_or_layout_is_never_served(tmp_path: Path, chang
 
 def test_a_torn_header_or_damaged_record_is_detected(tmp_path: Path) -> None:
     p = tmp_path / "tier.kvs"
-    s = store(p)
-    for slot in range(3):
-        write(s, slot, 20 + slot)
-    s.flush()
-    stride = (p.stat().st_size - 4096) // 8
-    hdr = (64 + 4 * BS + 63) // 64 * 64  # a record's header: 64 fixed bytes + tokens, 64-aligned
+    s = fill(store(p), [20, 21, 22])
     with open(p, "r+b") as f:
-        f.seek(4096 + 1 * stride + hdr + 100)  # a data byte of slot 1
+        f.seek(4096 + 1 * stride(p) + RECORD_HDR + 100)  # a data byte of slot 1
         b = f.read(1)
         f.seek(-1, 1)
         f.write(bytes([b[0] ^ 0xFF]))
-        f.seek(4096 + 2 * stride + 64)  # a token of slot 2: its header fails
+        f.seek(4096 + 2 * stride(p) + 64)  # a token of slot 2: its header fails
         f.write(b"\xff")
     out = np.zeros((3, BPB), np.uint8)
     bad = s.read_into([0, 1, 2], [20, 21, 22], out)
@@ -289,10 +300,7 @@ SCATTERED_ROWS = [19, 0, 7, 3, 12, 5, 1, 16, 9, 2, 18, 4]
 
 def twelve_blocks(tmp_path: Path):
     """A 16-slot store whose slots 0..11 hold blocks 100..111, written and flushed."""
-    s = store(tmp_path / "tier.kvs", n=16)
-    for slot in range(12):
-        write(s, slot, 100 + slot)
-    s.flush()
+    s = fill(store(tmp_path / "tier.kvs", n=16), range(100, 112))
     s.take_done()
     return s
 
@@ -381,10 +389,9 @@ def test_a_record_of_another_model_under_this_files_header_is_never_served(tmp_p
     sa.flush()
     del sa
     assert store(b, fingerprint=2).opened == "created"  # an empty file of model 2
-    stride = (a.stat().st_size - 4096) // 8
     with open(a, "rb") as fa, open(b, "r+b") as fb:
         fa.seek(4096)
-        rec = fa.read(stride)
+        rec = fa.read(stride(a))
         fb.seek(4096)
         fb.write(rec)
     _, (n, damaged, why) = restore(b, fingerprint=2)
@@ -468,14 +475,9 @@ def test_a_truncated_file_is_not_restored_from(tmp_path: Path) -> None:
     # cut inside a record header (an engine that did not start) and, cut inside a record's
     # bytes, restored that record, whose read then failed as an I/O error.
     p = tmp_path / "tier.kvs"
-    s = store(p)
-    for slot in range(8):
-        write(s, slot, 30 + slot)
-    s.flush()
-    del s
-    full = p.read_bytes()
-    stride = (len(full) - 4096) // 8
-    for cut in (4096 + 3 * stride + 10, 4096 + 3 * stride + 200, len(full) - 1, len(full) + 4096):
+    fill(store(p), range(30, 38))  # and closed: the store is let go at once
+    full, rs = p.read_bytes(), stride(p)
+    for cut in (4096 + 3 * rs + 10, 4096 + 3 * rs + 200, len(full) - 1, len(full) + 4096):
         p.write_bytes(full[:cut] + b"\0" * max(0, cut - len(full)))
         idx, (n, damaged, why) = restore(p)
         assert (n, damaged) == (0, 0) and why is not None and "bytes" in why, (cut, n, damaged, why)
@@ -507,17 +509,16 @@ def forge_seq(path: Path, slot: int, seq: int, n: int = 8) -> None:
 
     import xxhash
 
-    stride = (path.stat().st_size - 4096) // n
-    hdr = (64 + 4 * BS + 63) // 64 * 64
+    at = 4096 + slot * stride(path, n)
     seed = xxhash.xxh3_64_intdigest(struct.pack("<IIQQ32s", LAYOUT["block_size"], LAYOUT["num_layers"],
                                                 LAYOUT["bytes_per_block"], LAYOUT["fingerprint"],
                                                 LAYOUT["dtype"].encode()))
     with open(path, "r+b") as f:
-        f.seek(4096 + slot * stride)
-        h = bytearray(f.read(hdr))
+        f.seek(at)
+        h = bytearray(f.read(RECORD_HDR))
         h[8:16] = seq.to_bytes(8, "little")
         h[56:64] = xxhash.xxh3_64_intdigest(bytes(h[:56] + h[64:64 + 4 * BS]), seed=seed).to_bytes(8, "little")
-        f.seek(4096 + slot * stride)
+        f.seek(at)
         f.write(h)
 
 
@@ -526,11 +527,7 @@ def test_a_forged_last_sequence_number_never_wraps_the_writers(tmp_path: Path) -
     # max + 1 = 0: every later record was older than the ones already there, and a restart
     # served the stale copy of a hash written again.
     p = tmp_path / "tier.kvs"
-    s = store(p)
-    write(s, 0, 10)
-    write(s, 1, 11)
-    s.flush()
-    del s
+    fill(store(p), [10, 11])  # and closed: the store is let go at once
     forge_seq(p, 1, 2**64 - 1)
     _, got = restore(p)
     assert got == (1, 1, None), "the forged record is damaged: not restored"
@@ -592,10 +589,7 @@ def test_a_failed_wipe_is_reported_and_nothing_from_before_it_is_served_again(tm
 
     layout = DiskLayout(num_layers=2, bytes_per_block=BPB, dtype="float32", fingerprint=1234)
     w = DiskWorker(directory=str(tmp_path), num_slots=8, block_size=BS, layout=layout, queue_len=8)
-    p, s = tmp_path / FILE_NAME, w.store
-    for slot in range(3):
-        write(s, slot, 20 + slot)
-    s.flush()
+    p, s = tmp_path / FILE_NAME, fill(w.store, [20, 21, 22])
     assert len(s.take_done()) == 3 and s.out_of_use is None
     with truncation_fails(p) as how:
         w.spill(DiskStepMeta(wipe=True))
