@@ -469,11 +469,12 @@ def test_ctrl_c_before_vllm_starts_is_one_line_and_status_130(capsys, monkeypatc
     assert out.count("\n") == (where == "check_listen")  # the command, printed before the address check
 
 
-def test_a_real_sigint_before_vllm_starts_leaves_no_traceback(tmp_path):
+def _serve_in_a_child(patches: str, timeout: float):
+    """``kvslots serve org/target`` in an interpreter of its own, after ``patches`` (source that
+    replaces parts of ``serve_cli``, with os, signal, sys and time imported) ran there."""
     import os
     import subprocess
 
-    # The signal itself, in a process of its own: the resolver (check_listen) is where it lands.
     script = (
         "import os, signal, sys, time\n"
         # A shell starts background jobs with SIGINT ignored, and Python then keeps it ignored
@@ -481,15 +482,21 @@ def test_a_real_sigint_before_vllm_starts_leaves_no_traceback(tmp_path):
         "signal.signal(signal.SIGINT, signal.default_int_handler)\n"
         "from kvslots import cli\n"
         "from kvslots.serve import cli as serve_cli\n"
+        + patches +
+        "sys.exit(cli.main(['serve', 'org/target', '-q', '--port', '8123']))\n")
+    root = os.path.join(os.path.dirname(__file__), "..", "python")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in [root, os.environ.get("PYTHONPATH")] if p))
+    return subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=timeout, env=env)
+
+
+def test_a_real_sigint_before_vllm_starts_leaves_no_traceback(tmp_path):
+    # The signal itself, in a process of its own: the resolver (check_listen) is where it lands.
+    proc = _serve_in_a_child(
         "def slow_resolver(*a):\n"
         "    os.kill(os.getpid(), signal.SIGINT)\n"
         "    time.sleep(60)\n"
         "serve_cli.check_listen = slow_resolver\n"
-        "serve_cli.supervise = lambda *a, **k: sys.exit('vLLM was started')\n"
-        "sys.exit(cli.main(['serve', 'org/target', '-q', '--port', '8123']))\n")
-    root = os.path.join(os.path.dirname(__file__), "..", "python")
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in [root, os.environ.get("PYTHONPATH")] if p))
-    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, env=env)
+        "serve_cli.supervise = lambda *a, **k: sys.exit('vLLM was started')\n", timeout=120)
     assert proc.returncode == 130, proc.stderr
     assert proc.stderr == "kvslots serve: interrupted before vLLM started\n", proc.stderr
 
@@ -622,17 +629,10 @@ def test_pd_hosts_that_peers_can_reach_pass(capsys, host):
 
 @pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM", "SIGHUP"])
 def test_a_signal_after_vllm_exited_leaves_the_servers_exit_status(sig):
-    import os
-    import subprocess
-
     # One more Ctrl-C (or a SIGTERM from a process manager) that came once vLLM had exited met
     # the handlers supervise had put back: SIGTERM and SIGHUP ended kvslots serve by the signal,
     # SIGINT was "interrupted before vLLM started" (or a traceback). The status is the server's.
-    script = (
-        "import os, signal, sys, time\n"
-        "signal.signal(signal.SIGINT, signal.default_int_handler)  # a terminal's Ctrl-C (see above)\n"
-        "from kvslots import cli\n"
-        "from kvslots.serve import cli as serve_cli\n"
+    proc = _serve_in_a_child(
         "real = serve_cli.supervise\n"
         "def vllm_then_signals(argv, **kw):\n"
         "    status = real(['/bin/sh', '-c', 'exit 3'], **kw)  # vLLM has exited with status 3\n"
@@ -640,11 +640,7 @@ def test_a_signal_after_vllm_exited_leaves_the_servers_exit_status(sig):
         "    time.sleep(0.5)\n"
         "    return status\n"
         "serve_cli.check_listen = lambda *a: None\n"
-        "serve_cli.supervise = vllm_then_signals\n"
-        "sys.exit(cli.main(['serve', 'org/target', '-q', '--port', '8123']))\n")
-    root = os.path.join(os.path.dirname(__file__), "..", "python")
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in [root, os.environ.get("PYTHONPATH")] if p))
-    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60, env=env)
+        "serve_cli.supervise = vllm_then_signals\n", timeout=60)
     assert proc.returncode == 3, (proc.returncode, proc.stderr)
     assert proc.stderr == "kvslots serve: vLLM exited with status 3\n", proc.stderr
 
