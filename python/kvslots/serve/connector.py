@@ -93,8 +93,8 @@ def connector_config(args: argparse.Namespace, hints: dict[str, Any], tail_cfg: 
             if k != "kv_connector_extra_config":
                 cfg[k] = v
     if "pd_host" in extra:
-        # Stricter than ConnectorConfig's own check, which let '*' and '0.0.0.0' through: the
-        # worker would advertise a wildcard to its peers and fail only once a request ran.
+        # The same rule as ConnectorConfig's (_args.host), checked first so that the error
+        # names the --pd-host flag where the value came from it.
         try:
             flag = " (--pd-host)" if getattr(args, "pd_host", None) is not None else ""
             host_arg(extra["pd_host"], f"kv_connector_extra_config.pd_host{flag}")
