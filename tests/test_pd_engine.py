@@ -25,6 +25,7 @@ import time
 import pytest
 from engine_procs import EngineProcess, own_core_env
 from ports import free_port
+from sigstop import sigstop
 
 pytest.importorskip("vllm", reason="vLLM is not installed (make test installs it)")
 pytest.importorskip("mooncake.engine", reason="Mooncake's transfer engine (requirements/pd.txt) is not installed")
@@ -237,7 +238,7 @@ def test_a_peer_fault_during_the_pull(models_dir, fault):
         decode.expect("PULL", timeout=120)
         t0 = time.monotonic()
         if fault == "prefill_stopped":
-            os.kill(prefill.proc.pid, signal.SIGSTOP)
+            sigstop(prefill.proc.pid)
         elif fault == "prefill_killed":
             prefill.proc.kill()
         else:

@@ -23,6 +23,7 @@ from kvslots.vllm.pd import BlockLayout, MooncakeTransport  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))
 from pd_transport_peer import peer_buffer  # noqa: E402
+from sigstop import sigstop  # noqa: E402
 
 PEER = Path(__file__).parent / "pd_transport_peer.py"
 NB, BB, NS = 64, 4096, 3  # blocks, bytes per block per segment, segments (layers)
@@ -156,7 +157,7 @@ def test_silent_peer_times_out_without_hanging(peer, local):
     proc, session, remote = peer
     t, _ = local
     t.read_blocks(session, remote, [0], [0])
-    os.kill(proc.pid, signal.SIGSTOP)
+    sigstop(proc.pid)
     try:
         start = time.monotonic()
         pending = t.submit_read(session, remote, [1], [1])
@@ -471,6 +472,7 @@ import json, os, signal, sys, time
 import numpy as np
 sys.path.insert(0, sys.argv[1])
 from test_pd_transport import NB, BB, NS, _start_peer
+from sigstop import sigstop
 from kvslots.errors import TransferError
 from kvslots.vllm.pd import BlockLayout, MooncakeTransport
 
@@ -479,7 +481,7 @@ buf = np.zeros(NS * NB * BB, dtype=np.uint8)
 t = MooncakeTransport("127.0.0.1", transfer_timeout_s=float(sys.argv[2]))
 t.register(BlockLayout.from_buffer(buf.ctypes.data, block_bytes=BB, num_blocks=NB, num_segments=NS))
 t.read_blocks(session, remote, [0], [0])  # Mooncake's own hand-shake with the peer, once
-os.kill(proc.pid, signal.SIGSTOP)
+sigstop(proc.pid)
 time.sleep(0.5)
 start = time.monotonic()
 try:
@@ -553,7 +555,7 @@ def test_register_and_close_during_a_read_in_flight(peer, submit):
         except BaseException as e:  # noqa: BLE001 - judged below
             outcome.append(e)
 
-    os.kill(proc.pid, signal.SIGSTOP)  # the read waits on the peer until SIGCONT
+    sigstop(proc.pid)  # the read waits on the peer until SIGCONT
     reader = threading.Thread(target=read, daemon=True)
     closer = threading.Thread(target=t.close, daemon=True)
     try:
