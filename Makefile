@@ -10,6 +10,8 @@ PY033 := $(VENV033)/bin/python
 TESTS_033 := tests/test_vllm033_compat.py tests/test_connector_scheduler.py tests/test_events_vllm.py tests/test_vllm033_lookahead.py \
 	tests/test_scheduler_mode_manager.py tests/test_scheduler_mode_differential.py tests/test_events_successors.py
 SCHED_EXAMPLES_033 ?= 5
+# The summed-preemption test's fixed cases under 0.33: the first 100 of the 0.32 run's 300.
+SUMMED_CASES_033 ?= 100
 # The 0.33 part's test ports (tests/ports.py), apart from the 0.32 run's 20000-32000.
 PORTS_033 ?= 12000-14000
 # pytest workers (pytest-xdist); tests/conftest.py keeps the engine tests on one of them, one at a time.
@@ -27,7 +29,7 @@ test:  ## the whole test suite: Rust engine tests, pytest with vLLM 0.32 (CPU), 
 	@# The 0.33 part runs beside the 0.32 one, niced, on its own test ports: the 0.32 run's
 	@# second worker is idle while the first one runs the engine tests; its output follows.
 	@out033=$$(mktemp); \
-	VLLM_TARGET_DEVICE=cpu KVSLOTS_SCHED_EXAMPLES=$(SCHED_EXAMPLES_033) KVSLOTS_TEST_PORTS=$(PORTS_033) \
+	VLLM_TARGET_DEVICE=cpu KVSLOTS_SCHED_EXAMPLES=$(SCHED_EXAMPLES_033) KVSLOTS_SUMMED_CASES=$(SUMMED_CASES_033) KVSLOTS_TEST_PORTS=$(PORTS_033) \
 	  nice -n 10 $(PY033) -m pytest -q -p no:cacheprovider $(TESTS_033) >"$$out033" 2>&1 & bg=$$!; \
 	trap 'kill $$bg 2>/dev/null' INT TERM; \
 	echo "$(PY) -m pytest -q -n $(PYTEST_WORKERS) --durations=15   (the vLLM 0.33 part runs beside it)"; \
@@ -38,7 +40,7 @@ test:  ## the whole test suite: Rust engine tests, pytest with vLLM 0.32 (CPU), 
 
 test-033:  ## only the vLLM 0.33 part of `make test`
 	@VENV=$(VENV) VENV033=$(VENV033) scripts/setup.sh --with-vllm --with-vllm-033
-	VLLM_TARGET_DEVICE=cpu KVSLOTS_SCHED_EXAMPLES=$(SCHED_EXAMPLES_033) $(PY033) -m pytest -q -p no:cacheprovider $(TESTS_033)
+	VLLM_TARGET_DEVICE=cpu KVSLOTS_SCHED_EXAMPLES=$(SCHED_EXAMPLES_033) KVSLOTS_SUMMED_CASES=$(SUMMED_CASES_033) $(PY033) -m pytest -q -p no:cacheprovider $(TESTS_033)
 
 setup:
 	@VENV=$(VENV) scripts/setup.sh --with-vllm
