@@ -5,15 +5,22 @@ vLLM's CPU backend binds its worker's OpenMP threads to core 0 unless told other
 engines started plainly would share one core; each process started here gets a core of its own
 (``VLLM_CPU_OMP_THREADS_BIND``), round robin over the cores this process may use. On one core
 they simply share it.
+
+Each run is forked from a parent that has imported vLLM already (tests/engine_zygote.py, one per
+script and environment): the import is 14 s of CPU per process. ``KVSLOTS_TEST_NO_ZYGOTE=1``
+starts every run as a plain ``python SCRIPT ARG`` instead.
 """
 
 from __future__ import annotations
 
+import atexit
 import itertools
 import json
 import os
 import subprocess
 import sys
+import tempfile
+import threading
 
 _CORES = sorted(os.sched_getaffinity(0))
 _next_core = itertools.cycle(_CORES)
@@ -27,6 +34,116 @@ def own_core_env(**extra: str) -> dict[str, str]:
     return env
 
 
+# Read per run, after the fork (vLLM reads the binding when the worker starts; pytest names the
+# current test): runs differing only here share a parent.
+_RUNTIME_ENV = frozenset({"VLLM_CPU_OMP_THREADS_BIND", "PYTEST_CURRENT_TEST"})
+
+
+class _Zygote:
+    """One engine_zygote.py process for ``script`` and one environment (less ``_RUNTIME_ENV``)."""
+
+    def __init__(self, script: str, env: dict[str, str]) -> None:
+        self._proc = subprocess.Popen([sys.executable, os.path.join(os.path.dirname(__file__), "engine_zygote.py"),
+                                       script], stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
+        self._lock = threading.Lock()
+        self._next = 0
+        self._answers: dict[int, dict] = {}
+        self._changed = threading.Condition(self._lock)
+        self._ready = threading.Event()
+        threading.Thread(target=self._read, daemon=True, name="engine-zygote-reader").start()
+
+    def _read(self) -> None:
+        for raw in self._proc.stdout:
+            line = raw.decode(errors="replace").strip()
+            if line == "READY":
+                self._ready.set()
+                continue
+            msg = json.loads(line)
+            with self._lock:
+                self._answers.setdefault(msg["id"], {}).update(msg)
+                self._changed.notify_all()
+        with self._lock:  # the parent is gone: every run still waiting fails
+            self._dead = True
+            self._changed.notify_all()
+        self._ready.set()
+
+    _dead = False
+
+    def _write(self, msg: dict) -> None:
+        self._proc.stdin.write((json.dumps(msg) + "\n").encode())
+        self._proc.stdin.flush()
+
+    def spawn(self, args: list[str], env: dict[str, str]) -> "_ZygoteRun":
+        self._ready.wait(600)
+        out = tempfile.NamedTemporaryFile(prefix="engine-run-", suffix=".out", delete=False)
+        err = tempfile.NamedTemporaryFile(prefix="engine-run-", suffix=".err", delete=False)
+        out.close(), err.close()
+        with self._lock:
+            rid = self._next
+            self._next += 1
+            self._write({"id": rid, "args": args, "env": env, "out": out.name, "err": err.name})
+        return _ZygoteRun(self, rid, out.name, err.name)
+
+    def wait(self, rid: int, key: str, timeout: float | None) -> dict:
+        with self._lock:
+            ok = self._changed.wait_for(lambda: key in self._answers.get(rid, {}) or self._dead, timeout)
+            if not ok or key not in self._answers.get(rid, {}):
+                raise TimeoutError(f"engine run {rid}: no {key!r} (parent gone: {self._dead})")
+            return self._answers[rid]
+
+    def kill(self, pid: int) -> None:
+        with self._lock:
+            self._write({"kill": pid})
+
+    def close(self) -> None:
+        try:
+            self._proc.stdin.close()
+            self._proc.wait(30)
+        except Exception:  # noqa: BLE001 - at exit: make sure it goes
+            self._proc.kill()
+
+
+class _ZygoteRun:
+    def __init__(self, zygote: _Zygote, rid: int, out: str, err: str) -> None:
+        self._z, self._rid, self._out, self._err = zygote, rid, out, err
+        self.returncode: int | None = None
+
+    def communicate(self, timeout: float) -> tuple[str, str]:
+        try:
+            msg = self._z.wait(self._rid, "rc", timeout)
+        except TimeoutError:
+            pid = self._z.wait(self._rid, "pid", 60)["pid"]
+            self._z.kill(pid)
+            msg = self._z.wait(self._rid, "rc", 60)
+        self.returncode = msg["rc"]
+        texts = []
+        for path in (self._out, self._err):
+            with open(path, errors="replace") as f:
+                texts.append(f.read())
+            os.unlink(path)
+        return texts[0], texts[1]
+
+
+_ZYGOTES: dict[tuple, _Zygote] = {}
+_ZYGOTES_LOCK = threading.Lock()
+
+
+@atexit.register
+def _close_zygotes() -> None:
+    for z in _ZYGOTES.values():
+        z.close()
+
+
+def _zygote_for(script: str, env: dict[str, str]) -> _Zygote | None:
+    if os.environ.get("KVSLOTS_TEST_NO_ZYGOTE"):
+        return None
+    key = (os.path.abspath(script), frozenset((k, v) for k, v in env.items() if k not in _RUNTIME_ENV))
+    with _ZYGOTES_LOCK:
+        if key not in _ZYGOTES:
+            _ZYGOTES[key] = _Zygote(script, {k: v for k, v in env.items() if k not in _RUNTIME_ENV})
+        return _ZYGOTES[key]
+
+
 class EngineProcess:
     """A runner script started now; :meth:`result` waits for its RESULT line."""
 
@@ -34,8 +151,12 @@ class EngineProcess:
         env = own_core_env(**env)
         self._timeout = timeout
         self._result: dict | list | None = None
-        self._proc = subprocess.Popen([sys.executable, script, json.dumps(spec)], stdout=subprocess.PIPE,
-                                      stderr=subprocess.PIPE, text=True, env=env, stdin=subprocess.DEVNULL)
+        zygote = _zygote_for(script, env)
+        if zygote is not None:
+            self._proc = zygote.spawn([json.dumps(spec)], env)
+        else:
+            self._proc = subprocess.Popen([sys.executable, script, json.dumps(spec)], stdout=subprocess.PIPE,
+                                          stderr=subprocess.PIPE, text=True, env=env, stdin=subprocess.DEVNULL)
 
     def result(self):
         if self._result is None:

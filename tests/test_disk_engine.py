@@ -6,12 +6,10 @@ hits load asynchronously (vLLM's WAITING_FOR_REMOTE_KVS) and move up to the host
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
 
 import pytest
+from engine_procs import EngineProcess
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 FULL_BLOCKS = (400 - 1) // 32  # served blocks of a 400-token prompt
@@ -28,11 +26,7 @@ def models_dir(tmp_path_factory):
 
 def run(models: str, disk: str, phase: str) -> dict:
     spec = {"models": models, "disk": disk, "phase": phase}
-    proc = subprocess.run([sys.executable, os.path.join(HERE, "disk_engine_run.py"), json.dumps(spec)],
-                          capture_output=True, text=True, timeout=900)
-    lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
-    assert proc.returncode == 0 and lines, f"engine run failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
-    return json.loads(lines[-1][len("RESULT "):])
+    return EngineProcess(os.path.join(HERE, "disk_engine_run.py"), spec, timeout=900).result()
 
 
 def disk_source(r: dict) -> int:
