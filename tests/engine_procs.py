@@ -50,6 +50,7 @@ class _Zygote:
         self._answers: dict[int, dict] = {}
         self._changed = threading.Condition(self._lock)
         self._ready = threading.Event()
+        self._dead = False  # the parent exited: every run still waiting fails
         threading.Thread(target=self._read, daemon=True, name="engine-zygote-reader").start()
 
     def _read(self) -> None:
@@ -62,12 +63,10 @@ class _Zygote:
             with self._lock:
                 self._answers.setdefault(msg["id"], {}).update(msg)
                 self._changed.notify_all()
-        with self._lock:  # the parent is gone: every run still waiting fails
+        with self._lock:
             self._dead = True
             self._changed.notify_all()
         self._ready.set()
-
-    _dead = False
 
     def _write(self, msg: dict) -> None:
         self._proc.stdin.write((json.dumps(msg) + "\n").encode())
