@@ -10,12 +10,16 @@ Three checks, printed with their figures:
      target >= 80% of the plain copy;
   3. overlap: a load on the side streams while the default stream runs matmuls: the wall time
      of both together against each alone (overlapped = close to the longer of the two).
-Sections 2 and 3 run three variants side by side: per-layer torch gather / scatter kernels on
-the bus-copy stream (one stream, the path before 2026-11-27), the same kernels spread over four
-high-priority streams, and BlockCopier's fused Triton kernel on one high-priority stream (its
-default where Triton is installed).
+  4. fence: a load and then a forward stand-in (per layer: a few small kernels, launch-bound as
+     an eager forward is) queued after ``synchronize()`` (the host waits for the load) against
+     after ``fence()`` (the compute stream waits on the device): wall time until both are done.
+Sections 1-3 run two variants side by side for each copy size: staged (the fused Triton kernel
+gathers / scatters through the staging buffers, bus copies per run of host blocks) and direct
+(one fused launch straight between the layers and the pinned host region); BlockCopier stores
+directly up to ``DIRECT_MAX_BYTES`` and always loads staged (the direct variant's loads call its
+private direct path).
 
-    python benches/bench_cuda_copy.py [--layers 32] [--blocks 4096] [--copy 1024] [--repeats 9]
+    python benches/bench_cuda_copy.py [--layers 32] [--blocks 4096] [--copy 16,64,256,1024] [--repeats 9]
 
 Runs where kvslots' package cannot be imported whole (a GPU machine with torch only): it loads
 ``kvslots._core`` and ``kvslots.vllm.transfer`` without the package's ``__init__`` modules.
@@ -73,99 +77,49 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--layers", type=int, default=32)
     p.add_argument("--blocks", type=int, default=4096, help="device blocks per layer")
-    p.add_argument("--copy", type=int, default=1024, help="blocks copied per store / load")
+    p.add_argument("--copy", default="16,64,256,1024", help="blocks copied per store / load (comma-separated sizes)")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--kv-heads", type=int, default=8)
     p.add_argument("--head-size", type=int, default=128)
     p.add_argument("--repeats", type=int, default=9)
-    p.add_argument("--staging-mib", type=int, default=None, help="BlockCopier's staging buffer (default: its own)")
     args = p.parse_args()
+    sizes = [int(x) for x in args.copy.split(",")]
     BlockCopier = _block_copier()
+    from kvslots.vllm import transfer
+
     dev = torch.device("cuda")
     print(f"torch {torch.__version__}, {torch.cuda.get_device_name(dev)}, CUDA {torch.version.cuda}")
     g = torch.Generator(device=dev).manual_seed(0)
     shape = (2, args.blocks, args.block_size, args.kv_heads, args.head_size)
     layers = {f"layer.{i}": torch.randn(shape, generator=g, device=dev, dtype=torch.float16)
               for i in range(args.layers)}
-    kw = {} if args.staging_mib is None else {"staging_bytes": args.staging_mib << 20}
-    c = BlockCopier(layers, args.blocks, args.copy, **kw)
+    c = BlockCopier(layers, args.blocks, 2 * max(sizes))  # the second half: the consecutive-row variant
     assert c.host.is_pinned(), "the host pool is pinned"
-    rng = np.random.default_rng(0)
-    dev_ids = rng.permutation(args.blocks)[: args.copy]
-    host_ids = rng.permutation(args.copy)
-    back_ids = rng.permutation(args.blocks)[: args.copy]
-    total = args.copy * c.bytes_per_block
-    print(f"staging buffer: {'default' if args.staging_mib is None else str(args.staging_mib) + ' MiB'}")
-    print(f"{args.layers} layers {list(shape)} fp16, {c.num_segments} segments, "
-          f"{c.bytes_per_block / 1024:.0f} KiB per block, {args.copy} scattered blocks = {total / 2**20:.0f} MiB per copy")
-
-    # 1. bytes
-    want = {k: v[:, torch.as_tensor(dev_ids, device=dev)].clone() for k, v in layers.items()}
-    c.store(dev_ids, host_ids).wait()
-    for v in layers.values():
-        v.zero_()
-    c.load(host_ids, back_ids)
-    c.synchronize()
-    bad = [k for k, v in layers.items() if not torch.equal(v[:, torch.as_tensor(back_ids, device=dev)], want[k])]
-    untouched = torch.ones(args.blocks, dtype=torch.bool)
-    untouched[torch.as_tensor(back_ids)] = False
-    idx = torch.nonzero(untouched).flatten().to(dev)
-    stray = [k for k, v in layers.items() if bool(v[:, idx].any())]
-    print(f"1. bytes: {args.copy} blocks x {c.num_segments} segments stored and loaded back: "
-          f"{'EXACT' if not bad else 'WRONG in ' + ', '.join(bad)}; blocks outside the load untouched: "
-          f"{'yes' if not stray else 'NO: ' + ', '.join(stray)}")
-
-    # 2 and 3. Three ways to run the copies, interleaved in one set of repeats: per-layer torch
-    # kernels on the bus-copy stream (one stream, as before 2026-11-27), per-layer torch kernels
-    # spread over KERNEL_STREAMS high-priority streams, and one fused Triton kernel per chunk on
-    # one high-priority stream (BlockCopier's default where Triton is installed). Each variant
-    # keeps its own events.
-    from kvslots.vllm import transfer
-
-    def kernel_state(streams, fused):
-        return streams, [[torch.cuda.Event() for _ in streams] for _ in c._staging], fused
-
-    fused = c._fused
-    default = (c._kernel_streams, c._kernels_done, fused)
-    per_layer = [torch.cuda.Stream(dev, priority=-100) for _ in range(transfer.KERNEL_STREAMS)]
-    variants = {
-        "one stream": kernel_state([c._stream], None),
-        f"per-layer kernels on {len(per_layer)} side streams": kernel_state(per_layer, None),
-    }
-    if fused is not None:
-        variants["fused kernel on 1 side stream"] = default
+    default_direct = c._direct_max_bytes
+    print(f"{args.layers} layers {list(shape)} fp16, {c.num_segments} segments, {c.bytes_per_block / 1024:.0f} KiB "
+          f"per block; fused kernel: {'yes' if c._fused is not None else 'NO'}; direct stores up to "
+          f"{default_direct / 2**20:.0f} MiB (DIRECT_MAX_BYTES {transfer.DIRECT_MAX_BYTES / 2**20:.0f} MiB)")
+    variants = {"staged": -1}
+    if default_direct > 0:
+        variants["direct"] = 1 << 62
     else:
-        print("Triton is not installed: no fused-kernel variant")
+        print("direct copies unavailable here: staged only")
 
-    def using(state, fn):
+    def using(limit, fn):
         def run():
-            c._kernel_streams, c._kernels_done, c._fused = state
-            fn()
+            c._direct_max_bytes = limit
+            return fn()
         return run
 
-    d = torch.empty(total, dtype=torch.uint8, device=dev).fill_(1)
-    h = torch.empty(total, dtype=torch.uint8, pin_memory=True).fill_(2)
-    fns = {"plain device->host": lambda: h.copy_(d, non_blocking=True),
-           "plain host->device": lambda: d.copy_(h, non_blocking=True)}
-    for name, s in variants.items():
-        fns[f"store, {name}"] = using(s, lambda: c.store(dev_ids, host_ids))
-        fns[f"load, {name}"] = using(s, lambda: c.load(host_ids, back_ids))
-    r = median_times(fns, args.repeats, sync=c.synchronize)
-    for name in variants:
-        for direction, key in (("device->host", "store"), ("host->device", "load")):
-            ours, plain = r[f"{key}, {name}"], r[f"plain {direction}"]
-            print(f"2. {direction}, {name}: BlockCopier {total / ours[0] / 1e9:.1f} GB/s "
-                  f"({total / ours[2] / 1e9:.1f}-{total / ours[1] / 1e9:.1f}), plain pinned copy "
-                  f"{total / plain[0] / 1e9:.1f} GB/s ({total / plain[2] / 1e9:.1f}-{total / plain[1] / 1e9:.1f}): "
-                  f"{plain[0] / ours[0]:.2f}x (target >= 0.80)")
+    def store_fn(name, dev_ids, host_ids):
+        return using(variants[name], lambda: c.store(dev_ids, host_ids))
 
-    # 3. overlap: loads on the side streams while the default stream computes
-    c._kernel_streams, c._kernels_done, c._fused = default
-    c.load(host_ids, back_ids)
-    c.synchronize()
-    ref = {k: v[:, torch.as_tensor(back_ids, device=dev)].clone() for k, v in layers.items()}
-    for v in layers.values():
-        v[:, torch.as_tensor(back_ids, device=dev)] = 0
+    def load_fn(name, host_ids, dev_ids):
+        if name == "direct":  # BlockCopier never loads directly: its private path, for the record
+            return lambda: c._copy_direct(*c._check(dev_ids, host_ids, to_host=False), False,
+                                          len(dev_ids) * c.bytes_per_block)
+        return using(variants[name], lambda: c.load(host_ids, dev_ids))
+
     a = torch.randn(8192, 8192, device=dev, dtype=torch.float16)
     for _ in range(3):
         a @ a  # cuBLAS set-up out of the timing
@@ -173,49 +127,128 @@ def main() -> None:
     t0 = time.perf_counter()
     a @ a
     torch.cuda.synchronize()
-    one = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    c.load(host_ids, back_ids)
-    c.synchronize()
-    n_mm = max(1, round((time.perf_counter() - t0) / one))  # compute about as long as a load
+    one_mm = time.perf_counter() - t0
 
-    def compute():
-        for _ in range(n_mm):
-            a @ a
+    for n in sizes:
+        rng = np.random.default_rng(n)
+        perm = rng.permutation(args.blocks)  # loads never write a block that stores read
+        dev_ids, back_ids = perm[:n], perm[n : 2 * n]
+        host_ids = rng.permutation(max(sizes))[:n]
+        run_ids = np.arange(max(sizes), max(sizes) + n)  # one run of host rows: one bus copy per chunk
+        total = n * c.bytes_per_block
+        print(f"\n== {n} scattered blocks = {total / 2**20:.0f} MiB per copy "
+              f"(default: stores {'direct' if total <= default_direct else 'staged'}, loads staged)")
+        back_dev = torch.as_tensor(back_ids, device=dev)
 
-    issue = {}
+        # 1. bytes, each variant: store, wipe the targets, load back elsewhere
+        want = {k: v[:, torch.as_tensor(dev_ids, device=dev)].clone() for k, v in layers.items()}
+        for name in variants:
+            c.host[torch.as_tensor(host_ids)] = 0
+            store_fn(name, dev_ids, host_ids)().wait()
+            for v in layers.values():
+                v[:, back_dev] = 0
+            load_fn(name, host_ids, back_ids)()
+            c.synchronize()
+            bad = [k for k, v in layers.items() if not torch.equal(v[:, back_dev], want[k])]
+            print(f"1. bytes, {name}: {n} blocks x {c.num_segments} segments stored and loaded back: "
+                  f"{'EXACT' if not bad else 'WRONG in ' + ', '.join(bad[:3])}")
 
-    def both(name):
-        def run():
-            t = time.perf_counter()
-            c.load(host_ids, back_ids)  # queued on the side streams
-            issue.setdefault(name, []).append(time.perf_counter() - t)
+        # 2. bandwidth against plain pinned copies of the same bytes, interleaved
+        d = torch.empty(total, dtype=torch.uint8, device=dev).fill_(1)
+        h = torch.empty(total, dtype=torch.uint8, pin_memory=True).fill_(2)
+        fns = {"plain device->host": lambda: h.copy_(d, non_blocking=True),
+               "plain host->device": lambda: d.copy_(h, non_blocking=True)}
+        for name in variants:
+            fns[f"store, {name}"] = store_fn(name, dev_ids, host_ids)
+            fns[f"load, {name}"] = load_fn(name, host_ids, back_ids)
+        fns["store, staged, consecutive host rows"] = using(-1, lambda: c.store(dev_ids, run_ids))
+        fns["load, staged, consecutive host rows"] = using(-1, lambda: c.load(run_ids, back_ids))
+        r = median_times(fns, args.repeats, sync=c.synchronize)
+        for name in [*variants, "staged, consecutive host rows"]:
+            for direction, key in (("device->host", "store"), ("host->device", "load")):
+                ours, plain = r[f"{key}, {name}"], r[f"plain {direction}"]
+                print(f"2. {direction}, {name}: BlockCopier {total / ours[0] / 1e9:.1f} GB/s "
+                      f"({total / ours[2] / 1e9:.1f}-{total / ours[1] / 1e9:.1f}), plain pinned copy "
+                      f"{total / plain[0] / 1e9:.1f} GB/s ({total / plain[2] / 1e9:.1f}-{total / plain[1] / 1e9:.1f}): "
+                      f"{plain[0] / ours[0]:.2f}x (target >= 0.80)")
+        del d, h
+
+        # 3. overlap: a load on the side stream while the default stream runs matmuls about as long
+        c._direct_max_bytes = -1
+        t0 = time.perf_counter()
+        c.load(host_ids, back_ids)
+        c.synchronize()
+        n_mm = max(1, round((time.perf_counter() - t0) / one_mm))
+
+        def compute():
+            for _ in range(n_mm):
+                a @ a
+
+        issue = {}
+
+        def both(name):
+            load = load_fn(name, host_ids, back_ids)
+
+            def run():
+                t = time.perf_counter()
+                load()
+                issue.setdefault(name, []).append(time.perf_counter() - t)
+                compute()
+            return run
+
+        fns = {"compute": compute}
+        for name in variants:
+            fns[f"load, {name}"] = load_fn(name, host_ids, back_ids)
+            fns[f"both, {name}"] = both(name)
+        r = median_times(fns, args.repeats, sync=c.synchronize)
+        tc = r["compute"][0]
+        for name in variants:
+            tl, tb = r[f"load, {name}"][0], r[f"both, {name}"][0]
+            lo_b, hi_b = r[f"both, {name}"][1], r[f"both, {name}"][2]
+            hidden = (tc + tl - tb) / min(tc, tl)
+            ti = statistics.median(issue[name])
+            print(f"3. overlap, {name}: compute alone {tc * 1e3:.2f} ms ({n_mm} fp16 8192^2 matmuls), load alone "
+                  f"{tl * 1e3:.2f} ms, both {tb * 1e3:.2f} ms ({lo_b * 1e3:.2f}-{hi_b * 1e3:.2f}; serial would be "
+                  f"{(tc + tl) * 1e3:.2f}): {hidden:.0%} of the shorter one hidden; load() returned after "
+                  f"{ti * 1e3:.3f} ms (median)")
+        c.synchronize()
+        for name in variants:  # bytes after the overlapped loads, each variant
+            for v in layers.values():
+                v[:, back_dev] = 0
+            load_fn(name, host_ids, back_ids)()
             compute()
-        return run
+            c.synchronize()
+            ok = all(torch.equal(v[:, back_dev], want[k]) for k, v in layers.items())
+            print(f"   bytes after a load beside matmuls, {name}: {'EXACT' if ok else 'WRONG'}")
 
-    fns = {"compute": compute}
-    for name, s in variants.items():
-        fns[f"load, {name}"] = using(s, lambda: c.load(host_ids, back_ids))
-        fns[f"both, {name}"] = using(s, both(name))
-    r = median_times(fns, args.repeats, sync=c.synchronize)
-    tc = r["compute"][0]
-    for name in variants:
-        tl, tb = r[f"load, {name}"][0], r[f"both, {name}"][0]
-        lo_b, hi_b = r[f"both, {name}"][1], r[f"both, {name}"][2]
-        hidden = (tc + tl - tb) / min(tc, tl)
-        ti = statistics.median(issue[name])
-        # The matmuls are queued only once load() returns, so both together take at least
-        # max(load, issue + compute) however well the GPU overlaps them.
-        bound = max(tl, ti + tc)
-        print(f"3. overlap, {name}: compute alone {tc * 1e3:.1f} ms ({n_mm} fp16 8192^2 matmuls), load alone "
-              f"{tl * 1e3:.1f} ms, both {tb * 1e3:.1f} ms ({lo_b * 1e3:.1f}-{hi_b * 1e3:.1f}; serial would be "
-              f"{(tc + tl) * 1e3:.1f}): {hidden:.0%} of the shorter one hidden; load() returned after "
-              f"{ti * 1e3:.2f} ms (median), so fully overlapped would take {bound * 1e3:.1f} ms: both took "
-              f"{tb / bound:.2f}x that")
-    c.synchronize()
-    c._kernel_streams, c._kernels_done, c._fused = default
-    ok = all(torch.equal(v[:, torch.as_tensor(back_ids, device=dev)], ref[k]) for k, v in layers.items())
-    print(f"   bytes after the overlapped loads: {'EXACT' if ok else 'WRONG'}")
+        # 4. the forward queued after the load: host waits (synchronize) or the stream does (fence)
+        c._direct_max_bytes = default_direct
+        xs = [torch.randn(64, 4096, device=dev, dtype=torch.float16) for _ in range(2)]
+        ws = [torch.randn(4096, 4096, device=dev, dtype=torch.float16) for _ in range(args.layers)]
+
+        def forward():
+            x = xs[0]
+            for w in ws:  # per layer: a few small kernels, as an eager decode / short prefill
+                y = torch.nn.functional.silu(x @ w)
+                x = (y + x) * 0.5
+            return x
+
+        def load_then(wait):
+            def run():
+                c.load(host_ids, back_ids)
+                wait()
+                forward()
+            return run
+
+        fns = {"forward alone": forward, "load alone": lambda: c.load(host_ids, back_ids),
+               "load, synchronize, forward": load_then(c.synchronize),
+               "load, fence, forward": load_then(c.fence)}
+        r = median_times(fns, args.repeats, sync=c.synchronize)
+        f = {k: f"{v[0] * 1e3:.2f} ms ({v[1] * 1e3:.2f}-{v[2] * 1e3:.2f})" for k, v in r.items()}
+        print("4. " + "; ".join(f"{k} {v}" for k, v in f.items()) +
+              f"; fence / synchronize {r['load, fence, forward'][0] / r['load, synchronize, forward'][0]:.2f}x")
+        c.synchronize()
+
 
 if __name__ == "__main__":
     main()

@@ -497,8 +497,8 @@ def test_core_copy_blocks_accepts_numpy_ids_of_any_int_dtype():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_cuda_round_trip_on_side_stream():  # not yet run: no GPU where this was written
-    n, h = 16, 8
+def test_cuda_round_trip_on_side_stream():
+    n, h = 24, 8  # not 16: flash_layers' block size, which would make the block dimension ambiguous
     layers = {k: v.cuda() for k, v in flash_layers(n).items()}
     orig = {k: v.clone() for k, v in layers.items()}
     c = BlockCopier(layers, n, h)
@@ -513,11 +513,13 @@ def test_cuda_round_trip_on_side_stream():  # not yet run: no GPU where this was
         assert torch.equal(v[:, [3, 4, 5, 9]], orig[k][:, [3, 4, 5, 9]])
 
 
-def _back_to_back(device: str, seed: int, ops: int = 300, fused: bool | None = None) -> None:
+def _back_to_back(device: str, seed: int, ops: int = 300, fused: bool | None = None, direct: bool = False) -> None:
     """Random stores, loads and forward writes, issued with no synchronize between copies (the
     CUDA path orders them by streams and events alone), against a CPU reference. ``fused``:
     True forces the Triton kernel (on CPU tensors only under TRITON_INTERPRET=1), False the
-    per-layer torch kernels, None the copier's default."""
+    per-layer torch kernels, None the copier's default. ``direct``: stores of up to 10 blocks
+    go straight from the layers to the host region, larger ones and every load through
+    staging, so the two paths interleave on the same blocks."""
     rng = np.random.default_rng(seed)
     n, h = 96, 48
     g = torch.Generator().manual_seed(seed)
@@ -530,6 +532,10 @@ def _back_to_back(device: str, seed: int, ops: int = 300, fused: bool | None = N
         assert c._fused is not None or c._enable_fused()
     elif fused is False:
         c._fused = None
+    if direct:
+        assert c._fused is not None
+        assert c._direct_max_bytes > 0 or c._enable_direct()
+        c._direct_max_bytes = 10 * c.bytes_per_block
     c.host.zero_()
     host_ref = c.host.clone()
     pending_loads: set[int] = set()
@@ -586,7 +592,8 @@ def test_the_fused_kernel_moves_the_same_bytes():
     import sys
     from pathlib import Path
 
-    code = "import test_transfer as t; t._back_to_back('cpu', 1, ops=40, fused=True); print('ok')"
+    code = ("import test_transfer as t; t._back_to_back('cpu', 1, ops=40, fused=True); "
+            "t._back_to_back('cpu', 2, ops=40, fused=True, direct=True); print('ok')")
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     out = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).parent, env=env,
                          capture_output=True, text=True, timeout=600)
@@ -599,3 +606,41 @@ def test_back_to_back_copies_with_and_without_the_fused_kernel(fused):  # not ye
     if fused:
         pytest.importorskip("triton", reason="Triton is not installed (the fused kernel needs it)")
     _back_to_back("cuda", 7, fused=fused)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("seed", range(4))
+def test_back_to_back_copies_direct_and_staged_interleaved(seed):
+    pytest.importorskip("triton", reason="Triton is not installed (the fused kernel needs it)")
+    _back_to_back("cuda", 10 + seed, fused=True, direct=True)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("direct", [True, False])
+def test_a_forward_queued_after_the_fence_reads_the_loaded_blocks(direct):
+    """No host synchronize: the compute stream waits for the load on the device. The load is
+    queued behind matmuls on the compute stream, so without the wait the read below would run
+    beside it and see zeros."""
+    n, blocks = 512, 64
+    g = torch.Generator(device="cuda").manual_seed(int(direct))
+    layers = {f"layer.{i}": torch.randn(2, n, 16, 8, 64, generator=g, device="cuda").half() for i in range(4)}
+    c = BlockCopier(layers, n, blocks)
+    if direct:
+        pytest.importorskip("triton", reason="Triton is not installed (direct copies need it)")
+        assert c._direct_max_bytes > 0, "direct copies are enabled on a GPU with Triton"
+        c._direct_max_bytes = blocks * c.bytes_per_block
+    else:
+        c._direct_max_bytes = -1
+    c.store(np.arange(blocks), np.arange(blocks)).wait()
+    want = {k: v[:, :blocks].clone() for k, v in layers.items()}
+    for v in layers.values():
+        v[:, n - blocks :] = 0
+    torch.cuda.synchronize()
+    a = torch.randn(4096, 4096, device="cuda")
+    for _ in range(20):
+        a = a @ a / 64
+    c.load(np.arange(blocks), np.arange(n - blocks, n))
+    c.fence()
+    got = {k: v[:, n - blocks :].clone() for k, v in layers.items()}  # on the compute stream
+    torch.cuda.synchronize()
+    assert all(torch.equal(got[k], want[k]) for k in layers)

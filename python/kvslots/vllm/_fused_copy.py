@@ -7,6 +7,10 @@ at 0.56x / 0.68x of a plain pinned copy (store / load). Here one launch covers e
 every layer: program (row, segment, part) moves ``WORDS`` 8-byte words of staged row ``row``
 to or from device block ``idx[row]`` of that segment.
 
+The same kernel also moves blocks straight between the layers and the pinned host region
+(``move_direct``): the GPU reads and writes host memory through its unified address, so a small
+copy is one launch with no staging buffer and no bus copy per run of host blocks.
+
 The kernel reads each segment's device address from a table, so the table is rebuilt whenever
 a layer tensor's memory moves (checked on every call), as the Rust CPU path rereads its regions.
 """
@@ -34,8 +38,8 @@ def _kernel() -> Any:
         return None
 
     @triton.jit
-    def move_blocks(stage_ptr, row_words, idx_ptr, addr_ptr, words_ptr, host_ptr,
-                    TO_STAGE: tl.constexpr, WORDS: tl.constexpr):
+    def move_blocks(stage_ptr, row_words, idx_ptr, addr_ptr, words_ptr, host_ptr, rows_ptr, rows_base_ptr,
+                    TO_STAGE: tl.constexpr, WORDS: tl.constexpr, DIRECT: tl.constexpr):
         row = tl.program_id(0)
         seg = tl.program_id(1)
         part = tl.program_id(2)
@@ -45,7 +49,11 @@ def _kernel() -> Any:
         offs = part * WORDS + tl.arange(0, WORDS)
         mask = offs < words
         dev = base + block * words + offs
-        staged = stage_ptr + row * row_words + tl.load(host_ptr + seg) + offs
+        if DIRECT:  # rows are host blocks rows_ptr[row] of the pinned host region itself
+            rows = tl.load(rows_base_ptr).to(tl.pointer_type(tl.int64))
+            staged = rows + tl.load(rows_ptr + row) * row_words + tl.load(host_ptr + seg) + offs
+        else:
+            staged = stage_ptr + row * row_words + tl.load(host_ptr + seg) + offs
         if TO_STAGE:
             tl.store(staged, tl.load(dev, mask=mask), mask=mask)
         else:
@@ -68,9 +76,10 @@ class FusedMover:
         words = [view.shape[1] // 8 for view, _ in segments]
         self._max_words = max(words)
         self._words = torch.tensor(words, dtype=torch.int64, device=device)
-        self._host = torch.tensor([off // 8 for _, off in segments], dtype=torch.int64, device=device)
+        self._offsets = torch.tensor([off // 8 for _, off in segments], dtype=torch.int64, device=device)
         self._addrs: tuple[int, ...] = ()
         self._addr_table: torch.Tensor | None = None
+        self._host_addr: tuple[int, torch.Tensor] | None = None  # (host region address, on the device)
 
     @staticmethod
     def supports(segments: list[tuple[torch.Tensor, int]], bytes_per_block: int) -> bool:
@@ -106,5 +115,22 @@ class FusedMover:
         if n == 0:
             return
         grid = (n, len(self._segments), -(-self._max_words // WORDS))
-        _kernel()[grid](stage.view(torch.int64), self._row_words, idx, self._table(), self._words, self._host,
-                        TO_STAGE=to_stage, WORDS=WORDS)
+        _kernel()[grid](stage.view(torch.int64), self._row_words, idx, self._table(), self._words, self._offsets,
+                        idx, idx, TO_STAGE=to_stage, WORDS=WORDS, DIRECT=False)
+
+    def move_direct(self, host: torch.Tensor, idx: torch.Tensor, rows: torch.Tensor, *, to_host: bool) -> None:
+        """One launch on the current stream: host region row ``rows[i]`` <-> device block
+        ``idx[i]``. ``host`` is ``[num_host_blocks, bytes_per_block]`` uint8 in memory the GPU
+        can address (pinned, or any CPU tensor under Triton's interpreter)."""
+        n = idx.shape[0]
+        if n == 0:
+            return
+        addr = host.data_ptr()
+        if self._host_addr is None or self._host_addr[0] != addr:
+            if addr % 8:
+                raise InvalidStateError("the host region is not aligned to 8 bytes")
+            self._host_addr = (addr, torch.tensor([addr], dtype=torch.int64, device=self._device))
+        base = self._host_addr[1]
+        grid = (n, len(self._segments), -(-self._max_words // WORDS))
+        _kernel()[grid](base, self._row_words, idx, self._table(), self._words, self._offsets, rows, base,
+                        TO_STAGE=to_host, WORDS=WORDS, DIRECT=True)

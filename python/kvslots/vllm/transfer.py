@@ -24,17 +24,21 @@ Engines.
   the reverse, then a scatter); while one buffer crosses the bus the kernels fill or empty the
   other. Where Triton is installed (vLLM's CUDA builds) one fused kernel per chunk moves every
   layer (``_fused_copy.py``); otherwise one torch kernel per layer (``index_select`` /
-  ``index_copy_``), spread over several streams. The kernel streams first wait for the compute
-  stream, so a store sees the KV the forward wrote and a load does not overwrite blocks still
-  being read; at high priority their thread blocks go ahead of the forward's queued ones
-  instead of waiting behind them for SMs. Copies are
+  ``index_copy_``), spread over several streams. With the fused kernel, stores of up to
+  ``DIRECT_MAX_BYTES`` skip the staging buffers: one launch writes the pinned host rows through
+  the GPU's unified address (probed once at construction; staged where the GPU cannot). The
+  kernel streams first wait for the compute stream, so a store sees the KV the forward wrote
+  and a load does not overwrite blocks still being read; at high priority their thread blocks
+  go ahead of the forward's queued ones instead of waiting behind them for SMs. Copies are
   asynchronous: ``store``/``load`` return a :class:`Transfer`; a stored host block is valid
   only once its transfer is ``done()``, and the forward must not read loaded blocks before
-  :meth:`BlockCopier.synchronize` (or the load's ``wait()``) returns. Device blocks being
-  stored must not be rewritten, and host blocks being loaded must not be reused, until the
-  transfer is done. Its indexing logic is the ``engine="torch"`` path, which the tests exercise
-  on CPU tensors; on a GPU it was measured with ``benches/bench_cuda_copy.py`` (byte-exact;
-  bandwidth and overlap in docs/connector.md).
+  :meth:`BlockCopier.synchronize` (or the load's ``wait()``) returns, unless it is queued after
+  :meth:`BlockCopier.fence`, which orders the compute stream after the copies on the device.
+  Device blocks being stored must not be rewritten, and host blocks being loaded must not be
+  reused, until the transfer is done. Its indexing logic is the ``engine="torch"`` path, which
+  the tests exercise on CPU tensors (the fused kernel under Triton's interpreter); on a GPU it
+  was measured with ``benches/bench_cuda_copy.py`` (byte-exact; bandwidth and overlap in
+  docs/connector.md) and tested with ``tests/test_transfer.py``'s CUDA cases.
 
 Tensor parallelism: every worker rank holds its own shard tensors and builds its own
 BlockCopier over them; block ids are the same on every rank, so nothing here is rank-specific.
@@ -71,6 +75,15 @@ STAGING_BYTES = 256 << 20
 #: 2 x 128 MiB as with 4 x 128 MiB (91% / 93%), and less with 4 x 64 MiB (67%): smaller chunks
 #: mean more kernels, each one waiting for SMs.
 STAGING_BUFFERS = 2
+
+#: Largest store (bytes) the CUDA path moves in one fused launch straight from the layers into the
+#: pinned host region, without staging: a staged store pays a gather pass and one bus copy per run
+#: of consecutive host blocks, which small copies do not amortise. Share of a plain pinned copy,
+#: direct / staged, 32 layers: H100 32 MiB 0.73x / 0.57x, 128 MiB 0.82x / 0.68x, 2 GiB 0.84x /
+#: 0.98x; H200 32 MiB 0.64x / 0.46x, 128 MiB 0.80x / 0.72x, 512 MiB 0.89x / 0.84x, 2 GiB 0.89x /
+#: 0.96x (benches/results/cuda_copy_direct_*.txt). Loads stay staged: a direct load holds SMs for
+#: the whole bus transfer, so beside matmuls it hid 3-18% of itself, staged loads 26-99%.
+DIRECT_MAX_BYTES = 512 << 20
 
 #: Streams the CUDA path spreads one chunk's per-layer kernels over where Triton is missing (the
 #: fused kernel needs one). On one stream each kernel waits for the one before it and then for
@@ -278,6 +291,10 @@ class BlockCopier:
         self._staging: list[tuple[torch.Tensor, list[torch.Tensor]]] = []  # (buffer, view per group)
         self._bus_done = [torch.cuda.Event() for _ in range(nbuf)] if is_cuda else []
         self._kernels_done = [[torch.cuda.Event() for _ in self._kernel_streams] for _ in range(nbuf)]
+        # Stores of at most this many bytes skip the staging buffers (-1: never).
+        self._direct_max_bytes = -1
+        if self._fused is not None and self._host.is_pinned():
+            self._enable_direct()
 
     def _enable_fused(self) -> bool:
         """Moves chunks with the fused Triton kernel from now on, where it supports this layout."""
@@ -292,6 +309,29 @@ class BlockCopier:
                            str(e).splitlines()[0] if str(e) else type(e).__name__)
             return False
         self._fused = mover
+        return True
+
+    def _enable_direct(self) -> bool:
+        """Moves stores of up to DIRECT_MAX_BYTES with one fused launch straight into the host
+        region, where a probe shows the GPU reads and writes it: device block 0 goes to host
+        block 0 and back, compared with what the staged kernel gathers."""
+        assert self._fused is not None
+        try:
+            zero = torch.zeros(1, dtype=torch.int64, device=self._device)
+            scratch = torch.empty((1, self._bytes_per_block), dtype=torch.uint8, device=self._device)
+            self._fused.move(scratch, zero, to_stage=True)
+            self._fused.move_direct(self._host, zero, zero, to_host=True)
+            self._fused.move_direct(self._host, zero, zero, to_host=False)
+            if self._device.type == "cuda":
+                torch.cuda.current_stream(self._device).synchronize()
+            ok = torch.equal(scratch[0].cpu(), self._host[0])
+        except Exception as e:  # the GPU cannot address this host memory
+            ok = False
+            logger.warning("kvslots: direct host copies unavailable (%s); every copy is staged",
+                           str(e).splitlines()[0] if str(e) else type(e).__name__)
+        if not ok:
+            return False
+        self._direct_max_bytes = DIRECT_MAX_BYTES
         return True
 
     def _segments_of(
@@ -407,6 +447,18 @@ class BlockCopier:
             for s in self._kernel_streams:
                 s.synchronize()
 
+    def fence(self) -> None:
+        """Makes the current (compute) stream wait, on the device, for every store and load
+        issued so far; the calling thread does not block. A forward queued after it reads the
+        loaded blocks and may overwrite the stored ones. A no-op on CPU, where copies are
+        complete on return. Host-side readers and writers of the host region still need
+        :meth:`synchronize` or the transfer's ``wait()``."""
+        if self._stream is not None:
+            compute = torch.cuda.current_stream(self._device)
+            compute.wait_stream(self._stream)
+            for s in self._kernel_streams:
+                compute.wait_stream(s)
+
     # ---- internals ----
 
     def _check(self, device_blocks: Ids, host_blocks: Ids, *, to_host: bool) -> tuple[np.ndarray, np.ndarray]:
@@ -438,6 +490,8 @@ class BlockCopier:
         if self._engine == "rust":
             self._copy_rust(dev, host, to_host)
             return Transfer(nbytes)
+        if to_host and nbytes <= self._direct_max_bytes and self._fused is not None:
+            return self._copy_direct(dev, host, to_host, nbytes)
         if self._stream is None:
             self._copy_torch(dev, host, to_host)
             return Transfer(nbytes)
@@ -459,6 +513,26 @@ class BlockCopier:
                 first.wait_stream(s)
         event = torch.cuda.Event()
         event.record(last)
+        return Transfer(nbytes, event)
+
+    def _copy_direct(self, dev: np.ndarray, host: np.ndarray, to_host: bool, nbytes: int) -> Transfer:
+        """One fused launch between the layers and the host rows themselves, on the kernel stream:
+        after the compute stream (as staged kernels are) and after staged bus copies still
+        reading or writing host rows; later bus copies wait for it in turn."""
+        assert self._fused is not None
+        ids = torch.from_numpy(np.stack([dev, host]))
+        if self._stream is None:  # CPU tensors under Triton's interpreter (tests)
+            self._fused.move_direct(self._host, ids[0], ids[1], to_host=to_host)
+            return Transfer(nbytes)
+        s = self._kernel_streams[0]
+        s.wait_stream(torch.cuda.current_stream(self._device))
+        s.wait_stream(self._stream)
+        with torch.cuda.stream(s):
+            ids = ids.pin_memory().to(self._device, non_blocking=True)
+            self._fused.move_direct(self._host, ids[0], ids[1], to_host=to_host)
+        self._stream.wait_stream(s)
+        event = torch.cuda.Event()
+        event.record(s)
         return Transfer(nbytes, event)
 
     def _copy_rust(self, dev: np.ndarray, host: np.ndarray, to_host: bool) -> None:
