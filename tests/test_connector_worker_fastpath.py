@@ -65,3 +65,42 @@ def test_transfer_results_empty_and_not_shared(worker):
     a.finished_recving.add("x")  # vLLM takes the sets over: the next report must not see it
     b = w.get_transfer_results({"y"})
     assert b is not a and b.finished_recving == set()
+
+
+class _RecordingCopier:
+    """Stands in for BlockCopier: records which calls the worker makes, in order."""
+
+    bytes_per_block = 64
+
+    def __init__(self):
+        self.calls: list[str] = []
+
+    def store(self, device_blocks, host_blocks):
+        self.calls.append("store")
+
+    def load(self, host_blocks, device_blocks):
+        self.calls.append("load")
+
+    def fence(self):
+        self.calls.append("fence")
+
+    def synchronize(self):
+        self.calls.append("synchronize")
+
+
+def test_loads_fence_and_the_next_step_waits_for_them():
+    """start_load_kv does not block the host on its loads (the compute stream waits on the
+    device); the next step's start does, before its stores and before host rows are reused."""
+    from kvslots.vllm.connector.worker_side import WorkerSide
+
+    ws = WorkerSide(num_device_blocks=16, num_host_blocks=16)
+    ws.copier = c = _RecordingCopier()
+    ws.load(KVSlotsMetadata(step=1, loads=[LoadSpec("a", [3, 4], [0, 1]), LoadSpec("b", [5], [2])]))
+    assert c.calls == ["load", "load", "fence"]
+    ws.store(KVSlotsMetadata(step=2))  # a step with no stores still waits for the loads
+    assert c.calls[3:] == ["synchronize"]
+    ws.store(KVSlotsMetadata(step=3, store_device_blocks=[7], store_host_blocks=[9]))
+    assert c.calls[4:] == ["store", "synchronize"]  # nothing left in flight: only the store's wait
+    ws.load(KVSlotsMetadata(step=4))  # no loads: no fence, nothing in flight
+    ws.store(KVSlotsMetadata(step=5))
+    assert c.calls[6:] == []

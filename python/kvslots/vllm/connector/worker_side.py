@@ -25,6 +25,7 @@ class WorkerSide:
         self._asleep_caches: dict[str, Any] | None = None
         self._meta = KVSlotsWorkerMetadata()
         self._load_errors: set[int] = set()
+        self._loads_in_flight = False
         self.stats = {"stored_blocks": 0, "loaded_blocks": 0, "failed_stores": 0, "failed_loads": 0}
 
     def unregister_kv_caches(self) -> None:
@@ -56,6 +57,10 @@ class WorkerSide:
         """Device -> host copies. vLLM calls this (handle_preemptions) at the start of every step,
         before the forward: blocks freed since the last step are copied before anyone else's
         forward can overwrite them."""
+        if self._loads_in_flight:  # the last step's loads: their host rows may be reused now
+            self._loads_in_flight = False
+            if self.copier is not None:
+                self.copier.synchronize()
         if not len(meta.store_device_blocks):
             return
         self._require_copier()
@@ -72,7 +77,9 @@ class WorkerSide:
 
     def load(self, meta: KVSlotsMetadata) -> None:
         """Host -> device copies of prefix hits (start_load_kv: before the forward, as vLLM runs
-        it first in any step that has synchronous loads)."""
+        it first in any step that has synchronous loads). On a GPU the forward's stream waits for
+        them on the device (``fence``), so its kernels are queued while the loads run; the host
+        waits for them at the next step's start, before their host rows can be handed out again."""
         if not meta.loads:
             return
         self._require_copier()
@@ -85,7 +92,8 @@ class WorkerSide:
                 self._load_errors.update(load.device_blocks)
                 self._meta.failed_loads.setdefault(meta.step, set()).add(load.req_id)
                 self.stats["failed_loads"] += 1
-        self.copier.synchronize()
+        self.copier.fence()
+        self._loads_in_flight = True
         self._ack(meta.step)
 
     def _ack(self, step: int) -> None:
