@@ -72,13 +72,21 @@ class Cluster:
         return r.json()
 
     def converge(self, client: TestClient, timeout: float = 10.0) -> None:
+        last: list[str] = []
+
         def ok():
-            for p in PROMPTS:
+            for i, p in enumerate(PROMPTS):
                 r = self.score(client, p)
-                if r["stale"] or score_view(r) != self.oracle.lookup(p, BS):
+                want = self.oracle.lookup(p, BS)
+                if r["stale"] or score_view(r) != want:
+                    last[:] = [f"prompt {i}: {r} against the oracle's {want}"]
                     return False
             return True
-        wait_for(ok, timeout, "fresh scores matching the oracle")
+        try:
+            wait_for(ok, timeout, "fresh scores matching the oracle")
+        except AssertionError as e:  # say what was last seen, and where each replica stands
+            health = [(s.backend.id, s.backend.health()[1], s.sub.status()) for s, _ in self.replicas]
+            raise AssertionError(f"{e}; last: {last}; replicas: {health}") from None
 
     def stop(self, svc: IndexerService) -> None:
         for i, (s, c) in enumerate(self.replicas):
@@ -148,6 +156,35 @@ def test_redis_restart_marks_scores_stale_then_resyncs(cluster, redis_server):
     cluster.converge(ca, timeout=15)
     cluster.converge(cb, timeout=15)
     assert len(cluster.writers()) == 1
+
+
+def test_a_registry_read_during_a_resync_is_not_trusted(cluster):
+    """After a Redis restart the writer sets the new epoch before it writes the registry back.
+    A registry read in between (by /score, or the writer's own upkeep) was taken as "no workers":
+    the writer unsubscribed and dropped its index for good (a flaky restart test under load).
+    Here the window is held open: state "syncing", the registry gone, for several upkeep ticks."""
+    import redis
+
+    a, ca = cluster.replica()
+    wait_for(lambda: a.backend.is_writer and "a" in a._subscribed, 5, "the writer to subscribe")
+    cluster.settle()
+    cluster.publish([store(1, P1, BS)])
+    cluster.converge(ca)
+    r = redis.Redis(port=cluster.redis.port)
+    try:
+        registry = r.hgetall(f"{cluster.ns}:workers")
+        r.set(f"{cluster.ns}:state", "syncing")
+        r.delete(f"{cluster.ns}:workers")
+        for _ in range(8):  # /score reads the registry too
+            assert cluster.score(ca, P1)["stale"] is True
+            time.sleep(LEASE_MS / 1000 / 8)
+        assert "a" in a.sub.status() and a.backend.specs().keys() == {"a"}
+        r.hset(f"{cluster.ns}:workers", mapping=registry)
+        r.set(f"{cluster.ns}:state", "ready")
+    finally:
+        r.close()
+    cluster.publish([store(1, P3, BS)])
+    cluster.converge(ca)
 
 
 def test_writer_failover_resumes_from_the_cursor(cluster):

@@ -283,19 +283,29 @@ class RedisBackend(Backend):
     # ---- the registry ----
 
     def _read_specs(self) -> dict[str, WorkerSpec]:
+        """The registry in Redis where it can be trusted, else our last copy of it. Not trusted:
+        an empty registry with no epoch (lost with Redis) and any registry read while a resync
+        rewrites it (``state`` "syncing": after a restart the epoch is set before the registry
+        is written back). Trusting that one made the writer unsubscribe every worker and drop
+        its index, which no later resync brought back."""
+        pipe = self.r.pipeline(transaction=False)
+        pipe.hgetall(self.k("workers"))
+        pipe.exists(self.k("epoch"))
+        pipe.get(self.k("state"))
+        registry, has_epoch, state = pipe.execute()
         out = {}
-        for name, raw in self.r.hgetall(self.k("workers")).items():
+        for name, raw in registry.items():
             try:
                 out[name.decode()] = WorkerSpec.from_dict(json.loads(raw))
             except (ValueError, TypeError, AttributeError) as e:
                 if (name, raw) not in self._bad_specs:
                     self._bad_specs.add((name, raw))
                     log.warning("ignoring bad worker spec %r in redis: %s", name, e)
-        if out or self.r.exists(self.k("epoch")):
-            # (an empty registry with no epoch is lost data: keep our copy). A copy: register()
-            # and unregister() change ours from HTTP threads while the upkeep thread iterates the
-            # one returned ("dictionary changed size during iteration", an upkeep error).
-            self._specs = dict(out)
+        if state == b"syncing" or not (out or has_epoch):
+            return dict(self._specs)
+        # A copy: register() and unregister() change ours from HTTP threads while the upkeep
+        # thread iterates the one returned ("dictionary changed size during iteration").
+        self._specs = dict(out)
         return out
 
     def register(self, spec: WorkerSpec, *, replace: bool = True) -> bool:
