@@ -104,3 +104,6 @@ def test_loads_fence_and_the_next_step_waits_for_them():
     ws.load(KVSlotsMetadata(step=4))  # no loads: no fence, nothing in flight
     ws.store(KVSlotsMetadata(step=5))
     assert c.calls[6:] == []
+    ws.load(KVSlotsMetadata(step=6, loads=[LoadSpec("c", [8], [3])]))
+    ws.unregister_kv_caches()  # sleep: the device memory goes away, the loads finish first
+    assert c.calls[6:] == ["load", "fence", "synchronize"] and ws.copier is None

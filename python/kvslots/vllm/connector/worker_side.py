@@ -32,6 +32,9 @@ class WorkerSide:
         """Sleep: forget the device tensors (their memory goes away or is remapped) and the host
         region with them; the scheduler side has cleared the host tier. Idempotent."""
         if self.copier is not None:
+            if self._loads_in_flight:  # not into memory that is going away
+                self._loads_in_flight = False
+                self.copier.synchronize()
             self._asleep_caches = self._kv_caches
             self.copier = None
 
