@@ -2,12 +2,12 @@
 host pool, a side stream and events, on vLLM's CUDA flash-attention block layout
 ([2, num_blocks, block_size, num_kv_heads, head_size] per layer, K and V segments).
 
-Three checks, printed with their figures:
+Four checks, printed with their figures:
   1. bytes: scattered device blocks stored to scattered host blocks and loaded back into other
      device blocks are byte-exact (every copied block of every segment compared on the GPU);
   2. bandwidth: BlockCopier store / load of those blocks against a plain pinned <-> device copy
      of the same bytes (torch ``copy_(non_blocking=True)``), interleaved repeats, medians;
-     target >= 80% of the plain copy;
+     target >= 80% of the plain copy (also staged with one run of host rows: one bus copy);
   3. overlap: a load on the side streams while the default stream runs matmuls: the wall time
      of both together against each alone (overlapped = close to the longer of the two).
   4. fence: a load and then a forward stand-in (per layer: a few small kernels, launch-bound as

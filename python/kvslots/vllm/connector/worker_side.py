@@ -32,9 +32,7 @@ class WorkerSide:
         """Sleep: forget the device tensors (their memory goes away or is remapped) and the host
         region with them; the scheduler side has cleared the host tier. Idempotent."""
         if self.copier is not None:
-            if self._loads_in_flight:  # not into memory that is going away
-                self._loads_in_flight = False
-                self.copier.synchronize()
+            self._settle_loads()  # not into memory that is going away
             self._asleep_caches = self._kv_caches
             self.copier = None
 
@@ -60,10 +58,7 @@ class WorkerSide:
         """Device -> host copies. vLLM calls this (handle_preemptions) at the start of every step,
         before the forward: blocks freed since the last step are copied before anyone else's
         forward can overwrite them."""
-        if self._loads_in_flight:  # the last step's loads: their host rows may be reused now
-            self._loads_in_flight = False
-            if self.copier is not None:
-                self.copier.synchronize()
+        self._settle_loads()  # the last step's: their host rows may be reused now
         if not len(meta.store_device_blocks):
             return
         self._require_copier()
@@ -98,6 +93,13 @@ class WorkerSide:
         self.copier.fence()
         self._loads_in_flight = True
         self._ack(meta.step)
+
+    def _settle_loads(self) -> None:
+        """Blocks until the loads ``load`` left in flight (fenced, not waited for) are done."""
+        if self._loads_in_flight:
+            self._loads_in_flight = False
+            if self.copier is not None:
+                self.copier.synchronize()
 
     def _ack(self, step: int) -> None:
         # One ack per rank and step, whichever of store/load ran.
