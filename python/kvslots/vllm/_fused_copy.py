@@ -71,6 +71,7 @@ class FusedMover:
 
     def __init__(self, segments: list[tuple[torch.Tensor, int]], bytes_per_block: int, device: torch.device):
         self._segments = segments
+        self._views = [view for view, _ in segments]
         self._row_words = bytes_per_block // 8
         self._device = device
         words = [view.shape[1] // 8 for view, _ in segments]
@@ -100,7 +101,7 @@ class FusedMover:
             torch.cuda.current_stream(self._device).synchronize()
 
     def _table(self) -> torch.Tensor:
-        addrs = tuple(view.data_ptr() for view, _ in self._segments)
+        addrs = tuple(map(torch.Tensor.data_ptr, self._views))  # every call: ~2x a generator's speed
         if addrs != self._addrs:  # first use, or a layer's memory moved (resize_, set_)
             if any(a % 8 for a in addrs):
                 raise InvalidStateError("a KV layer tensor moved to memory not aligned to 8 bytes")

@@ -79,11 +79,12 @@ STAGING_BUFFERS = 2
 #: Largest store (bytes) the CUDA path moves in one fused launch straight from the layers into the
 #: pinned host region, without staging: a staged store pays a gather pass and one bus copy per run
 #: of consecutive host blocks, which small copies do not amortise. Share of a plain pinned copy,
-#: direct / staged, 32 layers: H100 32 MiB 0.73x / 0.57x, 128 MiB 0.82x / 0.68x, 2 GiB 0.84x /
-#: 0.98x; H200 32 MiB 0.64x / 0.46x, 128 MiB 0.80x / 0.72x, 512 MiB 0.89x / 0.84x, 2 GiB 0.89x /
-#: 0.96x (benches/results/cuda_copy_direct_*.txt). Loads stay staged: a direct load holds SMs for
-#: the whole bus transfer, so beside matmuls it hid 3-18% of itself, staged loads 26-99%.
-DIRECT_MAX_BYTES = 512 << 20
+#: direct / staged, 32 layers (medians, benches/results/cuda_copy_issue_*.txt): H200 32 MiB 0.77x /
+#: 0.71x, 128 MiB 0.88x / 0.83x, 512 MiB 0.93x / 0.95x, 2 GiB 0.92x / 0.97x; H100 32 MiB 0.66x /
+#: 0.57x, 128 MiB 0.88x / 0.89x. So the largest size where direct was at least even on both
+#: cards. Loads stay staged: a direct load holds SMs for the whole bus transfer, so beside matmuls
+#: it hid 3-18% of itself, staged loads 26-99%.
+DIRECT_MAX_BYTES = 128 << 20
 
 #: Streams the CUDA path spreads one chunk's per-layer kernels over where Triton is missing (the
 #: fused kernel needs one). On one stream each kernel waits for the one before it and then for
@@ -530,9 +531,9 @@ class BlockCopier:
         with torch.cuda.stream(s):
             ids = ids.pin_memory().to(self._device, non_blocking=True)
             self._fused.move_direct(self._host, ids[0], ids[1], to_host=to_host)
-        self._stream.wait_stream(s)
         event = torch.cuda.Event()
         event.record(s)
+        self._stream.wait_event(event)  # the same as wait_stream(s), one event fewer to make
         return Transfer(nbytes, event)
 
     def _copy_rust(self, dev: np.ndarray, host: np.ndarray, to_host: bool) -> None:
@@ -555,45 +556,45 @@ class BlockCopier:
                 buf = torch.empty((self._chunk, self._bytes_per_block), dtype=torch.uint8, device=self._device)
                 self._staging.append((buf, [g.stage_view(buf) for g in self._groups]))
         cuda = self._stream is not None
-        idx_all = torch.from_numpy(dev)
         kernel_streams = self._kernel_streams or [None]
-        if cuda:
-            # From pinned memory: a pageable upload could block this thread until the kernel
-            # streams (which wait for the forward) have drained.
-            with torch.cuda.stream(kernel_streams[0]):
-                idx_all = idx_all.pin_memory().to(self._device, non_blocking=True)
-            for s in kernel_streams[1:]:
-                s.wait_stream(kernel_streams[0])  # the upload
-                idx_all.record_stream(s)  # read there too: not reused before they are done
+        # Device ids are uploaded by the first kernel step, so a load's first bus copy is queued
+        # before anything else: a small copy is bound by how soon its bytes start to move.
+        idx_all: torch.Tensor | None = None
         for k, c0 in enumerate(range(0, len(dev), self._chunk)):
             b = k % len(self._staging)
             c1 = min(len(dev), c0 + self._chunk)
             stage, views = self._staging[b]
             if c1 - c0 < self._chunk:  # the last chunk
                 stage = stage[: c1 - c0]
-                views = [v[:, : c1 - c0] for v in views]
-            idx = idx_all[c0:c1]
+                if self._fused is None:  # only the per-layer kernels read the views
+                    views = [v[:, : c1 - c0] for v in views]
             hs = host[c0:c1]
-            cuts = np.flatnonzero(np.diff(hs) != 1) + 1
-            runs = list(zip(np.r_[0, cuts].tolist(), np.r_[cuts, len(hs)].tolist()))
             bus_done = self._bus_done[b] if cuda else None
             kernels_done = self._kernels_done[b] if cuda else [None]
             # Each side waits for the other's last use of this buffer; a store gathers first,
             # a load crosses the bus first.
             if to_host:
-                self._kernel_step(kernel_streams, stage, views, idx, bus_done, kernels_done, to_host)
-                self._bus_step(stage, hs, runs, bus_done, kernels_done, to_host)
+                idx_all = self._kernel_step(kernel_streams, stage, views, dev, idx_all, c0, c1, bus_done,
+                                            kernels_done, to_host)
+                self._bus_step(stage, hs, bus_done, kernels_done, to_host)
             else:
-                self._bus_step(stage, hs, runs, bus_done, kernels_done, to_host)
-                self._kernel_step(kernel_streams, stage, views, idx, bus_done, kernels_done, to_host)
+                self._bus_step(stage, hs, bus_done, kernels_done, to_host)
+                idx_all = self._kernel_step(kernel_streams, stage, views, dev, idx_all, c0, c1, bus_done,
+                                            kernels_done, to_host)
 
-    def _kernel_step(self, streams: list[Any], stage: torch.Tensor, views: list[torch.Tensor], idx: torch.Tensor,
-                     bus_done: Any, kernels_done: list[Any], to_host: bool) -> None:
-        """Gathers blocks ``idx`` into the staged rows (store) or scatters the rows into them (load)."""
+    def _kernel_step(self, streams: list[Any], stage: torch.Tensor, views: list[torch.Tensor], dev: np.ndarray,
+                     idx_all: torch.Tensor | None, c0: int, c1: int, bus_done: Any, kernels_done: list[Any],
+                     to_host: bool) -> torch.Tensor:
+        """Gathers blocks ``dev[c0:c1]`` into the staged rows (store) or scatters the rows into them
+        (load). ``idx_all``: every device id of the copy on the device, None before the first
+        step, which uploads them; returns it."""
         n_streams = len(streams)
         for i, s in enumerate(streams):
             with self._stream_ctx(s):
+                if idx_all is None:
+                    idx_all = self._upload_ids(dev, streams)
                 self._after(s, bus_done)
+                idx = idx_all[c0:c1]
                 if self._fused is not None:
                     self._fused.move(stage, idx, to_stage=to_host)
                 else:
@@ -603,16 +604,31 @@ class BlockCopier:
                         else:
                             g.u8.index_copy_(1, idx, view)
                 self._mark(s, kernels_done[i])
+        assert idx_all is not None
+        return idx_all
 
-    def _bus_step(self, stage: torch.Tensor, hs: np.ndarray, runs: list[tuple[int, int]], bus_done: Any,
-                  kernels_done: list[Any], to_host: bool) -> None:
-        """Moves the staged rows to their host rows (store) or from them (load), one copy per run."""
+    def _upload_ids(self, dev: np.ndarray, streams: list[Any]) -> torch.Tensor:
+        """The device ids on the layers' device, uploaded on the current stream (``streams[0]``)."""
+        ids = torch.from_numpy(dev)
+        if streams[0] is None:
+            return ids
+        # From pinned memory: a pageable upload could block this thread until the kernel
+        # streams (which wait for the forward) have drained.
+        ids = ids.pin_memory().to(self._device, non_blocking=True)
+        for s in streams[1:]:
+            s.wait_stream(streams[0])  # the upload
+            ids.record_stream(s)  # read there too: not reused before they are done
+        return ids
+
+    def _bus_step(self, stage: torch.Tensor, hs: np.ndarray, bus_done: Any, kernels_done: list[Any],
+                  to_host: bool) -> None:
+        """Moves the staged rows to their host rows ``hs`` (store) or from them (load), one copy
+        per run of consecutive host ids."""
         cuda = self._stream is not None
         with self._stream_ctx(self._stream):
             for e in kernels_done:
                 self._after(self._stream, e)
-            for i, j in runs:
-                h0 = int(hs[i])
+            for i, j, h0 in _runs(hs):
                 if to_host:
                     self._host[h0 : h0 + j - i].copy_(stage[i:j], non_blocking=cuda)
                 else:
@@ -639,6 +655,13 @@ class BlockCopier:
             f"bytes_per_block={self._bytes_per_block}, num_device_blocks={self._num_device_blocks}, "
             f"num_host_blocks={self._num_host_blocks})"
         )
+
+
+def _runs(ids: np.ndarray) -> list[tuple[int, int, int]]:
+    """``(i, j, ids[i])`` for each run ``ids[i:j]`` of consecutive ids (one bus copy each)."""
+    cuts = (np.flatnonzero(np.diff(ids) != 1) + 1).tolist()
+    starts = [0, *cuts]
+    return list(zip(starts, [*cuts, len(ids)], ids[starts].tolist()))
 
 
 def _as_ids(ids: Ids, name: str, limit: int, kind: str) -> np.ndarray:
