@@ -7,8 +7,9 @@ engines started plainly would share one core; each process started here gets a c
 they simply share it.
 
 Each run is forked from a parent that has imported vLLM already (tests/engine_zygote.py, one per
-script and environment): the import is 14 s of CPU per process. ``KVSLOTS_TEST_NO_ZYGOTE=1``
-starts every run as a plain ``python SCRIPT ARG`` instead.
+script and environment): the import is 14 s of CPU per process. The same holds for the runs
+tests drive over stdin and stdout (:class:`InteractiveRun`, the P/D engines), through two FIFOs.
+``KVSLOTS_TEST_NO_ZYGOTE=1`` starts every run as a plain ``python SCRIPT ARG`` instead.
 """
 
 from __future__ import annotations
@@ -17,10 +18,13 @@ import atexit
 import itertools
 import json
 import os
+import shutil
+import signal
 import subprocess
 import sys
 import tempfile
 import threading
+import time
 
 _CORES = sorted(os.sched_getaffinity(0))
 _next_core = itertools.cycle(_CORES)
@@ -72,16 +76,25 @@ class _Zygote:
         self._proc.stdin.write((json.dumps(msg) + "\n").encode())
         self._proc.stdin.flush()
 
-    def spawn(self, args: list[str], env: dict[str, str]) -> "_ZygoteRun":
+    def spawn(self, args: list[str], env: dict[str, str], out: str | None = None, err: str | None = None,
+              stdin: str | None = None) -> "_ZygoteRun":
+        """A run; its stdout and stderr go to ``out`` and ``err`` (temporary files when not
+        given, read and removed by ``communicate``), its stdin comes from ``stdin`` (a FIFO) or
+        /dev/null."""
         self._ready.wait(600)
-        out = tempfile.NamedTemporaryFile(prefix="engine-run-", suffix=".out", delete=False)
-        err = tempfile.NamedTemporaryFile(prefix="engine-run-", suffix=".err", delete=False)
-        out.close(), err.close()
+        paths = []
+        for given, suffix in ((out, ".out"), (err, ".err")):
+            if given is None:
+                f = tempfile.NamedTemporaryFile(prefix="engine-run-", suffix=suffix, delete=False)
+                f.close()
+                given = f.name
+            paths.append(given)
+        req = {"args": args, "env": env, "out": paths[0], "err": paths[1], **({"in": stdin} if stdin else {})}
         with self._lock:
             rid = self._next
             self._next += 1
-            self._write({"id": rid, "args": args, "env": env, "out": out.name, "err": err.name})
-        return _ZygoteRun(self, rid, out.name, err.name)
+            self._write({"id": rid, **req})
+        return _ZygoteRun(self, rid, paths[0], paths[1])
 
     def wait(self, rid: int, key: str, timeout: float | None) -> dict:
         with self._lock:
@@ -93,6 +106,10 @@ class _Zygote:
     def kill(self, pid: int) -> None:
         with self._lock:
             self._write({"kill": pid})
+
+    def answer(self, rid: int) -> dict:
+        with self._lock:
+            return dict(self._answers.get(rid, {}))
 
     def close(self) -> None:
         try:
@@ -115,12 +132,35 @@ class _ZygoteRun:
             self._z.kill(pid)
             msg = self._z.wait(self._rid, "rc", 60)
         self.returncode = msg["rc"]
-        texts = []
+        texts: list[str] = []
         for path in (self._out, self._err):
             with open(path, errors="replace") as f:
                 texts.append(f.read())
             os.unlink(path)
         return texts[0], texts[1]
+
+    # What subprocess.Popen gives, for a run driven over its stdin / stdout (InteractiveRun).
+    @property
+    def pid(self) -> int:
+        return self._z.wait(self._rid, "pid", 600)["pid"]
+
+    def poll(self) -> int | None:
+        self.returncode = self._z.answer(self._rid).get("rc")
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        try:
+            self.returncode = self._z.wait(self._rid, "rc", timeout)["rc"]
+        except TimeoutError:
+            raise subprocess.TimeoutExpired(f"engine run {self._rid}", timeout or 0) from None
+        return self.returncode
+
+    def kill(self) -> None:
+        if self.poll() is None:
+            try:
+                os.kill(self.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
 
 
 _ZYGOTES: dict[tuple, _Zygote] = {}
@@ -168,6 +208,66 @@ class EngineProcess:
             assert self._proc.returncode == 0 and lines, f"engine run failed:\n{out[-3000:]}\n{err[-6000:]}"
             self._result = json.loads(lines[-1][len("RESULT "):])
         return self._result
+
+
+class InteractiveRun:
+    """A runner script driven over its stdin and stdout (one line per command and answer), with
+    what tests use of ``subprocess.Popen``: ``stdin``, ``stdout``, ``pid``, ``poll``, ``wait``,
+    ``kill``; stderr goes to ``err_path``. Forked from the script's zygote where there is one,
+    its stdin and stdout are then two FIFOs."""
+
+    def __init__(self, script: str, args: list[str], env: dict[str, str], err_path: str):
+        zygote = _zygote_for(script, env)
+        self._fifos: str | None = None
+        self._stdout = None
+        if zygote is None:
+            with open(err_path, "w") as err:
+                self._proc = subprocess.Popen([sys.executable, script, *args], stdin=subprocess.PIPE,
+                                              stdout=subprocess.PIPE, stderr=err, text=True, env=env)
+            self.stdin, self._stdout = self._proc.stdin, self._proc.stdout
+            return
+        self._fifos = tempfile.mkdtemp(prefix="engine-fifo-")
+        fin, self._fout = os.path.join(self._fifos, "in"), os.path.join(self._fifos, "out")
+        os.mkfifo(fin)
+        os.mkfifo(self._fout)
+        self._proc = zygote.spawn(args, env, out=self._fout, err=err_path, stdin=fin)
+        self.stdin = self._open_writer(fin)
+
+    def _open_writer(self, path: str):
+        """The FIFO's write end, once the child has opened its read end (its first step)."""
+        deadline = time.monotonic() + 600
+        while True:
+            try:
+                fd = os.open(path, os.O_WRONLY | os.O_NONBLOCK)
+                break
+            except OSError as e:  # ENXIO: no reader yet
+                if self._proc.poll() is not None or time.monotonic() > deadline:
+                    raise AssertionError(f"engine run never opened its stdin (rc {self._proc.poll()})") from e
+                time.sleep(0.01)
+        os.set_blocking(fd, True)
+        return os.fdopen(fd, "w")
+
+    @property
+    def stdout(self):
+        if self._stdout is None:  # blocks until the child has opened its end
+            self._stdout = open(self._fout)
+        return self._stdout
+
+    @property
+    def pid(self) -> int:
+        return self._proc.pid
+
+    def poll(self) -> int | None:
+        return self._proc.poll()
+
+    def wait(self, timeout: float | None = None) -> int:
+        rc = self._proc.wait(timeout)
+        if self._fifos is not None:
+            shutil.rmtree(self._fifos, ignore_errors=True)
+        return rc
+
+    def kill(self) -> None:
+        self._proc.kill()
 
 
 def run_side_by_side(script: str, specs: list[dict], timeout: float = 1200) -> list:

@@ -7,7 +7,7 @@ vLLM once, then forks one child per run; each child calls the script's ``main()`
     python engine_zygote.py SCRIPT
 
 Protocol, one JSON object per line: requests on stdin, ``{"id", "args", "env", "out", "err"}``
-(a run) or ``{"kill": pid}``; answers on stdout, ``{"id", "pid"}`` once forked and
+and optionally ``"in"`` (a run; ``in`` and ``out`` may be FIFOs, for a run driven over them) or ``{"kill": pid}``; answers on stdout, ``{"id", "pid"}`` once forked and
 ``{"id", "rc"}`` when the child exits (rc as subprocess gives it). ``READY`` comes first. EOF on
 stdin ends it. Single-threaded on purpose: a fork copies only the calling thread.
 """
@@ -39,7 +39,8 @@ def _child(script: str, req: dict) -> None:
         os.close(_PROTO)
         os.environ.clear()
         os.environ.update(req["env"])
-        fd = os.open(os.devnull, os.O_RDONLY)
+        # A FIFO for an interactive run (it blocks until the test opens its end), else nothing.
+        fd = os.open(req.get("in") or os.devnull, os.O_RDONLY)
         os.dup2(fd, 0)
         os.close(fd)
         for path, target in ((req["out"], 1), (req["err"], 2)):

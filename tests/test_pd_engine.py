@@ -17,13 +17,12 @@ import random
 import subprocess
 import queue
 import signal
-import sys
 import tempfile
 import threading
 import time
 
 import pytest
-from engine_procs import EngineProcess, own_core_env
+from engine_procs import EngineProcess, InteractiveRun, own_core_env
 from ports import free_port
 from sigstop import sigstop
 
@@ -71,15 +70,15 @@ def _agg_started(models_dir: str, method: str | None, block_size: int = 32) -> E
 
 
 class Engine:
-    """A P/D engine process (tests/pd_engine_run.py) driven over stdin/stdout; several start
-    side by side (their start-up is most of a test's time)."""
+    """A P/D engine process (tests/pd_engine_run.py) driven over stdin/stdout, forked from the
+    pre-imported parent (engine_procs.InteractiveRun); several start side by side (their
+    start-up is most of a test's time)."""
 
     def __init__(self, spec: dict):
         env = own_core_env(GLOG_minloglevel="2")
-        self.err = tempfile.TemporaryFile(mode="w+")
-        self.proc = subprocess.Popen([sys.executable, os.path.join(HERE, "pd_engine_run.py"), json.dumps(spec)],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.err, text=True,
-                                     env=env)
+        fd, self.err_path = tempfile.mkstemp(prefix="pd-engine-", suffix=".err")
+        os.close(fd)
+        self.proc = InteractiveRun(os.path.join(HERE, "pd_engine_run.py"), [json.dumps(spec)], env, self.err_path)
         self._lines: queue.Queue = queue.Queue()
         threading.Thread(target=self._pump, daemon=True).start()
 
@@ -89,8 +88,8 @@ class Engine:
         self._lines.put(None)
 
     def tail(self) -> str:
-        self.err.seek(0)
-        return self.err.read()[-6000:]
+        with open(self.err_path, errors="replace") as f:
+            return f.read()[-6000:]
 
     def expect(self, prefix: str, timeout: float = 600) -> str:
         deadline = time.monotonic() + timeout
@@ -121,7 +120,9 @@ class Engine:
             except (OSError, subprocess.TimeoutExpired):
                 self.proc.kill()
                 self.proc.wait()
-        self.err.close()
+        else:
+            self.proc.wait()
+        os.unlink(self.err_path)
 
 
 # All five speculative modes (none, EAGLE, EAGLE-3, draft model, n-gram) run served, through two
