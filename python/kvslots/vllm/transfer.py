@@ -81,8 +81,8 @@ STAGING_BUFFERS = 2
 #: of consecutive host blocks, which small copies do not amortise. Share of a plain pinned copy,
 #: direct / staged, 32 layers (medians, benches/results/cuda_copy_issue_*.txt): H200 32 MiB 0.77x /
 #: 0.71x, 128 MiB 0.88x / 0.83x, 512 MiB 0.93x / 0.95x, 2 GiB 0.92x / 0.97x; H100 32 MiB 0.66x /
-#: 0.57x, 128 MiB 0.88x / 0.89x. So the largest size where direct was at least even on both
-#: cards. Loads stay staged: a direct load holds SMs for the whole bus transfer, so beside matmuls
+#: 0.57x, 128 MiB 0.88x / 0.89x: the largest size measured where direct was ahead (H200) or level
+#: (H100). Loads stay staged: a direct load holds SMs for the whole bus transfer, so beside matmuls
 #: it hid 3-18% of itself, staged loads 26-99%.
 DIRECT_MAX_BYTES = 128 << 20
 
