@@ -103,10 +103,6 @@ class _Zygote:
                 raise TimeoutError(f"engine run {rid}: no {key!r} (parent gone: {self._dead})")
             return self._answers[rid]
 
-    def kill(self, pid: int) -> None:
-        with self._lock:
-            self._write({"kill": pid})
-
     def answer(self, rid: int) -> dict:
         with self._lock:
             return dict(self._answers.get(rid, {}))
@@ -128,8 +124,7 @@ class _ZygoteRun:
         try:
             msg = self._z.wait(self._rid, "rc", timeout)
         except TimeoutError:
-            pid = self._z.wait(self._rid, "pid", 60)["pid"]
-            self._z.kill(pid)
+            self.kill()
             msg = self._z.wait(self._rid, "rc", 60)
         self.returncode = msg["rc"]
         texts: list[str] = []
@@ -140,6 +135,7 @@ class _ZygoteRun:
         return texts[0], texts[1]
 
     # What subprocess.Popen gives, for a run driven over its stdin / stdout (InteractiveRun).
+    # The child is this process's own user's: it is signalled directly, not through the parent.
     @property
     def pid(self) -> int:
         return self._z.wait(self._rid, "pid", 600)["pid"]

@@ -7,7 +7,8 @@ vLLM once, then forks one child per run; each child calls the script's ``main()`
     python engine_zygote.py SCRIPT
 
 Protocol, one JSON object per line: requests on stdin, ``{"id", "args", "env", "out", "err"}``
-and optionally ``"in"`` (a run; ``in`` and ``out`` may be FIFOs, for a run driven over them) or ``{"kill": pid}``; answers on stdout, ``{"id", "pid"}`` once forked and
+and optionally ``"in"`` (a run; ``in`` and ``out`` may be FIFOs, for a run driven over them);
+answers on stdout, ``{"id", "pid"}`` once forked and
 ``{"id", "rc"}`` when the child exits (rc as subprocess gives it). ``READY`` comes first. EOF on
 stdin ends it. Single-threaded on purpose: a fork copies only the calling thread.
 """
@@ -91,12 +92,6 @@ def main() -> None:
             while b"\n" in buf:
                 line, buf = buf.split(b"\n", 1)
                 req = json.loads(line)
-                if "kill" in req:
-                    try:
-                        os.kill(int(req["kill"]), 9)
-                    except ProcessLookupError:
-                        pass
-                    continue
                 sys.stdout.flush()
                 sys.stderr.flush()
                 pid = os.fork()
