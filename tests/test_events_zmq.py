@@ -1125,6 +1125,59 @@ def test_running_out_of_descriptors_refuses_publishers_and_stop_still_returns():
     assert "event subscriber loop error" not in out.stderr, out.stderr[-3000:]
 
 
+# Publishers and subscribers made in a loop until the limit: libzmq aborted the process ('Too many
+# open files (src/epoll.cpp:38)') when a new context could not start its threads. Each kind in a
+# child of its own, under a few limits.
+_FD_LOOP = r"""
+import resource, sys, zmq
+limit, kind = int(sys.argv[1]), sys.argv[2]
+resource.setrlimit(resource.RLIMIT_NOFILE, (limit, limit))
+from kvslots.errors import OutOfDescriptorsError
+from kvslots.events.publisher import EventPublisher
+from kvslots.events.subscriber import EventSubscriber
+shared = zmq.Context()
+def make(i):
+    if kind == "pub":
+        return EventPublisher("tcp://127.0.0.1:0", "tcp://127.0.0.1:0" if i % 2 else None,
+                              context=shared if i % 3 == 0 else None)
+    s = EventSubscriber(lambda *a: None)
+    try:
+        s.add_publisher("w", "tcp://127.0.0.1:1", "tcp://127.0.0.1:2", wait=5)
+    except BaseException:
+        s.stop()
+        raise
+    return s
+def close(o):
+    o.shutdown() if kind == "pub" else o.stop()
+made, err = [], None
+for i in range(400):
+    try:
+        made.append(make(i))
+    except OutOfDescriptorsError as e:
+        err = e
+        break
+assert err is not None and err.errno == 24 and isinstance(err, OSError), err
+for o in made:
+    close(o)
+close(make(1))  # what was given back can be used again
+print(f"made={len(made)}")
+"""
+
+
+@pytest.mark.parametrize("kind", ["pub", "sub"])
+def test_objects_made_in_a_loop_until_the_fd_limit_raise_instead_of_aborting(kind):
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, PYTHONPATH=os.path.join(os.path.dirname(__file__), "..", "python"))
+    for limit in (40, 64, 100):
+        out = subprocess.run([sys.executable, "-c", _FD_LOOP, str(limit), kind], capture_output=True, text=True,
+                             timeout=120, env=env)
+        assert out.returncode == 0, (limit, out.returncode, out.stderr[-3000:])
+        assert int(out.stdout.split("made=")[1]) > 0, (limit, out.stdout)
+
+
 # ---- stop / shutdown that give up waiting, polls from several threads -----------------------
 
 

@@ -16,6 +16,7 @@
     │   ├── ConnectorConfigError   the connector's kv_connector_extra_config
     │   └── UnsupportedVLLMVersionError   not vLLM 0.32.x or 0.33.x (kvslots.vllm.compat)
     ├── DiskTierError              the disk tier's file (I/O)
+    ├── OutOfDescriptorsError      too few file descriptors left for a call's sockets (also an OSError)
     ├── TransferError              a KV transfer between prefill and decode workers (Mooncake)
     └── ServeError                 ``kvslots serve`` cannot build or run the vLLM command
 
@@ -187,6 +188,18 @@ class InvalidStateError(KVSlotsError, RuntimeError):
     :class:`RuntimeError`."""
 
 
+class OutOfDescriptorsError(KVSlotsError, OSError):
+    """Too few file descriptors are left under the process's limit (``RLIMIT_NOFILE``, ``ulimit
+    -n``) for the ZMQ context and sockets a call would open (an event publisher or subscriber).
+    Nothing was opened. Attributes ``needed``, ``available``, ``limit`` and ``errno``
+    (``EMFILE``). Also an :class:`OSError`. Checked beforehand because libzmq aborts the process,
+    rather than failing the call, when it cannot open its own threads' descriptors."""
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Rebuilt through __init__: OSError keeps its args and errno outside __dict__.
+        return type(self), (self.args[0] if self.args else "", self.request_id, self.details)
+
+
 class NotCopyableError(KVSlotsError, TypeError):
     """``pickle``, ``copy.copy`` or ``copy.deepcopy`` of an object of the Rust extension
     (``kvslots._core``: a slot manager, a cache, an index, a disk store, a memory region, ...).
@@ -218,4 +231,5 @@ __all__ = [
     "DuplicateWorkerError",
     "InvalidStateError",
     "NotCopyableError",
+    "OutOfDescriptorsError",
 ]

@@ -29,7 +29,7 @@ from typing import Any, Union
 import msgspec
 import zmq
 
-from .. import _args
+from .. import _args, _fds
 from ..errors import ArgumentTypeError, EventDecodeError, InvalidArgumentError, InvalidStateError
 from ._wakeup import WakePipe
 from .codec import EventBatch, decode_batch, encode_struct
@@ -143,6 +143,9 @@ class EventPublisher:
         self._topic = topic.encode("utf-8")
         self._max_queue = max_queue_size
         self._linger_ms = linger_ms
+        # What the context, the wake-up pipe and the sockets open (a passed-in context may not
+        # have started its threads yet): past the limit libzmq would abort the process.
+        _fds.require(_fds.ZMQ_CONTEXT + 4 + 2 * (replay_endpoint is not None), "an event publisher")
         self._own_ctx = context is None
         self._ctx = zmq.Context() if context is None else context
 

@@ -81,6 +81,7 @@ Two options, for consumers whose state must never miss a batch (the indexer: a l
 
 from __future__ import annotations
 
+import errno
 import logging
 import random
 import threading
@@ -95,6 +96,7 @@ import msgspec
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
+from .. import _fds
 from .._args import C_INT_MAX, callback, flag, hashable, integer, number, text
 from .._args import _short as _shown
 from .._args import timeout as _timeout
@@ -106,6 +108,7 @@ from ..errors import (
     InvalidArgumentError,
     InvalidStateError,
     KVSlotsError,
+    OutOfDescriptorsError,
     UnknownWorkerError,
 )
 from ._ratelog import RateLimitedLog
@@ -305,8 +308,12 @@ class EventSubscriber:
         # How far a replay may run ahead of the live stream (batches in flight to us).
         self._max_ahead = max(2**20, 4 * hwm)
         self._hwm = hwm
+        # The context's mailbox and the wake-up pipe; its threads start with the first socket
+        # (_open_peer checks again then).
+        _fds.require(1 + 2, "an event subscriber")
         self._own_ctx = context is None
         self._ctx = zmq.Context() if context is None else context
+        self._ctx_started = False  # a passed-in one may not be either: checked all the same
         self._decoder = msgspec.msgpack.Decoder(KVEventBatch) if decode else None
 
         self._lock = threading.Lock()
@@ -379,9 +386,12 @@ class EventSubscriber:
             return True
         synced = self._wait_for(lambda: peer.error is not None or self._synced(peer), wait)
         if peer.error is not None:
-            raise InvalidArgumentError(
+            code = getattr(peer.error, "errno", None)
+            # Out of descriptors is this process's limit, not a bad address.
+            cls = OutOfDescriptorsError if code in (errno.EMFILE, errno.ENFILE) else InvalidArgumentError
+            raise cls(
                 f"cannot connect to publisher {peer.shown} at {endpoint!r}: {peer.error}",
-                details={"errno": getattr(peer.error, "errno", None)},
+                details={**getattr(peer.error, "details", {}), "errno": code},
             ) from peer.error
         return synced
 
@@ -670,6 +680,14 @@ class EventSubscriber:
 
     def _open_peer(self, peer: _Peer) -> None:
         sub = monitor = None
+        if not self._ctx_started:
+            try:
+                # The context's first socket starts its threads, and libzmq aborts the process
+                # when their descriptors cannot be made (later sockets fail as ZMQErrors).
+                _fds.require(_fds.ZMQ_CONTEXT + 4, "an event subscription")  # SUB, monitor pair, TCP
+            except OutOfDescriptorsError as e:
+                self._refuse_peer(peer, e)
+                return
         try:
             # Making the socket fails too, on a context the caller passed in and terminated:
             # that ZMQError escaped add_publisher, leaving the publisher listed, never opened.
@@ -689,15 +707,9 @@ class EventSubscriber:
                 monitor.close(linger=0)
             if sub is not None:
                 sub.close(linger=0)
-            log.error("cannot connect to %s at %s: %s", peer.shown, peer.endpoint, e)
-            with self._lock:
-                try:
-                    if self._by_id.get(peer.worker_id) is peer:
-                        del self._by_id[peer.worker_id]
-                except Exception:  # its own __hash__ / __eq__ raised: it stays listed, failed
-                    pass
-            peer.error = e
+            self._refuse_peer(peer, e)
             return
+        self._ctx_started = True
         peer.sub = sub
         self._register(sub, peer, _LIVE)
         peer.monitor = monitor
@@ -711,6 +723,16 @@ class EventSubscriber:
             if peer.dealer is not None:
                 self._request_replay(peer)
         peer.opened = True
+
+    def _refuse_peer(self, peer: _Peer, e: Exception) -> None:
+        log.error("cannot connect to %s at %s: %s", peer.shown, peer.endpoint, e)
+        with self._lock:
+            try:
+                if self._by_id.get(peer.worker_id) is peer:
+                    del self._by_id[peer.worker_id]
+            except Exception:  # its own __hash__ / __eq__ raised: it stays listed, failed
+                pass
+        peer.error = e
 
     def _close_peer(self, peer: _Peer) -> None:
         peer.opened = False

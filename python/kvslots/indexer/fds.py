@@ -12,16 +12,12 @@ refused at start-up (:func:`check_workers_fit`).
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
+# The count and the limit have one home, shared with the event sockets; the servers read them here.
+from .._fds import in_use, limit, out_of_fds_message  # noqa: F401
 from ..config.loader import brief
 from ..errors import ConfigError
-
-try:
-    import resource
-except ImportError:  # not on Windows: no limit to derive anything from
-    resource = None  # type: ignore[assignment]
 
 #: Largest ``--max-connections``: Linux's default cap on any process's descriptors (fs.nr_open).
 MAX_CONNECTIONS = 1 << 20
@@ -35,24 +31,6 @@ SPARE = 64
 #: with a replay socket).
 FDS_PER_WORKER = 6
 MIN_FDS_PER_WORKER = 3
-
-
-def limit() -> int | None:
-    """The soft limit on open descriptors; None when there is none (or it cannot be read)."""
-    if resource is None:
-        return None
-    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
-    return None if soft == resource.RLIM_INFINITY or soft < 0 else soft
-
-
-def in_use() -> int:
-    """Descriptors open now (0 where they cannot be counted)."""
-    for d in ("/proc/self/fd", "/dev/fd"):
-        try:
-            return max(0, len(os.listdir(d)) - 1)  # less the one listdir opened
-        except OSError:
-            continue
-    return 0
 
 
 def default_max_connections(reserved: int) -> int:
@@ -88,9 +66,3 @@ def check_workers_fit(workers: int, replays: int = 0) -> None:
         raise ConfigError(
             f"{workers} workers need at least {need} file descriptors, and the limit of {soft} (ulimit -n) "
             f"leaves {max(left, 0)}: raise the limit, or split the workers between indexers")
-
-
-def out_of_fds_message() -> str:
-    """Why a descriptor could not be opened, with the limit."""
-    soft = limit()
-    return "out of file descriptors" + ("" if soft is None else f" (the limit, ulimit -n, is {soft})")
