@@ -360,8 +360,9 @@ class EventSubscriber:
 
         With ``wait`` (seconds), returns once the sockets are open and the catch-up replay is
         done or given up (True), or when ``wait`` runs out (False); a connection that cannot be
-        made raises :class:`InvalidArgumentError` (ZMQ's error as its ``__cause__``) here, and
-        the publisher is not added. Without it, the sockets are opened by the polling thread
+        made raises :class:`InvalidArgumentError` (ZMQ's error as its ``__cause__``) here, or
+        :class:`OutOfDescriptorsError` when the process is out of file descriptors, and the
+        publisher is not added. Without it, the sockets are opened by the polling thread
         later, and returns True."""
         hashable(worker_id, "worker_id")
         endpoint = check_endpoint(endpoint, "endpoint")  # exact str values from here on
