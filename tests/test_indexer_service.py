@@ -626,13 +626,36 @@ def test_redis_url_odd_path_protocol_or_twice_given_option_is_one_line(url, prob
     assert "hunter2" not in err, err
 
 
+@pytest.mark.parametrize("url", ["redis://" + "a" * 64 + ":1/0", "redis://a..b:1/0", "redis://.:1/0", "redis://%ff:1/0",
+                                 "redis://\udcff:1/0"])
+def test_redis_url_host_the_socket_module_cannot_encode_is_refused(url, capsys, monkeypatch):
+    # Each passed the check, and the indexer started: every Redis call was a UnicodeError from
+    # the IDNA codec (not a redis error), every HTTP route a 500, a traceback logged each tick.
+    import uvicorn
+
+    from kvslots.indexer import IndexerConfig, IndexerService
+
+    monkeypatch.setattr(uvicorn, "run", lambda *a, **k: pytest.fail("the server started"))
+    code, err = _cli(["--backend", "redis", "--redis-url", url], capsys)
+    assert code == 2 and err.count("\n") == 1 and "is not a host name" in err, err
+    with pytest.raises(ConfigError, match="is not a host name"):
+        IndexerService(IndexerConfig(backend="redis", redis_url=url))
+
+
+def test_redis_url_port_0_is_refused(capsys):
+    # redis-py took port 0 for its default, 6379: a server nobody named.
+    code, err = _cli(["--backend", "redis", "--redis-url", "redis://h:0/0"], capsys)
+    assert code == 2 and err.count("\n") == 1 and "port 0" in err, err
+
+
 def test_redis_url_good_options_pass():
     from kvslots.indexer.config import check_redis_url
 
     check_redis_url("redis://h:1/0?socket_timeout=2.5&socket_connect_timeout=1&health_check_interval=0"
                     "&socket_read_size=65536&max_connections=4")
     check_redis_url("unix:///tmp/r.sock?db=3")
-    for url in ("redis://h:1", "redis://h:1/", "rediss://h:1/15?protocol=3"):
+    for url in ("redis://h:1", "redis://h:1/", "rediss://h:1/15?protocol=3", "redis://[::1]:1/0", "redis://\u00e9.example:1",
+                "redis:///0", "redis://" + "a" * 63 + ".b:1"):
         check_redis_url(url)
 
 

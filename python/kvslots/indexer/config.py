@@ -132,6 +132,17 @@ def check_redis_url(url: str) -> None:
     except (ValueError, TypeError, redis.RedisError) as e:  # protocol=9: a redis ConnectionError
         raise bad(str(e)) from None
     given = client.connection_pool.connection_kwargs
+    host = given.get("host")
+    if isinstance(host, str):
+        # The socket module sends a host name through the IDNA codec: one it cannot encode
+        # (a label of 64+ characters, an empty one as in "a..b", a lone surrogate from argv's
+        # bad UTF-8) was a UnicodeError on every connect, not a redis error: every route a 500.
+        try:
+            host.encode("idna")
+        except UnicodeError as e:
+            raise bad(f"the host {brief(host)} is not a host name ({e})") from None
+    if parts.scheme in ("redis", "rediss") and parts.port == 0:  # redis-py took it for 6379
+        raise bad("port 0 is no port to connect to")
     for key, (ok, what) in _REDIS_URL_OPTIONS.items():
         if key in given and given[key] is not None and not ok(given[key]):
             raise bad(f"{key}={brief(given[key])} {what}")
