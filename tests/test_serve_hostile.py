@@ -258,6 +258,24 @@ def test_good_parallel_sizes_after_the_separator_pass(capsys):
     assert code == 0 and "-tp 2" in out
 
 
+@pytest.mark.parametrize("yaml_text, key", [
+    ("tensor_parallel_size: 9223372036854775807\npipeline_parallel_size: 9223372036854775807\n", "tensor_parallel_size"),
+    ("pipeline_parallel_size: 65536\n", "pipeline_parallel_size"),
+    ("tensor_parallel_size: 65536\nenable_attention_dp: true\n", "tensor_parallel_size"),  # would be the DP size
+])
+def test_a_yaml_parallel_size_past_the_tails_bound_is_one_line_exit_2(tmp_path, capsys, yaml_text, key):
+    # The same bound as after --: the YAML's sizes were taken as given (2**63-1 twice made
+    # VLLM_CPU_NUM_OF_RESERVED_CPU a 38-digit number, printed and passed to vLLM).
+    f = tmp_path / "engine.yaml"
+    f.write_text(yaml_text)
+    code, out, err = _serve(capsys, "--extra-engine-args", str(f))
+    assert code == 2 and out == "" and err.count("\n") == 1, err
+    assert f"{key}: must be <= 65535" in err, err
+    f.write_text("tensor_parallel_size: 65535\npipeline_parallel_size: 2\n")
+    code, out, _ = _serve(capsys, "--extra-engine-args", str(f))
+    assert code == 0 and "--tensor-parallel-size 65535" in out
+
+
 @pytest.mark.parametrize("arg", ["--x\ny", "--x\x1b[2J"])
 def test_an_unknown_option_with_control_characters_is_one_line(capsys, arg):
     capsys.readouterr()

@@ -42,6 +42,13 @@ def engine_flag(key: str, value: Any) -> list[str]:
     return [name, text]
 
 
+#: The largest tensor, pipeline or data parallel size kvslots passes on (from a YAML or after
+#: ``--`` in ``kvslots serve``): the events endpoints are laid out per data-parallel rank and the
+#: connector's CPU core reservation is sized by tensor x pipeline parallel, so a larger one was a
+#: reservation of 2**126 cores or a port past 65535. The one home of that bound.
+MAX_PARALLEL_SIZE = 65535
+
+
 #: The longest string Linux passes to a program as one argument or environment entry, its NUL
 #: included (MAX_ARG_STRLEN, 32 pages of 4 KiB): execve refuses a longer one (E2BIG).
 MAX_ARG_BYTES = 32 * 4096
@@ -86,4 +93,4 @@ def brief(value: Any, limit: int = 80) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-__all__ = ["MAX_ARG_BYTES", "brief", "check_exec_strings", "engine_flag", "exec_size", "flag_name", "to_json"]
+__all__ = ["MAX_ARG_BYTES", "MAX_PARALLEL_SIZE", "brief", "check_exec_strings", "engine_flag", "exec_size", "flag_name", "to_json"]

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..config.speculative import classify_model, drops_eagle_block, read_model_config, resolve_speculative_config
-from ..config.vllm_args import brief, check_exec_strings, engine_flag, flag_name, to_json
+from ..config.vllm_args import MAX_PARALLEL_SIZE, brief, check_exec_strings, engine_flag, flag_name, to_json
 from ..errors import ServeError
 from ..vllm.cpu_cores import connector_cpu_env, vllm_is_cpu_build
 from .connector import CONNECTOR_NAME, connector_config
@@ -257,8 +257,8 @@ def build_plan(args: argparse.Namespace, *, python: str | None = None) -> ServeP
             dp_size = int(tail_dp)
         except ValueError:
             dp_size = 0
-        if not 1 <= dp_size <= 65535:
-            raise ServeError(f"after --: --data-parallel-size {tail_dp!r} is not an integer in [1, 65535]")
+        if not 1 <= dp_size <= MAX_PARALLEL_SIZE:
+            raise ServeError(f"after --: --data-parallel-size {tail_dp!r} is not an integer in [1, {MAX_PARALLEL_SIZE}]")
 
     parallel = _int_arg(opts, tail, engine_args, "tensor-parallel-size") * _int_arg(
         opts, tail, engine_args, "pipeline-parallel-size")
@@ -343,15 +343,15 @@ def _int_arg(opts: list[Any], tail: Any, engine_args: dict[str, Any], name: str)
             _, eq, inline = o.text.partition("=")
             raw = inline if eq else (tail[o.span[0] + 1] if o.span[0] + 1 < len(tail) else None)
     if given and raw is None:
-        raise ServeError(f"after --: --{name} needs a value, an integer in [1, 65535]")
+        raise ServeError(f"after --: --{name} needs a value, an integer in [1, {MAX_PARALLEL_SIZE}]")
     if raw is None:
         return int(engine_args.get(name.replace("-", "_")) or 1)
     try:
         value = int(raw)
     except (TypeError, ValueError):
         value = 0
-    if not 1 <= value <= 65535:
-        raise ServeError(f"after --: --{name} {raw!r} is not an integer in [1, 65535]")
+    if not 1 <= value <= MAX_PARALLEL_SIZE:
+        raise ServeError(f"after --: --{name} {raw!r} is not an integer in [1, {MAX_PARALLEL_SIZE}]")
     return value
 
 

@@ -61,11 +61,13 @@ class ConverterBase:
     def unknown(self, path: str, value: Any, where: str = "TRT-LLM option") -> None:
         self.ignored.append(IgnoredKey(path, value, f"not a known {where}; not converted", known=False))
 
-    def int_(self, value: Any, path: str, minimum: int | None = None) -> int:
+    def int_(self, value: Any, path: str, minimum: int | None = None, maximum: int | None = None) -> int:
         if isinstance(value, bool) or not isinstance(value, int):
             raise self.fail(path, f"must be an integer, got {describe(value)}")
         if minimum is not None and value < minimum:
             raise self.fail(path, f"must be >= {minimum}, got {value}")
+        if maximum is not None and value > maximum:
+            raise self.fail(path, f"must be <= {maximum}, got {value}")
         return value
 
     def bool_(self, value: Any, path: str) -> bool:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..vllm_args import MAX_PARALLEL_SIZE
 from .base import ConverterBase
 from .keys import REASON_DEFAULT
 
@@ -13,10 +14,11 @@ class ParallelKeys(ConverterBase):
     """Parallelism keys; sizes are combined once every key is read (:meth:`post_parallel`)."""
 
     def k_tensor_parallel_size(self, v: Any, p: str) -> None:
-        self.tp = self.int_(v, p, 1)
+        # Bounded as the same sizes after -- in kvslots serve are (it may become data_parallel_size).
+        self.tp = self.int_(v, p, 1, MAX_PARALLEL_SIZE)
 
     def k_pipeline_parallel_size(self, v: Any, p: str) -> None:
-        self.map(p, "pipeline_parallel_size", self.int_(v, p, 1))
+        self.map(p, "pipeline_parallel_size", self.int_(v, p, 1, MAX_PARALLEL_SIZE))
 
     def k_context_parallel_size(self, v: Any, p: str) -> None:
         n = self.int_(v, p, 1)
