@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import io
 import json
+import os
+from collections.abc import Mapping
 
 import pytest
 
@@ -13,7 +15,7 @@ from kvslots.config import loader
 from kvslots.config.schedule import DynamicSDSchedule, apply_lookahead
 from kvslots.config.speculative import resolve_speculative_config
 from kvslots.config.trtllm import convert_trtllm_config
-from kvslots.errors import ArgumentTypeError, ConfigError, InvalidArgumentError
+from kvslots.errors import ArgumentTypeError, ConfigError, InvalidArgumentError, KVSlotsError
 
 
 def _cycle() -> dict:
@@ -208,3 +210,102 @@ def test_node_and_depth_limits_must_be_counts(limit, error):
     with pytest.raises(error, match="max_depth"):
         loader.check_values({"a": 1}, max_depth=limit)
     assert loader.parse_yaml("a: 1", max_nodes=3) == {"a": 1} == loader.parse_json('{"a": 1}', max_nodes=3)
+
+
+class _RaisingItems(Mapping):
+    """A Mapping whose reading raises (its __getitem__, so items() and get() fail)."""
+
+    def __getitem__(self, key):
+        raise ValueError("boom")
+
+    def __iter__(self):
+        return iter(["max_batch_size"])
+
+    def __len__(self):
+        return 1
+
+
+class _RaisingIter(_RaisingItems):
+    def __iter__(self):
+        raise RuntimeError("boom")
+
+
+@pytest.mark.parametrize("mapping", [_RaisingItems(), _RaisingIter(), {"kv_cache_config": _RaisingItems()}])
+def test_a_mapping_whose_own_methods_raise_is_a_config_error(mapping):
+    # The ValueError / RuntimeError came through check_values (a traceback from the API).
+    for call in (lambda: convert_trtllm_config(mapping), lambda: loader.check_values(mapping),
+                 lambda: resolve_speculative_config(mapping), lambda: resolve_speculative_config({}, mapping)):
+        with pytest.raises(ConfigError, match="cannot be read as a mapping"):
+            call()
+    if not isinstance(mapping, dict):
+        with pytest.raises(ConfigError, match="cannot be read as a mapping"):
+            DynamicSDSchedule.from_speculative_config(mapping)
+
+
+class _Int(int):
+    def __index__(self):
+        raise RuntimeError("index")
+
+    def _raise(self, other):
+        raise RuntimeError("compare")
+
+    __lt__ = __le__ = __gt__ = __ge__ = _raise
+
+
+class _Float(float):
+    def _raise(self, other):
+        raise RuntimeError("compare")
+
+    __lt__ = __le__ = __gt__ = __ge__ = _raise
+
+
+class _Key(str):
+    """A key whose hash and equality are its identity: two of one text are two keys of a dict."""
+
+    __hash__ = object.__hash__
+
+    def __eq__(self, other):
+        return self is other
+
+
+def test_subclasses_of_the_json_types_are_read_as_their_values():
+    # int / float subclasses whose comparisons raise were a RuntimeError from check_values and
+    # from the converter's range checks; the result holds the exact built-in types.
+    doc = {_Key("max_batch_size"): _Int(8), "kv_cache_config": {"free_gpu_memory_fraction": _Float(0.5)}}
+    result = convert_trtllm_config(doc)
+    assert result.engine_args == {"max_num_seqs": 8, "gpu_memory_utilization": 0.5}
+    assert [type(v) for v in result.engine_args.values()] == [int, float]
+    spec = resolve_speculative_config({"method": "ngram", "num_speculative_tokens": _Int(3)})
+    assert spec == {"method": "ngram", "num_speculative_tokens": 3} and type(spec["num_speculative_tokens"]) is int
+    plain = loader.check_values({"a": [_Int(1), _Float(2.5), _Key("x")]})
+    assert plain == {"a": [1, 2.5, "x"]} and [type(v) for v in plain["a"]] == [int, float, str]
+
+
+def test_two_keys_of_one_text_are_a_key_given_twice():
+    doc = {_Key("max_batch_size"): 1, _Key("max_batch_size"): 2}
+    for call in (lambda: convert_trtllm_config(doc), lambda: loader.check_values(doc)):
+        with pytest.raises(ConfigError, match="'max_batch_size': given twice"):
+            call()
+
+
+class _BadPath(os.PathLike):
+    def __fspath__(self):
+        raise RuntimeError("fspath")
+
+
+class _IntPath(os.PathLike):
+    def __fspath__(self):
+        return 5
+
+
+@pytest.mark.parametrize("path", [_BadPath(), _IntPath()])
+def test_a_pathlike_that_names_no_path_is_a_kvslots_error(path):
+    # The PathLike's own error (a RuntimeError), or os.fspath's TypeError in convert_trtllm_config.
+    from kvslots.config.speculative import classify_model
+    from kvslots.config.speculators import load_speculators_checkpoint
+
+    for call in (lambda: convert_trtllm_config(path), lambda: loader.read_config_text(path),
+                 lambda: load_speculators_checkpoint(path), lambda: classify_model(path),
+                 lambda: convert_trtllm_config({}, model=path)):
+        with pytest.raises(KVSlotsError):
+            call()

@@ -88,7 +88,7 @@ def read_config_text(path: str | os.PathLike[str], *, max_bytes: int = MAX_BYTES
     regular file (a FIFO)``, ``permission denied``, ``larger than ...``, ``not UTF-8 ...``."""
     try:
         name = os.fspath(path)
-    except TypeError:
+    except Exception:  # TypeError, or whatever a PathLike's own __fspath__ raises
         raise ArgumentTypeError(f"a file path must be a str, bytes or os.PathLike, got {type(path).__name__}") from None
     source = name if isinstance(name, str) else os.fsdecode(name)
     if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 0:  # "x" was a TypeError
@@ -152,44 +152,103 @@ def _size(n: int) -> str:
 
 
 def check_values(doc: Any, source: str | None = None, *, max_depth: int = MAX_DEPTH,
-                 max_nodes: int = MAX_NODES) -> None:
+                 max_nodes: int = MAX_NODES) -> Any:
     """Walks a loaded document (without recursion) and raises :class:`ConfigError`, naming the
     field, for a non-finite number, an integer beyond 64 bits, a key longer than
     :data:`MAX_KEY_CHARS`, nesting deeper than ``max_depth`` or more than ``max_nodes`` values.
-    Types other than the JSON ones are refused too."""
+    Types other than the JSON ones are refused too.
+
+    Returns the document as plain data: dicts, lists, and exact ``str``, ``int``, ``float``,
+    ``bool`` and ``None``, so that a mapping given in code is read once, here. What its own
+    methods raise while it is read (a Mapping's ``items``, a key's ``__hash__``, an ``int``
+    subclass's comparisons) is a ConfigError naming the field, and code after the check never
+    calls a subclass's overrides. A key given twice once made plain text is an error too."""
     max_depth = integer(max_depth, "max_depth", 0)
     max_nodes = integer(max_nodes, "max_nodes", 0)
-    # Entries: (value, parent entry, the key or index in it, depth); a path is only spelled out
-    # for an error (spelling every path would cost depth x key length per value).
-    stack: list[tuple[Any, Any, Any, int]] = [(doc, None, None, 0)]
+    root: list[Any] = [None]
+    # Entries: (plain value, parent entry, the key or index in it, depth) for paths, which are
+    # only spelled out for an error (spelling every path would cost depth x key length per
+    # value); the stack holds (value as given, parent entry, key, depth, container, slot).
+    stack: list[tuple[Any, Any, Any, int, Any, Any]] = [(doc, None, None, 0, root, 0)]
     count = 0
     while stack:
-        entry = stack.pop()
-        value, _, _, depth = entry
+        value, parent, key, depth, container, slot = stack.pop()
         count += 1
         if count > max_nodes:
             raise ConfigError(f"more than {max_nodes} values; not a configuration file", None, source)
-        problem = _scalar_problem(value)
+        try:
+            plain, problem = _plain_scalar(value)
+        except Exception as e:  # an int or float subclass whose own methods raise
+            plain, problem = None, f"cannot be read ({type(e).__name__})"
         if problem:
-            raise ConfigError(problem, _path(entry), source)
-        if isinstance(value, (Mapping, list)):
-            if depth >= max_depth:
-                raise ConfigError(f"nested more than {max_depth} levels deep", _path(entry), source)
-            children: list[tuple[Any, Any, Any, int]] = []
-            if isinstance(value, Mapping):
-                for key, item in value.items():
-                    key_problem = _scalar_problem(key)
-                    if key_problem is None and isinstance(key, str) and len(key) > MAX_KEY_CHARS:
-                        key_problem = f"longer than {MAX_KEY_CHARS} characters"
-                    if key_problem or not (key is None or isinstance(key, (str, int, float))):
-                        raise ConfigError(f"key {brief(key)}: {key_problem or 'not a scalar'}",
-                                          _path(entry), source)
-                    children.append((item, entry, key, depth + 1))
-            else:
-                children = [(item, entry, i, depth + 1) for i, item in enumerate(value)]
-            stack.extend(reversed(children))
-        elif not (value is None or isinstance(value, (str, int, float))):
-            raise ConfigError(f"a {type(value).__name__} is not a configuration value", _path(entry), source)
+            raise ConfigError(problem, _path((None, parent, key, depth)), source)
+        if plain is not _NOT_SCALAR:
+            container[slot] = plain
+            continue
+        if not isinstance(value, (Mapping, list)):
+            raise ConfigError(f"a {type(value).__name__} is not a configuration value",
+                              _path((None, parent, key, depth)), source)
+        if depth >= max_depth:
+            raise ConfigError(f"nested more than {max_depth} levels deep", _path((None, parent, key, depth)), source)
+        if isinstance(value, list):
+            items = list.copy(value)  # the list's own items: a subclass's __iter__ is not called
+            out: Any = [None] * len(items)
+            entry = (out, parent, key, depth)
+            children = [(item, entry, i, depth + 1, out, i) for i, item in enumerate(items)]
+        else:
+            out = {}
+            entry = (out, parent, key, depth)
+            try:
+                pairs = list(value.items())
+            except Exception as e:
+                raise ConfigError(f"cannot be read as a mapping (reading it raised {type(e).__name__})",
+                                  _path(entry), source) from None
+            children = []
+            for k, item in pairs:
+                try:
+                    plain_key, key_problem = _plain_scalar(k)
+                except Exception as e:
+                    plain_key, key_problem = None, f"cannot be read ({type(e).__name__})"
+                if key_problem is None and plain_key is _NOT_SCALAR:
+                    key_problem = "not a scalar"
+                if key_problem is None and isinstance(plain_key, str) and len(plain_key) > MAX_KEY_CHARS:
+                    key_problem = f"longer than {MAX_KEY_CHARS} characters"
+                if key_problem is None and plain_key in out:  # two str subclass keys of one text
+                    key_problem = "given twice"
+                if key_problem:
+                    raise ConfigError(f"key {_safe_brief(k)}: {key_problem}", _path(entry), source)
+                out[plain_key] = None
+                children.append((item, entry, plain_key, depth + 1, out, plain_key))
+        container[slot] = out
+        stack.extend(reversed(children))
+    return root[0]
+
+
+#: :func:`_plain_scalar`'s answer for a value that is no scalar.
+_NOT_SCALAR = object()
+
+
+def _plain_scalar(value: Any) -> tuple[Any, str | None]:
+    """(the scalar as its exact built-in type, or :data:`_NOT_SCALAR`; the problem with it or None)."""
+    if value is None or value is True or value is False:
+        return value, None
+    if isinstance(value, str):
+        return str.__str__(value), None
+    if isinstance(value, int):
+        plain = int.__index__(value)  # the int's own value, not an override's
+        return plain, _scalar_problem(plain)
+    if isinstance(value, float):
+        plain = float.__float__(value)
+        return plain, _scalar_problem(plain)
+    return _NOT_SCALAR, None
+
+
+def _safe_brief(value: Any) -> str:
+    """:func:`brief`, or the type's name when the value's ``repr`` raises."""
+    try:
+        return brief(value)
+    except Exception:  # RecursionError included
+        return f"<{type(value).__name__}>"
 
 
 def _path(entry: tuple[Any, Any, Any, int]) -> str | None:

@@ -93,15 +93,20 @@ class DynamicSDSchedule:
         """The schedule in a vLLM speculative config dict, or ``None`` when it has none."""
         if not isinstance(spec, Mapping):
             raise ConfigError(f"must be a mapping, got {_describe(spec)}", field_prefix)
-        rows = spec.get(SCHEDULE_KEY)
+        try:  # a Mapping passed in code whose own get / __getitem__ raises
+            rows = spec.get(SCHEDULE_KEY)
+            nst = spec.get("num_speculative_tokens")
+        except Exception as e:
+            raise ConfigError(f"cannot be read as a mapping (reading it raised {type(e).__name__})",
+                              field_prefix) from None
         if rows is None:
             return None
-        if "num_speculative_tokens" not in spec or spec["num_speculative_tokens"] is None:
+        if nst is None:
             raise ConfigError(
                 f"a {SCHEDULE_KEY} schedule needs num_speculative_tokens (its maximum K)",
                 f"{field_prefix}.num_speculative_tokens",
             )
-        return cls.parse(rows, spec["num_speculative_tokens"], field=f"{field_prefix}.{SCHEDULE_KEY}")
+        return cls.parse(rows, nst, field=f"{field_prefix}.{SCHEDULE_KEY}")
 
     @classmethod
     def from_draft_len_schedule(

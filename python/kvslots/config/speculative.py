@@ -80,7 +80,7 @@ def reference_text(name: Any, what: str, kind: str = "a path or a Hub id") -> st
     """A model reference as text: a str or an ``os.PathLike`` of one; a ConfigError otherwise."""
     try:
         text = os.fspath(name)
-    except TypeError:
+    except Exception:  # TypeError, or whatever a PathLike's own __fspath__ raises
         text = None
     if not isinstance(text, str):
         raise ConfigError(f"{what} must be {kind} (a string), got {type(name).__name__} {short(name)}")
@@ -254,13 +254,15 @@ def resolve_speculative_config(
     directory or a Hub id. Raises
     :class:`~kvslots.ConfigError` naming the key.
     """
+    plain: list[dict[str, Any] | None] = []
     for given, what in ((base, "base"), (explicit, explicit_source)):
         if given is not None and not isinstance(given, Mapping):  # dict() of it was a TypeError
             raise ConfigError(f"must be a JSON object, got {type(given).__name__} {short(given)}", what)
-        if given is not None:
-            # A file's value rules for a mapping from Python too: a NaN, a set, an integer past 64
-            # bits or a cycle was returned as the speculative config (the CLI's JSON is checked).
-            check_values(given, what)
+        # A file's value rules for a mapping from Python too: a NaN, a set, an integer past 64
+        # bits or a cycle was returned as the speculative config (the CLI's JSON is checked). Read
+        # once, as plain data: a Mapping's or a key's own methods are not called again below.
+        plain.append(None if given is None else check_values(given, what))
+    base, explicit = plain
     said = notes if notes is not None else []
     spec = dict(base) if base is not None else None
     if explicit is not None:

@@ -99,8 +99,8 @@ def convert_trtllm_config(
                           "speculators_config), and none is given", "verifier")
     src: str | None = None
     if isinstance(source, (str, os.PathLike)):
-        src = os.fspath(source)
-        doc = load_trtllm_yaml(src)
+        doc = load_trtllm_yaml(source)  # a PathLike that names no path is the reader's error
+        src = os.fsdecode(os.fspath(source))
     else:
         doc = source
     warnings: list[str] = []
@@ -111,8 +111,8 @@ def convert_trtllm_config(
         raise ConfigError(
             f"the document must be a mapping of TRT-LLM options, got {type(doc).__name__}", None, src
         )
-    if src is None:  # a mapping given in code gets the file's value rules (NaN, sets, cycles, depth)
-        check_values(doc)
+    if src is None:  # a mapping given in code gets the file's value rules (NaN, sets, cycles, depth),
+        doc = check_values(doc)  # and is read once: plain data from here on
     for key in doc:
         if not isinstance(key, str):
             raise ConfigError(f"option names must be strings, got {describe(key)}", str(key), src)
