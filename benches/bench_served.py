@@ -38,6 +38,16 @@ seconds per 1,000 output tokens (``/proc``, every thread of ``kvslots serve`` an
 sampled at the client's start and end); the summary breaks them down per process/thread name.
     PYTHONPATH=python python benches/bench_served.py --slot-manager kvslots   # both servers in scheduler mode
 
+``--baseline-root DIR`` adds a third mode, ``baseline``: the connector of another kvslots checkout
+(built: ``DIR/python/kvslots/_core.abi3.so``), served by that checkout's own ``kvslots serve``
+with the same core reservation as the current connector's server, so that only the connector's
+code differs. The three modes rotate their order from round to round (use a multiple of 3
+rounds); the summary adds the ratios baseline / none and kvslots / baseline, per round.
+
+    git archive e1bbb45 | tar -x -C /tmp/first && (cd /tmp/first && cargo build --release -p kvslots-python \
+        && cp target/release/lib_core.so python/kvslots/_core.abi3.so)
+    PYTHONPATH=python python benches/bench_served.py --models tiny --rounds 6 --baseline-root /tmp/first
+
 ``--slot-manager {vllm,kvslots}`` picks the device KV manager of both servers (default ``vllm``:
 vLLM's own, so the connector is compared with plain vLLM). It is always passed on to
 ``kvslots serve``, whose own default is scheduler mode.
@@ -118,7 +128,9 @@ class Server:
                "--kv-events-endpoint", f"tcp://[::ffff:127.0.0.1]:{ev}",
                "--kv-events-replay-endpoint", f"tcp://127.0.0.1:{replay}", "-q"]
         # Always explicit: kvslots serve's own default is scheduler mode.
-        cmd += ["--slot-manager", args.slot_manager]
+        base = getattr(args, "baseline_root", None) if mode == "baseline" else None
+        if base is None or _cli_knows(base, "--slot-manager"):
+            cmd += ["--slot-manager", args.slot_manager]
         if mode == "none":
             cmd.append("--no-connector")
         else:
@@ -128,9 +140,17 @@ class Server:
                 "--max-num-seqs", str(args.max_num_seqs), "--seed", "0", "--disable-uvicorn-access-log",
                 *(getattr(args, "vllm_arg", None) or [])]
         env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (os.path.join(ROOT, "python"), env.get("PYTHONPATH")) if p)
+        src = os.path.join(base or ROOT, "python")
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (src, env.get("PYTHONPATH")) if p)
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+        if base is not None:
+            # The reservation today's kvslots serve gives its connector server (an earlier one
+            # may not set it): the worker gets the same cores in every mode.
+            from kvslots.vllm.cpu_cores import connector_cpu_env
+
+            env.update(connector_cpu_env(1, env))
         for kv in (args.env or []) + ((args.env_none or []) if mode == "none" else (args.env_kvslots or [])):
+            # (--env-kvslots applies to both connector servers, today's and the baseline's)
             k, _, v = kv.partition("=")
             env[k] = v
         if getattr(args, "steptime", None):
@@ -183,6 +203,16 @@ class Server:
                 os.killpg(self.proc.pid, signal.SIGKILL)
             _wait_group_gone(self.proc.pid, 30)
         self.log.close()
+
+
+def _cli_knows(root: str, flag: str) -> bool:
+    """Whether the ``kvslots serve`` of checkout ``root`` has ``flag`` (read from its source: an
+    earlier one had no ``--slot-manager``)."""
+    for path in ("python/kvslots/serve/cli.py", "python/kvslots/serve.py"):
+        with contextlib.suppress(OSError):
+            with open(os.path.join(root, path)) as f:
+                return f'"{flag}"' in f.read()
+    return False
 
 
 def _wait_group_gone(pgid: int, timeout: float) -> bool:
@@ -425,7 +455,7 @@ def summarize(name: str, runs: list[dict], ideal: dict[int, int]) -> dict:
     s["tps_ratios"] = [b["output_tps"] / a["output_tps"] for a, b in pairs]
     s["ttft_ratios"] = [b["mean_ttft_ms"] / a["mean_ttft_ms"] for a, b in pairs]
     # By which mode ran first in the round (known when positions were recorded).
-    for first in MODES:
+    for first in ("none", "kvslots"):
         sel = [(a, b) for a, b in pairs if (a if first == "none" else b).get("position") == 0]
         s[f"tps_ratios_{first}_first"] = [b["output_tps"] / a["output_tps"] for a, b in sel]
         s[f"ttft_ratios_{first}_first"] = [b["mean_ttft_ms"] / a["mean_ttft_ms"] for a, b in sel]
@@ -437,6 +467,13 @@ def summarize(name: str, runs: list[dict], ideal: dict[int, int]) -> dict:
         s[f"{k}_balanced"] = (med(g1) * med(g2)) ** 0.5 if g1 and g2 else None
     hit = [(r["host_tokens"] + r["device_tokens"]) / ideal[r["seed"]] for r in by["kvslots"] if ideal.get(r["seed"])]
     s["hit_vs_ideal"] = hit
+    if "baseline" in MODES:
+        for num, den in (("baseline", "none"), ("kvslots", "baseline")):
+            pr = [(a, b) for a in by[den] for b in by[num] if a[key] == b[key]]
+            s[f"tps_ratios_{num}_{den}"] = [b["output_tps"] / a["output_tps"] for a, b in pr]
+            s[f"ttft_ratios_{num}_{den}"] = [b["mean_ttft_ms"] / a["mean_ttft_ms"] for a, b in pr]
+        s["hit_vs_ideal_baseline"] = [(r["host_tokens"] + r["device_tokens"]) / ideal[r["seed"]]
+                                      for r in by["baseline"] if ideal.get(r["seed"])]
     s["ideal_tokens"] = med(list(ideal.values()))
     return s
 
@@ -445,7 +482,7 @@ def print_summary(s: dict, spec: ModelSpec) -> None:
     print(f"\n== {s['model']}: {spec.prompts} prompts, concurrency {spec.concurrency}, EAGLE K=3, "
           f"{DEVICE_BLOCKS} device blocks of {BLOCK}; median of {len(s['tps_ratios'])} rounds (min-max)")
     print(f"  {'mode':14s} {'output tok/s':>22s} {'mean TTFT ms':>24s} {'host / device prompt tokens':>30s} failed")
-    for m in MODES:
+    for m in (m for m in ("none", "baseline", "kvslots") if m in s):  # a saved run's modes
         x = s[m]
         if x["tps_range"] is None:
             continue
@@ -472,10 +509,17 @@ def print_summary(s: dict, spec: ModelSpec) -> None:
               f"{s['tps_balanced']:.3f}x, mean TTFT {s['ttft_balanced']:.3f}x")
     elif s["tps_ratios"]:
         print("  (no position-balanced ratio: each mode must run first in at least one round; use an even --rounds)")
-    if s["hit_vs_ideal"]:
-        h = s["hit_vs_ideal"]
-        print(f"  cached prompt tokens (host + device) / ideal ({s['ideal_tokens']:,.0f}): {med(h):.3f} "
-              f"({min(h):.3f}-{max(h):.3f})")
+    for num, den in (("baseline", "none"), ("kvslots", "baseline")):
+        tr, fr = s.get(f"tps_ratios_{num}_{den}") or [], s.get(f"ttft_ratios_{num}_{den}") or []
+        if tr:
+            print(f"  {num} / {den}: output tok/s {med(tr):.3f}x ({min(tr):.3f}-{max(tr):.3f}), "
+                  f"mean TTFT {med(fr):.3f}x ({min(fr):.3f}-{max(fr):.3f})")
+            print("    per round: " + ", ".join(f"{a:.3f}/{b:.3f}" for a, b in zip(tr, fr)))
+    for label, k in (("", "hit_vs_ideal"), (" (baseline)", "hit_vs_ideal_baseline")):
+        h = s.get(k) or []
+        if h:
+            print(f"  cached prompt tokens (host + device) / ideal{label} ({s['ideal_tokens']:,.0f}): {med(h):.3f} "
+                  f"({min(h):.3f}-{max(h):.3f})")
 
 
 def plot(out: dict, path: str) -> None:
@@ -506,6 +550,7 @@ def plot(out: dict, path: str) -> None:
 
 
 def main() -> None:
+    global MODES  # three with --baseline-root
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", default="tiny,real", help="comma-separated: tiny, real")
     ap.add_argument("--rounds", type=_rounds, default=_rounds("4"),
@@ -548,10 +593,20 @@ def main() -> None:
     ap.add_argument("--env-none", action="append", metavar="K=V", help="environment of the no-connector server")
     ap.add_argument("--env-kvslots", action="append", metavar="K=V", help="environment of the connector server "
                     "(e.g. VLLM_CPU_NUM_OF_RESERVED_CPU=0 reproduces vLLM's reservation without kvslots serve)")
+    ap.add_argument("--baseline-root", metavar="DIR",
+                    help="a built checkout of an earlier kvslots: adds its connector as a third mode, baseline "
+                         "(rounds rotate the three modes' order; use a multiple of 3)")
     ap.add_argument("--plot", metavar="PNG", help="chart of the ratios (needs matplotlib)")
     ap.add_argument("--from-json", metavar="FILE", nargs="+",
                     help="only print and plot saved runs (several files: their models together)")
     args = ap.parse_args()
+    if args.baseline_root:
+        so = os.path.join(args.baseline_root, "python", "kvslots", "_core.abi3.so")
+        if not os.path.exists(so):
+            ap.error(f"--baseline-root {args.baseline_root!r}: no {so} (build that checkout's extension first)")
+        if args.order:
+            ap.error("--order takes the two modes none and kvslots only; not with --baseline-root")
+        MODES = ("none", "baseline", "kvslots")
     if args.from_json:
         out = {"runs": {}, "summary": {}}
         for path in args.from_json:
@@ -588,8 +643,9 @@ def main() -> None:
             seed = args.seed if args.same_seed else args.seed + rnd
             if seed not in ideal:
                 ideal[seed] = ideal_cached_tokens(dataset_prompts(models["target"], spec, seed), eagle=True)
-        if n_rounds % 2 and not args.order:
-            print(f"  note: {n_rounds} rounds: {order[0]} runs first once more than {order[1]}", flush=True)
+        if n_rounds % len(MODES) and not args.order:
+            print(f"  note: {n_rounds} rounds, not a multiple of {len(MODES)}: the modes do not run first "
+                  "equally often", flush=True)
         warm = ModelSpec(spec.name, spec.dims, min(max(args.warmup_prompts, 8), spec.prompts), spec.concurrency)
         for w in range(args.warmup):
             for mode in (order if w % 2 == 0 else order[::-1]):
@@ -663,6 +719,9 @@ def schedule(order_arg: list[str] | None, n_rounds: int, order: list[str]) -> li
     modes, ``order`` first in even rounds and reversed in odd ones. With ``--order``: the runs in
     that order, the i-th run of each mode in round i (position 0: it ran before the other mode's)."""
     if not order_arg:
+        if len(order) > 2:  # three modes: each round the order rotates by one
+            return [(rnd, pos, mode) for rnd in range(n_rounds)
+                    for pos, mode in enumerate(order[rnd % len(order):] + order[:rnd % len(order)])]
         return [(rnd, pos, mode) for rnd in range(n_rounds)
                 for pos, mode in enumerate(order if rnd % 2 == 0 else order[::-1])]
     seen = {m: 0 for m in MODES}

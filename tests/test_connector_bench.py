@@ -196,3 +196,43 @@ def test_thread_cpu_samples_a_process_tree(tmp_path):
         p.kill()
         p.wait()
     assert bs.thread_cpu(p.pid) == {}
+
+
+def test_baseline_mode_serves_the_other_checkout_with_the_same_cores(tmp_path, monkeypatch):
+    started = []
+
+    class FakePopen:
+        def __init__(self, cmd, **kw):
+            started.append((cmd, kw["env"]))
+
+    monkeypatch.setattr(bs.subprocess, "Popen", FakePopen)
+    monkeypatch.delenv("VLLM_CPU_NUM_OF_RESERVED_CPU", raising=False)
+    old = tmp_path / "old"
+    (old / "python" / "kvslots").mkdir(parents=True)
+    (old / "python" / "kvslots" / "serve.py").write_text('p.add_argument("--host-cache-gb")\n')  # no --slot-manager
+    args = argparse.Namespace(slot_manager="vllm", host_cache_gb=1.0, max_num_seqs=16, env=None, env_none=None,
+                              env_kvslots=None, profile=None, baseline_root=str(old))
+    bs.Server({"target": "/m/t", "eagle": "/m/e"}, "baseline", args, str(tmp_path / "log"))
+    cmd, env = started[-1]
+    assert "--slot-manager" not in cmd and "--no-connector" not in cmd and "--host-cache-gb" in cmd
+    assert env["PYTHONPATH"].split(os.pathsep)[0] == os.path.join(str(old), "python")
+    assert env["VLLM_CPU_NUM_OF_RESERVED_CPU"] == "1"
+    bs.Server({"target": "/m/t", "eagle": "/m/e"}, "kvslots", args, str(tmp_path / "log"))
+    cmd, env = started[-1]  # today's connector server: its own tree, and kvslots serve sets the reservation
+    assert "--slot-manager" in cmd and env["PYTHONPATH"].split(os.pathsep)[0] == os.path.join(bs.ROOT, "python")
+
+
+def test_three_modes_rotate_and_summarize_against_the_baseline(monkeypatch):
+    modes = ("none", "baseline", "kvslots")
+    monkeypatch.setattr(bs, "MODES", modes)
+    plan = bs.schedule(None, 3, list(modes))
+    firsts = [m for rnd, pos, m in plan if pos == 0]
+    assert sorted(firsts) == sorted(modes) and len(plan) == 9  # each mode first once in 3 rounds
+    tps = {"none": 100.0, "baseline": 80.0, "kvslots": 104.0}
+    runs = [{**_run(m, rnd, tps[m], 1000.0 / tps[m] * 100, 10, 10), "round": rnd, "position": pos}
+            for rnd, pos, m in plan]
+    s = bs.summarize("tiny", runs, {0: 20, 1: 20, 2: 20})
+    assert s["tps_ratios"] == pytest.approx([1.04] * 3)
+    assert s["tps_ratios_baseline_none"] == pytest.approx([0.8] * 3)
+    assert s["tps_ratios_kvslots_baseline"] == pytest.approx([1.3] * 3)
+    assert s["hit_vs_ideal_baseline"] == pytest.approx([1.0] * 3)
