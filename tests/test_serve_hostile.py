@@ -538,6 +538,37 @@ def test_build_plan_refuses_a_lone_surrogate_in_a_flag_value():
         build_plan(args)
 
 
+@pytest.mark.parametrize("attr, value", [
+    ("kv_events_endpoint", 5), ("kv_events_replay_endpoint", 5),  # a TypeError / AttributeError
+    ("vllm_args", "--enforce-eager"),  # was one vLLM argument per character
+    ("port", "x"), ("port", 10**6), ("port", True), ("host", 5), ("host_cache_gb", float("nan")),
+    ("role", "x"), ("no_connector", "yes"), ("model", None), ("grace_period", -1.0),
+])
+def test_build_plan_checks_a_callers_namespace_as_the_parser_would(attr, value):
+    from kvslots.serve import make_parser
+
+    args = make_parser().parse_args(["org/t"])
+    setattr(args, attr, value)
+    before = dict(vars(args))
+    with pytest.raises(ServeError, match=f"args.{attr}"):
+        build_plan(args)
+    assert vars(args) == before  # nothing changed
+
+
+def test_build_plan_fills_in_what_a_callers_namespace_leaves_out():
+    import argparse
+    import pathlib
+
+    plan = build_plan(argparse.Namespace(model="org/t"))  # no vllm_args: was an AttributeError
+    assert plan.model == "org/t" and plan.port == 8000 and plan.slot_manager == "kvslots"
+    plan = build_plan(argparse.Namespace(model="org/t", port="8123", host_cache_gb=2, vllm_args=("--enforce-eager",)))
+    assert plan.port == 8123 and plan.kv_transfer_config["kv_connector_extra_config"]["host_cache_gb"] == 2.0
+    assert plan.tail == ["--enforce-eager"]
+    with pytest.raises(ServeError, match="args has no model"):
+        build_plan(argparse.Namespace(port=1))
+    assert build_plan(argparse.Namespace(model=pathlib.PurePath("org/t"))).model == "org/t"
+
+
 @pytest.mark.parametrize("argv, env", [(["/bin/true", "\ud800"], None), (["/bin/true"], {"A": "\ud800"}),
                                        (["/bin/true"], {"\udbff": "1"})])
 def test_supervise_refuses_a_lone_surrogate_before_starting_anything(argv, env):

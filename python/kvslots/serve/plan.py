@@ -166,6 +166,7 @@ def build_plan(args: argparse.Namespace, *, python: str | None = None) -> ServeP
 
     if not isinstance(args, argparse.Namespace):  # its attributes are read: an AttributeError
         raise ServeError(f"args must be an argparse.Namespace (make_parser().parse_args), got {type(args).__name__}")
+    args = _checked_args(args)
     notes: list[str] = []
     tail = list(args.vllm_args or [])
     opts = scan_vllm_args(tail)
@@ -330,6 +331,63 @@ def build_plan(args: argparse.Namespace, *, python: str | None = None) -> ServeP
         tail=rest, speculators_checkpoint=model if speculators else None,
         slot_manager=slot_manager, scheduler_cls=scheduler_cls if scheduler_cls is not None else tail_cls,
     )
+
+
+def _checked_args(args: argparse.Namespace) -> argparse.Namespace:
+    """A caller's own Namespace as kvslots serve's parser makes one: every option present (its
+    default when absent) and each value one the option's type and choices give, as that type (an
+    int --kv-events-endpoint was a TypeError, a Namespace without vllm_args an AttributeError, a
+    str vllm_args one argument per character). A copy (the caller's Namespace is not changed);
+    a ServeError naming the option otherwise. The parser itself is the one home of the rules."""
+    from .cli import make_parser  # cli imports this module
+
+    given = dict(vars(args))
+    out = argparse.Namespace(**given)
+    for action in make_parser()._actions:
+        dest = action.dest
+        if dest == "help":
+            continue
+        name = action.option_strings[-1] if action.option_strings else action.metavar or dest
+        if dest not in given:
+            if action.required:
+                raise ServeError(f"args has no {dest} ({name}; make_parser().parse_args gives every option)")
+            setattr(out, dest, action.default)
+            continue
+        value = given[dest]
+        if value is None and action.default is None and not action.required:
+            continue
+        if isinstance(action, argparse._StoreTrueAction):
+            ok = isinstance(value, bool)
+        elif action.choices is not None:
+            ok = isinstance(value, str) and value in action.choices
+        elif action.type is not None:
+            try:  # the option's own type on the value's text: "8000" and 8000 are a port, True is not
+                value = action.type(str(value)) if not isinstance(value, bool) else None
+            except Exception:  # argparse.ArgumentTypeError, or a value whose __str__ raises
+                value = None
+            ok = value is not None
+        else:
+            if isinstance(value, os.PathLike):  # a path (MODEL, --disk-path) as its text
+                try:
+                    value = os.fspath(value)
+                except Exception:
+                    value = None
+            ok = isinstance(value, str)
+        if not ok:
+            raise ServeError(f"args.{dest} ({name}) is not a value that option takes, got {brief(_short(given[dest]))}")
+        setattr(out, dest, value)
+    tail = given.get("vllm_args")
+    if tail is not None and not isinstance(tail, (list, tuple)):
+        raise ServeError(f"args.vllm_args (vLLM's arguments) must be a list of strings, got {type(tail).__name__}")
+    out.vllm_args = list(tail or [])
+    return out
+
+
+def _short(value: Any) -> str:
+    try:
+        return repr(value)
+    except Exception:
+        return f"<{type(value).__name__}>"
 
 
 def _int_arg(opts: list[Any], tail: Any, engine_args: dict[str, Any], name: str) -> int:
