@@ -463,3 +463,12 @@ def test_a_connection_past_the_cap_is_a_503_at_once(capped_server, sends):
             break
         assert time.monotonic() < deadline, "no connection was taken after one closed"
         time.sleep(0.1)
+
+
+@pytest.mark.parametrize("method, path", [("POST", "/score/"), ("GET", "/workers/"), ("GET", "/healthz/"),
+                                          ("DELETE", "/workers/"), ("POST", "/workers/")])
+def test_a_trailing_slash_is_a_json_404_not_a_redirect(client, method, path):
+    # It was a 307 with an empty body pointing at the path without the slash.
+    r = client.request(method, path, content=b'{"token_ids":[1]}', follow_redirects=False,
+                       headers={"content-type": "application/json", "authorization": f"Bearer {TOKEN}"})
+    assert r.status_code == 404 and r.json()["detail"], (r.status_code, r.headers, r.text)

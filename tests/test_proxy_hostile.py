@@ -243,3 +243,12 @@ def test_decode_worker_with_an_empty_name_is_one_line_exit_2(capsys, no_server):
     code, out, err = _cli(capsys, ["--prefill", "http://p", "--decode", "http://d="])
     assert code == 2 and out == "" and err.count("\n") == 1, err
     assert err.startswith("kvslots proxy: error: --decode 'http://d=': worker name ''"), err
+
+
+@pytest.mark.parametrize("method, path", [("POST", "/v1/completions/"), ("POST", "/v1/chat/completions/"),
+                                          ("GET", "/v1/models/"), ("GET", "/healthz/")])
+def test_a_trailing_slash_is_a_json_404_not_a_redirect(method, path):
+    # It was a 307 with an empty body pointing at the path without the slash.
+    c = _client(lambda r: pytest.fail("a backend was called"))
+    r = c.request(method, path, json={"prompt": "x"}, follow_redirects=False)
+    assert r.status_code == 404 and r.json()["detail"], (r.status_code, r.headers, r.text)

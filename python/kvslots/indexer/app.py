@@ -202,6 +202,9 @@ def create_app(service: IndexerService, *, own_service: bool = False) -> FastAPI
 
     app = FastAPI(
         lifespan=lifespan,
+        # /score/ was a 307 with an empty body pointing at /score: a 404 that says so, as any
+        # other unknown path.
+        redirect_slashes=False,
         title="kvslots indexer",
         version=_version(),
         description=(

@@ -176,8 +176,9 @@ def create_app(prefill_urls: Sequence[str], decode_workers: Sequence[DecodeWorke
         yield
         await client.aclose()
 
+    # redirect_slashes off: /v1/completions/ was a 307 with an empty body, a 404 as any unknown path.
     app = FastAPI(title="kvslots proxy", summary="OpenAI-compatible front door for disaggregated prefill/decode",
-                  lifespan=lifespan)
+                  lifespan=lifespan, redirect_slashes=False)
     app.add_middleware(BodyLimit, max_bytes=max_body_mb * 2**20, key="error")
 
     async def pick_decode(body: dict[str, Any]) -> DecodeWorker:
