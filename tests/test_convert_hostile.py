@@ -172,6 +172,23 @@ def test_output_it_cannot_write_is_one_line_exit_2(tmp_path, capsys, output):
     assert out == "" and err.count("\n") == 1 and err.startswith("kvslots convert-config: error: "), err
 
 
+@pytest.mark.parametrize("argv, problem", [
+    (["{yaml}", "-o", "{tmp}/x\ud800"], "cannot write: a lone surrogate, which no file name holds, in the path"),
+    (["{yaml}", "-o", "{tmp}/x\0"], "cannot write: a NUL in the path"),
+    (["{tmp}/x\ud800"], "cannot read: a lone surrogate, which no file name holds, in the path"),
+])
+def test_a_path_no_file_can_have_says_why(tmp_path, capsys, argv, problem):
+    # '\ud800' (no byte of a command line) was called "a NUL in the path" for -o, and the codec's
+    # own message for the YAML.
+    f = tmp_path / "n.yaml"
+    f.write_text("max_batch_size: 2\n")
+    capsys.readouterr()
+    assert cli.main(["convert-config", "-q", *(a.format(tmp=tmp_path, yaml=f) for a in argv)]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("\n") == 1 and err.startswith("kvslots convert-config: error: "), err
+    assert err.rstrip().endswith(problem), err
+
+
 @pytest.mark.parametrize("key", ["model", "tokenizer", "revision", "tokenizer_revision", "reasoning_parser",
                                  "otlp_traces_endpoint"])
 @pytest.mark.parametrize("value", ["a\0b", "\0", "a\ud800", "--"])  # "--": vLLM's parser reads no value

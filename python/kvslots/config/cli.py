@@ -109,8 +109,9 @@ def run(args: argparse.Namespace) -> int:
                     pass
             why = "a FIFO that nobody reads" if e.errno == errno.ENXIO else e.strerror or e
             raise ConfigError(f"cannot write: {why}", None, args.output) from None
-        except ValueError:  # a NUL in the path (open's ValueError was a traceback)
-            raise ConfigError("cannot write: a NUL in the path", None, args.output) from None
+        except ValueError:  # a NUL or a lone surrogate in the path (open's ValueError was a traceback)
+            why = "a NUL" if "\0" in args.output else "a lone surrogate, which no file name holds,"
+            raise ConfigError(f"cannot write: {why} in the path", None, args.output) from None
     else:
         output().write(text)
     return 0

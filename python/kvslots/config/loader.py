@@ -104,6 +104,8 @@ def read_config_text(path: str | os.PathLike[str], *, max_bytes: int = MAX_BYTES
         raise ConfigError("is a directory, not a file", None, source) from None
     except PermissionError:
         raise ConfigError("cannot read: permission denied", None, source) from None
+    except UnicodeEncodeError:  # '\ud800': the codec's own message named a position and a codec
+        raise ConfigError("cannot read: a lone surrogate, which no file name holds, in the path", None, source) from None
     except (OSError, ValueError) as e:  # ValueError: a NUL in the name
         raise ConfigError(f"cannot read: {getattr(e, 'strerror', None) or e}", None, source) from None
     try:
