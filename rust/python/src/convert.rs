@@ -292,12 +292,40 @@ pub(crate) fn payload<'a>(obj: &'a Bound<'_, PyAny>, what: &str) -> PyResult<Pay
 /// can change under it (a numpy array stays writable by others while a call runs).
 pub(crate) struct IntArg<T>(pub(crate) Vec<T>);
 
+/// An empty Vec with room for `n` items. A numpy array can be far larger than its memory (a
+/// broadcast one has stride 0): `Vec::with_capacity` aborted the process when the copy could
+/// not be allocated; that is an error now.
+fn vec_for<T>(n: usize, what: &str, request: Option<&str>) -> PyResult<Vec<T>> {
+    let mut v = Vec::new();
+    v.try_reserve_exact(n).map_err(|_| too_long::<T>(n, what, request))?;
+    Ok(v)
+}
+
+/// Doubles `v`'s room (an iterator of unknown length), an error instead of an abort when that
+/// cannot be allocated.
+fn grow<T>(v: &mut Vec<T>, what: &str, request: Option<&str>) -> PyResult<()> {
+    let n = v.len().max(4);
+    v.try_reserve(n)
+        .map_err(|_| too_long::<T>(v.len().saturating_add(n), what, request))
+}
+
+#[cold]
+fn too_long<T>(n: usize, what: &str, request: Option<&str>) -> PyErr {
+    invalid(
+        request,
+        format!(
+            "{what} has {n} items, too many to copy ({} bytes could not be allocated)",
+            n.saturating_mul(std::mem::size_of::<T>())
+        ),
+    )
+}
+
 /// Copies a 1-D numpy array of element type `$src` into `T`, range-checking each element.
 macro_rules! try_numpy {
     ($arr:expr, $what:expr, $request:expr, $($src:ty),*) => {$(
         if let Ok(a) = $arr.extract::<PyReadonlyArray1<'_, $src>>() {
             let view = a.as_array();
-            let mut out = Vec::with_capacity(view.len());
+            let mut out = vec_for::<T>(view.len(), $what, $request)?;
             for (i, &v) in view.iter().enumerate() {
                 match T::try_from(v as i128) {
                     Ok(t) if (v as i128) >= T::MIN && (v as i128) <= T::MAX => out.push(t),
@@ -360,7 +388,7 @@ impl<T: IntRange> IntArg<T> {
         }
         // Lists and tuples: read in place (no iterator protocol, no Python code but __index__).
         if let Ok(list) = obj.cast::<PyList>() {
-            let mut out = Vec::with_capacity(list.len());
+            let mut out = vec_for::<T>(list.len(), what, request)?;
             let mut i = 0;
             // The list may change length while an item's __index__ runs: re-read the length.
             while i < list.len() {
@@ -371,7 +399,7 @@ impl<T: IntRange> IntArg<T> {
             return Ok(IntArg(out));
         }
         if let Ok(t) = obj.cast::<PyTuple>() {
-            let mut out = Vec::with_capacity(t.len());
+            let mut out = vec_for::<T>(t.len(), what, request)?;
             for (i, item) in t.iter().enumerate() {
                 out.push(int::<T>(&item, &format!("{what}[{i}]"), request)?);
             }
@@ -391,6 +419,9 @@ impl<T: IntRange> IntArg<T> {
                     invalid(request, format!("{what}: iterating it raised an error")),
                 )
             })?;
+            if out.len() == out.capacity() {
+                grow(&mut out, what, request)?;
+            }
             out.push(int::<T>(&item, &format!("{what}[{i}]"), request)?);
         }
         Ok(IntArg(out))
@@ -440,15 +471,18 @@ pub(crate) fn tuples<R>(
     if obj.is_instance_of::<PyString>() || obj.is_instance_of::<PyBytes>() {
         return Err(not_seq());
     }
-    let items: Vec<Bound<'_, PyAny>> = match obj.try_iter() {
-        Ok(it) => it
-            .collect::<PyResult<_>>()
-            .map_err(|e| from_callback(py, e, not_seq()))?,
+    // Each item is converted as it comes, not all collected first: a numpy array of 2**40
+    // integers (a broadcast one needs no memory) was iterated to its end before its first
+    // item was refused.
+    let items = match obj.try_iter() {
+        Ok(it) => it,
         Err(e) if e.is_instance_of::<PyTypeError>(py) => return Err(not_seq()),
         Err(e) => return Err(from_callback(py, e, not_seq())),
     };
-    let mut out = Vec::with_capacity(items.len());
-    for (i, it) in items.iter().enumerate() {
+    let mut out = Vec::new();
+    for (i, it) in items.enumerate() {
+        let it = it.map_err(|e| from_callback(py, e, not_seq()))?;
+        let it = &it;
         let name = format!("{what}[{i}]");
         let fields: Vec<Bound<'_, PyAny>> = if let Ok(t) = it.cast::<PyTuple>() {
             t.iter().collect()
@@ -474,7 +508,11 @@ pub(crate) fn tuples<R>(
                 ),
             ));
         }
-        out.push(item(&fields, &name)?);
+        let v = item(&fields, &name)?;
+        if out.len() == out.capacity() {
+            grow(&mut out, what, None)?;
+        }
+        out.push(v);
     }
     Ok(out)
 }

@@ -17,7 +17,7 @@ use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyList, PyString, PyTuple};
 
-use crate::convert::{arg, count, flag, opt_ints, show, text, type_name};
+use crate::convert::{arg, count, flag, opt_ints, show, text, type_name, IntArg};
 use crate::errors::{
     borrow, borrow_mut, busy, invalid, reading_error, slot_error as err, type_error,
     ArgumentTypeError,
@@ -452,17 +452,11 @@ impl DeviceKVManager {
         let mut zero_external = true;
         if let Some(g) = kw.skip_zeroing_group_ids {
             if !g.is_none() {
-                for item in g.try_iter().map_err(|_| {
-                    type_error(
-                        r,
-                        "skip_zeroing_group_ids must be a sequence of ints".into(),
-                    )
-                })? {
-                    let item =
-                        item.map_err(|e| reading_error(py, e, "skip_zeroing_group_ids"))?;
-                    if count(&item, "skip_zeroing_group_ids[i]", r)? == 0 {
-                        zero_external = false;
-                    }
+                // Copied like every integer sequence (a broadcast numpy array of 2**40 ids was
+                // iterated to its end).
+                let ids = IntArg::<usize>::extract(g, "skip_zeroing_group_ids", r)?;
+                if ids.as_slice().contains(&0) {
+                    zero_external = false;
                 }
             }
         }
@@ -735,8 +729,26 @@ impl DeviceKVManager {
     }
 
     /// The request statuses the watermark applies to (vLLM: WAITING and PREEMPTED).
-    fn _set_watermark_statuses(slf: &Bound<'_, Self>, statuses: Vec<Py<PyAny>>) -> PyResult<()> {
-        borrow_mut(slf)?.watermark_statuses = statuses;
+    fn _set_watermark_statuses(slf: &Bound<'_, Self>, statuses: &Bound<'_, PyAny>) -> PyResult<()> {
+        // A list or tuple, as vLLM passes (pyo3's Vec extraction let a builtin TypeError escape
+        // for anything else, and iterating any iterable ran to the end of a broadcast numpy
+        // array of 2**40 items).
+        let items = if let Ok(l) = statuses.cast::<PyList>() {
+            l.iter().collect::<Vec<_>>()
+        } else if let Ok(t) = statuses.cast::<PyTuple>() {
+            t.iter().collect()
+        } else {
+            return Err(type_error(
+                None,
+                format!(
+                    "statuses must be a list or tuple of request statuses, got {} {}",
+                    type_name(statuses),
+                    show(statuses)
+                ),
+            ));
+        };
+        let list = items.into_iter().map(Bound::unbind).collect();
+        borrow_mut(slf)?.watermark_statuses = list;
         Ok(())
     }
 
@@ -1200,6 +1212,13 @@ impl DeviceKVManager {
 
 /// Block ids: ints, or objects with a `block_id` (vLLM's `KVCacheBlock`).
 fn block_id_list(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<Vec<u32>> {
+    use numpy::{PyArrayDescrMethods, PyUntypedArrayMethods};
+    if matches!(obj.cast::<numpy::PyUntypedArray>(), Ok(a) if a.dtype().kind() != b'O') {
+        // Copied at once: iterating one item at a time never ended for a broadcast array of
+        // 2**40 ids (no memory behind it), and a copy too large is an error, not an abort. An
+        // object array may hold block objects: read item by item below.
+        return IntArg::<u32>::extract(obj, what, None).map(|a| a.0);
+    }
     let mut ids = Vec::new();
     let it = obj.try_iter().map_err(|_| {
         type_error(

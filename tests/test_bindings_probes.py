@@ -1,0 +1,123 @@
+"""Inputs found by probing the extension's Python API from outside, each once an outcome other
+than success or a kvslots error with the object unchanged: a process abort, a hang, a builtin
+exception, or an error raised after the call had changed the object."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+from kvslots import _core
+from kvslots.errors import ArgumentTypeError, KVSlotsError
+
+# Run in a child: before the fix one call aborted the interpreter (Rust's allocation failure
+# handler) and another never returned.
+_HUGE_ARRAYS = textwrap.dedent(
+    """
+    import numpy as np
+    import kvslots
+    from kvslots import _core
+    from kvslots.errors import KVSlotsError
+
+    class Req:
+        def __init__(self, rid):
+            self.request_id = rid
+            self.num_computed_tokens = 0
+            self._all_token_ids = list(range(1, 9))
+            self.block_hashes = [bytes([i + 1]) * 32 for i in range(2)]
+
+    # 2**40 ids with no memory behind them (stride 0): a copy of them cannot be allocated.
+    big = np.broadcast_to(np.uint32(1), (2**40,))
+    m = kvslots.SlotManager(16, 4)
+    m.create("a", [1, 2, 3])
+    c = _core.HostCache(8, 2)
+    t = _core.SlotTracker(4)
+    t.add("a")
+    d = _core.DeviceKVManager(16, 4, max_model_len=64)
+    d.allocate_slots(Req("a"), 8)
+    region = _core.BlockRegion(np.zeros(8, np.uint8), block_bytes=8, num_blocks=1)
+    calls = {
+        "SlotManager.commit": (m, lambda: m.commit("a", big)),
+        "SlotManager.create": (m, lambda: m.create("b", big)),
+        "SlotManager.step": (m, lambda: m.step(big, [0], [], [0], [1])),
+        "SlotTracker.reserve": (t, lambda: t.reserve("a", 1, big)),
+        "HostCache.begin_store": (c, lambda: c.begin_store(big)),
+        "HostCache.complete_store": (c, lambda: c.complete_store(big, None, [])),
+        "DeviceKVManager.release_blocks": (d, lambda: d.release_blocks(big)),
+        "DeviceKVManager.evict_blocks": (d, lambda: d.evict_blocks(big)),
+        "DeviceKVManager.allocate_slots": (d, lambda: d.allocate_slots(Req("b"), 4, skip_zeroing_group_ids=big)),
+        "DeviceKVManager._set_watermark_statuses": (d, lambda: d._set_watermark_statuses(big)),
+        "PrefixIndex.load": (None, lambda: _core.PrefixIndex().load("w", big)),
+        "block_hash": (None, lambda: _core.block_hash(0, big)),
+        "copy_blocks": (None, lambda: _core.copy_blocks(region, region, big, big)),
+    }
+    for name, (obj, call) in calls.items():
+        before = None if obj is None else (repr(obj.__class__), obj.check_invariants(), sorted(
+            getattr(obj, "request_ids", lambda: [])()), getattr(obj, "stats", getattr(obj, "device_stats", dict))())
+        try:
+            call()
+            print(name, "succeeded")
+        except KVSlotsError as e:
+            after = None if obj is None else (repr(obj.__class__), obj.check_invariants(), sorted(
+                getattr(obj, "request_ids", lambda: [])()), getattr(obj, "stats", getattr(obj, "device_stats", dict))())
+            print(name, type(e).__name__, "unchanged" if after == before else "CHANGED")
+    """
+)
+
+
+def test_a_broadcast_array_of_2_40_ids_is_refused_at_once():
+    """A 1-D numpy array far larger than its memory (``np.broadcast_to``: stride 0) as an id or
+    token list: the copy's ``Vec::with_capacity`` aborted the process ("memory allocation of
+    4398046511104 bytes failed"); ``HostCache.complete_store`` (and every list of tuples)
+    collected all 2**40 items before refusing the first, and ``DeviceKVManager``'s block and
+    group id lists iterated them one by one: no end. Now each is a kvslots error at once."""
+    r = subprocess.run([sys.executable, "-c", _HUGE_ARRAYS], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    lines = r.stdout.splitlines()
+    assert len(lines) == 13, r.stdout
+    for line in lines:
+        name, outcome, *state = line.split()
+        assert outcome in ("InvalidArgumentError", "ArgumentTypeError"), line
+        assert state == ["unchanged"], line
+
+
+class _Req:
+    def __init__(self, rid, n=8, bs=4):
+        self.request_id = rid
+        self.num_computed_tokens = 0
+        self._all_token_ids = list(range(1, n + 1))
+        self.block_hashes = [bytes([i + 1]) * 32 for i in range(n // bs)]
+
+
+def test_watermark_statuses_are_a_list_or_tuple():
+    """pyo3's Vec extraction raised a builtin TypeError for a non-sequence."""
+    m = _core.DeviceKVManager(16, 4, max_model_len=64, watermark_blocks=2)
+    for bad in (5, "WAITING", None, {"WAITING"}):
+        with pytest.raises(ArgumentTypeError, match="statuses"):
+            m._set_watermark_statuses(bad)
+    m._set_watermark_statuses(("WAITING",))
+    m._set_watermark_statuses(["WAITING", "PREEMPTED"])
+    running = _Req("a")
+    running.status = "RUNNING"  # the watermark reads each request's status now
+    assert m.allocate_slots(running, 8) is not None and m.check_invariants() is None
+
+
+def test_a_huge_list_of_tuples_is_refused_at_its_first_bad_item():
+    """The same rule for a plain iterable: items are converted as they come."""
+    c = _core.HostCache(8, 2)
+
+    def items():
+        yield (1, 2)
+        yield 5
+        raise AssertionError("read past the first bad item")
+
+    before = (c.stats(), c.num_storing, c.registered_hashes())
+    with pytest.raises(ArgumentTypeError, match=r"stores\[1\]"):
+        c.complete_store(items(), None, [])
+    assert (c.stats(), c.num_storing, c.registered_hashes()) == before
+    with pytest.raises(KVSlotsError):
+        c.abort_store(np.broadcast_to(np.uint32(1), (2**40,)))
