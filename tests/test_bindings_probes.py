@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from kvslots import _core
-from kvslots.errors import ArgumentTypeError, KVSlotsError
+from kvslots.errors import ArgumentTypeError, InvalidArgumentError, KVSlotsError
 
 # Run in a child: before the fix one call aborted the interpreter (Rust's allocation failure
 # handler) and another never returned.
@@ -83,6 +83,34 @@ def test_a_broadcast_array_of_2_40_ids_is_refused_at_once():
         name, outcome, *state = line.split()
         assert outcome in ("InvalidArgumentError", "ArgumentTypeError"), line
         assert state == ["unchanged"], line
+
+
+def test_disk_index_events_msgpack_drain_must_be_a_bool():
+    """``drain`` was pyo3's own bool: a str or an int raised a builtin TypeError."""
+    d = _core.DiskIndex(4, 2)
+    d.complete_write(d.begin_write(11, [1, 2]), True)
+    for bad in ("r", 1, None):
+        with pytest.raises(ArgumentTypeError, match="drain must be a bool"):
+            d.events_msgpack(0.0, drain=bad)
+        assert d.num_pending_events() == 1
+    d.events_msgpack(0.0, drain=True)
+    assert d.num_pending_events() == 0
+
+
+def test_score_blocks_eagle_iterator_that_raises_is_a_kvslots_error():
+    """An ``eagle`` iterator raising part way let its exception escape as it was."""
+
+    def gen():
+        yield "w"
+        raise ZeroDivisionError("boom")
+
+    ix = _core.PrefixIndex()
+    ix.add_worker("w")
+    before = (ix.dump(), ix.workers(), ix.worker_eagle("w"))
+    with pytest.raises(InvalidArgumentError, match="eagle") as e:
+        ix.score_blocks([{"w": 1}], list(range(8)), 4, gen())
+    assert isinstance(e.value.__cause__, ZeroDivisionError)
+    assert (ix.dump(), ix.workers(), ix.worker_eagle("w")) == before
 
 
 class _Req:

@@ -907,6 +907,9 @@ pub(crate) mod arg {
     pub(crate) fn hashes_as_bytes(o: &Bound<'_, PyAny>) -> PyResult<bool> {
         flag(o, "hashes_as_bytes", None)
     }
+    pub(crate) fn drain(o: &Bound<'_, PyAny>) -> PyResult<bool> {
+        flag(o, "drain", None)
+    }
     pub(crate) fn publish_successors(o: &Bound<'_, PyAny>) -> PyResult<bool> {
         flag(o, "publish_successors", None)
     }

@@ -229,7 +229,7 @@ impl DiskIndex {
         #[pyo3(from_py_with = arg::medium)] medium: Option<String>,
         data_parallel_rank: Option<&Bound<'py, PyAny>>,
         #[pyo3(from_py_with = arg::hashes_as_bytes)] hashes_as_bytes: bool,
-        drain: bool,
+        #[pyo3(from_py_with = arg::drain)] drain: bool,
     ) -> PyResult<Bound<'py, PyBytes>> {
         let args = MetaArgs::extract(ts, medium.as_deref(), data_parallel_rank, hashes_as_bytes)?;
         let mut this = borrow_mut(slf)?;

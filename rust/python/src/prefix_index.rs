@@ -386,7 +386,9 @@ impl PrefixIndex {
                 }
                 let mut out = Vec::new();
                 for (i, n) in e.try_iter().map_err(|_| bad())?.enumerate() {
-                    out.push(text(&n?, &format!("eagle[{i}]"))?.to_owned());
+                    // An iterator that raises: a kvslots error, its exception the cause.
+                    let n = n.map_err(|err| crate::errors::reading_error(e.py(), err, "eagle"))?;
+                    out.push(text(&n, &format!("eagle[{i}]"))?.to_owned());
                 }
                 out
             }
