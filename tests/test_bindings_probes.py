@@ -134,6 +134,23 @@ def test_watermark_statuses_are_a_list_or_tuple():
     assert m.allocate_slots(running, 8) is not None and m.check_invariants() is None
 
 
+def test_the_base_device_manager_records_evictions_without_a_hook():
+    """``record_evictions=True`` on the extension's class itself (no ``_on_alloc``, which only
+    the vLLM subclass defines): an allocation that registered or evicted blocks was made, then
+    raised a builtin AttributeError, its new blocks lost to the caller. Now the allocation
+    returns its blocks and the evictions wait in ``drain_evicted``."""
+    m = _core.DeviceKVManager(8, 4, max_model_len=64, record_evictions=True)
+    a = _Req("a")
+    assert m.allocate_slots(a, 8).get_block_ids() == ([1, 2],)
+    m.cache_blocks(a, 8)  # registers blocks 1, 2
+    m.free(a)
+    b = _Req("b", 28)
+    blocks = m.allocate_slots(b, 28)  # needs every free block: evicts a's cached ones
+    assert blocks is not None and len(blocks.get_block_ids()[0]) == 7
+    assert len(m.drain_evicted()) == 2
+    assert m.check_invariants() is None
+
+
 def test_a_huge_list_of_tuples_is_refused_at_its_first_bad_item():
     """The same rule for a plain iterable: items are converted as they come."""
     c = _core.HostCache(8, 2)

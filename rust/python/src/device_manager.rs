@@ -663,7 +663,12 @@ fn call_hook(
     start: usize,
     end: usize,
 ) -> PyResult<()> {
-    slf.call_method1(intern!(slf.py(), "_on_alloc"), (request, start, end))?;
+    // The base class used directly (record_evictions=True) has no hook: the allocation stands
+    // and the evictions stay queued for drain_evicted, instead of an AttributeError raised
+    // after the allocation was made.
+    if let Some(hook) = slf.getattr_opt(intern!(slf.py(), "_on_alloc"))? {
+        hook.call1((request, start, end))?;
+    }
     Ok(())
 }
 
