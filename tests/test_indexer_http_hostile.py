@@ -472,3 +472,30 @@ def test_a_trailing_slash_is_a_json_404_not_a_redirect(client, method, path):
     r = client.request(method, path, content=b'{"token_ids":[1]}', follow_redirects=False,
                        headers={"content-type": "application/json", "authorization": f"Bearer {TOKEN}"})
     assert r.status_code == 404 and r.json()["detail"], (r.status_code, r.headers, r.text)
+
+
+def _on_the_loop() -> bool:
+    import asyncio
+
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return False
+    return True
+
+
+def test_a_big_body_is_parsed_off_the_event_loop(client, monkeypatch):
+    # Parsed on the event loop, a 2 MB body of 200,000 keys, one repeated at the end, held every
+    # other request (/healthz too) for 2.5 s; a few of them at once, for as many times that.
+    from kvslots.indexer import app as app_module
+
+    seen = []
+    parse = app_module._strict_json
+    monkeypatch.setattr(app_module, "_strict_json", lambda body: (seen.append((len(body), _on_the_loop())), parse(body))[1])
+    big = json.dumps({"token_ids": list(range(100_000))}).encode()
+    assert len(big) > app_module.OFF_LOOP_BYTES
+    assert post_score(client, big).status_code == 200
+    assert post_score(client, SCORE).status_code == 200  # a small one is parsed where it is
+    r = post_score(client, b"{" + b",".join(b'"k%d":1' % i for i in range(50_000)) + b',"k0":2}')
+    assert r.status_code == 422 and "duplicate key 'k0'" in r.text
+    assert seen == [(len(big), False), (len(SCORE), True), (seen[2][0], False)], seen
