@@ -247,6 +247,44 @@ def test_host_cache_any_arguments(data):
         _call(c, name, args, {}, lambda: _cache_state(c), c.check_invariants)
 
 
+# ---- DiskIndex ----
+
+DISK_INDEX_CALLS = {"begin_write": 2, "complete_write": 2, "match_prefix": 1, "contains": 1, "lookup": 1,
+                    "successor": 1, "block_meta": 1, "held": 1, "begin_read": 1, "end_read": 1, "remove": 1,
+                    "events_msgpack": 1, "drain_events_raw": 1}
+DISK_INDEX_KWARGS = {"begin_write": ["successor", "parent_hash", "lora_id"],
+                     "events_msgpack": ["medium", "data_parallel_rank", "hashes_as_bytes", "drain"],
+                     "drain_events_raw": ["medium", "hashes_as_bytes"]}
+
+
+def _disk_index():
+    d = _core.DiskIndex(4, 2, publish_successors=True)
+    d.complete_write(d.begin_write(11, [1, 2], 3), True)
+    d.complete_write(d.begin_write(12, [3, 4], None, 11, 5), True)
+    d.begin_write(13, [5, 6])
+    d.begin_read([11])
+    return d
+
+
+def _disk_index_state(d):
+    return (d.stats(), d.num_stored, d.num_writing, d.num_free, d.num_pending_events(),
+            [(d.lookup(h), d.block_meta(h), d.successor(h)) for h in (11, 12, 13)], d.held([11, 12, 13]),
+            bytes(d.events_msgpack(0.0)))
+
+
+@SETTINGS
+@given(data=st.data())
+def test_disk_index_any_arguments(data):
+    d = _disk_index()
+    valid = [11, 12, 13, 0, 1, 2, [11], [11, 12], [11, 11], [0], [0, 0], [1, 2], True, False, bytes]
+    for _ in range(3):
+        name = data.draw(st.sampled_from(sorted(DISK_INDEX_CALLS)))
+        args = _args(data, DISK_INDEX_CALLS[name], valid)
+        kw = {k: data.draw(st.one_of(st.sampled_from(valid), ANY))
+              for k in DISK_INDEX_KWARGS.get(name, []) if data.draw(st.booleans())}
+        _call(d, name, args, kw, lambda: _disk_index_state(d), d.check_invariants)
+
+
 # ---- PrefixIndex, block_hash, encode_event_batch ----
 
 INDEX_CALLS = {"add_worker": 1, "remove_worker": 1, "clear_worker": 1, "worker_len": 1, "apply": 2, "lookup": 2,
