@@ -566,6 +566,31 @@ def test_demo_defaults_and_edges_pass_the_check():
                                        "--max-tokens", "2008", "--host-cache-gb", "0.01", "--timeout", "1"]))
 
 
+_SERVE_WITHOUT_VLLM = ("import sys\nimport kvslots.serve.cli as sc\n"
+                      "sc.supervise = lambda *a, **k: 0\nsc.check_listen = lambda *a: None\n"
+                      "from kvslots.cli import main\nsys.exit(main(sys.argv[1:]))\n")
+
+
+@pytest.mark.parametrize("argv, status, stdout", [
+    (["-m", "kvslots", "convert-config", "{good}"], 0, "--max-num-seqs 4\n"),  # notes went to stdout
+    (["-m", "kvslots", "convert-config", "{bad}"], 2, ""),  # the error went to stdout
+    (["-m", "kvslots", "serve", "org/target", "--dry-run"], 0, "vllm.entrypoints.openai.api_server"),
+    (["-c", _SERVE_WITHOUT_VLLM, "serve", "org/target"], 0, "vllm.entrypoints.openai.api_server"),  # exit status 1
+])
+def test_a_closed_stderr_keeps_stdout_the_output_and_the_status_true(tmp_path, argv, status, stdout):
+    good, bad = tmp_path / "good.yaml", tmp_path / "bad.yaml"
+    good.write_text("max_batch_size: 4\nnot_a_trtllm_key: 1\n")
+    bad.write_text("max_batch_size: -1\n")
+    cmd = [sys.executable, *[a.format(good=good, bad=bad) for a in argv]]
+    proc = subprocess.run(["/bin/sh", "-c", 'exec "$@" 2>&-', "sh", *cmd], stdout=subprocess.PIPE, text=True,
+                          timeout=120)
+    assert proc.returncode == status, proc.stdout
+    if stdout.endswith("\n") or not stdout:
+        assert proc.stdout == stdout
+    else:  # serve: the vLLM command alone (sys.stderr.flush() failed), no note or KV events line
+        assert stdout in proc.stdout and proc.stdout.count("\n") == 1, proc.stdout
+
+
 @pytest.mark.parametrize("argv", [["convert-config", "{yaml}"], ["simulate", "--requests", "3"],
                                   ["serve", "org/target", "--dry-run", "-q"]])
 @pytest.mark.parametrize("sink", ["full", "closed pipe"])

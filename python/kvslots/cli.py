@@ -64,12 +64,25 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _stderr_or_devnull() -> None:
+    """Started with stderr closed (``2>&-``), Python has no ``sys.stderr`` (None): ``print(...,
+    file=sys.stderr)`` then wrote notes and errors to stdout, into the command's output, and
+    ``sys.stderr.flush()`` was an AttributeError (exit status 1, its traceback lost). What would
+    go to stderr is dropped instead; the exit status still says how it went."""
+    if sys.stderr is None:
+        try:
+            sys.stderr = open(os.devnull, "w", encoding="utf-8")
+        except OSError:  # no /dev/null: nothing better to write to
+            pass
+
+
 #: Exit status after a Ctrl-C: 128 + SIGINT, as a shell reports it.
 INTERRUPTED_STATUS = 130
 
 
 def main(argv: list[str] | None = None) -> int:
     prog = "kvslots"
+    _stderr_or_devnull()
     try:
         parser = build_parser()
         args = parser.parse_args(argv)
