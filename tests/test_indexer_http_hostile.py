@@ -499,3 +499,48 @@ def test_a_big_body_is_parsed_off_the_event_loop(client, monkeypatch):
     r = post_score(client, b"{" + b",".join(b'"k%d":1' % i for i in range(50_000)) + b',"k0":2}')
     assert r.status_code == 422 and "duplicate key 'k0'" in r.text
     assert seen == [(len(big), False), (len(SCORE), True), (seen[2][0], False)], seen
+
+
+@pytest.fixture
+def capped_quick_server(monkeypatch):
+    from kvslots.indexer import httpguard
+
+    monkeypatch.setattr(httpguard, "READ_TIMEOUT_S", 1.5)
+    yield from _serve(max_connections=3)
+
+
+def test_clients_that_never_read_their_answers_do_not_hold_the_connections(capped_quick_server):
+    """Requests pipelined on a connection whose client reads nothing: once the socket buffers
+    filled, the server waited to write for ever, its read timeout off while an answer was under
+    way. Three such clients took every place under --max-connections: every other client got a
+    503, for as long as they liked. Now one that takes nothing for the read timeout is dropped."""
+    import socket
+    import threading
+    import time
+
+    flood = b"GET /openapi.json HTTP/1.1\r\nHost: x\r\n\r\n" * 20000
+
+    def send(s):
+        try:
+            s.sendall(flood)
+        except OSError:
+            pass  # dropped
+
+    readers = []
+    for _ in range(3):
+        s = capped_quick_server()
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        readers.append(s)
+        threading.Thread(target=send, args=(s,), daemon=True).start()
+    time.sleep(1)
+    deadline = time.monotonic() + 15
+    while True:  # a 503 while the three are held; a 200 once they are dropped
+        s = capped_quick_server()
+        s.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        if _read_all(s).startswith(b"HTTP/1.1 200"):
+            break
+        assert time.monotonic() < deadline, "the connections that read nothing are still held"
+        time.sleep(0.5)
+    for s in readers:
+        s.close()
+

@@ -7,7 +7,9 @@
 * a request must arrive whole (head and body) within :data:`READ_TIMEOUT_S` of the connection
   opening or of the previous response on it: past it the client gets a 408 (or, when part of the
   body was read already, the connection is closed), so partial requests sent a byte at a time
-  (slowloris) or connections that never send anything no longer stay open for ever;
+  (slowloris) or connections that never send anything no longer stay open for ever; nor do
+  clients that send requests and never read the answers: one that takes nothing of what it is
+  sent for as long is dropped;
 * at most ``max_connections`` connections are open at once (``--max-connections``; by default
   what the file descriptor limit leaves, :mod:`kvslots.indexer.fds`): one past it is answered a
   503 at once, before it sends anything, and closed, so it holds its descriptor for a moment
@@ -56,6 +58,9 @@ class _Guard:
         self._guard_head = 0  # bytes received while the current request's head is incomplete
         self._guard_cycle: Any = None  # the cycle the timer last saw
         self._guard_since: float | None = time.monotonic()
+        self._guard_paused_at = 0.0  # when the transport last asked us to stop writing
+        self._guard_closing_since: float | None = None  # closed with an answer still unsent
+        self._guard_cycles: list[Any] = []  # requests parsed and not yet answered (pipelined ones too)
         self._guard_refused = self.max_connections is not None and len(self.connections) > self.max_connections
         if self._guard_refused:
             self._guard_refuse()
@@ -79,6 +84,23 @@ class _Guard:
             timer.cancel()
         super().connection_lost(exc)  # type: ignore[misc]
 
+    def pause_writing(self) -> None:
+        super().pause_writing()  # type: ignore[misc]
+        self._guard_paused_at = time.monotonic()
+
+    def _write_stalled(self, now: float) -> bool:
+        """Whether the client has taken nothing of what it is sent for :data:`READ_TIMEOUT_S`: the
+        transport has asked us to stop writing since, or the connection was closed with an answer
+        it has not read (close() waits for the client to read it all)."""
+        flow = getattr(self, "flow", None)
+        if flow is not None and flow.write_paused:
+            return now - self._guard_paused_at > READ_TIMEOUT_S
+        if self.transport.is_closing() and self.transport.get_write_buffer_size():
+            if self._guard_closing_since is None:
+                self._guard_closing_since = now
+            return now - self._guard_closing_since > READ_TIMEOUT_S
+        return False
+
     def _in_head(self) -> bool:
         c = self.cycle
         return c is None or c.response_complete
@@ -92,6 +114,9 @@ class _Guard:
             return
         if self.cycle is not before or not self._in_head():
             self._guard_head = 0  # a new head was parsed (its body may be in this chunk)
+            if self.cycle is not before:  # (several at once when pipelined: the rest are queued)
+                queued = [c for c, _ in getattr(self, "pipeline", ())]
+                self._guard_cycles = [c for c in {*self._guard_cycles, *queued, self.cycle} if not c.response_complete]
             return
         self._guard_head += len(data)
         if self._guard_head > MAX_HEAD_BYTES:
@@ -101,11 +126,28 @@ class _Guard:
 
     def _guard_tick(self) -> None:
         self._guard_timer = None
+        now = time.monotonic()
+        # A client that sends requests and never reads the answers (pipelined, or one whose
+        # answer outgrows the socket buffers) held its connection for ever: enough of them took
+        # every place under --max-connections, and each closed one kept its descriptor.
+        if self._write_stalled(now):
+            # uvicorn marks only the newest request disconnected: one answered before it (pipelined)
+            # then wrote to the aborted transport, a RuntimeError under uvloop.
+            for c in self._guard_cycles:
+                if not c.response_complete:
+                    c.disconnected = True
+            self.transport.abort()
+            return
         if self.transport.is_closing():
+            if self.transport.get_write_buffer_size():  # until it is read, or it stalls
+                self._guard_timer = self.loop.call_later(_TICK_S, self._guard_tick)
+            return
+        flow = getattr(self, "flow", None)
+        if flow is not None and flow.write_paused:  # an answer under way: the read timeout waits
+            self._guard_timer = self.loop.call_later(_TICK_S, self._guard_tick)
             return
         c = self.cycle
         reading = self._in_head() or bool(c.more_body)
-        now = time.monotonic()
         if not reading:
             self._guard_since = None
         elif self._guard_since is None or c is not self._guard_cycle:
