@@ -499,6 +499,15 @@ def test_a_big_body_is_parsed_off_the_event_loop(client, monkeypatch):
     r = post_score(client, b"{" + b",".join(b'"k%d":1' % i for i in range(50_000)) + b',"k0":2}')
     assert r.status_code == 422 and "duplicate key 'k0'" in r.text
     assert seen == [(len(big), False), (len(SCORE), True), (seen[2][0], False)], seen
+    # in threads of their own (4): a burst of them does not take the threads /healthz runs in
+    import anyio.to_thread
+
+    limiters = []
+    run_sync = anyio.to_thread.run_sync
+    monkeypatch.setattr(anyio.to_thread, "run_sync",
+                        lambda fn, *a, limiter=None, **k: (limiters.append(limiter), run_sync(fn, *a, limiter=limiter, **k))[1])
+    assert post_score(client, big).status_code == 200
+    assert limiters and limiters[0] is client.app.state.parse_threads and limiters[0].total_tokens == 4, limiters
 
 
 @pytest.fixture

@@ -90,8 +90,10 @@ class _StrictJSONRequest(Request):
     async def json(self) -> Any:
         if not hasattr(self, "_json"):
             body = await self.body()
-            self._json = await anyio.to_thread.run_sync(_strict_json, body) if len(body) > OFF_LOOP_BYTES \
-                else _strict_json(body)
+            # In threads of their own: many at once would take the pool's every thread, where
+            # /healthz and /score run.
+            self._json = await anyio.to_thread.run_sync(_strict_json, body, limiter=self.app.state.parse_threads) \
+                if len(body) > OFF_LOOP_BYTES else _strict_json(body)
         return self._json
 
 
@@ -221,6 +223,7 @@ def create_app(service: IndexerService, *, own_service: bool = False) -> FastAPI
         ),
     )
     app.router.route_class = _StrictJSONRoute
+    app.state.parse_threads = anyio.CapacityLimiter(4)  # big bodies' (_StrictJSONRequest)
     app.add_middleware(BodyLimit, max_bytes=cfg.max_body_bytes)
 
     def require_admin(authorization: str | None = Header(None)) -> None:
