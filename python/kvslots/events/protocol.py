@@ -179,7 +179,7 @@ def offset_endpoint_port(endpoint: str | None, data_parallel_rank: int) -> str |
 
 def check_endpoint(endpoint: str, name: str = "endpoint", data_parallel_rank: int = 0) -> str:
     """The rule for every endpoint a publisher or subscriber is given: text without a NUL
-    that starts with one of ``SCHEMES``, whose TCP port (shifted by ``data_parallel_rank``) is
+    that starts with one of ``SCHEMES``, whose TCP host has no space or control character, whose TCP port (shifted by ``data_parallel_rank``) is
     at most 65535 and whose bracketed TCP host, if any, is an IPv6 address
     (``tcp://[::1]:5557``; see :func:`is_ipv6`).
     Raises :class:`ArgumentTypeError` or :class:`InvalidArgumentError` naming ``name``; what
@@ -194,6 +194,10 @@ def check_endpoint(endpoint: str, name: str = "endpoint", data_parallel_rank: in
         raise InvalidArgumentError(f"{name} {brief(endpoint)}: contains a NUL character")
     if endpoint.startswith("tcp://"):
         host, _, port = endpoint[len("tcp://"):].rpartition(":")
+        if not host.isprintable() or any(c.isspace() for c in host):
+            # No host or interface name holds one: ZMQ failed only when the socket was made
+            # (in vLLM's engine, for an endpoint kvslots serve passed on).
+            raise InvalidArgumentError(f"{name} {brief(endpoint)}: the host contains spaces or control characters")
         if host.startswith("["):
             try:
                 _bracketed_ipv6(host)
