@@ -6,6 +6,7 @@ starts -- not vLLM's ZMQ error once the engine is loaded."""
 from __future__ import annotations
 
 import json
+import os
 import sys
 
 import pytest
@@ -186,6 +187,30 @@ def test_disk_path_directory_or_not_yet_made_passes(capsys, tmp_path):
     for path in (str(tmp_path), str(tmp_path / "new")):
         code, out, err = _serve(capsys, "--disk-path", path)
         assert code == 0, err
+
+
+@pytest.mark.parametrize(("config", "problem"), [
+    ("[1]", "must be a JSON object"),
+    ('{"model_type": NaN}', "finite number"),
+    ('{"a": 1, "a": 2}', "duplicate key"),
+    ("fifo", "config.json"),
+])
+def test_a_draft_directory_whose_config_json_cannot_be_read_is_one_line_exit_2(capsys, tmp_path, config, problem):
+    # vLLM reads it when the engine starts: it failed there, after kvslots serve had started it.
+    draft = tmp_path / "draft"
+    draft.mkdir()
+    if config == "fifo":
+        os.mkfifo(draft / "config.json")
+    elif config is not None:
+        (draft / "config.json").write_text(config)
+    spec = json.dumps({"method": "eagle", "model": str(draft), "num_speculative_tokens": 3})
+    code, out, err = _serve(capsys, "--speculative-config", spec)
+    assert code == 2 and out == "" and err.count("\n") == 1, err
+    assert "speculative_config.model" in err and problem in err, err
+    (draft / "config.json").unlink(missing_ok=True)
+    (draft / "config.json").write_text('{"model_type": "eagle"}')
+    code, out, err = _serve(capsys, "--speculative-config", spec)
+    assert code == 0, err
 
 
 @pytest.fixture

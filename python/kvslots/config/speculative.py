@@ -316,12 +316,21 @@ def check_draft_model(draft: str, field: str, source: str | None = None, what: s
     """A draft (or, with ``what``, another) model reference, ``field`` naming where it was given:
     a local directory or a Hub id, which vLLM looks up itself. A path that certainly names no
     directory (``"missing"``, ``"not_dir"``) is a :class:`~kvslots.ConfigError`. What vLLM is to
-    get is the result's :attr:`ModelRef.argument`."""
+    get is the result's :attr:`ModelRef.argument`. A local directory's config.json, if it has one,
+    must be one kvslots' reader accepts."""
     ref = classify_model(draft)
     if ref.kind == "missing":
         raise ConfigError(f"{what} directory {draft!r} does not exist", field, source)
     if ref.kind == "not_dir":
         raise ConfigError(f"{what} {draft!r} is not a directory", field, source)
+    if ref.is_local and ref.config is None and os.path.lexists(os.path.join(ref.path, "config.json")):
+        # vLLM reads it when the engine starts: one kvslots cannot read (not JSON, an array,
+        # NaN, a key twice, a FIFO) failed there, after start-up. (A directory without one may
+        # still be filled before the engine starts: convert-config's output is used elsewhere.)
+        try:
+            read_model_config(ref.path, what)
+        except ConfigError as e:
+            raise ConfigError(f"{what}: {e}", field, source) from e
     return ref
 
 
