@@ -430,6 +430,20 @@ def _get(s, path: bytes = b"/healthz") -> bytes:
     return head + b"\r\n\r\n" + body
 
 
+def _wait_for_a_place(connect, timeout: float, every: float, why: str) -> None:
+    """Until a new connection is served (a 200, not the 503 past the cap)."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while True:
+        s = connect()
+        s.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        if _read_all(s).startswith(b"HTTP/1.1 200"):
+            return
+        assert time.monotonic() < deadline, why
+        time.sleep(every)
+
+
 @pytest.fixture
 def capped_server():
     yield from _serve(max_connections=3)
@@ -455,14 +469,7 @@ def test_a_connection_past_the_cap_is_a_503_at_once(capped_server, sends):
     for s in held:  # the three within the cap still work
         assert _get(s).startswith(b"HTTP/1.1 200")
     held.pop().close()  # a place is free again
-    deadline = time.monotonic() + 5
-    while True:
-        s = capped_server()
-        s.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
-        if _read_all(s).startswith(b"HTTP/1.1 200"):
-            break
-        assert time.monotonic() < deadline, "no connection was taken after one closed"
-        time.sleep(0.1)
+    _wait_for_a_place(capped_server, 5, 0.1, "no connection was taken after one closed")
 
 
 @pytest.mark.parametrize("method, path", [("POST", "/score/"), ("GET", "/workers/"), ("GET", "/healthz/"),
@@ -542,14 +549,8 @@ def test_clients_that_never_read_their_answers_do_not_hold_the_connections(cappe
         readers.append(s)
         threading.Thread(target=send, args=(s,), daemon=True).start()
     time.sleep(1)
-    deadline = time.monotonic() + 15
-    while True:  # a 503 while the three are held; a 200 once they are dropped
-        s = capped_quick_server()
-        s.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
-        if _read_all(s).startswith(b"HTTP/1.1 200"):
-            break
-        assert time.monotonic() < deadline, "the connections that read nothing are still held"
-        time.sleep(0.5)
+    # A 503 while the three are held; a 200 once they are dropped.
+    _wait_for_a_place(capped_quick_server, 15, 0.5, "the connections that read nothing are still held")
     for s in readers:
         s.close()
 
