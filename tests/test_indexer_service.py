@@ -459,8 +459,9 @@ def test_endpoint_rule_is_one_for_cli_yaml_and_http(endpoint, tmp_path):
         build_config(argparse.Namespace(config=str(f)))
 
 
-def test_subscription_failure_leaves_nothing(harness, monkeypatch):
+def test_subscription_failure_leaves_nothing(harness, monkeypatch, caplog):
     import errno
+    import logging
 
     import zmq
 
@@ -475,18 +476,22 @@ def test_subscription_failure_leaves_nothing(harness, monkeypatch):
     before = state()
     real_add = svc.sub.add
     body = {"name": "x", "endpoint": "tcp://127.0.0.1:1"}
-    for exc, status in ((zmq.ZMQError(errno.EINVAL), 422),  # the address: the client's fault
-                        (zmq.ZMQError(errno.EMFILE), 503),  # out of sockets: the server's
-                        (RuntimeError("boom"), 503)):
+    for exc, status, says in ((zmq.ZMQError(errno.EINVAL), 422, "cannot subscribe"),  # the address: the client's fault
+                              (zmq.ZMQError(errno.EMFILE), 503, "out of file descriptors"),  # the server's limit
+                              (RuntimeError("boom"), 503, "RuntimeError")):
         def failing_add(spec, exc=exc):
             if spec.name == "x":
                 raise exc
             return real_add(spec)
 
         monkeypatch.setattr(svc.sub, "add", failing_add)
-        r = h.client.post("/workers", json=body, headers=auth)
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="kvslots.indexer"):
+            r = h.client.post("/workers", json=body, headers=auth)
         assert r.status_code == status, r.text
-        assert isinstance(r.json()["detail"], str) and "\n" not in r.json()["detail"]
+        assert isinstance(r.json()["detail"], str) and "\n" not in r.json()["detail"] and says in r.json()["detail"]
+        # Out of descriptors is one line in the log, not a traceback per add.
+        assert any(rec.exc_info for rec in caplog.records) == (says == "RuntimeError"), caplog.records
         assert state() == before
     monkeypatch.setattr(svc.sub, "add", real_add)
     r = h.client.post("/workers", json=body, headers=auth)  # the name is free again

@@ -20,8 +20,9 @@ from pydantic_core import PydanticCustomError
 from ..config.loader import brief, loads_strict_json
 from ..errors import InvalidArgumentError
 from .config import ConfigError, WorkerSpec
+from .fds import out_of_fds_message
 from .httpguard import BodyLimit
-from .service import IndexerService
+from .service import IndexerService, _out_of_fds
 
 log = logging.getLogger("kvslots.indexer")
 
@@ -293,6 +294,10 @@ def create_app(service: IndexerService, *, own_service: bool = False) -> FastAPI
         except service.backend.unavailable as e:
             raise _unavailable(e) from None
         except Exception as e:  # a server-side failure to subscribe (rolled back)
+            if _out_of_fds(e):  # the server's limit, said in one line: a burst of adds logged a traceback each
+                log.warning("worker %s not added: %s", spec.name, out_of_fds_message())
+                raise HTTPException(503, f"worker {spec.name!r} not added: the indexer is {out_of_fds_message()}; "
+                                         "remove workers or raise its limit") from None
             log.exception("worker %s not added", spec.name)
             raise HTTPException(503, f"worker {spec.name!r} not added: cannot subscribe to its stream now "
                                      f"({type(e).__name__})") from None
