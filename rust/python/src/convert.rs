@@ -484,11 +484,7 @@ pub(crate) fn tuples<R>(
         let it = it.map_err(|e| from_callback(py, e, not_seq()))?;
         let it = &it;
         let name = format!("{what}[{i}]");
-        let fields: Vec<Bound<'_, PyAny>> = if let Ok(t) = it.cast::<PyTuple>() {
-            t.iter().collect()
-        } else if let Ok(l) = it.cast::<PyList>() {
-            l.iter().collect()
-        } else {
+        let Some(fields) = list_or_tuple_items(it) else {
             return Err(type_error(
                 None,
                 format!(
@@ -515,6 +511,17 @@ pub(crate) fn tuples<R>(
         out.push(v);
     }
     Ok(out)
+}
+
+/// The items of a list or tuple, read in place (no iterator protocol); `None` for anything else.
+pub(crate) fn list_or_tuple_items<'py>(obj: &Bound<'py, PyAny>) -> Option<Vec<Bound<'py, PyAny>>> {
+    if let Ok(t) = obj.cast::<PyTuple>() {
+        Some(t.iter().collect())
+    } else if let Ok(l) = obj.cast::<PyList>() {
+        Some(l.iter().collect())
+    } else {
+        None
+    }
 }
 
 /// `[(hash, block)]` pairs as the host cache's pending stores.

@@ -17,7 +17,7 @@ use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyList, PyString, PyTuple};
 
-use crate::convert::{arg, count, flag, opt_ints, show, text, type_name, IntArg};
+use crate::convert::{arg, count, flag, list_or_tuple_items, opt_ints, show, text, type_name, IntArg};
 use crate::errors::{
     borrow, borrow_mut, busy, invalid, reading_error, slot_error as err, type_error,
     ArgumentTypeError,
@@ -738,11 +738,7 @@ impl DeviceKVManager {
         // A list or tuple, as vLLM passes (pyo3's Vec extraction let a builtin TypeError escape
         // for anything else, and iterating any iterable ran to the end of a broadcast numpy
         // array of 2**40 items).
-        let items = if let Ok(l) = statuses.cast::<PyList>() {
-            l.iter().collect::<Vec<_>>()
-        } else if let Ok(t) = statuses.cast::<PyTuple>() {
-            t.iter().collect()
-        } else {
+        let Some(items) = list_or_tuple_items(statuses) else {
             return Err(type_error(
                 None,
                 format!(
