@@ -13,6 +13,7 @@ import pytest
 
 from kvslots import _core
 from kvslots.errors import ArgumentTypeError, InvalidArgumentError, KVSlotsError
+from test_bindings_robust import _DeviceReq  # what DeviceKVManager reads of a vLLM Request
 
 # Run in a child: before the fix one call aborted the interpreter (Rust's allocation failure
 # handler) and another never returned.
@@ -113,14 +114,6 @@ def test_score_blocks_eagle_iterator_that_raises_is_a_kvslots_error():
     assert (ix.dump(), ix.workers(), ix.worker_eagle("w")) == before
 
 
-class _Req:
-    def __init__(self, rid, n=8, bs=4):
-        self.request_id = rid
-        self.num_computed_tokens = 0
-        self._all_token_ids = list(range(1, n + 1))
-        self.block_hashes = [bytes([i + 1]) * 32 for i in range(n // bs)]
-
-
 def test_watermark_statuses_are_a_list_or_tuple():
     """pyo3's Vec extraction raised a builtin TypeError for a non-sequence."""
     m = _core.DeviceKVManager(16, 4, max_model_len=64, watermark_blocks=2)
@@ -129,7 +122,7 @@ def test_watermark_statuses_are_a_list_or_tuple():
             m._set_watermark_statuses(bad)
     m._set_watermark_statuses(("WAITING",))
     m._set_watermark_statuses(["WAITING", "PREEMPTED"])
-    running = _Req("a")
+    running = _DeviceReq("a")
     running.status = "RUNNING"  # the watermark reads each request's status now
     assert m.allocate_slots(running, 8) is not None and m.check_invariants() is None
 
@@ -140,11 +133,11 @@ def test_the_base_device_manager_records_evictions_without_a_hook():
     raised a builtin AttributeError, its new blocks lost to the caller. Now the allocation
     returns its blocks and the evictions wait in ``drain_evicted``."""
     m = _core.DeviceKVManager(8, 4, max_model_len=64, record_evictions=True)
-    a = _Req("a")
+    a = _DeviceReq("a")
     assert m.allocate_slots(a, 8).get_block_ids() == ([1, 2],)
     m.cache_blocks(a, 8)  # registers blocks 1, 2
     m.free(a)
-    b = _Req("b", 28)
+    b = _DeviceReq("b", 28)
     blocks = m.allocate_slots(b, 28)  # needs every free block: evicts a's cached ones
     assert blocks is not None and len(blocks.get_block_ids()[0]) == 7
     assert len(m.drain_evicted()) == 2
