@@ -292,6 +292,11 @@ class BlockCopier:
         self._staging: list[tuple[torch.Tensor, list[torch.Tensor]]] = []  # (buffer, view per group)
         self._bus_done = [torch.cuda.Event() for _ in range(nbuf)] if is_cuda else []
         self._kernels_done = [[torch.cuda.Event() for _ in self._kernel_streams] for _ in range(nbuf)]
+        # Reused for every cross-stream wait: ``wait_stream`` makes a new CUDA event per call, 1.7-4x
+        # the host time of recording one that exists (H100, benches/profiling/cuda_small_copies.py).
+        # Re-recording is safe: a wait already queued keeps the record it was queued against.
+        self._compute_mark = torch.cuda.Event() if is_cuda else None
+        self._bus_mark = torch.cuda.Event() if is_cuda else None
         # Stores of at most this many bytes skip the staging buffers (-1: never).
         self._direct_max_bytes = -1
         if self._fused is not None and self._host.is_pinned():
@@ -472,16 +477,15 @@ class BlockCopier:
             )
         # A destination block written twice would make the result depend on copy order.
         dst, name = (host, "host_blocks") if to_host else (dev, "device_blocks")
-        if len(dst) > 1:
+        if len(set(dst.tolist())) < len(dst):  # a set: for a small copy, a tenth of an argsort's time
             order = np.argsort(dst, kind="stable")
             sd = dst[order]
-            dup = np.flatnonzero(sd[1:] == sd[:-1])
-            if dup.size:
-                i, j = int(order[dup[0]]), int(order[dup[0] + 1])
-                raise InvalidArgumentError(
-                    f"{name}[{j}] = {int(dst[j])} repeats {name}[{i}]; a destination block may be "
-                    "written only once per copy"
-                )
+            first = int(np.flatnonzero(sd[1:] == sd[:-1])[0])
+            i, j = int(order[first]), int(order[first + 1])
+            raise InvalidArgumentError(
+                f"{name}[{j}] = {int(dst[j])} repeats {name}[{i}]; a destination block may be "
+                "written only once per copy"
+            )
         return dev, host
 
     def _copy(self, dev: np.ndarray, host: np.ndarray, *, to_host: bool) -> Transfer:
@@ -499,10 +503,8 @@ class BlockCopier:
         # Only the kernels touch the layers, so only they wait for the compute stream: a store
         # must see the KV the forward wrote, a load must not overwrite blocks earlier kernels may
         # still read. Host <-> staging copies start at once.
-        compute = torch.cuda.current_stream(self._device)
         first, *others = self._kernel_streams
-        for s in self._kernel_streams:
-            s.wait_stream(compute)
+        self._after_compute(self._kernel_streams)
         self._copy_torch(dev, host, to_host)
         # The last step of a store is its last device -> host copy (after every gather); of a
         # load, the last scatters, joined on the first kernel stream.
@@ -526,9 +528,10 @@ class BlockCopier:
             self._fused.move_direct(self._host, ids[0], ids[1], to_host=to_host)
             return Transfer(nbytes)
         s = self._kernel_streams[0]
-        s.wait_stream(torch.cuda.current_stream(self._device))
-        s.wait_stream(self._stream)
-        with torch.cuda.stream(s):
+        self._after_compute([s])
+        self._bus_mark.record(self._stream)
+        s.wait_event(self._bus_mark)
+        with self._stream_ctx(s):
             ids = ids.pin_memory().to(self._device, non_blocking=True)
             self._fused.move_direct(self._host, ids[0], ids[1], to_host=to_host)
         event = torch.cuda.Event()
@@ -635,9 +638,15 @@ class BlockCopier:
                     stage[i:j].copy_(self._host[h0 : h0 + j - i], non_blocking=cuda)
             self._mark(self._stream, bus_done)
 
+    def _after_compute(self, streams: list[Any]) -> None:
+        """Makes ``streams`` wait, on the device, for what the compute stream has queued so far."""
+        self._compute_mark.record(torch.cuda.current_stream(self._device))
+        for s in streams:
+            s.wait_event(self._compute_mark)
+
     @staticmethod
     def _stream_ctx(stream: Any) -> Any:
-        return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
+        return _OnStream(stream) if stream is not None else contextlib.nullcontext()
 
     @staticmethod
     def _after(stream: Any, event: Any) -> None:
@@ -657,11 +666,37 @@ class BlockCopier:
         )
 
 
+class _OnStream:
+    """``torch.cuda.stream(s)`` at less than half its host time (the copies switch streams several
+    times per call; H100, benches/profiling/cuda_small_copies.py): saves and restores the current
+    stream of ``s``'s own device, as torch's context does when that device is the current one."""
+
+    __slots__ = ("_prev", "_stream")
+
+    def __init__(self, stream: Any):
+        self._stream = stream
+
+    def __enter__(self) -> None:
+        self._prev = torch.cuda.current_stream(self._stream.device_index)
+        torch.cuda.set_stream(self._stream)
+
+    def __exit__(self, *exc: object) -> None:
+        torch.cuda.set_stream(self._prev)
+
+
 def _runs(ids: np.ndarray) -> list[tuple[int, int, int]]:
-    """``(i, j, ids[i])`` for each run ``ids[i:j]`` of consecutive ids (one bus copy each)."""
-    cuts = (np.flatnonzero(np.diff(ids) != 1) + 1).tolist()
-    starts = [0, *cuts]
-    return list(zip(starts, [*cuts, len(ids)], ids[starts].tolist()))
+    """``(i, j, ids[i])`` for each run ``ids[i:j]`` of consecutive ids (one bus copy each).
+    A Python loop: for the few ids of a small copy, a sixth of numpy's host time."""
+    ids = ids.tolist()
+    runs = []
+    i = 0
+    for j in range(1, len(ids)):
+        if ids[j] != ids[j - 1] + 1:
+            runs.append((i, j, ids[i]))
+            i = j
+    if ids:
+        runs.append((i, len(ids), ids[i]))
+    return runs
 
 
 def _as_ids(ids: Ids, name: str, limit: int, kind: str) -> np.ndarray:
