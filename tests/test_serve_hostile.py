@@ -509,7 +509,7 @@ def test_ctrl_c_before_vllm_starts_is_one_line_and_status_130(capsys, monkeypatc
         pytest.fail("the KeyboardInterrupt escaped kvslots serve (a traceback)")
     assert code == 130, (code, err)
     assert err == "kvslots serve: interrupted before vLLM started\n", err
-    assert out.count("\n") == (where == "check_listen")  # the command, printed before the address check
+    assert out == ""  # the command is printed only once every check passed
 
 
 def _serve_in_a_child(patches: str, timeout: float):

@@ -69,9 +69,10 @@ def run(args: argparse.Namespace) -> int:
         args.file, model=args.model, speculators_dir=args.speculators_dir, verifier=args.verifier
     )
     text = _render(result, args.format)
-    if not args.quiet:
-        for line in result.notes():
-            print(one_line(line), file=sys.stderr)  # a key from the file may hold a newline or an escape
+    # Every check, and writing the output, comes before the notes: an error is then the only
+    # line on stderr (the warnings and ignored keys came first when --check or -o failed).
+    if args.output is not None and not args.output:  # was taken as no -o: stdout
+        raise ConfigError("an empty path names no file", "-o/--output")
     if args.check:
         # A failed check is bad input like any other: one line, exit status 2 (it was 1).
         try:
@@ -83,38 +84,46 @@ def run(args: argparse.Namespace) -> int:
         except Exception as e:  # vLLM's own validation errors
             first = str(e).splitlines()[0] if str(e) else ""
             raise ConfigError(f"vLLM rejected the arguments: {type(e).__name__}: {first}") from None
-        if not args.quiet:
-            print("checked: vLLM accepts the arguments", file=sys.stderr)
     if args.output is not None:
-        if not args.output:  # was taken as no -o: stdout
-            raise ConfigError("an empty path names no file", "-o/--output")
-        created = False
-        try:
-            # O_NONBLOCK for the open only: a FIFO nobody reads is ENXIO, not a wait without end
-            # (it hung); one with a reader (-o >(cmd)) is then written as a blocking pipe.
-            flags = os.O_WRONLY | os.O_CREAT | os.O_NONBLOCK | os.O_CLOEXEC
-            try:
-                fd = os.open(args.output, flags | os.O_EXCL, 0o666)
-                created = True
-            except FileExistsError:
-                fd = os.open(args.output, flags | os.O_TRUNC, 0o666)
-            os.set_blocking(fd, True)
-            with open(fd, "w", encoding="utf-8") as f:
-                f.write(text)
-        except OSError as e:
-            if created:  # a file this run made and could not fill (a full disk, ulimit -f): not left behind
-                try:
-                    os.unlink(args.output)
-                except OSError:
-                    pass
-            why = "a FIFO that nobody reads" if e.errno == errno.ENXIO else e.strerror or e
-            raise ConfigError(f"cannot write: {why}", None, args.output) from None
-        except ValueError:  # a NUL or a lone surrogate in the path (open's ValueError was a traceback)
-            why = "a NUL" if "\0" in args.output else "a lone surrogate, which no file name holds,"
-            raise ConfigError(f"cannot write: {why} in the path", None, args.output) from None
+        _write(args.output, text)
     else:
-        output().write(text)
+        out = output()
+        out.write(text)
+        out.flush()  # a closed pipe or a full disk is the error line, before any note
+    if not args.quiet:
+        for line in result.notes():
+            print(one_line(line), file=sys.stderr)  # a key from the file may hold a newline or an escape
+        if args.check:
+            print("checked: vLLM accepts the arguments", file=sys.stderr)
     return 0
+
+
+def _write(path: str, text: str) -> None:
+    """Writes ``text`` to the file ``path`` (-o); a ConfigError naming it if that fails."""
+    created = False
+    try:
+        # O_NONBLOCK for the open only: a FIFO nobody reads is ENXIO, not a wait without end
+        # (it hung); one with a reader (-o >(cmd)) is then written as a blocking pipe.
+        flags = os.O_WRONLY | os.O_CREAT | os.O_NONBLOCK | os.O_CLOEXEC
+        try:
+            fd = os.open(path, flags | os.O_EXCL, 0o666)
+            created = True
+        except FileExistsError:
+            fd = os.open(path, flags | os.O_TRUNC, 0o666)
+        os.set_blocking(fd, True)
+        with open(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+    except OSError as e:
+        if created:  # a file this run made and could not fill (a full disk, ulimit -f): not left behind
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
+        why = "a FIFO that nobody reads" if e.errno == errno.ENXIO else e.strerror or e
+        raise ConfigError(f"cannot write: {why}", None, path) from None
+    except ValueError:  # a NUL or a lone surrogate in the path (open's ValueError was a traceback)
+        why = "a NUL" if "\0" in path else "a lone surrogate, which no file name holds,"
+        raise ConfigError(f"cannot write: {why} in the path", None, path) from None
 
 
 __all__ = ["add_parser", "run"]

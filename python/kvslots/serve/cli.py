@@ -226,16 +226,20 @@ def run(args: argparse.Namespace) -> int:
 
 def _run(args: argparse.Namespace) -> int:
     plan = build_plan(args)
+    # Every check comes before the first line is printed: an error is then the only line (a
+    # note and the vLLM command came first when the address check below failed).
+    out = output() if args.dry_run else sys.stdout  # output(): stdout closed is an error of --dry-run
+    if not args.dry_run:
+        # vLLM would find a port in use or a host that does not resolve only once it runs (its
+        # traceback, exit status 1): one line here instead, before anything starts.
+        check_listen(plan.host if plan.host is not None else DEFAULT_HOST,
+                     plan.port if plan.port is not None else DEFAULT_PORT)
     if not args.quiet:
         for line in plan.notes:
             print(one_line(f"{PROG}: {line}"), file=sys.stderr)  # a YAML key may hold a newline or an escape
-    print(plan.shell(), file=output() if args.dry_run else sys.stdout, flush=True)  # output(): stdout closed
+    print(plan.shell(), file=out, flush=True)
     if args.dry_run:
         return 0
-    # vLLM would find a port in use or a host that does not resolve only once it runs (its
-    # traceback, exit status 1): one line here instead, before anything starts.
-    check_listen(plan.host if plan.host is not None else DEFAULT_HOST,
-                 plan.port if plan.port is not None else DEFAULT_PORT)
     if not args.quiet:
         sub = plan.events_subscribe_endpoint()
         if sub:
