@@ -177,6 +177,16 @@ def offset_endpoint_port(endpoint: str | None, data_parallel_rank: int) -> str |
     raise InvalidArgumentError(f"invalid endpoint {endpoint!r}: expected tcp://, ipc:// or inproc://")
 
 
+def host_problem(host: str) -> str | None:
+    """Why ``host`` can name no host or interface (None: it may): a space or a control character
+    (a lone surrogate included), which no host name, address or interface name holds. The one
+    home of this rule: a TCP endpoint's host (:func:`check_endpoint`) and the address
+    ``kvslots serve --host`` gives vLLM's server."""
+    if not host.isprintable() or any(c.isspace() for c in host):
+        return "the host contains spaces or control characters"
+    return None
+
+
 def check_endpoint(endpoint: str, name: str = "endpoint", data_parallel_rank: int = 0) -> str:
     """The rule for every endpoint a publisher or subscriber is given: text without a NUL
     that starts with one of ``SCHEMES``, whose TCP host has no space or control character, whose TCP port (shifted by ``data_parallel_rank``) is
@@ -194,10 +204,11 @@ def check_endpoint(endpoint: str, name: str = "endpoint", data_parallel_rank: in
         raise InvalidArgumentError(f"{name} {brief(endpoint)}: contains a NUL character")
     if endpoint.startswith("tcp://"):
         host, _, port = endpoint[len("tcp://"):].rpartition(":")
-        if not host.isprintable() or any(c.isspace() for c in host):
-            # No host or interface name holds one: ZMQ failed only when the socket was made
-            # (in vLLM's engine, for an endpoint kvslots serve passed on).
-            raise InvalidArgumentError(f"{name} {brief(endpoint)}: the host contains spaces or control characters")
+        problem = host_problem(host)
+        if problem:
+            # ZMQ failed only when the socket was made (in vLLM's engine, for an endpoint
+            # kvslots serve passed on).
+            raise InvalidArgumentError(f"{name} {brief(endpoint)}: {problem}")
         if host.startswith("["):
             try:
                 _bracketed_ipv6(host)

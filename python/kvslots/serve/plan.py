@@ -23,7 +23,9 @@ from typing import Any
 
 from ..config.speculative import classify_model, drops_eagle_block, read_model_config, resolve_speculative_config
 from ..config.vllm_args import MAX_PARALLEL_SIZE, brief, check_exec_strings, engine_flag, flag_name, to_json
-from ..errors import ServeError
+from .._args import text
+from ..errors import KVSlotsError, ServeError
+from ..events.protocol import host_problem
 from ..vllm.cpu_cores import connector_cpu_env, vllm_is_cpu_build
 from .connector import CONNECTOR_NAME, connector_config
 from .events import events_config, replay_connect_endpoint, subscribe_endpoint
@@ -123,6 +125,31 @@ def _check_model(model: str) -> tuple[str, bool, bool]:
     return ref.argument, ref.is_local, ref.is_speculators
 
 
+#: The longest host name (DNS: 253 characters without the root's dot).
+MAX_HOST_LENGTH = 253
+
+
+def _check_host(host: str, name: str) -> None:
+    """The address vLLM's HTTP server listens on: text (no lone surrogate), not empty, at most
+    :data:`MAX_HOST_LENGTH` characters, and no space or control character (the events
+    endpoints' rule, :func:`~kvslots.events.protocol.host_problem`). A host with a space went
+    into the vLLM command (--dry-run) and failed only in vLLM's server. Whether it resolves and
+    can be listened on is checked before vLLM starts (``check_listen``)."""
+    try:
+        text(host, name)
+    except KVSlotsError as e:
+        raise ServeError(str(e)) from None
+    if not host:
+        raise ServeError(f"{name}: an empty host names no address (leave --host out for {DEFAULT_HOST}, "
+                         "or give 0.0.0.0 for every interface)")
+    if len(host) > MAX_HOST_LENGTH:
+        raise ServeError(f"{name} {brief(host)!r}: a host name has at most {MAX_HOST_LENGTH} characters, "
+                         f"got {len(host)}")
+    problem = host_problem(host)
+    if problem:
+        raise ServeError(f"{name} {brief(host)!r}: {problem}")
+
+
 def _is_kvslots_scheduler(name: str) -> bool:
     """Whether a ``--scheduler-cls`` value names a kvslots scheduler (scheduler mode)."""
     module, _, cls = name.strip().rpartition(".")
@@ -217,6 +244,10 @@ def build_plan(args: argparse.Namespace, *, python: str | None = None) -> ServeP
     # ------------------------------------------------------------------ host and port
     host, port = args.host, args.port
     tail_host, tail_port = tail_value("host"), tail_value("port")
+    if host is not None:
+        _check_host(host, "--host")
+    if tail_host is not None:
+        _check_host(tail_host, "after --: --host")
     if host is not None and tail_host is not None and tail_host != host:
         raise ServeError(f"--host {host} conflicts with --host {tail_host} after --")
     if port is not None and tail_port is not None and tail_port != str(port):
