@@ -5,6 +5,8 @@ is one the indexer can have, a decode worker's 5xx to /v1/models is a 502 (never
 
 from __future__ import annotations
 
+import json
+
 import httpx
 import pytest
 
@@ -299,3 +301,48 @@ def test_a_big_body_is_parsed_and_encoded_off_the_event_loop(monkeypatch):
     seen.clear()
     assert c.post("/v1/completions", json={"prompt": [1, 2]}).status_code == 200  # a small one: where it is
     assert seen and all(loop for _, loop in seen), seen
+
+
+def _many(item: bytes, size: int, head: bytes = b'{"prompt":[', tail: bytes = b"]}") -> bytes:
+    n = (size - len(head) - len(tail)) // (len(item) + 1)
+    return head + b",".join([item] * n) + tail
+
+
+@pytest.mark.parametrize("body, says", [
+    (_many(b"[]", 3 * 2**20), "arrays and objects; at most 131072"),
+    (_many(b"{}", 3 * 2**20), "arrays and objects; at most 131072"),
+    (_many(b"[]", 3 * 2**20, b"[", b"]"), "arrays and objects; at most 131072"),
+    (_many(b'""', 3 * 2**20), "strings (keys included); at most 524288"),
+    (b"{" + b",".join(b'"k%d":1' % i for i in range(600_000)) + b"}", "strings (keys included)"),
+], ids=["a million []", "a million {}", "top-level array of []", "a million strings", "600,000 keys"])
+def test_a_body_of_more_containers_or_strings_than_a_request_holds_is_a_400_unparsed(monkeypatch, body, says):
+    # Parsing holds the GIL, in a worker thread too: 30 MB of empty arrays took 15 s and held
+    # every other request, /healthz too, for 6 s; 30 MB of empty strings 3 s and 1.4 s.
+    from kvslots.proxy import app as app_module
+
+    parsed = []
+    monkeypatch.setattr(app_module, "loads_strict_json", lambda raw: parsed.append(len(raw)))
+    c = _client(lambda r: pytest.fail("a backend was called"))
+    r = c.post("/v1/completions", content=body, headers={"content-type": "application/json"})
+    assert r.status_code == 400 and says in r.json()["error"], (r.status_code, r.text[:300])
+    assert parsed == []
+
+
+def test_big_good_bodies_still_pass_the_shape_check():
+    # Brackets and quotes in the text are not structure: a 2 MB message of them, and a chat of
+    # 10,000 messages, go through.
+    got = []
+
+    def handler(request):
+        got.append(json.loads(request.content))
+        return httpx.Response(200, json={"kv_transfer_params": {"do_remote_prefill": True}})
+
+    c = _client(handler)
+    text = '{"a": [1, "[\\"x\\"]"], "b": {}}\\' * 60_000
+    for body in ({"messages": [{"role": "user", "content": text}]},
+                 {"messages": [{"role": "user", "content": [{"type": "text", "text": "hi [{"}]}] * 10_000},
+                 {"prompt": [list(range(8))] * 20_000}):
+        got.clear()
+        r = c.post("/v1/chat/completions", json=body)
+        assert r.status_code == 200, r.text[:300]
+        assert got[-1]["messages" if "messages" in body else "prompt"] == body.get("messages", body.get("prompt"))

@@ -21,7 +21,7 @@ from ..config.loader import brief, loads_strict_json
 from ..errors import InvalidArgumentError
 from .config import ConfigError, WorkerSpec
 from .fds import out_of_fds_message
-from .httpguard import BodyLimit
+from .httpguard import BodyLimit, json_shape_error
 from .service import IndexerService, _out_of_fds
 
 log = logging.getLogger("kvslots.indexer")
@@ -85,12 +85,68 @@ def _strict_json(body: bytes) -> Any:
 #: Bodies past this size are parsed in a worker thread: on the event loop, a 2 MB body of 200,000
 #: keys, one repeated at the end, held every other request (/healthz too) for 2.5 s.
 OFF_LOOP_BYTES = 256 * 1024
+#: Bodies past this size are refused unparsed when they hold more arrays and objects, or items,
+#: than the route's body model allows (:func:`kvslots.indexer.httpguard.json_shape_error`).
+SHAPE_CHECK_BYTES = 64 * 1024
+
+
+def _most(schema: dict[str, Any], defs: dict[str, Any]) -> tuple[int, int, int] | None:
+    """The most arrays and objects, strings (keys included), and array items and object members
+    a document valid under the JSON Schema ``schema`` holds; None when it has no bound (an array
+    without maxItems, an object open to other keys, a value of any type)."""
+    if "$ref" in schema:
+        return _most(defs.get(schema["$ref"].rpartition("/")[2], {}), defs)
+    options = schema.get("anyOf") or schema.get("oneOf")
+    if options:
+        each = [_most(o, defs) for o in options]
+        return None if None in each else tuple(max(x) for x in zip(*each))  # type: ignore[return-value]
+    kind = schema.get("type")
+    if kind == "object":
+        if schema.get("additionalProperties", True) is not False:
+            return None
+        each = [_most(v, defs) for v in schema.get("properties", {}).values()]
+        if None in each:
+            return None
+        return 1 + sum(e[0] for e in each), sum(1 + e[1] for e in each), len(each) + sum(e[2] for e in each)
+    if kind == "array":
+        item = _most(schema.get("items", {}), defs)
+        n = schema.get("maxItems")
+        if item is None or n is None:
+            return None
+        return 1 + n * item[0], n * item[1], n + n * item[2]
+    if kind == "string":
+        return 0, 1, 0
+    if kind in ("integer", "number", "boolean", "null"):
+        return 0, 0, 0
+    return None
+
+
+def _body_bounds(route: APIRoute) -> tuple[int, int, int] | None:
+    """What the route's body model lets a body hold (:func:`_most`): the model is the one home
+    of the route's body rule, the bounds follow from it."""
+    if route.body_field is None:
+        return None
+    from pydantic import TypeAdapter
+
+    schema = TypeAdapter(route.body_field.field_info.annotation).json_schema()
+    return _most(schema, schema.get("$defs", {}))
 
 
 class _StrictJSONRequest(Request):
+    #: The most arrays and objects, strings, and items the route's body may hold (None: no bound).
+    bounds: tuple[int, int, int] | None = None
+
     async def json(self) -> Any:
         if not hasattr(self, "_json"):
             body = await self.body()
+            # Before any parser builds it: a 3 MB body of a million empty arrays held every other
+            # request for 0.5 s (1 s to refuse), off the event loop too (the parser holds the GIL);
+            # one of a million nulls, twice as long as the largest good one. A small body costs
+            # little to parse: the model's errors say more.
+            if self.bounds is not None and len(body) > SHAPE_CHECK_BYTES:
+                why = json_shape_error(body, *self.bounds)
+                if why is not None:
+                    raise json.JSONDecodeError(f"the body has {why}", "", 0)
             # In threads of their own: many at once would take the pool's every thread, where
             # /healthz and /score run.
             self._json = await anyio.to_thread.run_sync(_strict_json, body, limiter=self.app.state.parse_threads) \
@@ -103,9 +159,12 @@ class _StrictJSONRoute(APIRoute):
 
     def get_route_handler(self) -> Callable:
         handler = super().get_route_handler()
+        bounds = _body_bounds(self)
 
         async def strict_handler(request: Request) -> Response:
-            return await handler(_StrictJSONRequest(request.scope, request.receive))
+            strict = _StrictJSONRequest(request.scope, request.receive)
+            strict.bounds = bounds
+            return await handler(strict)
 
         return strict_handler
 

@@ -19,7 +19,8 @@ computed there (the response then has the header ``x-kvslots-pd: recomputed``). 
 that fails (no answer, a 5xx) is a 502 with the reason; its 4xx answer (the request's fault:
 vLLM's 400 for a bad parameter) is the client's, status and body. A request body that is not a
 JSON object under kvslots' strict parser (no NaN, no duplicate keys, at most 64 levels, Unicode
-text) is a 400.
+text) is a 400, and so is one of more arrays and objects, or strings, than a request holds
+(:data:`MAX_BODY_CONTAINERS`, :data:`MAX_BODY_STRINGS`), refused before it is parsed.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ..config.loader import loads_strict_json
 from ..errors import ArgumentTypeError, ConfigError, InvalidArgumentError
 from ..indexer.config import check_worker_name
-from ..indexer.httpguard import BodyLimit
+from ..indexer.httpguard import BodyLimit, json_shape_error
 from .cli import check_unique_names, http_url, seconds, shown_url
 
 logger = logging.getLogger(__name__)
@@ -76,6 +77,14 @@ def prefill_body(body: dict[str, Any]) -> dict[str, Any]:
     out["kv_transfer_params"] = {"do_remote_decode": True}
     return out
 
+
+#: Most arrays and objects, and strings (keys included), a request body may hold: past them a
+#: 400 before it is parsed (:func:`kvslots.indexer.httpguard.json_shape_error`). Parsing holds the
+#: GIL, off the event loop too: a 30 MB body of 10 million empty arrays took 15 s and held every
+#: other request, /healthz too, for 6 s; one of 7.8 million empty strings, 3 s and 1.4 s. A chat
+#: of 10,000 messages holds about 20,000 objects and 50,000 strings.
+MAX_BODY_CONTAINERS = 2**17
+MAX_BODY_STRINGS = 2**19
 
 #: Bodies past this size are parsed (and re-encoded for the backends) in a worker thread: on the
 #: event loop, a 30 MB body of 2.6 million keys held every other request, /healthz too, for 13 s.
@@ -304,6 +313,9 @@ def create_app(prefill_urls: Sequence[str], decode_workers: Sequence[DecodeWorke
     async def read_body(request: Request) -> tuple[dict[str, Any], bool] | JSONResponse:
         """The request's JSON object, and whether it is big (parsed and encoded off the loop)."""
         raw = await request.body()
+        why = json_shape_error(raw, MAX_BODY_CONTAINERS, MAX_BODY_STRINGS, strings_alone=True)
+        if why is not None:
+            return JSONResponse({"error": f"request body has {why}"}, status_code=400)
         try:  # kvslots' one strict JSON parser: no NaN, no duplicate keys, bounded nesting, Unicode text
             body = await _off_loop(loads_strict_json, raw) if len(raw) > OFF_LOOP_BYTES else loads_strict_json(raw)
         except ConfigError as e:
