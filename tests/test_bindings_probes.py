@@ -86,6 +86,93 @@ def test_a_broadcast_array_of_2_40_ids_is_refused_at_once():
         assert state == ["unchanged"], line
 
 
+_ENDLESS = textwrap.dedent(
+    """
+    import itertools, resource
+    # Bounded, so that a regression fails the allocation here instead of filling the machine.
+    resource.setrlimit(resource.RLIMIT_AS, (6 << 30, 6 << 30))
+    import kvslots
+    from kvslots import _core
+    from kvslots.errors import KVSlotsError
+
+    class Req:
+        def __init__(self, rid):
+            self.request_id = rid
+            self.num_computed_tokens = 0
+            self._all_token_ids = list(range(1, 9))
+            self.block_hashes = [bytes([i + 1]) * 32 for i in range(2)]
+
+    m = kvslots.SlotManager(16, 4)
+    m.create("a", [1, 2, 3])
+    d = _core.DeviceKVManager(16, 4, max_model_len=64)
+    d.allocate_slots(Req("a"), 8)
+    calls = {
+        "SlotManager.commit": (m, lambda: m.commit("a", itertools.repeat(1))),
+        "SlotManager.create": (m, lambda: m.create("b", (i % 7 for i in itertools.count()))),
+        "DeviceKVManager.release_blocks": (d, lambda: d.release_blocks(itertools.repeat(0))),
+    }
+    def state(obj):
+        return (getattr(obj, "check_invariants", lambda: None)(), sorted(getattr(obj, "request_ids", lambda: [])()),
+                getattr(obj, "stats", getattr(obj, "device_stats", dict))())
+
+    for name, (obj, call) in calls.items():
+        before = state(obj)
+        try:
+            call()
+            print(name, "succeeded")
+        except KVSlotsError as e:
+            after = state(obj)
+            print(name, type(e).__name__, "endless" if "endless iterator" in str(e) else repr(str(e)[:80]),
+                  "unchanged" if after == before else "CHANGED")
+    """
+)
+
+
+def test_an_endless_iterator_is_refused_after_2_24_items():
+    """An endless iterator as a token or block id list was read until memory ran out (the OOM
+    killer, or with a memory limit an allocation error at some size). Now reading stops after
+    ``MAX_ITER_ITEMS`` (2**24) items with a kvslots error naming the argument."""
+    r = subprocess.run([sys.executable, "-c", _ENDLESS], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    lines = r.stdout.splitlines()
+    assert len(lines) == 3, r.stdout
+    for line in lines:
+        assert line.split()[1:] == ["InvalidArgumentError", "endless", "unchanged"], line
+
+
+def test_the_reference_model_stops_an_endless_iterator_where_the_extension_does(monkeypatch):
+    """The pure-Python reference reads the extension's bound (lowered here, so the test reads
+    100 items, not 2**24) and refuses the same item with the same words."""
+    from kvslots.slots import reference
+
+    monkeypatch.setattr(reference._core, "MAX_ITER_ITEMS", 100)
+    ref = reference.ReferenceSlotManager(16, 4)
+    ref.create("a", [1, 2, 3])
+    before = (ref.slot_info("a"), ref.committed_tokens("a"))
+    seen = []
+
+    def endless():
+        while True:
+            seen.append(1)
+            yield 1
+
+    with pytest.raises(InvalidArgumentError, match=r"for request .a.: tokens gives more than 100 items \(an endless "
+                       r"iterator\?\); pass a list or a numpy array"):
+        ref.commit("a", endless())
+    assert len(seen) == 100
+    grown = [1]
+
+    class Grows:  # each item's __index__ appends one more: a list that never ends
+        def __index__(self):
+            grown.append(Grows())
+            return 1
+
+    grown[0] = Grows()
+    with pytest.raises(InvalidArgumentError, match="more than 100 items"):
+        ref.commit("a", grown)
+    assert (ref.slot_info("a"), ref.committed_tokens("a")) == before
+
+
 def test_disk_index_events_msgpack_drain_must_be_a_bool():
     """``drain`` was pyo3's own bool: a str or an int raised a builtin TypeError."""
     d = _core.DiskIndex(4, 2)

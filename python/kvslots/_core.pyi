@@ -24,9 +24,12 @@ __all__ = [
     "DeviceKVManager",
     "KVBlocks",
     "__version__",
+    "MAX_ITER_ITEMS",
 ]
 
 __version__: str
+#: Most items an iterator argument (not a list, tuple or numpy array) may give.
+MAX_ITER_ITEMS: int
 
 # Stub-only aliases (not in the extension): an integer sequence argument, and a
 # [gpu, cpu, storage] per-tier triple as the extension returns it.

@@ -19,6 +19,7 @@ from typing import Any, Sequence
 
 import xxhash
 
+from .. import _core
 from ..errors import (
     ArgumentTypeError,
     CapacityExceededError,
@@ -131,6 +132,13 @@ def _request_id(value: Any) -> str:
     return str.__str__(value)
 
 
+def _next_item(i: int, what: str, request_id: str | None) -> None:
+    if i >= _core.MAX_ITER_ITEMS:
+        raise InvalidArgumentError(f"invalid argument{_where(request_id)}: {what} gives more than "
+                                   f"{_core.MAX_ITER_ITEMS} items (an endless iterator?); pass a list or a numpy array",
+                                   request_id)
+
+
 def _ints(values: Any, what: str, bound: int, request_id: str | None = None) -> list[int]:
     kind = getattr(getattr(values, "dtype", None), "kind", None)
     if kind is not None and hasattr(values, "ndim"):
@@ -150,6 +158,7 @@ def _ints(values: Any, what: str, bound: int, request_id: str | None = None) -> 
         out = []
         while len(out) < base.__len__(values):
             i = len(out)
+            _next_item(i, what, request_id)
             out.append(_int(base.__getitem__(values, i), f"{what}[{i}]", 0, bound, request_id))
         return out
     try:
@@ -165,6 +174,7 @@ def _ints(values: Any, what: str, bound: int, request_id: str | None = None) -> 
     out = []
     i = 0
     while True:
+        _next_item(i, what, request_id)
         try:
             v = next(items)
         except StopIteration:

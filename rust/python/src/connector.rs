@@ -715,7 +715,8 @@ impl ConnectorPlanner {
         // Preempted requests: vLLM freed their blocks in this schedule(); store their full
         // verified blocks before this step's forward can reuse them.
         if !preempted.is_none() {
-            for rid in preempted.try_iter()? {
+            for (i, rid) in preempted.try_iter()?.enumerate() {
+                crate::convert::next_item(py, i, "preempted", None)?;
                 let rid = rid?;
                 let Some(slot) = self.slot_of_id(&rid)? else {
                     continue;

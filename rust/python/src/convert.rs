@@ -13,7 +13,9 @@
 //! - a flag is a `bool`;
 //! - a text argument is a `str` that encodes as UTF-8 (no lone surrogates);
 //! - an integer sequence is a 1-D numpy array of an integer dtype (any layout; copied) or any
-//!   iterable of integers; its items follow the integer rule.
+//!   iterable of integers; its items follow the integer rule;
+//! - an iterator (or a list that grows while it is read) gives at most `MAX_ITER_ITEMS` items:
+//!   an endless one is an error, not a process killed for its memory.
 
 use kvslots_core as core;
 use numpy::{
@@ -28,6 +30,34 @@ use crate::errors::{encode_error, invalid, type_error, KVSlotsError};
 
 /// At most this many characters of an argument's repr go into an error message.
 const SHOW_CHARS: usize = 80;
+
+/// Most items read from one iterator argument: 2**24, more token ids than any context (10M) and
+/// more block ids than any pool, at most 128 MiB copied. Numpy arrays, whose length is known,
+/// are bounded by memory alone.
+pub(crate) const MAX_ITER_ITEMS: usize = 1 << 24;
+
+/// Called before item `i` of an iterator argument is used: refuses the item past
+/// `MAX_ITER_ITEMS`, and lets a pending signal (Ctrl-C) through every 65,536 items.
+pub(crate) fn next_item(
+    py: Python<'_>,
+    i: usize,
+    what: &str,
+    request: Option<&str>,
+) -> PyResult<()> {
+    if i & 0xFFFF == 0xFFFF {
+        py.check_signals()?;
+    }
+    if i >= MAX_ITER_ITEMS {
+        return Err(invalid(
+            request,
+            format!(
+                "{what} gives more than {MAX_ITER_ITEMS} items (an endless iterator?); pass a list \
+                 or a numpy array"
+            ),
+        ));
+    }
+    Ok(())
+}
 
 /// An argument's repr for an error message, shortened (`<T object>` if repr fails).
 pub(crate) fn show(obj: &Bound<'_, PyAny>) -> String {
@@ -158,6 +188,22 @@ pub(crate) fn int<T: IntRange>(
         }
         _ => Err(out_of_range::<T>(what, &shown(), request)),
     }
+}
+
+/// `int` for item `i` of a sequence `what`, its name `what[i]` made only for an item refused:
+/// making it for every item was most of the time of reading a long iterator.
+fn int_item<T: IntRange>(
+    obj: &Bound<'_, PyAny>,
+    what: &str,
+    i: usize,
+    request: Option<&str>,
+) -> PyResult<T> {
+    if let Some(v) = obj.cast_exact::<PyInt>().ok().and_then(small_int) {
+        if let Ok(t) = T::try_from(v) {
+            return Ok(t);
+        }
+    }
+    int::<T>(obj, &format!("{what}[{i}]"), request)
 }
 
 /// A non-negative count as `usize`.
@@ -392,8 +438,9 @@ impl<T: IntRange> IntArg<T> {
             let mut i = 0;
             // The list may change length while an item's __index__ runs: re-read the length.
             while i < list.len() {
+                next_item(py, i, what, request)?;
                 let item = list.get_item(i)?;
-                out.push(int::<T>(&item, &format!("{what}[{i}]"), request)?);
+                out.push(int_item::<T>(&item, what, i, request)?);
                 i += 1;
             }
             return Ok(IntArg(out));
@@ -401,7 +448,7 @@ impl<T: IntRange> IntArg<T> {
         if let Ok(t) = obj.cast::<PyTuple>() {
             let mut out = vec_for::<T>(t.len(), what, request)?;
             for (i, item) in t.iter().enumerate() {
-                out.push(int::<T>(&item, &format!("{what}[{i}]"), request)?);
+                out.push(int_item::<T>(&item, what, i, request)?);
             }
             return Ok(IntArg(out));
         }
@@ -412,6 +459,7 @@ impl<T: IntRange> IntArg<T> {
         };
         let mut out = Vec::new();
         for (i, item) in seq.enumerate() {
+            next_item(py, i, what, request)?;
             let item = item.map_err(|e| {
                 from_callback(
                     py,
@@ -422,7 +470,7 @@ impl<T: IntRange> IntArg<T> {
             if out.len() == out.capacity() {
                 grow(&mut out, what, request)?;
             }
-            out.push(int::<T>(&item, &format!("{what}[{i}]"), request)?);
+            out.push(int_item::<T>(&item, what, i, request)?);
         }
         Ok(IntArg(out))
     }
@@ -481,6 +529,7 @@ pub(crate) fn tuples<R>(
     };
     let mut out = Vec::new();
     for (i, it) in items.enumerate() {
+        next_item(py, i, what, None)?;
         let it = it.map_err(|e| from_callback(py, e, not_seq()))?;
         let it = &it;
         let name = format!("{what}[{i}]");

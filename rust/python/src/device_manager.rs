@@ -17,7 +17,9 @@ use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyList, PyString, PyTuple};
 
-use crate::convert::{arg, count, flag, list_or_tuple_items, opt_ints, show, text, type_name, IntArg};
+use crate::convert::{
+    arg, count, flag, list_or_tuple_items, next_item, opt_ints, show, text, type_name, IntArg,
+};
 use crate::errors::{
     borrow, borrow_mut, busy, invalid, reading_error, slot_error as err, type_error,
     ArgumentTypeError,
@@ -1230,7 +1232,8 @@ fn block_id_list(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<Vec<u32>> {
             ),
         )
     })?;
-    for item in it {
+    for (i, item) in it.enumerate() {
+        next_item(obj.py(), i, what, None)?;
         let item = item.map_err(|e| reading_error(obj.py(), e, what))?;
         // An int, an object with `__index__` (a numpy integer, as every integer argument may
         // be), or a block object with a `block_id`.

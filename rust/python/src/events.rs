@@ -5,7 +5,7 @@ use pyo3::exceptions::PyTypeError;
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
 
-use crate::convert::{arg, event_from_py, opt_text, show, type_name, MetaArgs};
+use crate::convert::{arg, event_from_py, next_item, opt_text, show, type_name, MetaArgs};
 use crate::errors::{encode_error, type_error, KVSlotsError};
 
 /// Encodes raw event tuples (as `SlotManager.drain_raw_events` returns them) as one msgpack
@@ -42,6 +42,7 @@ pub(crate) fn encode_event_batch<'py>(
     };
     let mut owned = Vec::new();
     for (i, item) in items.enumerate() {
+        next_item(py, i, "events", None)?;
         let item = item.map_err(|e| {
             if e.is_instance_of::<KVSlotsError>(py) {
                 return e;

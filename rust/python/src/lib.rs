@@ -40,5 +40,6 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(copy::copy_blocks, m)?)?;
     device_manager::register(m)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    m.add("MAX_ITER_ITEMS", convert::MAX_ITER_ITEMS)?;
     Ok(())
 }

@@ -386,6 +386,7 @@ impl PrefixIndex {
                 }
                 let mut out = Vec::new();
                 for (i, n) in e.try_iter().map_err(|_| bad())?.enumerate() {
+                    crate::convert::next_item(e.py(), i, "eagle", None)?;
                     // An iterator that raises: a kvslots error, its exception the cause.
                     let n = n.map_err(|err| crate::errors::reading_error(e.py(), err, "eagle"))?;
                     out.push(text(&n, &format!("eagle[{i}]"))?.to_owned());
