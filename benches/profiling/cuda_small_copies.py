@@ -36,7 +36,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
-from bench_cuda_copy import _block_copier  # noqa: E402
+from bench_cuda_copy import _block_copier, median_times  # noqa: E402
 
 
 def _base_copier(base: pathlib.Path):
@@ -53,22 +53,11 @@ def _spread(values):
 
 
 def ab(fns: dict, plain_of: dict, nbytes: int, rounds: int, repeats: int, sync) -> None:
-    """Interleaved timing; prints each copy's share of its plain pinned copy per round."""
-    for f in fns.values():
-        f()
-    sync()
+    """Interleaved timing in rounds; prints each copy's share of its plain pinned copy per round."""
     shares = {k: [] for k in fns if k not in plain_of.values()}
     medians = {k: [] for k in fns}
     for _ in range(rounds):
-        times = {k: [] for k in fns}
-        for _ in range(repeats):
-            for k, f in fns.items():
-                sync()
-                t0 = time.perf_counter()
-                f()
-                sync()
-                times[k].append(time.perf_counter() - t0)
-        med = {k: statistics.median(v) for k, v in times.items()}
+        med = {k: v[0] for k, v in median_times(fns, repeats, sync).items()}
         for k, v in med.items():
             medians[k].append(v)
         for k in shares:
