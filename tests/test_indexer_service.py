@@ -4,6 +4,7 @@ subscription with its gap/replay/restart handling, the in-memory backend, the HT
 from __future__ import annotations
 
 import argparse
+import errno
 import socket
 
 import pytest
@@ -811,7 +812,7 @@ def test_the_server_gets_the_connection_cap(argv, cap, capsys, monkeypatch):
     code, err = _cli(["--port", "0", "--worker", "a=tcp://127.0.0.1:1", *argv], capsys)
     assert code == 0, err
     # By default, what the limit leaves: 1000 - 20 open - 64 spare - 6 for the one worker.
-    assert given["http"].max_connections == (cap or 1000 - 20 - fds.SPARE - fds.FDS_PER_WORKER)
+    assert given["http"].max_connections.value == (cap or 1000 - 20 - fds.SPARE - fds.FDS_PER_WORKER)
 
 
 def test_default_max_connections_follows_the_fd_limit(monkeypatch):
@@ -823,3 +824,128 @@ def test_default_max_connections_follows_the_fd_limit(monkeypatch):
                                 (None, 0, fds.MAX_CONNECTIONS), (10**9, 0, fds.MAX_CONNECTIONS)):
         monkeypatch.setattr(fds, "limit", lambda soft=soft: soft)
         assert fds.default_max_connections(reserved) == cap
+
+
+def test_the_connection_cap_follows_the_workers(monkeypatch):
+    from kvslots.errors import OutOfDescriptorsError
+    from kvslots.indexer import fds
+
+    monkeypatch.setattr(fds, "limit", lambda: 200)
+    monkeypatch.setattr(fds, "in_use", lambda: 20)
+    room = 200 - 20 - fds.SPARE  # 116: connections' and workers' descriptors
+    cap = fds.ConnectionCap(None, 2)
+    assert cap.value == room - 2 * fds.FDS_PER_WORKER
+    cap.reserve()  # a third worker: the cap is lowered before it is subscribed
+    assert cap.value == room - 3 * fds.FDS_PER_WORKER
+    cap.set_workers(3)
+    cap.release()
+    assert cap.value == room - 3 * fds.FDS_PER_WORKER
+    # Workers fit while the connections keep at least MIN_DEFAULT_CONNECTIONS.
+    most = (room - fds.MIN_DEFAULT_CONNECTIONS) // fds.FDS_PER_WORKER
+    cap.set_workers(most - 1)
+    cap.reserve()
+    assert cap.value >= fds.MIN_DEFAULT_CONNECTIONS
+    with pytest.raises(OutOfDescriptorsError, match=r"limit of 200 \(ulimit -n\) holds 16 workers") as e:
+        cap.reserve("worker 'x'")
+    assert e.value.errno == errno.EMFILE and str(e.value).startswith("worker 'x' would take 6 ")
+    cap.release()
+    cap.set_workers(0)  # removed: the connections get them back
+    assert cap.value == room
+    # An explicit cap is kept whatever the workers; one that would lose descriptors to them is refused.
+    cap = fds.ConnectionCap(100, 0)
+    assert cap.value == 100 and cap.workers_fit(2) and not cap.workers_fit(3)
+    cap.set_workers(2)
+    with pytest.raises(OutOfDescriptorsError, match="--max-connections 100"):
+        cap.reserve()
+    assert cap.value == 100
+    monkeypatch.setattr(fds, "limit", lambda: None)  # no limit: nothing to keep
+    cap = fds.ConnectionCap(None, 10**6)
+    cap.reserve()
+    assert cap.value == fds.MAX_CONNECTIONS
+
+
+def test_workers_added_over_the_api_leave_the_connections_their_descriptors():
+    """Under ulimit -n 128 the cap (58) was set once at start-up; 26 workers added over the API
+    took the descriptors it counted on, and of 57 connections under it 3 were answered, the
+    others closed unanswered. Now the adds that would take the connections' share are a 503
+    saying so, the cap is lowered for those let in, and every connection gets an answer."""
+    import http.client
+    import json
+    import os
+    import re
+    import resource
+    import subprocess
+    import sys
+    import threading
+    import time
+
+    from ports import free_port
+
+    token = "s3cret-s3cret-s3cret"
+    port = free_port()
+    p = subprocess.Popen([sys.executable, "-m", "kvslots", "indexer", "--port", str(port), "--log-level", "info",
+                          "--replay-timeout", "0.2"], env={**os.environ, "KVSLOTS_INDEXER_ADMIN_TOKEN": token},
+                         stderr=subprocess.PIPE, text=True,
+                         preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (128, 128)))
+    lines: list[str] = []
+    threading.Thread(target=lambda: lines.extend(p.stderr), daemon=True).start()
+
+    def call(method, path, body=None):
+        c = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+        try:
+            c.request(method, path, body=body, headers={"authorization": f"Bearer {token}",
+                                                        "content-type": "application/json"})
+            r = c.getresponse()
+            return r.status, r.read()
+        finally:
+            c.close()
+
+    socks = []
+    try:
+        wait_for(lambda: p.poll() is not None or "HTTP connections at once" in "".join(lines), timeout=60)
+        assert p.poll() is None, "".join(lines)[-3000:]
+        cap = int(re.search(r"at most (\d+) HTTP connections", "".join(lines)).group(1))
+
+        def up():
+            try:
+                return call("GET", "/healthz")[0] == 200
+            except OSError:
+                return False
+
+        wait_for(up, timeout=30, what="the server")
+        added = []
+        for i in range(26):
+            worker = {"name": f"w{i}", "endpoint": f"tcp://127.0.0.1:{free_port()}",
+                      "replay": f"tcp://127.0.0.1:{free_port()}"}
+            status, body = call("POST", "/workers", json.dumps(worker))
+            added.append(status)
+            assert status in (201, 503), (status, body)
+            if status == 503:
+                assert b"set aside for HTTP connections" in body and b"128" in body, body
+        assert 0 < added.count(201) < 26 and added.count(201) == added.index(503), added
+        time.sleep(0.5)
+        for _ in range(cap - 1):  # under the cap set at start-up: each is answered (200, or the cap's 503)
+            socks.append(socket.create_connection(("127.0.0.1", port), timeout=10))
+        answers = []
+        for s in socks:
+            try:
+                s.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+                answers.append(s.recv(12)[9:12] or b"closed")
+            except OSError as e:
+                answers.append(type(e).__name__.encode())
+        assert set(answers) <= {b"200", b"503"} and answers.count(b"200") >= 8, answers
+        for s in socks:
+            s.close()
+        socks.clear()
+        time.sleep(2.5)  # the refused ones linger 2 s (httpguard.REFUSED_LINGER_S)
+        # A worker removed gives its descriptors back: one more can be added.
+        assert call("DELETE", "/workers/w0")[0] == 204
+        again = {"name": "again", "endpoint": f"tcp://127.0.0.1:{free_port()}"}
+        status, body = call("POST", "/workers", json.dumps(again))
+        assert status == 201, body
+        assert call("GET", "/healthz")[0] == 200
+    finally:
+        for s in socks:
+            s.close()
+        p.terminate()
+        p.wait(30)

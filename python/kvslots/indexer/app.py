@@ -18,7 +18,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationErr
 from pydantic_core import PydanticCustomError
 
 from ..config.loader import brief, loads_strict_json
-from ..errors import InvalidArgumentError
+from ..errors import InvalidArgumentError, OutOfDescriptorsError
 from .config import ConfigError, WorkerSpec
 from .fds import out_of_fds_message
 from .httpguard import BodyLimit, json_shape_error
@@ -353,6 +353,10 @@ def create_app(service: IndexerService, *, own_service: bool = False) -> FastAPI
         except service.backend.unavailable as e:
             raise _unavailable(e) from None
         except Exception as e:  # a server-side failure to subscribe (rolled back)
+            if isinstance(e, OutOfDescriptorsError) and "max_connections" in (e.details or {}):
+                # the connections' share of the descriptors (fds.ConnectionCap): kept, not run out
+                log.warning("worker %s not added: %s", spec.name, e)
+                raise HTTPException(503, f"worker {spec.name!r} not added: {_safe(str(e))}") from None
             if _out_of_fds(e):  # the server's limit, said in one line: a burst of adds logged a traceback each
                 log.warning("worker %s not added: %s", spec.name, out_of_fds_message())
                 raise HTTPException(503, f"worker {spec.name!r} not added: the indexer is {out_of_fds_message()}; "

@@ -79,9 +79,13 @@ def run(args: argparse.Namespace) -> int:
     # process ends, and its threads are daemons (after 'Too many open files' the subscriber can
     # hold a socket it never registered, and stopping it then waited for ever).
     service.start()
-    max_connections = cfg.max_connections or fds.default_max_connections(fds.FDS_PER_WORKER * len(cfg.workers))
-    log.info("at most %d HTTP connections at once (%s)", max_connections,
-             "--max-connections" if cfg.max_connections else "what the file descriptor limit leaves")
+    # The workers added later (POST /workers) take their descriptors from the connections' share:
+    # the cap follows them, and refuses one that would leave the connections less than their least.
+    max_connections = fds.ConnectionCap(cfg.max_connections, len(cfg.workers))
+    service.use_connection_cap(max_connections)
+    log.info("at most %d HTTP connections at once (%s)", max_connections.value,
+             "--max-connections" if cfg.max_connections else
+             f"what the file descriptor limit leaves, {fds.FDS_PER_WORKER} fewer for each worker added")
     # The app stops the service on shutdown (SIGINT/SIGTERM); here too, if uvicorn fails.
     # uvicorn_options: at most max_connections connections, a request's head is at most 64 KiB
     # and it must arrive within 60 s, no WebSockets (see httpguard).

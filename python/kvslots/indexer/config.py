@@ -251,7 +251,8 @@ class IndexerConfig:
     #: subscriber reopens (events.subscriber). The default holds a step of about 7M tokens.
     max_frame_mb: int = MAX_FRAME_BYTES // 2**20
     #: Most HTTP connections open at once (503 beyond); None: what the file descriptor limit
-    #: leaves once the workers' subscriptions are set aside (:func:`kvslots.indexer.fds.default_max_connections`).
+    #: leaves once the workers' subscriptions are set aside, less for workers added later
+    #: (:class:`kvslots.indexer.fds.ConnectionCap`).
     max_connections: int | None = None
     log_level: str = "info"
 

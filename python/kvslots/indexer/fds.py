@@ -7,17 +7,21 @@ connections, and a replay socket), the proxy its pool of backend connections. Pa
 nothing can be opened: new connections failed, and so did subscriptions. So the HTTP
 connections are capped (``--max-connections``, :mod:`.httpguard`), by default at what the limit
 leaves once the rest is set aside, and an indexer given more workers than the limit can hold is
-refused at start-up (:func:`check_workers_fit`).
+refused at start-up (:func:`check_workers_fit`). Workers added later (``POST /workers``) take
+their descriptors from the connections' share: :class:`ConnectionCap` lowers the cap as they
+come, and refuses one that would leave the connections less than their most.
 """
 
 from __future__ import annotations
 
+import errno
+import threading
 from typing import Any
 
 # The count and the limit have one home, shared with the event sockets; the servers read them here.
 from .._fds import in_use, limit, out_of_fds_message  # noqa: F401
 from ..config.loader import brief
-from ..errors import ConfigError
+from ..errors import ConfigError, OutOfDescriptorsError
 
 #: Largest ``--max-connections``: Linux's default cap on any process's descriptors (fs.nr_open).
 MAX_CONNECTIONS = 1 << 20
@@ -66,3 +70,75 @@ def check_workers_fit(workers: int, replays: int = 0) -> None:
         raise ConfigError(
             f"{workers} workers need at least {need} file descriptors, and the limit of {soft} (ulimit -n) "
             f"leaves {max(left, 0)}: raise the limit, or split the workers between indexers")
+
+
+class ConnectionCap:
+    """The most HTTP connections the indexer keeps open at once, in step with its workers: what
+    :func:`kvslots.indexer.httpguard.protocol_class` takes (it reads :attr:`value` as each
+    connection opens). The descriptors the limit leaves once those open when it is made and
+    :data:`SPARE` are set aside are shared between connections and workers, at most
+    :data:`FDS_PER_WORKER` each: with no ``explicit`` cap, the connections get what the workers
+    leave, at least :data:`MIN_DEFAULT_CONNECTIONS`; with one, they get it whatever the workers.
+
+    Computed once at start-up, the cap had counted on the descriptors workers added later took:
+    under ``ulimit -n 128`` (a cap of 58), 26 workers added over the API left 3 of 57 connections
+    answered, the rest closed unanswered. Now :meth:`reserve` refuses a worker whose descriptors
+    would come out of the connections' least (``POST /workers`` answers 503), and lowers the cap
+    for one it lets in."""
+
+    def __init__(self, explicit: int | None = None, workers: int = 0):
+        soft = limit()
+        self.explicit = explicit
+        self.limit = soft
+        #: Descriptors for connections and workers (None: no limit).
+        self.room = None if soft is None else soft - in_use() - SPARE
+        self._lock = threading.Lock()
+        self._workers = workers  # subscribed now
+        self._reserved = 0  # being added
+        #: The cap now.
+        self.value = self._cap(workers)
+
+    def _least(self) -> int:
+        return self.explicit if self.explicit is not None else MIN_DEFAULT_CONNECTIONS
+
+    def _cap(self, workers: int) -> int:
+        if self.explicit is not None:
+            return self.explicit
+        if self.room is None:
+            return MAX_CONNECTIONS
+        return max(MIN_DEFAULT_CONNECTIONS, min(MAX_CONNECTIONS, self.room - FDS_PER_WORKER * workers))
+
+    def workers_fit(self, workers: int) -> bool:
+        """Whether ``workers`` leave the connections their least."""
+        return self.room is None or self.room - FDS_PER_WORKER * workers >= self._least()
+
+    def set_workers(self, workers: int) -> None:
+        """The workers subscribed now (the cap follows)."""
+        with self._lock:
+            self._workers = workers
+            self.value = self._cap(workers + self._reserved)
+
+    def reserve(self, what: str = "the worker") -> None:
+        """Sets aside a worker's descriptors before it is subscribed, lowering the cap; an
+        :class:`OutOfDescriptorsError` (EMFILE) when they would come out of the connections'
+        least. Give them back with :meth:`release` once it is subscribed (:meth:`set_workers`
+        counts it then) or not."""
+        with self._lock:
+            workers = self._workers + self._reserved + 1
+            if not self.workers_fit(workers):
+                least = self._least()
+                whose = (f"--max-connections {least}" if self.explicit is not None
+                         else f"at least {least}, what --max-connections' default keeps")
+                raise OutOfDescriptorsError(
+                    f"{what} would take {FDS_PER_WORKER} of the file descriptors set aside for HTTP "
+                    f"connections ({whose}): the limit of {self.limit} (ulimit -n) holds {workers - 1} workers "
+                    "beside them; remove workers, lower --max-connections or raise the limit",
+                    details={"errno": errno.EMFILE, "limit": self.limit, "workers": workers - 1,
+                             "max_connections": least})
+            self._reserved += 1
+            self.value = self._cap(workers)
+
+    def release(self) -> None:
+        with self._lock:
+            self._reserved = max(0, self._reserved - 1)
+            self.value = self._cap(self._workers + self._reserved)

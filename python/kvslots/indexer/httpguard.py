@@ -51,8 +51,13 @@ class _Guard:
     transport: Any
     loop: Any
     connections: set  # the server's open connections, this one included
-    #: Most connections open at once (None: no cap); set by :func:`protocol_class`.
-    max_connections: int | None = None
+    #: Most connections open at once (None: no cap), or what holds it (its ``value`` read as
+    #: each connection opens: :class:`kvslots.indexer.fds.ConnectionCap`); set by :func:`protocol_class`.
+    max_connections: Any = None
+
+    def _guard_cap(self) -> int | None:
+        cap = self.max_connections
+        return cap if cap is None or isinstance(cap, int) else cap.value
 
     def connection_made(self, transport: Any) -> None:
         super().connection_made(transport)  # type: ignore[misc]
@@ -62,7 +67,8 @@ class _Guard:
         self._guard_paused_at = 0.0  # when the transport last asked us to stop writing
         self._guard_closing_since: float | None = None  # closed with an answer still unsent
         self._guard_cycles: list[Any] = []  # requests parsed and not yet answered (pipelined ones too)
-        self._guard_refused = self.max_connections is not None and len(self.connections) > self.max_connections
+        cap = self._guard_cap()
+        self._guard_refused = cap is not None and len(self.connections) > cap
         if self._guard_refused:
             self._guard_refuse()
             return
@@ -73,7 +79,7 @@ class _Guard:
         # connection is half-closed and kept a moment only, what the client sends dropped.
         self.transport.write(_raw_response(
             503, "Service Unavailable",
-            f"the server has {self.max_connections} connections open, its most; retry later",
+            f"the server has {self._guard_cap()} connections open, its most; retry later",
             extra="retry-after: 1\r\n"))
         if self.transport.can_write_eof():
             self.transport.write_eof()
@@ -171,9 +177,10 @@ class _Guard:
             self.transport.close()
 
 
-def protocol_class(max_connections: int | None = None) -> type:
+def protocol_class(max_connections: Any = None) -> type:
     """uvicorn's HTTP protocol (httptools when installed, as its 'auto' picks, else h11) with
-    the limits above; ``max_connections`` open at once (None: no cap)."""
+    the limits above; ``max_connections`` open at once (None: no cap; an object with a ``value``:
+    its value as each connection opens, :class:`kvslots.indexer.fds.ConnectionCap`)."""
     try:
         from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol as base
     except ImportError:
@@ -182,7 +189,7 @@ def protocol_class(max_connections: int | None = None) -> type:
     return type(f"Guarded{base.__name__}", (_Guard, base), {"max_connections": max_connections})
 
 
-def uvicorn_options(max_connections: int | None = None) -> dict[str, Any]:
+def uvicorn_options(max_connections: Any = None) -> dict[str, Any]:
     """What ``uvicorn.run`` / ``uvicorn.Config`` take for the indexer and the proxy: the guarded
     protocol (at most ``max_connections`` connections open at once), and no WebSocket support
     (neither has a WebSocket route: an ``Upgrade: websocket`` request was a 403 with an empty

@@ -46,6 +46,9 @@ class IndexerService:
         self.backend = backend or make_backend(cfg)
         self.sub = Subscription(self, replay_timeout=cfg.replay_timeout, max_frame_bytes=cfg.max_frame_mb * 2**20)
         self._subscribed: dict[str, WorkerSpec] = {}
+        #: The HTTP connection cap the workers' descriptors come out of (``kvslots indexer`` sets
+        #: it, :meth:`use_connection_cap`); None: not kept.
+        self.connection_cap: fds.ConnectionCap | None = None
         self._sync_lock = threading.Lock()
         self._life_lock = threading.Lock()  # start and stop, once each
         self._started = self._stopped = False
@@ -92,6 +95,13 @@ class IndexerService:
 
     # ---- workers ----
 
+    def use_connection_cap(self, cap: fds.ConnectionCap) -> None:
+        """Keeps ``cap`` in step with the workers subscribed, and refuses an added worker
+        (:meth:`add_worker`) whose descriptors it cannot spare."""
+        with self._sync_lock:
+            self.connection_cap = cap
+            cap.set_workers(len(self._subscribed))
+
     def sync_subscriptions(
         self, specs: Mapping[str, WorkerSpec] | Callable[[], Mapping[str, WorkerSpec]]
     ) -> dict[str, Exception]:
@@ -126,6 +136,8 @@ class IndexerService:
                         failed[name] = e
                         if _out_of_fds(e):  # every other would fail alike (and log it): tried next call
                             break
+            if self.connection_cap is not None:
+                self.connection_cap.set_workers(len(self._subscribed))
         return failed
 
     def add_worker(self, spec: WorkerSpec) -> bool:
@@ -134,16 +146,23 @@ class IndexerService:
         address)."""
         if not isinstance(spec, WorkerSpec):
             raise ArgumentTypeError(f"spec must be a WorkerSpec, got {type(spec).__name__}")
-        if not self.backend.register(spec, replace=False):
-            return False
-        if isinstance(self.backend, MemoryBackend):
-            failed = self.sync_subscriptions(self.backend.specs)
-            if spec.name in failed:
-                self.backend.unregister(spec.name, spec=spec)
-                self.sync_subscriptions(self.backend.specs)
-                raise _subscribe_error(spec, spec.name, failed[spec.name])
-            _log_failed(failed)
-        return True
+        cap = self.connection_cap
+        if cap is not None:  # before anything is kept: an OutOfDescriptorsError when it cannot be spared
+            cap.reserve(f"worker {spec.name!r}")
+        try:
+            if not self.backend.register(spec, replace=False):
+                return False
+            if isinstance(self.backend, MemoryBackend):
+                failed = self.sync_subscriptions(self.backend.specs)
+                if spec.name in failed:
+                    self.backend.unregister(spec.name, spec=spec)
+                    self.sync_subscriptions(self.backend.specs)
+                    raise _subscribe_error(spec, spec.name, failed[spec.name])
+                _log_failed(failed)
+            return True
+        finally:
+            if cap is not None:
+                cap.release()
 
     def remove_worker(self, name: str) -> bool:
         if not isinstance(name, str):
