@@ -164,3 +164,142 @@ def test_the_endpoint_host_rule_has_one_home():
     assert host_problem("node-1.lan") is None
     with pytest.raises(InvalidArgumentError, match=host_problem("a b")):
         check_endpoint("tcp://a b:5557")
+
+
+# ---- 3. speculative-config keys: vLLM's SpeculativeConfig fields and types -------------------
+
+
+@pytest.fixture
+def eagle_draft(tmp_path) -> str:
+    d = tmp_path / "draft"
+    d.mkdir()
+    (d / "config.json").write_text('{"architectures": ["EagleLlamaForCausalLM"], "model_type": "eagle"}')
+    return str(d)
+
+
+def _spec(draft: str, **extra) -> str:
+    import json
+
+    return json.dumps({"method": "eagle", "model": draft, "num_speculative_tokens": 3, **extra})
+
+
+@pytest.mark.parametrize("extra, field, problem", [
+    ({"disable_eagle_block_drop": [1]}, "speculative_config.disable_eagle_block_drop",
+     "Input should be a valid boolean (vLLM's SpeculativeConfig.disable_eagle_block_drop is bool), got [1]"),
+    ({"disable_eagle_block_drop": 2}, "speculative_config.disable_eagle_block_drop", "valid boolean"),
+    ({"enforce_eager": "maybe"}, "speculative_config.enforce_eager", "valid boolean"),
+    ({"prompt_lookup_max": 0}, "speculative_config.prompt_lookup_max", "greater than or equal to 1"),
+    ({"max_model_len": -5}, "speculative_config.max_model_len", "greater than or equal to 1"),
+    ({"draft_tensor_parallel_size": "two"}, "speculative_config.draft_tensor_parallel_size", "valid integer"),
+    ({"revision": 5}, "speculative_config.revision", "valid string"),
+    ({"suffix_decoding_max_spec_factor": "x"}, "speculative_config.suffix_decoding_max_spec_factor", "valid number"),
+    ({"synthetic_acceptance_rates": [0.5, "x"]}, "speculative_config.synthetic_acceptance_rates[1]", "valid number"),
+    ({"synthetic_acceptance_rates": {"a": 1}}, "speculative_config.synthetic_acceptance_rates", "valid list"),
+    ({"kv_cache_dtype": "fp7"}, "speculative_config.kv_cache_dtype", "Input should be 'auto'"),
+    ({"rejection_sample_method": "best"}, "speculative_config.rejection_sample_method", "'standard'"),
+    ({"quantization": 3}, "speculative_config.quantization", "one of the types"),
+    ({"disable_eagle_blok_drop": True}, "speculative_config.disable_eagle_blok_drop",
+     "unexpected keyword argument: vLLM's SpeculativeConfig has no such field (did you mean disable_eagle_block_drop?)"),
+    ({"no_such_key_at_all": 1}, "speculative_config.no_such_key_at_all", "unexpected keyword argument"),
+])
+@pytest.mark.parametrize("where", ["flag", "tail"])
+def test_a_speculative_config_key_vllm_would_refuse_is_one_line_exit_2(capsys, eagle_draft, extra, field,
+                                                                        problem, where):
+    # Passed on unchecked: vLLM's SpeculativeConfig(**...) refused it once the server ran.
+    spec = _spec(eagle_draft, **extra)
+    argv = ["--speculative-config", spec] if where == "flag" else ["--", "--speculative-config", spec]
+    code, out, err = _main(capsys, "serve", "org/target", "--dry-run", *argv)
+    _assert_only_the_error(code, out, err, "serve", problem)
+    assert err.startswith(f"kvslots serve: error: {field}: "), err
+
+
+def test_an_unknown_speculative_method_is_refused_with_vllms_list(capsys):
+    code, out, err = _main(capsys, "serve", "org/target", "--dry-run", "--speculative-config",
+                           '{"method": "eagle4", "num_speculative_tokens": 3}')
+    _assert_only_the_error(code, out, err, "serve", "speculative_config.method: Input should be 'ngram', ")
+
+
+def test_a_yaml_speculative_config_key_vllm_has_not_is_not_passed_on(tmp_path, capsys, eagle_draft):
+    # The TRT-LLM YAML's own keys are converted; any other is listed and left out, never passed on.
+    yaml_file = tmp_path / "engine.yaml"
+    yaml_file.write_text(f"speculative_config:\n  decoding_type: Eagle\n  max_draft_len: 3\n"
+                         f"  speculative_model_dir: {eagle_draft}\n  disable_eagle_block_drop: [1]\n")
+    code, out, err = _main(capsys, "serve", "org/target", "--dry-run", "--extra-engine-args", str(yaml_file))
+    assert code == 0 and "disable_eagle_block_drop" not in out, (out, err)
+    assert "unknown: speculative_config.disable_eagle_block_drop" in err, err
+
+
+@pytest.mark.parametrize("extra", [
+    {}, {"disable_eagle_block_drop": True}, {"enforce_eager": None}, {"prompt_lookup_max": 3},
+    {"quantization": "fp8"}, {"quantization": "my_own_method"}, {"kv_cache_dtype": "fp8"},
+    {"draft_load_config": {"load_format": "auto"}},  # a class: left to vLLM
+    {"attention_backend": "FLASH_ATTN"},  # a mode="before" validator: left to vLLM
+    {"num_speculative_tokens_per_batch_size": [[1, 4, 3], [5, 1024, 1]]},
+    {"synthetic_acceptance_rates": [0.5, 1]}, {"draft-tensor-parallel-size": 1},
+])
+def test_speculative_config_keys_vllm_takes_pass(capsys, eagle_draft, extra):
+    code, out, err = _main(capsys, "serve", "org/target", "--dry-run", "-q", "--speculative-config",
+                           _spec(eagle_draft, **extra))
+    assert code == 0 and err == "" and "--speculative-config" in out, (out, err)
+
+
+@pytest.mark.parametrize("given, read", [("false", False), ("no", False), (0, False), ("true", True), (1, True)])
+def test_a_value_vllm_reads_as_a_boolean_is_given_to_it_as_one(capsys, eagle_draft, given, read):
+    # vLLM (pydantic, lax) reads "false" as False; kvslots read the string as true (the indexer was
+    # told eagle=true the wrong way round). Both now read vLLM's value, which the command carries.
+    import json
+
+    from kvslots.serve.cli import plan_from_argv
+
+    plan = plan_from_argv(["org/target", "--speculative-config", _spec(eagle_draft, disable_eagle_block_drop=given)])
+    assert plan.speculative_config["disable_eagle_block_drop"] is read
+    i = plan.argv.index("--speculative-config")
+    assert json.loads(plan.argv[i + 1])["disable_eagle_block_drop"] is read
+    assert ("eagle=true" in (plan.indexer_worker() or "")) is (not read)
+
+
+def test_the_shortcut_never_accepts_what_pydantic_refuses():
+    # validate_field skips pydantic for a value exactly of the field's plain type; pydantic agrees.
+    from kvslots.config.vllm_fields import _plainly_valid, _within, dataclass_fields
+
+    fields = dataclass_fields("vllm.config.speculative", "SpeculativeConfig")
+    if fields is None:
+        pytest.skip("vLLM's source is not installed")
+    values = [None, True, False, 0, 1, 3, -1, 2.5, "eagle", "fp8", "x", "", [1], {"a": 1}]
+    for rule in fields.values():
+        adapter = rule.adapter()
+        if adapter is None:
+            continue
+        for v in values:
+            if _plainly_valid(rule.kind, v) and _within(rule.bounds, v):
+                adapter.validate_python(v)  # raises if the shortcut let through what pydantic refuses
+
+
+def test_without_vllms_source_nothing_is_checked_here(monkeypatch, eagle_draft):
+    from kvslots.config import speculative, vllm_fields
+
+    monkeypatch.setattr(vllm_fields, "dataclass_fields", lambda *a: None)
+    spec = speculative.resolve_speculative_config(None, {"method": "ngram", "num_speculative_tokens": 2, "x": 1})
+    assert spec == {"method": "ngram", "num_speculative_tokens": 2, "x": 1}
+
+
+def test_the_field_check_is_cheap(eagle_draft):
+    # Read from vLLM's source, vLLM not imported; pydantic only for a value not plainly valid.
+    import subprocess
+    import sys
+
+    code = ("import sys, time; from kvslots.config.speculative import check_vllm_fields; t = time.perf_counter(); "
+            f"check_vllm_fields({{'method': 'eagle', 'model': {eagle_draft!r}, 'num_speculative_tokens': 3}}); "
+            "print(time.perf_counter() - t, 'vllm' in sys.modules, 'pydantic' in sys.modules, "
+            "'torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    assert out[1:] == ["False", "False", "False"], out
+    assert float(out[0]) < 2.0, out  # ~0.05 s (parsing vllm/config/speculative.py); importing vLLM takes ~10 s
+
+
+def test_a_key_that_is_not_text_is_a_config_error():
+    from kvslots.config.speculative import resolve_speculative_config
+    from kvslots.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="keys must be strings"):
+        resolve_speculative_config(None, {1: 2, "method": "ngram", "num_speculative_tokens": 2})

@@ -688,8 +688,12 @@ def test_scan_vllm_args():
 
 def test_list_append_form(target):
     plan = plan_from_argv([target, "--", "--speculative-config.method", "ngram", "-sc.num_speculative_tokens", "2",
-                           "--speculative-config.extra+", "a,b"])
-    assert plan.speculative_config == {"method": "ngram", "num_speculative_tokens": 2, "extra": ["a", "b"]}
+                           "--speculative-config.synthetic_acceptance_rates+", "0.5,0.7"])
+    assert plan.speculative_config == {"method": "ngram", "num_speculative_tokens": 2,
+                                       "synthetic_acceptance_rates": ["0.5", "0.7"]}  # vLLM reads floats
+    with pytest.raises(kvslots.ConfigError, match="speculative_config.extra: unexpected keyword argument"):  # vLLM has none
+        plan_from_argv([target, "--", "--speculative-config.method", "ngram", "-sc.num_speculative_tokens", "2",
+                        "--speculative-config.extra+", "a,b"])
     with pytest.raises(ServeError, match="unknown key"):  # merged extra keys are checked by the connector
         plan_from_argv([target, "--", "--kv-transfer-config.kv_connector_extra_config.x+", "a,b"])
 

@@ -26,6 +26,7 @@ draft model that is a local directory or a Hub id.
 
 from __future__ import annotations
 
+import difflib
 import os
 import re
 import stat
@@ -251,7 +252,8 @@ def resolve_speculative_config(
     The result is validated: ``num_speculative_tokens`` given, an integer >= 1 (for every method),
     a ``num_speculative_tokens_per_batch_size`` schedule that fits it, ``method`` a non-empty
     string without a NUL or a lone surrogate and a ``model``, when given, a string naming a local
-    directory or a Hub id. Raises
+    directory or a Hub id; then every key and value against the installed vLLM's
+    ``SpeculativeConfig`` fields (:func:`check_vllm_fields`). Raises
     :class:`~kvslots.ConfigError` naming the key.
     """
     plain: list[dict[str, Any] | None] = []
@@ -285,8 +287,8 @@ def resolve_speculative_config(
     method = spec.get("method")
     if method is not None:
         # Text as the other strings are (from Python a NUL or a lone surrogate was returned).
-        # Not checked against vLLM's methods: its list changes with its version (one Literal per
-        # model's MTP), and vLLM refuses an unknown one naming them.
+        # Checked against the installed vLLM's methods by check_vllm_fields below (its list
+        # changes with its version: one Literal per model's MTP).
         if not isinstance(method, str):
             raise ConfigError(f"must be a string, got {short(method)}", "speculative_config.method")
         spec["method"] = method = str.__str__(method)  # the text itself: a subclass's __contains__ never runs
@@ -309,7 +311,45 @@ def resolve_speculative_config(
                           "speculative_config.model")
     if draft is not None:
         spec["model"] = check_draft_model(draft, "speculative_config.model").argument
+    check_vllm_fields(spec)
     return spec
+
+
+#: Where vLLM 0.32 defines the speculative config it builds from ``--speculative-config``.
+VLLM_SPECULATIVE_CONFIG = ("vllm.config.speculative", "SpeculativeConfig")
+
+
+def check_vllm_fields(spec: dict[str, Any], field: str = "speculative_config") -> None:
+    """Every key of ``spec`` checked against the installed vLLM's ``SpeculativeConfig`` fields
+    and their types (:mod:`kvslots.config.vllm_fields`, which reads vLLM's source: vLLM is not
+    imported): a key it has no field for is refused as vLLM refuses it (pydantic's "unexpected
+    keyword argument"), a value of the wrong type or out of the field's bounds with pydantic's
+    message, either a :class:`~kvslots.ConfigError` naming the key. vLLM built the config, and
+    failed on such a key, only once it ran. A value vLLM reads as another of the field's type
+    (``"disable_eagle_block_drop": "false"`` is False) is replaced by that one, so that kvslots
+    reads it as vLLM does. Without vLLM's source (not installed) nothing is checked here."""
+    from .vllm_fields import dataclass_fields, validate_field
+
+    fields = dataclass_fields(*VLLM_SPECULATIVE_CONFIG)
+    if fields is None:
+        return
+    for key in list(spec):
+        if not isinstance(key, str):  # a mapping from Python: no keyword argument is named so
+            raise ConfigError(f"keys must be strings (vLLM's SpeculativeConfig keyword arguments), got {short(key)}",
+                              field)
+        name = key.replace("-", "_")  # as vLLM's create_speculative_config renames them
+        rule = fields.get(name)
+        if rule is None:
+            close = difflib.get_close_matches(name, list(fields), n=1)
+            hint = f" (did you mean {close[0]}?)" if close else ""
+            raise ConfigError(f"unexpected keyword argument: vLLM's SpeculativeConfig has no such field{hint}",
+                              f"{field}.{key}")
+        value, where, problem = validate_field(rule, spec[key])
+        if problem is not None:
+            raise ConfigError(f"{problem} (vLLM's SpeculativeConfig.{name} is {rule.annotation}), got "
+                              f"{short(spec[key])}", f"{field}.{key}{where}")
+        if value is None or type(value) in (bool, int, float, str):
+            spec[key] = value
 
 
 def check_draft_model(draft: str, field: str, source: str | None = None, what: str = "draft model") -> ModelRef:
@@ -342,6 +382,7 @@ __all__ = [
     "ModelRef",
     "check_draft_model",
     "check_num_speculative_tokens",
+    "check_vllm_fields",
     "classify_model",
     "is_hub_id",
     "is_speculators_checkpoint",
