@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from kvslots import cli
+from kvslots.config import vllm_fields
 
 
 def _no_vllm(monkeypatch) -> None:
@@ -206,6 +207,10 @@ def _spec(draft: str, **extra) -> str:
 def test_a_speculative_config_key_vllm_would_refuse_is_one_line_exit_2(capsys, eagle_draft, extra, field,
                                                                         problem, where):
     # Passed on unchecked: vLLM's SpeculativeConfig(**...) refused it once the server ran.
+    fields = vllm_fields.dataclass_fields("vllm.config.speculative", "SpeculativeConfig") or {}
+    rule = fields.get(field.split(".")[-1])
+    if rule is not None and " str" in rule.annotation and problem.startswith("Input should be '"):
+        pytest.skip(f"this vLLM takes any str as {rule.name} ({rule.annotation})")  # 0.33's kv_cache_dtype
     spec = _spec(eagle_draft, **extra)
     argv = ["--speculative-config", spec] if where == "flag" else ["--", "--speculative-config", spec]
     code, out, err = _main(capsys, "serve", "org/target", "--dry-run", *argv)
