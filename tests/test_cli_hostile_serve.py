@@ -36,6 +36,12 @@ def _assert_only_the_error(code: int, out: str, err: str, command: str, problem:
     assert problem in err, err
 
 
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 @pytest.fixture
 def busy_port():
     s = socket.socket()
@@ -56,6 +62,34 @@ def test_serve_address_error_comes_before_any_note_or_the_command(capsys, monkey
                  ["--host", "127.0.0.1", "--", "--port", str(busy_port)]):
         code, out, err = _main(capsys, "serve", "org/target", *argv)
         _assert_only_the_error(code, out, err, "serve", "cannot ")
+
+
+def test_an_events_port_in_use_is_one_line_before_vllm_starts(capsys, monkeypatch, busy_port):
+    # vLLM's publisher bound the endpoint (and the replay socket its own) only once the engine
+    # was loaded: ZMQError "Address already in use" after the model load, in vLLM's log.
+    _no_vllm(monkeypatch)
+    free = _free_port()
+    for argv in (["--kv-events-endpoint", f"tcp://*:{busy_port}"],
+                 ["--kv-events-endpoint", f"tcp://[::ffff:127.0.0.1]:{busy_port}"],
+                 ["--kv-events-endpoint", f"tcp://*:{free}", "--kv-events-replay-endpoint",
+                  f"tcp://127.0.0.1:{busy_port}"],
+                 # the second data-parallel rank binds the port after the first's
+                 ["--kv-events-endpoint", f"tcp://*:{busy_port - 1}", "--kv-events-replay-endpoint", "none",
+                  "--", "--data-parallel-size", "2"]):
+        code, out, err = _main(capsys, "serve", "org/target", "--port", str(free), *argv)
+        _assert_only_the_error(code, out, err, "serve", "KV events: cannot listen on ")
+        assert f":{busy_port}: " in err, err
+
+
+def test_events_ports_vllm_connects_to_or_the_os_picks_are_not_checked(monkeypatch):
+    from kvslots.serve.cli import plan_from_argv
+
+    for argv, want in ((["--kv-events-endpoint", "tcp://127.0.0.1:5557"], [("127.0.0.1", 5558)]),
+                       (["--kv-events-endpoint", "tcp://*:0", "--kv-events-replay-endpoint", "none"], []),
+                       (["--no-kv-events"], []),
+                       (["--kv-events-endpoint", "tcp://*:6000", "--", "--data-parallel-size", "2"],
+                        [("0.0.0.0", 6000), ("0.0.0.0", 6001), ("127.0.0.1", 6002), ("127.0.0.1", 6003)])):
+        assert plan_from_argv(["org/target", *argv]).events_bind_addresses() == want, argv
 
 
 def test_serve_flag_errors_found_late_come_alone(capsys, monkeypatch):

@@ -23,7 +23,7 @@ from typing import Any
 
 from .._listen import check_listen
 from ..cli import OneLineParser, one_line, output
-from ..errors import ServeError
+from ..errors import ConfigError, ServeError
 from .events import DEFAULT_EVENTS_ENDPOINT
 from .plan import (
     DEFAULT_HOST,
@@ -234,6 +234,14 @@ def _run(args: argparse.Namespace) -> int:
         # traceback, exit status 1): one line here instead, before anything starts.
         check_listen(plan.host if plan.host is not None else DEFAULT_HOST,
                      plan.port if plan.port is not None else DEFAULT_PORT)
+        # Likewise the events sockets: a port in use failed vLLM's publisher once the engine
+        # was loaded (ZMQError: Address already in use, after the model load).
+        for host, port in plan.events_bind_addresses():
+            try:
+                check_listen(host, port)
+            except ConfigError as e:
+                raise ServeError(f"KV events: {e} (--kv-events-endpoint / --kv-events-replay-endpoint, "
+                                 "or --no-kv-events)") from None
     if not args.quiet:
         for line in plan.notes:
             print(one_line(f"{PROG}: {line}"), file=sys.stderr)  # a YAML key may hold a newline or an escape

@@ -168,9 +168,29 @@ def replay_connect_endpoint(cfg: dict[str, Any] | None) -> str | None:
     return _connect_form(str(ep)) if ep else None
 
 
+def bound_tcp_addresses(cfg: dict[str, Any] | None, dp_size: int) -> list[tuple[str, int]]:
+    """The (host, port) pairs vLLM's publisher and replay sockets bind over TCP, for every
+    data-parallel rank (vLLM adds the rank to both ports); ``*`` is ``0.0.0.0`` (ZMQ binds IPv4
+    there). Port 0 (the OS picks one) and ipc / inproc endpoints have nothing to check."""
+    if not cfg or not cfg.get("enable_kv_cache_events") or cfg.get("publisher", "zmq") != "zmq":
+        return []
+    bound = [str(cfg.get("endpoint", DEFAULT_EVENTS_ENDPOINT))]
+    bound = [ep for ep in bound if vllm_binds(ep)]
+    if cfg.get("replay_endpoint"):
+        bound.append(str(cfg["replay_endpoint"]))
+    out = []
+    for ep in bound:
+        hp = _tcp_port(ep)
+        if hp is None or hp[1] == 0:
+            continue
+        host = {"*": "0.0.0.0", LOOPBACK_BIND_HOST: "127.0.0.1"}.get(hp[0], hp[0].strip("[]"))
+        out.extend((host, hp[1] + rank) for rank in range(max(1, dp_size)) if hp[1] + rank <= 65535)
+    return out
+
+
 def _connect_form(bound: str) -> str:
     return bound.replace("*", "127.0.0.1").replace(LOOPBACK_BIND_HOST, "127.0.0.1")
 
 
-__all__ = ["DEFAULT_EVENTS_ENDPOINT", "LOOPBACK_BIND_HOST", "default_replay", "events_config",
+__all__ = ["DEFAULT_EVENTS_ENDPOINT", "LOOPBACK_BIND_HOST", "bound_tcp_addresses", "default_replay", "events_config",
            "replay_connect_endpoint", "subscribe_endpoint", "vllm_binds"]

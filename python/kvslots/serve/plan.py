@@ -28,7 +28,7 @@ from ..errors import KVSlotsError, ServeError
 from ..events.protocol import host_problem
 from ..vllm.cpu_cores import connector_cpu_env, vllm_is_cpu_build
 from .connector import CONNECTOR_NAME, connector_config
-from .events import events_config, replay_connect_endpoint, subscribe_endpoint
+from .events import bound_tcp_addresses, events_config, replay_connect_endpoint, subscribe_endpoint
 from .tail import MERGED_OPTIONS, json_object, scan_vllm_args, tail_json
 
 PROG = "kvslots serve"
@@ -70,6 +70,8 @@ class ServePlan:
     slot_manager: str = DEFAULT_SLOT_MANAGER
     #: the ``--scheduler-cls`` vLLM gets (from kvslots serve or after ``--``); None: vLLM's default
     scheduler_cls: str | None = None
+    #: vLLM's data-parallel size (each rank binds the events ports plus its rank)
+    data_parallel_size: int = 1
 
     @property
     def vllm_args(self) -> list[str]:
@@ -85,6 +87,10 @@ class ServePlan:
         """Where a subscriber on this host connects for the live events (None: events off or
         not bound by vLLM)."""
         return subscribe_endpoint(self.kv_events_config)
+
+    def events_bind_addresses(self) -> list[tuple[str, int]]:
+        """The TCP addresses vLLM's events sockets bind, every data-parallel rank's."""
+        return bound_tcp_addresses(self.kv_events_config, self.data_parallel_size)
 
     def indexer_worker(self, name: str = "NAME") -> str | None:
         """The ``kvslots indexer --worker`` value that follows this server's events from this
@@ -361,6 +367,7 @@ def build_plan(args: argparse.Namespace, *, python: str | None = None) -> ServeP
         speculative_config=spec, kv_transfer_config=kv_transfer, kv_events_config=kv_events,
         tail=rest, speculators_checkpoint=model if speculators else None,
         slot_manager=slot_manager, scheduler_cls=scheduler_cls if scheduler_cls is not None else tail_cls,
+        data_parallel_size=max(1, dp_size),
     )
 
 
