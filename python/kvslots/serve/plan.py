@@ -398,7 +398,7 @@ def _checked_args(args: argparse.Namespace) -> argparse.Namespace:
             ok = isinstance(value, bool)
         elif action.choices is not None:
             ok = isinstance(value, str) and value in action.choices
-        elif action.type is not None:
+        elif callable(action.type):
             try:  # the option's own type on the value's text: "8000" and 8000 are a port, True is not
                 value = action.type(str(value)) if not isinstance(value, bool) else None
             except Exception:  # argparse.ArgumentTypeError, or a value whose __str__ raises
