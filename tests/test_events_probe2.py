@@ -1,0 +1,148 @@
+"""Probes of the event sockets from the wire side, by a peer that speaks ZMTP itself (a raw TCP
+socket, so it can send what a libzmq peer would buffer or refuse): what it sends must not hold
+back the publisher's or the subscriber's other traffic."""
+
+from __future__ import annotations
+
+import os
+import socket
+import struct
+import subprocess
+import sys
+import threading
+import time
+from contextlib import contextmanager
+
+import zmq
+
+from kvslots.events import KVEventBatch, encode_batch
+from kvslots.events.publisher import EventPublisher
+
+LOCAL = "tcp://127.0.0.1:0"
+
+
+# ---- a ZMTP 3.0 peer over a plain socket ---------------------------------------------------
+
+
+def _ready(socket_type: bytes) -> bytes:
+    body = b"\x05READY" + b"\x0bSocket-Type" + struct.pack(">I", len(socket_type)) + socket_type
+    return bytes([0x04, len(body)]) + body
+
+
+def zmtp_frame(data: bytes, more: bool = False) -> bytes:
+    if len(data) < 256:
+        return bytes([0x01 if more else 0x00, len(data)]) + data
+    return bytes([0x03 if more else 0x02]) + struct.pack(">Q", len(data)) + data
+
+
+def zmtp_connect(endpoint: str, socket_type: bytes) -> socket.socket:
+    """A TCP connection to ``endpoint`` (tcp://host:port) that has done the NULL handshake as a
+    ``socket_type`` peer; what is sent on it next is message frames."""
+    host, _, port = endpoint[len("tcp://"):].rpartition(":")
+    s = socket.create_connection((host, int(port)), timeout=10)
+    s.sendall(b"\xff" + b"\0" * 8 + b"\x7f" + b"\x03\x00" + b"NULL".ljust(20, b"\0") + b"\0" + b"\0" * 31)
+    got = b""
+    while len(got) < 64:
+        chunk = s.recv(64 - len(got))
+        assert chunk, "the peer closed the connection during the greeting"
+        got += chunk
+    s.sendall(_ready(socket_type))
+    return s
+
+
+class Flood:
+    """Sends ``chunk`` over a ZMTP connection again and again, from a thread, until stopped."""
+
+    def __init__(self, endpoint: str, socket_type: bytes, chunk: bytes) -> None:
+        self.sock = zmtp_connect(endpoint, socket_type)
+        self.chunk = chunk
+        self.sent = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        try:
+            while not self._stop.is_set():
+                self.sock.sendall(self.chunk)  # releases the GIL while the kernel takes it
+                self.sent += 1
+        except OSError:  # the peer dropped us
+            pass
+
+    def __enter__(self) -> "Flood":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self._thread.join(10)
+        self.sock.close()
+
+
+@contextmanager
+def flood_process(endpoint: str, socket_type: bytes, message: bytes, connections: int = 2):
+    """Floods ``endpoint`` with ``message`` (ZMTP frames) over ``connections`` connections from
+    a child process (no GIL shared with the sockets under test) while the block runs."""
+    code = (f"import sys, time; sys.path.insert(0, {os.path.dirname(__file__)!r})\n"
+            f"from test_events_probe2 import Flood\n"
+            f"floods = [Flood({endpoint!r}, {socket_type!r}, {message!r} * 100_000).__enter__() "
+            f"for _ in range({connections})]\n"
+            f"print('flooding', flush=True)\n"
+            f"sys.stdin.read()\n")
+    child = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    try:
+        assert child.stdout.readline() == b"flooding\n"
+        yield
+    finally:
+        child.kill()
+        child.wait(10)
+
+
+# ---- the publisher's replay socket ---------------------------------------------------------
+
+
+def test_a_flood_of_replay_requests_does_not_hold_back_live_batches():
+    """A peer sending requests (here garbage, one 1-byte frame each) faster than the sender
+    thread reads them kept it in its read loop: no queued batch was sent while the flood lasted
+    (batches arrived seconds late). It now reads a bounded number per round and sends the
+    queued batches between."""
+    payload = encode_batch(KVEventBatch(0.0, []))
+    ctx = zmq.Context()
+    pub = EventPublisher(LOCAL, LOCAL, buffer_steps=16)
+    try:
+        sub = ctx.socket(zmq.SUB)
+        sub.setsockopt(zmq.LINGER, 0)
+        sub.setsockopt(zmq.SUBSCRIBE, b"")
+        sub.connect(pub.endpoint)
+        deadline = time.monotonic() + 10
+        while True:  # the SUB is connected once a batch reaches it
+            pub.publish(payload)
+            if sub.poll(50):
+                while sub.poll(0):
+                    sub.recv_multipart()
+                break
+            assert time.monotonic() < deadline, "the SUB never received a batch"
+        with flood_process(pub.replay_endpoint, b"DEALER", zmtp_frame(b"x")):
+            wait = time.monotonic() + 10
+            while pub.stats()["replay_malformed"] < 100_000:  # the flood is being read
+                assert time.monotonic() < wait, pub.stats()
+                time.sleep(0.01)
+            delays = []
+            for _ in range(10):
+                t0 = time.monotonic()
+                pub.publish(payload)
+                arrived = sub.poll(3000)
+                delays.append(time.monotonic() - t0 if arrived else float("inf"))
+                if arrived:
+                    sub.recv_multipart()
+                time.sleep(0.05)
+            malformed = pub.stats()["replay_malformed"]
+        assert malformed > 100_000, "the flood did not reach the publisher"
+        assert max(delays) < 1.0, f"live batches held back by the flood: {delays}"
+        assert pub.stats()["published"] >= 11 and pub.stats()["errors"] == 0
+    finally:
+        pub.shutdown()
+        ctx.destroy(linger=0)
