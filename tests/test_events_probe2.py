@@ -17,6 +17,7 @@ import zmq
 
 from kvslots.events import KVEventBatch, encode_batch
 from kvslots.events.publisher import EventPublisher
+from kvslots.events.subscriber import EventSubscriber
 
 LOCAL = "tcp://127.0.0.1:0"
 
@@ -35,11 +36,8 @@ def zmtp_frame(data: bytes, more: bool = False) -> bytes:
     return bytes([0x03 if more else 0x02]) + struct.pack(">Q", len(data)) + data
 
 
-def zmtp_connect(endpoint: str, socket_type: bytes) -> socket.socket:
-    """A TCP connection to ``endpoint`` (tcp://host:port) that has done the NULL handshake as a
-    ``socket_type`` peer; what is sent on it next is message frames."""
-    host, _, port = endpoint[len("tcp://"):].rpartition(":")
-    s = socket.create_connection((host, int(port)), timeout=10)
+def _greet(s: socket.socket, socket_type: bytes) -> None:
+    """The ZMTP 3.0 NULL handshake as a ``socket_type`` peer, either end of ``s``."""
     s.sendall(b"\xff" + b"\0" * 8 + b"\x7f" + b"\x03\x00" + b"NULL".ljust(20, b"\0") + b"\0" + b"\0" * 31)
     got = b""
     while len(got) < 64:
@@ -47,6 +45,14 @@ def zmtp_connect(endpoint: str, socket_type: bytes) -> socket.socket:
         assert chunk, "the peer closed the connection during the greeting"
         got += chunk
     s.sendall(_ready(socket_type))
+
+
+def zmtp_connect(endpoint: str, socket_type: bytes) -> socket.socket:
+    """A TCP connection to ``endpoint`` (tcp://host:port) that has done the NULL handshake as a
+    ``socket_type`` peer; what is sent on it next is message frames."""
+    host, _, port = endpoint[len("tcp://"):].rpartition(":")
+    s = socket.create_connection((host, int(port)), timeout=10)
+    _greet(s, socket_type)
     return s
 
 
@@ -146,3 +152,67 @@ def test_a_flood_of_replay_requests_does_not_hold_back_live_batches():
     finally:
         pub.shutdown()
         ctx.destroy(linger=0)
+
+
+# ---- the subscriber's replay socket --------------------------------------------------------
+
+
+def _rss_mib() -> float:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    raise AssertionError("no VmRSS")
+
+
+@contextmanager
+def flooding_server(socket_type: bytes, message: bytes):
+    """A child process listening on 127.0.0.1 that does the ZMTP handshake as ``socket_type``
+    with the first peer to connect and then sends it ``message`` (frames) again and again;
+    yields its endpoint."""
+    code = (f"import socket, sys; sys.path.insert(0, {os.path.dirname(__file__)!r})\n"
+            f"from test_events_probe2 import _greet\n"
+            f"srv = socket.socket(); srv.bind(('127.0.0.1', 0)); srv.listen(4)\n"
+            f"print(srv.getsockname()[1], flush=True)\n"
+            f"c, _ = srv.accept(); _greet(c, {socket_type!r})\n"
+            f"chunk = {message!r} * 10_000\n"
+            f"while True: c.sendall(chunk)\n")
+    child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+    try:
+        port = int(child.stdout.readline())
+        yield f"tcp://127.0.0.1:{port}"
+    finally:
+        child.kill()
+        child.wait(10)
+
+
+def test_a_replay_server_flooding_the_subscriber_cannot_grow_it_without_bound():
+    """The replay (DEALER) socket had no receive high-water mark: a replay server sending
+    faster than the poll loop reads (here 1 KB replies nobody asked for) grew the subscriber
+    by some 400 MB a second for as long as it sent. Its pipe now holds ``hwm`` messages, as
+    the live socket's does, and another publisher's batches keep being applied."""
+    reply = zmtp_frame(b"", True) + zmtp_frame(b"", True) + zmtp_frame(bytes(8), True) + zmtp_frame(b"p" * 1000)
+    got: list[tuple[str, int]] = []
+    sub = EventSubscriber(lambda w, seq, b: got.append((w, seq)), hwm=1000)
+    pub = EventPublisher(LOCAL)
+    try:
+        with flooding_server(b"ROUTER", reply) as replay:
+            sub.add_publisher("hostile", "tcp://127.0.0.1:1", replay_endpoint=replay)
+            sub.add_publisher("good", pub.endpoint)
+            sub.start()
+            time.sleep(0.5)  # connected, flooding
+            before = _rss_mib()
+            payload = encode_batch(KVEventBatch(0.0, []))
+            deadline = time.monotonic() + 3.0
+            while time.monotonic() < deadline:
+                pub.publish(payload)
+                time.sleep(0.01)
+            grown = _rss_mib() - before
+        assert grown < 200, f"the subscriber grew by {grown:.0f} MiB in 3 s"
+        wait = time.monotonic() + 10
+        while not any(w == "good" for w, _ in got):
+            assert time.monotonic() < wait, "no batch of the good publisher was applied"
+            time.sleep(0.01)
+    finally:
+        sub.stop()
+        pub.shutdown()

@@ -238,7 +238,8 @@ class EventSubscriber:
     ``on_reset`` are logged and counted, never propagated.
 
     ``replay_timeout_ms`` bounds the wait for a replay's next useful message; ``hwm`` is the
-    receive high-water mark of the SUB sockets. ``max_frame_bytes`` is the largest frame taken
+    receive high-water mark of the SUB and replay sockets (messages a publisher can have
+    waiting in this process). ``max_frame_bytes`` is the largest frame taken
     from a publisher (:data:`~.protocol.MAX_FRAME_BYTES` by default): ZMQ drops the connection
     of one that sends a bigger frame before buffering it, and the subscriber reopens it
     (counted ``reopened``); the batch is missed (a gap, or with ``reset_on_reconnect`` a
@@ -771,7 +772,11 @@ class EventSubscriber:
             # Making it fails when descriptors run out: the peer goes on live-only (no dealer),
             # rather than the error stopping the loop.
             dealer = self._ctx.socket(zmq.DEALER)
-            dealer.setsockopt(zmq.RCVHWM, 0)  # a replay is a burst; do not drop any of it
+            # A replay is a burst: the pipe takes as many messages as the live one (a full pipe
+            # stops reading the connection; vLLM's ROUTER may then drop replies, which are
+            # asked for again). It was unbounded (0): a replay server sending faster than the
+            # loop reads grew the subscriber by 400 MB/s for as long as it liked.
+            dealer.setsockopt(zmq.RCVHWM, self._hwm)
             dealer.setsockopt(zmq.MAXMSGSIZE, self._max_frame)
             if is_ipv6(peer.replay_endpoint):
                 dealer.setsockopt(zmq.IPV6, 1)
