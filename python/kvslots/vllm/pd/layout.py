@@ -18,6 +18,7 @@ may differ.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -239,10 +240,20 @@ def _segments_of(name: str, t: Any, n: int, block_dim: int | None) -> list[Segme
     return [Segment(f"{name}.{o}", base + o * n * block_bytes, block_bytes, block_bytes, n) for o in range(outer)]
 
 
-def _as_ids(name: str, ids: Sequence[int] | np.ndarray, limit: int) -> np.ndarray:
-    """Block ids as int64, each in [0, limit)."""
+def _as_ids(name: str, ids: Sequence[int] | np.ndarray, limit: int, max_len: int) -> np.ndarray:
+    """Block ids as int64, each in [0, limit), at most ``max_len`` of them."""
     if isinstance(ids, (str, bytes)):
         raise ArgumentTypeError(f"{name} must be a sequence of ints, got {type(ids).__name__}")
+    # Counted before numpy builds the array: range(10**12) was a MemoryError (numpy asked for
+    # 7 TiB), range(10**9) gigabytes and seconds, for a read refused anyway.
+    try:
+        n: float | None = len(ids)
+    except OverflowError:  # a range longer than sys.maxsize
+        n = math.inf
+    except TypeError:  # no length: refused below as what it is
+        n = None
+    if n is not None and n > max_len:
+        raise InvalidArgumentError(f"{name} holds {n} ids, more than the {max_len} blocks they can go to")
     try:
         arr = np.asarray(ids)
     except (TypeError, ValueError) as e:

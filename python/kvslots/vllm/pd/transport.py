@@ -261,8 +261,10 @@ class MooncakeTransport:
         if not isinstance(remote_layout, BlockLayout):
             raise ArgumentTypeError(f"remote_layout must be a BlockLayout, got {type(remote_layout).__name__}")
         local.check_compatible(remote_layout)
-        r = _as_ids("remote_ids", remote_ids, remote_layout.num_blocks)
-        l_ = _as_ids("local_ids", local_ids, local.num_blocks)
+        # Local ids are distinct, so there are at most as many as local blocks, and as many
+        # remote ids as local ones.
+        r = _as_ids("remote_ids", remote_ids, remote_layout.num_blocks, local.num_blocks)
+        l_ = _as_ids("local_ids", local_ids, local.num_blocks, local.num_blocks)
         if len(r) != len(l_):
             raise InvalidArgumentError(f"remote_ids has {len(r)} ids, local_ids {len(l_)}")
         if len(np.unique(l_)) != len(l_):
