@@ -22,6 +22,8 @@ from .loader import brief, expand_home, text_problem
 GIB = 1 << 30
 #: The most blocks a tier may hold (the core's block ids are below 2^31).
 MAX_BLOCKS = (1 << 31) - 1
+#: Unknown keys an error names, at most (the rest are counted).
+_SHOWN_UNKNOWN = 10
 #: The disk tier's file in ``disk_path`` (kvslots.vllm.connector.disk opens it; named here so
 #: that check_disk_path, run before vLLM starts, need not import vLLM).
 DISK_FILE_NAME = "kvslots-disk-tier.kvs"
@@ -96,10 +98,14 @@ class ConnectorConfig:
             else:
                 given[name] = value
         if unknown:
-            # Sorted by their shown form: keys of mixed types (1 and "a") do not compare.
+            # Sorted by their shown form: keys of mixed types (1 and "a") do not compare. The
+            # first few only: the message listed every one (100,000 unknown keys, 1 MB of it).
+            unknown.sort()
+            shown = ", ".join(unknown[:_SHOWN_UNKNOWN])
+            if len(unknown) > _SHOWN_UNKNOWN:
+                shown += f" and {len(unknown) - _SHOWN_UNKNOWN} more"
             raise ConnectorConfigError(
-                f"kv_connector_extra_config: unknown key(s) {', '.join(sorted(unknown))}; "
-                f"known keys: {', '.join(sorted(known))}"
+                f"kv_connector_extra_config: unknown key(s) {shown}; known keys: {', '.join(sorted(known))}"
             )
         return cls(**{key: _check(key, value) for key, value in given.items()})
 
