@@ -1,6 +1,6 @@
 """The P/D halves of the KVSlotsConnector without an engine: the hand-off parameters (hostile
 ones included), the scheduler side's plans, and the worker side's holds, acks, timeouts and
-pulls between two workers in one process (real Mooncake transport and ZMQ control channel on
+pulls between two workers in one process (real Mooncake transport and TCP control channel on
 loopback), with the faults: a producer restarted (another engine id), layouts that differ, a
 hold that timed out before the pull ended, a producer that is gone."""
 
@@ -251,26 +251,26 @@ def test_control_channel_refuses_junk(pair):
 
 
 def test_control_channel_bounds_a_hostile_peer(pair, monkeypatch):
-    import zmq
+    import socket
+    import struct
 
     from kvslots.vllm.connector import pd as pd_mod
     from kvslots.vllm.pd import control
 
     prod, _, _, _, port = pair
-    ctx = zmq.Context.instance()
 
-    def raw(payload, wait_ms=15_000):  # the suite runs this beside engines, whose threads spin
-        s = ctx.socket(zmq.DEALER)
-        s.setsockopt(zmq.LINGER, 0)
-        s.connect(f"tcp://127.0.0.1:{port}")
-        s.send_multipart([b"", payload])
-        got = s.recv_multipart() if s.poll(wait_ms) else None
-        s.close()
-        return got
+    def raw(payload, wait_s=15.0):  # the suite runs this beside engines, whose threads spin
+        with socket.create_connection(("127.0.0.1", port), timeout=wait_s) as s:
+            s.sendall(struct.pack(">I", len(payload)) + payload)
+            try:
+                head = s.recv(4)
+                return s.recv(1 << 20) if len(head) == 4 else None
+            except OSError:
+                return None
 
-    # A frame over the cap is dropped with its connection, unread and unanswered.
-    assert raw(b"\x00" * (control.MAX_REQUEST_BYTES + 1), 2000) is None
-    assert b"RecursionError" in raw(b"\x91" * 60_000 + b"\xc0")[-1]  # deep nesting: an error reply
+    # A request over the cap is dropped with its connection, unread and unanswered.
+    assert raw(b"\x00" * (control.MAX_REQUEST_BYTES + 1), 2.0) is None
+    assert b"RecursionError" in raw(b"\x91" * 60_000 + b"\xc0")  # deep nesting: an error reply
     # Acks for holds that never come are kept up to a bound, oldest dropped first.
     monkeypatch.setattr(pd_mod, "MAX_EARLY_ACKS", 50)
     for i in range(120):
@@ -298,17 +298,19 @@ def test_an_over_long_ack_is_refused_unstored(pair):
 @pytest.mark.parametrize("reply", [b"\x81\xa2ok\xa2\xff\xfe", b"\x91" * 60_000 + b"\xc0", b"\xc1"],
                          ids=["bad_utf8", "deep", "malformed"])
 def test_a_control_reply_that_does_not_decode_is_a_transfer_error(reply):
+    import socket
+    import struct
     import threading
 
-    import zmq
-
-    sock = zmq.Context.instance().socket(zmq.ROUTER)
-    sock.setsockopt(zmq.LINGER, 0)
-    port = sock.bind_to_random_port("tcp://127.0.0.1")
+    srv = socket.create_server(("127.0.0.1", 0))
+    port = srv.getsockname()[1]
 
     def answer():
-        ident, _, _ = sock.recv_multipart()
-        sock.send_multipart([ident, b"", reply])
+        conn, _ = srv.accept()
+        with conn:
+            conn.recv(1 << 16)
+            conn.sendall(struct.pack(">I", len(reply)) + reply)
+            conn.recv(1)  # until the caller closes
 
     t = threading.Thread(target=answer, daemon=True)
     t.start()
@@ -318,4 +320,4 @@ def test_a_control_reply_that_does_not_decode_is_a_transfer_error(reply):
         assert e.value.details["kind"] == "peer"
     finally:
         t.join(5)
-        sock.close()
+        srv.close()

@@ -45,3 +45,129 @@ def test_a_huge_id_range_is_refused_at_once(transport, which, ids):
     # As many ids as blocks still plan: one entry per segment.
     assert len(t.plan(layout, range(NB), range(NB))[0]) == NS
     assert not buf.any()
+
+
+# ---- the control channel (kvslots.vllm.pd.control) against peers that never stop sending ----
+
+def _rss_mib() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") >> 20
+
+
+def _zmtp_greeting(socket_type: bytes) -> tuple[bytes, bytes]:
+    """A ZMTP 3.0 NULL greeting and READY command: what a ZMQ peer (or one posing as it) sends."""
+    import struct
+
+    greeting = b"\xff" + b"\0" * 8 + b"\x7f" + b"\x03\x00" + b"NULL".ljust(20, b"\0") + b"\x00" + b"\0" * 31
+    body = b"\x05READY" + b"\x0bSocket-Type" + struct.pack(">I", len(socket_type)) + socket_type
+    return greeting, b"\x04" + bytes([len(body)]) + body
+
+
+def _stream_frames_forever(sock, stop) -> None:
+    """Frames of 60 KiB, each flagged 'more to come', until ``stop`` (or the other side closes):
+    one message that never ends."""
+    import struct
+
+    chunk = b"\0" * (60 << 10)
+    frame = b"\x03" + struct.pack(">Q", len(chunk)) + chunk
+    try:
+        sock.sendall(b"\x01\x00")  # the empty delimiter frame, 'more'
+        while not stop.is_set():
+            sock.sendall(frame)
+    except OSError:
+        pass
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="reads the resident set from /proc")
+def test_a_peer_streaming_one_endless_request_does_not_grow_the_server():
+    # The control server was a ZMQ ROUTER: libzmq queues every frame of a multipart message until
+    # its last one arrives, and its 64 KiB cap is per frame. One connection streaming frames
+    # that never end grew the prefill worker by ~500 MB a second (the whole host's memory in a
+    # minute). Now each connection holds at most one request of MAX_REQUEST_BYTES.
+    import socket
+    import threading
+
+    from kvslots.vllm.pd.control import ControlServer, control_call
+
+    srv = ControlServer("127.0.0.1", 0, lambda msg: {"op": msg.get("op")})
+    stop = threading.Event()
+    peers = []
+    try:
+        before = _rss_mib()
+        for _ in range(2):
+            s = socket.create_connection(("127.0.0.1", srv.port), timeout=5)
+            greeting, ready = _zmtp_greeting(b"DEALER")
+            s.sendall(greeting)
+            try:
+                s.recv(64)
+                s.sendall(ready)
+            except OSError:
+                pass
+            t = threading.Thread(target=_stream_frames_forever, args=(s, stop), daemon=True)
+            t.start()
+            peers.append((s, t))
+        grown = 0
+        for _ in range(30):
+            time.sleep(0.1)
+            grown = max(grown, _rss_mib() - before)
+        assert grown < 150, f"the server grew by {grown} MiB in 3 s"
+        assert control_call("127.0.0.1", srv.port, {"op": "hello"}, timeout_s=5) == {"op": "hello"}
+    finally:
+        stop.set()
+        for s, t in peers:
+            s.close()
+            t.join(5)
+        srv.close()
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="reads the resident set from /proc")
+def test_a_peer_streaming_one_endless_reply_does_not_grow_the_caller():
+    # A decode worker calls the host and port a hand-off names (kv_transfer_params, from the
+    # client's request). Its ZMQ DEALER queued an endless multipart reply frame by frame (16 MiB
+    # each allowed) until the call's timeout: gigabytes. Now a reply's length is checked first.
+    import socket
+    import threading
+
+    from kvslots.errors import TransferError
+    from kvslots.vllm.pd.control import control_call
+
+    srv = socket.create_server(("127.0.0.1", 0))
+    port = srv.getsockname()[1]
+    stop = threading.Event()
+
+    def serve() -> None:
+        try:
+            conn, _ = srv.accept()
+        except OSError:
+            return
+        with conn:
+            greeting, ready = _zmtp_greeting(b"ROUTER")
+            try:
+                conn.sendall(greeting)
+                conn.recv(64)
+                conn.sendall(ready)
+            except OSError:
+                return
+            _stream_frames_forever(conn, stop)
+
+    t = threading.Thread(target=serve, daemon=True)
+    t.start()
+    before = _rss_mib()
+    peak = [0]
+
+    def watch() -> None:
+        while not stop.is_set():
+            peak[0] = max(peak[0], _rss_mib() - before)
+            time.sleep(0.05)
+
+    w = threading.Thread(target=watch, daemon=True)
+    w.start()
+    try:
+        with pytest.raises(TransferError):
+            control_call("127.0.0.1", port, {"op": "hello"}, timeout_s=3, retries=0)
+    finally:
+        stop.set()
+        srv.close()
+        t.join(5)
+        w.join(5)
+    assert peak[0] < 150, f"the caller grew by {peak[0]} MiB"

@@ -1,5 +1,5 @@
 """The P/D control channel: small msgpack requests from a decode worker to a prefill worker over
-ZMQ (the KV bytes themselves go through Mooncake, :mod:`.transport`).
+plain TCP (the KV bytes themselves go through Mooncake, :mod:`.transport`).
 
 Two operations, both answered at once by a background thread of the prefill worker:
 
@@ -10,7 +10,15 @@ Two operations, both answered at once by a background thread of the prefill work
   (``held``: false when the prefill worker's hold timed out first, so the bytes read may be
   stale and the decode worker must not use them).
 
-Every client call has a timeout and a fresh socket per attempt, so a dead or restarted peer
+Wire: one request and one reply per connection, each a 4-byte big-endian length and that many
+bytes of msgpack. Every length is checked before anything past it is read, so what a peer can
+make either side hold is bounded: a request of :data:`MAX_REQUEST_BYTES` on each of at most
+:data:`MAX_CONNECTIONS` connections (the oldest goes for a new one, and each has
+:data:`REQUEST_DEADLINE_S` to deliver its request), a reply of :data:`MAX_REPLY_BYTES`. (It was
+ZMQ, whose ROUTER and DEALER queue every frame of a multipart message until its last frame:
+one connection streaming frames that never end held gigabytes after seconds.)
+
+Every client call has a timeout and a fresh connection per attempt, so a dead or restarted peer
 gives a :class:`~kvslots.errors.TransferError` (kind ``"peer"`` / ``"timeout"``), never a hang.
 """
 
@@ -18,13 +26,15 @@ from __future__ import annotations
 
 import logging
 import os
+import selectors
+import socket
+import struct
 import threading
 import time
 from collections.abc import Callable
 from typing import Any
 
 import msgspec
-import zmq
 
 from ..._args import C_INT_MAX, callback, integer, number, text
 from ...config.loader import brief
@@ -37,16 +47,32 @@ __all__ = ["ControlServer", "control_call"]
 
 _ENC = msgspec.msgpack.Encoder()
 _DEC = msgspec.msgpack.Decoder()
+_LEN = struct.Struct(">I")
 
 #: Largest control message accepted. Requests are under a KiB and a ``hello`` reply (every
-#: layer's segment layout) some KiB; a larger frame is a hostile or broken peer, and ZMQ drops
-#: its connection before buffering it (a 512 MiB frame was read whole before this cap).
+#: layer's segment layout) some KiB; a larger one is a hostile or broken peer: its connection is
+#: dropped with nothing past the length read (a 512 MiB frame was once read whole).
 MAX_REQUEST_BYTES = 64 << 10
 MAX_REPLY_BYTES = 16 << 20
+#: Connections a server keeps at once; a new one past it closes the oldest. Decode workers
+#: connect once per call and are answered at once, so only idle or hostile peers are that old.
+MAX_CONNECTIONS = 64
+#: Seconds a connection has from its accept to deliver its request and take its reply.
+REQUEST_DEADLINE_S = 10.0
+
+
+class _Conn:
+    __slots__ = ("sock", "buf", "out", "deadline")
+
+    def __init__(self, sock: socket.socket, deadline: float) -> None:
+        self.sock = sock
+        self.buf = bytearray()
+        self.out = b""
+        self.deadline = deadline
 
 
 class ControlServer:
-    """Answers control requests on ``tcp://host:port`` with ``handler(msg) -> reply`` on its own
+    """Answers control requests on TCP ``host:port`` with ``handler(msg) -> reply`` on its own
     thread. ``port`` 0 picks a free port (see :attr:`port`)."""
 
     def __init__(self, host: str, port: int, handler: Callable[[dict[str, Any]], dict[str, Any]]):
@@ -56,19 +82,22 @@ class ControlServer:
         host = _host(host)
         port = integer(port, "port", 0, 65535)
         handler = callback(handler, "handler")
-        self._ctx = zmq.Context.instance()
-        self._sock = self._ctx.socket(zmq.ROUTER)
         try:
-            self._sock.setsockopt(zmq.LINGER, 0)
-            self._sock.setsockopt(zmq.MAXMSGSIZE, MAX_REQUEST_BYTES)
-            if port == 0:
-                self.port = self._sock.bind_to_random_port(f"tcp://{host}")
-            else:
-                self._sock.bind(f"tcp://{host}:{port}")
-                self.port = port
-        except zmq.ZMQError as e:
+            family, kind, proto, _, addr = socket.getaddrinfo(None if host == "*" else host, port,
+                                                              type=socket.SOCK_STREAM,
+                                                              flags=socket.AI_PASSIVE)[0]
+        except (OSError, ValueError) as e:  # no such host; a name IDNA cannot encode
+            raise TransferError(f"P/D control socket cannot bind {host}:{port}: {e}", details={"kind": "engine"}) from None
+        self._sock = socket.socket(family, kind, proto)
+        try:
+            self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            self._sock.bind(addr)
+            self._sock.listen(128)
+            self._sock.setblocking(False)
+            self.port = self._sock.getsockname()[1]
+        except OSError as e:
             self._sock.close()
-            raise TransferError(f"P/D control socket cannot bind tcp://{host}:{port}: {e}",
+            raise TransferError(f"P/D control socket cannot bind {host}:{port}: {e}",
                                 details={"kind": "engine"}) from None
         except BaseException:
             self._sock.close()
@@ -80,32 +109,92 @@ class ControlServer:
         self._thread.start()
 
     def _serve(self) -> None:
+        sel = selectors.DefaultSelector()
+        conns: dict[socket.socket, _Conn] = {}  # oldest first
         try:
             _unpin_thread()
-            poller = zmq.Poller()
-            poller.register(self._sock, zmq.POLLIN)
+            sel.register(self._sock, selectors.EVENT_READ)
             while not self._stop.is_set():
-                if not poller.poll(100):
-                    continue
-                try:
-                    ident, _, payload = self._sock.recv_multipart(zmq.NOBLOCK)
-                except (zmq.ZMQError, ValueError):
-                    continue
-                try:
-                    msg = _DEC.decode(payload)
-                    if not isinstance(msg, dict):
-                        raise TypeError("not a map")
-                    reply = _ENC.encode(self._handler(msg))
-                except Exception as e:  # a bad request must not stop the server
-                    # Encoded in here too: a reply msgpack cannot encode (a handler's bug) ended
-                    # this thread, and every later request went unanswered.
-                    reply = _ENC.encode({"error": f"{type(e).__name__}: {e}".encode("utf-8", "replace").decode()})
-                try:
-                    self._sock.send_multipart([ident, b"", reply], zmq.NOBLOCK)
-                except zmq.ZMQError:
-                    pass
+                for key, _ in sel.select(0.1):
+                    if key.fileobj is self._sock:
+                        self._accept(sel, conns)
+                    else:
+                        c = conns.get(key.fileobj)  # type: ignore[call-overload]
+                        if c is not None and not self._step(sel, c):
+                            self._drop(sel, conns, c)
+                now = time.monotonic()
+                for c in [c for c in conns.values() if now >= c.deadline]:
+                    self._drop(sel, conns, c)
         finally:
+            for c in list(conns.values()):
+                self._drop(sel, conns, c)
+            sel.close()
             self._sock.close()
+
+    def _accept(self, sel: selectors.BaseSelector, conns: dict[socket.socket, _Conn]) -> None:
+        for _ in range(MAX_CONNECTIONS):
+            try:
+                sock, _ = self._sock.accept()
+            except OSError:  # none left to accept (or EMFILE: they wait in the backlog)
+                return
+            sock.setblocking(False)
+            while len(conns) >= MAX_CONNECTIONS:
+                self._drop(sel, conns, next(iter(conns.values())))
+            c = _Conn(sock, time.monotonic() + REQUEST_DEADLINE_S)
+            conns[sock] = c
+            sel.register(sock, selectors.EVENT_READ)
+
+    @staticmethod
+    def _drop(sel: selectors.BaseSelector, conns: dict[socket.socket, _Conn], c: _Conn) -> None:
+        conns.pop(c.sock, None)
+        try:
+            sel.unregister(c.sock)
+        except (KeyError, ValueError):
+            pass
+        c.sock.close()
+
+    def _step(self, sel: selectors.BaseSelector, c: _Conn) -> bool:
+        """Reads what the connection has or writes what it can take; False when it is done
+        (answered, closed by the peer, or over the cap)."""
+        try:
+            if c.out:
+                c.out = c.out[c.sock.send(c.out):]
+                return bool(c.out)
+            need = (_LEN.size if len(c.buf) < _LEN.size else _LEN.size + _LEN.unpack_from(c.buf)[0]) - len(c.buf)
+            data = c.sock.recv(min(need, 1 << 16))
+        except (BlockingIOError, InterruptedError):
+            return True
+        except OSError:
+            return False
+        if not data:
+            return False
+        c.buf += data
+        if len(c.buf) < _LEN.size:
+            return True
+        (n,) = _LEN.unpack_from(c.buf)
+        if n > MAX_REQUEST_BYTES:
+            return False  # dropped with nothing past its length read
+        if len(c.buf) < _LEN.size + n:
+            return True
+        reply = self._answer(bytes(c.buf[_LEN.size:]))
+        c.buf = bytearray()
+        c.out = _LEN.pack(len(reply)) + reply
+        sel.modify(c.sock, selectors.EVENT_WRITE)
+        return True
+
+    def _answer(self, payload: bytes) -> bytes:
+        try:
+            msg = _DEC.decode(payload)
+            if not isinstance(msg, dict):
+                raise TypeError("not a map")
+            reply = _ENC.encode(self._handler(msg))
+            if len(reply) > MAX_REPLY_BYTES:
+                raise ValueError(f"reply of {len(reply)} bytes, over the {MAX_REPLY_BYTES} a caller reads")
+        except Exception as e:  # a bad request must not stop the server
+            # Encoded in here too: a reply msgpack cannot encode (a handler's bug) ended this
+            # thread, and every later request went unanswered.
+            reply = _ENC.encode({"error": f"{type(e).__name__}: {e}".encode("utf-8", "replace").decode()})
+        return reply
 
     def close(self) -> None:
         self._stop.set()
@@ -122,7 +211,7 @@ def _unpin_thread() -> None:
         pass
 
 
-#: Longest wait of one try, in seconds: ZMQ's poll takes milliseconds as a C int.
+#: Longest wait of one try, in seconds (milliseconds in a C int, as ZMQ's poll took them).
 MAX_TIMEOUT_S = C_INT_MAX // 1000
 #: Most retries of one call.
 MAX_RETRIES = 100
@@ -165,34 +254,78 @@ def control_call(host: str, port: int, msg: dict[str, Any], *, timeout_s: float,
         # in a hand-off's host or request id, a UnicodeEncodeError, escaped its ack handler and
         # left the request waiting; a NUL was ZMQ's error, a TransferError, before these checks).
         raise TransferError(f"P/D peer {brief(host)}:{brief(port)}: {e}", details={"kind": "peer"}) from None
-    ctx = zmq.Context.instance()
+    frame = _LEN.pack(len(payload)) + payload
     last = ""
     for _ in range(retries + 1):
-        sock = ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.MAXMSGSIZE, MAX_REPLY_BYTES)
         try:
-            sock.connect(f"tcp://{host}:{port}")
-            sock.send_multipart([b"", payload])
-            if sock.poll(max(1, int(timeout_s * 1000)), zmq.POLLIN):
-                frames = sock.recv_multipart()
-                try:
-                    reply = _DEC.decode(frames[-1])
-                except DECODE_ERRORS as e:  # bad UTF-8 or deep nesting too, not only malformed bytes
-                    raise TransferError(f"P/D control reply from {host}:{port} does not decode: {e}",
-                                        details={"kind": "peer"}) from None
-                if not isinstance(reply, dict):
-                    raise TransferError(f"P/D control reply from {host}:{port} is not a map", details={"kind": "peer"})
-                if "error" in reply:
-                    # brief: the peer's text, cut (a reply may be 16 MiB) and on one line
-                    raise TransferError(f"P/D peer {host}:{port} refused {brief(msg.get('op'))}: "
-                                        f"{brief(reply['error'], 300)}", details={"kind": "peer"})
-                return reply
-            last = f"no reply within {timeout_s} s"
-        except zmq.ZMQError as e:
-            last = str(e)
-        finally:
-            sock.close()
-        time.sleep(0.05)
+            body = _exchange(host, port, frame, time.monotonic() + timeout_s)
+        except _NoAnswer as e:
+            last = str(e) or f"no reply within {timeout_s} s"
+            time.sleep(0.05)
+            continue
+        try:
+            reply = _DEC.decode(body)
+        except DECODE_ERRORS as e:  # bad UTF-8 or deep nesting too, not only malformed bytes
+            raise TransferError(f"P/D control reply from {host}:{port} does not decode: {e}",
+                                details={"kind": "peer"}) from None
+        if not isinstance(reply, dict):
+            raise TransferError(f"P/D control reply from {host}:{port} is not a map", details={"kind": "peer"})
+        if "error" in reply:
+            # brief: the peer's text, cut (a reply may be 16 MiB) and on one line
+            raise TransferError(f"P/D peer {host}:{port} refused {brief(msg.get('op'))}: "
+                                f"{brief(reply['error'], 300)}", details={"kind": "peer"})
+        return reply
     raise TransferError(f"P/D peer {host}:{port} did not answer {brief(msg.get('op'))}: {last}",
                         details={"kind": "timeout"})
+
+
+class _NoAnswer(Exception):
+    """One try of a call got no reply (nothing listening, the connection broken or silent)."""
+
+
+def _exchange(host: str, port: int, frame: bytes, deadline: float) -> bytes:
+    """Sends ``frame`` on a fresh connection and returns the reply's msgpack bytes, by
+    ``deadline``. A refused connection is tried again every 100 ms until then (a peer that is
+    starting, as ZMQ reconnected); a reply over :data:`MAX_REPLY_BYTES` is refused at its length."""
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise _NoAnswer()
+        try:
+            sock = socket.create_connection((host, port), timeout=left)
+            break
+        except (socket.gaierror, ValueError) as e:  # no such host, or a name IDNA cannot encode
+            raise _NoAnswer(f"cannot resolve {brief(host)}: {e}") from None
+        except OSError as e:  # refused, unreachable, timed out: again until the deadline
+            if deadline - time.monotonic() <= 0.1:
+                raise _NoAnswer(str(e) or type(e).__name__) from None
+            time.sleep(0.1)
+    try:
+        sock.settimeout(max(deadline - time.monotonic(), 1e-3))
+        sock.sendall(frame)
+        head = _recv_exact(sock, _LEN.size, deadline)
+        (n,) = _LEN.unpack(head)
+        if n > MAX_REPLY_BYTES:
+            raise TransferError(f"P/D control reply from {host}:{port} of {n} bytes, over {MAX_REPLY_BYTES}",
+                                details={"kind": "peer"})
+        return _recv_exact(sock, n, deadline)
+    except OSError as e:  # reset, or silent past the deadline (socket.timeout)
+        raise _NoAnswer(str(e) or type(e).__name__) from None
+    finally:
+        sock.close()
+
+
+def _recv_exact(sock: socket.socket, n: int, deadline: float) -> bytes:
+    buf = bytearray(n)
+    view = memoryview(buf)
+    got = 0
+    while got < n:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise _NoAnswer()
+        sock.settimeout(left)
+        k = sock.recv_into(view[got:], min(n - got, 1 << 20))
+        if k == 0:
+            raise _NoAnswer("the peer closed the connection before its reply ended")
+        got += k
+    return bytes(buf)
