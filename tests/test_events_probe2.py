@@ -59,8 +59,9 @@ def zmtp_connect(endpoint: str, socket_type: bytes) -> socket.socket:
 class Flood:
     """Sends ``chunk`` over a ZMTP connection again and again, from a thread, until stopped."""
 
-    def __init__(self, endpoint: str, socket_type: bytes, chunk: bytes) -> None:
+    def __init__(self, endpoint: str, socket_type: bytes, chunk: bytes, head: bytes = b"") -> None:
         self.sock = zmtp_connect(endpoint, socket_type)
+        self.sock.sendall(head)
         self.chunk = chunk
         self.sent = 0
         self._stop = threading.Event()
@@ -89,12 +90,13 @@ class Flood:
 
 
 @contextmanager
-def flood_process(endpoint: str, socket_type: bytes, message: bytes, connections: int = 2):
+def flood_process(endpoint: str, socket_type: bytes, message: bytes, connections: int = 2, head: bytes = b""):
     """Floods ``endpoint`` with ``message`` (ZMTP frames) over ``connections`` connections from
-    a child process (no GIL shared with the sockets under test) while the block runs."""
+    a child process (no GIL shared with the sockets under test) while the block runs; ``head``
+    is sent once first on each."""
     code = (f"import sys, time; sys.path.insert(0, {os.path.dirname(__file__)!r})\n"
             f"from test_events_probe2 import Flood\n"
-            f"floods = [Flood({endpoint!r}, {socket_type!r}, {message!r} * 100_000).__enter__() "
+            f"floods = [Flood({endpoint!r}, {socket_type!r}, {message!r} * 100_000, {head!r}).__enter__() "
             f"for _ in range({connections})]\n"
             f"print('flooding', flush=True)\n"
             f"sys.stdin.read()\n")
@@ -290,3 +292,34 @@ def test_a_round_of_the_poll_loop_reads_a_bounded_number_of_one_sockets_messages
         sub.stop()
         flood.close(linger=0)
         ctx.term()
+
+
+# ---- the publisher's live socket -----------------------------------------------------------
+
+
+def test_a_huge_subscription_frame_drops_the_peer_instead_of_being_buffered():
+    """All a PUB socket reads is subscriptions, but it took frames of any size: a peer declaring
+    a 2 GiB subscription and sending its bytes grew the publisher by 700 MB a second. A frame
+    past SUBSCRIPTION_MAX_FRAME (plus the topic's length) now drops that peer's connection;
+    subscribers, with a topic longer than the bound too, are served as before."""
+    topic = "t" * 3000
+    got: list[int] = []
+    pub = EventPublisher(LOCAL, topic=topic)
+    sub = EventSubscriber(lambda w, seq, b: got.append(seq))
+    try:
+        huge = bytes([0x02]) + (2**31).to_bytes(8, "big") + b"\x01"  # a 2 GiB frame, more to come
+        before = _rss_mib()
+        with flood_process(pub.endpoint, b"SUB", b"y" * 1000, connections=1, head=huge):
+            sub.add_publisher("w", pub.endpoint, topic=topic, wait=5)
+            sub.start()
+            payload = encode_batch(KVEventBatch(0.0, []))
+            deadline = time.monotonic() + 3.0
+            while time.monotonic() < deadline:
+                pub.publish(payload)
+                time.sleep(0.01)
+            grown = _rss_mib() - before
+        assert grown < 200, f"the publisher grew by {grown:.0f} MiB in 3 s"
+        assert len(got) > 100 and pub.stats()["errors"] == 0
+    finally:
+        sub.stop()
+        pub.shutdown()

@@ -53,6 +53,12 @@ log = logging.getLogger(__name__)
 #: Largest frame the replay ROUTER accepts (a request's frames are an empty delimiter and 8 bytes).
 REPLAY_MAX_FRAME = 1024
 
+#: Largest frame the PUB socket accepts beyond the topic's length: all a PUB reads is its
+#: subscribers' subscriptions (a flag byte and a topic prefix). A bigger frame drops the peer's
+#: connection: without the bound ZMQ buffered it whole (a peer declaring a 2 GiB subscription
+#: grew the publisher by 700 MB/s as it sent the bytes).
+SUBSCRIPTION_MAX_FRAME = 1024
+
 #: Replay messages queued for one peer at most (the ROUTER's send high-water mark). With
 #: ROUTER_MANDATORY a full queue is an EAGAIN, not a silent drop: the replay waits and resumes
 #: where it stopped, so a peer that never reads holds at most this many batches of ours (it was
@@ -183,6 +189,7 @@ class EventPublisher:
             self._pub = self._ctx.socket(zmq.PUB)
             self._pub.setsockopt(zmq.SNDHWM, hwm)
             self._pub.setsockopt(zmq.LINGER, linger_ms)
+            self._pub.setsockopt(zmq.MAXMSGSIZE, SUBSCRIPTION_MAX_FRAME + len(self._topic))
             if is_ipv6(ep):
                 self._pub.setsockopt(zmq.IPV6, 1)
             if is_bind_endpoint(ep) if bind is None else bind:
