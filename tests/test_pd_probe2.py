@@ -171,3 +171,42 @@ def test_a_peer_streaming_one_endless_reply_does_not_grow_the_caller():
         t.join(5)
         w.join(5)
     assert peak[0] < 150, f"the caller grew by {peak[0]} MiB"
+
+
+_OUT_OF_DESCRIPTORS = r'''
+import os, resource, socket, time
+from kvslots.vllm.pd.control import ControlServer, control_call
+srv = ControlServer("127.0.0.1", 0, lambda m: {"ok": 1})
+time.sleep(0.2)
+soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+resource.setrlimit(resource.RLIMIT_NOFILE, (len(os.listdir("/proc/self/fd")) + 6, hard))
+socks = []
+try:
+    for _ in range(50):
+        socks.append(socket.create_connection(("127.0.0.1", srv.port), timeout=2))
+except OSError:
+    pass
+time.sleep(0.3)
+t0 = time.process_time()
+time.sleep(1.0)
+cpu = time.process_time() - t0
+for s in socks:
+    s.close()
+resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+print(cpu, control_call("127.0.0.1", srv.port, {"op": "x"}, timeout_s=15), srv._thread.is_alive(), flush=True)
+'''
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="counts descriptors in /proc")
+def test_a_server_out_of_descriptors_neither_spins_nor_dies():
+    # Connections waiting in the backlog while the process has no descriptor left keep the
+    # listening socket readable: accepting must not turn into a busy loop, and the server must
+    # answer again once descriptors are free.
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", _OUT_OF_DESCRIPTORS], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr[-2000:]
+    cpu, *rest = out.stdout.split(maxsplit=1)
+    assert rest == ["{'ok': 1} True\n"], out.stdout
+    assert float(cpu) < 0.5, f"{cpu} s of CPU in 1 s with the descriptors used up"

@@ -95,6 +95,9 @@ class ControlServer:
             self._sock.listen(128)
             self._sock.setblocking(False)
             self.port = self._sock.getsockname()[1]
+            # Made here, not on the thread: out of descriptors, the thread died at its start and
+            # the server took connections it never answered.
+            self._sel = selectors.DefaultSelector()
         except OSError as e:
             self._sock.close()
             raise TransferError(f"P/D control socket cannot bind {host}:{port}: {e}",
@@ -109,7 +112,7 @@ class ControlServer:
         self._thread.start()
 
     def _serve(self) -> None:
-        sel = selectors.DefaultSelector()
+        sel = self._sel
         conns: dict[socket.socket, _Conn] = {}  # oldest first
         try:
             _unpin_thread()
@@ -120,7 +123,14 @@ class ControlServer:
                         self._accept(sel, conns)
                     else:
                         c = conns.get(key.fileobj)  # type: ignore[call-overload]
-                        if c is not None and not self._step(sel, c):
+                        if c is None:
+                            continue
+                        try:
+                            keep = self._step(sel, c)
+                        except Exception:  # noqa: BLE001 - one connection's trouble ends it, not the server
+                            logger.exception("kvslots P/D control server: dropping a connection")
+                            keep = False
+                        if not keep:
                             self._drop(sel, conns, c)
                 now = time.monotonic()
                 for c in [c for c in conns.values() if now >= c.deadline]:
@@ -135,7 +145,10 @@ class ControlServer:
         for _ in range(MAX_CONNECTIONS):
             try:
                 sock, _ = self._sock.accept()
-            except OSError:  # none left to accept (or EMFILE: they wait in the backlog)
+            except (BlockingIOError, InterruptedError):  # none left to accept
+                return
+            except OSError:  # out of descriptors (EMFILE): they wait in the backlog; no busy loop
+                self._stop.wait(0.05)
                 return
             sock.setblocking(False)
             while len(conns) >= MAX_CONNECTIONS:
