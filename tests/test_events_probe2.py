@@ -323,3 +323,52 @@ def test_a_huge_subscription_frame_drops_the_peer_instead_of_being_buffered():
     finally:
         sub.stop()
         pub.shutdown()
+
+
+def test_the_subscriber_does_not_keep_the_big_payloads_it_applied():
+    """The window that tells a duplicate from a restart kept the last 64 applied payloads
+    themselves: a publisher sending frames near max_frame_bytes made the subscriber hold 64 of
+    them (4 GiB at 64 MiB each), per publisher. It now keeps a big payload's length and digest;
+    duplicates and restarts are told apart as before."""
+    import gc
+
+    ctx = zmq.Context()
+    raw = ctx.socket(zmq.PUB)
+    raw.setsockopt(zmq.LINGER, 0)
+    raw.bind(LOCAL)
+    resets: list[tuple[int, int]] = []
+    sub = EventSubscriber(lambda *a: None, lambda w, last, new: resets.append((last, new)), context=ctx,
+                          decode=False)
+    try:
+        sub.add_publisher("w", raw.getsockopt_string(zmq.LAST_ENDPOINT), wait=5)
+        deadline = time.monotonic() + 10
+        while sub.next_seq("w") is None:  # subscribed: batch 0 arrived
+            assert time.monotonic() < deadline
+            raw.send_multipart([b"", (0).to_bytes(8, "big"), b"first"])
+            sub.poll_once(20)
+        gc.collect()
+        before = _rss_mib()
+        big = 16 << 20
+        for seq in range(1, 49):  # 768 MiB in all, read one at a time
+            raw.send_multipart([b"", seq.to_bytes(8, "big"), bytes([seq]) * big], copy=False)
+            while sub.next_seq("w") != seq + 1:
+                assert time.monotonic() < deadline + 60
+                sub.poll_once(100)
+        gc.collect()
+        grown = _rss_mib() - before
+        assert grown < 200, f"the subscriber holds {grown:.0f} MiB after applying 768 MiB"
+        # The same big batch again is a duplicate; another one under that seq is a restart.
+        raw.send_multipart([b"", (48).to_bytes(8, "big"), bytes([48]) * big])
+        while sub.publisher_counters("w")["duplicates"] == 0:
+            assert time.monotonic() < deadline + 90
+            sub.poll_once(100)
+        assert resets == []
+        raw.send_multipart([b"", (47).to_bytes(8, "big"), bytes([99]) * big])
+        while not resets:
+            assert time.monotonic() < deadline + 90
+            sub.poll_once(100)
+        assert resets == [(48, 47)]
+    finally:
+        sub.stop()
+        raw.close(linger=0)
+        ctx.term()

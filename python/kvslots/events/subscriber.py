@@ -82,6 +82,7 @@ Two options, for consumers whose state must never miss a batch (the indexer: a l
 from __future__ import annotations
 
 import errno
+import hashlib
 import logging
 import random
 import threading
@@ -164,7 +165,11 @@ COUNTERS = (
     "reopened",  # live connections ZMQ dropped for good (a frame past max_frame_bytes), reopened
 )
 
-_HELD_WINDOW = 64  # applied payloads kept to tell a duplicate from a restart
+_HELD_WINDOW = 64  # applied payloads' fingerprints kept to tell a duplicate from a restart
+# A payload up to this size is its own fingerprint; a bigger one is known by its length and a
+# 16-byte BLAKE2b digest. The window kept the payloads themselves: a publisher sending frames
+# near max_frame_bytes made the subscriber hold 64 of them (4 GiB at 64 MiB each) per publisher.
+_FINGERPRINT_BYTES = 4096
 # Messages read from one socket per round of the loop, at most; every other socket is read in
 # between. It was 10,000: a publisher flooding its socket held every other publisher's batches
 # back by 10,000 of its messages per round (130-150 ms median, 300 ms at worst); 1,000 is
@@ -179,6 +184,14 @@ _COOLDOWN_MAX = 60.0  # seconds: the longest a replay endpoint is left alone aft
 _RELINK_GRACE = 0.2
 
 _LIVE, _REPLAY, _MONITOR = 0, 1, 2  # what a registered socket is to its peer
+
+
+def _fingerprint(payload: bytes) -> Any:
+    """What tells two payloads apart: a small one itself (bytes), a big one its length and
+    digest (a tuple, never equal to bytes)."""
+    if len(payload) <= _FINGERPRINT_BYTES:
+        return payload
+    return len(payload), hashlib.blake2b(payload, digest_size=16).digest()
 
 
 def _wait_seconds(wait: Any) -> float | None:
@@ -204,7 +217,7 @@ class _Peer:
     fresh: bool = False  # the stream starts from nothing: what precedes the buffer is no loss
     reconnected: bool = False  # the live connection dropped since the last live message
     relink_at: float | None = None  # dropped, ZMQ not reconnecting (yet): reopen it then
-    recent: deque[tuple[int, bytes]] = field(default_factory=lambda: deque(maxlen=_HELD_WINDOW))
+    recent: deque[tuple[int, Any]] = field(default_factory=lambda: deque(maxlen=_HELD_WINDOW))  # (seq, _fingerprint)
     replaying: bool = False  # a replay is under way: requested, or waiting to be (pending)
     pending: bool = False  # the request waits for replay_deadline (backoff, rate cap)
     replay_deadline: float = 0.0  # the current request times out, or the pending one is sent
@@ -929,7 +942,7 @@ class EventSubscriber:
             # us a number cannot lag behind a replay: below start_seq, it restarted.
             known = self._known_payload(peer, seq)
             if known is not None:
-                duplicate = known == payload
+                duplicate = known == _fingerprint(payload)
             elif not peer.seen:
                 duplicate = seq >= peer.next - 1
             else:
@@ -965,10 +978,11 @@ class EventSubscriber:
         self._apply(peer, seq, payload)
 
     @staticmethod
-    def _known_payload(peer: _Peer, seq: int) -> bytes | None:
+    def _known_payload(peer: _Peer, seq: int) -> Any:
+        """The fingerprint of the payload held or applied under ``seq``; None if unknown."""
         held = peer.held.get(seq)
         if held is not None:
-            return held
+            return _fingerprint(held)
         for s, p in reversed(peer.recent):
             if s == seq:
                 return p
@@ -1176,7 +1190,7 @@ class EventSubscriber:
     def _apply(self, peer: _Peer, seq: int, payload: bytes, replayed: bool = False) -> None:
         peer.next = seq + 1
         peer.fresh = False
-        peer.recent.append((seq, payload))
+        peer.recent.append((seq, _fingerprint(payload)))
         batch: Any = payload
         if self._decoder is not None:
             try:
