@@ -1,6 +1,7 @@
-"""Probes of the event sockets from the wire side, by a peer that speaks ZMTP itself (a raw TCP
-socket, so it can send what a libzmq peer would buffer or refuse): what it sends must not hold
-back the publisher's or the subscriber's other traffic."""
+"""Probes of the event sockets from the wire side, mostly by a peer that speaks ZMTP itself (a
+raw TCP socket, so it can send what a libzmq peer would buffer or refuse, as fast as the kernel
+takes it): what it sends must not hold back the publisher's or the subscriber's other traffic,
+nor make either hold memory it need not."""
 
 from __future__ import annotations
 
