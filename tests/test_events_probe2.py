@@ -373,3 +373,37 @@ def test_the_subscriber_does_not_keep_the_big_payloads_it_applied():
         sub.stop()
         raw.close(linger=0)
         ctx.term()
+
+
+# ---- topics --------------------------------------------------------------------------------
+
+
+def test_a_replay_gives_only_batches_of_the_subscribed_topic():
+    """The live stream is filtered by the subscription's topic prefix, but replies were taken
+    whatever their topic frame: a subscriber of topic "a" caught up on a publisher of topic "b"
+    applied its 5 buffered batches (and said it was in sync), then none of its live ones. Such
+    replies are now malformed, as the end marker is still the end."""
+    from kvslots.events.protocol import REPLAY_END, parse_replay_reply
+
+    seq1 = (1).to_bytes(8, "big")
+    assert parse_replay_reply([b"", b"kvslots", seq1, b"p"], b"kv") == (1, b"p")
+    assert parse_replay_reply([b"", b"other", seq1, b"p"], b"kv") is None
+    assert parse_replay_reply([b"", seq1, b"p"], b"kv") == (1, b"p")  # no topic frame to judge
+    assert parse_replay_reply([b"", b"", b"\xff" * 8, b""], b"kv") == (REPLAY_END, b"")
+
+    payload = encode_batch(KVEventBatch(0.0, []))
+    pub = EventPublisher(LOCAL, LOCAL, topic="b")
+    got: dict[str, list[int]] = {"a": [], "b": []}
+    sub = EventSubscriber(lambda w, seq, batch: got[w].append(seq))
+    try:
+        for _ in range(5):
+            pub.publish(payload)
+        assert pub.flush(5)
+        sub.start()
+        assert sub.add_publisher("a", pub.endpoint, pub.replay_endpoint, topic="a", start_seq=0, wait=10)
+        assert sub.add_publisher("b", pub.endpoint, pub.replay_endpoint, topic="b", start_seq=0, wait=10)
+        assert got == {"a": [], "b": [0, 1, 2, 3, 4]}
+        assert sub.publisher_counters("a")["malformed"] == 5 and sub.next_seq("a") == 0
+    finally:
+        sub.stop()
+        pub.shutdown()

@@ -105,10 +105,12 @@ def replay_end(client: bytes) -> tuple[bytes, ...]:
     return (client, b"", b"", END_SEQ, b"")
 
 
-def parse_replay_reply(frames: Frames) -> tuple[int, bytes] | None:
+def parse_replay_reply(frames: Frames, topic: bytes = b"") -> tuple[int, bytes] | None:
     """``(seq, payload)`` of a reply as the DEALER receives it; ``seq`` is ``REPLAY_END`` for the
     end marker (``END_SEQ`` with an empty payload), else ``0 <= seq <= SEQ_MAX``. None if
-    malformed."""
+    malformed, or if it is a batch whose topic frame does not start with ``topic`` (the
+    subscription's prefix, as the live stream is filtered; older vLLMs send no topic frame, so
+    their replies cannot be told apart)."""
     if len(frames) == 4 and frames[0] == b"":  # vLLM 0.32: [b"", topic, seq, payload]
         seq_frame, payload = frames[2], frames[3]
     elif len(frames) == 3 and frames[0] == b"":  # older vLLM: [b"", seq, payload]
@@ -119,6 +121,8 @@ def parse_replay_reply(frames: Frames) -> tuple[int, bytes] | None:
         return None
     if seq_frame == END_SEQ and not payload:
         return REPLAY_END, b""
+    if len(frames) == 4 and not frames[1].startswith(topic):
+        return None
     return int.from_bytes(seq_frame, "big"), payload
 
 

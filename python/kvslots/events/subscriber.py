@@ -38,7 +38,9 @@ before it connected, or to resume where an earlier subscriber stopped). A live `
 ``start_seq`` from a publisher that never showed us a number at or past it is a restart too.
 Frames that are not ``(topic, 8-byte seq, payload)`` and payloads that do not decode are counted
 as ``malformed`` and skipped (an undecodable payload still uses up its sequence number, so it is
-not re-requested forever). Nothing a publisher sends stops the loop.
+not re-requested forever). A replayed batch whose topic frame does not start with the
+subscription's ``topic`` is malformed too: the live stream is filtered by it, and the replay
+handed over another topic's batches. Nothing a publisher sends stops the loop.
 
 Replays that fail (the server never answers, answers without the batches asked for, answers
 garbage or old batches, drops its end marker; the endpoint is wrong or unreachable) cost a
@@ -888,7 +890,7 @@ class EventSubscriber:
         self._on_live(peer, *msg)
 
     def _on_replay_frames(self, peer: _Peer, frames: list[bytes]) -> None:
-        msg = parse_replay_reply(frames)
+        msg = parse_replay_reply(frames, peer.topic)  # a batch of another topic is malformed here
         if msg is None:
             self._count(peer, "malformed")
             return
