@@ -210,3 +210,49 @@ def test_a_server_out_of_descriptors_neither_spins_nor_dies():
     cpu, *rest = out.stdout.split(maxsplit=1)
     assert rest == ["{'ok': 1} True\n"], out.stdout
     assert float(cpu) < 0.5, f"{cpu} s of CPU in 1 s with the descriptors used up"
+
+
+_STOPPABLE_SERVER = r'''
+import sys
+from kvslots.vllm.pd.control import ControlServer
+seen = []
+def handle(msg):
+    if msg.get("op") == "seen":
+        return {"seen": list(seen)}
+    seen.append(msg.get("op"))
+    return {"held": True}
+srv = ControlServer("127.0.0.1", 0, handle)
+print(srv.port, flush=True)
+sys.stdin.read()
+'''
+
+
+def test_a_call_given_up_while_the_server_was_stopped_is_not_acted_on_later():
+    # A decode worker's ack to a prefill worker stopped (SIGSTOP) past the call's timeout: the
+    # caller takes the call as failed. Over TCP the kernel accepts the connection and keeps the
+    # request for the stopped process, which acted on it once it ran again (an ack that freed
+    # the held blocks after the caller had given up); ZMQ dropped it with the caller's socket.
+    import signal
+    import subprocess
+    import sys
+
+    from kvslots.errors import TransferError
+    from kvslots.vllm.pd.control import control_call
+
+    proc = subprocess.Popen([sys.executable, "-c", _STOPPABLE_SERVER], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            text=True)
+    try:
+        port = int(proc.stdout.readline())
+        assert control_call("127.0.0.1", port, {"op": "first"}, timeout_s=10) == {"held": True}
+        os.kill(proc.pid, signal.SIGSTOP)
+        try:
+            with pytest.raises(TransferError) as e:
+                control_call("127.0.0.1", port, {"op": "late"}, timeout_s=0.5, retries=1)
+            assert e.value.kind == "timeout"
+        finally:
+            os.kill(proc.pid, signal.SIGCONT)
+        time.sleep(0.5)
+        assert control_call("127.0.0.1", port, {"op": "seen"}, timeout_s=10) == {"seen": ["first"]}
+    finally:
+        proc.stdin.close()
+        proc.wait(10)

@@ -189,6 +189,11 @@ class ControlServer:
             return False  # dropped with nothing past its length read
         if len(c.buf) < _LEN.size + n:
             return True
+        if _hung_up(c.sock):
+            # The caller gave up before this was read (this process was stopped or busy past
+            # its timeout) and may have taken the call as failed: not acted on, as ZMQ dropped
+            # such a request with the caller's socket.
+            return False
         reply = self._answer(bytes(c.buf[_LEN.size:]))
         c.buf = bytearray()
         c.out = _LEN.pack(len(reply)) + reply
@@ -212,6 +217,16 @@ class ControlServer:
     def close(self) -> None:
         self._stop.set()
         self._thread.join(5)
+
+
+def _hung_up(sock: socket.socket) -> bool:
+    """Whether the peer of a connection whose request was read whole has closed it already."""
+    try:
+        return sock.recv(1, socket.MSG_PEEK) == b""
+    except (BlockingIOError, InterruptedError):
+        return False
+    except OSError:  # reset
+        return True
 
 
 def _unpin_thread() -> None:
