@@ -11,6 +11,7 @@ import pytest
 
 from kvslots import cli
 from kvslots.config import vllm_fields
+from test_serve_hostile import busy_port  # noqa: F401 (a fixture: a listening port)
 
 
 def _no_vllm(monkeypatch) -> None:
@@ -42,13 +43,6 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture
-def busy_port():
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    s.listen(1)
-    yield s.getsockname()[1]
-    s.close()
 
 
 # ---- 1. every check before the first note or the vLLM command -------------------------------

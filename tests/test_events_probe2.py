@@ -160,6 +160,15 @@ def test_a_flood_of_replay_requests_does_not_hold_back_live_batches():
 # ---- the subscriber's replay socket --------------------------------------------------------
 
 
+def _publish_for(pub: EventPublisher, seconds: float) -> None:
+    """An empty batch every 10 ms for ``seconds``."""
+    payload = encode_batch(KVEventBatch(0.0, []))
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        pub.publish(payload)
+        time.sleep(0.01)
+
+
 def _rss_mib() -> float:
     with open("/proc/self/status") as f:
         for line in f:
@@ -205,11 +214,7 @@ def test_a_replay_server_flooding_the_subscriber_cannot_grow_it_without_bound():
             sub.start()
             time.sleep(0.5)  # connected, flooding
             before = _rss_mib()
-            payload = encode_batch(KVEventBatch(0.0, []))
-            deadline = time.monotonic() + 3.0
-            while time.monotonic() < deadline:
-                pub.publish(payload)
-                time.sleep(0.01)
+            _publish_for(pub, 3.0)
             grown = _rss_mib() - before
         assert grown < 200, f"the subscriber grew by {grown:.0f} MiB in 3 s"
         wait = time.monotonic() + 10
@@ -313,11 +318,7 @@ def test_a_huge_subscription_frame_drops_the_peer_instead_of_being_buffered():
         with flood_process(pub.endpoint, b"SUB", b"y" * 1000, connections=1, head=huge):
             sub.add_publisher("w", pub.endpoint, topic=topic, wait=5)
             sub.start()
-            payload = encode_batch(KVEventBatch(0.0, []))
-            deadline = time.monotonic() + 3.0
-            while time.monotonic() < deadline:
-                pub.publish(payload)
-                time.sleep(0.01)
+            _publish_for(pub, 3.0)
             grown = _rss_mib() - before
         assert grown < 200, f"the publisher grew by {grown:.0f} MiB in 3 s"
         assert len(got) > 100 and pub.stats()["errors"] == 0
