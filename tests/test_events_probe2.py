@@ -13,6 +13,7 @@ import sys
 import threading
 import time
 from contextlib import contextmanager
+from typing import Any
 
 import zmq
 
@@ -91,6 +92,17 @@ class Flood:
 
 
 @contextmanager
+def _child(code: str, **popen: Any):
+    """A child process running ``code``, killed when the block ends; yields its first line."""
+    child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, **popen)
+    try:
+        yield child.stdout.readline()
+    finally:
+        child.kill()
+        child.wait(10)
+
+
+@contextmanager
 def flood_process(endpoint: str, socket_type: bytes, message: bytes, connections: int = 2, head: bytes = b""):
     """Floods ``endpoint`` with ``message`` (ZMTP frames) over ``connections`` connections from
     a child process (no GIL shared with the sockets under test) while the block runs; ``head``
@@ -101,13 +113,9 @@ def flood_process(endpoint: str, socket_type: bytes, message: bytes, connections
             f"for _ in range({connections})]\n"
             f"print('flooding', flush=True)\n"
             f"sys.stdin.read()\n")
-    child = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
-    try:
-        assert child.stdout.readline() == b"flooding\n"
+    with _child(code, stdin=subprocess.PIPE) as first:
+        assert first == b"flooding\n"
         yield
-    finally:
-        child.kill()
-        child.wait(10)
 
 
 # ---- the publisher's replay socket ---------------------------------------------------------
@@ -189,13 +197,8 @@ def flooding_server(socket_type: bytes, message: bytes):
             f"c, _ = srv.accept(); _greet(c, {socket_type!r})\n"
             f"chunk = {message!r} * 10_000\n"
             f"while True: c.sendall(chunk)\n")
-    child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
-    try:
-        port = int(child.stdout.readline())
-        yield f"tcp://127.0.0.1:{port}"
-    finally:
-        child.kill()
-        child.wait(10)
+    with _child(code, stderr=subprocess.DEVNULL) as first:
+        yield f"tcp://127.0.0.1:{int(first)}"
 
 
 def test_a_replay_server_flooding_the_subscriber_cannot_grow_it_without_bound():
