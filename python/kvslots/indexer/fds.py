@@ -41,11 +41,20 @@ def default_max_connections(reserved: int) -> int:
     """The cap on HTTP connections when none is given: what the limit leaves once those open
     now, :data:`SPARE` and ``reserved`` (subscriptions, backend connections) are set aside, at
     least :data:`MIN_DEFAULT_CONNECTIONS`, at most :data:`MAX_CONNECTIONS`."""
-    soft = limit()
-    if soft is None:
+    return _connections_of(_room(limit()), reserved)
+
+
+def _room(soft: int | None) -> int | None:
+    """Descriptors the limit ``soft`` leaves for connections and what they share with, once
+    those open now and :data:`SPARE` are set aside (None: no limit)."""
+    return None if soft is None else soft - in_use() - SPARE
+
+
+def _connections_of(room: int | None, reserved: int) -> int:
+    """The default cap: ``room`` less ``reserved``, within its least and most."""
+    if room is None:
         return MAX_CONNECTIONS
-    left = soft - in_use() - SPARE - reserved
-    return max(MIN_DEFAULT_CONNECTIONS, min(MAX_CONNECTIONS, left))
+    return max(MIN_DEFAULT_CONNECTIONS, min(MAX_CONNECTIONS, room - reserved))
 
 
 def check_max_connections(value: Any, what: str = "max_connections") -> int:
@@ -91,7 +100,7 @@ class ConnectionCap:
         self.explicit = explicit
         self.limit = soft
         #: Descriptors for connections and workers (None: no limit).
-        self.room = None if soft is None else soft - in_use() - SPARE
+        self.room = _room(soft)
         self._lock = threading.Lock()
         self._workers = workers  # subscribed now
         self._reserved = 0  # being added
@@ -104,9 +113,7 @@ class ConnectionCap:
     def _cap(self, workers: int) -> int:
         if self.explicit is not None:
             return self.explicit
-        if self.room is None:
-            return MAX_CONNECTIONS
-        return max(MIN_DEFAULT_CONNECTIONS, min(MAX_CONNECTIONS, self.room - FDS_PER_WORKER * workers))
+        return _connections_of(self.room, FDS_PER_WORKER * workers)
 
     def workers_fit(self, workers: int) -> bool:
         """Whether ``workers`` leave the connections their least."""
