@@ -174,8 +174,8 @@ def bound_tcp_addresses(cfg: dict[str, Any] | None, dp_size: int) -> list[tuple[
     there). Port 0 (the OS picks one) and ipc / inproc endpoints have nothing to check."""
     if not cfg or not cfg.get("enable_kv_cache_events") or cfg.get("publisher", "zmq") != "zmq":
         return []
-    bound = [str(cfg.get("endpoint", DEFAULT_EVENTS_ENDPOINT))]
-    bound = [ep for ep in bound if vllm_binds(ep)]
+    ep = str(cfg.get("endpoint", DEFAULT_EVENTS_ENDPOINT))
+    bound = [ep] if vllm_binds(ep) else []
     if cfg.get("replay_endpoint"):
         bound.append(str(cfg["replay_endpoint"]))
     out = []
