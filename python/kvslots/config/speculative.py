@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..errors import ConfigError
+from ..errors import ArgumentTypeError, ConfigError
 from .loader import brief as short
 from .loader import check_values, expand_home, load_json, text_problem
 from .schedule import DynamicSDSchedule
@@ -330,6 +330,8 @@ def check_vllm_fields(spec: dict[str, Any], field: str = "speculative_config") -
     reads it as vLLM does. Without vLLM's source (not installed) nothing is checked here."""
     from .vllm_fields import dataclass_fields, validate_field
 
+    if not isinstance(spec, dict):  # its values are replaced in place
+        raise ArgumentTypeError(f"spec must be a dict, got {type(spec).__name__}")
     fields = dataclass_fields(*VLLM_SPECULATIVE_CONFIG)
     if fields is None:
         return

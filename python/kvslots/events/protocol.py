@@ -111,6 +111,8 @@ def parse_replay_reply(frames: Frames, topic: bytes = b"") -> tuple[int, bytes] 
     malformed, or if it is a batch whose topic frame does not start with ``topic`` (the
     subscription's prefix, as the live stream is filtered; older vLLMs send no topic frame, so
     their replies cannot be told apart)."""
+    if not isinstance(topic, bytes):
+        raise ArgumentTypeError(f"topic must be bytes, got {type(topic).__name__}")
     if len(frames) == 4 and frames[0] == b"":  # vLLM 0.32: [b"", topic, seq, payload]
         seq_frame, payload = frames[2], frames[3]
     elif len(frames) == 3 and frames[0] == b"":  # older vLLM: [b"", seq, payload]
@@ -186,6 +188,8 @@ def host_problem(host: str) -> str | None:
     (a lone surrogate included), which no host name, address or interface name holds. The one
     home of this rule: a TCP endpoint's host (:func:`check_endpoint`) and the address
     ``kvslots serve --host`` gives vLLM's server."""
+    if not isinstance(host, str):
+        raise ArgumentTypeError(f"host must be a str, got {type(host).__name__}")
     if not host.isprintable() or any(c.isspace() for c in host):
         return "the host contains spaces or control characters"
     return None

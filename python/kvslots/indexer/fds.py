@@ -19,6 +19,7 @@ import threading
 from typing import Any
 
 # The count and the limit have one home, shared with the event sockets; the servers read them here.
+from .. import _args
 from .._fds import in_use, limit, out_of_fds_message  # noqa: F401
 from ..config.loader import brief
 from ..errors import ConfigError, OutOfDescriptorsError
@@ -96,6 +97,9 @@ class ConnectionCap:
     for one it lets in."""
 
     def __init__(self, explicit: int | None = None, workers: int = 0):
+        if explicit is not None:
+            explicit = check_max_connections(explicit, "explicit")
+        workers = _args.integer(workers, "workers", 0)
         soft = limit()
         self.explicit = explicit
         self.limit = soft
@@ -121,6 +125,7 @@ class ConnectionCap:
 
     def set_workers(self, workers: int) -> None:
         """The workers subscribed now (the cap follows)."""
+        workers = _args.integer(workers, "workers", 0)
         with self._lock:
             self._workers = workers
             self.value = self._cap(workers + self._reserved)

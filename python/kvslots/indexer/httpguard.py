@@ -28,6 +28,9 @@ import json
 import time
 from typing import Any
 
+from .. import _args
+from ..errors import ArgumentTypeError
+
 MAX_HEAD_BYTES = 64 * 1024
 READ_TIMEOUT_S = 60.0
 _TICK_S = 1.0
@@ -274,6 +277,11 @@ def json_shape_error(body: bytes, max_containers: int | None, max_strings: int |
     only when that is over a bound are the ones in strings told apart, which costs a piece per
     string: past ``max_strings`` strings that is not tried, and the body is refused as having
     too many of both."""
+    if not isinstance(body, (bytes, bytearray)):
+        raise ArgumentTypeError(f"body must be bytes, got {type(body).__name__}")
+    max_containers, max_strings, max_items = (
+        None if v is None else _args.integer(v, name, 0)
+        for v, name in ((max_containers, "max_containers"), (max_strings, "max_strings"), (max_items, "max_items")))
     plain = None
     if strings_alone and max_strings is not None:
         plain = _unescaped(body)

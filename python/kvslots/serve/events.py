@@ -13,10 +13,10 @@ import argparse
 import re
 from typing import Any
 
-from .._args import text
+from .._args import integer, text
 from ..config.loader import brief as short
 from ..config.vllm_args import brief
-from ..errors import KVSlotsError, ServeError
+from ..errors import ArgumentTypeError, KVSlotsError, ServeError
 from ..events.protocol import check_endpoint, vllm_binds
 from .tail import merge_over_flags
 
@@ -172,6 +172,9 @@ def bound_tcp_addresses(cfg: dict[str, Any] | None, dp_size: int) -> list[tuple[
     """The (host, port) pairs vLLM's publisher and replay sockets bind over TCP, for every
     data-parallel rank (vLLM adds the rank to both ports); ``*`` is ``0.0.0.0`` (ZMQ binds IPv4
     there). Port 0 (the OS picks one) and ipc / inproc endpoints have nothing to check."""
+    dp_size = integer(dp_size, "dp_size", 1)
+    if cfg is not None and not isinstance(cfg, dict):
+        raise ArgumentTypeError(f"cfg must be a dict, got {type(cfg).__name__}")
     if not cfg or not cfg.get("enable_kv_cache_events") or cfg.get("publisher", "zmq") != "zmq":
         return []
     ep = str(cfg.get("endpoint", DEFAULT_EVENTS_ENDPOINT))
