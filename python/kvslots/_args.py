@@ -11,7 +11,7 @@ import numbers
 import operator
 import re
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Literal, overload
 
 from .errors import ArgumentTypeError, InvalidArgumentError, KVSlotsError
 
@@ -64,6 +64,11 @@ def timeout(value: Any, name: str = "timeout") -> float | None:
     return None if math.isinf(v) and v > 0 else max(v, 0.0)
 
 
+# Typed per call: a required flag is a bool, only an optional one may be None.
+@overload
+def flag(value: Any, name: str, *, optional: Literal[False] = ...) -> bool: ...
+@overload
+def flag(value: Any, name: str, *, optional: bool) -> bool | None: ...
 def flag(value: Any, name: str, *, optional: bool = False) -> bool | None:
     if value is None and optional:
         return None

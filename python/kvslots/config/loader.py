@@ -240,8 +240,8 @@ def _plain_scalar(value: Any) -> tuple[Any, str | None]:
         plain = int.__index__(value)  # the int's own value, not an override's
         return plain, _scalar_problem(plain)
     if isinstance(value, float):
-        plain = float.__float__(value)
-        return plain, _scalar_problem(plain)
+        real = float.__float__(value)
+        return real, _scalar_problem(real)
     return _NOT_SCALAR, None
 
 

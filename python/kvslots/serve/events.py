@@ -181,7 +181,7 @@ def bound_tcp_addresses(cfg: dict[str, Any] | None, dp_size: int) -> list[tuple[
     bound = [ep] if vllm_binds(ep) else []
     if cfg.get("replay_endpoint"):
         bound.append(str(cfg["replay_endpoint"]))
-    out = []
+    out: list[tuple[str, int]] = []
     for ep in bound:
         hp = _tcp_port(ep)
         if hp is None or hp[1] == 0:
