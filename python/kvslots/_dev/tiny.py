@@ -124,7 +124,7 @@ def _llama_config(num_layers: int, dims: Dims = TINY, **extra):
         eos_token_id=2,
         pad_token_id=0,
         tie_word_embeddings=False,
-        torch_dtype="float32",
+        dtype="float32",  # transformers 5 name; torch_dtype was its alias (same config.json)
         architectures=["LlamaForCausalLM"],
         **extra,
     )
@@ -167,7 +167,8 @@ def build_target(out_dir: str, seed: int = 0, dims: Dims = TINY) -> str:
     torch.manual_seed(seed)
     os.makedirs(out_dir, exist_ok=True)
     cfg = _llama_config(dims.layers, dims)
-    model = LlamaForCausalLM(cfg).to(torch.float32)
+    # transformers types its @wraps(nn.Module.to) method as unbound (self taken as the dtype).
+    model = LlamaForCausalLM(cfg).to(torch.float32)  # type: ignore[arg-type]
     # Larger init so greedy outputs are not all the same token (scaled so that wider models
     # keep the tiny one's activation scale: std 0.2 at fan-in 128).
     std = 0.2 * (HIDDEN / dims.hidden) ** 0.5

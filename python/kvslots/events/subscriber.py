@@ -644,7 +644,7 @@ class EventSubscriber:
             if peer.relink_at is not None:
                 timeout = min(timeout, max(0.0, (peer.relink_at - now) * 1000.0))
         handled = 0
-        ready = self._poller.poll(timeout)
+        ready = self._poller.poll(int(timeout))  # whole ms, as Poller.poll rounds a float itself
         if self._monitors:
             # Connection events first: they say how to read the live messages beside them.
             ready.sort(key=lambda e: self._sockets.get(e[0], (None, _LIVE))[1] != _MONITOR)

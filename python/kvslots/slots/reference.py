@@ -154,8 +154,8 @@ def _ints(values: Any, what: str, bound: int, request_id: str | None = None) -> 
     if isinstance(values, (list, tuple)):
         # Read in place, as the extension does (a subclass's own __iter__ / __len__ is not
         # called); the length is re-read after each item, whose __index__ may change the list.
-        base = list if isinstance(values, list) else tuple
-        out = []
+        base: Any = list if isinstance(values, list) else tuple
+        out: list[int] = []
         while len(out) < base.__len__(values):
             i = len(out)
             _next_item(i, what, request_id)
@@ -535,7 +535,7 @@ class ReferenceSlotManager:
 
     def evict(self, num_blocks: int) -> int:
         n = _count(num_blocks, "num_blocks")
-        evicted = []
+        evicted: list[int] = []
         while len(evicted) < n and self._lru:
             b, _ = self._lru.popitem(last=False)
             h = self._hash_of.pop(b)
