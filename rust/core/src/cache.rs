@@ -239,6 +239,17 @@ impl HostCache {
                 },
             ));
         }
+        // Hand the rows out in ascending order along the chain: a later load of these blocks
+        // then reads runs of adjacent host rows, one copy per run (eviction leaves the rows of
+        // a store scattered in LRU order).
+        if out.windows(2).any(|w| w[0].1.block > w[1].1.block) {
+            let mut rows: Vec<BlockId> = out.iter().map(|(_, p)| p.block).collect();
+            rows.sort_unstable();
+            for ((_, p), b) in out.iter_mut().zip(rows) {
+                p.block = b;
+                self.storing.insert(p.hash, (b, None));
+            }
+        }
         self.stats.stores_started += out.len() as u64;
         self.flush_evicted();
         out
@@ -828,6 +839,29 @@ mod tests {
         );
         assert_eq!(c.pending_steps(), 0);
         assert_eq!(c.num_storing(), 0);
+        c.pool().check().unwrap();
+    }
+
+    #[test]
+    fn a_store_takes_its_rows_in_ascending_order_along_the_chain() {
+        // A store that takes free rows and evicted ones (in LRU order) still gives the chain
+        // ascending rows.
+        let mut c = HostCache::new(6, 1).unwrap();
+        c.begin_store_run(1, &[1, 2, 3, 4], None, &[0; 4], None).unwrap();
+        c.complete_step(1, &[]).unwrap();
+        let rows = c.begin_load("r", &[1, 2]).unwrap();
+        c.end_load(&rows).unwrap();
+        // Free rows 4, 5; LRU 2, 3 (hashes 3, 4), then 0, 1.
+        let got = c.begin_store(&[7, 8, 9, 10]);
+        let rows: Vec<BlockId> = got.iter().map(|(_, p)| p.block).collect();
+        assert_eq!(rows, vec![2, 3, 4, 5]);
+        assert_eq!(got.iter().map(|(i, _)| *i).collect::<Vec<_>>(), vec![0, 1, 2, 3]);
+        for (_, p) in &got {
+            assert_eq!(c.storing[&p.hash].0, p.block, "the pending store follows the row");
+        }
+        c.complete_store(&got.iter().map(|(_, p)| *p).collect::<Vec<_>>(), None, &[0; 4], None)
+            .unwrap();
+        assert_eq!(c.begin_load("s", &[7, 8, 9, 10]).unwrap(), vec![2, 3, 4, 5]);
         c.pool().check().unwrap();
     }
 }
