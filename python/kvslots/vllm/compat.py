@@ -134,3 +134,48 @@ def check_supported() -> VLLMFeatures:
 def cli_args_module() -> Any:
     """vLLM's serve argument module (``make_arg_parser``, ``validate_parsed_serve_args``)."""
     return importlib.import_module(features().cli_args_module)
+
+
+#: vLLM's legacy names of two layouts (``VLLM_KV_CACHE_LAYOUT=NHD|HND``), as its
+#: ``_layout_from_name`` reads them.
+_LAYOUT_ALIASES = {"NHD": "LBNHC", "HND": "LBHNC"}
+
+
+def kv_cache_layout(vllm_config: Any, kv_cache_config: Any) -> str:
+    """The KV-cache layout of the bytes of a block, as ``"NAME(stride order)"``, e.g.
+    ``"LBHNC(0,1,2,3,4)"``; ``""`` where none can be told.
+
+    vLLM 0.32 and 0.33 resolve one layout per engine in the engine core (the backends'
+    supported layouts, ``VLLM_KV_CACHE_LAYOUT``, a connector's preference) and hand it to the
+    scheduler and to every worker in ``KVCacheConfig.kv_cache_layout`` (the worker records it
+    in ``CacheConfig.kv_cache_layout`` too). Two layouts of the same byte size order a block's
+    heads and tokens differently: bytes saved under one are wrong under the other."""
+    name = getattr(kv_cache_config, "kv_cache_layout", None) or getattr(
+        getattr(vllm_config, "cache_config", None), "kv_cache_layout", None)
+    if not name:
+        import os
+
+        name = os.environ.get("VLLM_KV_CACHE_LAYOUT") or ""  # not resolved: what was asked for
+    name = str(getattr(name, "name", name)).strip().upper()
+    name = _LAYOUT_ALIASES.get(name, name)
+    try:
+        from vllm.v1.kv_cache_layout import KVCacheLayout
+
+        order = KVCacheLayout[name].stride_order
+    except Exception:  # no such member, or a vLLM without the module: the name alone
+        return name[:64]
+    return f"{name}({','.join(str(i) for i in order)})"
+
+
+def attention_backend(vllm_config: Any) -> str:
+    """The attention backend the engine was configured with (``--attention-backend``,
+    ``attention_config.backend`` and ``backend_per_kind``), ``"auto"`` where vLLM picks it on
+    the worker (not known to the scheduler's process)."""
+    ac = getattr(vllm_config, "attention_config", None)
+
+    def name(b: Any) -> str:
+        return "auto" if b is None else str(getattr(b, "name", b))[:64]
+
+    per_kind = getattr(ac, "backend_per_kind", None)
+    kinds = sorted(f"{k}={name(v)}" for k, v in per_kind.items()) if isinstance(per_kind, dict) else []
+    return ",".join([name(getattr(ac, "backend", None))] + kinds)

@@ -41,6 +41,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
 import numpy as np
 
 from ..._core import DiskIndex, DiskStore
@@ -60,9 +61,14 @@ class DiskLayout:
     bytes_per_block: int
     dtype: str
     fingerprint: int
+    #: What the fingerprint hashes, by name (long values by their digest): logged, and kept
+    #: beside the file, so that a restart that finds another fingerprint can say what changed.
+    identity: tuple[tuple[str, str], ...] = field(default=(), compare=False)
 
     @classmethod
     def of(cls, vllm_config: Any, kv_cache_config: Any, bytes_per_block: int) -> "DiskLayout":
+        from ..compat import attention_backend, kv_cache_layout
+
         mc, cc = vllm_config.model_config, vllm_config.cache_config
         layers = sorted(n for g in kv_cache_config.kv_cache_groups for n in g.layer_names)
         dtype = str(cc.cache_dtype if cc.cache_dtype != "auto" else mc.dtype).replace("torch.", "")
@@ -71,12 +77,75 @@ class DiskLayout:
         parts = [mc.model, str(revision), dtype, str(cc.block_size), ",".join(layers),
                  str(bytes_per_block), str(getattr(spec, "model", None) if spec is not None else None),
                  _weights_identity(mc.model, revision)]
+        # How a block's bytes are laid out: the same model, dtype and block size in another
+        # layout (VLLM_KV_CACHE_LAYOUT=NHD vs HND) has blocks of the same size whose bytes mean
+        # something else. (A file written before these were hashed is started afresh once: its
+        # layout cannot be told.)
+        layout, backend = kv_cache_layout(vllm_config, kv_cache_config), attention_backend(vllm_config)
+        parts += [f"kv_cache_layout={layout}", f"attention_backend={backend}"]
         fp = int.from_bytes(hashlib.blake2b("\0".join(parts).encode(), digest_size=8).digest(), "little")
-        return cls(num_layers=len(layers), bytes_per_block=bytes_per_block, dtype=dtype[:32], fingerprint=fp)
+        names = ("model", "revision", "dtype", "block size", "layers", "bytes per block", "drafter", "weights",
+                 "KV-cache layout", "attention backend")
+        shown = [parts[i] for i in range(8)] + [layout or "unknown", backend]
+        identity = tuple((n, v if len(v) <= 80 else "digest " + hashlib.blake2b(v.encode(), digest_size=8).hexdigest())
+                         for n, v in zip(names, shown))
+        return cls(num_layers=len(layers), bytes_per_block=bytes_per_block, dtype=dtype[:32], fingerprint=fp,
+                   identity=identity)
 
     def kwargs(self) -> dict[str, Any]:
         return dict(num_layers=self.num_layers, bytes_per_block=self.bytes_per_block, dtype=self.dtype,
                     fingerprint=self.fingerprint)
+
+
+IDENTITY_SUFFIX = ".identity.json"
+_IDENTITY_MAX_BYTES = 64 * 1024
+
+
+def _what_changed(path: str, layout: DiskLayout) -> str:
+    """For the log line of a file whose fingerprint differs: what differs from the identity
+    kept beside it by the engine that wrote it, else this engine's KV-cache layout and
+    attention backend. The kept file is only read for this
+    message: it decides nothing."""
+    if not layout.identity:
+        return ""
+    mine = dict(layout.identity)
+    try:
+        with open(path + IDENTITY_SUFFIX, "rb") as f:
+            raw = f.read(_IDENTITY_MAX_BYTES + 1)
+        old = msgspec.json.decode(raw, type=dict[str, str]) if len(raw) <= _IDENTITY_MAX_BYTES else None
+    except (OSError, msgspec.DecodeError, msgspec.ValidationError):
+        old = None
+    if old is not None:
+        changed = [f"{k} {old[k]!r} -> {v!r}" for k, v in mine.items() if k in old and old[k] != v]
+        if changed:
+            return " (" + "; ".join(changed) + ")"
+    return (f" (this engine: KV-cache layout {mine.get('KV-cache layout')}, attention backend "
+            f"{mine.get('attention backend')}, model {mine.get('model')!r})")
+
+
+def _keep_identity(path: str, layout: DiskLayout) -> None:
+    """Keeps what the file's fingerprint hashes beside it (for :func:`_what_changed`)."""
+    if not layout.identity:
+        return
+    data = msgspec.json.encode(dict(layout.identity))
+    target = path + IDENTITY_SUFFIX
+    try:
+        with open(target, "rb") as f:
+            if f.read(len(data) + 1) == data:
+                return
+    except OSError:
+        pass
+    tmp = f"{target}.{os.getpid()}.tmp"
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+        os.replace(tmp, target)
+    except OSError as e:  # a message helper only: the tier works without it
+        logger.debug("kvslots disk tier: cannot write %s: %s", target, e)
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
 
 
 def _weights_identity(model: str, revision: Any) -> str:
@@ -428,7 +497,10 @@ class DiskWorker:
             gc.collect()
             self.store = DiskStore(self.path, **kw)
         if self.store.opened.startswith("discarded"):
-            logger.warning("kvslots disk tier: %s %s; starting it afresh", self.path, self.store.opened)
+            why = _what_changed(self.path, layout) if "fingerprint" in self.store.opened else ""
+            logger.warning("kvslots disk tier: %s %s%s; starting it afresh (its blocks are not served)",
+                           self.path, self.store.opened, why)
+        _keep_identity(self.path, layout)
         self.staging: Any = None
         self.copier: Any = None
         self._warned: set[int] = set()
