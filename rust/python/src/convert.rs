@@ -24,7 +24,9 @@ use numpy::{
 };
 use pyo3::exceptions::PyTypeError;
 use pyo3::prelude::*;
-use pyo3::types::{PyBool, PyByteArray, PyBytes, PyFloat, PyInt, PyList, PyString, PyTuple};
+use pyo3::types::{
+    PyBool, PyByteArray, PyBytes, PyDict, PyFloat, PyInt, PyList, PyString, PyTuple,
+};
 
 use crate::errors::{encode_error, invalid, type_error, KVSlotsError};
 
@@ -560,6 +562,13 @@ pub(crate) fn tuples<R>(
         out.push(v);
     }
     Ok(out)
+}
+
+/// A dict's `(key, value)` pairs, copied before any is converted: converting a value may run
+/// Python code (`__index__`, `__float__`) that changes the dict, and pyo3's dict iterator
+/// panics when the dict changes size under it. Taking them runs no Python code.
+pub(crate) fn dict_items<'py>(d: &Bound<'py, PyDict>) -> Vec<(Bound<'py, PyAny>, Bound<'py, PyAny>)> {
+    d.iter().collect()
 }
 
 /// The items of a list or tuple, read in place (no iterator protocol); `None` for anything else.

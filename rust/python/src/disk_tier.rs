@@ -501,7 +501,9 @@ impl DiskStore {
         // SAFETY: the rows are distinct rows of `out` (checked), which `held` keeps alive until
         // the ticket is taken; the reader is dropped (finishing its jobs) before `held`.
         if let Err(e) = unsafe { self.reader.submit(ticket, targets) } {
-            held.remove(&ticket);
+            let kept = held.remove(&ticket);
+            drop(held); // before `kept`: see take_reads
+            drop(kept);
             return Err(invalid(None, e));
         }
         Ok(ticket)
@@ -515,11 +517,22 @@ impl DiskStore {
             return Ok(Vec::new());
         }
         let bpb = self.file.layout().bytes_per_block;
+        // The arrays kept for the reads are dropped after the lock is let go: dropping the
+        // last reference runs Python code (an ndarray subclass's __del__) that may call this
+        // store again, which deadlocked on the lock (or, releasing the GIL, another thread's
+        // call did).
+        let mut owners = Vec::with_capacity(done.len());
         let mut held = self.held.lock().unwrap_or_else(|p| p.into_inner());
-        Ok(done
+        let out = done
             .into_iter()
             .map(|d| {
-                let n = held.remove(&d.ticket).map_or(0, |x| x.1) as u64;
+                let n = match held.remove(&d.ticket) {
+                    Some((owner, n)) => {
+                        owners.push(owner);
+                        n as u64
+                    }
+                    None => 0,
+                };
                 match d.result {
                     Ok(bad) => {
                         let good = n.saturating_sub(bad.len() as u64);
@@ -531,7 +544,10 @@ impl DiskStore {
                     Err(e) => (d.ticket, Vec::new(), Some(e)),
                 }
             })
-            .collect())
+            .collect();
+        drop(held);
+        drop(owners);
+        Ok(out)
     }
     /// Waits (the GIL released) until no background read is in flight, at most `timeout_s`
     /// seconds; True when none is.

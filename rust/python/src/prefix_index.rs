@@ -97,7 +97,9 @@ fn token_ids(obj: &Bound<'_, PyAny>) -> PyResult<Vec<u32>> {
     if let Ok(list) = obj.cast::<PyList>() {
         let mut out = Vec::with_capacity(list.len());
         let mut j = 0;
+        // An item's __index__ may append to the list: bounded as every integer sequence is.
         while j < list.len() {
+            conv::next_item(obj.py(), j, "token_ids", None)?;
             let item = list.get_item(j)?;
             let v = match item.cast::<pyo3::types::PyInt>() {
                 Ok(i) if !item.is_instance_of::<pyo3::types::PyBool>() => {
@@ -210,7 +212,7 @@ impl PrefixIndex {
                     ),
                 )
             })?;
-            for (k, v) in d.iter() {
+            for (k, v) in conv::dict_items(d) {
                 let name = text(&k, "tier_weights key")?;
                 let what = format!("tier_weights[{name:?}]");
                 let t = tier(name, "tier_weights key")?;
@@ -431,7 +433,7 @@ impl PrefixIndex {
                 )
             })?;
             let mut holders = Vec::with_capacity(d.len());
-            for (k, v) in d.iter() {
+            for (k, v) in conv::dict_items(d) {
                 let name = text(&k, &format!("blocks[{i}] key"))?.to_owned();
                 let value: u64 = int::<u64>(&v, &format!("blocks[{i}][{name:?}]"), None)?;
                 let next = names.len() as u32;
