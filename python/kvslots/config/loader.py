@@ -13,6 +13,9 @@ strings, numbers, booleans, null), and
 * YAML: at most :data:`MAX_NODES` nodes with every alias expanded (a "billion laughs" alias bomb
   is refused while it is read, in microseconds, not when it is later walked or written out), and
   no alias inside the node it names (a recursive structure);
+* at most :data:`MAX_TEXT_CHARS` characters of keys and strings, a YAML alias counting the text
+  it repeats (what a file of :data:`MAX_BYTES` holds without aliases: one 1 MB string named by
+  1,000 aliases is 1 GB once written out);
 * mapping keys are scalars (a list or mapping as a key is refused) of at most
   :data:`MAX_KEY_CHARS` characters, given once (a key given twice is an error naming its line;
   a key merged in with YAML's ``<<`` may be overridden);
@@ -47,6 +50,9 @@ MAX_DEPTH = 64
 MAX_NODES = 100_000
 #: Longest mapping key, in characters.
 MAX_KEY_CHARS = 1024
+#: Most characters of keys and strings in a document, every repeat of a value counted: no file
+#: of MAX_BYTES holds more without YAML aliases.
+MAX_TEXT_CHARS = MAX_BYTES
 #: Integers are 64-bit signed.
 INT_MIN, INT_MAX = -(2**63), 2**63 - 1
 
@@ -157,8 +163,10 @@ def check_values(doc: Any, source: str | None = None, *, max_depth: int = MAX_DE
                  max_nodes: int = MAX_NODES) -> Any:
     """Walks a loaded document (without recursion) and raises :class:`ConfigError`, naming the
     field, for a non-finite number, an integer beyond 64 bits, a key longer than
-    :data:`MAX_KEY_CHARS`, nesting deeper than ``max_depth`` or more than ``max_nodes`` values.
-    Types other than the JSON ones are refused too.
+    :data:`MAX_KEY_CHARS`, nesting deeper than ``max_depth``, more than ``max_nodes`` values or
+    more than :data:`MAX_TEXT_CHARS` characters of keys and strings (a value that appears more
+    than once, as a YAML alias makes it, counted each time). Types other than the JSON ones are
+    refused too.
 
     Returns the document as plain data: dicts, lists, and exact ``str``, ``int``, ``float``,
     ``bool`` and ``None``, so that a mapping given in code is read once, here. What its own
@@ -173,6 +181,7 @@ def check_values(doc: Any, source: str | None = None, *, max_depth: int = MAX_DE
     # value); the stack holds (value as given, parent entry, key, depth, container, slot).
     stack: list[tuple[Any, Any, Any, int, Any, Any]] = [(doc, None, None, 0, root, 0)]
     count = 0
+    chars = 0  # of keys and strings: the nodes' count alone let aliases of one long string through
     while stack:
         value, parent, key, depth, container, slot = stack.pop()
         count += 1
@@ -185,6 +194,10 @@ def check_values(doc: Any, source: str | None = None, *, max_depth: int = MAX_DE
         if problem:
             raise ConfigError(problem, _path((None, parent, key, depth)), source)
         if plain is not _NOT_SCALAR:
+            if isinstance(plain, str):
+                chars += len(plain)
+                if chars > MAX_TEXT_CHARS:
+                    raise _too_much_text(_path((None, parent, key, depth)), source)
             container[slot] = plain
             continue
         if not isinstance(value, (Mapping, list)):
@@ -219,6 +232,10 @@ def check_values(doc: Any, source: str | None = None, *, max_depth: int = MAX_DE
                     key_problem = "given twice"
                 if key_problem:
                     raise ConfigError(f"key {_safe_brief(k)}: {key_problem}", _path(entry), source)
+                if isinstance(plain_key, str):
+                    chars += len(plain_key)
+                    if chars > MAX_TEXT_CHARS:
+                        raise _too_much_text(_path(entry), source)
                 out[plain_key] = None
                 children.append((item, entry, plain_key, depth + 1, out, plain_key))
         container[slot] = out
@@ -251,6 +268,11 @@ def _safe_brief(value: Any) -> str:
         return brief(value)
     except Exception:  # RecursionError included
         return f"<{type(value).__name__}>"
+
+
+def _too_much_text(field: str | None, source: str | None) -> ConfigError:
+    return ConfigError(f"more than {MAX_TEXT_CHARS} characters of keys and strings (a YAML alias counts "
+                       "the text it repeats); not a configuration file", field, source)
 
 
 def _path(entry: tuple[Any, Any, Any, int]) -> str | None:
@@ -650,6 +672,7 @@ __all__ = [
     "MAX_DEPTH",
     "MAX_KEY_CHARS",
     "MAX_NODES",
+    "MAX_TEXT_CHARS",
     "check_values",
     "dump_json",
     "expand_home",
