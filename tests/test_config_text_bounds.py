@@ -1,8 +1,10 @@
-"""A configuration document's text is bounded with YAML aliases expanded.
+"""A configuration document's text is bounded with YAML aliases expanded, and the lines kvslots
+writes about bad input are bounded whatever the input quotes.
 
 The loader counted an alias as the nodes it names but not the text: one 1 MB string named by
 1,000 aliases (a 1 MB file) was 1 GB once a note on stderr wrote the value out (10 s, 2.3 GB
-for ``kvslots convert-config``; 300 GB for a 4 MB file)."""
+for ``kvslots convert-config``; 300 GB for a 4 MB file). And PyYAML quotes a tag or an alias
+name whole in its message: a 4 MB tag was a 4 MB error line."""
 
 from __future__ import annotations
 
@@ -67,3 +69,52 @@ def test_convert_config_refuses_a_string_alias_bomb_at_once(tmp_path, capsys):
     assert TOO_MUCH in err and time.monotonic() - start < 5
     with pytest.raises(ConfigError, match=TOO_MUCH):
         convert_trtllm_config(str(f))
+
+
+LONG = 4 * 1024 * 1024 - 100
+
+
+@pytest.mark.parametrize("text, says", [
+    ("a: !<" + "t" * LONG + "> 1\n", "could not determine a constructor for the tag"),
+    ("a: !" + "t" * LONG + " 1\n", "could not determine a constructor for the tag"),
+    ("a: *" + "n" * LONG + "\n", "found undefined alias"),
+    ("a: &" + "n" * MB + " [*" + "n" * MB + "]\n", "inside the node it names"),
+], ids=["verbatim-tag", "local-tag", "undefined-alias", "alias-inside-its-node"])
+def test_yaml_messages_quote_a_long_name_cut(text, says):
+    with pytest.raises(ConfigError) as e:
+        parse_yaml(text, "e.yaml")
+    message = str(e.value)
+    assert says in message and len(message) < 400, len(message)
+    assert message.endswith(("at line 1 column 4", "at line 1")), message[-80:]
+
+
+def test_an_error_line_quoting_a_long_value_is_cut_in_the_middle(tmp_path, capsys):
+    # A speculators checkpoint whose verifier is a 1 MB name: the error quoted it twice (2 MB).
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    (ckpt / "config.json").write_text(json.dumps({
+        "speculators_model_type": "eagle3", "transformer_layer_config": {},
+        "speculators_config": {"proposal_methods": [{"speculative_tokens": 3}],
+                               "verifier": {"name_or_path": "v/" * (MB // 2)}}}))
+    engine = tmp_path / "e.yaml"
+    engine.write_text("max_batch_size: 8\n")
+    capsys.readouterr()
+    assert cli.main(["convert-config", "--speculators-dir", str(ckpt), str(engine)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and len(err) <= cli.MAX_LINE_CHARS + 1, len(err)
+    assert err.startswith("kvslots convert-config: error: ") and "local verifier path 'v/v/" in err
+    assert " characters ...] " in err and err.rstrip().endswith("(verifier=... / --verifier)")
+
+
+def test_an_argument_error_quoting_a_long_value_is_one_bounded_line(capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.main(["serve", "m", "--pd-port", "9" * MB])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count("\n") == 1 and len(err) <= cli.MAX_LINE_CHARS + 1, len(err)
+    assert err.startswith("kvslots serve: error: argument --pd-port:")
+
+
+def test_one_line_leaves_a_short_line_as_it_was():
+    assert cli.one_line("a\nb") == "a\\nb"
+    line = "x" * cli.MAX_LINE_CHARS
+    assert cli.one_line(line) is line

@@ -115,11 +115,21 @@ def _commands(parser: argparse.ArgumentParser) -> list[str]:
     return [name for a in parser._actions if isinstance(a, argparse._SubParsersAction) for name in a.choices]
 
 
+#: Longest message line written (an error or a note); a longer one keeps its start and end.
+MAX_LINE_CHARS = 2000
+
+
 def one_line(text: str) -> str:
-    """``text`` with control characters (a newline in a file name) escaped: one line."""
-    if text.isprintable():
+    """``text`` with control characters (a newline in a file name) escaped: one line, of at most
+    :data:`MAX_LINE_CHARS` characters (a value quoted whole, such as a 4 MB YAML tag or path
+    from a file, made a line of megabytes); the middle of a longer one is elided, so the line
+    still ends with where the problem is."""
+    if not text.isprintable():
+        text = "".join(c if c.isprintable() or c == " " else repr(c)[1:-1] for c in text)
+    if len(text) <= MAX_LINE_CHARS:
         return text
-    return "".join(c if c.isprintable() or c == " " else repr(c)[1:-1] for c in text)
+    head, tail = MAX_LINE_CHARS * 2 // 3, MAX_LINE_CHARS // 4
+    return f"{text[:head]} [... {len(text) - head - tail} characters ...] {text[-tail:]}"
 
 
 def report_error(prog: str, error: KVSlotsError, label: str | None = "error") -> int:

@@ -71,6 +71,12 @@ def yaml_module() -> Any:
     return yaml
 
 
+def clip(text: str, limit: int = 200) -> str:
+    """``text`` cut to ``limit`` characters for a message (a parser's own message may quote a
+    whole tag or alias name from the file: megabytes)."""
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
 def brief(value: Any, limit: int = 60) -> str:
     """``repr(value)``, shortened for a message."""
     text = repr(value)
@@ -384,7 +390,8 @@ def _loader_class() -> Any:
                 if event.anchor in self.anchors:
                     size = self.kv_sizes.get(event.anchor)
                     if size is None:
-                        raise _Refused(f"alias *{event.anchor} inside the node it names", event.start_mark)
+                        raise _Refused(f"alias *{clip(event.anchor, 60)} inside the node it names",
+                                       event.start_mark)
                     self.kv_aliased = True
                     self.kv_count(size, event.start_mark)
                 return super().compose_node(parent, index)
@@ -529,6 +536,7 @@ def parse_yaml(text: str | bytes, source: str | None = None, *, max_nodes: int =
         context = getattr(e, "context", None)
         if isinstance(context, str) and context.startswith("expected"):  # a second document
             problem = f"{context}, {problem}"
+        problem = clip(problem)  # PyYAML quotes a tag or alias name whole: a line of 4 MB
         position = getattr(e, "position", None)  # a ReaderError: a character YAML does not allow
         if mark is None and isinstance(position, int):
             where = f" at offset {position}"
