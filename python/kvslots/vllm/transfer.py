@@ -50,7 +50,7 @@ import contextlib
 import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import numpy as np
 import torch
@@ -529,8 +529,9 @@ class BlockCopier:
             return Transfer(nbytes)
         s = self._kernel_streams[0]
         self._after_compute([s])
-        self._bus_mark.record(self._stream)
-        s.wait_event(self._bus_mark)
+        bus_mark = cast(torch.cuda.Event, self._bus_mark)  # made with the stream: set on CUDA
+        bus_mark.record(self._stream)
+        s.wait_event(bus_mark)
         with self._stream_ctx(s):
             ids = ids.pin_memory().to(self._device, non_blocking=True)
             self._fused.move_direct(self._host, ids[0], ids[1], to_host=to_host)
@@ -559,7 +560,7 @@ class BlockCopier:
                 buf = torch.empty((self._chunk, self._bytes_per_block), dtype=torch.uint8, device=self._device)
                 self._staging.append((buf, [g.stage_view(buf) for g in self._groups]))
         cuda = self._stream is not None
-        kernel_streams = self._kernel_streams or [None]
+        kernel_streams: list[Any] = self._kernel_streams or [None]
         # Device ids are uploaded by the first kernel step, so a load's first bus copy is queued
         # before anything else: a small copy is bound by how soon its bytes start to move.
         idx_all: torch.Tensor | None = None
@@ -640,9 +641,10 @@ class BlockCopier:
 
     def _after_compute(self, streams: list[Any]) -> None:
         """Makes ``streams`` wait, on the device, for what the compute stream has queued so far."""
-        self._compute_mark.record(torch.cuda.current_stream(self._device))
+        mark = cast(torch.cuda.Event, self._compute_mark)  # set on CUDA, the only caller
+        mark.record(torch.cuda.current_stream(self._device))
         for s in streams:
-            s.wait_event(self._compute_mark)
+            s.wait_event(mark)
 
     @staticmethod
     def _stream_ctx(stream: Any) -> Any:

@@ -18,7 +18,7 @@ import logging
 import os
 import time
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any, Iterable
+from typing import TYPE_CHECKING, Any, Iterable, cast
 
 import msgspec
 from vllm.distributed.kv_events import KVEventBatch
@@ -92,7 +92,7 @@ class KVSlotsConnector(KVConnectorBase_V1):
         # layout differs from the core's (0.32) one, so 0.33 gets structs too. (With the EAGLE
         # rule our BlockStored carry lookahead_token_ids and are 0.33's bytes; on 0.32 the raw
         # bytes keep that field, which a 0.32 decoder skips.)
-        self._raw_events = bool(self._vllm_events and events_cfg.publisher == "zmq"
+        self._raw_events = bool(self._vllm_events and cast(Any, events_cfg).publisher == "zmq"
                                 and not features().block_stored_lookahead)
         if role == KVConnectorRole.SCHEDULER:
             self._sched = SchedulerSide(

@@ -32,7 +32,7 @@ import struct
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import msgspec
 
@@ -81,7 +81,7 @@ class ControlServer:
         # the serving thread at the first request.
         host = _host(host)
         port = integer(port, "port", 0, 65535)
-        handler = callback(handler, "handler")
+        handler = cast(Callable[[dict[str, Any]], dict[str, Any]], callback(handler, "handler"))
         try:
             family, kind, proto, _, addr = socket.getaddrinfo(None if host == "*" else host, port,
                                                               type=socket.SOCK_STREAM,

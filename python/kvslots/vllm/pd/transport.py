@@ -42,7 +42,7 @@ import threading
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -186,7 +186,7 @@ class MooncakeTransport:
         # neither this process's later engines nor its child processes inherit it.
         scoped = transfer_timeout_s is not None and _TIMEOUT_ENV not in os.environ
         if scoped:
-            os.environ[_TIMEOUT_ENV] = str(math.ceil(transfer_timeout_s))
+            os.environ[_TIMEOUT_ENV] = str(math.ceil(cast(float, transfer_timeout_s)))
         try:
             self._engine = engine_cls()
             rc = self._engine.initialize(hostname, "P2PHANDSHAKE", protocol, device_name)

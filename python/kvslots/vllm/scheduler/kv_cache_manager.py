@@ -17,7 +17,7 @@ block size, no context parallelism. Anything else is refused at start-up by
 from __future__ import annotations
 
 import logging
-from typing import Any, Iterable
+from typing import Any, Iterable, cast
 
 from ..._core import DeviceKVManager, KVBlocks
 from ...errors import ConfigError
@@ -326,7 +326,7 @@ class KVSlotsKVCacheManager(DeviceKVManager):
             raise ValueError(f"cannot truncate {blocks.num_blocks} blocks to {n}")
         if n == 0:
             return self.empty_kv_cache_blocks
-        return KVBlocks(blocks.get_block_ids()[0][:n])
+        return KVBlocks(cast("tuple[list[int], ...]", blocks.get_block_ids())[0][:n])
 
     def create_kv_cache_blocks(self, blocks: tuple[list[Any], ...]) -> KVBlocks:
         ids = [b if isinstance(b, int) else b.block_id for b in blocks[0]] if blocks and blocks[0] else []
@@ -345,7 +345,7 @@ class KVSlotsKVCacheManager(DeviceKVManager):
             num_tokens = 2 * self.block_size
 
         b = self.computed_blocks(_R(), 1, False)
-        return b.get_block_ids()[0][0] if b.num_blocks else None
+        return cast("tuple[list[int], ...]", b.get_block_ids())[0][0] if b.num_blocks else None
 
     # ---- stats ----
     def make_prefix_cache_stats(self) -> Any:
@@ -440,7 +440,8 @@ class KVSlotsKVCacheManager(DeviceKVManager):
                                                 for i in range(start, end)]
         for i in range(start, end):
             if la:
-                keys, mm_idx = kcu.generate_lookahead_block_hash_extra_keys(
+                # vLLM 0.33 only (num_hash_lookahead_tokens is 0 on 0.32)
+                keys, mm_idx = cast(Any, kcu).generate_lookahead_block_hash_extra_keys(
                     request, i * bs, (i + 1) * bs, (i + 1) * bs + la, mm_idx)
             else:
                 keys, mm_idx = kcu.generate_block_hash_extra_keys(request, i * bs, (i + 1) * bs, mm_idx)

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import Any
+from typing import Any, cast
 
 import vllm.v1.core.sched.scheduler as _sched_mod
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
@@ -83,11 +83,11 @@ class KVSlotsScheduler(Scheduler):
 
         with _construct_lock:
             saved = _sched_mod.KVCacheManager
-            _sched_mod.KVCacheManager = manager  # type: ignore[assignment]
+            _sched_mod.KVCacheManager = manager  # type: ignore[assignment,misc]
             try:
                 super().__init__(vllm_config, *args, **kwargs)
             finally:
-                _sched_mod.KVCacheManager = saved  # type: ignore[assignment]
+                _sched_mod.KVCacheManager = saved  # type: ignore[assignment,misc]
         assert isinstance(self.kv_cache_manager, KVSlotsKVCacheManager)
         logger.info("kvslots scheduler mode: %d device blocks of %d tokens in the Rust core%s",
                     self.kv_cache_manager.num_gpu_blocks, self.kv_cache_manager.block_size,
@@ -105,7 +105,7 @@ class KVSlotsScheduler(Scheduler):
         return out
 
     def _finish_deferred(self, scheduler_output: Any) -> None:
-        m = self.kv_cache_manager
+        m = cast(KVSlotsKVCacheManager, self.kv_cache_manager)  # built by __init__
         if m.defer_lookahead and m.num_deferred():
             m.finish_deferred(scheduler_output, self.num_spec_tokens)
 
