@@ -7,9 +7,10 @@ connections, and a replay socket), the proxy its pool of backend connections. Pa
 nothing can be opened: new connections failed, and so did subscriptions. So the HTTP
 connections are capped (``--max-connections``, :mod:`.httpguard`), by default at what the limit
 leaves once the rest is set aside, and an indexer given more workers than the limit can hold is
-refused at start-up (:func:`check_workers_fit`). Workers added later (``POST /workers``) take
-their descriptors from the connections' share: :class:`ConnectionCap` lowers the cap as they
-come, and refuses one that would leave the connections less than their most.
+refused at start-up (:func:`check_workers_fit`). Workers added later (``POST /workers``, or
+over another replica's API and learned through Redis) take their descriptors from the
+connections' share: :class:`ConnectionCap` lowers the cap as they come, and refuses one that
+would leave the connections less than their least.
 """
 
 from __future__ import annotations
@@ -130,23 +131,30 @@ class ConnectionCap:
             self._workers = workers
             self.value = self._cap(workers + self._reserved)
 
+    def check(self, workers: int, what: str = "the worker") -> None:
+        """An :class:`OutOfDescriptorsError` (EMFILE, ``details["max_connections"]``) saying
+        ``what`` does not fit when ``workers``, it included, would leave the connections less
+        than their least (:meth:`workers_fit`)."""
+        workers = _args.integer(workers, "workers", 0)
+        if self.workers_fit(workers):
+            return
+        least = self._least()
+        whose = (f"--max-connections {least}" if self.explicit is not None
+                 else f"at least {least}, what --max-connections' default keeps")
+        raise OutOfDescriptorsError(
+            f"{what} would take {FDS_PER_WORKER} of the file descriptors set aside for HTTP "
+            f"connections ({whose}): the limit of {self.limit} (ulimit -n) holds {workers - 1} workers "
+            "beside them; remove workers, lower --max-connections or raise the limit",
+            details={"errno": errno.EMFILE, "limit": self.limit, "workers": workers - 1, "max_connections": least})
+
     def reserve(self, what: str = "the worker") -> None:
         """Sets aside a worker's descriptors before it is subscribed, lowering the cap; an
         :class:`OutOfDescriptorsError` (EMFILE) when they would come out of the connections'
-        least. Give them back with :meth:`release` once it is subscribed (:meth:`set_workers`
-        counts it then) or not."""
+        least (:meth:`check`). Give them back with :meth:`release` once it is subscribed
+        (:meth:`set_workers` counts it then) or not."""
         with self._lock:
             workers = self._workers + self._reserved + 1
-            if not self.workers_fit(workers):
-                least = self._least()
-                whose = (f"--max-connections {least}" if self.explicit is not None
-                         else f"at least {least}, what --max-connections' default keeps")
-                raise OutOfDescriptorsError(
-                    f"{what} would take {FDS_PER_WORKER} of the file descriptors set aside for HTTP "
-                    f"connections ({whose}): the limit of {self.limit} (ulimit -n) holds {workers - 1} workers "
-                    "beside them; remove workers, lower --max-connections or raise the limit",
-                    details={"errno": errno.EMFILE, "limit": self.limit, "workers": workers - 1,
-                             "max_connections": least})
+            self.check(workers, what)
             self._reserved += 1
             self.value = self._cap(workers)
 

@@ -342,7 +342,10 @@ class RedisBackend(Backend):
         for name, e in failed.items():  # tried again each tick; logged once per reason
             why = f"{type(e).__name__}: {e}"
             if self._failing.get(name) != why:
-                log.error("worker %s: cannot subscribe to its stream (will retry): %s", name, why)
+                if "max_connections" in (getattr(e, "details", None) or {}):  # kept for HTTP (fds.ConnectionCap)
+                    log.warning("worker %s: not subscribed (will retry): %s", name, e)
+                else:
+                    log.error("worker %s: cannot subscribe to its stream (will retry): %s", name, why)
         self._failing = {name: f"{type(e).__name__}: {e}" for name, e in failed.items()}
 
     # ---- writing (subscription thread, writer only) ----

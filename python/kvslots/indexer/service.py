@@ -12,7 +12,7 @@ from typing import Any
 
 from .._core import ApplyStats
 from ..events._ratelog import RateLimitedLog
-from ..errors import ArgumentTypeError, ConfigError, InvalidArgumentError
+from ..errors import ArgumentTypeError, ConfigError, InvalidArgumentError, OutOfDescriptorsError
 from . import fds
 from .backend import TIER_NAMES, Backend, MemoryBackend, ScoreResult
 from .config import IndexerConfig, WorkerSpec
@@ -110,11 +110,15 @@ class IndexerService:
         before it could be stale by then (a worker removed meanwhile would come back).
 
         Returns the workers that could not be subscribed, with why; each is left out entirely
-        (not subscribed, not in the index), so a later call tries again."""
+        (not subscribed, not in the index), so a later call tries again. With a connection cap
+        (:meth:`use_connection_cap`), a worker not in the config whose descriptors it cannot
+        spare is one of them (an :class:`OutOfDescriptorsError`, not tried)."""
         failed: dict[str, Exception] = {}
         with self._sync_lock:
             if callable(specs):
                 specs = specs()
+            cap = self.connection_cap
+            configured = {w.name for w in self.cfg.workers}  # checked at start-up (fds.check_workers_fit)
             for name, spec in list(self._subscribed.items()):
                 if specs.get(name) != spec:
                     self.sub.remove(name)
@@ -125,6 +129,14 @@ class IndexerService:
                         self.backend.clear_worker(name)
             for name, spec in specs.items():
                 if name not in self._subscribed:
+                    if cap is not None and name not in configured:
+                        # As POST /workers' reserve(): a worker another replica added (learned
+                        # through Redis) took the connections' descriptors unchecked.
+                        try:
+                            cap.check(len(self._subscribed) + 1, f"worker {name!r}")
+                        except OutOfDescriptorsError as e:
+                            failed[name] = e
+                            continue
                     self.backend.add_worker(name, eagle=spec.eagle)
                     self._subscribed[name] = spec  # before add: its catch-up batches need the tier
                     try:
