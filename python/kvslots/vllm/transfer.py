@@ -210,10 +210,13 @@ class BlockCopier:
         for name, t in tensors:
             if not isinstance(t, torch.Tensor):
                 raise ArgumentTypeError(f"layer {name!r}: expected a torch.Tensor, got {type(t).__name__}")
+            _check_plain(name, t)
         devices = {t.device for _, t in tensors}
         if len(devices) != 1:
             raise InvalidArgumentError(f"layer tensors are on several devices: {sorted(map(str, devices))}")
         self._device = devices.pop()
+        if self._device.type == "meta":  # shapes without bytes: every copy failed in torch
+            raise InvalidArgumentError("layer tensors are on the meta device: they hold no bytes to copy")
         is_cuda = self._device.type == "cuda"
         if engine == "auto":
             engine = "torch" if is_cuda else "rust"
@@ -469,8 +472,12 @@ class BlockCopier:
 
     def _check(self, device_blocks: Ids, host_blocks: Ids, *, to_host: bool) -> tuple[np.ndarray, np.ndarray]:
         """Validates both id lists up front, so a bad id raises before any segment is copied."""
-        dev = _as_ids(device_blocks, "device_blocks", self._num_device_blocks, "device")
-        host = _as_ids(host_blocks, "host_blocks", self._num_host_blocks, "host")
+        # A copy writes each destination block once: no list may be longer than the
+        # destination has blocks (checked before the ids are scanned or copied, so a broadcast
+        # array of 2**30 ids is refused at once instead of taking GiBs of masks and sets).
+        most = self._num_host_blocks if to_host else self._num_device_blocks
+        dev = _as_ids(device_blocks, "device_blocks", self._num_device_blocks, "device", most)
+        host = _as_ids(host_blocks, "host_blocks", self._num_host_blocks, "host", most)
         if len(dev) != len(host):
             raise InvalidArgumentError(
                 f"device_blocks has {len(dev)} ids but host_blocks has {len(host)}"
@@ -701,17 +708,20 @@ def _runs(ids: np.ndarray) -> list[tuple[int, int, int]]:
     return runs
 
 
-def _as_ids(ids: Ids, name: str, limit: int, kind: str) -> np.ndarray:
-    """A contiguous int64 array of ids in ``0..limit``, or a typed error naming the index."""
+def _as_ids(ids: Ids, name: str, limit: int, kind: str, most: int) -> np.ndarray:
+    """A contiguous int64 array of at most ``most`` ids in ``0..limit``, or a typed error
+    naming the index."""
     try:
         if isinstance(ids, torch.Tensor):
             if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
                 raise ArgumentTypeError(
                     f"{name} must be a 1-D sequence of integers, got a tensor of dtype {ids.dtype}"
                 )
+            if ids.dim() == 1:
+                _check_count(name, ids.shape[0], most)  # before .cpu() copies it
             ids = ids.detach().cpu().numpy()
         a = np.asarray(ids)
-    except ArgumentTypeError:
+    except (ArgumentTypeError, InvalidArgumentError):
         raise
     except Exception as e:  # whatever numpy or torch raise for a value that is not ids
         raise ArgumentTypeError(f"{name} must be a 1-D sequence of integers, got {type(ids).__name__}") from e
@@ -721,8 +731,33 @@ def _as_ids(ids: Ids, name: str, limit: int, kind: str) -> np.ndarray:
         raise ArgumentTypeError(
             f"{name} must be a 1-D sequence of integers, got shape {a.shape} dtype {a.dtype}"
         )
+    _check_count(name, a.shape[0], most)
     bad = np.flatnonzero((a < 0) | (a >= limit))
     if bad.size:
         i = int(bad[0])
         raise InvalidArgumentError(f"{name}[{i}] = {int(a[i])} is outside the {limit} {kind} blocks")
     return np.ascontiguousarray(a, dtype=np.int64)
+
+
+def _check_count(name: str, n: int, most: int) -> None:
+    if n > most:
+        raise InvalidArgumentError(
+            f"{name} has {n} ids: a copy writes at most the destination's {most} blocks, each once"
+        )
+
+
+def _check_plain(name: str, t: torch.Tensor) -> None:
+    """Refuses a tensor whose memory is not its values as plain strided bytes: torch raised a
+    RuntimeError for a sparse, nested, conjugate or negative view, and a quantized tensor's
+    byte view crashed the process (a segmentation fault in torch)."""
+    kind = None
+    if t.is_nested:
+        kind = "a nested tensor"
+    elif t.layout != torch.strided:
+        kind = f"a tensor of layout {t.layout}"
+    elif t.is_quantized:
+        kind = f"a quantized tensor ({t.dtype})"
+    elif t.is_conj() or t.is_neg():
+        kind = "a lazy conjugate or negative view (resolve_conj() / resolve_neg() first)"
+    if kind is not None:
+        raise InvalidArgumentError(f"layer {name!r}: {kind}; whole-block copies need a plain strided cache tensor")
