@@ -105,9 +105,10 @@ def _most(schema: dict[str, Any], defs: dict[str, Any]) -> tuple[int, int, int] 
         if schema.get("additionalProperties", True) is not False:
             return None
         each = [_most(v, defs) for v in schema.get("properties", {}).values()]
-        if None in each:
+        known = [e for e in each if e is not None]
+        if len(known) < len(each):
             return None
-        return 1 + sum(e[0] for e in each), sum(1 + e[1] for e in each), len(each) + sum(e[2] for e in each)
+        return 1 + sum(e[0] for e in known), sum(1 + e[1] for e in known), len(known) + sum(e[2] for e in known)
     if kind == "array":
         item = _most(schema.get("items", {}), defs)
         n = schema.get("maxItems")
@@ -128,7 +129,8 @@ def _body_bounds(route: APIRoute) -> tuple[int, int, int] | None:
         return None
     from pydantic import TypeAdapter
 
-    schema = TypeAdapter(route.body_field.field_info.annotation).json_schema()
+    annotation: Any = route.body_field.field_info.annotation
+    schema = TypeAdapter(annotation).json_schema()
     return _most(schema, schema.get("$defs", {}))
 
 
@@ -257,7 +259,10 @@ def create_app(service: IndexerService, *, own_service: bool = False) -> FastAPI
         block_size: int | None = Field(None, strict=True, ge=1, le=65536,
                                        description=f"Tokens per block (default {cfg.block_size})")
 
-        _unknown = model_validator(mode="before")(classmethod(_few_unknown_fields))
+        @model_validator(mode="before")
+        @classmethod
+        def _unknown(cls, data: Any) -> Any:
+            return _few_unknown_fields(cls, data)
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 from .._core import ApplyStats, PrefixIndex
 from .config import IndexerConfig, WorkerSpec
@@ -133,5 +133,6 @@ class MemoryBackend(Backend):
         return ScoreResult(self.index.lookup(tokens, block_size, lora_id, lora_name), stale=False)
 
     def size(self) -> dict[str, int]:
-        st = self.index.stats()
-        return {"keys": st["keys"], "entries": st["entries"], "evictions": st["evictions"]}
+        st = self.index.stats()  # these three are counts, never None
+        return {"keys": cast(int, st["keys"]), "entries": cast(int, st["entries"]),
+                "evictions": cast(int, st["evictions"])}

@@ -346,7 +346,7 @@ MAX_REPLAY_TIMEOUT = 3600.0
 MAX_FRAME_MB = 4096  # a single frame past 4 GiB is not an event batch
 
 
-def _typed(value: Any, key: str, kinds: tuple[type, ...], what: str, path: str) -> Any:
+def _typed(value: Any, key: str, kinds: tuple[type, ...], what: str, path: str | None) -> Any:
     """``value`` if it is one of ``kinds`` (never a bool for a number), else a ConfigError."""
     if isinstance(value, bool) and bool not in kinds or not isinstance(value, kinds):
         raise ConfigError(f"must be {what}, got {_kind(value)} {brief(value)}", key, path)

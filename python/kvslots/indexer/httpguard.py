@@ -184,10 +184,15 @@ def protocol_class(max_connections: Any = None) -> type:
     """uvicorn's HTTP protocol (httptools when installed, as its 'auto' picks, else h11) with
     the limits above; ``max_connections`` open at once (None: no cap; an object with a ``value``:
     its value as each connection opens, :class:`kvslots.indexer.fds.ConnectionCap`)."""
+    base: type
     try:
-        from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol as base
+        from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+        base = HttpToolsProtocol
     except ImportError:
-        from uvicorn.protocols.http.h11_impl import H11Protocol as base
+        from uvicorn.protocols.http.h11_impl import H11Protocol
+
+        base = H11Protocol
 
     return type(f"Guarded{base.__name__}", (_Guard, base), {"max_connections": max_connections})
 

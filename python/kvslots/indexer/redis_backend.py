@@ -38,7 +38,7 @@ import re
 import threading
 import time
 import uuid
-from typing import Any
+from typing import Any, cast
 
 import redis
 
@@ -253,9 +253,9 @@ class RedisBackend(Backend):
             known = dict(self._specs)
             specs = self._read_specs() or known  # a registry lost with Redis: restore ours
             if epoch is not None and state == b"ready":
-                self.epoch = epoch.decode()
+                self.epoch = cast(bytes, epoch).decode()  # the client does not decode responses
                 for w, seq in self.r.hgetall(self.k("cursor")).items():
-                    self._resume[w.decode()] = int(seq) + 1
+                    self._resume[cast(bytes, w).decode()] = int(seq) + 1
                 for name, spec in specs.items():
                     self.local.add_worker(name)
                     self.local.set_worker_eagle(name, spec.eagle)
@@ -476,8 +476,9 @@ class RedisBackend(Backend):
         with self._lock:
             if self.local is None:
                 return {}
-            st = self.local.stats()
-            return {"keys": st["keys"], "entries": st["entries"], "evictions": st["evictions"]}
+            st = self.local.stats()  # these three are counts, never None
+            return {"keys": cast(int, st["keys"]), "entries": cast(int, st["entries"]),
+                    "evictions": cast(int, st["evictions"])}
 
     # ---- reading (any replica) ----
 

@@ -27,7 +27,8 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Any, Protocol
+from collections.abc import Hashable
+from typing import Any, Protocol, cast
 
 import zmq
 
@@ -119,7 +120,8 @@ class Subscription:
 
     def status(self) -> dict[str, dict[str, Any]]:
         out = {}
-        for name in self._sub.publishers():
+        for publisher in self._sub.publishers():
+            name = cast(str, publisher)  # add() names each by its worker
             try:
                 st = self._sub.publisher_status(name)
             except KeyError:  # removed meanwhile
@@ -149,14 +151,17 @@ class Subscription:
 
     # ---- EventSubscriber callbacks (its polling thread) ----
 
-    def _on_batch(self, worker: str, seq: int, payload: bytes) -> None:
+    # The subscriber's callbacks: a publisher's id is what add() gave it, the worker's name.
+
+    def _on_batch(self, publisher: Hashable, seq: int, payload: bytes) -> None:
+        worker = cast(str, publisher)
         self._last_batch_at[worker] = time.time()
         self._sink.on_batch(worker, seq, payload)
 
-    def _on_reset(self, worker: str, last_seq: int, new_seq: int) -> None:
-        self._sink.on_reset(worker, f"its stream starts over at seq {new_seq} after {last_seq}")
+    def _on_reset(self, publisher: Hashable, last_seq: int, new_seq: int) -> None:
+        self._sink.on_reset(cast(str, publisher), f"its stream starts over at seq {new_seq} after {last_seq}")
 
-    def _on_count(self, worker: str, name: str, n: int) -> None:
+    def _on_count(self, publisher: Hashable, name: str, n: int) -> None:
         what = SIGNALS.get(name)
         if what is not None:
-            self._sink.on_signal(worker, what, n)
+            self._sink.on_signal(cast(str, publisher), what, n)
