@@ -1,7 +1,7 @@
 //! `kvslots._core.DiskIndex` (the disk tier's bookkeeping) and `kvslots._core.DiskStore` (its
 //! file and background writer). The rules are kvslots-core's `disk` module's.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::path::Path;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -305,6 +305,49 @@ impl DiskIndex {
     }
 }
 
+/// Reads in flight. Two reads into the same memory (one array's rows, or two views of one
+/// buffer) raced: a row could end up holding the other read's block while this one was
+/// reported intact, so a read whose rows overlap one in flight is refused.
+#[derive(Default)]
+struct Held {
+    /// Async reads: ticket -> (the destination array, kept alive until taken; the start
+    /// addresses of its rows, one per block).
+    reads: HashMap<u64, (Py<PyAny>, Vec<usize>)>,
+    /// Row start address -> row end of every row being read into; disjoint.
+    rows: BTreeMap<usize, usize>,
+}
+
+impl Held {
+    /// Claims `[start, start + len)` for each of `starts` (distinct rows of one array), or
+    /// says which row overlaps a read in flight (nothing claimed then).
+    fn claim(&mut self, starts: &[usize], len: usize) -> Result<(), usize> {
+        if len == 0 {
+            return Ok(());
+        }
+        for (i, &a) in starts.iter().enumerate() {
+            if self.rows.range(..a.saturating_add(len)).next_back().is_some_and(|(_, &end)| end > a) {
+                return Err(i);
+            }
+        }
+        for &a in starts {
+            self.rows.insert(a, a.saturating_add(len));
+        }
+        Ok(())
+    }
+    fn release(&mut self, starts: &[usize]) {
+        for a in starts {
+            self.rows.remove(a);
+        }
+    }
+}
+
+fn overlap_error(rows: &[usize], i: usize) -> PyErr {
+    invalid(
+        None,
+        format!("rows[{i}] = {}: that memory is being read into by a read not yet finished (or, for an async read, not yet taken with take_reads)", rows[i]),
+    )
+}
+
 /// The disk tier's file on one worker: records written by a background thread with a bounded
 /// queue (a full queue drops the write), blocks read with positioned reads, the GIL released.
 #[pyclass(module = "kvslots._core", frozen)]
@@ -312,8 +355,8 @@ pub(crate) struct DiskStore {
     // Dropped before `held`: dropping the reader first finishes every queued read, whose
     // destination arrays `held` keeps alive.
     reader: core::disk::reader::DiskReader,
-    /// Async reads in flight: ticket -> (the destination array, blocks).
-    held: Mutex<HashMap<u64, (Py<PyAny>, usize)>>,
+    /// Reads in flight: their destination arrays and the memory they write.
+    held: Mutex<Held>,
     next_ticket: AtomicU64,
     writer: core::DiskWriter,
     file: Arc<core::DiskFile>,
@@ -371,7 +414,7 @@ impl DiskStore {
         let threads = READ_THREADS.min(std::thread::available_parallelism().map_or(1, |p| p.get()));
         Ok(DiskStore {
             reader: core::disk::reader::DiskReader::new(file.clone(), threads),
-            held: Mutex::new(HashMap::new()),
+            held: Mutex::new(Held::default()),
             next_ticket: AtomicU64::new(1),
             writer,
             file,
@@ -495,13 +538,20 @@ impl DiskStore {
             // SAFETY: r[i] < the array's rows (checked), so the row lies inside `out`.
             .map(|i| core::disk::reader::ReadTarget { index: i, slot: s[i], hash: h[i], dst: unsafe { base.add(r[i] * bpb) } })
             .collect();
+        let starts: Vec<usize> = r.iter().map(|&x| base as usize + x * bpb).collect();
         let ticket = self.next_ticket.fetch_add(1, Ordering::Relaxed);
         let mut held = self.held.lock().unwrap_or_else(|p| p.into_inner());
-        held.insert(ticket, (owner, s.len()));
-        // SAFETY: the rows are distinct rows of `out` (checked), which `held` keeps alive until
-        // the ticket is taken; the reader is dropped (finishing its jobs) before `held`.
+        if let Err(i) = held.claim(&starts, bpb) {
+            drop(held);
+            return Err(overlap_error(&r, i));
+        }
+        held.reads.insert(ticket, (owner, starts.clone()));
+        // SAFETY: the rows are distinct rows of `out` (checked), no other read in flight writes
+        // them (claimed), and `held` keeps `out` alive until the ticket is taken; the reader is
+        // dropped (finishing its jobs) before `held`.
         if let Err(e) = unsafe { self.reader.submit(ticket, targets) } {
-            let kept = held.remove(&ticket);
+            held.release(&starts);
+            let kept = held.reads.remove(&ticket);
             drop(held); // before `kept`: see take_reads
             drop(kept);
             return Err(invalid(None, e));
@@ -526,10 +576,11 @@ impl DiskStore {
         let out = done
             .into_iter()
             .map(|d| {
-                let n = match held.remove(&d.ticket) {
-                    Some((owner, n)) => {
+                let n = match held.reads.remove(&d.ticket) {
+                    Some((owner, starts)) => {
+                        held.release(&starts);
                         owners.push(owner);
-                        n as u64
+                        starts.len() as u64
                     }
                     None => 0,
                 };
@@ -689,6 +740,9 @@ impl DiskStore {
         let dst = out
             .as_slice_mut()
             .map_err(|_| type_error(None, "out must be a C-contiguous uint8 array".into()))?;
+        // Claimed for the read (the GIL is released meanwhile): no async read lands in them.
+        let starts: Vec<usize> = rows.iter().map(|&x| dst.as_ptr() as usize + x * bpb).collect();
+        self.held.lock().unwrap_or_else(|p| p.into_inner()).claim(&starts, bpb).map_err(|i| overlap_error(&rows, i))?;
         let file = &self.file;
         let res = py.detach(|| -> Result<Vec<(usize, String)>, core::DiskError> {
             let mut by_row: Vec<Option<&mut [u8]>> = dst.chunks_mut(bpb.max(1)).map(Some).collect();
@@ -726,6 +780,7 @@ impl DiskStore {
             }
             Ok(bad)
         });
+        self.held.lock().unwrap_or_else(|p| p.into_inner()).release(&starts);
         let bad = res.map_err(disk_error)?;
         let good = (s.len() - bad.len()) as u64;
         self.read_blocks.fetch_add(good, Ordering::Relaxed);
