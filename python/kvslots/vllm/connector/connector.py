@@ -32,7 +32,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from ...events import MEDIUM_CPU, MEDIUM_STORAGE
 from ...config.connector import ConnectorConfig, ConnectorConfigError
-from ...errors import KVSlotsError
+from ...errors import DiskTierError, KVSlotsError
 from ..compat import check_supported, features
 from .metadata import EMPTY_METADATA, KVSlotsMetadata, KVSlotsWorkerMetadata
 from .scheduler_side import SchedulerSide
@@ -150,7 +150,7 @@ class KVSlotsConnector(KVConnectorBase_V1):
             try:
                 self._disk_worker = DiskWorker(directory=path, num_slots=n, block_size=self.block_size,
                                                layout=layout, queue_len=self.config.disk_queue_len)
-            except OSError as e:
+            except (OSError, DiskTierError) as e:  # the directory or its file cannot be made, or is in use
                 raise ConnectorConfigError(f"kv_connector_extra_config.disk_path={path!r}: {e}") from e
         logger.info("KVSlotsConnector (%s): disk tier of %d blocks in %s", role.name, n, path)
         if getattr(self._kv_transfer_config, "kv_load_failure_policy", "recompute") != "recompute":

@@ -45,7 +45,8 @@ import msgspec
 import numpy as np
 
 from ..._core import DiskIndex, DiskStore
-from ...errors import DiskTierError
+from ..._args import text
+from ...errors import DiskTierError, InvalidArgumentError
 from ...config.connector import DISK_FILE_NAME
 
 logger = logging.getLogger(__name__)
@@ -482,7 +483,13 @@ class DiskWorker:
 
     def __init__(self, *, directory: str, num_slots: int, block_size: int, layout: DiskLayout,
                  queue_len: int) -> None:
-        os.makedirs(directory, exist_ok=True)
+        directory = text(os.fspath(directory) if isinstance(directory, os.PathLike) else directory, "directory")
+        if "\0" in directory:  # os.makedirs' ValueError
+            raise InvalidArgumentError(f"directory must not contain NUL, got {directory!r}")
+        try:
+            os.makedirs(directory, exist_ok=True)
+        except OSError as e:  # a file there, no permission, a read-only filesystem
+            raise DiskTierError(f"kvslots disk tier: cannot make the directory {directory!r}: {e}") from e
         self.layout = layout
         self.path = os.path.join(directory, FILE_NAME)
         kw = dict(num_slots=num_slots, block_size=block_size, queue_len=queue_len, **layout.kwargs())
