@@ -208,6 +208,41 @@ async def _encoded(doc: Any, big: bool) -> dict[str, Any]:
     return {"content": content, "headers": {"content-type": "application/json"}}
 
 
+#: Most bytes of the indexer's answer to /score the proxy reads (about 250 a worker), and the most
+#: seconds it waits for all of it: past either, round robin.
+MAX_INDEXER_ANSWER = 4 * 2**20
+INDEXER_TIMEOUT_S = 2.0
+#: Most bytes of a prefill worker's answer the proxy reads (one token; prompt logprobs can make it
+#: big): past it, or past the timeout, the request is computed on the decode worker.
+MAX_PREFILL_ANSWER = 64 * 2**20
+
+
+async def _post_read(client: httpx.AsyncClient, url: str, request: dict[str, Any], *, most: int,
+                     within: float) -> tuple[int, bytes]:
+    """POSTs ``request`` (:func:`_encoded`) to ``url``: the answer's status and body, the body of
+    at most ``most`` bytes and all of it within ``within`` seconds; an :class:`httpx.HTTPError`
+    otherwise. httpx's timeouts are each read's: an answer trickled a byte a second held the
+    request for ever, and one without end was read into memory whole."""
+    import anyio
+
+    try:
+        with anyio.fail_after(within):
+            async with client.stream("POST", url, **request) as resp:
+                body = bytearray()
+                async for chunk in resp.aiter_bytes():
+                    body += chunk
+                    if len(body) > most:
+                        raise httpx.ReadError(f"an answer of more than {most} bytes")
+                return resp.status_code, bytes(body)
+    except TimeoutError:
+        raise httpx.ReadTimeout(f"no whole answer within {within:g} s") from None
+
+
+async def _answer_object(content: bytes) -> dict[str, Any] | None:
+    """A backend's answer as a JSON object (:func:`_json_object`), parsed off the loop when big."""
+    return await _off_loop(_json_object, content) if len(content) > OFF_LOOP_BYTES else _json_object(content)
+
+
 def _listed(items: Any, what: str) -> list[Any]:
     """``items`` (any iterable) as a list; an :class:`ArgumentTypeError` naming ``what`` when it
     is not iterable (an int, None) or reading it fails."""
@@ -325,13 +360,15 @@ def create_app(prefill_urls: Sequence[str], decode_workers: Sequence[DecodeWorke
         scored = [w for w in decode_workers if w.indexer_name]
         if indexer_url and ids and scored:
             try:
-                r = await client.post(f"{indexer_url.rstrip('/')}/score", **await _encoded({"token_ids": ids}, big),
-                                      timeout=2.0)
-                r.raise_for_status()
+                status, content = await _post_read(client, f"{indexer_url.rstrip('/')}/score",
+                                                   await _encoded({"token_ids": ids}, big), most=MAX_INDEXER_ANSWER,
+                                                   within=INDEXER_TIMEOUT_S)
+                if not 200 <= status < 300:
+                    raise httpx.HTTPError(f"it answered {status}")
             except httpx.HTTPError as e:
                 logger.warning("kvslots proxy: indexer %s unusable (%s); round robin", shown_url(indexer_url), _why(e))
             else:
-                answer = _json_object(r.content)
+                answer = await _answer_object(content)
                 if answer is None:
                     logger.warning("kvslots proxy: indexer %s answered no JSON object; round robin", shown_url(indexer_url))
                 else:
@@ -349,19 +386,21 @@ def create_app(prefill_urls: Sequence[str], decode_workers: Sequence[DecodeWorke
         prefill_url = next(prefill_cycle)
         params = None
         try:
-            r = await client.post(f"{prefill_url.rstrip('/')}{path}", **await _encoded(prefill_body(body), big))
+            status, content = await _post_read(client, f"{prefill_url.rstrip('/')}{path}",
+                                               await _encoded(prefill_body(body), big), most=MAX_PREFILL_ANSWER,
+                                               within=timeout_s)
         except httpx.HTTPError as e:
             logger.warning("kvslots proxy: prefill worker %s failed: %s", shown_url(prefill_url), _why(e))
         else:
-            answer = _json_object(r.content) if r.status_code == 200 else None
+            answer = await _answer_object(content) if status == 200 else None
             if answer is not None:
                 params = answer.get("kv_transfer_params")
-            elif r.status_code == 200:  # an array, a string, not JSON: recomputed on the decode worker
+            elif status == 200:  # an array, a string, not JSON: recomputed on the decode worker
                 logger.warning("kvslots proxy: prefill worker %s answered 200 without a JSON object: %r",
-                               shown_url(prefill_url), r.content[:300])
+                               shown_url(prefill_url), content[:300])
             else:
-                logger.warning("kvslots proxy: prefill worker %s answered %d: %s", shown_url(prefill_url), r.status_code,
-                               r.text[:300])
+                logger.warning("kvslots proxy: prefill worker %s answered %d: %s", shown_url(prefill_url), status,
+                               content[:300].decode(errors="replace"))
         decode_req = dict(body)
         headers = {}
         if isinstance(params, dict) and params.get("do_remote_prefill"):
