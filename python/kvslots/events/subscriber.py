@@ -145,6 +145,30 @@ def _as_key(worker_id: Any) -> Iterator[None]:
                                 f"comparing it raised {type(e).__name__}") from e
 
 
+class _StateLock:
+    """The subscriber's state lock. A caller's ``worker_id`` is hashed and compared under it
+    (its own ``__hash__`` / ``__eq__`` / ``__repr__``): that code calling the subscriber again
+    from the same thread is refused with :class:`ConcurrentUseError` instead of waiting on the
+    lock for ever. Other threads wait as for any lock."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._owner: int | None = None  # the holding thread (only it sets or reads its own id)
+
+    def __enter__(self) -> None:
+        me = threading.get_ident()
+        if self._owner == me:
+            raise ConcurrentUseError("the event subscriber is in the middle of a call in this thread (code run "
+                                     "by a worker_id's __hash__, __eq__ or __repr__ called it again); nothing "
+                                     "was changed")
+        self._lock.acquire()
+        self._owner = me
+
+    def __exit__(self, *exc: Any) -> None:
+        self._owner = None
+        self._lock.release()
+
+
 OnBatch = Callable[[Hashable, int, Any], Any]
 OnReset = Callable[[Hashable, int, int], Any]
 OnCount = Callable[[Hashable, str, int], Any]
@@ -338,7 +362,7 @@ class EventSubscriber:
         self._ctx_started = False  # a passed-in one may not be either: checked all the same
         self._decoder = msgspec.msgpack.Decoder(KVEventBatch) if decode else None
 
-        self._lock = threading.Lock()
+        self._lock = _StateLock()
         self._commands: deque[tuple[str, Any]] = deque()
         self._queued = self._done = 0  # commands queued, and applied by the polling thread
         self._by_id: dict[Hashable, _Peer] = {}  # every added publisher (as callers see it)
