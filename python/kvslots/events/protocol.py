@@ -58,6 +58,24 @@ def seq_bytes(seq: int) -> bytes:
     return _args.integer(seq, "seq", 0, SEQ_MAX).to_bytes(8, "big")
 
 
+def _frames(frames: Frames) -> Frames:
+    """Frames as ``recv_multipart`` gives them: a list (or tuple) of bytes. Anything else is the
+    caller's mistake, not a peer's (a peer's malformed message is a None):
+    :class:`ArgumentTypeError`. Exact types: a subclass's own ``__len__`` / ``__eq__`` raised."""
+    if type(frames) not in (list, tuple) or any(type(f) is not bytes for f in frames):
+        what = type(frames).__name__ if type(frames) not in (list, tuple) else \
+            f"a {type(frames).__name__} holding {', '.join(sorted({type(f).__name__ for f in frames}))}"
+        raise ArgumentTypeError(f"frames must be a list of bytes, got {what}")
+    return frames
+
+
+def _frame(frame: bytes, name: str) -> bytes:
+    """A frame to send: bytes, or a bytearray or memoryview (ZMQ sends their bytes)."""
+    if not isinstance(frame, (bytes, bytearray, memoryview)):
+        raise ArgumentTypeError(f"{name} must be bytes, got {type(frame).__name__}")
+    return frame
+
+
 def _seq(frame: bytes) -> int | None:
     """The unsigned 8-byte big-endian sequence number of a frame; None if it is not 8 bytes."""
     return int.from_bytes(frame, "big") if len(frame) == 8 else None
@@ -67,13 +85,13 @@ def _seq(frame: bytes) -> int | None:
 
 
 def live_message(topic: bytes, seq: int, payload: bytes) -> tuple[bytes, bytes, bytes]:
-    return (topic, seq.to_bytes(8, "big"), payload)
+    return (_frame(topic, "topic"), seq_bytes(seq), _frame(payload, "payload"))
 
 
 def parse_live(frames: Frames) -> tuple[int, bytes] | None:
     """``(seq, payload)`` of a live message (``0 <= seq <= SEQ_MAX``); None for anything that is
     not three frames with an 8-byte sequence number."""
-    if len(frames) != 3:
+    if len(_frames(frames)) != 3:
         return None
     seq = _seq(frames[1])
     if seq is None:
@@ -92,17 +110,17 @@ def replay_request(start: int) -> tuple[bytes, bytes]:
 
 def parse_replay_request(frames: Frames) -> tuple[bytes, int] | None:
     """``(client identity, start)`` of a request as the ROUTER receives it; None if malformed."""
-    if len(frames) != 3 or frames[1] != b"" or len(frames[2]) != 8:
+    if len(_frames(frames)) != 3 or frames[1] != b"" or len(frames[2]) != 8:
         return None
     return frames[0], int.from_bytes(frames[2], "big")
 
 
 def replay_reply(client: bytes, topic: bytes, seq: int, payload: bytes) -> tuple[bytes, ...]:
-    return (client, b"", topic, seq.to_bytes(8, "big"), payload)
+    return (_frame(client, "client"), b"", _frame(topic, "topic"), seq_bytes(seq), _frame(payload, "payload"))
 
 
 def replay_end(client: bytes) -> tuple[bytes, ...]:
-    return (client, b"", b"", END_SEQ, b"")
+    return (_frame(client, "client"), b"", b"", END_SEQ, b"")
 
 
 def parse_replay_reply(frames: Frames, topic: bytes = b"") -> tuple[int, bytes] | None:
@@ -113,7 +131,7 @@ def parse_replay_reply(frames: Frames, topic: bytes = b"") -> tuple[int, bytes] 
     their replies cannot be told apart)."""
     if not isinstance(topic, bytes):
         raise ArgumentTypeError(f"topic must be bytes, got {type(topic).__name__}")
-    if len(frames) == 4 and frames[0] == b"":  # vLLM 0.32: [b"", topic, seq, payload]
+    if len(_frames(frames)) == 4 and frames[0] == b"":  # vLLM 0.32: [b"", topic, seq, payload]
         seq_frame, payload = frames[2], frames[3]
     elif len(frames) == 3 and frames[0] == b"":  # older vLLM: [b"", seq, payload]
         seq_frame, payload = frames[1], frames[2]
