@@ -30,13 +30,15 @@ Every failure is a :class:`~kvslots.ConfigError` whose ``source`` is the file.
 
 from __future__ import annotations
 
+import builtins
 import json
 import math
 import os
 import re
+import reprlib
 import stat
 from collections.abc import Mapping
-from itertools import accumulate
+from itertools import accumulate, islice
 from typing import Any
 
 from .._args import integer
@@ -77,9 +79,55 @@ def clip(text: str, limit: int = 200) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
+class _Brief(reprlib.Repr):
+    """``repr`` of at most about ``limit`` characters' worth of a value: the same text as
+    ``repr`` for a value whose repr is no longer, and for a longer one the same first ``limit``
+    characters (containers past ``limit`` items or levels and strings past ``2 * limit``
+    characters are not read further: a list nested 100,000 deep was a RecursionError, a list of
+    10**8 items a repr of 300 MB)."""
+
+    def __init__(self, limit: int) -> None:
+        super().__init__()
+        self.maxlevel = self.maxtuple = self.maxlist = self.maxarray = self.maxdict = limit
+        self.maxset = self.maxfrozenset = self.maxdeque = limit
+        self.maxstring = self.maxlong = self.maxother = 2 * limit
+
+    def repr_str(self, x: str, level: int) -> str:
+        return builtins.repr(x[: self.maxstring])  # a longer one is cut by brief
+
+    def repr_int(self, x: int, level: int) -> str:
+        try:
+            return builtins.repr(x)
+        except ValueError:  # more digits than int -> str converts
+            return f"<int of {x.bit_length()} bits>"
+
+    def repr_instance(self, x: Any, level: int) -> str:
+        return builtins.repr(x)  # what it raises is brief's to handle (reprlib made up a text)
+
+    def repr_dict(self, x: dict[Any, Any], level: int) -> str:
+        # In the dict's own order, as repr (reprlib sorts the keys).
+        if not x:
+            return "{}"
+        if level <= 0:
+            return "{...}"
+        pieces = [f"{self.repr1(k, level - 1)}: {self.repr1(v, level - 1)}"
+                  for k, v in islice(dict.items(x), self.maxdict)]
+        if len(x) > self.maxdict:
+            pieces.append("...")
+        return "{" + ", ".join(pieces) + "}"
+
+
+_BRIEF: dict[int, _Brief] = {}
+
+
 def brief(value: Any, limit: int = 60) -> str:
-    """``repr(value)``, shortened for a message."""
-    text = repr(value)
+    """``repr(value)``, shortened for a message: never more than ``limit`` characters, at a
+    cost bounded by ``limit`` whatever the value (:class:`_Brief`); the type's name when even
+    that cannot be had (a ``__repr__`` that raises)."""
+    try:
+        text = (_BRIEF.get(limit) or _BRIEF.setdefault(limit, _Brief(limit))).repr(value)
+    except Exception:  # RecursionError included
+        return f"<{type(value).__name__}>"
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
@@ -237,7 +285,7 @@ def check_values(doc: Any, source: str | None = None, *, max_depth: int = MAX_DE
                 if key_problem is None and plain_key in out:  # two str subclass keys of one text
                     key_problem = "given twice"
                 if key_problem:
-                    raise ConfigError(f"key {_safe_brief(k)}: {key_problem}", _path(entry), source)
+                    raise ConfigError(f"key {brief(k)}: {key_problem}", _path(entry), source)
                 if isinstance(plain_key, str):
                     chars += len(plain_key)
                     if chars > MAX_TEXT_CHARS:
@@ -266,14 +314,6 @@ def _plain_scalar(value: Any) -> tuple[Any, str | None]:
         real = float.__float__(value)
         return real, _scalar_problem(real)
     return _NOT_SCALAR, None
-
-
-def _safe_brief(value: Any) -> str:
-    """:func:`brief`, or the type's name when the value's ``repr`` raises."""
-    try:
-        return brief(value)
-    except Exception:  # RecursionError included
-        return f"<{type(value).__name__}>"
 
 
 def _too_much_text(field: str | None, source: str | None) -> ConfigError:
@@ -671,6 +711,8 @@ def dump_json(value: Any, *, indent: int | None = None, **kw: Any) -> str:
         raise ConfigError(f"cannot be written as JSON: {e}") from None
     except RecursionError:  # nested deeper than the interpreter's stack (100,000 lists)
         raise ConfigError("cannot be written as JSON: nested too deep") from None
+    except Exception as e:  # a dict subclass whose own items() raises: it was let through
+        raise ConfigError(f"cannot be written as JSON: reading it raised {type(e).__name__}") from None
 
 
 __all__ = [

@@ -21,6 +21,7 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
+from ..config.loader import brief as short
 from ..config.speculative import classify_model, drops_eagle_block, read_model_config, resolve_speculative_config
 from ..config.vllm_args import MAX_PARALLEL_SIZE, brief, check_exec_strings, engine_flag, flag_name, to_json
 from .._args import text
@@ -412,20 +413,13 @@ def _checked_args(args: argparse.Namespace) -> argparse.Namespace:
                     value = None
             ok = isinstance(value, str)
         if not ok:
-            raise ServeError(f"args.{dest} ({name}) is not a value that option takes, got {brief(_short(given[dest]))}")
+            raise ServeError(f"args.{dest} ({name}) is not a value that option takes, got {short(given[dest], 80)}")
         setattr(out, dest, value)
     tail = given.get("vllm_args")
     if tail is not None and not isinstance(tail, (list, tuple)):
         raise ServeError(f"args.vllm_args (vLLM's arguments) must be a list of strings, got {type(tail).__name__}")
     out.vllm_args = list(tail or [])
     return out
-
-
-def _short(value: Any) -> str:
-    try:
-        return repr(value)
-    except Exception:
-        return f"<{type(value).__name__}>"
 
 
 def _int_arg(opts: list[Any], tail: Any, engine_args: dict[str, Any], name: str) -> int:
