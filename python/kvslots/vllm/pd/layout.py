@@ -89,6 +89,7 @@ class BlockLayout(msgspec.Struct, frozen=True):
             for tname, t in tensors:
                 if not hasattr(t, "data_ptr"):
                     raise InvalidArgumentError(f"layer {tname!r}: expected a tensor, got {type(t).__name__}")
+                _check_plain(tname, t)
                 key = (t.data_ptr(), tuple(t.shape))
                 if key in seen:
                     continue
@@ -214,6 +215,21 @@ def _check_span(seg: Segment, error: type[InvalidArgumentError] | type[TransferE
     raise InvalidArgumentError(what)
 
 
+def _check_plain(name: str, t: Any) -> None:
+    """Refuses a tensor whose memory is not its values at ``data_ptr()``: a sparse one's
+    data_ptr was a RuntimeError, a nested one's shape an AttributeError, and a meta one
+    described the bytes at address 0 (of shape [2**40, N, ...]: a loop over 2**40 segments)."""
+    kind = None
+    if getattr(t, "is_nested", False):
+        kind = "a nested tensor"
+    elif getattr(t, "layout", None) is not None and str(t.layout) != "torch.strided":
+        kind = f"a tensor of layout {t.layout}"
+    elif getattr(getattr(t, "device", None), "type", None) == "meta":
+        kind = "a meta tensor (no memory)"
+    if kind is not None:
+        raise InvalidArgumentError(f"layer {name!r}: {kind}; a block layout needs a plain strided tensor in memory")
+
+
 def _segments_of(name: str, t: Any, n: int, block_dim: int | None) -> list[Segment]:
     shape = tuple(int(x) for x in t.shape)
     if not t.is_contiguous():
@@ -230,11 +246,14 @@ def _segments_of(name: str, t: Any, n: int, block_dim: int | None) -> list[Segme
                 "pass block_dim to say which one holds the blocks"
             )
         d = dims[0]
-    outer = int(np.prod(shape[:d], dtype=np.int64))
-    block_bytes = int(np.prod(shape[d + 1 :], dtype=np.int64)) * t.element_size()
+    outer = math.prod(shape[:d])
+    block_bytes = math.prod(shape[d + 1 :]) * t.element_size()
     if block_bytes == 0 or outer == 0:
         raise InvalidArgumentError(f"layer {name!r}: KV tensor of shape {shape} holds no bytes")
-    base = t.data_ptr()
+    if outer > MAX_SEGMENTS:  # before one Segment is made per outer index
+        raise InvalidArgumentError(f"layer {name!r}: KV tensor of shape {shape} has {outer} segments, "
+                                   f"more than {MAX_SEGMENTS}")
+    base = integer(t.data_ptr(), f"layer {name!r}: data_ptr()", 1)
     if outer == 1:
         return [Segment(name, base, block_bytes, block_bytes, n)]
     return [Segment(f"{name}.{o}", base + o * n * block_bytes, block_bytes, block_bytes, n) for o in range(outer)]
