@@ -62,3 +62,26 @@ def test_serve_leaves_gpu_builds_alone(target, monkeypatch):
     monkeypatch.delenv(RESERVED_CPU_ENV, raising=False)
     monkeypatch.setattr("kvslots.serve.plan.vllm_is_cpu_build", lambda: False)
     assert plan([target]).env == {}
+
+
+def test_arguments_of_the_wrong_type_or_size_are_kvslots_errors():
+    # They were TypeError ('2' > 1), AttributeError (a machine of 5, an environ of 5), or a
+    # count of 10**100 cores put in the environment; now an error naming the argument.
+    from kvslots.errors import ArgumentTypeError, InvalidArgumentError
+
+    with pytest.raises(ArgumentTypeError, match="local_world_size"):
+        reserved_cpus_without_connector("2", "x86_64")
+    with pytest.raises(ArgumentTypeError, match="local_world_size"):
+        connector_cpu_env(True, {}, "x86_64")
+    with pytest.raises(ArgumentTypeError, match="local_world_size"):
+        reservation_warning(float("nan"), {})
+    with pytest.raises(InvalidArgumentError, match="local_world_size"):
+        connector_cpu_env(10**100, {}, "x86_64")
+    with pytest.raises(InvalidArgumentError, match="local_world_size"):
+        connector_cpu_env(-5, {}, "x86_64")
+    with pytest.raises(ArgumentTypeError, match="machine"):
+        reserved_cpus_without_connector(1, 5)
+    with pytest.raises(ArgumentTypeError, match="environ"):
+        connector_cpu_env(1, environ=5)
+    assert connector_cpu_env(0, {}, "x86_64") == {"VLLM_CPU_NUM_OF_RESERVED_CPU": "1"}
+    assert connector_cpu_env(4, {}, "aarch64") == {"VLLM_CPU_NUM_OF_RESERVED_CPU": "4"}

@@ -20,15 +20,23 @@ import os
 import platform
 from collections.abc import Mapping
 
+from .._args import integer, text
+from ..errors import ArgumentTypeError
+
 RESERVED_CPU_ENV = "VLLM_CPU_NUM_OF_RESERVED_CPU"
 
 _PER_RANK_MACHINES = ("x86_64", "amd64", "i386", "i686", "aarch64", "arm64", "riscv64")
+#: Most worker ranks on one machine these take (far beyond any machine): a 5000-digit count
+#: was a ValueError when the warning printed it.
+MAX_LOCAL_WORLD_SIZE = 1 << 20
 
 
 def reserved_cpus_without_connector(local_world_size: int, machine: str | None = None) -> int:
     """The cores vLLM 0.32's CPU backend reserves for the engine core when no KV connector is
-    configured: one per local worker rank on x86, ARM and RISC-V, one in all on other machines."""
-    m = (machine if machine is not None else platform.machine()).lower()
+    configured: one per local worker rank on x86, ARM and RISC-V, one in all on other machines.
+    A count that is not an int in [0, 2**20] or a machine that is not text is a kvslots error."""
+    local_world_size = integer(local_world_size, "local_world_size", 0, MAX_LOCAL_WORLD_SIZE)
+    m = (text(machine, "machine") if machine is not None else platform.machine()).lower()
     return max(1, local_world_size) if m in _PER_RANK_MACHINES else 1
 
 
@@ -54,6 +62,9 @@ def connector_cpu_env(local_world_size: int = 1, environ: Mapping[str, str] | No
     """The environment to add to a vLLM CPU server with the KVSlotsConnector so that its workers
     keep the cores they have without a connector; empty when the variable is already set."""
     env = os.environ if environ is None else environ
+    if not isinstance(env, Mapping):
+        raise ArgumentTypeError(f"environ must be a mapping of variable names to values, got {type(env).__name__}")
+    local_world_size = integer(local_world_size, "local_world_size", 0, MAX_LOCAL_WORLD_SIZE)
     if env.get(RESERVED_CPU_ENV, "") != "":
         return {}
     return {RESERVED_CPU_ENV: str(reserved_cpus_without_connector(local_world_size, machine))}
