@@ -59,6 +59,7 @@ def check_args(args: argparse.Namespace) -> None:
     naming the flag (a zero --requests was an IndexError, --max-tokens 0 vLLM's 400 as a
     traceback, a NaN --timeout a server started and given up at once)."""
     from ..config.connector import ConnectorConfig
+    from ..config.loader import text_problem
     from ..errors import ConfigError
 
     def bad(flag: str, value: Any, why: str) -> ServeError:
@@ -83,6 +84,12 @@ def check_args(args: argparse.Namespace) -> None:
         raise bad("--host-cache-gb", args.host_cache_gb, "holds no block (not one byte)") from None
     if not (math.isfinite(args.timeout) and args.timeout > 0):
         raise bad("--timeout", args.timeout, "must be a finite number of seconds > 0")
+    # The configuration paths' rule: a name with bytes that are no UTF-8 (a lone surrogate here)
+    # had the target model written there, then the tokenizer failed (files left, progress bars
+    # and the error on stderr); a NUL failed only after the ~5 s of importing torch.
+    problem = text_problem(args.cache_dir)
+    if problem:
+        raise bad("--cache-dir", args.cache_dir, f"{problem}: a directory kvslots can write models to")
 
 
 def _metrics(base: str) -> dict[str, float]:
