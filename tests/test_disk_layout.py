@@ -145,3 +145,47 @@ def test_the_scheduler_and_the_worker_compute_one_fingerprint(layout):
     # The scheduler's KVCacheConfig is a deep copy of the worker's (generate_scheduler_kv_cache_config);
     # the worker also records the layout on its CacheConfig: either place gives the same.
     assert layout_of(layout).fingerprint == layout_of(layout, on_cache_config=True).fingerprint
+
+
+@pytest.mark.parametrize("what", ["fifo", "symlink", "directory"])
+def test_what_is_kept_beside_the_file_cannot_block_or_redirect_the_worker(tmp_path, what):
+    # The identity file is read at every start: a FIFO in its place blocked the worker's start
+    # (open() waits for a writer). Its temporary is created exclusively: a link put there is
+    # not written through.
+    import os
+    import threading
+
+    from kvslots.vllm.connector.disk import IDENTITY_SUFFIX
+
+    side = tmp_path / ("kvslots-disk-tier.kvs" + IDENTITY_SUFFIX)
+    victim = tmp_path / "victim"
+    victim.write_text("keep")
+    if what == "fifo":
+        os.mkfifo(side)
+    elif what == "symlink":
+        os.symlink(victim, str(side) + f".{os.getpid()}.tmp")
+    else:
+        side.mkdir()
+    got: list = []
+
+    def start() -> None:
+        try:
+            got.append(DiskWorker(directory=str(tmp_path), num_slots=8, block_size=BS, layout=layout_of("LBHNC"),
+                                  queue_len=8))
+        except BaseException as e:  # noqa: BLE001 - reported below
+            got.append(e)
+
+    t = threading.Thread(target=start, daemon=True)
+    t.start()
+    t.join(20)
+    if t.is_alive():  # let the blocked open() go (a writer appears), then fail
+        os.close(os.open(side, os.O_WRONLY | os.O_NONBLOCK))
+        t.join(5)
+        pytest.fail("the worker's start blocked on the FIFO beside its file")
+    w = got[0]
+    assert isinstance(w, DiskWorker), w
+    assert w.store.opened == "created"
+    w.close()
+    assert victim.read_text() == "keep"
+    if what != "directory":
+        assert side.is_file() and "KV-cache layout" in side.read_text()

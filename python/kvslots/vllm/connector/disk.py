@@ -34,10 +34,12 @@ would have to agree across them; the connector refuses a disk tier otherwise.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import hashlib
 import logging
 import os
+import stat
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -110,11 +112,10 @@ def _what_changed(path: str, layout: DiskLayout) -> str:
     if not layout.identity:
         return ""
     mine = dict(layout.identity)
+    raw = _read_small(path + IDENTITY_SUFFIX, _IDENTITY_MAX_BYTES)
     try:
-        with open(path + IDENTITY_SUFFIX, "rb") as f:
-            raw = f.read(_IDENTITY_MAX_BYTES + 1)
-        old = msgspec.json.decode(raw, type=dict[str, str]) if len(raw) <= _IDENTITY_MAX_BYTES else None
-    except (OSError, msgspec.DecodeError, msgspec.ValidationError):
+        old = msgspec.json.decode(raw, type=dict[str, str]) if raw is not None else None
+    except (msgspec.DecodeError, msgspec.ValidationError):
         old = None
     if old is not None:
         changed = [f"{k} {old[k]!r} -> {v!r}" for k, v in mine.items() if k in old and old[k] != v]
@@ -130,15 +131,14 @@ def _keep_identity(path: str, layout: DiskLayout) -> None:
         return
     data = msgspec.json.encode(dict(layout.identity))
     target = path + IDENTITY_SUFFIX
-    try:
-        with open(target, "rb") as f:
-            if f.read(len(data) + 1) == data:
-                return
-    except OSError:
-        pass
+    if _read_small(target, len(data)) == data:
+        return
     tmp = f"{target}.{os.getpid()}.tmp"
     try:
-        with open(tmp, "wb") as f:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)  # a stale one (or a link or FIFO put there): never written through
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o644)
+        with os.fdopen(fd, "wb") as f:
             f.write(data)
         os.replace(tmp, target)
     except OSError as e:  # a message helper only: the tier works without it
@@ -147,6 +147,25 @@ def _keep_identity(path: str, layout: DiskLayout) -> None:
             os.unlink(tmp)
         except OSError:
             pass
+
+
+def _read_small(path: str, limit: int) -> bytes | None:
+    """A regular file's bytes if it has at most ``limit`` of them, else None. Opened without
+    blocking and checked before it is read: a FIFO in its place blocked the worker's start."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    except OSError:
+        return None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_size > limit:
+            return None
+        raw = os.read(fd, limit + 1)
+        return raw if len(raw) <= limit else None
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
 
 
 def _weights_identity(model: str, revision: Any) -> str:
