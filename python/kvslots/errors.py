@@ -28,6 +28,7 @@ pickles (exceptions cross vLLM's process boundaries), attributes included.
 
 from __future__ import annotations
 
+import reprlib
 from typing import Any
 
 
@@ -207,6 +208,33 @@ class NotCopyableError(KVSlotsError, TypeError):
     built from) that a copy would silently duplicate or detach, so every one refuses; the
     message names the class and why. The object is unchanged and stays usable. Also a
     :class:`TypeError` (what pickling raised before)."""
+
+
+class _ShortRepr(reprlib.Repr):
+    """reprlib's bounded repr (a container's first items and levels, a str's start and end), with
+    bytes cut before they are printed too."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.maxlevel, self.maxstring, self.maxother = 3, 80, 80
+
+    # As a str: the repr of its first maxstring items only.
+    repr_bytes = repr_bytearray = reprlib.Repr.repr_str
+
+
+_SHORT_REPR = _ShortRepr()
+
+
+def short_repr(value: Any) -> str:
+    """``value`` as an error message shows it: at most about 80 characters, made without
+    printing the whole of a huge argument (the repr of 10**8 bytes cost 760 MB and 1.4 s, of
+    10**7 lists 3 s, before the message cut it) or recursing through a deep one; an object
+    whose own ``__repr__`` raises is shown by its type. The extension's messages use it too."""
+    try:
+        r = _SHORT_REPR.repr(value)
+    except Exception:  # a container item's __repr__ raising is caught by reprlib itself
+        return f"<{type(value).__name__} object>"
+    return r if len(r) <= 80 else r[:77] + "..."
 
 
 __all__ = [

@@ -12,13 +12,12 @@ accepted too.
 
 from __future__ import annotations
 
-import reprlib
 from typing import Any, Union
 
 import msgspec
 
 from .. import _args
-from ..errors import ArgumentTypeError, EventDecodeError, InvalidArgumentError, KVSlotsError
+from ..errors import ArgumentTypeError, EventDecodeError, InvalidArgumentError, KVSlotsError, short_repr
 
 ExternalBlockHash = Union[bytes, int]
 
@@ -233,19 +232,9 @@ def _from_raw(raw: tuple[Any, ...] | list[Any], medium: str | None, hashes_as_by
     raise EventDecodeError(f"unknown event kind {kind!r} ({len(raw)} items)")
 
 
-# Error messages show a bounded repr: the first items and levels of a container, so a malformed
-# tuple holding 10**7 tokens is not printed whole (4 s) and a deeply nested one does not raise
-# RecursionError while its error is being made.
-_REPR = reprlib.Repr()
-_REPR.maxlevel, _REPR.maxstring, _REPR.maxother = 3, 80, 80
-
-
-def _short(value: Any) -> str:
-    try:
-        r = _REPR.repr(value)
-    except Exception:  # its own __repr__ raised
-        return f"<{type(value).__name__} object>"
-    return r if len(r) <= 80 else r[:77] + "..."
+# Error messages show a bounded repr: a malformed tuple holding 10**7 tokens was printed whole
+# (4 s) and a deeply nested one raised RecursionError while its error was being made.
+_short = short_repr
 
 
 _encoder = msgspec.msgpack.Encoder()
