@@ -103,3 +103,26 @@ def test_bad_ids_are_still_kvslots_errors():
             c.store(dev, host)
     with pytest.raises(ArgumentTypeError):
         c.store(torch.zeros(2, dtype=torch.float32), [0, 1])
+
+
+def test_an_endless_iterator_of_layer_tensors_is_refused():
+    # Its tensors were collected without end (1.6 GB in 8 s).
+    import itertools
+
+    from kvslots.vllm import transfer
+
+    MAX_LAYER_TENSORS = getattr(transfer, "MAX_LAYER_TENSORS", 1 << 16)
+
+    t = torch.zeros(N, 4)
+
+    def endless():  # stands in for an endless one, without eating the machine's memory on failure
+        yield from itertools.repeat(t, 4 * MAX_LAYER_TENSORS)
+        raise AssertionError("read 4 times the bound of tensors")
+
+    with pytest.raises(InvalidArgumentError, match="more than"):
+        BlockCopier({"a": endless()}, N, 4)
+    with pytest.raises(InvalidArgumentError, match="more than"):
+        BlockCopier({f"l{i}": t for i in range(MAX_LAYER_TENSORS + 1)}, N, 4)
+    # A list of tensors, and one tensor shared by many names, are as before.
+    c = BlockCopier({"a": [torch.zeros(N, 4), torch.zeros(N, 2)], "b": t, "c": t}, N, 4)
+    assert c.bytes_per_block == 16 + 8 + 16

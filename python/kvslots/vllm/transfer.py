@@ -100,6 +100,8 @@ MAX_THREADS = 1024
 
 #: Largest host region: torch cannot size a tensor past 2**63 bytes.
 MAX_HOST_BYTES = 2**63 - 1
+#: Most layer tensors one copier takes (a model has a few hundred, draft layers included).
+MAX_LAYER_TENSORS = 1 << 16
 
 Ids = Sequence[int] | np.ndarray | torch.Tensor
 
@@ -195,12 +197,23 @@ class BlockCopier:
             )
 
         tensors: list[tuple[str, torch.Tensor]] = []
+
+        def room() -> None:
+            # An endless iterator as a layer's value grew the list without bound (1.6 GB in 8 s).
+            if len(tensors) >= MAX_LAYER_TENSORS:
+                raise InvalidArgumentError(f"layers hold more than {MAX_LAYER_TENSORS} tensors")
+
         for name, value in layers.items():
+            room()
             if isinstance(value, torch.Tensor):
                 tensors.append((name, value))
                 continue
             try:
-                tensors.extend((f"{name}[{i}]", t) for i, t in enumerate(value))
+                for i, t in enumerate(value):
+                    room()
+                    tensors.append((f"{name}[{i}]", t))
+            except InvalidArgumentError:
+                raise
             except Exception:  # not iterable, or its iterator fails
                 raise ArgumentTypeError(
                     f"layer {name!r}: expected a torch.Tensor or a sequence of them, got {type(value).__name__}"
