@@ -44,3 +44,19 @@ def test_short_repr():
     assert short_repr([Raises()]).startswith("[<Raises instance at")
     for big in (b"x" * 10**6, bytearray(10**6), "y" * 10**6, 7**10_000):
         assert len(short_repr(big)) <= 80
+
+
+def test_the_reference_model_names_a_huge_argument_as_the_extension_does():
+    """The pure-Python reference made the whole repr too (and kept it: a message of 400 MB)."""
+    from kvslots.slots.reference import ReferenceSlotManager
+
+    said = []
+    for make in (kvslots.SlotManager, ReferenceSlotManager):
+        m = make(8, 4)
+        t = time.perf_counter()
+        with pytest.raises(ArgumentTypeError, match="match_prefix must be a bool, got bytes b'") as e:
+            m.create("a", [1, 2], match_prefix=bytes(10**8))
+        assert time.perf_counter() - t < 0.5
+        assert len(m) == 0
+        said.append(str(e.value))
+    assert said[0] == said[1]

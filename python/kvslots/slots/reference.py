@@ -29,6 +29,7 @@ from ..errors import (
     KVSlotsError,
     OutOfBlocksError,
     UnknownRequestError,
+    short_repr,
 )
 
 U32 = 2**32
@@ -87,7 +88,7 @@ def _where(request_id: str | None) -> str:
 def _int(value: Any, what: str, lo: int, hi: int, request_id: str | None = None) -> int:
     if isinstance(value, (bool, float)) or type(value).__name__ in ("bool_", "bool"):
         raise ArgumentTypeError(f"invalid argument{_where(request_id)}: {what} must be an int, got "
-                                f"{type(value).__name__} {value!r}", request_id)
+                                f"{type(value).__name__} {short_repr(value)}", request_id)
     try:
         v = operator.index(value)
     except TypeError:
@@ -116,7 +117,7 @@ def _opt_int(value: Any, what: str, hi: int, request_id: str | None = None) -> i
 
 def _flag(value: Any, what: str) -> bool:
     if not isinstance(value, bool):
-        raise ArgumentTypeError(f"invalid argument: {what} must be a bool, got {type(value).__name__} {value!r}")
+        raise ArgumentTypeError(f"invalid argument: {what} must be a bool, got {type(value).__name__} {short_repr(value)}")
     return value
 
 
@@ -126,7 +127,7 @@ def _request_id(value: Any) -> str:
     try:
         value.encode("utf-8")
     except UnicodeEncodeError:
-        raise InvalidArgumentError(f"invalid argument: request_id must be valid Unicode text, got {value!r}") from None
+        raise InvalidArgumentError(f"invalid argument: request_id must be valid Unicode text, got {short_repr(value)}") from None
     # Its text as an exact str: a subclass's own __hash__ / __eq__ must not steer the dict
     # lookups (the extension reads only the text).
     return str.__str__(value)
