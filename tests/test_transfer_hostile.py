@@ -126,3 +126,30 @@ def test_an_endless_iterator_of_layer_tensors_is_refused():
     # A list of tensors, and one tensor shared by many names, are as before.
     c = BlockCopier({"a": [torch.zeros(N, 4), torch.zeros(N, 2)], "b": t, "c": t}, N, 4)
     assert c.bytes_per_block == 16 + 8 + 16
+
+
+def test_copies_from_several_threads_each_move_their_own_blocks():
+    # The gather / scatter path (CUDA's, here on CPU tensors) shares its staging buffers: two
+    # threads' chunks interleaved in them, and a store got another's bytes (8 of 1,200 here).
+    import threading
+
+    n = 64
+    t = torch.arange(n * 1024, dtype=torch.float32).view(n, 1024)
+    c = BlockCopier({"a": t}, n, n, engine="torch", staging_bytes=1 << 16)
+    wrong: list[int] = []
+
+    def work(k: int) -> None:
+        rng = np.random.default_rng(k)
+        host = np.arange(16) + 16 * k  # each thread its own host blocks
+        for _ in range(300):
+            dev = rng.permutation(n)[:16]
+            c.store(dev, host).wait()
+            if not torch.equal(c.host[host].view(torch.float32), t[dev]):
+                wrong.append(k)
+
+    threads = [threading.Thread(target=work, args=(k,)) for k in range(4)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(60)
+    assert wrong == []
