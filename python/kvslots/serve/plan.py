@@ -30,7 +30,7 @@ from ..events.protocol import host_problem
 from ..vllm.cpu_cores import connector_cpu_env, vllm_is_cpu_build
 from .connector import CONNECTOR_NAME, connector_config
 from .events import bound_tcp_addresses, events_config, replay_connect_endpoint, subscribe_endpoint
-from .tail import MERGED_OPTIONS, json_object, scan_vllm_args, tail_json
+from .tail import MERGED_OPTIONS, check_config_files, json_object, scan_vllm_args, tail_json
 
 PROG = "kvslots serve"
 
@@ -204,6 +204,7 @@ def build_plan(args: argparse.Namespace, *, python: str | None = None) -> ServeP
     notes: list[str] = []
     tail = list(args.vllm_args or [])
     opts = scan_vllm_args(tail)
+    check_config_files(opts)
     tail_names = {o.name for o in opts}
 
     def tail_value(name: str) -> str | None:

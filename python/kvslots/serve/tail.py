@@ -51,7 +51,11 @@ _TURN_OFF = {"speculative-config": "no speculative decoding: no --speculative-co
              "kv-transfer-config": "kvslots serve --no-connector runs vLLM without the KVSlotsConnector",
              "kv-events-config": "kvslots serve --no-kv-events leaves vLLM's KV events off"}
 #: vLLM arguments after ``--`` whose value kvslots serve reads (they take exactly one value).
-_VALUED_OPTIONS = {*MERGED_OPTIONS, "host", "port", "model", "data-parallel-size", "scheduler-cls"}
+_VALUED_OPTIONS = {*MERGED_OPTIONS, "host", "port", "model", "data-parallel-size", "scheduler-cls", "config"}
+#: The vLLM options kvslots serve reads, checks or builds itself (build_plan): a vLLM ``--config``
+#: file may not set them, as vLLM would apply them under everything kvslots checked.
+MANAGED_OPTIONS = frozenset(_VALUED_OPTIONS - {"config"} | {
+    "tensor-parallel-size", "pipeline-parallel-size", "enable-prefix-caching"})
 
 
 @dataclass
@@ -137,6 +141,36 @@ def scan_vllm_args(tail: Sequence[str]) -> list[TailOption]:
         out.append(opt)
         i = opt.span[1]
     return out
+
+
+def check_config_files(opts: list[TailOption]) -> None:
+    """vLLM's ``--config FILE`` after ``--`` (its options as YAML, which vLLM puts before every
+    other argument): read under kvslots' file rules (:func:`~kvslots.config.loader.load_yaml`: a
+    FIFO, ``/dev/zero``, an alias bomb or a duplicate key is a ServeError naming the file, not
+    a vLLM that hangs or fails once started), a mapping, and setting none of
+    :data:`MANAGED_OPTIONS`: those were handed to vLLM unchecked (a speculative config with
+    K = 999, another connector, another scheduler, a port kvslots did not check)."""
+    from ..config.loader import load_yaml
+
+    files = [o for o in opts if o.name == "config" and not o.keys]
+    if len(files) > 1:  # vLLM asserts there is one
+        raise ServeError("after --: --config is given more than once (vLLM reads one config file)")
+    for o in files:
+        if o.value is None:
+            raise ServeError(f"after --: {o.text} has no value")
+        try:
+            doc = load_yaml(o.value)
+        except ConfigError as e:
+            raise ServeError(f"after --: --config: {e}") from None
+        if not isinstance(doc, dict):  # an empty file too: vLLM's None.items() failed once started
+            raise ServeError(f"after --: --config {o.value}: must be a mapping of vLLM options, "
+                             f"got {'an empty file' if doc is None else type(doc).__name__}")
+        for key in doc:
+            # As vLLM reads the key: --KEY, underscores or dashes, a dotted --x.key, --no-x.
+            flag = str(key).split(".")[0].replace("_", "-")
+            if flag.removeprefix("no-") in MANAGED_OPTIONS:
+                raise ServeError(f"after --: --config {o.value} sets {brief(str(key))}, which kvslots serve "
+                                 f"reads and checks: give --{flag} after -- or as kvslots serve's own option")
 
 
 def _nested(keys: list[str], value: Any) -> Any:
@@ -226,5 +260,5 @@ def merge_over_flags(cfg: dict[str, Any], tail_cfg: Mapping[str, Any], option: s
         cfg[k] = v
 
 
-__all__ = ["MERGED_OPTIONS", "VLLM_SHORT_OPTIONS", "TailOption", "json_object", "merge_over_flags", "scan_vllm_args",
+__all__ = ["MANAGED_OPTIONS", "MERGED_OPTIONS", "VLLM_SHORT_OPTIONS", "TailOption", "check_config_files", "json_object", "merge_over_flags", "scan_vllm_args",
            "tail_json"]
