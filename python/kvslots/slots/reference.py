@@ -81,8 +81,20 @@ def _ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
 
+#: Longest request id a message quotes whole, in characters (the core's SHOWN_ID_CHARS).
+SHOWN_ID_CHARS = 64
+
+
+def _shown(request_id: str) -> str:
+    """A request id as a message quotes it: whole up to SHOWN_ID_CHARS characters, else its
+    start and its length (the core's ``error::shown``)."""
+    if len(request_id) <= SHOWN_ID_CHARS:
+        return repr(request_id)
+    return f"{request_id[:SHOWN_ID_CHARS]!r}... ({len(request_id)} characters)"
+
+
 def _where(request_id: str | None) -> str:
-    return f" for request {request_id!r}" if request_id is not None else ""
+    return f" for request {_shown(request_id)}" if request_id is not None else ""
 
 
 def _int(value: Any, what: str, lo: int, hi: int, request_id: str | None = None) -> int:
@@ -269,7 +281,7 @@ class ReferenceSlotManager:
         try:
             return self._slots[request_id]
         except KeyError:
-            raise UnknownRequestError(f"unknown request {request_id!r}", request_id) from None
+            raise UnknownRequestError(f"unknown request {_shown(request_id)}", request_id) from None
 
     def slot_id(self, request_id: str) -> int:
         i = self._slab.index(self._slot(request_id).request_id)
@@ -368,7 +380,7 @@ class ReferenceSlotManager:
     def _check_len(self, s: _Slot, tokens: int) -> None:
         if self.max_tokens_per_slot is not None and tokens > self.max_tokens_per_slot:
             raise CapacityExceededError(
-                f"capacity exceeded for request {s.request_id!r}: tokens exceed max_tokens_per_slot "
+                f"capacity exceeded for request {_shown(s.request_id)}: tokens exceed max_tokens_per_slot "
                 f"({tokens} > {self.max_tokens_per_slot})",
                 s.request_id,
                 {"requested": tokens, "limit": self.max_tokens_per_slot},
@@ -376,7 +388,7 @@ class ReferenceSlotManager:
 
     def _out_of_blocks(self, request_id: str, needed: int, available: int) -> OutOfBlocksError:
         return OutOfBlocksError(
-            f"out of blocks for request {request_id!r}: needs {needed} more block(s), only {available} "
+            f"out of blocks for request {_shown(request_id)}: needs {needed} more block(s), only {available} "
             f"free or evictable in a pool of {self.num_blocks}",
             request_id,
             {"needed": needed, "available": available, "total": self.num_blocks},
@@ -385,7 +397,7 @@ class ReferenceSlotManager:
     def _check_commit(self, s: _Slot, n: int) -> None:
         if n > s.pending:
             raise CapacityExceededError(
-                f"capacity exceeded for request {s.request_id!r}: committed tokens exceed the pending "
+                f"capacity exceeded for request {_shown(s.request_id)}: committed tokens exceed the pending "
                 f"positions ({n} > {s.pending})",
                 s.request_id,
                 {"requested": n, "limit": s.pending},
@@ -393,7 +405,7 @@ class ReferenceSlotManager:
 
     def _rollback_error(self, s: _Slot, n: int, pending: int, committed: int) -> InvalidRollbackError:
         return InvalidRollbackError(
-            f"invalid rollback for request {s.request_id!r}: cannot roll back {n} token(s), only "
+            f"invalid rollback for request {_shown(s.request_id)}: cannot roll back {n} token(s), only "
             f"{pending} speculative token(s) are pending after {committed} committed",
             s.request_id,
             {"requested": n, "pending": pending, "committed": committed},
@@ -408,7 +420,7 @@ class ReferenceSlotManager:
         prompt = _ints(prompt, "prompt", U32, request_id)
         lora_id = _opt_int(lora_id, "lora_id", U64, request_id)
         if request_id in self._slots:
-            raise DuplicateRequestError(f"request {request_id!r} already has a slot", request_id)
+            raise DuplicateRequestError(f"request {_shown(request_id)} already has a slot", request_id)
         s = _Slot(request_id, lora_id, k)
         self._check_len(s, len(prompt))
         bs = self.block_size
@@ -583,7 +595,7 @@ class ReferenceSlotManager:
         for j in range(n):
             s = self._resolve(ids[j])
             if any(s is t for t in slots):
-                raise InvalidArgumentError(f"invalid argument for request {s.request_id!r}: slot appears twice in one step", s.request_id)
+                raise InvalidArgumentError(f"invalid argument for request {_shown(s.request_id)}: slot appears twice in one step", s.request_id)
             slots.append(s)
             self._check_commit(s, acc[j])
             if rej[j] > s.pending - acc[j]:

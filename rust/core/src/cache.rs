@@ -51,7 +51,9 @@ pub struct HostCache {
     /// Completed runs whose buffers new runs reuse (at most [`SPARE_RUNS`]).
     spare_runs: Vec<StoreRun>,
     evicted: Vec<u64>,
-    /// Per host block: the successor recorded when it was registered ([`NO_SUCCESSOR`] if none).
+    /// Per host block: the successor recorded when it was registered, bitwise negated so that
+    /// the zeroed array is [`NO_SUCCESSOR`] everywhere (lazily zeroed pages, like the pool's:
+    /// filling it made a cache of 2**31 blocks touch 8 GiB at construction). See [`Self::succ_of`].
     succ: Vec<u32>,
     stats: CacheStats,
     /// The disk tier's hook (None: off): what a block evicted from here needs to be spilled.
@@ -123,10 +125,17 @@ impl HostCache {
             runs: BTreeMap::new(),
             spare_runs: Vec::new(),
             evicted: Vec::new(),
-            succ: crate::pool::try_filled(NO_SUCCESSOR, num_blocks).ok_or_else(no_memory)?,
+            succ: crate::pool::try_zeroed(num_blocks).ok_or_else(no_memory)?,
             stats: CacheStats::default(),
             spill: None,
         })
+    }
+
+    fn succ_of(&self, block: BlockId) -> u32 {
+        !self.succ[block as usize]
+    }
+    fn set_succ(&mut self, block: BlockId, succ: u32) {
+        self.succ[block as usize] = !succ;
     }
 
     pub fn pool(&self) -> &BlockPool {
@@ -162,7 +171,7 @@ impl HostCache {
     /// the hash is not cached).
     pub fn successor(&self, hash: u64) -> u32 {
         match self.pool.lookup(hash) {
-            Some(b) => self.succ[b as usize],
+            Some(b) => self.succ_of(b),
             None => NO_SUCCESSOR,
         }
     }
@@ -229,7 +238,7 @@ impl HostCache {
             if self.evicted.len() > before {
                 self.note_spill(one[0], self.evicted[before]);
             }
-            self.succ[one[0] as usize] = NO_SUCCESSOR;
+            self.set_succ(one[0], NO_SUCCESSOR);
             self.storing.insert(h, (one[0], None));
             out.push((
                 i,
@@ -324,7 +333,7 @@ impl HostCache {
             if self.pool.register(s.block, s.hash) {
                 // Only where this store's block is the one registered under the hash.
                 let succ = successors.map_or(NO_SUCCESSOR, |v| v[j]);
-                self.succ[s.block as usize] = succ;
+                self.set_succ(s.block, succ);
                 if run_parent.is_none() {
                     run_parent = Some(if j == 0 {
                         parent
@@ -636,7 +645,7 @@ impl HostCache {
 
     fn note_spill(&mut self, block: BlockId, hash: u64) {
         let bs = self.block_size;
-        let succ = self.succ[block as usize];
+        let succ = self.succ_of(block);
         if let Some(sp) = &mut self.spill {
             let b = block as usize;
             sp.evicted.push((

@@ -5,15 +5,16 @@ use thiserror::Error;
 
 #[derive(Debug, Clone, PartialEq, Eq, Error)]
 pub enum SlotError {
-    #[error("unknown request {request:?}")]
+    #[error("unknown request {}", shown(.request))]
     UnknownRequest { request: String },
 
-    #[error("request {request:?} already has a slot")]
+    #[error("request {} already has a slot", shown(.request))]
     DuplicateRequest { request: String },
 
     #[error(
-        "out of blocks for request {request:?}: needs {needed} more block(s), \
-         only {available} free or evictable in a pool of {total}"
+        "out of blocks for request {}: needs {needed} more block(s), \
+         only {available} free or evictable in a pool of {total}",
+        shown(.request)
     )]
     OutOfBlocks {
         request: String,
@@ -26,8 +27,9 @@ pub enum SlotError {
     },
 
     #[error(
-        "invalid rollback for request {request:?}: cannot roll back {requested} token(s), \
-         only {pending} speculative token(s) are pending after {committed} committed"
+        "invalid rollback for request {}: cannot roll back {requested} token(s), \
+         only {pending} speculative token(s) are pending after {committed} committed",
+        shown(.request)
     )]
     /// Each count is one `usize` (committed + accepted is at most committed + pending, which
     /// the slot's blocks cover), so `u64` holds them exactly.
@@ -38,7 +40,7 @@ pub enum SlotError {
         committed: u64,
     },
 
-    #[error("capacity exceeded for request {request:?}: {what} ({requested} > {limit})")]
+    #[error("capacity exceeded for request {}: {what} ({requested} > {limit})", shown(.request))]
     CapacityExceeded {
         request: String,
         what: &'static str,
@@ -57,8 +59,24 @@ pub enum SlotError {
 
 fn request_suffix(request: &Option<String>) -> String {
     match request {
-        Some(r) => format!(" for request {r:?}"),
+        Some(r) => format!(" for request {}", shown(r)),
         None => String::new(),
+    }
+}
+
+/// Longest request id a message quotes whole, in characters.
+pub const SHOWN_ID_CHARS: usize = 64;
+
+/// A request id as a message quotes it: whole up to [`SHOWN_ID_CHARS`] characters, else its
+/// start and its length (an id of 10**8 characters made a message of that size).
+pub fn shown(request: &str) -> String {
+    match request.char_indices().nth(SHOWN_ID_CHARS) {
+        None => format!("{request:?}"),
+        Some((cut, _)) => format!(
+            "{:?}... ({} characters)",
+            &request[..cut],
+            request.chars().count()
+        ),
     }
 }
 

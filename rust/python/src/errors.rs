@@ -85,7 +85,7 @@ pub(crate) fn type_error(request: Option<&str>, message: String) -> PyErr {
 }
 
 fn request_suffix(request: Option<&str>) -> String {
-    request.map_or(String::new(), |r| format!(" for request {r:?}"))
+    request.map_or(String::new(), |r| format!(" for request {}", core::error::shown(r)))
 }
 
 /// A `ConcurrentUseError`: `what` is in the middle of another call (a re-entrant call from an

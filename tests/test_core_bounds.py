@@ -1,0 +1,77 @@
+"""What a huge argument costs the core: a message quotes a long request id by its start and
+length (an id of 10**8 characters made a message of that size), and a host tier of 2**31
+blocks costs nothing until its blocks are used (its successor table was filled: 8 GiB)."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+import kvslots
+from kvslots import _core
+from kvslots.errors import KVSlotsError
+from kvslots.slots.reference import SHOWN_ID_CHARS, ReferenceSlotManager
+
+LONG = "r7" * 50_000  # 100,000 characters, digits in it
+
+
+def _calls(m, rid: str):
+    """One call per error kind that names the request."""
+    return [
+        lambda: m.slot_info(rid),  # unknown
+        lambda: (m.create(rid, [1, 2, 3]), m.create(rid, [1])),  # duplicate
+        lambda: m.rollback(rid, 99),  # invalid rollback
+        lambda: m.reserve(rid, 10**6),  # out of blocks
+        lambda: m.commit(rid, [2**40]),  # invalid argument for the request
+    ]
+
+
+@pytest.mark.parametrize("make", [lambda: kvslots.SlotManager(8, 4), lambda: ReferenceSlotManager(8, 4)],
+                         ids=["core", "reference"])
+def test_a_long_request_id_is_quoted_by_its_start_and_length(make) -> None:
+    m = make()
+    kinds = set()
+    for call in _calls(m, LONG):
+        with pytest.raises(KVSlotsError) as info:
+            call()
+        msg = str(info.value)
+        kinds.add(type(info.value).__name__)
+        assert len(msg) < 400, msg[:200]
+        assert f"{LONG[:SHOWN_ID_CHARS]}" in msg and f"... ({len(LONG)} characters)" in msg, msg
+        if getattr(info.value, "request_id", None) is not None:
+            assert info.value.request_id == LONG  # the exception still carries the whole id
+    assert len(kinds) == 5, kinds
+
+
+@pytest.mark.parametrize("rid", ["a" * SHOWN_ID_CHARS, "é" * SHOWN_ID_CHARS, "x" * (SHOWN_ID_CHARS + 1)])
+def test_core_and_reference_quote_an_id_at_the_same_length(rid: str) -> None:
+    msgs = []
+    for m in (kvslots.SlotManager(8, 4), ReferenceSlotManager(8, 4)):
+        with pytest.raises(KVSlotsError) as info:
+            m.slot_info(rid)
+        msgs.append(str(info.value))
+    core, ref = msgs
+    assert re.sub(r"[\"']", "", core) == re.sub(r"[\"']", "", ref)
+    assert (len(rid) > SHOWN_ID_CHARS) == ("characters)" in core)
+
+
+def test_a_host_tier_of_2_31_blocks_costs_nothing_until_used() -> None:
+    code = textwrap.dedent(
+        """
+        import resource
+        from kvslots._core import HostCache
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        c = HostCache(2**31 - 2, 16)
+        rows = c.begin_store_run(1, [5, 6], None, [0] * 32)
+        c.complete_step(1)
+        assert c.successor(5) is None and c.match_prefix([5, 6]) == 2, rows
+        print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) // 1024)
+        """
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert int(out.stdout) < 256, f"{out.stdout} MB resident for an unused host tier"
