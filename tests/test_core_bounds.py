@@ -75,3 +75,26 @@ def test_a_host_tier_of_2_31_blocks_costs_nothing_until_used() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert int(out.stdout) < 256, f"{out.stdout} MB resident for an unused host tier"
+
+
+def _error_classes() -> list[type]:
+    import kvslots.errors as errors
+
+    return [c for c in vars(errors).values() if isinstance(c, type) and issubclass(c, errors.KVSlotsError)]
+
+
+@pytest.mark.parametrize("cls", _error_classes(), ids=lambda c: c.__name__)
+def test_every_error_keeps_a_bounded_message(cls) -> None:
+    import pickle
+
+    from kvslots.errors import MAX_MESSAGE_CHARS
+
+    long = "start " + "v" * 10**6 + " end"
+    kwargs = {"version": "0.1"} if cls.__name__ == "UnsupportedVLLMVersionError" else {}
+    e = cls(long, **kwargs)
+    for err in (e, pickle.loads(pickle.dumps(e))):
+        text = str(err)
+        assert len(text) < MAX_MESSAGE_CHARS + 100, len(text)
+        assert text.startswith("start vvv") and text.endswith("vvv end") and "characters cut" in text
+    short = "a short message"
+    assert str(cls(short, **kwargs)) == short

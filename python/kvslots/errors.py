@@ -32,6 +32,18 @@ import reprlib
 from typing import Any
 
 
+#: Longest message an error keeps: a longer one keeps its start and end (a value quoted whole,
+#: a 1 MB path say, made a 1 MB message). The CLI cuts its lines shorter (``cli.one_line``).
+MAX_MESSAGE_CHARS = 4096
+
+
+def _bounded(message: Any) -> Any:
+    if not isinstance(message, str) or len(message) <= MAX_MESSAGE_CHARS:
+        return message
+    cut = len(message) - MAX_MESSAGE_CHARS
+    return f"{message[:3 * MAX_MESSAGE_CHARS // 4]} ... ({cut} characters cut) ... {message[-MAX_MESSAGE_CHARS // 4:]}"
+
+
 class KVSlotsError(Exception):
     """Root of every kvslots error."""
 
@@ -39,7 +51,7 @@ class KVSlotsError(Exception):
     details: dict[str, int]
 
     def __init__(self, message: str, request_id: str | None = None, details: dict[str, Any] | None = None):
-        super().__init__(message)
+        super().__init__(_bounded(message))
         self.request_id = request_id
         self.details = dict(details or {})
         for key, value in self.details.items():
