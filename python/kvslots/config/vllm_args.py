@@ -11,17 +11,24 @@ import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from ..errors import ConfigError
+from ..errors import ArgumentTypeError, ConfigError, short_repr
 
 
 def flag_name(key: str) -> str:
     """``max_model_len`` -> ``--max-model-len``."""
+    if type(key) is not str:  # exact: a str subclass's own replace() ran
+        raise ArgumentTypeError(f"an engine argument's name must be a str, got {type(key).__name__}")
     return "--" + key.replace("_", "-")
 
 
 def to_json(value: Any) -> str:
-    """Compact JSON, as a JSON-valued vLLM argument is written."""
-    return json.dumps(value, separators=(",", ":"))
+    """Compact JSON, as a JSON-valued vLLM argument is written; a ConfigError for a value JSON
+    has no text for (NaN, an object, a key that is no str or number, nesting past Python's
+    recursion limit)."""
+    try:
+        return json.dumps(value, separators=(",", ":"), allow_nan=False)
+    except (TypeError, ValueError, RecursionError) as e:
+        raise ConfigError(f"a value that is no JSON: {short_repr(value)} ({type(e).__name__})") from None
 
 
 def engine_flag(key: str, value: Any) -> list[str]:
@@ -61,6 +68,12 @@ def check_exec_strings(argv: Sequence[str], env: Mapping[str, str] | None = None
     --format flags`` the arguments it prints (a long dynamic schedule, 20000 draft_len_schedule
     thresholds, is a 300 KB --speculative-config: it was printed or planned, and failed only to
     start, 'Argument list too long', exit status 127)."""
+    # Exact types: a generator or range of 10**12 items was read on, a str subclass' __str__ ran.
+    if type(argv) not in (list, tuple) or any(type(a) is not str for a in argv):
+        raise ArgumentTypeError(f"argv must be a list of str, got {short_repr(argv)}")
+    if env is not None and (not isinstance(env, Mapping)
+                            or any(type(k) is not str or type(v) is not str for k, v in env.items())):
+        raise ArgumentTypeError(f"env must be a mapping of str to str, got {short_repr(env)}")
     entries = [(a, None) for a in argv] + [(f"{k}={v}", k) for k, v in (env or {}).items()]
     for i, (text, env_key) in enumerate(entries):
         size = exec_size(text)
