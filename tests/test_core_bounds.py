@@ -98,3 +98,28 @@ def test_every_error_keeps_a_bounded_message(cls) -> None:
         assert text.startswith("start vvv") and text.endswith("vvv end") and "characters cut" in text
     short = "a short message"
     assert str(cls(short, **kwargs)) == short
+
+
+@pytest.mark.parametrize("value", [10**5000, -(10**5000), 2**200], ids=["huge", "huge_negative", "2**200"])
+def test_an_int_out_of_range_is_named_by_its_size(value: int) -> None:
+    from kvslots._args import integer
+    from kvslots.errors import InvalidArgumentError
+    from kvslots.vllm.cpu_cores import reservation_warning
+
+    with pytest.raises(InvalidArgumentError, match=r"got (an|a negative) int of \d+ bits") as info:
+        integer(value, "n", 0, 10)
+    assert len(str(info.value)) < 100
+    with pytest.raises(InvalidArgumentError):  # a public caller (its ValueError came out)
+        reservation_warning(value)
+
+
+def test_a_long_text_argument_is_quoted_bounded() -> None:
+    from kvslots._args import integer, text
+    from kvslots.errors import ArgumentTypeError, InvalidArgumentError
+
+    with pytest.raises(InvalidArgumentError) as info:
+        text("\ud800" * 10**6, "name")
+    assert len(str(info.value)) < 200
+    with pytest.raises(ArgumentTypeError) as info:
+        integer([list(range(10))] * 10**6, "n")
+    assert len(str(info.value)) < 200

@@ -13,7 +13,7 @@ import re
 from collections.abc import Callable
 from typing import Any, Literal, overload
 
-from .errors import ArgumentTypeError, InvalidArgumentError, KVSlotsError
+from .errors import ArgumentTypeError, InvalidArgumentError, KVSlotsError, short_repr
 
 #: The largest C ``int``: ZMQ socket options (high-water marks, linger) are ints.
 C_INT_MAX = 2**31 - 1
@@ -31,7 +31,7 @@ def integer(value: Any, name: str, lo: int | None = None, hi: int | None = None)
     except Exception:  # TypeError, or whatever a hostile __index__ raises
         raise ArgumentTypeError(f"{name} must be an int, got {type(value).__name__} {_short(value)}") from None
     if (lo is not None and v < lo) or (hi is not None and v > hi):
-        raise InvalidArgumentError(f"{name} must be in [{_bound(lo)}, {_bound(hi)}], got {v}")
+        raise InvalidArgumentError(f"{name} must be in [{_bound(lo)}, {_bound(hi)}], got {_int_text(v)}")
     return v
 
 
@@ -87,7 +87,7 @@ def text(value: Any, name: str) -> str:
     try:
         value.encode("utf-8")
     except UnicodeEncodeError:
-        raise InvalidArgumentError(f"{name} must be valid Unicode text (no lone surrogates), got {value!r}") from None
+        raise InvalidArgumentError(f"{name} must be valid Unicode text (no lone surrogates), got {_short(value)}") from None
     return value
 
 
@@ -110,10 +110,10 @@ def host(value: Any, name: str) -> str:
     except ValueError:
         address = None
     if value == "*" or (address is not None and address.is_unspecified):
-        raise InvalidArgumentError(f"{name} {value!r} is a wildcard, not an address peers can reach: "
+        raise InvalidArgumentError(f"{name} {_short(value)} is a wildcard, not an address peers can reach: "
                                    "give this machine's host name or IPv4 address")
     if isinstance(address, ipaddress.IPv6Address):
-        raise InvalidArgumentError(f"{name} {value!r} is an IPv6 address; Mooncake's TCP transport "
+        raise InvalidArgumentError(f"{name} {_short(value)} is an IPv6 address; Mooncake's TCP transport "
                                    "takes host names and IPv4 addresses only")
     if address is not None and inner == value:
         return value
@@ -150,9 +150,14 @@ def _bound(b: int | None) -> str:
     return str(b)
 
 
+def _int_text(v: int) -> str:
+    """``v`` in a message: its digits up to 128 bits, else its size (an int of over 4,300 digits
+    has no str: Python's ValueError came out of the message, and 10**10**6 took seconds)."""
+    if v.bit_length() <= 128:
+        return str(v)
+    return f"{'a negative' if v < 0 else 'an'} int of {v.bit_length()} bits"
+
+
 def _short(value: Any) -> str:
-    try:
-        r = repr(value)
-    except Exception:
-        return "<unprintable>"
-    return r if len(r) <= 60 else r[:57] + "..."
+    # The one bounded repr (a 10**8-item list was printed whole, then cut).
+    return short_repr(value)
