@@ -82,6 +82,9 @@ def _strict_json(body: bytes) -> Any:
         raise json.JSONDecodeError(e.reason, "", 0) from None
 
 
+#: Most bytes of request bodies read or handled at once (:class:`~.httpguard.BodyLimit`): each
+#: was bounded (``max_body_bytes``), their number only by the connection cap.
+BODY_BUDGET_BYTES = 64 * 2**20
 #: Bodies past this size are parsed in a worker thread: on the event loop, a 2 MB body of 200,000
 #: keys, one repeated at the end, held every other request (/healthz too) for 2.5 s.
 OFF_LOOP_BYTES = 256 * 1024
@@ -289,7 +292,9 @@ def create_app(service: IndexerService, *, own_service: bool = False) -> FastAPI
     )
     app.router.route_class = _StrictJSONRoute
     app.state.parse_threads = anyio.CapacityLimiter(4)  # big bodies' (_StrictJSONRequest)
-    app.add_middleware(BodyLimit, max_bytes=cfg.max_body_bytes)
+    # Bodies read or handled at once: at most BODY_BUDGET_BYTES, or four of the largest (a 503 past it).
+    app.add_middleware(BodyLimit, max_bytes=cfg.max_body_bytes,
+                       budget_bytes=max(BODY_BUDGET_BYTES, 4 * cfg.max_body_bytes))
 
     def require_admin(authorization: str | None = Header(None)) -> None:
         if not cfg.admin_token:

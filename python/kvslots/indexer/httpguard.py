@@ -209,16 +209,32 @@ class BodyLimit:
     """Refuses request bodies over `max_bytes` with 413 before anything parses them. A body with
     no Content-Length is counted as it streams in; past the limit the client gets the 413 and
     the app sees a disconnect (whatever it answers then is dropped). The answer is
-    ``{key: reason}`` (the indexer's ``detail``, the proxy's OpenAI-style ``error``)."""
+    ``{key: reason}`` (the indexer's ``detail``, the proxy's OpenAI-style ``error``).
 
-    def __init__(self, app: Any, max_bytes: int, key: str = "detail"):
+    With ``budget_bytes``, the bodies of all requests being read or handled at once are at most
+    that many bytes together (a Content-Length is counted whole as the request starts): one that
+    would take them past it is a 503 with ``Retry-After: 1``, the same way. Each body was bounded
+    and their number only by the connection cap: six 60 MB prompts at once took the proxy to
+    1.6 GB, and it took 300 MB more for each one after."""
+
+    def __init__(self, app: Any, max_bytes: int, key: str = "detail", budget_bytes: int | None = None):
         self.app = app
         self.max = max_bytes
         self.key = key
+        self.budget = budget_bytes
+        #: Bytes of the bodies of the requests in flight (all on the event loop: no lock).
+        self.in_flight = 0
+
+    def _over_budget(self, n: int) -> str | None:
+        if self.budget is None or self.in_flight + n <= self.budget:
+            return None
+        return (f"the server is reading or handling {self.in_flight} bytes of request bodies, and takes at most "
+                f"{self.budget} at once; retry later")
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
+        taken = 0  # of the budget, given back when the request is done
         for k, v in scope.get("headers", ()):
             if k == b"content-length":
                 try:
@@ -227,21 +243,36 @@ class BodyLimit:
                     return await self._reply(send, 400, "bad Content-Length")
                 if n > self.max:
                     return await self._reply(send, 413, f"request body over {self.max} bytes")
+                why = self._over_budget(n)
+                if why is not None:
+                    return await self._reply(send, 503, why, retry=True)
+                taken = n
+        self.in_flight += taken
         seen = 0
         state = {"started": False, "refused": False}
 
         async def limited():
-            nonlocal seen
+            nonlocal seen, taken
             if state["refused"]:
                 return {"type": "http.disconnect"}
             msg = await receive()
             if msg["type"] == "http.request":
                 seen += len(msg.get("body", b""))
+                refusal = None
                 if seen > self.max:
+                    refusal = (413, f"request body over {self.max} bytes")
+                elif seen > taken:  # no Content-Length: counted as it comes
+                    why = self._over_budget(seen - taken)
+                    if why is not None:
+                        refusal = (503, why)
+                    else:
+                        self.in_flight += seen - taken
+                        taken = seen
+                if refusal is not None:
                     state["refused"] = True
                     if not state["started"]:
                         state["started"] = True
-                        await self._reply(send, 413, f"request body over {self.max} bytes")
+                        await self._reply(send, *refusal, retry=refusal[0] == 503)
                     return {"type": "http.disconnect"}
             return msg
 
@@ -257,12 +288,14 @@ class BodyLimit:
         except Exception:
             if not state["refused"]:
                 raise
+        finally:
+            self.in_flight -= taken
 
-    async def _reply(self, send, status: int, detail: str) -> None:
+    async def _reply(self, send, status: int, detail: str, retry: bool = False) -> None:
         body = json.dumps({self.key: detail}).encode()
+        headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
         await send({"type": "http.response.start", "status": status,
-                    "headers": [(b"content-type", b"application/json"),
-                                (b"content-length", str(len(body)).encode())]})
+                    "headers": headers + ([(b"retry-after", b"1")] if retry else [])})
         await send({"type": "http.response.body", "body": body})
 
 

@@ -83,6 +83,11 @@ def prefill_body(body: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+#: Most bytes of request bodies read or handled at once (:class:`BodyLimit`'s budget; four of
+#: the largest when that is more): past it a 503 with Retry-After. Six 60 MB text prompts at
+#: once took the proxy to 1.6 GB, each one more to 300 MB more, bounded only by the connection cap.
+BODY_BUDGET_BYTES = 256 * 2**20
+
 #: Most arrays and objects, and strings (keys included), a request body may hold: past them a
 #: 400 before it is parsed (:func:`kvslots.indexer.httpguard.json_shape_error`). Parsing holds the
 #: GIL, off the event loop too: a 30 MB body of 10 million empty arrays took 15 s and held every
@@ -353,7 +358,8 @@ def create_app(prefill_urls: Sequence[str], decode_workers: Sequence[DecodeWorke
     # redirect_slashes off: /v1/completions/ was a 307 with an empty body, a 404 as any unknown path.
     app = FastAPI(title="kvslots proxy", summary="OpenAI-compatible front door for disaggregated prefill/decode",
                   lifespan=lifespan, redirect_slashes=False)
-    app.add_middleware(BodyLimit, max_bytes=max_body_mb * 2**20, key="error")
+    app.add_middleware(BodyLimit, max_bytes=max_body_mb * 2**20, key="error",
+                       budget_bytes=max(BODY_BUDGET_BYTES, 4 * max_body_mb * 2**20))
 
     async def pick_decode(body: dict[str, Any], big: bool) -> DecodeWorker:
         ids = await _off_loop(_token_ids, body) if big else _token_ids(body)  # a walk over every item
