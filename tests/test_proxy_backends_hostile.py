@@ -143,3 +143,27 @@ def test_a_prefill_worker_answering_without_end_is_computed_on_the_decode_worker
     assert r.headers["x-kvslots-pd"] == "recomputed"
     assert prefill.sent < 96 * 2**20, prefill.sent  # endless: all 160 MB were read into memory
     assert took < 1.5 + 3, took
+
+
+@pytest.mark.parametrize("answer", [trickle, endless])
+def test_models_from_a_decode_worker_answering_without_end_is_a_502(answer):
+    decode = _Server(answer)
+    app = create_app(["http://127.0.0.1:1"], [DecodeWorker(decode.url)], timeout_s=1.5)
+    got = []
+    try:
+        with TestClient(app) as c:
+            def get():
+                t = time.perf_counter()
+                r = c.get("/v1/models")
+                got.append((r, time.perf_counter() - t))
+            th = threading.Thread(target=get, daemon=True)
+            th.start()
+            th.join(15)
+            decode.stop.set()  # ends a request still held
+            th.join(30)
+    finally:
+        decode.close()
+    assert decode.sent < 48 * 2**20, decode.sent  # endless: all 160 MB were read into memory
+    r, took = got[0]
+    assert took < 1.5 + 3, took  # trickle: held for ever
+    assert r.status_code == 502 and "decode worker failed" in r.json()["error"], r.text

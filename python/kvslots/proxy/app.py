@@ -159,7 +159,8 @@ def _parse_body(raw: bytes) -> Any:
         if near:  # what is there, as the strict parser names a NaN
             also = f" at {near.decode(errors='replace')!r}"
         else:  # what msgspec says of a lone surrogate's escape (the strict parser: not Unicode text)
-            also = " or a \\u escape of a lone surrogate" if "truncated" in str(e) and _SURROGATE_ESCAPE.search(raw) else ""
+            surrogate = "truncated" in str(e) and _SURROGATE_ESCAPE.search(raw)
+            also = " or a \\u escape of a lone surrogate" if surrogate else ""
         raise ConfigError(f"invalid JSON: {e}{also}") from None
     except RecursionError:
         raise ConfigError(f"nested more than {MAX_DEPTH} levels deep") from None
@@ -220,19 +221,21 @@ INDEXER_TIMEOUT_S = 2.0
 #: Most bytes of a prefill worker's answer the proxy reads (one token; prompt logprobs can make it
 #: big): past it, or past the timeout, the request is computed on the decode worker.
 MAX_PREFILL_ANSWER = 64 * 2**20
+#: Most bytes of the first decode worker's answer to ``GET /v1/models`` passed on (a 502 past it).
+MAX_MODELS_ANSWER = 16 * 2**20
 
 
 async def _post_read(client: httpx.AsyncClient, url: str, request: dict[str, Any], *, most: int,
-                     within: float) -> tuple[int, bytes]:
-    """POSTs ``request`` (:func:`_encoded`) to ``url``: the answer's status and body, the body of
-    at most ``most`` bytes and all of it within ``within`` seconds; an :class:`httpx.HTTPError`
-    otherwise. httpx's timeouts are each read's: an answer trickled a byte a second held the
+                     within: float, method: str = "POST") -> tuple[int, bytes]:
+    """POSTs ``request`` (:func:`_encoded`) to ``url`` (or sends ``method``): the answer's status
+    and body, the body of at most ``most`` bytes and all of it within ``within`` seconds; an
+    :class:`httpx.HTTPError` otherwise. httpx's timeouts are each read's: an answer trickled a byte a second held the
     request for ever, and one without end was read into memory whole."""
     import anyio
 
     try:
         with anyio.fail_after(within):
-            async with client.stream("POST", url, **request) as resp:
+            async with client.stream(method, url, **request) as resp:
                 body = bytearray()
                 async for chunk in resp.aiter_bytes():
                     body += chunk
@@ -481,13 +484,14 @@ def create_app(prefill_urls: Sequence[str], decode_workers: Sequence[DecodeWorke
     @app.get("/v1/models")
     async def models() -> Response:
         try:
-            r = await client.get(f"{decode_workers[0].url.rstrip('/')}/v1/models")
+            status, content = await _post_read(client, f"{decode_workers[0].url.rstrip('/')}/v1/models", {},
+                                               most=MAX_MODELS_ANSWER, within=timeout_s, method="GET")
         except httpx.HTTPError as e:
             return JSONResponse({"error": f"decode worker failed: {_why(e)}"}, status_code=502)
-        if r.status_code >= 500 or r.status_code < 200:  # the worker's failure, as for completions
+        if status >= 500 or status < 200:  # the worker's failure, as for completions
             return JSONResponse({"error": f"decode worker {shown_url(decode_workers[0].url)} answered "
-                                          f"{r.status_code}: {r.text[:500]}"}, status_code=502)
-        return Response(r.content, status_code=r.status_code, media_type="application/json")
+                                          f"{status}: {content[:500].decode(errors='replace')}"}, status_code=502)
+        return Response(content, status_code=status, media_type="application/json")
 
     @app.get("/healthz")
     async def healthz() -> dict[str, Any]:
