@@ -227,6 +227,27 @@ sys.stdin.read()
 '''
 
 
+def _wait_stopped(pid: int) -> None:
+    """Until the kernel shows every thread of ``pid`` stopped: kill() only queues SIGSTOP, and on a
+    loaded machine the server could still take the next call before it acted on it (CI saw the
+    call answered)."""
+    deadline = time.monotonic() + 10
+    states: list[str] = []
+    while time.monotonic() < deadline:
+        try:
+            states = []
+            for tid in os.listdir(f"/proc/{pid}/task"):
+                with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                    states.append(f.read().rsplit(")", 1)[1].split()[0])
+        except OSError:  # no /proc: give it time
+            time.sleep(0.5)
+            return
+        if states and all(s in ("T", "t") for s in states):
+            return
+        time.sleep(0.01)
+    raise AssertionError(f"process {pid} did not stop within 10 s (thread states {states})")
+
+
 def test_a_call_given_up_while_the_server_was_stopped_is_not_acted_on_later():
     # A decode worker's ack to a prefill worker stopped (SIGSTOP) past the call's timeout: the
     # caller takes the call as failed. Over TCP the kernel accepts the connection and keeps the
@@ -245,6 +266,7 @@ def test_a_call_given_up_while_the_server_was_stopped_is_not_acted_on_later():
         port = int(proc.stdout.readline())
         assert control_call("127.0.0.1", port, {"op": "first"}, timeout_s=10) == {"held": True}
         os.kill(proc.pid, signal.SIGSTOP)
+        _wait_stopped(proc.pid)
         try:
             with pytest.raises(TransferError) as e:
                 control_call("127.0.0.1", port, {"op": "late"}, timeout_s=0.5, retries=1)
