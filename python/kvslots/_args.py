@@ -29,7 +29,7 @@ def integer(value: Any, name: str, lo: int | None = None, hi: int | None = None)
     except KVSlotsError:
         raise
     except Exception:  # TypeError, or whatever a hostile __index__ raises
-        raise ArgumentTypeError(f"{name} must be an int, got {type(value).__name__} {_short(value)}") from None
+        raise ArgumentTypeError(f"{name} must be an int, got {type(value).__name__} {short_repr(value)}") from None
     if (lo is not None and v < lo) or (hi is not None and v > hi):
         raise InvalidArgumentError(f"{name} must be in [{_bound(lo)}, {_bound(hi)}], got {_int_text(v)}")
     return v
@@ -40,19 +40,19 @@ def number(value: Any, name: str, lo: float | None = None, hi: float | None = No
     """``value`` (an int or float, not a bool, not NaN) as a float in ``[lo, hi]``, ``> 0`` with
     ``positive``; infinity only without ``finite``."""
     if isinstance(value, bool) or not isinstance(value, numbers.Real):  # numpy's count too
-        raise ArgumentTypeError(f"{name} must be a number, got {type(value).__name__} {_short(value)}")
+        raise ArgumentTypeError(f"{name} must be a number, got {type(value).__name__} {short_repr(value)}")
     try:
         v = float(value)
     except Exception:  # an int past float's range, or a hostile __float__
-        raise InvalidArgumentError(f"{name} must be a number in range, got {_short(value)}") from None
+        raise InvalidArgumentError(f"{name} must be a number in range, got {short_repr(value)}") from None
     if math.isnan(v) or (finite and math.isinf(v)):
         raise InvalidArgumentError(f"{name} must be a {'finite ' if finite else ''}number, got {v}")
     if positive and not v > 0:
-        raise InvalidArgumentError(f"{name} must be > 0, got {_short(value)}")
+        raise InvalidArgumentError(f"{name} must be > 0, got {short_repr(value)}")
     if lo is not None and v < lo:
-        raise InvalidArgumentError(f"{name} must be >= {lo:g}, got {_short(value)}")
+        raise InvalidArgumentError(f"{name} must be >= {lo:g}, got {short_repr(value)}")
     if hi is not None and v > hi:
-        raise InvalidArgumentError(f"{name} must be <= {hi:g}, got {_short(value)}")
+        raise InvalidArgumentError(f"{name} must be <= {hi:g}, got {short_repr(value)}")
     return v
 
 
@@ -73,7 +73,7 @@ def flag(value: Any, name: str, *, optional: bool = False) -> bool | None:
     if value is None and optional:
         return None
     if not isinstance(value, bool):
-        raise ArgumentTypeError(f"{name} must be a bool, got {type(value).__name__} {_short(value)}")
+        raise ArgumentTypeError(f"{name} must be a bool, got {type(value).__name__} {short_repr(value)}")
     return value
 
 
@@ -82,12 +82,12 @@ def text(value: Any, name: str) -> str:
     returned as an exact ``str``: a subclass's own ``encode`` / ``startswith`` could lie to the
     checks and to ZMQ."""
     if not isinstance(value, str):
-        raise ArgumentTypeError(f"{name} must be a str, got {type(value).__name__} {_short(value)}")
+        raise ArgumentTypeError(f"{name} must be a str, got {type(value).__name__} {short_repr(value)}")
     value = str.__str__(value)
     try:
         value.encode("utf-8")
     except UnicodeEncodeError:
-        raise InvalidArgumentError(f"{name} must be valid Unicode text (no lone surrogates), got {_short(value)}") from None
+        raise InvalidArgumentError(f"{name} must be valid Unicode text (no lone surrogates), got {short_repr(value)}") from None
     return value
 
 
@@ -103,23 +103,23 @@ def host(value: Any, name: str) -> str:
     ``host:port`` and splits at the first ':'."""
     value = text(value, name)
     if not value or len(value) > 253:
-        raise InvalidArgumentError(f"{name} must be a host name or IPv4 address (1 to 253 characters), got {_short(value)}")
+        raise InvalidArgumentError(f"{name} must be a host name or IPv4 address (1 to 253 characters), got {short_repr(value)}")
     inner = value[1:-1] if value.startswith("[") and value.endswith("]") else value  # [::1], as in a URL
     try:
         address = ipaddress.ip_address(inner)
     except ValueError:
         address = None
     if value == "*" or (address is not None and address.is_unspecified):
-        raise InvalidArgumentError(f"{name} {_short(value)} is a wildcard, not an address peers can reach: "
+        raise InvalidArgumentError(f"{name} {short_repr(value)} is a wildcard, not an address peers can reach: "
                                    "give this machine's host name or IPv4 address")
     if isinstance(address, ipaddress.IPv6Address):
-        raise InvalidArgumentError(f"{name} {_short(value)} is an IPv6 address; Mooncake's TCP transport "
+        raise InvalidArgumentError(f"{name} {short_repr(value)} is an IPv6 address; Mooncake's TCP transport "
                                    "takes host names and IPv4 addresses only")
     if address is not None and inner == value:
         return value
     if not all(_HOST_LABEL.match(label) for label in value.removesuffix(".").split(".")):
         raise InvalidArgumentError(f"{name} must be a host name or IPv4 address, without a scheme, port "
-                                   f"or spaces, got {_short(value)}")
+                                   f"or spaces, got {short_repr(value)}")
     return value
 
 
@@ -157,7 +157,3 @@ def _int_text(v: int) -> str:
         return str(v)
     return f"{'a negative' if v < 0 else 'an'} int of {v.bit_length()} bits"
 
-
-def _short(value: Any) -> str:
-    # The one bounded repr (a 10**8-item list was printed whole, then cut).
-    return short_repr(value)

@@ -136,12 +136,12 @@ def from_raw(
     try:
         why = _raw_fault(raw)
         if why is not None:
-            raise EventDecodeError(f"malformed event tuple {_short(raw)}: {why}")
+            raise EventDecodeError(f"malformed event tuple {short_repr(raw)}: {why}")
         return _from_raw(raw, medium, hashes_as_bytes, structs)
     except KVSlotsError:
         raise
     except Exception as e:  # short tuples, hashes that are not u64, a structs without the classes
-        raise EventDecodeError(f"malformed event tuple {_short(raw)}: {e}") from e
+        raise EventDecodeError(f"malformed event tuple {short_repr(raw)}: {e}") from e
 
 
 _U64 = 1 << 64
@@ -151,7 +151,7 @@ _NO_SUCCESSOR = _U32 - 1  # the Rust core's "none recorded"
 
 def _int_fault(x: Any, what: str, lo: int, hi: int) -> str | None:
     if type(x) is not int and (not isinstance(x, int) or isinstance(x, bool)):
-        return f"{what} must be an int, got {type(x).__name__} {_short(x)}"
+        return f"{what} must be an int, got {type(x).__name__} {short_repr(x)}"
     if not lo <= x < hi:
         return f"{what} must be in [{lo}, {_bound(hi)}), got {x}"
     return None
@@ -163,7 +163,7 @@ def _bound(hi: int) -> str:
 
 def _ints_fault(v: Any, what: str, hi: int) -> str | None:
     if not isinstance(v, (list, tuple)):
-        return f"{what} must be a list of ints, got {type(v).__name__} {_short(v)}"
+        return f"{what} must be a list of ints, got {type(v).__name__} {short_repr(v)}"
     for x in v:  # the common case in one pass; the index only once something is wrong
         if type(x) is not int or not 0 <= x < hi:
             break
@@ -190,13 +190,13 @@ def _raw_fault(raw: tuple[Any, ...] | list[Any]) -> str | None:
             return why
         lookahead = raw[6]
         if not isinstance(lookahead, (list, tuple)):
-            return f"lookahead_token_ids must be a list, got {type(lookahead).__name__} {_short(lookahead)}"
+            return f"lookahead_token_ids must be a list, got {type(lookahead).__name__} {short_repr(lookahead)}"
         if len(lookahead) != len(raw[1]):
             return f"lookahead_token_ids has {len(lookahead)} entries for {len(raw[1])} block hashes (one per block)"
         for i, entry in enumerate(lookahead):
             what = f"lookahead_token_ids[{i}]"
             if not isinstance(entry, (list, tuple)) or len(entry) > 1:
-                return f"{what} must be [] or [token], got {_short(entry)}"
+                return f"{what} must be [] or [token], got {short_repr(entry)}"
             why = _ints_fault(entry, what, _NO_SUCCESSOR)
             if why is not None:
                 return why
@@ -230,11 +230,6 @@ def _from_raw(raw: tuple[Any, ...] | list[Any], medium: str | None, hashes_as_by
     if kind == "AllBlocksCleared" and len(raw) == 1:
         return (AllBlocksCleared if structs is None else structs.AllBlocksCleared)()
     raise EventDecodeError(f"unknown event kind {kind!r} ({len(raw)} items)")
-
-
-# Error messages show a bounded repr: a malformed tuple holding 10**7 tokens was printed whole
-# (4 s) and a deeply nested one raised RecursionError while its error was being made.
-_short = short_repr
 
 
 _encoder = msgspec.msgpack.Encoder()

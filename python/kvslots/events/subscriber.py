@@ -101,7 +101,6 @@ from zmq.utils.monitor import recv_monitor_message
 
 from .. import _fds
 from .._args import C_INT_MAX, callback, flag, hashable, integer, number, text
-from .._args import _short as _shown
 from .._args import timeout as _timeout
 from ..errors import (
     ArgumentTypeError,
@@ -114,6 +113,7 @@ from ..errors import (
     OutOfDescriptorsError,
     UnknownWorkerError,
 )
+from ..errors import short_repr as _shown
 from ._ratelog import RateLimitedLog
 from ._wakeup import WakePipe
 from .codec import DECODE_ERRORS, KVEventBatch
@@ -260,7 +260,7 @@ class _Peer:
     cooldown_until: float = 0.0  # no replay requests before this: gaps are lost at once
     held: dict[int, bytes] = field(default_factory=dict)
     counters: dict[str, int] = field(default_factory=lambda: dict.fromkeys(COUNTERS, 0))
-    # The id's repr, made once by _args._short (never raising, at most 60 characters): the poll
+    # The id's repr, made once by errors.short_repr (never raising, at most 80 characters): the poll
     # loop logs this and never calls the caller's __repr__ (nor its __hash__: the log limiter's
     # keys are id(peer)), which may raise.
     shown: str = ""

@@ -9,8 +9,7 @@ import logging
 import math
 from urllib.parse import urlparse
 
-from .._args import _short
-from ..errors import InvalidArgumentError, KVSlotsError, ServeError
+from ..errors import InvalidArgumentError, KVSlotsError, ServeError, short_repr
 
 
 def http_url(text: str, what: str = "URL") -> str:
@@ -48,7 +47,7 @@ def seconds(value: object, what: str = "timeout") -> float:
                 return float(value)
         except OverflowError:  # an int past float's range (was this OverflowError)
             pass
-    raise InvalidArgumentError(f"{what} {_short(value)} must be a finite number of seconds > 0")
+    raise InvalidArgumentError(f"{what} {short_repr(value)} must be a finite number of seconds > 0")
 
 
 def shown_url(url: str) -> str:
