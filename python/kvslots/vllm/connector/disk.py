@@ -39,7 +39,6 @@ import gc
 import hashlib
 import logging
 import os
-import stat
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -48,8 +47,9 @@ import numpy as np
 
 from ..._core import DiskIndex, DiskStore
 from ..._args import text
-from ...errors import DiskTierError, InvalidArgumentError
+from ...errors import ConfigError, DiskTierError, InvalidArgumentError
 from ...config.connector import DISK_FILE_NAME
+from ...config.loader import read_config_text
 
 logger = logging.getLogger(__name__)
 
@@ -150,22 +150,13 @@ def _keep_identity(path: str, layout: DiskLayout) -> None:
 
 
 def _read_small(path: str, limit: int) -> bytes | None:
-    """A regular file's bytes if it has at most ``limit`` of them, else None. Opened without
-    blocking and checked before it is read: a FIFO in its place blocked the worker's start."""
+    """A regular file's bytes if it has at most ``limit`` of them, else None, under the config
+    files' reading rules (:func:`read_config_text`: opened without blocking and checked before
+    it is read: a FIFO in its place blocked the worker's start)."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
-    except OSError:
+        return read_config_text(path, max_bytes=limit).encode()
+    except ConfigError:
         return None
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode) or st.st_size > limit:
-            return None
-        raw = os.read(fd, limit + 1)
-        return raw if len(raw) <= limit else None
-    except OSError:
-        return None
-    finally:
-        os.close(fd)
 
 
 def _weights_identity(model: str, revision: Any) -> str:
