@@ -3,7 +3,10 @@ worker's answers are read whole by the proxy, and httpx's timeouts are each read
 trickled a byte at a time held the request for ever, and one streamed without end was read into
 memory whole. Now each is read within a time (the indexer's 2 s, the proxy's timeout) and a size
 (:data:`MAX_INDEXER_ANSWER`, :data:`MAX_PREFILL_ANSWER`), past which the indexer is not used
-(round robin) and the prompt is computed on the decode worker. Real sockets on loopback."""
+(round robin) and the prompt is computed on the decode worker. A decode worker's answer read
+whole (/v1/models, a request without a stream, its refusal of one with) is a 502 past
+--timeout or its size (:data:`MAX_MODELS_ANSWER`, :data:`MAX_DECODE_ANSWER`). Real sockets on
+loopback."""
 
 from __future__ import annotations
 
@@ -167,3 +170,57 @@ def test_models_from_a_decode_worker_answering_without_end_is_a_502(answer):
     r, took = got[0]
     assert took < 1.5 + 3, took  # trickle: held for ever
     assert r.status_code == 502 and "decode worker failed" in r.json()["error"], r.text
+
+
+def _decode_answer(answer, stream):
+    """POSTs a prompt through a proxy whose decode worker answers with ``answer``: the answer,
+    the seconds it took (or None, 15 when it took longer) and the bytes the worker sent."""
+    prefill, decode = _Server(_json(PREFILLED)), _Server(answer)
+    app = create_app([prefill.url], [DecodeWorker(decode.url)], timeout_s=1.5)
+    got = []
+    try:
+        with TestClient(app) as c:
+            def post():
+                t = time.perf_counter()
+                r = c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2, "stream": stream})
+                got.append((r, time.perf_counter() - t))
+            th = threading.Thread(target=post, daemon=True)
+            th.start()
+            th.join(15)
+            decode.stop.set()  # ends a request still held
+            th.join(30)
+    finally:
+        prefill.close()
+        decode.close()
+    r, took = got[0] if got and got[0][1] < 15 else (None, 15)
+    return r, took, decode.sent
+
+
+@pytest.mark.parametrize("answer", [trickle, endless])
+def test_a_decode_worker_answering_without_end_is_a_502(answer):
+    r, took, sent = _decode_answer(answer, stream=False)
+    assert sent < 96 * 2**20, sent  # endless: all 160 MB were read into memory
+    assert r is not None, "no answer within 15 s"  # trickle: held until the worker stopped
+    assert took < 1.5 + 3, took
+    assert r.status_code == 502 and "decode worker" in r.json()["error"], r.text
+
+
+def _error_head(answer):
+    """``answer``, its head a 500 (a decode worker refusing a stream) instead of the 200."""
+    def refusing(server, sock):
+        real = sock.sendall
+
+        class Sock:
+            def sendall(self, data):
+                real(data.replace(b"HTTP/1.1 200 OK", b"HTTP/1.1 500 Internal Server Error", 1))
+        answer(server, Sock())
+    return refusing
+
+
+@pytest.mark.parametrize("answer", [trickle, endless])
+def test_a_decode_worker_refusing_a_stream_without_end_is_a_502(answer):
+    r, took, sent = _decode_answer(_error_head(answer), stream=True)
+    assert sent < 96 * 2**20, sent  # endless: its error body was read into memory whole
+    assert r is not None, "no answer within 15 s"
+    assert took < 1.5 + 3, took
+    assert r.status_code == 502 and "decode worker" in r.json()["error"], r.text

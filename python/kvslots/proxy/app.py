@@ -223,27 +223,44 @@ INDEXER_TIMEOUT_S = 2.0
 MAX_PREFILL_ANSWER = 64 * 2**20
 #: Most bytes of the first decode worker's answer to ``GET /v1/models`` passed on (a 502 past it).
 MAX_MODELS_ANSWER = 16 * 2**20
+#: Most bytes of a decode worker's answer read whole (a 502 past it, or past ``--timeout``): its
+#: answer to a request without a stream (logprobs can make it big), or its refusal of one with.
+#: Read whole with httpx's per-read timeouts, an endless answer filled the proxy's memory.
+MAX_DECODE_ANSWER = 64 * 2**20
+
+
+@contextlib.asynccontextmanager
+async def _within(seconds: float) -> AsyncIterator[None]:
+    """Gives the block ``seconds`` in all: past them an :class:`httpx.ReadTimeout` (httpx's
+    timeouts are each read's: an answer trickled a byte a second held a request for ever)."""
+    import anyio
+
+    try:
+        with anyio.fail_after(seconds):
+            yield
+    except TimeoutError:
+        raise httpx.ReadTimeout(f"no whole answer within {seconds:g} s") from None
+
+
+async def _read_most(resp: httpx.Response, most: int) -> bytes:
+    """The body of ``resp`` (streamed), of at most ``most`` bytes: an :class:`httpx.ReadError`
+    past it, having read no more than a chunk past it."""
+    body = bytearray()
+    async for chunk in resp.aiter_bytes():
+        body += chunk
+        if len(body) > most:
+            raise httpx.ReadError(f"an answer of more than {most} bytes")
+    return bytes(body)
 
 
 async def _post_read(client: httpx.AsyncClient, url: str, request: dict[str, Any], *, most: int,
                      within: float, method: str = "POST") -> tuple[int, bytes]:
     """POSTs ``request`` (:func:`_encoded`) to ``url`` (or sends ``method``): the answer's status
     and body, the body of at most ``most`` bytes and all of it within ``within`` seconds; an
-    :class:`httpx.HTTPError` otherwise. httpx's timeouts are each read's: an answer trickled a byte a second held the
-    request for ever, and one without end was read into memory whole."""
-    import anyio
-
-    try:
-        with anyio.fail_after(within):
-            async with client.stream(method, url, **request) as resp:
-                body = bytearray()
-                async for chunk in resp.aiter_bytes():
-                    body += chunk
-                    if len(body) > most:
-                        raise httpx.ReadError(f"an answer of more than {most} bytes")
-                return resp.status_code, bytes(body)
-    except TimeoutError:
-        raise httpx.ReadTimeout(f"no whole answer within {within:g} s") from None
+    :class:`httpx.HTTPError` otherwise, as one without end was read into memory whole. The one
+    home of reading a backend's answer whole (:func:`_read_most`, :func:`_within`)."""
+    async with _within(within), client.stream(method, url, **request) as resp:
+        return resp.status_code, await _read_most(resp, most)
 
 
 async def _answer_object(content: bytes) -> dict[str, Any] | None:
@@ -431,7 +448,8 @@ def create_app(prefill_urls: Sequence[str], decode_workers: Sequence[DecodeWorke
                 return decode_failed(worker, f"failed: {_why(e)}")
             if resp.status_code != 200:
                 try:
-                    content = await resp.aread()
+                    async with _within(timeout_s):
+                        content = await _read_most(resp, MAX_DECODE_ANSWER)
                 except httpx.HTTPError as e:
                     # The worker failed, as without a stream (its 4xx went to the client with
                     # "(body unreadable: ...)" as an application/json body).
@@ -455,14 +473,15 @@ def create_app(prefill_urls: Sequence[str], decode_workers: Sequence[DecodeWorke
             return StreamingResponse(chunks(), media_type=resp.headers.get("content-type", "text/event-stream"),
                                      headers=headers)
         try:
-            resp = await client.post(url, **await _encoded(decode_req, big))
+            async with _within(timeout_s), client.stream("POST", url, **await _encoded(decode_req, big)) as resp:
+                content = await _read_most(resp, MAX_DECODE_ANSWER)
         except httpx.HTTPError as e:
             return decode_failed(worker, f"failed: {_why(e)}")
         if _client_error(resp.status_code):
-            return _passed_on(resp, resp.content, headers)
+            return _passed_on(resp, content, headers)
         if resp.status_code != 200:
-            return decode_failed(worker, f"answered {resp.status_code}: {resp.text[:500]}")
-        return Response(resp.content, media_type="application/json", headers=headers)
+            return decode_failed(worker, f"answered {resp.status_code}: {content[:2000].decode(errors='replace')[:500]}")
+        return Response(content, media_type="application/json", headers=headers)
 
     async def read_body(request: Request) -> tuple[dict[str, Any], bool] | JSONResponse:
         """The request's JSON object, and whether it is big (checked, parsed and encoded off the loop)."""
