@@ -4,7 +4,7 @@ use kvslots_core::index as ix;
 use pyo3::prelude::*;
 
 /// What one `PrefixIndex.apply` did (a plain object: a dict per batch was a visible cost).
-#[pyclass(module = "kvslots._core", frozen, get_all)]
+#[pyclass(module = "kvslots._core", weakref, frozen, get_all)]
 pub(crate) struct ApplyStats {
     events: u64,
     stored_blocks: u64,

@@ -26,7 +26,7 @@ type PyPlan<'py> = (
 
 /// The host tier and a mirror of every request vLLM schedules; see kvslots-core's
 /// `ConnectorPlanner` for the rules.
-#[pyclass(module = "kvslots._core")]
+#[pyclass(module = "kvslots._core", weakref)]
 pub(crate) struct ConnectorPlanner {
     inner: core::ConnectorPlanner,
     /// The vLLM `Request` object of each planner slot (None when the slot is free).

@@ -229,7 +229,7 @@ fn memory_of(obj: &Bound<'_, PyAny>) -> PyResult<Memory> {
 /// A host memory region split into blocks: block `id` (`0 <= id < num_blocks`) is the bytes
 /// `offset + id * stride .. + block_bytes` of `memory` (a numpy array or a CPU torch tensor,
 /// C-contiguous), all checked to lie inside it. Registered once; copies name block ids only.
-#[pyclass(module = "kvslots._core", frozen)]
+#[pyclass(module = "kvslots._core", weakref, frozen)]
 pub(crate) struct BlockRegion {
     memory: Py<PyAny>,
     mem: Memory,

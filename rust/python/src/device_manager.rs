@@ -228,7 +228,7 @@ fn opt_flag(
 
 /// Block ids of one KV cache group, as vLLM's `KVCacheBlocks` hands them to the scheduler.
 /// Built in Rust from a request's table; a view, never a block object per id.
-#[pyclass(module = "kvslots._core", frozen)]
+#[pyclass(module = "kvslots._core", weakref, frozen)]
 pub(crate) struct KVBlocks {
     ids: Vec<u32>,
 }
@@ -307,7 +307,7 @@ impl KVBlocks {
 
 /// The device KV block allocator; `kvslots.vllm.scheduler.KVSlotsKVCacheManager` is its
 /// vLLM-facing subclass.
-#[pyclass(module = "kvslots._core", subclass)]
+#[pyclass(module = "kvslots._core", weakref, subclass)]
 pub(crate) struct DeviceKVManager {
     inner: DeviceAllocator,
     max_model_len: usize,

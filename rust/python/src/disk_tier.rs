@@ -64,7 +64,7 @@ fn disk_error(e: core::DiskError) -> PyErr {
 
 /// The disk tier's bookkeeping: slots keyed by external block hashes, LRU, read pins,
 /// successors, and its `STORAGE` events. See kvslots-core's `DiskIndex`.
-#[pyclass(module = "kvslots._core")]
+#[pyclass(module = "kvslots._core", weakref)]
 pub(crate) struct DiskIndex {
     inner: core::DiskIndex,
     wire: Vec<u8>,
@@ -350,7 +350,7 @@ fn overlap_error(rows: &[usize], i: usize) -> PyErr {
 
 /// The disk tier's file on one worker: records written by a background thread with a bounded
 /// queue (a full queue drops the write), blocks read with positioned reads, the GIL released.
-#[pyclass(module = "kvslots._core", frozen)]
+#[pyclass(module = "kvslots._core", weakref, frozen)]
 pub(crate) struct DiskStore {
     // Dropped before `held`: dropping the reader first finishes every queued read, whose
     // destination arrays `held` keeps alive.

@@ -15,7 +15,7 @@ use crate::convert::{
 use crate::errors::{borrow, borrow_mut, slot_error};
 
 /// The host-memory tier keyed by external (vLLM) block hashes. See kvslots-core's `HostCache`.
-#[pyclass(module = "kvslots._core")]
+#[pyclass(module = "kvslots._core", weakref)]
 pub(crate) struct HostCache {
     inner: core::HostCache,
     /// Scratch for msgpack event batches.

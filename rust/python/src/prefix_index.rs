@@ -27,7 +27,7 @@ type PyMatch<'py> = (Bound<'py, PyString>, u32, [u32; NUM_TIERS], f64);
 /// argument is converted before the lock is taken (converting may run Python code that calls
 /// back into the index), and a call made while the same thread holds the lock (a finalizer,
 /// say) is refused with `ConcurrentUseError` instead of deadlocking.
-#[pyclass(module = "kvslots._core", frozen)]
+#[pyclass(module = "kvslots._core", weakref, frozen)]
 pub(crate) struct PrefixIndex {
     inner: Mutex<Inner>,
     /// The thread holding `inner` (its `thread_token`), 0 when none.

@@ -5,7 +5,7 @@ use kvslots_core as core;
 use pyo3::prelude::*;
 
 /// A slot's counters.
-#[pyclass(module = "kvslots._core", frozen, get_all, eq)]
+#[pyclass(module = "kvslots._core", weakref, frozen, get_all, eq)]
 #[derive(Clone, PartialEq)]
 pub(crate) struct SlotInfo {
     committed: usize,

@@ -17,7 +17,7 @@ use crate::errors::{borrow, borrow_mut, invalid, slot_error};
 use crate::slot_info::SlotInfo;
 
 /// The slot manager over a block pool it owns. See `kvslots.SlotManager` for the documented API.
-#[pyclass(module = "kvslots._core", subclass)]
+#[pyclass(module = "kvslots._core", weakref, subclass)]
 pub(crate) struct SlotManager {
     inner: core::SlotManager,
     out: core::StepOutput,

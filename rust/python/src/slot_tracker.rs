@@ -11,7 +11,7 @@ use crate::errors::{borrow, borrow_mut, slot_error};
 use crate::slot_info::SlotInfo;
 
 /// Slots over block ids owned elsewhere (vLLM's device blocks).
-#[pyclass(module = "kvslots._core")]
+#[pyclass(module = "kvslots._core", weakref)]
 pub(crate) struct SlotTracker {
     inner: core::SlotTracker,
 }
