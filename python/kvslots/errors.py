@@ -222,6 +222,25 @@ class NotCopyableError(KVSlotsError, TypeError):
     :class:`TypeError` (what pickling raised before)."""
 
 
+class NoCopy:
+    """Base of the package's Python classes that hold live state (sockets, threads, locks, file
+    descriptors): ``pickle``, ``copy.copy`` and ``copy.deepcopy`` raise :class:`NotCopyableError`
+    naming the class and :attr:`_copy_refusal`, as the extension's objects do
+    (``errors::refuse_copy``). ``copy.copy`` made a second object sharing the first one's
+    sockets and thread (its ``shutdown`` closed them under the original), ``pickle`` and
+    ``deepcopy`` failed on whichever lock came first with a builtin error."""
+
+    __slots__ = ()
+    _copy_refusal = "it holds live state"
+
+    def __reduce_ex__(self, protocol: Any) -> Any:  # pickle, copy.copy and copy.deepcopy all ask it
+        cls = type(self)
+        raise NotCopyableError(f"cannot pickle or copy {cls.__module__}.{cls.__qualname__}: {self._copy_refusal}")
+
+    def __reduce__(self) -> Any:
+        return self.__reduce_ex__(2)
+
+
 class _ShortRepr(reprlib.Repr):
     """reprlib's bounded repr (a container's first items and levels, a str's start and end), with
     bytes cut before they are printed too."""

@@ -7,12 +7,15 @@ from __future__ import annotations
 import os
 import threading
 
+from ..errors import NoCopy
 
-class WakePipe:
+
+class WakePipe(NoCopy):
     """Register :meth:`fileno` with a ``zmq.Poller``; :meth:`wake` from any thread,
     :meth:`drain` on the polling thread when the fd is ready."""
 
     __slots__ = ("_r", "_w", "_lock")
+    _copy_refusal = "it owns a pipe's two file descriptors"
 
     def __init__(self) -> None:
         self._r, self._w = os.pipe()

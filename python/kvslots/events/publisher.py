@@ -30,7 +30,7 @@ import msgspec
 import zmq
 
 from .. import _args, _fds
-from ..errors import ArgumentTypeError, EventDecodeError, InvalidArgumentError, InvalidStateError
+from ..errors import ArgumentTypeError, EventDecodeError, InvalidArgumentError, InvalidStateError, NoCopy
 from ._wakeup import WakePipe
 from .codec import EventBatch, decode_batch, encode_struct
 from .protocol import (
@@ -90,7 +90,7 @@ class _Replay:
     delay: float = _RETRY_MIN
 
 
-class EventPublisher:
+class EventPublisher(NoCopy):
     """Publishes KV event batches with sequence numbers and a replay buffer.
 
     Parameters
@@ -119,6 +119,8 @@ class EventPublisher:
         A ZMQ context to use; by default the publisher makes its own and terminates it on
         shutdown.
     """
+
+    _copy_refusal = "it owns ZMQ sockets and a sender thread"
 
     def __init__(
         self,

@@ -110,6 +110,7 @@ from ..errors import (
     InvalidArgumentError,
     InvalidStateError,
     KVSlotsError,
+    NoCopy,
     OutOfDescriptorsError,
     UnknownWorkerError,
 )
@@ -269,7 +270,7 @@ class _Peer:
         self.shown = self.shown or _shown(self.worker_id)
 
 
-class EventSubscriber:
+class EventSubscriber(NoCopy):
     """Subscribes to any number of KV event publishers; see the module docstring.
 
     ``on_batch(worker_id, seq, batch)`` gets every batch once, in order, per publisher: a
@@ -296,6 +297,8 @@ class EventSubscriber:
     jitter; ``replay_max_rate`` caps the requests per second to one publisher (with a burst of
     as many); ``replay_max_wait_ms`` caps how long one gap holds live batches back.
     """
+
+    _copy_refusal = "it owns ZMQ sockets, a polling thread and each publisher's state"
 
     def __init__(
         self,

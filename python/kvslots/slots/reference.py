@@ -27,6 +27,7 @@ from ..errors import (
     InvalidArgumentError,
     InvalidRollbackError,
     KVSlotsError,
+    NoCopy,
     OutOfBlocksError,
     UnknownRequestError,
     short_repr,
@@ -202,8 +203,12 @@ def _ints(values: Any, what: str, bound: int, request_id: str | None = None) -> 
     return out
 
 
-class ReferenceSlotManager:
+class ReferenceSlotManager(NoCopy):
     """Same contract as :class:`kvslots.SlotManager`, in plain Python."""
+
+    # As the extension's SlotManager (the model agrees with it): copy.copy shared its lists and
+    # dicts, so a slot made on the copy held the original's blocks.
+    _copy_refusal = "it holds a block pool and request state; make a new manager"
 
     def __init__(
         self,
