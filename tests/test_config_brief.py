@@ -93,3 +93,41 @@ def test_dump_json_of_a_mapping_that_cannot_be_read_is_a_config_error():
 
     with pytest.raises(KVSlotsError, match="reading it raised RuntimeError"):
         dump_json(BadItems(a=1))
+
+
+JSON_VALUES = [
+    None, True, False, -5, 2**63, 1.5, "", "x" * 59, "x" * 200, "it's", 'say "hi"', "\n\x00é",
+    [1, "a", None], [], {"b": 1, "a": [2, {"c": [True]}]}, {}, [[[]]], list(range(100)),
+    {str(i): i for i in range(40)}, {"method": "eagle3", "num_speculative_tokens": 3},
+]
+
+
+@pytest.mark.parametrize("value", JSON_VALUES)
+def test_brief_plain_is_the_value_as_written_cut_to_the_limit(value):
+    # plain=True: what vllm_args.brief and trtllm.result._short wrote (a str as it is, the rest
+    # JSON), now from the one home with brief's bounded cost.
+    import json
+
+    text = value if isinstance(value, str) else json.dumps(value)
+    for limit in (60, 80, 20):
+        assert brief(value, limit, plain=True) == (text if len(text) <= limit else text[: limit - 3] + "...")
+
+
+def test_brief_plain_reads_no_more_of_a_value_than_it_shows():
+    CountsRepr.calls = 0
+    assert brief({"k": [CountsRepr()] * 100_000}, plain=True).startswith('{"k": [c, c')
+    assert CountsRepr.calls <= 60
+    assert brief(DEEP, plain=True) == "[" * 57 + "..."
+    assert brief(("a",) * 10**6, 20, plain=True) == '["a", "a", "a", "...'
+    assert brief(float("nan"), plain=True) == "nan"
+
+
+def test_conversion_notes_quote_an_ignored_value_briefly():
+    from kvslots.config.trtllm.result import ConversionResult, IgnoredKey
+
+    # json.dumps of the whole value: RecursionError out of notes(), and a 10**6-item list written
+    # whole before it was cut.
+    r = ConversionResult({}, ignored=[IgnoredKey("deep", DEEP, "r"), IgnoredKey("big", [0] * 10**6, "r", False),
+                                      IgnoredKey("flag", True, "r", False), IgnoredKey("backend", "pytorch", "r")])
+    assert r.notes() == ["ignored: deep = " + "[" * 57 + "... (r)", "unknown: big = [" + "0, " * 18 + "0,... (r)",
+                         "unknown: flag = true (r)", "ignored: backend = pytorch (r)"]

@@ -117,17 +117,40 @@ class _Brief(reprlib.Repr):
         return "{" + ", ".join(pieces) + "}"
 
 
-_BRIEF: dict[int, _Brief] = {}
+class _BriefPlain(_Brief):
+    """:class:`_Brief` in the form a YAML file or a command line writes a value: JSON's
+    ``true``/``null``/``"text"`` inside containers, a list for a tuple."""
+
+    def repr_str(self, x: str, level: int) -> str:
+        return json.dumps(x[: self.maxstring])
+
+    def repr_bool(self, x: bool, level: int) -> str:
+        return "true" if x else "false"
+
+    def repr_NoneType(self, x: None, level: int) -> str:
+        return "null"
+
+    def repr_tuple(self, x: tuple[Any, ...], level: int) -> str:
+        return self.repr_list(list(islice(x, self.maxlist + 1)), level)
 
 
-def brief(value: Any, limit: int = 60) -> str:
+_BRIEF: dict[tuple[int, bool], _Brief] = {}
+
+
+def brief(value: Any, limit: int = 60, *, plain: bool = False) -> str:
     """``repr(value)``, shortened for a message: never more than ``limit`` characters, at a
     cost bounded by ``limit`` whatever the value (:class:`_Brief`); the type's name when even
-    that cannot be had (a ``__repr__`` that raises)."""
-    try:
-        text = (_BRIEF.get(limit) or _BRIEF.setdefault(limit, _Brief(limit))).repr(value)
-    except Exception:  # RecursionError included
-        return f"<{type(value).__name__}>"
+    that cannot be had (a ``__repr__`` that raises). The one home of quoting a value in a
+    message. ``plain``: a value as the user wrote it in a YAML file or on a command line
+    instead (a str as it is, ``true``, ``null``, ``{"k": [1]}``)."""
+    if plain and type(value) is str:
+        text = value[: limit + 1]
+    else:
+        key = (limit, plain)
+        try:
+            text = (_BRIEF.get(key) or _BRIEF.setdefault(key, (_BriefPlain if plain else _Brief)(limit))).repr(value)
+        except Exception:  # RecursionError included
+            return f"<{type(value).__name__}>"
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 

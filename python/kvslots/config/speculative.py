@@ -39,7 +39,6 @@ from ..errors import ArgumentTypeError, ConfigError
 from .loader import brief as short
 from .loader import check_values, expand_home, load_json, text_problem
 from .schedule import DynamicSDSchedule
-from .vllm_args import brief
 
 #: speculators_model_type -> (vLLM method, extra speculative-config keys). Mirrors the types
 #: vLLM 0.32's speculators loader accepts (eagle3, peagle, dflash, dflash2, dspark).
@@ -280,7 +279,7 @@ def resolve_speculative_config(
             spec = {**spec, **explicit}
         else:
             if spec is not None:
-                said.append(f"{explicit_source} replaces the YAML's speculative_config ({brief(spec)})")
+                said.append(f"{explicit_source} replaces the YAML's speculative_config ({short(spec, 80, plain=True)})")
             spec = dict(explicit)
     if spec is None:
         return None

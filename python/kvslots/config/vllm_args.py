@@ -82,7 +82,7 @@ def check_exec_strings(argv: Sequence[str], env: Mapping[str, str] | None = None
                 f"argument of {argv[i - 1]}" if i > 0 and argv[i - 1].startswith("--") else f"argument {i}")
             if size is None:
                 raise ConfigError(f"the vLLM command's {what} holds a NUL or a lone surrogate that is no byte of "
-                                  f"a command line: {brief(ascii(text))}")
+                                  f"a command line: {short_repr(text)}")
             raise ConfigError(f"the vLLM command's {what} is {size} bytes; Linux passes at most "
                               f"{MAX_ARG_BYTES} to a program as one argument or environment entry")
 
@@ -100,10 +100,4 @@ def exec_size(text: str) -> int | None:
         return None
 
 
-def brief(value: Any, limit: int = 80) -> str:
-    """An argument's value as written on the command line, cut to ``limit`` characters for a note."""
-    text = value if isinstance(value, str) else to_json(value)
-    return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
-__all__ = ["MAX_ARG_BYTES", "MAX_PARALLEL_SIZE", "brief", "check_exec_strings", "engine_flag", "exec_size", "flag_name", "to_json"]
+__all__ = ["MAX_ARG_BYTES", "MAX_PARALLEL_SIZE", "check_exec_strings", "engine_flag", "exec_size", "flag_name", "to_json"]

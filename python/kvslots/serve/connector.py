@@ -9,7 +9,8 @@ from typing import Any
 
 from .._args import host as host_arg
 from ..config.connector import GIB, ConnectorConfig, ConnectorConfigError
-from ..config.vllm_args import brief, to_json
+from ..config.loader import brief
+from ..config.vllm_args import to_json
 from ..errors import KVSlotsError, ServeError
 from .tail import json_object, merge_over_flags
 
@@ -82,7 +83,7 @@ def connector_config(args: argparse.Namespace, hints: dict[str, Any], tail_cfg: 
             raise ServeError("after --: --kv-transfer-config: kv_connector_extra_config must be a JSON object")
         role = tail_cfg.get("kv_role", kv_role)
         if role not in KV_ROLES:
-            raise ServeError(f"after --: --kv-transfer-config: kv_role {brief(role)} is not one of "
+            raise ServeError(f"after --: --kv-transfer-config: kv_role {brief(role, 80, plain=True)} is not one of "
                              f"{', '.join(KV_ROLES)}")
         if role != kv_role and (getattr(args, "role", None) or getattr(args, "is_prefill_worker", False)):
             raise ServeError(f"after --: --kv-transfer-config kv_role {role} conflicts with --role "

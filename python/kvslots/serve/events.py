@@ -15,7 +15,6 @@ from typing import Any
 
 from .._args import integer, text
 from ..config.loader import brief as short
-from ..config.vllm_args import brief
 from ..errors import ArgumentTypeError, KVSlotsError, ServeError
 from ..events.protocol import check_endpoint, vllm_binds
 from .tail import merge_over_flags
@@ -114,7 +113,7 @@ def events_config(args: argparse.Namespace, hints: dict[str, Any], tail_cfg: dic
         if v is not None and _TCP_ANY_PORT.fullmatch(v):
             hp = _tcp_port(v)
             if hp is None or hp[1] > 65535:
-                raise ServeError(f"{_EVENT_FLAGS[k]} {brief(v)}: the port must be in 0..65535")
+                raise ServeError(f"{_EVENT_FLAGS[k]} {short(v, 80, plain=True)}: the port must be in 0..65535")
         if v is not None:  # the publisher's own rule (a scheme vLLM's ZMQ takes, the shifted port)
             try:
                 check_endpoint(v, _EVENT_FLAGS[k], max(1, dp_size) - 1)
@@ -139,7 +138,7 @@ def events_config(args: argparse.Namespace, hints: dict[str, Any], tail_cfg: dic
     replay = cfg.get("replay_endpoint")
     if replay is not None and vllm_binds(ep) and _clash(ep, str(replay), dp_size):
         # Both are bound: vLLM's second bind fails (EADDRINUSE) once the engine is loaded.
-        raise ServeError(f"--kv-events-replay-endpoint {brief(replay)} and --kv-events-endpoint {brief(ep)} "
+        raise ServeError(f"--kv-events-replay-endpoint {short(replay, 80, plain=True)} and --kv-events-endpoint {short(ep, 80, plain=True)} "
                          "bind the same address (vLLM adds the data-parallel rank to both ports): use "
                          "another one for the replay endpoint")
     if cfg.get("enable_kv_cache_events") and cfg.get("publisher") == "zmq" and not vllm_binds(ep):

@@ -23,7 +23,7 @@ from typing import Any
 
 from ..config.loader import brief as short
 from ..config.speculative import classify_model, drops_eagle_block, read_model_config, resolve_speculative_config
-from ..config.vllm_args import MAX_PARALLEL_SIZE, brief, check_exec_strings, engine_flag, flag_name, to_json
+from ..config.vllm_args import MAX_PARALLEL_SIZE, check_exec_strings, engine_flag, flag_name, to_json
 from .._args import text
 from ..errors import KVSlotsError, ServeError
 from ..events.protocol import host_problem
@@ -150,11 +150,11 @@ def _check_host(host: str, name: str) -> None:
         raise ServeError(f"{name}: an empty host names no address (leave --host out for {DEFAULT_HOST}, "
                          "or give 0.0.0.0 for every interface)")
     if len(host) > MAX_HOST_LENGTH:
-        raise ServeError(f"{name} {brief(host)!r}: a host name has at most {MAX_HOST_LENGTH} characters, "
+        raise ServeError(f"{name} {short(host, 80)}: a host name has at most {MAX_HOST_LENGTH} characters, "
                          f"got {len(host)}")
     problem = host_problem(host)
     if problem:
-        raise ServeError(f"{name} {brief(host)!r}: {problem}")
+        raise ServeError(f"{name} {short(host, 80)}: {problem}")
 
 
 def _is_kvslots_scheduler(name: str) -> bool:
@@ -229,7 +229,7 @@ def build_plan(args: argparse.Namespace, *, python: str | None = None) -> ServeP
     if speculators:
         target = engine_args.pop("model")
         notes.append(f"note: {model} is a speculators checkpoint: serving its verifier {target} with "
-                     f"speculative config {brief(engine_args.get('speculative_config'))}")
+                     f"speculative config {short(engine_args.get('speculative_config'), 80, plain=True)}")
     else:
         yaml_model = engine_args.pop("model", None)
         if yaml_model is not None and yaml_model != model:
@@ -246,7 +246,7 @@ def build_plan(args: argparse.Namespace, *, python: str | None = None) -> ServeP
         name = key.replace("_", "-")
         if name in tail_names:
             notes.append(f"note: after --: {flag_name(key)} overrides the YAML's "
-                         f"{mapped_from.get(key, key)} ({key} = {brief(engine_args[key])})")
+                         f"{mapped_from.get(key, key)} ({key} = {short(engine_args[key], 80, plain=True)})")
             del engine_args[key]
 
     # ------------------------------------------------------------------ host and port

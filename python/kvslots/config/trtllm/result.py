@@ -3,14 +3,13 @@
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from typing import Any
 
 from ...errors import ConfigError
 from ..schedule import DynamicSDSchedule
 from ..vllm_args import engine_flag
-from ..loader import dump_json, yaml_module
+from ..loader import brief, dump_json, yaml_module
 
 
 @dataclass(frozen=True)
@@ -119,16 +118,10 @@ class ConversionResult:
         lines = [f"warning: {w}" for w in self.warnings]
         for i in self.ignored:
             kind = "ignored" if i.known else "unknown"
-            lines.append(f"{kind}: {i.path} = {_short(i.value)} ({i.reason})")
+            lines.append(f"{kind}: {i.path} = {brief(i.value, plain=True)} ({i.reason})")
         for k, v in self.env.items():
             lines.append(f"env: {k}={v}")
         return lines
-
-
-def _short(value: Any, limit: int = 60) -> str:
-    text = json.dumps(value, default=str) if not isinstance(value, str) else value
-    return text if len(text) <= limit else text[: limit - 3] + "..."
-
 
 
 __all__ = ["ConversionResult", "IgnoredKey", "MappedKey"]
