@@ -304,3 +304,15 @@ def test_bench_command_lines_use_existing_options(doc):
 def test_a_planted_wrong_bench_option_is_found():
     assert unknown_bench_options("`python benches/bench_slots.py --batch 64 --repeat 3`")
     assert unknown_bench_options("`python benches/bench_slots.py --batch 64 --repeats 3`") == []
+
+
+def test_named_tests_exist():
+    """Every ``test_...`` the docs name is a file in tests/ or a test function there."""
+    sources = "\n".join(p.read_text() for p in (ROOT / "tests").glob("*.py"))
+    defined = set(re.findall(r"^\s*(?:async\s+)?def (test_\w+)", sources, re.M))
+    bad = []
+    for doc in DOCS:
+        for no, line in enumerate(doc.read_text().splitlines(), 1):
+            bad += [f"{_rel(doc)}:{no}: {name}" for name in re.findall(r"(?<![\w/])(test_\w+)(?!\w*/)", line)
+                    if name not in defined and not (ROOT / "tests" / f"{name}.py").exists()]
+    assert bad == []
