@@ -241,6 +241,12 @@ pub(crate) struct BlockRegion {
 
 #[pymethods]
 impl BlockRegion {
+    /// The Python objects it holds, for the cycle collector: without it a cycle through this
+    /// object (a request, array or status whose attribute refers back to it) was never freed.
+    fn __traverse__(&self, visit: pyo3::pyclass::PyVisit<'_>) -> Result<(), pyo3::pyclass::PyTraverseError> {
+        visit.call(&self.memory)
+    }
+
     /// Refuses `pickle`, `copy.copy` and `copy.deepcopy`: see `errors::refuse_copy`.
     fn __reduce__(slf: &Bound<'_, Self>) -> PyResult<()> {
         crate::errors::refuse_copy(

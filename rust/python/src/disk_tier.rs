@@ -371,6 +371,21 @@ pub(crate) struct DiskStore {
 
 #[pymethods]
 impl DiskStore {
+    /// The Python objects it holds, for the cycle collector: without it a cycle through this
+    /// object (a request, array or status whose attribute refers back to it) was never freed.
+    fn __traverse__(&self, visit: pyo3::pyclass::PyVisit<'_>) -> Result<(), pyo3::pyclass::PyTraverseError> {
+        // Never waits: a lock held elsewhere leaves the arrays unvisited (kept, as before).
+        let held = match self.held.try_lock() {
+            Ok(h) => h,
+            Err(std::sync::TryLockError::Poisoned(p)) => p.into_inner(),
+            Err(std::sync::TryLockError::WouldBlock) => return Ok(()),
+        };
+        for (o, _) in held.reads.values() {
+            visit.call(o)?;
+        }
+        Ok(())
+    }
+
     /// Refuses `pickle`, `copy.copy` and `copy.deepcopy`: see `errors::refuse_copy`.
     fn __reduce__(slf: &Bound<'_, Self>) -> PyResult<()> {
         crate::errors::refuse_copy(slf, "it owns an open file and its writer thread")
