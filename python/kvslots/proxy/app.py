@@ -21,8 +21,8 @@ vLLM's 400 for a bad parameter) is the client's, status and body. A request body
 JSON object under kvslots' strict parser (no NaN, no duplicate keys, at most 64 levels, Unicode
 text) is a 400, and so is one of more arrays and objects, or strings, than a request holds
 (:data:`MAX_BODY_CONTAINERS`, :data:`MAX_BODY_STRINGS`), refused before it is parsed. A big
-body's prompt of token ids is checked and forwarded as sent, never built into Python ints
-(:func:`_parse_body`).
+body's arrays of numbers (a prompt of token ids, floats) are checked and forwarded as sent,
+never built into Python objects (:func:`_parse_body`).
 """
 
 from __future__ import annotations
@@ -107,32 +107,44 @@ async def _off_loop(fn: Any, *args: Any) -> Any:
     return await anyio.to_thread.run_sync(fn, *args)
 
 
-#: A top-level value of a big body (past :data:`OFF_LOOP_BYTES`) that is integers in arrays only
-#: (a prompt of token ids) and longer than this is kept as sent (:class:`msgspec.Raw`), never
-#: parsed: the strict parser built 4.5 million ints of a 27 MB prompt in 1.3 s holding the GIL
-#: (every other request, /healthz too, waited), and json.dumps took 1 s more for each backend.
+#: A top-level value of a big body (past :data:`OFF_LOOP_BYTES`) that is numbers, true, false and
+#: null in arrays only (a prompt of token ids, a list of embeddings) and longer than this is kept
+#: as sent (:class:`msgspec.Raw`), never parsed: the strict parser built 4.5 million ints of a
+#: 27 MB prompt in 1.3 s holding the GIL (every other request, /healthz too, waited), and
+#: json.dumps took 1 s more for each backend; 40 MB of floats took 10-17 s (a Python call each),
+#: held /healthz up to 4 s and took 400 MB.
 RAW_VALUE_BYTES = 4096
-#: Longest integer kept as sent (a uint64 has 20 digits); a longer one is parsed, as before.
+#: Longest run of digits kept as sent (a uint64 has 20): a longer integer, mantissa or exponent is
+#: parsed, as before (an integer of too many digits, a float out of range: refused).
 _RAW_INT_DIGITS = 20
 _INT_ARRAY_BYTES = b"0123456789-[], \t\r\n"
-_DIGITS_AS_ZERO = bytes.maketrans(b"123456789", b"000000000")
+#: Digits as 0 and E as e: a run of digits, and an exponent of three digits or more, not negative
+#: (it may take a float past its range: mantissas are under 10**21 here), are found by find().
+_DIGITS_AS_ZERO = bytes.maketrans(b"123456789E", b"000000000e")
 _BRACKET_STEP = {ord("["): 1, ord("]"): -1}
+_NOT_BRACKETS = bytes(b for b in range(256) if b not in _BRACKET_STEP)
 _BOM = b"\xef\xbb\xbf"
 _TOP_LEVEL = msgspec.json.Decoder(dict[str, msgspec.Raw])
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89abcdefABCDEF]")
 
 
-def _int_arrays(value: bytes) -> bool:
-    """Whether ``value``, a JSON value msgspec has checked the syntax of, holds integers and
-    arrays only, no integer of more than :data:`_RAW_INT_DIGITS` digits, nested less than
-    :data:`MAX_DEPTH` levels (one more in the body): nothing the strict parser refuses (no key,
-    no string, no float, no NaN) can be in it."""
-    if value.translate(None, _INT_ARRAY_BYTES):
+def _plain_arrays(value: bytes) -> bool:
+    """Whether ``value``, a JSON value msgspec has checked the syntax of (it refuses NaN and
+    Infinity), holds arrays of numbers, true, false and null only (no string, no object), no
+    run of more than :data:`_RAW_INT_DIGITS` digits, no exponent of three digits or more that is
+    not negative, nested less than :data:`MAX_DEPTH` levels (one more in the body): nothing the
+    strict parser refuses (no key, no string, no NaN, no float out of range, no integer of too
+    many digits) can be in it."""
+    if b'"' in value or b"{" in value:
         return False
-    if value.translate(_DIGITS_AS_ZERO).find(b"0" * (_RAW_INT_DIGITS + 1)) >= 0:
+    zeros = value.translate(_DIGITS_AS_ZERO, b"+")  # '+' is only ever an exponent's sign
+    if zeros.find(b"0" * (_RAW_INT_DIGITS + 1)) >= 0:
+        return False
+    # backwards: '0' is everywhere, 'e' seldom but in true and false (find() keys on the last byte)
+    if b"e" in zeros and zeros[::-1].find(b"000e") >= 0:
         return False
     if value.count(b"[") >= MAX_DEPTH:  # only then can it be too deep
-        brackets = value.translate(None, b"0123456789-, \t\r\n")
+        brackets = value.translate(None, _NOT_BRACKETS)
         return max(accumulate(map(_BRACKET_STEP.__getitem__, brackets)), default=0) < MAX_DEPTH
     return True
 
@@ -140,7 +152,7 @@ def _int_arrays(value: bytes) -> bool:
 def _parse_body(raw: bytes) -> Any:
     """A request body under kvslots' strict JSON rules (:func:`loads_strict_json`: no NaN, no
     duplicate key, at most 64 levels, Unicode text); a :class:`ConfigError` saying why not. A
-    big one's (:data:`OFF_LOOP_BYTES`) top-level values of integers in arrays only are
+    big one's (:data:`OFF_LOOP_BYTES`) top-level values of numbers in arrays only are
     :class:`msgspec.Raw`, their bytes as sent (:data:`RAW_VALUE_BYTES`); None when it is not a
     JSON object."""
     if len(raw) <= OFF_LOOP_BYTES:
@@ -170,7 +182,7 @@ def _parse_body(raw: bytes) -> Any:
     members = json_members(raw)
     for key, field in fields.items():
         value = bytes(field)
-        if len(value) > RAW_VALUE_BYTES and _int_arrays(value):
+        if len(value) > RAW_VALUE_BYTES and _plain_arrays(value):
             doc[key] = msgspec.Raw(value)
         else:  # in brackets: nested as deep as it is in the body
             doc[key] = loads_strict_json(b"[" + value + b"]")[0]
@@ -306,9 +318,11 @@ def _token_ids(body: dict[str, Any]) -> list[int] | msgspec.Raw | None:
     (:func:`_parse_body`) it is sent as it is."""
     prompt = body.get("prompt")
     if isinstance(prompt, msgspec.Raw):
-        # integers in arrays only, past RAW_VALUE_BYTES (no lone integer is as long): one array when
-        # it has one '[', empty when only brackets and blanks
+        # numbers in arrays only, past RAW_VALUE_BYTES (no lone number is as long): token ids when
+        # integers only, one array when it has one '[', empty when only brackets and blanks
         text = bytes(prompt)
+        if text.translate(None, _INT_ARRAY_BYTES):  # a float, true, false, null
+            return None
         return prompt if text.count(b"[") == 1 and text.strip(b"[] \t\r\n") else None
     if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
         return prompt
