@@ -316,3 +316,43 @@ def test_named_tests_exist():
             bad += [f"{_rel(doc)}:{no}: {name}" for name in re.findall(r"(?<![\w/])(test_\w+)(?!\w*/)", line)
                     if name not in defined and not (ROOT / "tests" / f"{name}.py").exists()]
     assert bad == []
+
+
+def _anchors(text: str) -> set[str]:
+    """GitHub's anchors of a page's headings (lower case, punctuation dropped, spaces as -)."""
+    found, fenced = set(), False
+    for line in text.splitlines():
+        if line.startswith("```"):
+            fenced = not fenced
+        elif not fenced and (m := re.match(r"#+\s+(.*)", line)):
+            found.add(re.sub(r"[^\w\- ]", "", m.group(1).strip().lower()).replace(" ", "-"))
+    return found
+
+
+def broken_links(doc: Path, text: str) -> list[str]:
+    bad = []
+    for no, line in enumerate(text.splitlines(), 1):
+        for target in re.findall(r"\]\(([^)\s]+)\)", line):
+            if re.match(r"[a-z]+:", target):
+                continue
+            path, _, fragment = target.partition("#")
+            page = doc.parent / path if path else doc
+            if not page.exists():
+                bad.append(f"{no}: no {target}")
+            elif fragment and page.suffix == ".md":
+                if fragment not in _anchors(text if page == doc else page.read_text()):
+                    bad.append(f"{no}: no heading for {target}")
+    return bad
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=_rel)
+def test_links_resolve(doc):
+    assert broken_links(doc, doc.read_text()) == []
+
+
+def test_a_planted_broken_link_is_found():
+    doc = ROOT / "docs" / "serve.md"
+    assert broken_links(doc, "see [x](indexer.md#eagle-worker)") == ["1: no heading for indexer.md#eagle-worker"]
+    assert broken_links(doc, "see [x](index.md)") == ["1: no index.md"]
+    assert broken_links(doc, "## KV events\nsee [x](indexer.md#eagle-workers) and [y](#kv-events)") == []
+    assert broken_links(doc, "## KV events\nsee [y](#kv-event)") == ["2: no heading for #kv-event"]
