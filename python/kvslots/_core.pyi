@@ -99,6 +99,20 @@ def copy_blocks(src: BlockRegion, dst: BlockRegion, src_blocks: _IntSeq, dst_blo
 
 @final
 class SlotInfo:
+    """A slot's counters: a value (equal, hashable, pickles and copies)."""
+
+    def __new__(
+        cls,
+        committed: int,
+        pending: int,
+        lookahead: int,
+        reserved_lookahead: int,
+        num_blocks: int,
+        num_immutable: int,
+        capacity: int,
+    ) -> Self: ...
+    def __eq__(self, other: object, /) -> bool: ...
+    def __hash__(self) -> int: ...
     @property
     def committed(self) -> int: ...
     @property
@@ -523,7 +537,23 @@ class DiskStore:
 
 @final
 class ApplyStats:
-    """What one `PrefixIndex.apply` did; skipped events and blocks are counted, never raised."""
+    """What one `PrefixIndex.apply` did; skipped events and blocks are counted, never raised. A
+    value (equal, hashable, pickles and copies)."""
+
+    def __new__(
+        cls,
+        events: int,
+        stored_blocks: int,
+        removed_blocks: int,
+        cleared: int,
+        orphan_blocks: int,
+        unresolved_blocks: int,
+        invalid_events: int,
+        unknown_events: int,
+        unknown_medium_events: int,
+    ) -> Self: ...
+    def __eq__(self, other: object, /) -> bool: ...
+    def __hash__(self) -> int: ...
 
     @property
     def events(self) -> int: ...
@@ -600,7 +630,7 @@ def lora_key(name: str) -> int:
 @final
 class KVBlocks:
     """Block ids of one KV cache group, as vLLM's ``KVCacheBlocks`` hands them to its scheduler
-    (scheduler mode). A view built in Rust; no object per block."""
+    (scheduler mode). A view built in Rust; no object per block. Pickles and copies as its ids."""
 
     def __new__(cls, block_ids: Sequence[int] = ...) -> Self: ...
     def get_block_ids(

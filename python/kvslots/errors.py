@@ -11,7 +11,7 @@
     │   └── UnknownWorkerError, DuplicateWorkerError   the prefix index's or an event subscriber's
     │                              workers (also a KeyError, a ValueError)
     ├── InvalidStateError          an object shut down, stopped or already started (also a RuntimeError)
-    ├── NotCopyableError           pickling or copying an object of the extension (also a TypeError)
+    ├── NotCopyableError           pickling or copying an object holding live state (also a TypeError)
     ├── ConfigError                a configuration kvslots cannot accept (also a ValueError)
     │   ├── ConnectorConfigError   the connector's kv_connector_extra_config
     │   └── UnsupportedVLLMVersionError   not vLLM 0.32.x or 0.33.x (kvslots.vllm.compat)
@@ -214,11 +214,13 @@ class OutOfDescriptorsError(KVSlotsError, OSError):
 
 
 class NotCopyableError(KVSlotsError, TypeError):
-    """``pickle``, ``copy.copy`` or ``copy.deepcopy`` of an object of the Rust extension
-    (``kvslots._core``: a slot manager, a cache, an index, a disk store, a memory region, ...).
-    They hold native state (memory, locks, open files, threads, the Python objects they were
-    built from) that a copy would silently duplicate or detach, so every one refuses; the
-    message names the class and why. The object is unchanged and stays usable. Also a
+    """``pickle``, ``copy.copy`` or ``copy.deepcopy`` of an object holding live state: of the Rust
+    extension (``kvslots._core``: a slot manager, a cache, an index, a disk store, a memory
+    region, ...; its plain values ``SlotInfo``, ``ApplyStats`` and ``KVBlocks`` do copy), an
+    event publisher or subscriber, the reference slot manager. They hold native state (memory,
+    locks, open files, sockets, threads, the Python objects they were built from) that a copy
+    would silently duplicate or detach, so every one refuses; the message names the class and
+    why. The object is unchanged and stays usable. Also a
     :class:`TypeError` (what pickling raised before)."""
 
 

@@ -235,12 +235,9 @@ pub(crate) struct KVBlocks {
 
 #[pymethods]
 impl KVBlocks {
-    /// Refuses `pickle`, `copy.copy` and `copy.deepcopy`: see `errors::refuse_copy`.
-    fn __reduce__(slf: &Bound<'_, Self>) -> PyResult<()> {
-        crate::errors::refuse_copy(
-            slf,
-            "it is a view of a request's block table; get_block_ids() gives plain lists",
-        )
+    /// A list of block ids: `pickle`, `copy.copy` and `copy.deepcopy` give the same ids.
+    fn __reduce__<'py>(slf: &Bound<'py, Self>) -> PyResult<(Bound<'py, PyAny>, (Vec<u32>,))> {
+        Ok((slf.get_type().into_any(), (slf.get().ids.clone(),)))
     }
 
     #[new]

@@ -114,13 +114,14 @@ pub(crate) fn borrow_mut<'py, T: pyo3::PyClass<Frozen = pyo3::pyclass::boolean_s
     slf.try_borrow_mut().map_err(|_| busy(T::NAME))
 }
 
-/// The one rule for pickling and copying the extension's objects. Every class's `__reduce__`
+/// The one rule for pickling and copying the extension's objects. Every stateful class's `__reduce__`
 /// is `errors::refuse_copy(slf, why)`: `pickle.dumps`, `copy.copy` and `copy.deepcopy` all
 /// reach `__reduce__` (through `object.__reduce_ex__`), so each raises `NotCopyableError` (a
 /// kvslots error and a `TypeError`) naming the object's class (a Python subclass's own name)
 /// and `why`, having touched nothing. The objects hold native state (memory, locks, files,
 /// threads, the Python objects they were built from) that a copy would silently duplicate or
-/// detach. `tests/test_bindings_robust.py` checks every class of the module has it.
+/// detach; the plain values (`SlotInfo`, `ApplyStats`, `KVBlocks`) rebuild instead.
+/// `tests/test_bindings_robust.py` checks every other class of the module has it.
 pub(crate) fn refuse_copy<T>(slf: &Bound<'_, T>, why: &str) -> PyResult<()> {
     let ty = slf.as_any().get_type();
     let name = ty
