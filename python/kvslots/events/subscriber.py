@@ -146,6 +146,15 @@ def _as_key(worker_id: Any) -> Iterator[None]:
                                 f"comparing it raised {type(e).__name__}") from e
 
 
+def _equals_itself(worker_id: Any) -> bool:
+    """False for a key unequal to itself (NaN); an ``__eq__`` that raises or gives no truth value
+    counts as equal (such a key is found by identity, as before)."""
+    try:
+        return bool(worker_id == worker_id)
+    except Exception:
+        return True
+
+
 class _StateLock:
     """The subscriber's state lock. A caller's ``worker_id`` is hashed and compared under it
     (its own ``__hash__`` / ``__eq__`` / ``__repr__``): that code calling the subscriber again
@@ -425,6 +434,10 @@ class EventSubscriber(NoCopy):
             if self._closed:
                 raise InvalidStateError("the event subscriber is stopped")
             with _as_key(worker_id):
+                # A key unequal to itself (NaN) is found by no other object: added twice it was
+                # two publishers, neither of which remove_publisher could find.
+                if not _equals_itself(worker_id):
+                    raise InvalidArgumentError(f"worker_id {_shown(worker_id)} is not equal to itself (NaN?)")
                 if worker_id in self._by_id:
                     raise DuplicateWorkerError(f"publisher {_shown(worker_id)} is already added")
                 peer = _Peer(worker_id, endpoint, replay_endpoint, topic.encode(), start_seq)
