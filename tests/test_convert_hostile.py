@@ -355,7 +355,7 @@ def test_a_large_yaml_without_aliases_is_not_called_an_alias_bomb(tmp_path, caps
     capsys.readouterr()
     assert cli.main(["convert-config", str(f)]) == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "more than 100000 nodes; not a configuration file" in err, err
+    assert err.count("\n") == 1 and "more than 10000 nodes; not a configuration file" in err, err
     assert "alias" not in err
     f.write_text("a: &a [" + ", ".join(["x"] * 1000) + "]\n" + "".join(f"k{i}: *a\n" for i in range(200)))
     assert cli.main(["convert-config", str(f)]) == 2
@@ -379,15 +379,15 @@ def test_an_explicit_key_overrides_a_merged_one_however_it_is_spelled():
 
 
 #: Within the file limits, each makes one string of the vLLM command longer than execve takes
-#: (128 KiB): 20000 draft_len_schedule thresholds (a 300 KB --speculative-config), a 70000-entry
-#: pp_partition (a 140 KB VLLM_PP_LAYER_PARTITION).
-LONG_SCHEDULE = ("speculative_config:\n  decoding_type: NGram\n  max_draft_len: 4\n  draft_len_schedule: {"
-                 + ", ".join(f"{i}: {4 if i == 1 else 1 + i % 2}" for i in range(1, 20_001)) + "}\n")
-LONG_PARTITION = "pp_partition: [" + ",".join(["1"] * 70_000) + "]\n"
+#: (128 KiB): a 200 KB model_kwargs (a 200 KB --hf-overrides), a 9000-entry pp_partition of
+#: 19-digit counts (a 180 KB VLLM_PP_LAYER_PARTITION). (A 20000-threshold draft_len_schedule was
+#: one too, before engine YAMLs were held to MAX_ENGINE_NODES.)
+LONG_JSON = "model_kwargs: {x: " + "d" * 200_000 + "}\n"
+LONG_PARTITION = "pp_partition: [" + ",".join([str(2**62)] * 9000) + "]\n"
 
 
 @pytest.mark.parametrize("yaml_text, what", [
-    (LONG_SCHEDULE, "argument of --speculative-config is"),
+    (LONG_JSON, "argument of --hf-overrides is"),
     (LONG_PARTITION, "environment variable VLLM_PP_LAYER_PARTITION is"),
 ], ids=["argument", "environment"])
 def test_flags_longer_than_execve_takes_are_one_line_exit_2(tmp_path, capsys, yaml_text, what):
@@ -402,7 +402,7 @@ def test_flags_longer_than_execve_takes_are_one_line_exit_2(tmp_path, capsys, ya
         assert out == "" and err.count("\n") == 1, err
         assert err.startswith(f"kvslots convert-config: error: the vLLM command's {what} ") and "at most 131072" in err, err
     assert not (tmp_path / "flags.txt").exists()
-    if yaml_text is LONG_SCHEDULE:  # as JSON or a --config file the schedule is no argument
+    if yaml_text is LONG_JSON:  # as JSON or a --config file the value is no argument
         for fmt in ("json", "yaml"):
             assert cli.main(["convert-config", str(f), "-q", "--format", fmt]) == 0
     f.write_text("pp_partition: [" + ",".join(["1"] * 1000) + "]\n")  # long, but within the limit

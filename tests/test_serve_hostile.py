@@ -475,11 +475,9 @@ def test_dry_run_with_stdout_closed_is_one_line_exit_2(when, why):
 
 
 @pytest.mark.parametrize("yaml_text, what", [
-    # 20000 thresholds (within the file limits): a 300 KB --speculative-config argument.
-    ("speculative_config:\n  decoding_type: NGram\n  max_draft_len: 4\n  draft_len_schedule: {"
-     + ", ".join(f"{i}: {4 if i == 1 else 1 + i % 2}" for i in range(1, 20_001)) + "}\n",
-     "argument of --speculative-config is"),
-    ("pp_partition: [" + ",".join(["1"] * 70_000) + "]\n", "environment variable VLLM_PP_LAYER_PARTITION is"),
+    # Within the file limits: a 200 KB --hf-overrides argument, a 180 KB environment variable.
+    ("model_kwargs: {x: " + "d" * 200_000 + "}\n", "argument of --hf-overrides is"),
+    ("pp_partition: [" + ",".join([str(2**62)] * 9000) + "]\n", "environment variable VLLM_PP_LAYER_PARTITION is"),
 ])
 def test_a_command_string_longer_than_execve_takes_is_one_line_exit_2(tmp_path, capsys, yaml_text, what):
     # Planned and printed by --dry-run; a real run failed only to start vLLM ('Argument list too

@@ -50,6 +50,10 @@ MAX_BYTES = 4 * 1024 * 1024
 MAX_DEPTH = 64
 #: Most nodes (scalars, lists, mappings) in a document, YAML aliases expanded.
 MAX_NODES = 100_000
+#: Most nodes of an engine's configuration (a TRT-LLM engine YAML, vLLM's ``--config`` file): a
+#: real one holds a few hundred (a cuda_graph_config.batch_sizes list of every batch size up to
+#: 2048 a few thousand). Reading and converting MAX_NODES of them took 3-4 s.
+MAX_ENGINE_NODES = 10_000
 #: Longest mapping key, in characters.
 MAX_KEY_CHARS = 1024
 #: Most characters of keys and strings in a document, every repeat of a value counted: no file
@@ -615,10 +619,11 @@ def parse_yaml(text: str | bytes, source: str | None = None, *, max_nodes: int =
     return doc
 
 
-def load_yaml(path: str | os.PathLike[str]) -> Any:
+def load_yaml(path: str | os.PathLike[str], *, max_nodes: int = MAX_NODES) -> Any:
     """Reads (:func:`read_config_text`) and parses (:func:`parse_yaml`) a YAML file."""
+    max_nodes = integer(max_nodes, "max_nodes", 0)
     text = read_config_text(path)
-    return parse_yaml(text, os.fsdecode(os.fspath(path)))
+    return parse_yaml(text, os.fsdecode(os.fspath(path)), max_nodes=max_nodes)
 
 
 # --------------------------------------------------------------------------- JSON
@@ -744,6 +749,7 @@ __all__ = [
     "MAX_BYTES",
     "MAX_DEPTH",
     "MAX_KEY_CHARS",
+    "MAX_ENGINE_NODES",
     "MAX_NODES",
     "MAX_TEXT_CHARS",
     "check_values",

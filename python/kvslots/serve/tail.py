@@ -150,7 +150,7 @@ def check_config_files(opts: list[TailOption]) -> None:
     a vLLM that hangs or fails once started), a mapping, and setting none of
     :data:`MANAGED_OPTIONS`: those were handed to vLLM unchecked (a speculative config with
     K = 999, another connector, another scheduler, a port kvslots did not check)."""
-    from ..config.loader import load_yaml
+    from ..config.loader import MAX_ENGINE_NODES, load_yaml
 
     files = [o for o in opts if o.name == "config" and not o.keys]
     if len(files) > 1:  # vLLM asserts there is one
@@ -159,7 +159,7 @@ def check_config_files(opts: list[TailOption]) -> None:
         if o.value is None:
             raise ServeError(f"after --: {o.text} has no value")
         try:
-            doc = load_yaml(o.value)
+            doc = load_yaml(o.value, max_nodes=MAX_ENGINE_NODES)
         except ConfigError as e:
             raise ServeError(f"after --: --config: {e}") from None
         if not isinstance(doc, dict):  # an empty file too: vLLM's None.items() failed once started

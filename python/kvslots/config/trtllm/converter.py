@@ -4,11 +4,12 @@ or unknown), then the post phases that need several keys, and :func:`convert_trt
 from __future__ import annotations
 
 import os
+from bisect import bisect_left
 from collections.abc import Mapping
 from typing import Any
 
 from ...errors import ConfigError
-from ..loader import check_values
+from ..loader import MAX_ENGINE_NODES, check_values
 from ..speculative import check_draft_model
 from .base import describe
 from .cuda_graphs import CudaGraphKeys
@@ -54,12 +55,17 @@ class _Converter(EngineKeys, ParallelKeys, KvCacheKeys, CudaGraphKeys, Speculati
     def sweep(self, items: list[tuple[str, str, Any]]) -> None:
         """Reports every key no handler recorded (a null or empty value), so none vanishes."""
         seen = {m.path for m in self.mapped} | {i.path for i in self.ignored}
-        # Every proper prefix of a recorded path that ends before a "." (sets: linear, not
-        # paths x keys).
-        above = {q[:i] for q in seen for i, c in enumerate(q) if c == "."}
+        # Whether a recorded path starts with path + ".": the recorded paths that do are next
+        # to each other in sorted order, after path + "." (every such prefix of every path, as
+        # a set, was keys x dots strings: 3,900 keys of 1,000 dots took 10 s and 2.4 GB).
+        ordered = sorted(seen)
 
         def covered(path: str) -> bool:
-            return path in seen or path in above
+            if path in seen:
+                return True
+            below = path + "."
+            i = bisect_left(ordered, below)
+            return i < len(ordered) and ordered[i].startswith(below)
 
         def walk(path: str, value: Any) -> None:
             if path in seen:
@@ -112,7 +118,7 @@ def convert_trtllm_config(
             f"the document must be a mapping of TRT-LLM options, got {type(doc).__name__}", None, src
         )
     if src is None:  # a mapping given in code gets the file's value rules (NaN, sets, cycles, depth),
-        doc = check_values(doc)  # and is read once: plain data from here on
+        doc = check_values(doc, max_nodes=MAX_ENGINE_NODES)  # and is read once: plain data from here on
     for key in doc:
         if not isinstance(key, str):
             raise ConfigError(f"option names must be strings, got {describe(key)}", str(key), src)
