@@ -88,6 +88,22 @@ def test_big_arrays_of_floats_are_forwarded_as_sent_never_parsed(monkeypatch):
     assert "i" not in be.got  # a prompt of floats is no token ids: not scored
 
 
+def test_other_big_values_are_checked_then_forwarded_as_sent():
+    # json.dumps wrote them again for each backend, holding the GIL: 40 MB of floats in objects
+    # took 9 s to answer and held /healthz 3.1 s; now 2.6 s and 0.25 s.
+    rows = b"[" + b", ".join(b'{"a": [%r, 1e-3], "b": "\\u00e9 %d"}' % (i / 7, i) for i in range(5000)) + b"]"
+    text = b'"' + b"\\n x" * 5000 + b'"'
+    body = b'{"prompt": ' + text + b', "x": ' + rows + b', "stream": false}'
+    be = _Backends()
+    with _client(be) as c:
+        r = c.post("/v1/completions", content=body)
+    assert r.status_code == 200 and r.json()["by"] == "d", r.text[:300]
+    for sent in be.got["p"], be.got["d"]:
+        assert b'{"prompt":' + text + b',"x":' + rows + b',"stream":false,' in sent  # byte for byte
+    assert json.loads(be.got["d"]) == {**json.loads(body), "kv_transfer_params": KV}
+    assert "i" not in be.got  # a text prompt: not scored
+
+
 def test_40_mb_of_floats_is_answered_in_seconds():
     # 10 million floats: 10-20 s and 400 MB with the strict parser, now about 1 s.
     floats = b"[" + b"0.5," * (40 * 2**20 // 4) + b"1]"

@@ -153,8 +153,9 @@ def _parse_body(raw: bytes) -> Any:
     """A request body under kvslots' strict JSON rules (:func:`loads_strict_json`: no NaN, no
     duplicate key, at most 64 levels, Unicode text); a :class:`ConfigError` saying why not. A
     big one's (:data:`OFF_LOOP_BYTES`) top-level values of numbers in arrays only are
-    :class:`msgspec.Raw`, their bytes as sent (:data:`RAW_VALUE_BYTES`); None when it is not a
-    JSON object."""
+    :class:`msgspec.Raw`, their bytes as sent (:data:`RAW_VALUE_BYTES`), never parsed, and so are
+    its other long values but ``stream``, once the strict parser has checked them; None when it
+    is not a JSON object."""
     if len(raw) <= OFF_LOOP_BYTES:
         return loads_strict_json(raw)
     # msgspec checks the whole body's syntax and splits its top level, building none of the values.
@@ -182,11 +183,16 @@ def _parse_body(raw: bytes) -> Any:
     members = json_members(raw)
     for key, field in fields.items():
         value = bytes(field)
-        if len(value) > RAW_VALUE_BYTES and _plain_arrays(value):
+        big = len(value) > RAW_VALUE_BYTES
+        if big and _plain_arrays(value):
             doc[key] = msgspec.Raw(value)
         else:  # in brackets: nested as deep as it is in the body
-            doc[key] = loads_strict_json(b"[" + value + b"]")[0]
+            parsed = loads_strict_json(b"[" + value + b"]")[0]
             members -= json_members(value)
+            # Checked, a big value is forwarded as sent (the proxy reads only the prompt, which
+            # _token_ids reads as sent, and stream): json.dumps wrote 40 MB of floats in objects
+            # holding the GIL, so every other request, /healthz too, for 3 s.
+            doc[key] = msgspec.Raw(value) if big and key != "stream" else parsed
     # msgspec keeps the last of a repeated key; the body's ':' outside strings count every one
     if members != len(fields):
         raise ConfigError("a duplicate key in the top-level object")
