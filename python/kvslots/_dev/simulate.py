@@ -94,6 +94,9 @@ class SimReport:
 def run(cfg: SimConfig) -> SimReport:
     if not isinstance(cfg, SimConfig):  # its fields were read: an AttributeError
         raise ArgumentTypeError(f"cfg must be a SimConfig, got {type(cfg).__name__}")
+    # Its fields as they are now: a SimConfig is mutable, and cfg.batch = 0 set after it was
+    # made ran for ever.
+    cfg.__post_init__()
     rng = np.random.default_rng(cfg.seed)
     shared = rng.integers(0, cfg.vocab, cfg.shared_prefix, dtype=np.uint32)
     waiting: deque[_Req] = deque()
