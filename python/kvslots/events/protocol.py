@@ -17,13 +17,14 @@ does either.
 from __future__ import annotations
 
 import ipaddress
+import os
 import re
 import sys
 from collections.abc import Sequence
 
 from .. import _args
 from ..config.loader import brief
-from ..errors import ArgumentTypeError, InvalidArgumentError
+from ..errors import ArgumentTypeError, InvalidArgumentError, InvalidStateError
 
 _HOST = re.compile(r"[A-Za-z0-9_]([A-Za-z0-9_.-]{0,252})", re.ASCII)
 _PORT = re.compile(r"[0-9]{1,5}", re.ASCII)
@@ -52,6 +53,16 @@ REPLAY_END = -1
 MAX_FRAME_BYTES = 64 * 2**20
 
 Frames = Sequence[bytes]
+
+
+def check_process(pid: int, what: str) -> None:
+    """Refuses using ``what`` (an event publisher or subscriber made in process ``pid``) in a
+    forked child: its thread did not survive the fork and libzmq's sockets and context are not
+    usable there (a child's poll_once() hung, publish() queued batches no thread sent and then
+    blocked for ever, flush() said everything was sent)."""
+    if os.getpid() != pid:
+        raise InvalidStateError(f"{what} was made in process {pid}, not in this one ({os.getpid()}, a fork of it): "
+                                f"ZMQ sockets and threads do not survive fork; make a new one here")
 
 
 def seq_bytes(seq: int) -> bytes:
