@@ -15,7 +15,12 @@
   503 at once, before it sends anything, and closed, so it holds its descriptor for a moment
   only (uvicorn's ``limit_concurrency`` answers only once a request has arrived, and an idle
   connection kept its descriptor until the read timeout: when descriptors ran out, new
-  connections failed, the server's own ones too).
+  connections failed, the server's own ones too);
+* a client that half-closes its side once its request is sent (``shutdown(SHUT_WR)``) is
+  answered, then closed (uvicorn closed the connection on the EOF, the answer unwritten); a
+  request answered before its body arrived whole (a 413) is closed once the client has sent
+  nothing more of that body for :data:`REFUSED_LINGER_S` (its bytes were read as the next
+  head's: a 431 past 64 KiB).
 
 :func:`protocol_class` is what ``uvicorn.run(..., http=...)`` takes (:func:`uvicorn_options`: all
 the server options the commands use); a request the parser refuses is a JSON 400 too. Bodies are
@@ -70,6 +75,7 @@ class _Guard:
         self._guard_paused_at = 0.0  # when the transport last asked us to stop writing
         self._guard_closing_since: float | None = None  # closed with an answer still unsent
         self._guard_cycles: list[Any] = []  # requests parsed and not yet answered (pipelined ones too)
+        self._guard_last_data = time.monotonic()  # when the client last sent something
         cap = self._guard_cap()
         self._guard_refused = cap is not None and len(self.connections) > cap
         if self._guard_refused:
@@ -112,12 +118,26 @@ class _Guard:
         return False
 
     def _in_head(self) -> bool:
+        # A request answered before its body arrived whole (a 413) is still reading that body:
+        # its bytes were counted as the next head's, and past 64 KiB the client was sent a 431.
         c = self.cycle
-        return c is None or c.response_complete
+        return c is None or (c.response_complete and not c.more_body)
+
+    def eof_received(self) -> bool:
+        # The client has sent all it will (shutdown(SHUT_WR), nc -N): uvicorn closed the
+        # connection there, so the answer to a request sent whole was never written (a sync
+        # route's, or one waiting on a backend). Kept open for writing until the last request
+        # parsed is answered; closed at once when there is none, or its body is cut short.
+        c = self.cycle
+        if self._guard_refused or c is None or c.response_complete or c.more_body:
+            return False
+        c.keep_alive = False  # the last request parsed (pipelined ones come before it)
+        return True
 
     def data_received(self, data: bytes) -> None:
         if self._guard_refused:  # answered already: nothing it sends is read
             return
+        self._guard_last_data = time.monotonic()
         before = self.cycle
         super().data_received(data)  # type: ignore[misc]
         if self.transport.is_closing():
@@ -157,6 +177,11 @@ class _Guard:
             self._guard_timer = self.loop.call_later(_TICK_S, self._guard_tick)
             return
         c = self.cycle
+        if c is not None and c.response_complete and c.more_body and now - self._guard_last_data > REFUSED_LINGER_S:
+            # Answered (a 413) with its body unread, and the client sends no more of it: the
+            # rest is not waited for.
+            self.transport.close()
+            return
         reading = self._in_head() or bool(c.more_body)
         if not reading:
             self._guard_since = None

@@ -1,0 +1,148 @@
+"""``kvslots indexer`` and ``kvslots proxy`` on real sockets, as an outside prober talks to them:
+a client that half-closes its side once its request is sent (``shutdown(SHUT_WR)``, ``nc -N``)
+gets its answer (uvicorn closed the connection on the EOF, so the answer of a sync route, or of
+one waiting on a backend, was never written), and a request answered before its body arrived (a
+413) does not have the rest of its body read as the next request's head (past 64 KiB the client
+was sent a 431 too) nor hold the connection until the read timeout."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import threading
+import time
+
+import httpx
+import pytest
+
+pytest.importorskip("fastapi")
+import uvicorn  # noqa: E402
+
+from kvslots.indexer import IndexerConfig, IndexerService, httpguard  # noqa: E402
+from kvslots.indexer.app import create_app as indexer_app  # noqa: E402
+from kvslots.proxy.app import DecodeWorker  # noqa: E402
+from kvslots.proxy.app import create_app as proxy_app  # noqa: E402
+from ports import free_port  # noqa: E402
+
+
+def _serve(app):
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error", lifespan="off",
+                                           **httpguard.uvicorn_options()))
+    t = threading.Thread(target=server.run, daemon=True)
+    t.start()
+    deadline = time.monotonic() + 10
+    while not server.started:
+        assert time.monotonic() < deadline, "server did not start"
+        time.sleep(0.02)
+    return port, server, t
+
+
+@pytest.fixture(scope="module")
+def servers():
+    """(indexer port, proxy port); the proxy's backends answer in 0.3 s (a mock transport)."""
+    async def backend(request: httpx.Request) -> httpx.Response:
+        await asyncio.sleep(0.3)
+        return httpx.Response(200, json={"kv_transfer_params": {"do_remote_prefill": True}, "by": request.url.host})
+
+    started = [_serve(indexer_app(IndexerService(IndexerConfig(block_size=4)))),
+               _serve(proxy_app(["http://p"], [DecodeWorker("http://d")], transport=httpx.MockTransport(backend)))]
+    yield tuple(port for port, _, _ in started)
+    for _, server, t in started:
+        server.should_exit = True
+    for _, _, t in started:
+        t.join(10)
+
+
+def _read_to_close(s: socket.socket, wait: float = 8.0) -> tuple[bytes, bool]:
+    """What the server sends until it closes the connection (True) or ``wait`` s pass (False)."""
+    s.settimeout(wait)
+    out = b""
+    try:
+        while chunk := s.recv(65536):
+            out += chunk
+    except TimeoutError:
+        return out, False
+    except ConnectionResetError:
+        pass
+    return out, True
+
+
+def _post(path: bytes, body: bytes, extra: bytes = b"") -> bytes:
+    return (b"POST %s HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: %d\r\n%s\r\n"
+            % (path, len(body), extra)) + body
+
+
+REQUESTS = {
+    "indexer GET /healthz (a sync route)": (0, b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n", b'"ok":true'),
+    "indexer POST /score": (0, _post(b"/score", b'{"token_ids": [1, 2, 3, 4]}'), b'"prompt_blocks":1'),
+    "proxy POST /v1/completions (waits on its backends)": (
+        1, _post(b"/v1/completions", b'{"prompt": "hi"}'), b'"by":"d"'),
+    "indexer, two pipelined": (0, b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n" * 2, b'"ok":true'),
+}
+
+
+@pytest.mark.parametrize("which, request_bytes, says", REQUESTS.values(), ids=REQUESTS.keys())
+def test_a_client_that_half_closes_gets_its_answer(servers, which, request_bytes, says):
+    s = socket.create_connection(("127.0.0.1", servers[which]))
+    with s:
+        s.sendall(request_bytes)
+        s.shutdown(socket.SHUT_WR)
+        out, closed = _read_to_close(s)
+    # the old code: b'' (closed on the EOF, the answer never written)
+    assert out.count(b"HTTP/1.1 200 OK") == request_bytes.count(b"HTTP/1.1\r\n"), out[:500]
+    assert out.count(says) == request_bytes.count(b"HTTP/1.1\r\n"), out[-500:]
+    assert closed  # once answered, not at the keep-alive or read timeout
+
+
+def test_a_request_cut_short_then_half_closed_is_closed_unanswered(servers):
+    s = socket.create_connection(("127.0.0.1", servers[0]))
+    with s:
+        s.sendall(_post(b"/score", b'{"token_ids": [1, 2, 3, 4]}')[:-5])
+        s.shutdown(socket.SHUT_WR)
+        out, closed = _read_to_close(s, 5.0)
+    assert closed and out == b"", out[:300]
+
+
+@pytest.mark.parametrize("which, path", [(0, b"/score"), (1, b"/v1/completions")], ids=["indexer", "proxy"])
+def test_the_rest_of_a_refused_body_is_not_read_as_a_head(servers, which, path):
+    s = socket.create_connection(("127.0.0.1", servers[which]))
+    with s:
+        s.sendall(b"POST %s HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n"
+                  % (path, 2**40))
+        s.settimeout(8)
+        head = s.recv(65536)
+        assert head.startswith(b"HTTP/1.1 413 "), head[:300]
+        for _ in range(8):  # 256 KiB of the body the server said it will not take
+            s.sendall(b" " * 32768)
+        t = time.monotonic()
+        out, closed = _read_to_close(s)
+        took = time.monotonic() - t
+    assert b"431" not in out, out[:300]  # the old code: a 431 for a head of over 64 KiB
+    assert out == b"", out[:300]
+    # closed once the client sends no more of it (the old code: at the 431, or READ_TIMEOUT_S)
+    assert closed and took < httpguard.REFUSED_LINGER_S + 3, (closed, took)
+
+
+def test_expect_100_continue_with_a_body_too_big_is_a_413_and_closed(servers):
+    s = socket.create_connection(("127.0.0.1", servers[0]))
+    with s:
+        s.sendall(b"POST /score HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nExpect: 100-continue\r\n"
+                  b"Content-Length: 999999999999\r\n\r\n")
+        out, closed = _read_to_close(s)
+    assert out.startswith(b"HTTP/1.1 413 ") and b"100 Continue" not in out, out[:300]
+    assert json.loads(out.partition(b"\r\n\r\n")[2])["detail"].startswith("request body over")
+    assert closed  # (by uvicorn's keep-alive timeout, 5 s, before; by the guard now)
+
+
+def test_keep_alive_still_serves_several_requests(servers):
+    s = socket.create_connection(("127.0.0.1", servers[0]))
+    with s:
+        s.settimeout(8)
+        for _ in range(3):
+            s.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+            out = b""
+            while not out.endswith(b"}"):
+                out += s.recv(65536)
+            assert out.startswith(b"HTTP/1.1 200 OK"), out[:300]
