@@ -652,6 +652,11 @@ impl DiskStore {
         self.writer.wipe();
         Ok(())
     }
+    /// Why the last write that failed on the writer failed (ENOSPC, EROFS, EIO, ...), or None.
+    #[getter]
+    fn last_write_error(&self) -> Option<String> {
+        self.writer.last_error()
+    }
     /// Waits until every queued write is on disk.
     fn flush(&self, py: Python<'_>) -> PyResult<()> {
         self.check_process()?;

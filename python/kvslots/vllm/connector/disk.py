@@ -39,6 +39,7 @@ import gc
 import hashlib
 import logging
 import os
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -524,6 +525,8 @@ class DiskWorker:
         self._pending: list[_PendingRead] = []  # in the order they started
         self._by_ticket: dict[int, _PendingRead] = {}
         self._watch_wipe = False  # a wipe was queued: take_done looks whether it failed
+        self._failures_told = (0, 0)  # (dropped full, failed) spills already logged
+        self._failures_told_at = float("-inf")
 
     def register(self, kv_caches: dict[str, Any], copier: Any, num_device_blocks: int, threads: int) -> None:
         from ..transfer import BlockCopier
@@ -643,8 +646,13 @@ class DiskWorker:
             self.staging.load(list(range(m)), own[lo:lo + m])
             self.staging.synchronize()  # the staging rows are written again next
 
+    #: Write failures (a full, read-only or failing disk) are logged at most this often.
+    FAILURE_LOG_S = 60.0
+
     def take_done(self) -> list[tuple[int, bool]]:
         done = self.store.take_done()
+        if done and not all(ok for _, ok in done):
+            self._tell_failures()
         if self._watch_wipe:
             why = self.store.out_of_use
             if why is not None:  # said once: the store stays out of use until a restart
@@ -652,6 +660,24 @@ class DiskWorker:
                 logger.warning("kvslots disk tier: %s is out of use until a restart (%s); its blocks are "
                                "recomputed, its writes dropped", self.path, why)
         return done
+
+    def _tell_failures(self) -> None:
+        # A spill not written (the writer's queue full: the disk slower than the spills; or the
+        # write failed: ENOSPC, EROFS, EIO) is only a block not kept, counted in the
+        # disk_worker_dropped_full / disk_worker_write_failures metrics; but a disk that stays
+        # full or slow drops every spill, and the counters alone say neither that nor why: a
+        # warning, at most one a minute. (A store out of use was told at its wipe.)
+        st = self.store.stats()
+        full, failed = st["dropped_full"], st["write_failures"]
+        now = time.monotonic()
+        if (full + failed > sum(self._failures_told) and now - self._failures_told_at >= self.FAILURE_LOG_S
+                and self.store.out_of_use is None):
+            logger.warning("kvslots disk tier: spills not written to %s (those blocks are not kept on disk): "
+                           "%d failed (last error: %s), %d dropped with the writer's queue full (the disk is "
+                           "slower than the spills); since start %d and %d", self.path,
+                           failed - self._failures_told[1], self.store.last_write_error,
+                           full - self._failures_told[0], failed, full)
+            self._failures_told, self._failures_told_at = (full, failed), now
 
     def close(self) -> None:
         self.store.wait_reads(60.0)  # the reads write into the host region: let them end

@@ -769,6 +769,9 @@ struct Shared {
     /// Buffers given back by the writer for the next submissions.
     spare: Mutex<Vec<Vec<u8>>>,
     seq: AtomicU64,
+    /// Why the last failed write failed (a full or read-only disk, the file cut short): the
+    /// worker logs it with the count of failures, which alone does not say what to fix.
+    last_error: Mutex<Option<String>>,
 }
 
 /// A thread that writes records with a bounded queue: [`DiskWriter::submit`] never waits; when
@@ -800,6 +803,7 @@ impl DiskWriter {
             done: Mutex::new(Vec::new()),
             spare: Mutex::new(Vec::new()),
             seq: AtomicU64::new(next_seq),
+            last_error: Mutex::new(None),
         });
         let (f, s) = (file.clone(), shared.clone());
         let handle = std::thread::Builder::new()
@@ -821,6 +825,11 @@ impl DiskWriter {
     }
     pub fn stats(&self) -> &WriterStats {
         &self.shared.stats
+    }
+
+    /// Why the last write that failed on the writer failed, if one did.
+    pub fn last_error(&self) -> Option<String> {
+        self.shared.last_error.lock().unwrap().clone()
     }
 
     /// A buffer of one block's bytes to fill and pass to [`Self::submit`].
@@ -901,10 +910,14 @@ fn writer_loop(file: Arc<DiskFile>, shared: Arc<Shared>, rx: Receiver<Job>) {
                 // Never past SEQ_LIMIT (a record numbered there is damaged), never wrapped: a
                 // wrapped number would make this record older than the ones it replaces.
                 let seq = shared.seq.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |s| if s < SEQ_LIMIT { Some(s + 1) } else { None });
-                let ok = match seq {
-                    Ok(seq) => file.write_record(slot, seq, &meta, &data, &mut buf).is_ok(),
-                    Err(_) => false,
+                let res = match seq {
+                    Ok(seq) => file.write_record(slot, seq, &meta, &data, &mut buf),
+                    Err(_) => Err(DiskError::Invalid("the record sequence numbers are used up".into())),
                 };
+                let ok = res.is_ok();
+                if let Err(e) = res {
+                    *shared.last_error.lock().unwrap() = Some(e.to_string());
+                }
                 let st = &shared.stats;
                 if ok {
                     file.start_writeback(slot);
