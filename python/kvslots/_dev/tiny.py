@@ -252,6 +252,8 @@ def build_tiny_models(root: str, dims: Dims = TINY) -> dict[str, str]:
         raise ConfigError(f"the models' directory must be a path (str), got {type(root).__name__}")
     if not root:  # os.path.join("", "target") is ./target: the models were written into the working directory
         raise ConfigError("the models' directory: an empty path names no directory")
+    if not isinstance(dims, Dims):  # dataclasses.asdict's TypeError, or its fields read as attributes
+        raise ConfigError(f"must be a Dims, got {type(dims).__name__}", "dims")
     paths = {name: os.path.join(root, name) for name in ("target", "eagle", "eagle3")}
     done = os.path.join(root, ".complete")
     stamp = json.dumps(asdict(dims), sort_keys=True)
