@@ -138,6 +138,8 @@ class EventPublisher(NoCopy):
         linger_ms: int = 1000,
         context: zmq.Context | None = None,
     ) -> None:
+        if "_thread" in vars(self):  # __init__ again: the first one's thread and bound sockets ran on, unreachable
+            raise InvalidStateError("the event publisher is already made: make a new one")
         # Every argument is checked before a socket exists, so a bad one leaks nothing.
         data_parallel_rank = _args.integer(data_parallel_rank, "data_parallel_rank", 0, _args.C_INT_MAX)
         endpoint = check_endpoint(endpoint, "endpoint", data_parallel_rank)

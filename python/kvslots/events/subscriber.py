@@ -331,6 +331,8 @@ class EventSubscriber(NoCopy):
         replay_max_wait_ms: float = 30_000,
         max_frame_bytes: int = MAX_FRAME_BYTES,
     ) -> None:
+        if "_thread" in vars(self):  # __init__ again: the first one's thread and sockets ran on, unreachable
+            raise InvalidStateError("the event subscriber is already made: make a new one")
         callback(on_batch, "on_batch")
         callback(on_reset, "on_reset", optional=True)
         callback(on_count, "on_count", optional=True)
