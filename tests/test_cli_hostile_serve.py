@@ -63,6 +63,9 @@ def test_an_events_port_in_use_is_one_line_before_vllm_starts(capsys, monkeypatc
     # was loaded: ZMQError "Address already in use" after the model load, in vLLM's log.
     _no_vllm(monkeypatch)
     free = _free_port()
+    http = _free_port()
+    while http in (free, busy_port):  # the HTTP server's port apart from the events sockets'
+        http = _free_port()
     for argv in (["--kv-events-endpoint", f"tcp://*:{busy_port}"],
                  ["--kv-events-endpoint", f"tcp://[::ffff:127.0.0.1]:{busy_port}"],
                  ["--kv-events-endpoint", f"tcp://*:{free}", "--kv-events-replay-endpoint",
@@ -70,7 +73,7 @@ def test_an_events_port_in_use_is_one_line_before_vllm_starts(capsys, monkeypatc
                  # the second data-parallel rank binds the port after the first's
                  ["--kv-events-endpoint", f"tcp://*:{busy_port - 1}", "--kv-events-replay-endpoint", "none",
                   "--", "--data-parallel-size", "2"]):
-        code, out, err = _main(capsys, "serve", "org/target", "--port", str(free), *argv)
+        code, out, err = _main(capsys, "serve", "org/target", "--port", str(http), *argv)
         _assert_only_the_error(code, out, err, "serve", "KV events: cannot listen on ")
         assert f":{busy_port}: " in err, err
 

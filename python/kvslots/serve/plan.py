@@ -15,6 +15,7 @@ importing vLLM. docs/serve.md has the rules; in short:
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import os
 import shlex
 import sys
@@ -155,6 +156,47 @@ def _check_host(host: str, name: str) -> None:
     problem = host_problem(host)
     if problem:
         raise ServeError(f"{name} {short(host, 80)}: {problem}")
+
+
+def _check_ports_apart(host: str, port: int, kv_transfer: dict[str, Any] | None,
+                       kv_events: dict[str, Any] | None, dp_size: int) -> None:
+    """The TCP addresses this one worker listens on (HTTP, the P/D control socket, the events
+    sockets of every data-parallel rank) are apart: --port 5557 with the default events
+    endpoint, or --pd-port on the replay port, passed every check (each address alone is free)
+    and the second bind failed inside vLLM (EADDRINUSE: a traceback once the model was loaded)."""
+    bound: list[tuple[str, str, int]] = [("--port", host, port)]
+    extra = (kv_transfer or {}).get("kv_connector_extra_config") or {}
+    if (kv_transfer or {}).get("kv_connector") == CONNECTOR_NAME and kv_transfer is not None \
+            and kv_transfer.get("kv_role") in ("kv_producer", "kv_both") and extra.get("pd_port"):
+        bound.append(("--pd-port", str(extra.get("pd_host") or "127.0.0.1"), int(extra["pd_port"])))
+    bound += [("the KV events endpoints", h, p) for h, p in bound_tcp_addresses(kv_events, max(1, dp_size))]
+    for i, (what_a, host_a, port_a) in enumerate(bound):
+        for what_b, host_b, port_b in bound[i + 1:]:
+            if port_a == port_b and what_a != what_b and _same_address(host_a, host_b):
+                raise ServeError(f"{what_a} and {what_b} both listen on port {port_a} "
+                                 f"({short(host_a, 80)} and {short(host_b, 80)}): give one of them another port")
+
+
+def _same_address(a: str, b: str) -> bool:
+    """Whether sockets bound to hosts ``a`` and ``b`` on one port clash: the same address (an
+    IPv4-mapped one as IPv4, localhost as loopback), or a wildcard of the other's family."""
+    def norm(h: str) -> tuple[int, str]:
+        h = h.strip("[]").lower()
+        if h == "localhost":
+            return 4, "127.0.0.1"
+        try:
+            ip = ipaddress.ip_address(h)
+        except ValueError:
+            return 0, h  # a name: compared as written
+        if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+            ip = ip.ipv4_mapped
+        return ip.version, str(ip)
+
+    (fa, ha), (fb, hb) = norm(a), norm(b)
+    if ha == hb:
+        return True
+    wild = {4: "0.0.0.0", 6: "::"}
+    return (ha in wild.values() and (fb in (0, fa))) or (hb in wild.values() and (fa in (0, fb)))
 
 
 def _is_kvslots_scheduler(name: str) -> bool:
@@ -339,6 +381,8 @@ def build_plan(args: argparse.Namespace, *, python: str | None = None) -> ServeP
         if prefix_caching is False:
             notes.append("warning: prefix caching is off: vLLM publishes no device-tier (GPU) KV events "
                          "and the connector finds no host-tier hits without it")
+
+    _check_ports_apart(host, port, kv_transfer, kv_events, dp_size)
 
     # ------------------------------------------------------------------ the command
     drop: set[int] = set()
