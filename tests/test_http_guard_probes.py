@@ -3,7 +3,9 @@ a client that half-closes its side once its request is sent (``shutdown(SHUT_WR)
 gets its answer (uvicorn closed the connection on the EOF, so the answer of a sync route, or of
 one waiting on a backend, was never written), and a request answered before its body arrived (a
 413) does not have the rest of its body read as the next request's head (past 64 KiB the client
-was sent a 431 too) nor hold the connection until the read timeout."""
+was sent a 431 too) nor hold the connection until the read timeout; and requests pipelined
+without end wait unparsed past :data:`MAX_PIPELINED` (uvicorn parsed them all as they came: a
+few connections took the server to 1 GB)."""
 
 from __future__ import annotations
 
@@ -39,6 +41,9 @@ def _serve(app):
     return port, server, t
 
 
+_servers: list[uvicorn.Server] = []  # the indexer's and the proxy's, while the fixture is up
+
+
 @pytest.fixture(scope="module")
 def servers():
     """(indexer port, proxy port); the proxy's backends answer in 0.3 s (a mock transport)."""
@@ -48,6 +53,7 @@ def servers():
 
     started = [_serve(indexer_app(IndexerService(IndexerConfig(block_size=4)))),
                _serve(proxy_app(["http://p"], [DecodeWorker("http://d")], transport=httpx.MockTransport(backend)))]
+    _servers[:] = [server for _, server, _ in started]
     yield tuple(port for port, _, _ in started)
     for _, server, t in started:
         server.should_exit = True
@@ -146,3 +152,60 @@ def test_keep_alive_still_serves_several_requests(servers):
             while not out.endswith(b"}"):
                 out += s.recv(65536)
             assert out.startswith(b"HTTP/1.1 200 OK"), out[:300]
+
+
+HEALTHZ = b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n"
+
+
+def test_requests_pipelined_without_end_wait_unparsed(servers):
+    # 20 connections of 4 MB of pipelined requests, no answer read: 60 MB -> 986 MB, and /healthz
+    # on another connection went unanswered (5 s); now 73 MB and 0.03 s.
+    socks = []
+    try:
+        for _ in range(4):
+            s = socket.create_connection(("127.0.0.1", servers[0]))
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            s.setblocking(False)
+            data = HEALTHZ * (2 * 2**20 // len(HEALTHZ))
+            try:
+                s.send(data)  # what the kernel takes at once
+            except BlockingIOError:
+                pass
+            socks.append(s)
+        time.sleep(1.5)
+        queued = [len(getattr(c, "pipeline", ())) for c in _servers[0].server_state.connections]
+        t = time.monotonic()
+        with socket.create_connection(("127.0.0.1", servers[0])) as s:
+            s.sendall(HEALTHZ.replace(b"\r\n\r\n", b"\r\nConnection: close\r\n\r\n"))
+            out, closed = _read_to_close(s)
+        took = time.monotonic() - t
+    finally:
+        for s in socks:
+            s.close()
+    assert max(queued) <= 64, queued  # MAX_PIPELINED (16); the old code: thousands each
+    assert out.startswith(b"HTTP/1.1 200 OK") and closed, out[:300]
+    assert took < 3, took
+
+
+@pytest.mark.parametrize("which", [0, 1], ids=["indexer", "proxy"])
+def test_every_pipelined_request_is_answered_in_order(servers, which):
+    score = _post(b"/score", b'{"token_ids": [1, 2, 3, 4]}')
+    post = score if which == 0 else _post(b"/v1/completions", b'{"prompt": "hi"}')
+    says = b'"prompt_blocks":1' if which == 0 else b'"by":"d"'
+    n = 100 if which == 0 else 5  # the proxy's backends take 0.6 s a request
+    data = (HEALTHZ + post) * n + HEALTHZ.replace(b"\r\n\r\n", b"\r\nConnection: close\r\n\r\n")
+    with socket.create_connection(("127.0.0.1", servers[which])) as s:
+        s.sendall(data)
+        out, closed = _read_to_close(s, 30.0)
+    assert closed and out.count(b"HTTP/1.1 200 OK") == 2 * n + 1, (out.count(b"HTTP/1.1 200 OK"), out[-300:])
+    assert out.count(says) == n
+    answers = out.split(b"HTTP/1.1 200 OK")[1:]
+    assert all((says in a) == (i % 2 == 1) for i, a in enumerate(answers[:-1]))  # in the order sent
+
+
+def test_a_pipelining_client_that_half_closes_gets_every_answer(servers):
+    with socket.create_connection(("127.0.0.1", servers[0])) as s:
+        s.sendall(HEALTHZ * 200)
+        s.shutdown(socket.SHUT_WR)
+        out, closed = _read_to_close(s)
+    assert closed and out.count(b"HTTP/1.1 200 OK") == 200, out.count(b"HTTP/1.1 200 OK")

@@ -20,7 +20,10 @@
   answered, then closed (uvicorn closed the connection on the EOF, the answer unwritten); a
   request answered before its body arrived whole (a 413) is closed once the client has sent
   nothing more of that body for :data:`REFUSED_LINGER_S` (its bytes were read as the next
-  head's: a 431 past 64 KiB).
+  head's: a 431 past 64 KiB);
+* at most :data:`MAX_PIPELINED` requests wait behind the one being answered on a connection:
+  what a client pipelines past them is held unparsed, and nothing more read, until they are
+  answered (uvicorn parsed all it was sent).
 
 :func:`protocol_class` is what ``uvicorn.run(..., http=...)`` takes (:func:`uvicorn_options`: all
 the server options the commands use); a request the parser refuses is a JSON 400 too. Bodies are
@@ -42,6 +45,12 @@ _TICK_S = 1.0
 #: How long a connection refused for the cap is kept once answered, reading and dropping what it
 #: sends: closed with its request unread, the client could get a reset instead of the 503.
 REFUSED_LINGER_S = 2.0
+#: Most requests a connection may have parsed and waiting behind the one being answered
+#: (pipelined): past it, the rest of what it sent is held unparsed and nothing more is read until
+#: they are answered. uvicorn parsed every request a chunk held, and read on as each one was
+#: answered: 20 connections pipelining 4 MB of ``GET /healthz`` each, reading no answer, took the
+#: indexer from 60 MB to 1 GB, and /healthz on another connection went unanswered.
+MAX_PIPELINED = 16
 
 
 def _raw_response(status: int, reason: str, detail: str, extra: str = "") -> bytes:
@@ -62,6 +71,8 @@ class _Guard:
     #: Most connections open at once (None: no cap), or what holds it (its ``value`` read as
     #: each connection opens: :class:`kvslots.indexer.fds.ConnectionCap`); set by :func:`protocol_class`.
     max_connections: Any = None
+    flow: Any
+    _flow_class: Any  # uvicorn's FlowControl, kept paused while bytes are held (:func:`protocol_class`)
 
     def _guard_cap(self) -> int | None:
         cap = self.max_connections
@@ -76,6 +87,10 @@ class _Guard:
         self._guard_closing_since: float | None = None  # closed with an answer still unsent
         self._guard_cycles: list[Any] = []  # requests parsed and not yet answered (pipelined ones too)
         self._guard_last_data = time.monotonic()  # when the client last sent something
+        self._guard_held = b""  # received, not parsed yet: past MAX_PIPELINED requests waiting
+        self._guard_eof = False  # the client half-closed while bytes were held
+        if hasattr(self, "pipeline"):  # (httptools: h11 parses a request only once the last is answered)
+            self.flow = self._flow_class(transport, self)
         cap = self._guard_cap()
         self._guard_refused = cap is not None and len(self.connections) > cap
         if self._guard_refused:
@@ -128,6 +143,9 @@ class _Guard:
         # connection there, so the answer to a request sent whole was never written (a sync
         # route's, or one waiting on a backend). Kept open for writing until the last request
         # parsed is answered; closed at once when there is none, or its body is cut short.
+        if self._guard_held and not self._guard_refused:  # its last requests are not parsed yet
+            self._guard_eof = True
+            return True
         c = self.cycle
         if self._guard_refused or c is None or c.response_complete or c.more_body:
             return False
@@ -138,6 +156,40 @@ class _Guard:
         if self._guard_refused:  # answered already: nothing it sends is read
             return
         self._guard_last_data = time.monotonic()
+        if self._guard_held:  # (a read under way as reading was paused)
+            self._guard_held += data
+            return
+        self._guard_feed(data)
+
+    def _guard_feed(self, data: bytes) -> None:
+        """Parses ``data`` up to the end of one request head at a time while fewer than
+        :data:`MAX_PIPELINED` requests wait, holding the rest (reading paused) otherwise."""
+        pipeline = getattr(self, "pipeline", None)
+        pos = 0
+        while pos < len(data):
+            if pipeline is not None and len(pipeline) >= MAX_PIPELINED:
+                self._guard_held = data[pos:]
+                self.flow.pause_reading()  # kept paused while bytes are held (_flow_class)
+                return
+            end = data.find(b"\r\n\r\n", pos) if pipeline is not None else -1
+            piece = data[pos:] if end < 0 else data[pos:end + 4]  # one head ends in it at most
+            pos += len(piece)
+            self._guard_parse(piece)
+            if self.transport.is_closing():
+                return
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()  # type: ignore[misc]
+        pipeline = getattr(self, "pipeline", ())
+        if self._guard_held and len(pipeline) < MAX_PIPELINED and not self.transport.is_closing():
+            held, self._guard_held = self._guard_held, b""
+            self._guard_feed(held)
+            if not self._guard_held and not self.transport.is_closing():
+                self.flow.resume_reading()
+                if self._guard_eof and not self.eof_received():
+                    self.transport.close()
+
+    def _guard_parse(self, data: bytes) -> None:
         before = self.cycle
         super().data_received(data)  # type: ignore[misc]
         if self.transport.is_closing():
@@ -219,7 +271,22 @@ def protocol_class(max_connections: Any = None) -> type:
 
         base = H11Protocol
 
-    return type(f"Guarded{base.__name__}", (_Guard, base), {"max_connections": max_connections})
+    from uvicorn.protocols.http.flow_control import FlowControl
+
+    class _HoldingFlow(FlowControl):
+        """uvicorn's flow control, but reading is not resumed while the guard holds bytes
+        unparsed (uvicorn resumes it as each request is answered or reads its body)."""
+
+        def __init__(self, transport: Any, guard: Any) -> None:
+            super().__init__(transport)
+            self._guard = guard
+
+        def resume_reading(self) -> None:
+            if not self._guard._guard_held:
+                super().resume_reading()
+
+    return type(f"Guarded{base.__name__}", (_Guard, base),
+                {"max_connections": max_connections, "_flow_class": _HoldingFlow})
 
 
 def uvicorn_options(max_connections: Any = None) -> dict[str, Any]:
