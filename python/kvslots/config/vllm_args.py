@@ -8,6 +8,7 @@ configs) is compact JSON; a value that starts with ``-`` and is no number is ``-
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -75,6 +76,7 @@ def check_exec_strings(argv: Sequence[str], env: Mapping[str, str] | None = None
                             or any(type(k) is not str or type(v) is not str for k, v in env.items())):
         raise ArgumentTypeError(f"env must be a mapping of str to str, got {short_repr(env)}")
     entries = [(a, None) for a in argv] + [(f"{k}={v}", k) for k, v in (env or {}).items()]
+    total = 0
     for i, (text, env_key) in enumerate(entries):
         size = exec_size(text)
         if size is None or size > MAX_ARG_BYTES:
@@ -85,6 +87,25 @@ def check_exec_strings(argv: Sequence[str], env: Mapping[str, str] | None = None
                                   f"a command line: {short_repr(text)}")
             raise ConfigError(f"the vLLM command's {what} is {size} bytes; Linux passes at most "
                               f"{MAX_ARG_BYTES} to a program as one argument or environment entry")
+        total += size + 8  # and its pointer
+    limit = arg_max()
+    if limit is not None and total > limit:
+        # Each string within MAX_ARG_BYTES, all of them together past the system's limit: the
+        # same E2BIG at start (kvslots serve's own arguments fit; the YAML's and the configs it
+        # adds made the vLLM command longer).
+        raise ConfigError(f"the vLLM command{' and its environment' if env else ''} take {total} bytes; "
+                          f"this system passes at most {limit} to a program (getconf ARG_MAX)")
+
+
+def arg_max() -> int | None:
+    """The most bytes of arguments and environment (strings and their pointers) a program can
+    be started with here (``getconf ARG_MAX``: a quarter of the stack limit on Linux); None when
+    the system does not say."""
+    try:
+        limit = os.sysconf("SC_ARG_MAX")
+    except (ValueError, OSError):
+        return None
+    return limit if limit > 0 else None
 
 
 def exec_size(text: str) -> int | None:

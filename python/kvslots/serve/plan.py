@@ -407,7 +407,9 @@ def build_plan(args: argparse.Namespace, *, python: str | None = None) -> ServeP
     if scheduler_cls is not None:
         argv += ["--scheduler-cls", scheduler_cls]
     argv += rest
-    check_exec_strings(argv, env)  # a string execve refuses: printed by --dry-run, exit 127 at start
+    # A string execve refuses, or all of them with the environment vLLM inherits (supervise's):
+    # printed by --dry-run, exit 127 at start.
+    check_exec_strings(argv, {**os.environ, **env})
     return ServePlan(
         argv=argv, env=env, notes=notes, model=target, host=host, port=port,
         speculative_config=spec, kv_transfer_config=kv_transfer, kv_events_config=kv_events,
