@@ -9,6 +9,7 @@ ConfigError naming the file and field, a ServeError, ...) is one line on stderr,
 from __future__ import annotations
 
 import argparse
+import codecs
 import errno
 import importlib
 import os
@@ -152,6 +153,16 @@ def run_command(func: Callable[[argparse.Namespace], int | None], args: argparse
         return status
     except KVSlotsError as e:
         return report_error(prog, e, label)
+    except UnicodeEncodeError as e:
+        # stdout's encoding has no such character (PYTHONIOENCODING=ascii, or a C locale with
+        # Python's UTF-8 coercion off): a traceback and exit status 1 for a non-ASCII value.
+        encoding = getattr(sys.stdout, "encoding", None)
+        if encoding is None or codecs.lookup(encoding).name != codecs.lookup(e.encoding).name:
+            raise
+        head = f"{prog}: {label}: " if label else f"{prog}: "
+        print(head + f"cannot write the output: stdout's encoding ({encoding}) has no character "
+              f"{e.object[e.start:e.start + 1]!a} (set PYTHONIOENCODING=utf-8)", file=sys.stderr)
+        return 2
     except OSError as e:
         if e.errno not in _OUTPUT_ERRNOS:
             raise
