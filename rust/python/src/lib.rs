@@ -41,5 +41,11 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     device_manager::register(m)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     m.add("MAX_ITER_ITEMS", convert::MAX_ITER_ITEMS)?;
+    // Counts fork()s for the locks that a thread of the parent may hold in the child (not a
+    // name of the module).
+    let after_fork = wrap_pyfunction!(prefix_index::after_fork_in_child, m)?;
+    let kwargs = pyo3::types::PyDict::new(m.py());
+    kwargs.set_item("after_in_child", after_fork)?;
+    m.py().import("os")?.call_method("register_at_fork", (), Some(&kwargs))?;
     Ok(())
 }

@@ -1,0 +1,61 @@
+"""The extension's locks in a forked child (vLLM, gunicorn --preload and multiprocessing fork
+while other threads run)."""
+
+import json
+import os
+import signal
+import threading
+import time
+
+from kvslots import _core
+
+
+def _in_child(body):
+    """body() in a forked child killed after 3 s: what it returned or raised, or how it died."""
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child
+        try:
+            os.close(r)
+            signal.alarm(3)
+            try:
+                out = body()
+            except Exception as e:  # noqa: BLE001 - reported to the parent
+                out = [type(e).__name__, str(e)]
+            os.write(w, json.dumps(out).encode())
+        finally:
+            os._exit(0)
+    os.close(w)
+    with os.fdopen(r, "rb") as f:
+        data = f.read()
+    _, status = os.waitpid(pid, 0)
+    if os.WIFSIGNALED(status):
+        return f"killed by signal {os.WTERMSIG(status)} (hung)"
+    return json.loads(data)
+
+
+def test_a_prefix_index_locked_by_another_thread_at_fork_is_refused_in_the_child():
+    """PrefixIndex applies events without the GIL, holding its lock: a fork() meanwhile gave
+    the child the lock held by a thread it does not have, and the child's next call (len())
+    waited for ever. Now InvalidStateError (after 50 ms); the parent is unaffected, and a child
+    forked while the lock is free uses its copy as before."""
+    n = 1_000_000
+    payload = _core.encode_event_batch([("BlockStored", list(range(1, n + 1)), None, [7] * (n * 4), 4, None)], 0.0)
+    ix = _core.PrefixIndex()
+    ix.add_worker("w")
+    started = threading.Event()
+
+    def apply():
+        started.set()
+        ix.apply("w", payload)
+
+    t = threading.Thread(target=apply)
+    t.start()
+    started.wait()
+    time.sleep(0.1)  # the arguments are read at once; the rest of the apply holds the lock
+    assert t.is_alive(), "the apply ended before the fork: the machine is too fast for this test"
+    out = _in_child(lambda: len(ix))
+    t.join()
+    assert out[0] == "InvalidStateError" and "forked" in out[1], out
+    assert len(ix) == n
+    assert _in_child(lambda: [len(ix), ix.worker_len("w")]) == [n, n]
