@@ -209,3 +209,36 @@ def test_a_pipelining_client_that_half_closes_gets_every_answer(servers):
         s.shutdown(socket.SHUT_WR)
         out, closed = _read_to_close(s)
     assert closed and out.count(b"HTTP/1.1 200 OK") == 200, out.count(b"HTTP/1.1 200 OK")
+
+
+CHUNKED = (b"POST /score HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n"
+           b"1b\r\n" + b'{"token_ids": [1, 2, 3, 4]}' + b"\r\n0\r\n")
+
+
+def test_trailer_fields_without_end_are_cut_off(servers):
+    # They were appended to the request's headers uncounted: 112 MB sent in 6 s grew the
+    # indexer by 1.6 GB (until the 60 s read timeout); now cut past MAX_HEAD_BYTES.
+    sent = 0
+    with socket.create_connection(("127.0.0.1", servers[0])) as s:
+        s.sendall(CHUNKED)
+        line = b"X-T: a\r\n" * 8192
+        try:
+            while sent < 32 * 2**20:
+                s.sendall(line)
+                sent += len(line)
+        except OSError:  # reset: the server closed it
+            pass
+        else:
+            out, closed = _read_to_close(s)
+            assert closed and b"200 OK" not in out, out[:300]
+    assert sent < 8 * 2**20, sent  # the old code took all 32 MB (more than 400 MB of memory)
+    with socket.create_connection(("127.0.0.1", servers[0])) as s:
+        s.sendall(HEALTHZ.replace(b"\r\n\r\n", b"\r\nConnection: close\r\n\r\n"))
+        assert _read_to_close(s)[0].startswith(b"HTTP/1.1 200 OK")
+
+
+def test_a_chunked_body_with_a_few_trailer_fields_is_answered(servers):
+    with socket.create_connection(("127.0.0.1", servers[0])) as s:
+        s.sendall(CHUNKED + b"X-A: 1\r\nX-B: 2\r\n\r\n" + HEALTHZ.replace(b"\r\n\r\n", b"\r\nConnection: close\r\n\r\n"))
+        out, closed = _read_to_close(s)
+    assert closed and out.count(b"HTTP/1.1 200 OK") == 2 and b'"prompt_blocks":1' in out, out[:500]

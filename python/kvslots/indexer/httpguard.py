@@ -1,7 +1,8 @@
 """Limits on HTTP connections that uvicorn does not set, shared by ``kvslots indexer`` and
 ``kvslots proxy``:
 
-* a request's head (request line and headers) is at most :data:`MAX_HEAD_BYTES`: past it the
+* a request's head (request line and headers) is at most :data:`MAX_HEAD_BYTES`, and so are
+  its header fields with a chunked body's trailer fields (which are dropped): past it the
   client gets a 431 and the connection is closed (uvicorn's httptools parser has no limit: a
   300 MB header was read whole into memory);
 * a request must arrive whole (head and body) within :data:`READ_TIMEOUT_S` of the connection
@@ -89,6 +90,8 @@ class _Guard:
         self._guard_last_data = time.monotonic()  # when the client last sent something
         self._guard_held = b""  # received, not parsed yet: past MAX_PIPELINED requests waiting
         self._guard_eof = False  # the client half-closed while bytes were held
+        self._guard_fields = 0  # (httptools) bytes of the current request's header fields
+        self._guard_trailers = False  # (httptools) its head is parsed: fields now are trailers
         if hasattr(self, "pipeline"):  # (httptools: h11 parses a request only once the last is answered)
             self.flow = self._flow_class(transport, self)
         cap = self._guard_cap()
@@ -188,6 +191,33 @@ class _Guard:
                 self.flow.resume_reading()
                 if self._guard_eof and not self.eof_received():
                     self.transport.close()
+
+    # httptools' callbacks (h11 bounds a head and its trailers itself).
+    def on_message_begin(self) -> None:
+        super().on_message_begin()  # type: ignore[misc]
+        self._guard_fields = 0  # bytes of this request's header and trailer fields
+        self._guard_trailers = False
+
+    def on_headers_complete(self) -> None:
+        super().on_headers_complete()  # type: ignore[misc]
+        self._guard_trailers = True
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        # A chunked body's trailer fields came after the head, uncounted, and uvicorn appended
+        # them to the request's headers (the scope's list, the app reading it meanwhile): 112 MB
+        # of them grew the indexer by 1.6 GB. They are counted with the head's, and dropped (ASGI
+        # has no request trailers).
+        self._guard_fields += len(name) + len(value) + 4
+        if self._guard_fields > MAX_HEAD_BYTES:
+            if not self.transport.is_closing():
+                c = self.cycle
+                if c is None or c.response_complete:  # no answer under way: say why
+                    self.transport.write(_raw_response(431, "Request Header Fields Too Large",
+                                                       f"header fields over {MAX_HEAD_BYTES} bytes"))
+                self.transport.close()
+            return
+        if not self._guard_trailers:
+            super().on_header(name, value)  # type: ignore[misc]
 
     def _guard_parse(self, data: bytes) -> None:
         before = self.cycle
