@@ -55,13 +55,30 @@ MAX_FRAME_BYTES = 64 * 2**20
 Frames = Sequence[bytes]
 
 
-def check_process(pid: int, what: str) -> None:
-    """Refuses using ``what`` (an event publisher or subscriber made in process ``pid``) in a
-    forked child: its thread did not survive the fork and libzmq's sockets and context are not
-    usable there (a child's poll_once() hung, publish() queued batches no thread sent and then
-    blocked for ever, flush() said everything was sent)."""
-    if os.getpid() != pid:
-        raise InvalidStateError(f"{what} was made in process {pid}, not in this one ({os.getpid()}, a fork of it): "
+_forks = 0  # fork()s between the first process and this one (os.getpid() is a system call)
+
+
+def _forked() -> None:
+    global _forks
+    _forks += 1
+
+
+os.register_at_fork(after_in_child=_forked)
+
+
+def fork_generation() -> int:
+    """What :func:`check_process` compares: a new value in each forked child."""
+    return _forks
+
+
+def check_process(made_in: int, what: str) -> None:
+    """Refuses using ``what`` (an event publisher or subscriber made when
+    :func:`fork_generation` was ``made_in``) in a forked child: its thread did not survive the
+    fork and libzmq's sockets and context are not usable there (a child's poll_once() hung,
+    publish() queued batches no thread sent and then blocked for ever, flush() said
+    everything was sent)."""
+    if _forks != made_in:
+        raise InvalidStateError(f"{what} was made in the process that forked this one ({os.getpid()}): "
                                 f"ZMQ sockets and threads do not survive fork; make a new one here")
 
 

@@ -19,7 +19,6 @@ from __future__ import annotations
 import errno
 import logging
 import math
-import os
 import threading
 import time
 from collections import deque
@@ -38,6 +37,7 @@ from .protocol import (
     END_SEQ,
     check_endpoint,
     check_process,
+    fork_generation,
     is_bind_endpoint,
     is_ipv6,
     live_message,
@@ -231,7 +231,7 @@ class EventPublisher(NoCopy):
             self._close_sockets()
             raise
 
-        self._pid = os.getpid()
+        self._forks = fork_generation()
         self._thread = threading.Thread(
             target=self._run, name=f"kvslots-event-publisher[{self.endpoint}]", daemon=True
         )
@@ -246,7 +246,7 @@ class EventPublisher(NoCopy):
         ``KVEventBatch`` a subscriber can decode, raises :class:`ArgumentTypeError` or
         :class:`InvalidArgumentError` and queues nothing. Bytes are queued as they are. Blocks
         only while the queue is full."""
-        check_process(self._pid, "the event publisher")
+        check_process(self._forks, "the event publisher")
         if self._closed:  # before touching the batch (checked again under the lock)
             raise InvalidStateError("the event publisher is shut down")
         rank: Any = 0
@@ -296,7 +296,7 @@ class EventPublisher(NoCopy):
 
     def flush(self, timeout: float | None = None) -> bool:
         """Waits until every queued batch has been handed to ZMQ; False on timeout."""
-        check_process(self._pid, "the event publisher")
+        check_process(self._forks, "the event publisher")
         timeout = _args.timeout(timeout)
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._lock:
@@ -326,7 +326,7 @@ class EventPublisher(NoCopy):
         the context when the publisher made it). Idempotent. In a forked child it only marks
         this copy shut down: the thread and sockets are the parent's."""
         timeout = _args.timeout(timeout)
-        if os.getpid() != self._pid:  # before any lock: one held at the fork stays held here
+        if fork_generation() != self._forks:  # before any lock: one held at the fork stays held here
             self._closed = True
             return
         with self._lock:

@@ -86,7 +86,6 @@ from __future__ import annotations
 import errno
 import hashlib
 import logging
-import os
 import random
 import threading
 import time
@@ -125,6 +124,7 @@ from .protocol import (
     SEQ_MAX,
     check_endpoint,
     check_process,
+    fork_generation,
     is_ipv6,
     parse_live,
     parse_replay_reply,
@@ -378,7 +378,7 @@ class EventSubscriber(NoCopy):
         self._ctx_started = False  # a passed-in one may not be either: checked all the same
         self._decoder = msgspec.msgpack.Decoder(KVEventBatch) if decode else None
 
-        self._pid = os.getpid()
+        self._forks = fork_generation()
         self._lock = _StateLock()
         self._commands: deque[tuple[str, Any]] = deque()
         self._queued = self._done = 0  # commands queued, and applied by the polling thread
@@ -427,7 +427,7 @@ class EventSubscriber(NoCopy):
         :class:`OutOfDescriptorsError` when the process is out of file descriptors, and the
         publisher is not added. Without it, the sockets are opened by the polling thread
         later, and returns True."""
-        check_process(self._pid, "the event subscriber")
+        check_process(self._forks, "the event subscriber")
         hashable(worker_id, "worker_id")
         endpoint = check_endpoint(endpoint, "endpoint")  # exact str values from here on
         if replay_endpoint is not None:
@@ -468,7 +468,7 @@ class EventSubscriber(NoCopy):
         """Disconnects from a publisher; its held state and counters are dropped (the totals
         keep what it contributed). With ``wait`` (seconds), returns once the sockets are closed,
         so that no callback for it runs any more (True), or when ``wait`` runs out (False)."""
-        check_process(self._pid, "the event subscriber")
+        check_process(self._forks, "the event subscriber")
         hashable(worker_id, "worker_id")
         wait = _wait_seconds(wait)
         with self._lock:
@@ -523,7 +523,7 @@ class EventSubscriber(NoCopy):
 
     def start(self) -> None:
         """Runs the poll loop on a background thread."""
-        check_process(self._pid, "the event subscriber")
+        check_process(self._forks, "the event subscriber")
         with self._lock:
             if self._closed:
                 raise InvalidStateError("the event subscriber is stopped")
@@ -546,7 +546,7 @@ class EventSubscriber(NoCopy):
         subscriber cannot be restarted. In a forked child it only marks this copy stopped: the
         thread and sockets are the parent's."""
         timeout = _timeout(timeout)
-        if os.getpid() != self._pid:  # before any lock: one held at the fork stays held here
+        if fork_generation() != self._forks:  # before any lock: one held at the fork stays held here
             self._closed = True
             return
         with self._lock:
@@ -624,7 +624,7 @@ class EventSubscriber(NoCopy):
         number of messages handled. Not after :meth:`start`; a call while another is running (in
         another thread, or from one of its callbacks) raises :class:`ConcurrentUseError`."""
         timeout_ms = number(timeout_ms, "timeout_ms", 0, C_INT_MAX)  # ZMQ waits forever below 0
-        check_process(self._pid, "the event subscriber")
+        check_process(self._forks, "the event subscriber")
         if self._closed:
             raise InvalidStateError("the event subscriber is stopped")
         if self._thread is not None:
