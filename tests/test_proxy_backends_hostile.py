@@ -224,3 +224,51 @@ def test_a_decode_worker_refusing_a_stream_without_end_is_a_502(answer):
     assert r is not None, "no answer within 15 s"
     assert took < 1.5 + 3, took
     assert r.status_code == 502 and "decode worker" in r.json()["error"], r.text
+
+
+@pytest.mark.parametrize("path, stream", [("/v1/completions", False), ("/v1/completions", True),
+                                          ("/v1/models", None)])
+def test_a_request_finding_every_backend_connection_held_is_a_503_in_time(monkeypatch, path, stream):
+    # Two streams held by a decode worker trickling its answer take the (here) two backend
+    # connections; another request waited for one for --timeout (httpx's pool timeout).
+    monkeypatch.setattr(app_module, "BACKEND_CONNECTIONS", 2)
+    monkeypatch.setattr(app_module, "POOL_WAIT_S", 1.0, raising=False)  # (the old code has none)
+    prefill, decode = _Server(_json(PREFILLED)), _Server(trickle)
+    app = create_app([prefill.url], [DecodeWorker(decode.url)], timeout_s=60)
+    got = []
+    try:
+        with TestClient(app) as c:
+            def held():
+                with c.stream("POST", "/v1/completions", json={"prompt": "hi", "stream": True}) as r:
+                    for _ in r.iter_bytes():
+                        pass
+            streams = [threading.Thread(target=held, daemon=True) for _ in range(2)]
+            for t in streams:
+                t.start()
+            deadline = time.monotonic() + 10
+            while c.get("/healthz").json()["disaggregated"] < 2:
+                assert time.monotonic() < deadline, "the streams did not start"
+                time.sleep(0.05)
+
+            def ask():
+                t = time.perf_counter()
+                if stream is None:
+                    r = c.get(path)
+                else:
+                    r = c.post(path, json={"prompt": "hi", "stream": stream})
+                got.append((r, time.perf_counter() - t))
+            th = threading.Thread(target=ask, daemon=True)
+            th.start()
+            th.join(15)
+            for s in prefill, decode:
+                s.stop.set()  # ends the streams (and a request still held)
+            for t in (th, *streams):
+                t.join(30)
+    finally:
+        prefill.close()
+        decode.close()
+    r, took = got[0] if got and got[0][1] < 15 else (None, 15)
+    assert r is not None, "no answer within 15 s"  # the old code: until --timeout (60 s here)
+    assert r.status_code == 503 and r.headers["retry-after"] == "1", (r.status_code, r.text)
+    assert "backend connections are all in use" in r.json()["error"]
+    assert took < 1.0 + 3, took
