@@ -39,6 +39,25 @@ class OneLineParser(argparse.ArgumentParser):
         print(one_line(f"{self.prog}: error: {message} (see {self.prog} --help)"), file=sys.stderr)
         raise SystemExit(2)
 
+    def _print_message(self, message: str, file: Any = None) -> None:
+        # --help and --version: argparse drops what writing them raises, so a full disk or a
+        # closed pipe on stdout was exit status 0 with nothing written. As a command's output
+        # (run_command): one line and exit status 2.
+        if not message:
+            return
+        file = file or sys.stderr
+        try:
+            file.write(message)
+            file.flush()
+        except AttributeError:  # None: no such stream
+            pass
+        except OSError as e:
+            if file is sys.stderr or e.errno not in _OUTPUT_ERRNOS:
+                return  # nowhere to say it
+            _stdout_to_devnull()
+            print(one_line(f"{self.prog}: error: cannot write the output: {e.strerror or e}"), file=sys.stderr)
+            raise SystemExit(2) from None
+
     def _get_values(self, action: argparse.Action, arg_strings: list[str]) -> Any:
         # An option's own value "--" (--topic=--, -k--): Python before 3.13 drops it as if it
         # were the separator, and the option got [] past its type and choices (--port=-- was
@@ -169,15 +188,21 @@ def run_command(func: Callable[[argparse.Namespace], int | None], args: argparse
         # Writing stdout failed (`| head -1`: a broken pipe; >/dev/full): one line, not a
         # traceback (exit status 1), and stdout pointed at /dev/null so that flushing it at exit
         # does not fail again.
-        try:
-            devnull = os.open(os.devnull, os.O_WRONLY)
-            os.dup2(devnull, sys.stdout.fileno())
-            os.close(devnull)
-        except (OSError, ValueError, AttributeError):  # no file descriptor behind sys.stdout, or none
-            pass
+        _stdout_to_devnull()
         head = f"{prog}: {label}: " if label else f"{prog}: "
         print(head + f"cannot write the output: {e.strerror or e}", file=sys.stderr)
         return 2
+
+
+def _stdout_to_devnull() -> None:
+    """Points stdout's descriptor at /dev/null, once writing it failed, so that flushing what is
+    left at exit does not fail again."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError, AttributeError):  # no file descriptor behind sys.stdout, or none
+        pass
 
 
 #: What writing a command's output may fail with: the reader went away, the disk is full, there is
