@@ -17,11 +17,9 @@ A prefill worker that fails or answers without ``kv_transfer_params`` (or with a
 JSON object) does not fail the request: it goes to the decode worker without them and is
 computed there (the response then has the header ``x-kvslots-pd: recomputed``). A decode worker
 that fails (no answer, a 5xx) is a 502 with the reason; its 4xx answer (the request's fault:
-vLLM's 400 for a bad parameter) is the client's, status and body. A request that finds every
-one of the :data:`BACKEND_CONNECTIONS` in use for :data:`POOL_WAIT_S` is a 503 with Retry-After.
-A request body that is not a JSON object under kvslots' strict parser (no NaN, no duplicate
-keys, at most 64 levels, Unicode text) is a 400, and so is one of more arrays and objects, or
-strings, than a request holds
+vLLM's 400 for a bad parameter) is the client's, status and body. A request body that is not a
+JSON object under kvslots' strict parser (no NaN, no duplicate keys, at most 64 levels, Unicode
+text) is a 400, and so is one of more arrays and objects, or strings, than a request holds
 (:data:`MAX_BODY_CONTAINERS`, :data:`MAX_BODY_STRINGS`), refused before it is parsed. A big
 body's arrays of numbers (a prompt of token ids, floats) are checked and forwarded as sent,
 never built into Python objects (:func:`_parse_body`).
@@ -58,10 +56,6 @@ __all__ = ["DecodeWorker", "create_app", "prefill_body", "DEFAULT_MAX_BODY_MB"]
 #: Most connections to the backends (prefill, decode workers, the indexer) open at once (httpx's
 #: default, made explicit): the descriptors set aside for them (kvslots.indexer.fds).
 BACKEND_CONNECTIONS = 100
-#: Most seconds a request waits for one of them (all held, by streams say): past it a 503 with
-#: Retry-After. httpx's pool timeout was --timeout: 100 streams open (or read slowly by their
-#: clients) held every other request, /v1/models too, for up to 600 s.
-POOL_WAIT_S = 10.0
 
 #: Largest request body accepted by default (``--max-body-mb``): a 1000 MB body was read whole
 #: (2 GB of memory) before a byte of it was looked at.
@@ -393,8 +387,7 @@ def create_app(prefill_urls: Sequence[str], decode_workers: Sequence[DecodeWorke
     prefill_cycle = itertools.cycle(list(prefill_urls))
     decode_cycle = itertools.cycle(list(decode_workers))
     state: dict[str, Any] = {"recomputed": 0, "disaggregated": 0, "decode_errors": 0}
-    client = httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=10.0, pool=min(POOL_WAIT_S, timeout_s)),
-                               transport=transport,
+    client = httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=10.0), transport=transport,
                                limits=httpx.Limits(max_connections=BACKEND_CONNECTIONS, max_keepalive_connections=20))
 
     @contextlib.asynccontextmanager
@@ -431,10 +424,6 @@ def create_app(prefill_urls: Sequence[str], decode_workers: Sequence[DecodeWorke
                         return best
         return next(decode_cycle)
 
-    def busy() -> JSONResponse:
-        return JSONResponse({"error": f"the proxy's {BACKEND_CONNECTIONS} backend connections are all in use; "
-                                      "retry later"}, status_code=503, headers={"retry-after": "1"})
-
     def decode_failed(worker: DecodeWorker, what: str) -> JSONResponse:
         state["decode_errors"] += 1
         return JSONResponse({"error": f"decode worker {shown_url(worker.url)} {what}"}, status_code=502)
@@ -446,8 +435,6 @@ def create_app(prefill_urls: Sequence[str], decode_workers: Sequence[DecodeWorke
             status, content = await _post_read(client, f"{prefill_url.rstrip('/')}{path}",
                                                await _encoded(prefill_body(body), big), most=MAX_PREFILL_ANSWER,
                                                within=timeout_s)
-        except httpx.PoolTimeout:  # the decode worker would wait for one as long
-            return busy()
         except httpx.HTTPError as e:
             logger.warning("kvslots proxy: prefill worker %s failed: %s", shown_url(prefill_url), _why(e))
         else:
@@ -477,8 +464,6 @@ def create_app(prefill_urls: Sequence[str], decode_workers: Sequence[DecodeWorke
             try:
                 resp = await client.send(client.build_request("POST", url, **await _encoded(decode_req, big)),
                                          stream=True)
-            except httpx.PoolTimeout:
-                return busy()
             except httpx.HTTPError as e:
                 return decode_failed(worker, f"failed: {_why(e)}")
             if resp.status_code != 200:
@@ -510,8 +495,6 @@ def create_app(prefill_urls: Sequence[str], decode_workers: Sequence[DecodeWorke
         try:
             async with _within(timeout_s), client.stream("POST", url, **await _encoded(decode_req, big)) as resp:
                 content = await _read_most(resp, MAX_DECODE_ANSWER)
-        except httpx.PoolTimeout:
-            return busy()
         except httpx.HTTPError as e:
             return decode_failed(worker, f"failed: {_why(e)}")
         if _client_error(resp.status_code):
@@ -542,8 +525,6 @@ def create_app(prefill_urls: Sequence[str], decode_workers: Sequence[DecodeWorke
         try:
             status, content = await _post_read(client, f"{decode_workers[0].url.rstrip('/')}/v1/models", {},
                                                most=MAX_MODELS_ANSWER, within=timeout_s, method="GET")
-        except httpx.PoolTimeout:
-            return busy()
         except httpx.HTTPError as e:
             return JSONResponse({"error": f"decode worker failed: {_why(e)}"}, status_code=502)
         if status >= 500 or status < 200:  # the worker's failure, as for completions
