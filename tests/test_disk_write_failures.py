@@ -54,3 +54,70 @@ def test_spills_the_disk_refuses_are_logged_with_the_reason_once_a_minute(tmp_pa
     assert len(caplog.records) == 2 and "2 failed" in caplog.records[1].getMessage()
     assert "since start 4" in caplog.records[1].getMessage()
     w.close()
+
+
+@contextlib.contextmanager
+def a_stalled_disk(tmp_path):
+    """A directory whose filesystem is frozen (fsfreeze: every write waits) while the block
+    runs: a small ext4 image mounted on a loop device. Root only; skipped where it cannot be."""
+    import shutil
+    import subprocess
+    import threading
+
+    import pytest
+
+    if os.geteuid() != 0 or not (shutil.which("mkfs.ext4") and shutil.which("fsfreeze")):
+        pytest.skip("needs root, mkfs.ext4 and fsfreeze (a loop-mounted filesystem to freeze)")
+    img, mnt = tmp_path / "disk.img", tmp_path / "mnt"
+    mnt.mkdir()
+    with open(img, "wb") as f:
+        f.truncate(32 << 20)
+    run = lambda *a: subprocess.run(a, capture_output=True, timeout=30)  # noqa: E731
+    if run("mkfs.ext4", "-q", "-F", str(img)).returncode or run("mount", "-o", "loop", str(img), str(mnt)).returncode:
+        pytest.skip("cannot mount a loop device here")
+    frozen = threading.Event()
+
+    def freeze(on: bool) -> None:
+        if on:
+            assert run("fsfreeze", "-f", str(mnt)).returncode == 0
+            frozen.set()
+        elif frozen.is_set():
+            frozen.clear()
+            run("fsfreeze", "-u", str(mnt))
+
+    try:
+        yield mnt, freeze
+    finally:
+        freeze(False)
+        run("umount", "-l", str(mnt))
+
+
+def test_dropping_a_store_does_not_wait_for_a_stalled_disk_to_take_its_queue(tmp_path):
+    # Shutdown with a slow or hung disk behind the writer's queue: dropping the store joined
+    # the writer, which first wrote every queued block (disk_queue_len of them, up to 2**31),
+    # with the GIL held; on a hung disk for ever. Now it waits CLOSE_WAIT (2 s) at most.
+    import subprocess
+    import time
+
+    from kvslots._core import DiskStore
+
+    with a_stalled_disk(tmp_path) as (mnt, freeze):
+        s = DiskStore(str(mnt / "f.kvs"), num_slots=64, block_size=4, num_layers=1, bytes_per_block=1 << 16,
+                      dtype="uint8", fingerprint=1, queue_len=64)
+        blk = np.ones(1 << 16, np.uint8)
+        assert s.submit(0, blk, 1, [1] * 4)
+        s.flush()
+        freeze(True)
+        assert all(s.submit(i, blk, i + 1, [1] * 4) for i in range(1, 20))
+        # Thawed by another process: the old code held the GIL while it waited (a thread of
+        # this one would never run), and returns only then.
+        thaw = subprocess.Popen(["sh", "-c", f"sleep 12; fsfreeze -u '{mnt}'"])
+        try:
+            t = time.monotonic()
+            del s
+            took = time.monotonic() - t
+        finally:
+            thaw.kill()
+            thaw.wait()
+            freeze(False)
+        assert took < 6.0, f"dropping the store took {took:.1f} s"

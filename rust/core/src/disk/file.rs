@@ -17,6 +17,7 @@ use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::mpsc::{channel, sync_channel, Receiver, Sender, SyncSender};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
 
 use xxhash_rust::xxh3::xxh3_64;
 
@@ -751,6 +752,12 @@ pub struct WriterStats {
     pub wipe_failures: AtomicU64,
 }
 
+/// How long dropping a [`DiskWriter`] lets queued writes go on (then the rest are dropped, and
+/// a write stuck on the disk is left to its thread): a slow or stalled disk behind a long
+/// queue held the engine's shutdown, with the GIL, until every queued block was written
+/// (`disk_queue_len` blocks, up to 2^31; for ever on a hung disk).
+pub const CLOSE_WAIT: Duration = Duration::from_secs(2);
+
 enum Job {
     Write {
         slot: u32,
@@ -772,6 +779,8 @@ struct Shared {
     /// Why the last failed write failed (a full or read-only disk, the file cut short): the
     /// worker logs it with the count of failures, which alone does not say what to fix.
     last_error: Mutex<Option<String>>,
+    /// Set when the writer is dropped: queued writes not started by then are dropped.
+    close_by: OnceLock<Instant>,
 }
 
 /// A thread that writes records with a bounded queue: [`DiskWriter::submit`] never waits; when
@@ -804,6 +813,7 @@ impl DiskWriter {
             spare: Mutex::new(Vec::new()),
             seq: AtomicU64::new(next_seq),
             last_error: Mutex::new(None),
+            close_by: OnceLock::new(),
         });
         let (f, s) = (file.clone(), shared.clone());
         let handle = std::thread::Builder::new()
@@ -895,9 +905,18 @@ impl Drop for DiskWriter {
             std::mem::forget(self.handle.take());
             return;
         }
-        self.tx = None;
+        let by = Instant::now() + CLOSE_WAIT;
+        let _ = self.shared.close_by.set(by);
+        self.tx = None; // the writer ends once the queue is empty
         if let Some(h) = self.handle.take() {
-            let _ = h.join();
+            // Past the deadline it only drops what is queued; a write stuck in the kernel (a
+            // hung disk) is not waited for: the thread ends with it (holding the file's lock).
+            while !h.is_finished() && Instant::now() < by + Duration::from_millis(200) {
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            if h.is_finished() {
+                let _ = h.join();
+            }
         }
     }
 }
@@ -907,6 +926,10 @@ fn writer_loop(file: Arc<DiskFile>, shared: Arc<Shared>, rx: Receiver<Job>) {
     while let Ok(job) = rx.recv() {
         match job {
             Job::Write { slot, meta, data } => {
+                if shared.close_by.get().is_some_and(|&by| Instant::now() >= by) {
+                    shared.stats.queued.fetch_sub(1, Ordering::Relaxed);
+                    continue; // nobody takes the report any more
+                }
                 // Never past SEQ_LIMIT (a record numbered there is damaged), never wrapped: a
                 // wrapped number would make this record older than the ones it replaces.
                 let seq = shared.seq.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |s| if s < SEQ_LIMIT { Some(s + 1) } else { None });
