@@ -32,7 +32,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from ...events import MEDIUM_CPU, MEDIUM_STORAGE
 from ...config.connector import ConnectorConfig, ConnectorConfigError
-from ...errors import DiskTierError, KVSlotsError
+from ...errors import ArgumentTypeError, DiskTierError, InvalidStateError, KVSlotsError
 from ..compat import check_supported, features
 from .metadata import EMPTY_METADATA, KVSlotsMetadata, KVSlotsWorkerMetadata
 from .scheduler_side import SchedulerSide
@@ -317,13 +317,19 @@ class KVSlotsConnector(KVConnectorBase_V1):
 
     # ---------------------------------------------------------------- worker side
     def register_kv_caches(self, kv_caches: dict[str, "torch.Tensor"]) -> None:
-        assert self._worker is not None
-        self._worker.register_kv_caches(kv_caches)
+        worker = self._worker_side("register_kv_caches")
+        before = worker.copier, worker._kv_caches
+        worker.register_kv_caches(kv_caches)  # changes nothing if it raises
         if self._disk_worker is not None:
-            self._disk_worker.register(kv_caches, self._worker.copier, self._worker.num_device_blocks,
-                                       self.config.copy_threads)
+            try:
+                self._disk_worker.register(kv_caches, worker.copier, worker.num_device_blocks,
+                                           self.config.copy_threads)
+            except BaseException:
+                # Tensors the disk file does not fit: the copies go on over the earlier ones.
+                worker.copier, worker._kv_caches = before
+                raise
         if self._pd_worker is not None:
-            self._pd_worker.register(kv_caches, self._worker.num_device_blocks)
+            self._pd_worker.register(kv_caches, worker.num_device_blocks)
 
     # Sleep mode (vLLM 0.33 calls these; 0.32 has no such hooks). Sleep level >= 1 already resets
     # the connector (reset_cache: the host tier is dropped and AllBlocksCleared published, as the
@@ -354,22 +360,32 @@ class KVSlotsConnector(KVConnectorBase_V1):
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
         # vLLM calls this at the start of every step, before the forward: the step's stores run
         # here, so blocks freed since the last step are copied before they can be overwritten.
-        assert self._worker is not None and isinstance(kv_connector_metadata, KVSlotsMetadata)
-        if self._disk_worker is not None and kv_connector_metadata.disk is not None:
+        worker = self._worker_side("handle_preemptions")
+        meta = _step_meta(kv_connector_metadata, "handle_preemptions")
+        if self._disk_worker is not None and meta.disk is not None:
             # Host blocks evicted to disk are read before this step's stores and disk reads
             # reuse them (a reset's wipe is queued first).
-            self._disk_worker.spill(kv_connector_metadata.disk)
-        self._worker.store(kv_connector_metadata)
+            self._disk_worker.spill(meta.disk)
+        worker.store(meta)
 
     def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
-        assert self._worker is not None
-        meta = self._get_connector_metadata()
-        assert isinstance(meta, KVSlotsMetadata)
-        self._worker.load(meta)
+        worker = self._worker_side("start_load_kv")
+        meta = self._connector_metadata
+        if meta is None:  # vLLM's own accessor asserted (nothing at all under python -O)
+            raise InvalidStateError("KVSlotsConnector.start_load_kv: no connector metadata is bound for this "
+                                    "step (bind_connector_metadata comes first)")
+        meta = _step_meta(meta, "start_load_kv")
+        worker.load(meta)
         if self._pd_worker is not None:
             self._pd_worker.on_step(meta.pd)  # pulls start on a background thread
         if self._disk_worker is not None and meta.disk is not None and meta.disk.loads:
             self._disk_worker.start(meta.disk)  # async: finished in get_finished
+
+    def _worker_side(self, call: str) -> WorkerSide:
+        if self._worker is None:
+            raise InvalidStateError(f"KVSlotsConnector.{call} is a worker-side call; this is the scheduler's "
+                                    "connector")
+        return self._worker
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         if self._worker is None or not self._disk_news():
@@ -436,6 +452,13 @@ class KVSlotsConnector(KVConnectorBase_V1):
                 meta.disk_loaded, self._disk_loaded = self._disk_loaded, []
                 meta.disk_stats = self._disk_worker.store.stats()
         return meta
+
+
+def _step_meta(meta: Any, call: str) -> KVSlotsMetadata:
+    if not isinstance(meta, KVSlotsMetadata):
+        raise ArgumentTypeError(f"KVSlotsConnector.{call}: expected the KVSlotsMetadata of this connector's "
+                                f"scheduler side, got {type(meta).__name__}")
+    return meta
 
 
 _EVENT_DECODER: Any = None

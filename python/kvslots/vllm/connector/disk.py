@@ -532,8 +532,9 @@ class DiskWorker:
         from ..transfer import BlockCopier
 
         if copier.bytes_per_block != self.layout.bytes_per_block:
-            raise RuntimeError(f"kvslots disk tier: blocks of {copier.bytes_per_block} bytes, the layout says "
-                               f"{self.layout.bytes_per_block}")
+            raise InvalidArgumentError(f"kvslots disk tier: the KV caches registered hold blocks of "
+                                       f"{copier.bytes_per_block} bytes, the disk file's layout (vLLM's KV cache "
+                                       f"config) says {self.layout.bytes_per_block}")
         # A read still in flight from before a sleep (its disk outwaited the sleep's bound) lands
         # in the host region of before; the new copier would send its own host blocks of those
         # numbers to the device: KV that is not the request's. Not loaded: recomputed.

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from ...errors import InvalidStateError
 from .metadata import KVSlotsMetadata, KVSlotsWorkerMetadata
 
 logger = logging.getLogger(__name__)
@@ -48,9 +49,10 @@ class WorkerSide:
 
         # Every attention layer vLLM registered, the draft model's layers included: a host block
         # holds the target's and the drafter's KV, so a restored prefix drafts like a computed one.
-        self._kv_caches = kv_caches
-        self.copier = BlockCopier(kv_caches, self.num_device_blocks, self.num_host_blocks,
-                                  threads=self.copy_threads)
+        # Tensors BlockCopier refuses change nothing (it raises before anything is kept).
+        copier = BlockCopier(kv_caches, self.num_device_blocks, self.num_host_blocks, threads=self.copy_threads)
+        self._settle_loads()  # the last step's loads end in the tensors registered before
+        self._kv_caches, self.copier = kv_caches, copier
         logger.info("kvslots: %d layers, %d host blocks of %d bytes", len(kv_caches),
                     self.num_host_blocks, self.copier.bytes_per_block)
 
@@ -107,7 +109,8 @@ class WorkerSide:
 
     def _require_copier(self) -> None:
         if self.copier is None:
-            raise RuntimeError("kvslots: register_kv_caches was not called before the first copy")
+            raise InvalidStateError("kvslots: register_kv_caches was not called before the first copy "
+                                    "(or the KV caches are unregistered: asleep)")
 
     def take_worker_meta(self) -> KVSlotsWorkerMetadata | None:
         if not self._meta.acks:
