@@ -121,4 +121,4 @@ def exec_size(text: str) -> int | None:
         return None
 
 
-__all__ = ["MAX_ARG_BYTES", "MAX_PARALLEL_SIZE", "check_exec_strings", "engine_flag", "exec_size", "flag_name", "to_json"]
+__all__ = ["MAX_ARG_BYTES", "MAX_PARALLEL_SIZE", "arg_max", "check_exec_strings", "engine_flag", "exec_size", "flag_name", "to_json"]
