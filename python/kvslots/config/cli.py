@@ -85,6 +85,10 @@ def run(args: argparse.Namespace) -> int:
             first = str(e).splitlines()[0] if str(e) else ""
             raise ConfigError(f"vLLM rejected the arguments: {type(e).__name__}: {first}") from None
     if args.output is not None:
+        if _same_file(args.output, args.file):
+            # Written over the YAML it was made from: the input was gone, the flags in its place.
+            raise ConfigError("is the input file: give another path (the YAML would be overwritten)",
+                              "-o/--output", args.output)
         _write(args.output, text)
     else:
         out = output()
@@ -96,6 +100,14 @@ def run(args: argparse.Namespace) -> int:
         if args.check:
             print("checked: vLLM accepts the arguments", file=sys.stderr)
     return 0
+
+
+def _same_file(a: str, b: str) -> bool:
+    """Whether paths ``a`` and ``b`` name one existing file (a link or another spelling too)."""
+    try:
+        return os.path.samefile(a, b)
+    except (OSError, ValueError):  # one of them is not there, or no path (a NUL)
+        return False
 
 
 def _write(path: str, text: str) -> None:
