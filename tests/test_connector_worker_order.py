@@ -21,6 +21,7 @@ from vllm_harness import BLOCK_SIZE, HEAD, HEADS, LAYERS, engine_config, kv_cach
 
 STORES = KVSlotsMetadata(step=5, store_device_blocks=[3], store_host_blocks=[7])
 LOADS = KVSlotsMetadata(step=6, loads=[LoadSpec("r", [9], [7])])
+_steps = iter(range(100, 10**6))
 
 
 @pytest.fixture(scope="module")
@@ -44,8 +45,8 @@ def round_trip(w, kv) -> None:
     """Block 3 -> host 7 -> block 9 through the step hooks, in every layer of `kv`."""
     for t in kv.values():
         t[9].zero_()
-    w.handle_preemptions(STORES)
-    w.bind_connector_metadata(LOADS)
+    w.handle_preemptions(KVSlotsMetadata(step=next(_steps), store_device_blocks=[3], store_host_blocks=[7]))
+    w.bind_connector_metadata(KVSlotsMetadata(step=next(_steps), loads=[LoadSpec("r", [9], [7])]))
     w.start_load_kv(None)
     w.clear_connector_metadata()
     for name, t in kv.items():
@@ -102,5 +103,38 @@ def test_caches_refused_at_registration_leave_the_earlier_ones_in_use(cfg, tmp_p
     w.unregister_kv_caches()
     w.restore_kv_caches()  # the caches registered, not a refused set
     assert w._worker._kv_caches is kv
+    round_trip(w, kv)
+    w.shutdown()
+
+
+def test_a_steps_hooks_run_once(cfg, tmp_path):
+    # vLLM calls each once a step; a second call with the same metadata ran the step again: its
+    # spills were written and reported twice (the scheduler's index refuses the second report),
+    # its disk reads and P/D pulls queued again.
+    from kvslots.vllm.connector.disk import DiskStepMeta
+    from kvslots.vllm.connector.metadata import EMPTY_METADATA
+
+    w = connector(cfg, disk_path=str(tmp_path), disk_blocks=8)
+    kv = caches()
+    w.register_kv_caches(kv)
+    spill = KVSlotsMetadata(step=1, store_device_blocks=[3], store_host_blocks=[7],
+                            disk=DiskStepMeta(spills=[(7, 0, 0xABC, [1] * BLOCK_SIZE, None, None, None)]))
+    w.handle_preemptions(spill)
+    with pytest.raises(InvalidStateError, match="twice for the step 1"):
+        w.handle_preemptions(spill)
+    w._disk_worker.store.flush()
+    assert w._disk_worker.take_done() == [(0, True)]
+    loads = KVSlotsMetadata(step=2, loads=[LoadSpec("r", [9], [7])])
+    w.bind_connector_metadata(loads)
+    w.start_load_kv(None)
+    with pytest.raises(InvalidStateError, match="twice for the step 2"):
+        w.start_load_kv(None)
+    w.clear_connector_metadata()
+    assert w._worker.stats["loaded_blocks"] == 1
+    for _ in range(2):  # a step with nothing to copy: nothing to repeat
+        w.handle_preemptions(EMPTY_METADATA)
+        w.bind_connector_metadata(EMPTY_METADATA)
+        w.start_load_kv(None)
+        w.clear_connector_metadata()
     round_trip(w, kv)
     w.shutdown()

@@ -121,6 +121,7 @@ class KVSlotsConnector(KVConnectorBase_V1):
         self._disk_corrupt: set[int] = set()
         self._disk_loaded: list[tuple[str, int]] = []
         self._disk_drained: set[str] = set()  # reads finished before a sleep, not yet reported
+        self._ran: dict[str, KVSlotsMetadata | None] = {}  # per step hook, the metadata it last ran
         self._tier_stats: Any = None
         self._bytes_per_block = bytes_per_block(kv_cache_config)
         if self.config.disk_path is not None:
@@ -361,12 +362,13 @@ class KVSlotsConnector(KVConnectorBase_V1):
         # vLLM calls this at the start of every step, before the forward: the step's stores run
         # here, so blocks freed since the last step are copied before they can be overwritten.
         worker = self._worker_side("handle_preemptions")
-        meta = _step_meta(kv_connector_metadata, "handle_preemptions")
+        meta = self._once(_step_meta(kv_connector_metadata, "handle_preemptions"), "handle_preemptions")
         if self._disk_worker is not None and meta.disk is not None:
             # Host blocks evicted to disk are read before this step's stores and disk reads
             # reuse them (a reset's wipe is queued first).
             self._disk_worker.spill(meta.disk)
         worker.store(meta)
+        self._ran["handle_preemptions"] = meta
 
     def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
         worker = self._worker_side("start_load_kv")
@@ -374,12 +376,23 @@ class KVSlotsConnector(KVConnectorBase_V1):
         if meta is None:  # vLLM's own accessor asserted (nothing at all under python -O)
             raise InvalidStateError("KVSlotsConnector.start_load_kv: no connector metadata is bound for this "
                                     "step (bind_connector_metadata comes first)")
-        meta = _step_meta(meta, "start_load_kv")
+        meta = self._once(_step_meta(meta, "start_load_kv"), "start_load_kv")
         worker.load(meta)
         if self._pd_worker is not None:
             self._pd_worker.on_step(meta.pd)  # pulls start on a background thread
         if self._disk_worker is not None and meta.disk is not None and meta.disk.loads:
             self._disk_worker.start(meta.disk)  # async: finished in get_finished
+        self._ran["start_load_kv"] = meta
+
+    def _once(self, meta: KVSlotsMetadata, call: str) -> KVSlotsMetadata:
+        # A step's copies run once (vLLM calls each hook once a step): a second call with its
+        # metadata queued its spills again (each write reported twice: the scheduler's index
+        # refuses the second) and its disk reads and P/D pulls again (a repeated pull reads the
+        # prefill worker's blocks after the first one's ack let it free them). The callers note
+        # the metadata once it has run: a call refused before copying anything may come again.
+        if self._ran.get(call) is meta and not meta.is_empty():
+            raise InvalidStateError(f"KVSlotsConnector.{call} was called twice for the step {meta.step}")
+        return meta
 
     def _worker_side(self, call: str) -> WorkerSide:
         if self._worker is None:
