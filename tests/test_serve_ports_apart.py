@@ -48,3 +48,31 @@ def test_two_sockets_of_one_worker_on_one_port_are_one_line_exit_2(capsys, argv,
 ])
 def test_sockets_apart_still_plan(argv):
     assert plan_from_argv(["org/m", *argv]).argv
+
+
+@pytest.mark.parametrize("argv", [["--role", "prefill", "--pd-port", "{busy}"],
+                                  ["--connector-config", '{{"pd_port": {busy}}}'],  # kv_both with a control port
+                                  ["--role", "prefill", "--pd-host", "192.0.2.1"]])  # no address of this host
+def test_a_control_socket_that_cannot_listen_is_one_line_before_vllm_starts(capsys, monkeypatch, argv):
+    # Found only once the model was loaded: the connector's TransferError 'P/D control socket
+    # cannot bind', in vLLM's traceback.
+    import socket
+
+    from kvslots.serve import cli as serve_cli
+
+    def no_vllm(*a, **k):
+        raise AssertionError("vLLM was started")
+
+    monkeypatch.setattr(serve_cli, "supervise", no_vllm)
+    with socket.socket() as busy, socket.socket() as free:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        free.bind(("127.0.0.1", 0))
+        http = free.getsockname()[1]
+        free.close()
+        capsys.readouterr()
+        code = cli.main(["serve", "org/m", "--port", str(http), "--no-kv-events",
+                         *(a.format(busy=busy.getsockname()[1]) for a in argv)])
+    out, err = capsys.readouterr()
+    assert code == 2 and out == "" and err.count("\n") == 1, err
+    assert err.startswith("kvslots serve: error: P/D control socket: cannot listen on "), err

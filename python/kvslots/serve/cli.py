@@ -242,6 +242,14 @@ def _run(args: argparse.Namespace) -> int:
             except ConfigError as e:
                 raise ServeError(f"KV events: {e} (--kv-events-endpoint / --kv-events-replay-endpoint, "
                                  "or --no-kv-events)") from None
+        # And the P/D control socket: a --pd-port in use failed the connector once the model
+        # was loaded (TransferError 'P/D control socket cannot bind', vLLM's traceback).
+        pd = plan.pd_bind_address()
+        if pd is not None:
+            try:
+                check_listen(*pd)
+            except ConfigError as e:
+                raise ServeError(f"P/D control socket: {e} (--pd-host / --pd-port)") from None
     if not args.quiet:
         for line in plan.notes:
             print(one_line(f"{PROG}: {line}"), file=sys.stderr)  # a YAML key may hold a newline or an escape

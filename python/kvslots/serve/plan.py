@@ -94,6 +94,11 @@ class ServePlan:
         """The TCP addresses vLLM's events sockets bind, every data-parallel rank's."""
         return bound_tcp_addresses(self.kv_events_config, self.data_parallel_size)
 
+    def pd_bind_address(self) -> tuple[str, int] | None:
+        """The TCP address this worker's P/D control socket binds (a prefill worker's, or a
+        kv_both one's with a pd_port); None when it binds none."""
+        return _pd_bind_address(self.kv_transfer_config)
+
     def indexer_worker(self, name: str = "NAME") -> str | None:
         """The ``kvslots indexer --worker`` value that follows this server's events from this
         host (None: no events a subscriber here can reach). ``eagle=true`` when vLLM drops the
@@ -165,16 +170,24 @@ def _check_ports_apart(host: str, port: int, kv_transfer: dict[str, Any] | None,
     endpoint, or --pd-port on the replay port, passed every check (each address alone is free)
     and the second bind failed inside vLLM (EADDRINUSE: a traceback once the model was loaded)."""
     bound: list[tuple[str, str, int]] = [("--port", host, port)]
-    extra = (kv_transfer or {}).get("kv_connector_extra_config") or {}
-    if (kv_transfer or {}).get("kv_connector") == CONNECTOR_NAME and kv_transfer is not None \
-            and kv_transfer.get("kv_role") in ("kv_producer", "kv_both") and extra.get("pd_port"):
-        bound.append(("--pd-port", str(extra.get("pd_host") or "127.0.0.1"), int(extra["pd_port"])))
+    pd = _pd_bind_address(kv_transfer)
+    if pd is not None:
+        bound.append(("--pd-port", *pd))
     bound += [("the KV events endpoints", h, p) for h, p in bound_tcp_addresses(kv_events, max(1, dp_size))]
     for i, (what_a, host_a, port_a) in enumerate(bound):
         for what_b, host_b, port_b in bound[i + 1:]:
             if port_a == port_b and what_a != what_b and _same_address(host_a, host_b):
                 raise ServeError(f"{what_a} and {what_b} both listen on port {port_a} "
                                  f"({short(host_a, 80)} and {short(host_b, 80)}): give one of them another port")
+
+
+def _pd_bind_address(kv_transfer: dict[str, Any] | None) -> tuple[str, int] | None:
+    kv = kv_transfer or {}
+    extra = kv.get("kv_connector_extra_config") or {}
+    if kv.get("kv_connector") != CONNECTOR_NAME or kv.get("kv_role") not in ("kv_producer", "kv_both") \
+            or not extra.get("pd_port"):
+        return None
+    return str(extra.get("pd_host") or "127.0.0.1"), int(extra["pd_port"])
 
 
 def _same_address(a: str, b: str) -> bool:
