@@ -16,12 +16,12 @@ from kvslots.config.trtllm import convert_trtllm_config, parse_trtllm_yaml
 from kvslots.errors import ConfigError, KVSlotsError
 from kvslots.serve.cli import plan_from_argv
 
-#: 40,000 keys: within MAX_NODES, past MAX_ENGINE_NODES.
-MANY_KEYS = "".join(f"k{i}: 0\n" for i in range(40_000))
+#: 30,000 keys (60,000 nodes): within MAX_NODES, past MAX_ENGINE_NODES.
+MANY_KEYS = "".join(f"k{i}: 0\n" for i in range(30_000))
 
 
 def test_an_engine_yaml_past_the_engine_node_limit_is_refused(tmp_path, capsys):
-    assert MAX_ENGINE_NODES < 40_000 * 2 < MAX_NODES
+    assert MAX_ENGINE_NODES < 30_000 * 2 < MAX_NODES
     f = tmp_path / "e.yaml"
     f.write_text(MANY_KEYS)
     capsys.readouterr()
@@ -32,8 +32,8 @@ def test_an_engine_yaml_past_the_engine_node_limit_is_refused(tmp_path, capsys):
     with pytest.raises(ConfigError, match=f"more than {MAX_ENGINE_NODES} nodes"):
         parse_trtllm_yaml(MANY_KEYS)
     with pytest.raises(ConfigError, match=f"more than {MAX_ENGINE_NODES} values"):  # given in code, the same rule
-        convert_trtllm_config({f"k{i}": 0 for i in range(40_000)})
-    assert len(parse_yaml(MANY_KEYS)) == 40_000  # other files keep the general limit
+        convert_trtllm_config({f"k{i}": 0 for i in range(60_000)})
+    assert len(parse_yaml(MANY_KEYS)) == 30_000  # other files keep the general limit
 
 
 @pytest.mark.parametrize("where", ["extra-engine-args", "vllm-config"])
@@ -76,3 +76,19 @@ def test_converting_keys_full_of_dots_costs_what_they_are_long():
                                "cuda_graph_config": {"batch_sizes": None}, "moe_config": {}})
     assert sorted(i.path for i in r.ignored if "null or empty" in i.reason) == [
         "cuda_graph_config.batch_sizes", "kv_cache_config.host_cache_size", "moe_config"]
+
+
+def test_a_wide_ep_engine_yaml_with_inline_slot_assignments_converts():
+    """TRT-LLM's wide-EP configs list the MoE load balancer's initial slot assignments inline:
+    DeepSeek-V3's 58 MoE layers of 288 slots are 16.7k nodes (192 KB), refused when the engine
+    limit was 10,000. A 61-layer model of 384 slots (23.5k) is read too."""
+    import yaml
+
+    for layers, slots in ((range(3, 61), 288), (range(61), 384)):
+        doc = {"max_batch_size": 256, "max_num_tokens": 8192,
+               "moe_config": {"backend": "WIDEEP", "load_balancer": {
+                   "num_slots": slots,
+                   "initial_global_assignments": {i: [j % 256 for j in range(slots)] for i in layers}}}}
+        text = yaml.safe_dump(doc)
+        assert parse_trtllm_yaml(text, "wide_ep.yaml") == doc
+        convert_trtllm_config(parse_trtllm_yaml(text, "wide_ep.yaml"))

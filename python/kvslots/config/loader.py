@@ -50,10 +50,11 @@ MAX_BYTES = 4 * 1024 * 1024
 MAX_DEPTH = 64
 #: Most nodes (scalars, lists, mappings) in a document, YAML aliases expanded.
 MAX_NODES = 100_000
-#: Most nodes of an engine's configuration (a TRT-LLM engine YAML, vLLM's ``--config`` file): a
-#: real one holds a few hundred (a cuda_graph_config.batch_sizes list of every batch size up to
-#: 2048 a few thousand). Reading and converting MAX_NODES of them took 3-4 s.
-MAX_ENGINE_NODES = 10_000
+#: Most nodes of an engine's configuration (a TRT-LLM engine YAML, vLLM's ``--config`` file):
+#: most hold a few hundred, but a wide-EP one lists its MoE load balancer's initial slot
+#: assignments inline (DeepSeek-V3: 58 layers of 288 slots, 16.7k nodes; a 61-layer model of
+#: 384 slots 23k). Reading and converting MAX_NODES of them took 3-4 s.
+MAX_ENGINE_NODES = 50_000
 #: Longest mapping key, in characters.
 MAX_KEY_CHARS = 1024
 #: Most characters of keys and strings in a document, every repeat of a value counted: no file
