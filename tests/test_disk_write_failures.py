@@ -75,6 +75,11 @@ def a_stalled_disk(tmp_path):
     run = lambda *a: subprocess.run(a, capture_output=True, timeout=30)  # noqa: E731
     if run("mkfs.ext4", "-q", "-F", str(img)).returncode or run("mount", "-o", "loop", str(img), str(mnt)).returncode:
         pytest.skip("cannot mount a loop device here")
+    # A frozen filesystem left behind (pytest killed by a CI timeout before its finally) would
+    # hang whatever writes there later, pytest's own clean-up of old temp dirs included: a
+    # watchdog in its own session thaws and unmounts it after 60 s whatever happens to this one.
+    watchdog = subprocess.Popen(["sh", "-c", f"sleep 60; fsfreeze -u '{mnt}'; umount -l '{mnt}'"],
+                                start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     frozen = threading.Event()
 
     def freeze(on: bool) -> None:
@@ -90,6 +95,8 @@ def a_stalled_disk(tmp_path):
     finally:
         freeze(False)
         run("umount", "-l", str(mnt))
+        watchdog.kill()
+        watchdog.wait()
 
 
 def test_dropping_a_store_does_not_wait_for_a_stalled_disk_to_take_its_queue(tmp_path):
