@@ -18,7 +18,10 @@
   connection kept its descriptor until the read timeout: when descriptors ran out, new
   connections failed, the server's own ones too);
 * a client that half-closes its side once its request is sent (``shutdown(SHUT_WR)``) is
-  answered, then closed (uvicorn closed the connection on the EOF, the answer unwritten); a
+  answered, then closed (uvicorn closed the connection on the EOF, the answer unwritten); but
+  for a request whose answer the app streams (:func:`eof_is_disconnect`) the EOF is the client
+  gone, as uvicorn had it (a client closed at once and one half-closed look the same until
+  something is written to it); a
   request answered before its body arrived whole (a 413) is closed once the client has sent
   nothing more of that body for :data:`REFUSED_LINGER_S` (its bytes were read as the next
   head's: a 431 past 64 KiB);
@@ -52,6 +55,19 @@ REFUSED_LINGER_S = 2.0
 #: answered: 20 connections pipelining 4 MB of ``GET /healthz`` each, reading no answer, took the
 #: indexer from 60 MB to 1 GB, and /healthz on another connection went unanswered.
 MAX_PIPELINED = 16
+#: The scope key :func:`eof_is_disconnect` sets.
+_EOF_KEY = "kvslots.eof_is_disconnect"
+
+
+def eof_is_disconnect(scope: dict[str, Any]) -> None:
+    """Marks the request of ``scope`` (an ASGI HTTP scope, as the guard's protocol made it) as one
+    whose answer is streamed: the client's EOF (its FIN) ends it as a disconnect, at once or
+    within a tick (:data:`_TICK_S`) of either coming. A half-closed client is otherwise answered,
+    and a closed one was noticed only at the first byte written to it: a streamed completion
+    queued in vLLM kept running seconds after its client gave up."""
+    if not isinstance(scope, dict):
+        raise ArgumentTypeError(f"scope must be a dict (an ASGI scope), got {type(scope).__name__}")
+    scope[_EOF_KEY] = True
 #: A chunked body is fed to the parser in pieces of at least this many bytes (up to a blank
 #: line): a request pipelined after it may be parsed with it, so at most this many bytes' worth
 #: (a few dozen requests) come in past MAX_PIPELINED. One piece per blank line was 20-30 times
@@ -95,6 +111,7 @@ class _Guard:
         self._guard_last_data = time.monotonic()  # when the client last sent something
         self._guard_held = b""  # received, not parsed yet: past MAX_PIPELINED requests waiting
         self._guard_eof = False  # the client half-closed while bytes were held
+        self._guard_eof_seen = False  # the client half-closed (or closed: they look the same)
         self._guard_fields = 0  # (httptools) bytes of the current request's header fields
         self._guard_trailers = False  # (httptools) its head is parsed: fields now are trailers
         self._guard_body = 0  # (httptools) the body's bytes the parser has still to see; -1: chunked
@@ -152,13 +169,25 @@ class _Guard:
         # connection there, so the answer to a request sent whole was never written (a sync
         # route's, or one waiting on a backend). Kept open for writing until the last request
         # parsed is answered; closed at once when there is none, or its body is cut short.
+        self._guard_eof_seen = True
         if self._guard_held and not self._guard_refused:  # its last requests are not parsed yet
             self._guard_eof = True
             return True
         c = self.cycle
-        if self._guard_refused or c is None or c.response_complete or c.more_body:
+        if self._guard_refused or c is None or c.response_complete or c.more_body or self._guard_gone(c):
             return False
         c.keep_alive = False  # the last request parsed (pipelined ones come before it)
+        return True
+
+    def _guard_gone(self, c: Any) -> bool:
+        """Whether the client's EOF ends ``c`` (unanswered) as a disconnect (:func:`eof_is_disconnect`):
+        every request it has waiting is marked so (uvicorn marks the newest only, on closing)."""
+        if not (self._guard_eof_seen and not c.response_complete and c.scope.get(_EOF_KEY)):
+            return False
+        for w in self._guard_cycles:
+            if not w.response_complete:
+                w.disconnected = True
+                w.message_event.set()
         return True
 
     def data_received(self, data: bytes) -> None:
@@ -287,6 +316,10 @@ class _Guard:
             for c in self._guard_cycles:
                 if not c.response_complete:
                     c.disconnected = True
+            self.transport.abort()
+            return
+        c = self.cycle
+        if c is not None and self._guard_gone(c):  # a stream whose client has gone
             self.transport.abort()
             return
         if self.transport.is_closing():

@@ -46,7 +46,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ..config.loader import MAX_DEPTH, loads_strict_json
 from ..errors import ArgumentTypeError, ConfigError, InvalidArgumentError
 from ..indexer.config import check_worker_name
-from ..indexer.httpguard import BodyLimit, json_members, json_shape_error
+from ..indexer.httpguard import BodyLimit, eof_is_disconnect, json_members, json_shape_error
 from .cli import check_unique_names, http_url, seconds, shown_url
 
 logger = logging.getLogger(__name__)
@@ -508,7 +508,11 @@ def create_app(prefill_urls: Sequence[str], decode_workers: Sequence[DecodeWorke
         raw = await request.body()
         big = len(raw) > OFF_LOOP_BYTES
         doc = await _off_loop(_request_doc, raw) if big else _request_doc(raw)
-        return (doc, big) if isinstance(doc, dict) else JSONResponse({"error": doc}, status_code=400)
+        if not isinstance(doc, dict):
+            return JSONResponse({"error": doc}, status_code=400)
+        if doc.get("stream"):  # a client that closes (or half-closes) has gone: its backend requests end
+            eof_is_disconnect(request.scope)
+        return doc, big
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:

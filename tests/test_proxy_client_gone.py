@@ -1,0 +1,117 @@
+"""A client of ``kvslots proxy`` that closes its connection while its streamed completion has
+produced nothing yet (queued in vLLM, a long prefill) ends the decode worker's stream at once, not
+at the first token (15f9d03 kept every connection open after the client's FIN so that a
+half-closed client gets its answer: a closed one was then noticed only when the first token was
+written to it, 3 s here); a half-closed client of a request without a stream still gets its
+answer, however long it takes."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import threading
+import time
+
+import httpx
+import pytest
+
+pytest.importorskip("fastapi")
+import uvicorn  # noqa: E402
+
+from kvslots.indexer import httpguard  # noqa: E402
+from kvslots.proxy.app import DecodeWorker, create_app  # noqa: E402
+from ports import free_port  # noqa: E402
+
+FIRST_TOKEN_S = 8.0  # the decode worker's stream: nothing for this long (queued in vLLM)
+
+
+@pytest.fixture(scope="module")
+def proxy():
+    """(port, {"opened": Event, "closed": Event}) for the last streamed decode request."""
+    marks: dict[str, threading.Event] = {}
+
+    async def backend(request: httpx.Request) -> httpx.Response:
+        body = json.loads(request.content)
+        if body.get("kv_transfer_params", {}).get("do_remote_decode"):
+            await asyncio.sleep(0.2)  # the prefill
+            return httpx.Response(200, json={"kv_transfer_params": {"do_remote_prefill": True}})
+        if not body.get("stream"):
+            await asyncio.sleep(1.5 * httpguard._TICK_S + 0.5)  # past a guard's tick
+            return httpx.Response(200, json={"whole": True})
+        opened, closed = marks["opened"], marks["closed"]
+
+        async def gen():
+            opened.set()
+            try:
+                await asyncio.sleep(FIRST_TOKEN_S)
+                yield b'data: {"x": 1}\n\n'
+            finally:
+                closed.set()
+
+        return httpx.Response(200, content=gen(), headers={"content-type": "text/event-stream"})
+
+    app = create_app(["http://p"], [DecodeWorker("http://d")], transport=httpx.MockTransport(backend))
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error", lifespan="off",
+                                           **httpguard.uvicorn_options()))
+    t = threading.Thread(target=server.run, daemon=True)
+    t.start()
+    deadline = time.monotonic() + 10
+    while not server.started:
+        assert time.monotonic() < deadline, "server did not start"
+        time.sleep(0.02)
+    yield port, marks
+    server.should_exit = True
+    t.join(10)
+
+
+def _request(stream: bool) -> bytes:
+    body = json.dumps({"prompt": "hi", "stream": stream, "max_tokens": 10}).encode()
+    return (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Content-Length: %d\r\n\r\n" % len(body)) + body
+
+
+@pytest.mark.parametrize("when", ["after the head", "before the head"])
+@pytest.mark.parametrize("how", ["close", "shutdown"])
+def test_a_client_gone_from_a_stream_ends_the_decode_stream(proxy, when, how):
+    port, marks = proxy
+    marks["opened"], marks["closed"] = threading.Event(), threading.Event()
+    s = socket.create_connection(("127.0.0.1", port))
+    s.settimeout(5)
+    s.sendall(_request(stream=True))
+    if when == "after the head":  # the stream's head is written, no token yet
+        got = b""
+        while b"\r\n\r\n" not in got:
+            got += s.recv(65536)
+        assert got.startswith(b"HTTP/1.1 200 OK"), got[:300]
+    # before the head: gone while its prefill runs (a close and a half-close look the same)
+    s.shutdown(socket.SHUT_WR) if how == "shutdown" else s.close()
+    gone = time.monotonic()
+    try:
+        assert marks["opened"].wait(5)
+        # the old code: at the first token (FIRST_TOKEN_S); now at once, or the guard's next tick
+        assert marks["closed"].wait(2 * httpguard._TICK_S + 1.5), "the decode stream was not ended"
+        assert time.monotonic() - gone < FIRST_TOKEN_S - 2
+    finally:
+        s.close()
+
+
+def test_a_half_closed_client_still_gets_an_answer_without_a_stream(proxy):
+    port, _ = proxy
+    with socket.create_connection(("127.0.0.1", port)) as s:
+        s.sendall(_request(stream=False))
+        s.shutdown(socket.SHUT_WR)
+        s.settimeout(10)
+        out = b""
+        while chunk := s.recv(65536):
+            out += chunk
+    assert out.startswith(b"HTTP/1.1 200 OK") and out.endswith(b'{"whole":true}'), out[:500]
+
+
+@pytest.mark.parametrize("scope", [None, [], "scope", 3])
+def test_eof_is_disconnect_takes_a_scope_only(scope):
+    from kvslots.errors import ArgumentTypeError
+
+    with pytest.raises(ArgumentTypeError):
+        httpguard.eof_is_disconnect(scope)
