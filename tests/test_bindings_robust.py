@@ -1103,6 +1103,28 @@ def test_finish_step_with_a_scheduled_that_raises_keeps_the_deferred_lookahead()
     assert m.check_invariants() is None
 
 
+@pytest.mark.parametrize("how", ["free", "free_request", "pop_blocks_for_free"])
+def test_a_freed_request_takes_its_deferred_lookahead_with_it(how):
+    """A request freed within the step kept its deferred lookahead: the same id allocated again
+    before finish_step got the old allocation's lookahead too (32 tokens' worth, past its
+    reservation), and finish_step raised CapacityExceededError with the table already grown."""
+    m = _core.DeviceKVManager(64, 4, max_model_len=256, defer_lookahead=True)
+    m.allocate_slots(_DeviceReq("a", n=32), 32, num_lookahead_tokens=4)
+    if how == "free":
+        m.free(_DeviceReq("a"))
+    elif how == "free_request":
+        m.free_request("a")
+    else:
+        m.release_blocks(m.pop_blocks_for_free(_DeviceReq("a")))
+    assert m.num_deferred() == 0
+    m.allocate_slots(_DeviceReq("a", n=8), 8, num_lookahead_tokens=4)
+    assert m.num_deferred() == 1
+    table = m.block_ids("a")
+    assert m.finish_step(0, {"a"}) == [("a", [table[-1] + 1])]
+    assert len(m.block_ids("a")) == 3 and m.num_reserved_blocks() == 0
+    assert m.check_invariants() is None
+
+
 def test_finish_step_refuses_a_scheduled_that_allocates_meanwhile():
     m = _core.DeviceKVManager(64, 4, max_model_len=256, defer_lookahead=True)
     m.allocate_slots(_DeviceReq("a"), 8, num_lookahead_tokens=4)

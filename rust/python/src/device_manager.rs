@@ -324,6 +324,14 @@ pub(crate) struct DeviceKVManager {
 }
 
 impl DeviceKVManager {
+    /// A freed request's deferred lookahead goes with it: the same id allocated again within
+    /// the step would otherwise get the old allocation's lookahead at `finish_step` too.
+    fn forget_deferred(&mut self, rid: &str) {
+        if self.deferred.iter().any(|d| d.0 == rid) {
+            self.deferred.retain(|d| d.0 != rid);
+        }
+    }
+
     /// `allocate_slots` for a request with a noted slot and a running request's arguments (the
     /// call vLLM makes for every running request every step), without reading the request's
     /// name. `None`: take the general path, which then gives the result or the error (an error
@@ -938,12 +946,16 @@ impl DeviceKVManager {
     /// vLLM's `free(request)`: the request's blocks go back, tail first.
     fn free(slf: &Bound<'_, Self>, request: &Bound<'_, PyAny>) -> PyResult<bool> {
         let rid = request_id_of(request)?;
-        Ok(borrow_mut(slf)?.inner.free(&rid))
+        let mut this = borrow_mut(slf)?;
+        this.forget_deferred(&rid);
+        Ok(this.inner.free(&rid))
     }
 
     fn free_request(slf: &Bound<'_, Self>, request_id: &Bound<'_, PyAny>) -> PyResult<bool> {
         let rid = text(request_id, "request_id")?;
-        Ok(borrow_mut(slf)?.inner.free(rid))
+        let mut this = borrow_mut(slf)?;
+        this.forget_deferred(rid);
+        Ok(this.inner.free(rid))
     }
 
     /// vLLM's `pop_blocks_for_free(request)`: the request's block ids, still held until
@@ -954,7 +966,9 @@ impl DeviceKVManager {
     ) -> PyResult<Vec<u32>> {
         let rid = request_id_of(request)?;
         let mut out = Vec::new();
-        borrow_mut(slf)?.inner.pop_blocks(&rid, &mut out);
+        let mut this = borrow_mut(slf)?;
+        this.forget_deferred(&rid);
+        this.inner.pop_blocks(&rid, &mut out);
         Ok(out)
     }
 
