@@ -668,11 +668,12 @@ class DiskWorker:
         # disk_worker_dropped_full / disk_worker_write_failures metrics; but a disk that stays
         # full or slow drops every spill, and the counters alone say neither that nor why: a
         # warning, at most one a minute. (A store out of use was told at its wipe.)
+        now = time.monotonic()
+        if now - self._failures_told_at < self.FAILURE_LOG_S:  # first: a failing disk fails every step
+            return
         st = self.store.stats()
         full, failed = st["dropped_full"], st["write_failures"]
-        now = time.monotonic()
-        if (full + failed > sum(self._failures_told) and now - self._failures_told_at >= self.FAILURE_LOG_S
-                and self.store.out_of_use is None):
+        if full + failed > sum(self._failures_told) and self.store.out_of_use is None:
             logger.warning("kvslots disk tier: spills not written to %s (those blocks are not kept on disk): "
                            "%d failed (last error: %s), %d dropped with the writer's queue full (the disk is "
                            "slower than the spills); since start %d and %d", self.path,
