@@ -4,8 +4,9 @@ trickled a byte at a time held the request for ever, and one streamed without en
 memory whole. Now each is read within a time (the indexer's 2 s, the proxy's timeout) and a size
 (:data:`MAX_INDEXER_ANSWER`, :data:`MAX_PREFILL_ANSWER`), past which the indexer is not used
 (round robin) and the prompt is computed on the decode worker. A decode worker's answer read
-whole (/v1/models, a request without a stream, its refusal of one with) is a 502 past
---timeout or its size (:data:`MAX_MODELS_ANSWER`, :data:`MAX_DECODE_ANSWER`). Real sockets on
+whole (/v1/models, its refusal of a request) is a 502 past --timeout or its size
+(:data:`MAX_MODELS_ANSWER`, :data:`MAX_DECODE_ANSWER`); its answer to a request without a stream
+past :data:`PASS_ON_AFTER` is passed on as it comes, cut off at --timeout. Real sockets on
 loopback."""
 
 from __future__ import annotations
@@ -197,12 +198,16 @@ def _decode_answer(answer, stream):
 
 
 @pytest.mark.parametrize("answer", [trickle, endless])
-def test_a_decode_worker_answering_without_end_is_a_502(answer):
+def test_a_decode_worker_answering_without_end_is_given_up(answer):
     r, took, sent = _decode_answer(answer, stream=False)
-    assert sent < 96 * 2**20, sent  # endless: all 160 MB were read into memory
     assert r is not None, "no answer within 15 s"  # trickle: held until the worker stopped
     assert took < 1.5 + 3, took
-    assert r.status_code == 502 and "decode worker" in r.json()["error"], r.text
+    if answer is trickle:  # under PASS_ON_AFTER by --timeout: nothing sent yet
+        assert r.status_code == 502 and "decode worker" in r.json()["error"], r.text
+    else:  # passed on as it came (not read into memory), cut off at --timeout
+        # (TestClient does not tell an unfinished answer; test_proxy_pass_on.py does, on a socket)
+        assert r.status_code == 200 and not r.content.strip(b" "), r.content[:100]
+        assert sent > app_module.PASS_ON_AFTER
 
 
 def _error_head(answer):

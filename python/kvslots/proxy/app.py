@@ -241,10 +241,16 @@ INDEXER_TIMEOUT_S = 2.0
 MAX_PREFILL_ANSWER = 64 * 2**20
 #: Most bytes of the first decode worker's answer to ``GET /v1/models`` passed on (a 502 past it).
 MAX_MODELS_ANSWER = 16 * 2**20
-#: Most bytes of a decode worker's answer read whole (a 502 past it, or past ``--timeout``): its
-#: answer to a request without a stream (logprobs can make it big), or its refusal of one with.
-#: Read whole with httpx's per-read timeouts, an endless answer filled the proxy's memory.
+#: Most bytes of a decode worker's refusal (not a 200) read whole (a 502 past it, or past
+#: ``--timeout``). Read whole with httpx's per-read timeouts, an endless answer filled the proxy's
+#: memory.
 MAX_DECODE_ANSWER = 64 * 2**20
+#: A decode worker's answer to a request without a stream is read whole up to this many bytes (and
+#: sent whole, a 502 when the worker fails or ``--timeout`` passes first); past it, what was read is
+#: sent and the rest passed on as it comes, within ``--timeout`` in all (cut off past it: the client
+#: sees the answer unfinished). Bounded at 64 MiB, legitimate answers were a 502 (n=8 of 8k
+#: tokens with top_logprobs=20 is about 96 MB), and read whole, each took its size in memory.
+PASS_ON_AFTER = 2**20
 
 
 @contextlib.asynccontextmanager
@@ -346,6 +352,31 @@ def _client_error(status: int) -> bool:
     prompt over the model's length, an unknown model; 429), so the client gets it as it is, not
     a 502 blaming the worker."""
     return 400 <= status < 500
+
+
+async def _read_upto(chunks: Any, into: bytearray, most: int) -> bool:
+    """Appends the chunks of ``chunks`` (an answer's ``aiter_bytes()``) to ``into`` until they end
+    (True) or it holds more than ``most`` bytes (False: a chunk past it at most)."""
+    while len(into) <= most:
+        try:
+            into += await chunks.__anext__()
+        except StopAsyncIteration:
+            return True
+    return False
+
+
+class _BrokenOff(Exception):
+    """A passed-on answer's worker failed, or ``--timeout`` passed, after its head was sent."""
+
+
+class _Unfinished(StreamingResponse):
+    """A StreamingResponse whose body ending in :class:`_BrokenOff` is left unfinished: uvicorn
+    closes the connection without the last chunk, so the client knows the answer was cut short
+    (an ended one would look whole)."""
+
+    async def stream_response(self, send: Any) -> None:
+        with contextlib.suppress(_BrokenOff):
+            await super().stream_response(send)
 
 
 def _passed_on(resp: httpx.Response, content: bytes, headers: dict[str, str]) -> Response:
@@ -492,16 +523,59 @@ def create_app(prefill_urls: Sequence[str], decode_workers: Sequence[DecodeWorke
 
             return StreamingResponse(chunks(), media_type=resp.headers.get("content-type", "text/event-stream"),
                                      headers=headers)
+        return await pass_on(worker, url, decode_req, big, headers)
+
+    async def pass_on(worker: DecodeWorker, url: str, decode_req: dict[str, Any], big: bool,
+                      headers: dict[str, str]) -> Response:
+        """The decode worker's answer to a request without a stream: whole when it is at most
+        :data:`PASS_ON_AFTER` bytes, else passed on as it comes (:data:`PASS_ON_AFTER`)."""
+        import anyio
+
+        deadline = anyio.current_time() + timeout_s
+        resp = None
         try:
-            async with _within(timeout_s), client.stream("POST", url, **await _encoded(decode_req, big)) as resp:
-                content = await _read_most(resp, MAX_DECODE_ANSWER)
+            async with _within(timeout_s):
+                resp = await client.send(client.build_request("POST", url, **await _encoded(decode_req, big)),
+                                         stream=True)
+                chunks = resp.aiter_bytes()
+                content = bytearray()
+                whole = await _read_upto(chunks, content, PASS_ON_AFTER if resp.status_code == 200 else
+                                         MAX_DECODE_ANSWER)
+            if not whole and resp.status_code != 200:
+                raise httpx.ReadError(f"an answer of more than {MAX_DECODE_ANSWER} bytes")
         except httpx.HTTPError as e:
+            if resp is not None:
+                await resp.aclose()
             return decode_failed(worker, f"failed: {_why(e)}")
-        if _client_error(resp.status_code):
-            return _passed_on(resp, content, headers)
-        if resp.status_code != 200:
-            return decode_failed(worker, f"answered {resp.status_code}: {content[:2000].decode(errors='replace')[:500]}")
-        return Response(content, media_type="application/json", headers=headers)
+        if whole:
+            await resp.aclose()
+            if _client_error(resp.status_code):
+                return _passed_on(resp, bytes(content), headers)
+            if resp.status_code != 200:
+                return decode_failed(worker, f"answered {resp.status_code}: "
+                                             f"{content[:2000].decode(errors='replace')[:500]}")
+            return Response(bytes(content), media_type="application/json", headers=headers)
+
+        async def rest() -> AsyncIterator[bytes]:
+            try:
+                yield bytes(content)
+                content.clear()
+                while True:
+                    try:
+                        with anyio.fail_after(max(deadline - anyio.current_time(), 0)):
+                            chunk = await chunks.__anext__()
+                    except StopAsyncIteration:
+                        return
+                    yield chunk
+            except (httpx.HTTPError, TimeoutError) as e:
+                state["decode_errors"] += 1
+                why = f"no whole answer within {timeout_s:g} s" if isinstance(e, TimeoutError) else _why(e)
+                logger.warning("kvslots proxy: decode worker %s broke off its answer: %s", shown_url(worker.url), why)
+                raise _BrokenOff from None
+            finally:
+                await resp.aclose()
+
+        return _Unfinished(rest(), media_type="application/json", headers=headers)
 
     async def read_body(request: Request) -> tuple[dict[str, Any], bool] | JSONResponse:
         """The request's JSON object, and whether it is big (checked, parsed and encoded off the loop)."""
