@@ -194,7 +194,7 @@ def test_max_connections_default_leaves_room_for_the_backend_pool(capsys, monkey
 
     from kvslots import _listen
     from kvslots.indexer import fds
-    from kvslots.proxy.app import BACKEND_CONNECTIONS
+    from kvslots.proxy.app import BACKEND_CONNECTIONS, SIDE_CONNECTIONS
 
     given = {}
     monkeypatch.setattr(uvicorn, "run", lambda app, **kw: given.update(kw))
@@ -203,7 +203,10 @@ def test_max_connections_default_leaves_room_for_the_backend_pool(capsys, monkey
     monkeypatch.setattr(fds, "in_use", lambda: 20)
     code, out, err = _cli(capsys, ["--prefill", "http://p:1", "--decode", "http://d:2"])
     assert code == 0, err
-    assert given["http"].max_connections == 1024 - 20 - fds.SPARE - BACKEND_CONNECTIONS
+    # half of what is left for the backend pool (under BACKEND_CONNECTIONS), the rest less the side pool
+    room = 1024 - 20 - fds.SPARE
+    assert BACKEND_CONNECTIONS > room // 2
+    assert given["http"].max_connections == room - room // 2 - SIDE_CONNECTIONS
 
 
 @pytest.mark.parametrize("prefill, decode", [

@@ -46,6 +46,26 @@ def default_max_connections(reserved: int) -> int:
     return _connections_of(_room(limit()), reserved)
 
 
+def default_backend_connections(most: int) -> int:
+    """The proxy's backend connections when none are given: ``most``, or half of what the limit
+    leaves once those open now and :data:`SPARE` are set aside when that is less (each request
+    being answered holds a client connection and a backend one), at least 1."""
+    room = _room(limit())
+    return most if room is None else max(1, min(most, room // 2))
+
+
+def check_backend_connections(backend: int, side: int, what: str = "--backend-connections") -> None:
+    """A ConfigError when ``backend`` connections, and ``side`` more, leave client connections
+    less than :data:`MIN_DEFAULT_CONNECTIONS` under the limit: past it every new connection,
+    a client's or a backend's, fails with 'Too many open files'."""
+    room = _room(limit())
+    if room is not None and room - backend - side < MIN_DEFAULT_CONNECTIONS:
+        raise ConfigError(
+            f"{what} {backend}: the limit of {limit()} (ulimit -n) leaves {max(room - side, 0)} file descriptors "
+            f"for backend and client connections, and {MIN_DEFAULT_CONNECTIONS} are kept for clients: "
+            "lower it or raise the limit")
+
+
 def _room(soft: int | None) -> int | None:
     """Descriptors the limit ``soft`` leaves for connections and what they share with, once
     those open now and :data:`SPARE` are set aside (None: no limit)."""

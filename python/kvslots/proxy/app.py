@@ -44,7 +44,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from ..config.loader import MAX_DEPTH, loads_strict_json
-from ..errors import ArgumentTypeError, ConfigError, InvalidArgumentError
+from ..errors import ArgumentTypeError, ConfigError, InvalidArgumentError, short_repr
 from ..indexer.config import check_worker_name
 from ..indexer.httpguard import BodyLimit, eof_is_disconnect, json_members, json_shape_error
 from .cli import check_unique_names, http_url, seconds, shown_url
@@ -53,9 +53,17 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["DecodeWorker", "create_app", "prefill_body", "DEFAULT_MAX_BODY_MB"]
 
-#: Most connections to the backends (prefill, decode workers, the indexer) open at once (httpx's
-#: default, made explicit): the descriptors set aside for them (kvslots.indexer.fds).
-BACKEND_CONNECTIONS = 100
+#: Most connections to the prefill and decode workers open at once by default
+#: (``--backend-connections``; the command takes half of what the descriptor limit leaves when
+#: that is less, :func:`kvslots.indexer.fds.default_backend_connections`): each request being
+#: answered holds one. At httpx's 100, a benchmark at concurrency 256 queued in the proxy, while
+#: vLLM takes 256 requests at once and more (max_num_seqs).
+BACKEND_CONNECTIONS = 1024
+#: Most backend connections given: a descriptor each.
+MAX_BACKEND_CONNECTIONS = 1 << 16
+#: A pool of its own for the short calls (the indexer's /score, ``GET /v1/models``), so that they
+#: do not wait behind the requests holding every backend connection.
+SIDE_CONNECTIONS = 8
 
 #: Largest request body accepted by default (``--max-body-mb``): a 1000 MB body was read whole
 #: (2 GB of memory) before a byte of it was looked at.
@@ -386,9 +394,12 @@ def _passed_on(resp: httpx.Response, content: bytes, headers: dict[str, str]) ->
 
 def create_app(prefill_urls: Sequence[str], decode_workers: Sequence[DecodeWorker], *, indexer_url: str | None = None,
                timeout_s: float = 600.0, transport: httpx.AsyncBaseTransport | None = None,
-               max_body_mb: int = DEFAULT_MAX_BODY_MB) -> FastAPI:
+               max_body_mb: int = DEFAULT_MAX_BODY_MB, backend_connections: int = BACKEND_CONNECTIONS) -> FastAPI:
     """The proxy app. ``transport`` replaces the network (tests). A request body over
-    ``max_body_mb`` MiB is a 413 before it is read whole."""
+    ``max_body_mb`` MiB is a 413 before it is read whole. At most ``backend_connections``
+    connections to the prefill and decode workers are open at once (a request finding them all in
+    use waits for one, up to ``timeout_s``), and :data:`SIDE_CONNECTIONS` more for the indexer and
+    ``GET /v1/models``."""
     if isinstance(prefill_urls, str):  # its characters would be the URLs
         raise ArgumentTypeError("prefill_urls must be a list of URLs, got a str")
     # Read once, as lists: an iterator was consumed by the checks below (every request then
@@ -399,6 +410,10 @@ def create_app(prefill_urls: Sequence[str], decode_workers: Sequence[DecodeWorke
         raise InvalidArgumentError("the proxy needs at least one prefill and one decode worker")
     if isinstance(max_body_mb, bool) or not isinstance(max_body_mb, int) or not 0 < max_body_mb <= 65536:
         raise InvalidArgumentError(f"max_body_mb {max_body_mb!r} must be an integer in 1..65536")
+    if (isinstance(backend_connections, bool) or not isinstance(backend_connections, int)
+            or not 0 < backend_connections <= MAX_BACKEND_CONNECTIONS):
+        raise InvalidArgumentError(f"backend_connections {short_repr(backend_connections)} must be an integer in "
+                                   f"1..{MAX_BACKEND_CONNECTIONS}")
     prefill_urls = [http_url(u, "prefill URL") for u in prefill_urls]
     seconds(timeout_s, "timeout_s")
     if transport is not None and not isinstance(transport, httpx.AsyncBaseTransport):
@@ -418,13 +433,20 @@ def create_app(prefill_urls: Sequence[str], decode_workers: Sequence[DecodeWorke
     prefill_cycle = itertools.cycle(list(prefill_urls))
     decode_cycle = itertools.cycle(list(decode_workers))
     state: dict[str, Any] = {"recomputed": 0, "disaggregated": 0, "decode_errors": 0}
+    # Idle connections kept up to the pool's size: their descriptors are set aside anyway, and a
+    # busy proxy opened a new connection per request past 20.
     client = httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=10.0), transport=transport,
-                               limits=httpx.Limits(max_connections=BACKEND_CONNECTIONS, max_keepalive_connections=20))
+                               limits=httpx.Limits(max_connections=backend_connections,
+                                                   max_keepalive_connections=backend_connections))
+    side = httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=10.0), transport=transport,
+                             limits=httpx.Limits(max_connections=SIDE_CONNECTIONS,
+                                                 max_keepalive_connections=SIDE_CONNECTIONS))
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         yield
         await client.aclose()
+        await side.aclose()
 
     # redirect_slashes off: /v1/completions/ was a 307 with an empty body, a 404 as any unknown path.
     app = FastAPI(title="kvslots proxy", summary="OpenAI-compatible front door for disaggregated prefill/decode",
@@ -437,7 +459,7 @@ def create_app(prefill_urls: Sequence[str], decode_workers: Sequence[DecodeWorke
         scored = [w for w in decode_workers if w.indexer_name]
         if indexer_url and ids and scored:
             try:
-                status, content = await _post_read(client, f"{indexer_url.rstrip('/')}/score",
+                status, content = await _post_read(side, f"{indexer_url.rstrip('/')}/score",
                                                    await _encoded({"token_ids": ids}, big), most=MAX_INDEXER_ANSWER,
                                                    within=INDEXER_TIMEOUT_S)
                 if not 200 <= status < 300:
@@ -601,7 +623,7 @@ def create_app(prefill_urls: Sequence[str], decode_workers: Sequence[DecodeWorke
     @app.get("/v1/models")
     async def models() -> Response:
         try:
-            status, content = await _post_read(client, f"{decode_workers[0].url.rstrip('/')}/v1/models", {},
+            status, content = await _post_read(side, f"{decode_workers[0].url.rstrip('/')}/v1/models", {},
                                                most=MAX_MODELS_ANSWER, within=timeout_s, method="GET")
         except httpx.HTTPError as e:
             return JSONResponse({"error": f"decode worker failed: {_why(e)}"}, status_code=502)

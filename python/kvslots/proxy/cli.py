@@ -1,5 +1,5 @@
 """``kvslots proxy``: the command. Bad input (a URL, the port, the timeout, the body cap, the
-connection cap, an address it cannot listen on) is one line, ``kvslots proxy: error: ...``, and
+connection caps, an address it cannot listen on) is one line, ``kvslots proxy: error: ...``, and
 exit status 2."""
 
 from __future__ import annotations
@@ -82,6 +82,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-connections", type=int, metavar="N",
                    help="most client connections open at once; one more is answered 503 and closed (default: what "
                         "the file descriptor limit, ulimit -n, leaves once the backend connections are set aside)")
+    p.add_argument("--backend-connections", type=int, metavar="N",
+                   help="most connections to the prefill and decode workers open at once; a request finding them "
+                        "all in use waits, up to --timeout (default 1024, or half of what the file descriptor "
+                        "limit, ulimit -n, leaves when that is less)")
     p.set_defaults(func=run)
 
 
@@ -143,21 +147,33 @@ def run(args: argparse.Namespace) -> int:
 
     if args.max_connections is not None and not 0 < args.max_connections <= fds.MAX_CONNECTIONS:
         raise ServeError(f"--max-connections {args.max_connections} must be in 1..{fds.MAX_CONNECTIONS}")
+    from .app import BACKEND_CONNECTIONS, MAX_BACKEND_CONNECTIONS, SIDE_CONNECTIONS, create_app
+
+    backend = args.backend_connections
+    if backend is None:
+        backend = fds.default_backend_connections(BACKEND_CONNECTIONS)
+    elif not 0 < backend <= MAX_BACKEND_CONNECTIONS:
+        raise ServeError(f"--backend-connections {backend} must be in 1..{MAX_BACKEND_CONNECTIONS}")
+    else:
+        try:
+            fds.check_backend_connections(backend, SIDE_CONNECTIONS)
+        except KVSlotsError as e:
+            raise ServeError(str(e)) from None
     import uvicorn
 
     from .._listen import check_listen
     from ..indexer.httpguard import uvicorn_options
-    from .app import BACKEND_CONNECTIONS, create_app
 
     # Before uvicorn: a host that does not resolve or a port in use is one line, exit 2 (uvicorn
     # would log it and exit with status 3).
     check_listen(args.host, args.port)
     logging.basicConfig(level="INFO", format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    app = create_app(prefill, workers, indexer_url=indexer, timeout_s=args.timeout, max_body_mb=args.max_body_mb)
-    max_connections = args.max_connections or fds.default_max_connections(BACKEND_CONNECTIONS)
+    app = create_app(prefill, workers, indexer_url=indexer, timeout_s=args.timeout, max_body_mb=args.max_body_mb,
+                     backend_connections=backend)
+    max_connections = args.max_connections or fds.default_max_connections(backend + SIDE_CONNECTIONS)
     logging.getLogger("kvslots.proxy").info(
-        "at most %d client connections at once (%s)", max_connections,
-        "--max-connections" if args.max_connections else "what the file descriptor limit leaves")
+        "at most %d client connections at once (%s), %d to the workers", max_connections,
+        "--max-connections" if args.max_connections else "what the file descriptor limit leaves", backend)
     # uvicorn_options: at most max_connections connections, a request's head is at most 64 KiB
     # and it must arrive within 60 s, no WebSockets (see httpguard).
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning", **uvicorn_options(max_connections))
