@@ -106,9 +106,7 @@ async def _through(app, calls):
 
 
 def test_more_requests_than_httpx_default_pool_reach_the_workers_at_once(backend):
-    # (no prefill worker listening: each request goes to the decode worker at once, recomputed;
-    # a prefill on the same server first made the test take 6 s instead of 1)
-    app = create_app([f"http://127.0.0.1:{free_port()}"], [DecodeWorker(backend.url)])
+    app = create_app([backend.url], [DecodeWorker(backend.url)])  # (prefilled there too)
 
     async def calls(c):
         return await asyncio.gather(*(c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 1})
