@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import MutableMapping
 from typing import Any
 
 from .. import _args
@@ -59,13 +60,13 @@ MAX_PIPELINED = 16
 _EOF_KEY = "kvslots.eof_is_disconnect"
 
 
-def eof_is_disconnect(scope: dict[str, Any]) -> None:
+def eof_is_disconnect(scope: MutableMapping[str, Any]) -> None:
     """Marks the request of ``scope`` (an ASGI HTTP scope, as the guard's protocol made it) as one
     whose answer is streamed: the client's EOF (its FIN) ends it as a disconnect, at once or
     within a tick (:data:`_TICK_S`) of either coming. A half-closed client is otherwise answered,
     and a closed one was noticed only at the first byte written to it: a streamed completion
     queued in vLLM kept running seconds after its client gave up."""
-    if not isinstance(scope, dict):
+    if not isinstance(scope, MutableMapping):
         raise ArgumentTypeError(f"scope must be a dict (an ASGI scope), got {type(scope).__name__}")
     scope[_EOF_KEY] = True
 #: A chunked body is fed to the parser in pieces of at least this many bytes (up to a blank
@@ -87,6 +88,7 @@ class _Guard:
     while its body is being read and ``response_complete`` once it is answered."""
 
     cycle: Any
+    headers: Any  # (httptools) the header fields of the request being parsed
     transport: Any
     loop: Any
     connections: set  # the server's open connections, this one included
