@@ -198,6 +198,35 @@ pub(crate) fn int<T: IntRange>(
     }
 }
 
+/// Item `i` of a list when it is an exact `int` (not a `bool`, not a subclass) that fits an
+/// i64, read through the C API with the item borrowed; `None` (nothing raised) for any other
+/// item or index, which the general path then reads and names. No Python code runs. A token
+/// list's items are such ints: through the general path (a reference taken and dropped, the
+/// type checks and the limited API's 128-bit extraction per item) a list cost 14-22 ns a token
+/// against about 1 ns for a numpy array, most of an indexer lookup.
+#[inline]
+pub(crate) fn list_small_int(list: &Bound<'_, PyList>, i: usize) -> Option<i64> {
+    // SAFETY: the list is alive and the GIL held; PyList_GetItem checks the index (NULL and an
+    // IndexError, cleared here); the item is borrowed, only read, and no Python code runs
+    // before the read ends (an exact int's PyLong_AsLongLong calls none).
+    unsafe {
+        let item = pyo3::ffi::PyList_GetItem(list.as_ptr(), i as pyo3::ffi::Py_ssize_t);
+        if item.is_null() {
+            pyo3::ffi::PyErr_Clear();
+            return None;
+        }
+        if pyo3::ffi::Py_TYPE(item) != std::ptr::addr_of_mut!(pyo3::ffi::PyLong_Type) {
+            return None;
+        }
+        let v = pyo3::ffi::PyLong_AsLongLong(item);
+        if v == -1 && !pyo3::ffi::PyErr_Occurred().is_null() {
+            pyo3::ffi::PyErr_Clear(); // past 64 bits: the general path names it
+            return None;
+        }
+        Some(v)
+    }
+}
+
 /// `int` for item `i` of a sequence `what`, its name `what[i]` made only for an item refused:
 /// making it for every item was most of the time of reading a long iterator.
 fn int_item<T: IntRange>(
@@ -445,10 +474,16 @@ impl<T: IntRange> IntArg<T> {
             let mut out = vec_for::<T>(list.len(), what, request)?;
             let mut i = 0;
             // The list may change length while an item's __index__ runs: re-read the length.
-            while i < list.len() {
+            let mut len = list.len();
+            while i < len {
                 next_item(py, i, what, request)?;
-                let item = list.get_item(i)?;
-                out.push(int_item::<T>(&item, what, i, request)?);
+                if let Some(t) = list_small_int(&list, i).and_then(|v| T::try_from(v as i128).ok()) {
+                    out.push(t);
+                } else {
+                    let item = list.get_item(i)?;
+                    out.push(int_item::<T>(&item, what, i, request)?);
+                    len = list.len();
+                }
                 i += 1;
             }
             return Ok(IntArg(out));

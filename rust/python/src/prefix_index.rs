@@ -115,8 +115,14 @@ fn token_ids(obj: &Bound<'_, PyAny>) -> PyResult<Vec<u32>> {
         let mut out = Vec::with_capacity(list.len());
         let mut j = 0;
         // An item's __index__ may append to the list: bounded as every integer sequence is.
-        while j < list.len() {
+        let mut len = list.len();
+        while j < len {
             conv::next_item(obj.py(), j, "token_ids", None)?;
+            if let Some(v) = conv::list_small_int(&list, j).and_then(|v| u32::try_from(v).ok()) {
+                out.push(v);
+                j += 1;
+                continue;
+            }
             let item = list.get_item(j)?;
             let v = match item.cast::<pyo3::types::PyInt>() {
                 Ok(i) if !item.is_instance_of::<pyo3::types::PyBool>() => {
@@ -131,6 +137,7 @@ fn token_ids(obj: &Bound<'_, PyAny>) -> PyResult<Vec<u32>> {
             };
             out.push(v);
             j += 1;
+            len = list.len(); // the item's __index__ (Python code) may have changed the list
         }
         return Ok(out);
     }
