@@ -1411,3 +1411,32 @@ def test_no_object_of_the_extension_pickles_or_copies(name, tmp_path):
 
 def test_every_class_of_the_extension_is_checked_for_copying():
     assert sorted(_EVERY_CLASS) == _core_classes()
+
+
+@pytest.mark.parametrize("call", ["chain_keys", "block_hash"])
+def test_a_signal_handler_cutting_a_list_short_mid_read_is_no_index_error(call):
+    """Reading a long list runs Python's signal handlers every 65,536 items: one that cut the
+    list short made the next read a raw IndexError (the fast path's cached length was stale,
+    and the general path read past the new end). The read now ends at the new end."""
+    import signal
+
+    n = 16_000_000
+    lst = [1] * n
+
+    def cut(signum, frame):
+        del lst[100_000:]
+
+    old = signal.signal(signal.SIGALRM, cut)
+    try:
+        signal.setitimer(signal.ITIMER_REAL, 0.005)
+        try:
+            if call == "chain_keys":
+                _core.PrefixIndex().chain_keys(lst, 4)
+            else:
+                _core.block_hash(0, lst)
+        except KVSlotsError:
+            pass  # a kvslots error is an allowed outcome; IndexError is not
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+    assert len(lst) == 100_000, "the handler did not run during the read: the test proves nothing"

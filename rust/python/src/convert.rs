@@ -215,7 +215,7 @@ pub(crate) fn list_small_int(list: &Bound<'_, PyList>, i: usize) -> Option<i64> 
             pyo3::ffi::PyErr_Clear();
             return None;
         }
-        if pyo3::ffi::Py_TYPE(item) != std::ptr::addr_of_mut!(pyo3::ffi::PyLong_Type) {
+        if pyo3::ffi::PyLong_CheckExact(item) == 0 {
             return None;
         }
         let v = pyo3::ffi::PyLong_AsLongLong(item);
@@ -473,17 +473,16 @@ impl<T: IntRange> IntArg<T> {
         if let Ok(list) = obj.cast::<PyList>() {
             let mut out = vec_for::<T>(list.len(), what, request)?;
             let mut i = 0;
-            // The list may change length while an item's __index__ runs: re-read the length.
-            let mut len = list.len();
-            while i < len {
+            // The list may change length while an item's __index__ or a signal handler (run by
+            // next_item's check) runs: re-read the length each item.
+            while i < list.len() {
                 next_item(py, i, what, request)?;
                 if let Some(t) = list_small_int(&list, i).and_then(|v| T::try_from(v as i128).ok()) {
                     out.push(t);
-                } else {
+                } else if i < list.len() {
                     let item = list.get_item(i)?;
                     out.push(int_item::<T>(&item, what, i, request)?);
-                    len = list.len();
-                }
+                } // else: a signal handler cut the list short; it ends here
                 i += 1;
             }
             return Ok(IntArg(out));

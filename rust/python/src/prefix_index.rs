@@ -114,14 +114,17 @@ fn token_ids(obj: &Bound<'_, PyAny>) -> PyResult<Vec<u32>> {
     if let Ok(list) = obj.cast::<PyList>() {
         let mut out = Vec::with_capacity(list.len());
         let mut j = 0;
-        // An item's __index__ may append to the list: bounded as every integer sequence is.
-        let mut len = list.len();
-        while j < len {
+        // An item's __index__ or a signal handler (run by next_item's check) may change the
+        // list: its length is re-read each item, growth bounded as every integer sequence is.
+        while j < list.len() {
             conv::next_item(obj.py(), j, "token_ids", None)?;
             if let Some(v) = conv::list_small_int(&list, j).and_then(|v| u32::try_from(v).ok()) {
                 out.push(v);
                 j += 1;
                 continue;
+            }
+            if j >= list.len() {
+                break; // a signal handler cut the list short
             }
             let item = list.get_item(j)?;
             let v = match item.cast::<pyo3::types::PyInt>() {
@@ -137,7 +140,6 @@ fn token_ids(obj: &Bound<'_, PyAny>) -> PyResult<Vec<u32>> {
             };
             out.push(v);
             j += 1;
-            len = list.len(); // the item's __index__ (Python code) may have changed the list
         }
         return Ok(out);
     }
