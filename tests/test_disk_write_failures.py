@@ -95,7 +95,7 @@ def a_stalled_disk(tmp_path):
     finally:
         freeze(False)
         run("umount", "-l", str(mnt))
-        watchdog.kill()
+        os.killpg(watchdog.pid, signal.SIGKILL)  # its session: the sh and its sleep
         watchdog.wait()
 
 
