@@ -38,6 +38,28 @@ def limit() -> int | None:
     return None if soft == resource.RLIM_INFINITY or soft < 0 else soft
 
 
+#: The soft limit a server raises its own to (never past the hard limit), as vLLM's API server does.
+SERVER_LIMIT = 65536
+
+
+def raise_limit(target: int = SERVER_LIMIT) -> int | None:
+    """Raises the soft limit on open descriptors toward ``target``, at most to the hard limit,
+    and returns the soft limit then (None: no limit). For the servers: their connection caps are
+    derived from it, and a distribution's default soft limit (1024) would have refused clients
+    past a few hundred at once while the hard limit allowed far more. Never lowers it; a limit
+    that cannot be raised (a container's policy) is left as it is."""
+    if resource is None:
+        return None
+    try:
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        want = target if hard == resource.RLIM_INFINITY or hard < 0 else min(target, hard)
+        if soft != resource.RLIM_INFINITY and 0 <= soft < want:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+    except (OSError, ValueError):
+        pass
+    return limit()
+
+
 def in_use() -> int:
     """Descriptors open now (0 where they cannot be counted)."""
     for d in ("/proc/self/fd", "/dev/fd"):

@@ -6,6 +6,7 @@ import argparse
 import logging
 import sys
 
+from .._fds import raise_limit
 from .._listen import check_listen
 from .config import ADMIN_TOKEN_ENV, build_config
 
@@ -53,6 +54,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     # A bad setting or --config file raises a ConfigError naming it; kvslots.cli.main prints it
     # as one line, "kvslots indexer: FILE: PROBLEM", and exits with status 2.
+    raise_limit()  # first: how many workers and connections fit is derived from it
     cfg = build_config(args)
     logging.basicConfig(level=cfg.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:

@@ -129,6 +129,9 @@ def check_unique_names(workers: list) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from .._fds import raise_limit
+
+    raise_limit()  # first: the default connection caps below are derived from it
     # Checked here, not by argparse types: every bad value is one line (argparse adds its usage).
     prefill = [_flag_url("--prefill", u) for u in args.prefill]
     indexer = _flag_url("--indexer", args.indexer) if args.indexer is not None else None
