@@ -433,9 +433,13 @@ def create_app(prefill_urls: Sequence[str], decode_workers: Sequence[DecodeWorke
     prefill_cycle = itertools.cycle(list(prefill_urls))
     decode_cycle = itertools.cycle(list(decode_workers))
     state: dict[str, Any] = {"recomputed": 0, "disaggregated": 0, "decode_errors": 0}
-    # 20 idle connections kept (httpx's default): httpcore's pool walks every connection for each
-    # waiting request, and requests handed idle ones woke slowly: with all 150 kept, 150 requests
-    # held at once by one worker took 6.9 s to reach it, 1.7 s with 20.
+    # max_keepalive_connections=20 (httpx's default), not the pool's size: httpcore's pool walks
+    # every connection for each waiting request and hands idle ones to requests that wake slowly
+    # (150 requests held at once by one worker took 6.9 s to reach it with all kept, 1.0-1.7 s
+    # with 20). httpcore 1.0 closes an idle connection whenever the pool holds more than 20 in
+    # all, so past 20 open a connection is rarely reused (256 clients: ~1 new connection per
+    # request); still the fastest of the settings measured (9.3-9.6 s against 44-46 s for 2,048
+    # requests at concurrency 256). A pool with real keep-alive is left out.
     client = httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=10.0), transport=transport,
                                limits=httpx.Limits(max_connections=backend_connections, max_keepalive_connections=20))
     side = httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=10.0), transport=transport,
