@@ -1,37 +1,12 @@
 """The extension's locks in a forked child (vLLM, gunicorn --preload and multiprocessing fork
 while other threads run)."""
 
-import json
-import os
-import signal
 import threading
 import time
 
 from kvslots import _core
+from process_support import in_child
 
-
-def _in_child(body):
-    """body() in a forked child killed after 3 s: what it returned or raised, or how it died."""
-    r, w = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # pragma: no cover - the child
-        try:
-            os.close(r)
-            signal.alarm(3)
-            try:
-                out = body()
-            except Exception as e:  # noqa: BLE001 - reported to the parent
-                out = [type(e).__name__, str(e)]
-            os.write(w, json.dumps(out).encode())
-        finally:
-            os._exit(0)
-    os.close(w)
-    with os.fdopen(r, "rb") as f:
-        data = f.read()
-    _, status = os.waitpid(pid, 0)
-    if os.WIFSIGNALED(status):
-        return f"killed by signal {os.WTERMSIG(status)} (hung)"
-    return json.loads(data)
 
 
 def test_a_prefix_index_locked_by_another_thread_at_fork_is_refused_in_the_child():
@@ -60,8 +35,8 @@ def test_a_prefix_index_locked_by_another_thread_at_fork_is_refused_in_the_child
         t.join()
     else:
         raise AssertionError("the apply of 16M blocks ended within 0.1 s: no fork could land inside it")
-    out = _in_child(lambda: len(ix))
+    out = in_child(lambda: len(ix))
     t.join()
     assert out[0] == "InvalidStateError" and "forked" in out[1], out
     assert len(ix) == n
-    assert _in_child(lambda: [len(ix), ix.worker_len("w")]) == [n, n]
+    assert in_child(lambda: [len(ix), ix.worker_len("w")]) == [n, n]

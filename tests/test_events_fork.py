@@ -1,41 +1,16 @@
 """An event publisher or subscriber used in a forked child (vLLM forks its worker processes):
 its thread did not survive the fork, and libzmq's sockets and context are not usable there."""
 
-import json
-import os
-import signal
 
 import pytest
 
 from kvslots.errors import InvalidStateError
 from kvslots.events.publisher import EventPublisher
 from kvslots.events.subscriber import EventSubscriber
+from process_support import in_child
 
 BATCH = b"\x93\x00\x90\x00"  # an empty KVEventBatch
 
-
-def _in_child(body):
-    """Runs body() in a forked child (killed after 3 s); returns what it reported, or how it died."""
-    r, w = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # pragma: no cover - the child
-        try:
-            os.close(r)
-            signal.alarm(3)
-            try:
-                out = body()
-            except Exception as e:  # noqa: BLE001 - reported to the parent
-                out = [type(e).__name__, str(e)]
-            os.write(w, json.dumps(out).encode())
-        finally:
-            os._exit(0)
-    os.close(w)
-    with os.fdopen(r, "rb") as f:
-        data = f.read()
-    _, status = os.waitpid(pid, 0)
-    if os.WIFSIGNALED(status):
-        return f"killed by signal {os.WTERMSIG(status)} (hung)"
-    return json.loads(data)
 
 
 @pytest.fixture
@@ -59,9 +34,9 @@ def test_publish_in_a_forked_child_is_refused(pair):
             pub.publish(BATCH)
         return "published"
 
-    assert _in_child(body)[0] == "InvalidStateError"
-    assert _in_child(lambda: pub.flush(1))[0] == "InvalidStateError"
-    assert _in_child(lambda: pub.shutdown() or "shut down") == "shut down"  # the child's copy only
+    assert in_child(body)[0] == "InvalidStateError"
+    assert in_child(lambda: pub.flush(1))[0] == "InvalidStateError"
+    assert in_child(lambda: pub.shutdown() or "shut down") == "shut down"  # the child's copy only
 
 
 def test_poll_once_in_a_forked_child_is_refused_and_the_parent_goes_on(pair):
@@ -70,11 +45,11 @@ def test_poll_once_in_a_forked_child_is_refused_and_the_parent_goes_on(pair):
     at once, and add_publisher, remove_publisher and start() likewise; stop() in the child
     leaves the parent's subscriber working."""
     pub, sub, got = pair
-    assert _in_child(lambda: sub.poll_once(200))[0] == "InvalidStateError"
+    assert in_child(lambda: sub.poll_once(200))[0] == "InvalidStateError"
     for call in (lambda: sub.add_publisher("v", pub.endpoint), lambda: sub.remove_publisher("w"), sub.start):
-        out = _in_child(call)
+        out = in_child(call)
         assert out[0] == "InvalidStateError" and "fork" in out[1], out
-    assert _in_child(lambda: sub.stop() or "stopped") == "stopped"
+    assert in_child(lambda: sub.stop() or "stopped") == "stopped"
     pub.publish(BATCH)
     assert pub.flush(5)
     for _ in range(50):

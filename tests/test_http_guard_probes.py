@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
-import threading
 import time
 
 import httpx
@@ -25,20 +24,10 @@ from kvslots.indexer import IndexerConfig, IndexerService, httpguard  # noqa: E4
 from kvslots.indexer.app import create_app as indexer_app  # noqa: E402
 from kvslots.proxy.app import DecodeWorker  # noqa: E402
 from kvslots.proxy.app import create_app as proxy_app  # noqa: E402
-from ports import free_port  # noqa: E402
+from process_support import serve_guarded  # noqa: E402
 
 
-def _serve(app):
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error", lifespan="off",
-                                           **httpguard.uvicorn_options()))
-    t = threading.Thread(target=server.run, daemon=True)
-    t.start()
-    deadline = time.monotonic() + 10
-    while not server.started:
-        assert time.monotonic() < deadline, "server did not start"
-        time.sleep(0.02)
-    return port, server, t
+
 
 
 _servers: list[uvicorn.Server] = []  # the indexer's and the proxy's, while the fixture is up
@@ -51,8 +40,8 @@ def servers():
         await asyncio.sleep(0.3)
         return httpx.Response(200, json={"kv_transfer_params": {"do_remote_prefill": True}, "by": request.url.host})
 
-    started = [_serve(indexer_app(IndexerService(IndexerConfig(block_size=4)))),
-               _serve(proxy_app(["http://p"], [DecodeWorker("http://d")], transport=httpx.MockTransport(backend)))]
+    started = [serve_guarded(indexer_app(IndexerService(IndexerConfig(block_size=4)))),
+               serve_guarded(proxy_app(["http://p"], [DecodeWorker("http://d")], transport=httpx.MockTransport(backend)))]
     _servers[:] = [server for _, server, _ in started]
     yield tuple(port for port, _, _ in started)
     for _, server, t in started:

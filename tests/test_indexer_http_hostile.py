@@ -243,24 +243,11 @@ def _serve(**options):
     """The indexer app on uvicorn with the guarded protocol the command uses (``options`` for
     uvicorn_options); yields a function that opens a connection to it."""
     import socket
-    import threading
-    import time
 
-    import uvicorn
-
-    from kvslots.indexer import httpguard
-    from ports import free_port
+    from process_support import serve_guarded
 
     svc = IndexerService(IndexerConfig(block_size=BS))
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(create_app(svc), host="127.0.0.1", port=port, log_level="error",
-                                           lifespan="off", **httpguard.uvicorn_options(**options)))
-    t = threading.Thread(target=server.run, daemon=True)
-    t.start()
-    deadline = time.monotonic() + 10
-    while not server.started:
-        assert time.monotonic() < deadline, "server did not start"
-        time.sleep(0.02)
+    port, server, t = serve_guarded(create_app(svc), **options)
 
     def connect() -> socket.socket:
         s = socket.create_connection(("127.0.0.1", port))

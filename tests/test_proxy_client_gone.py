@@ -17,11 +17,10 @@ import httpx
 import pytest
 
 pytest.importorskip("fastapi")
-import uvicorn  # noqa: E402
 
 from kvslots.indexer import httpguard  # noqa: E402
 from kvslots.proxy.app import DecodeWorker, create_app  # noqa: E402
-from ports import free_port  # noqa: E402
+from process_support import serve_guarded  # noqa: E402
 
 FIRST_TOKEN_S = 8.0  # the decode worker's stream: nothing for this long (queued in vLLM)
 
@@ -52,15 +51,7 @@ def proxy():
         return httpx.Response(200, content=gen(), headers={"content-type": "text/event-stream"})
 
     app = create_app(["http://p"], [DecodeWorker("http://d")], transport=httpx.MockTransport(backend))
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error", lifespan="off",
-                                           **httpguard.uvicorn_options()))
-    t = threading.Thread(target=server.run, daemon=True)
-    t.start()
-    deadline = time.monotonic() + 10
-    while not server.started:
-        assert time.monotonic() < deadline, "server did not start"
-        time.sleep(0.02)
+    port, server, t = serve_guarded(app)
     yield port, marks
     server.should_exit = True
     t.join(10)

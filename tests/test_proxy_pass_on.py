@@ -14,11 +14,9 @@ import httpx
 import pytest
 
 pytest.importorskip("fastapi")
-import uvicorn  # noqa: E402
 
-from kvslots.indexer import httpguard  # noqa: E402
 from kvslots.proxy.app import DecodeWorker, create_app  # noqa: E402
-from ports import free_port  # noqa: E402
+from process_support import serve_guarded  # noqa: E402
 
 BIG = 2 * 2**20  # past PASS_ON_AFTER (1 MiB)
 
@@ -26,16 +24,7 @@ BIG = 2 * 2**20  # past PASS_ON_AFTER (1 MiB)
 def _serve(backend, timeout_s):
     app = create_app(["http://p"], [DecodeWorker("http://d")], transport=httpx.MockTransport(backend),
                      timeout_s=timeout_s)
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="critical", lifespan="off",
-                                           **httpguard.uvicorn_options()))
-    t = threading.Thread(target=server.run, daemon=True)
-    t.start()
-    deadline = time.monotonic() + 10
-    while not server.started:
-        assert time.monotonic() < deadline, "server did not start"
-        time.sleep(0.02)
-    return port, server, t
+    return serve_guarded(app, log_level="critical")
 
 
 def _prefilled(request: httpx.Request) -> httpx.Response | None:
