@@ -278,10 +278,8 @@ async def _read_most(resp: httpx.Response, most: int) -> bytes:
     """The body of ``resp`` (streamed), of at most ``most`` bytes: an :class:`httpx.ReadError`
     past it, having read no more than a chunk past it."""
     body = bytearray()
-    async for chunk in resp.aiter_bytes():
-        body += chunk
-        if len(body) > most:
-            raise httpx.ReadError(f"an answer of more than {most} bytes")
+    if not await _read_upto(resp.aiter_bytes(), body, most):
+        raise httpx.ReadError(f"an answer of more than {most} bytes")
     return bytes(body)
 
 
