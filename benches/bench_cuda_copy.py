@@ -99,15 +99,18 @@ def main() -> None:
     print(f"{args.layers} layers {list(shape)} fp16, {c.num_segments} segments, {c.bytes_per_block / 1024:.0f} KiB "
           f"per block; fused kernel: {'yes' if c._fused is not None else 'NO'}; direct stores up to "
           f"{default_direct / 2**20:.0f} MiB (DIRECT_MAX_BYTES {transfer.DIRECT_MAX_BYTES / 2**20:.0f} MiB)")
+    drv = c._driver  # the CUDA driver issue path; the torch-issue variants turn it off
+    print(f"CUDA driver issue path: {'yes, copies of up to %d blocks' % drv.max_ids if drv is not None else 'NO'}")
     variants = {"staged": -1}
     if default_direct > 0:
         variants["direct"] = 1 << 62
     else:
         print("direct copies unavailable here: staged only")
 
-    def using(limit, fn):
+    def using(limit, fn, driver=True):
         def run():
             c._direct_max_bytes = limit
+            c._driver = drv if driver else None
             return fn()
         return run
 
@@ -163,7 +166,18 @@ def main() -> None:
             fns[f"load, {name}"] = load_fn(name, host_ids, back_ids)
         fns["store, staged, consecutive host rows"] = using(-1, lambda: c.store(dev_ids, run_ids))
         fns["load, staged, consecutive host rows"] = using(-1, lambda: c.load(run_ids, back_ids))
+        if drv is not None:  # the same copies issued through torch (the path before the driver's)
+            fns["store, default, torch issue"] = using(default_direct, lambda: c.store(dev_ids, host_ids), False)
+            fns["load, staged, torch issue"] = using(-1, lambda: c.load(host_ids, back_ids), False)
         r = median_times(fns, args.repeats, sync=c.synchronize)
+        c._driver = drv
+        if drv is not None:
+            for direction, key, plain in (("device->host", "store, default", "plain device->host"),
+                                          ("host->device", "load, staged", "plain host->device")):
+                ours, p_ = r[f"{key}, torch issue"], r[plain]
+                print(f"2. {direction}, {key.split(', ')[1]}, torch issue: BlockCopier {total / ours[0] / 1e9:.1f} GB/s "
+                      f"({total / ours[2] / 1e9:.1f}-{total / ours[1] / 1e9:.1f}): {p_[0] / ours[0]:.2f}x "
+                      f"of the plain copy")
         for name in [*variants, "staged, consecutive host rows"]:
             for direction, key in (("device->host", "store"), ("host->device", "load")):
                 ours, plain = r[f"{key}, {name}"], r[f"plain {direction}"]

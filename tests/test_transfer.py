@@ -4,6 +4,8 @@ typed error that copies nothing, and random id sets against plain torch indexing
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import hypothesis.strategies as st
 import numpy as np
 import pytest
@@ -513,13 +515,16 @@ def test_cuda_round_trip_on_side_stream():
         assert torch.equal(v[:, [3, 4, 5, 9]], orig[k][:, [3, 4, 5, 9]])
 
 
-def _back_to_back(device: str, seed: int, ops: int = 300, fused: bool | None = None, direct: bool = False) -> None:
+def _back_to_back(device: str, seed: int, ops: int = 300, fused: bool | None = None, direct: bool = False,
+                  driver: bool | None = None, setup: Callable[[BlockCopier], None] | None = None) -> None:
     """Random stores, loads and forward writes, issued with no synchronize between copies (the
     CUDA path orders them by streams and events alone), against a CPU reference. ``fused``:
     True forces the Triton kernel (on CPU tensors only under TRITON_INTERPRET=1), False the
     per-layer torch kernels, None the copier's default. ``direct``: stores of up to 10 blocks
     go straight from the layers to the host region, larger ones and every load through
-    staging, so the two paths interleave on the same blocks."""
+    staging, so the two paths interleave on the same blocks. ``driver``: False issues every
+    copy through torch, True asserts the CUDA driver path is on (copies longer than an odd
+    chunk still take torch's, so the two interleave too). ``setup`` gets the copier last."""
     rng = np.random.default_rng(seed)
     n, h = 96, 48
     g = torch.Generator().manual_seed(seed)
@@ -536,6 +541,12 @@ def _back_to_back(device: str, seed: int, ops: int = 300, fused: bool | None = N
         assert c._fused is not None
         assert c._direct_max_bytes > 0 or c._enable_direct()
         c._direct_max_bytes = 10 * c.bytes_per_block
+    if driver is False or fused is False:
+        c._driver = None
+    elif driver:
+        assert c._driver is not None, "the CUDA driver issue path is on"
+    if setup is not None:
+        setup(c)
     c.host.zero_()
     host_ref = c.host.clone()
     pending_loads: set[int] = set()
@@ -606,6 +617,15 @@ def test_back_to_back_copies_with_and_without_the_fused_kernel(fused):  # passed
     if fused:
         pytest.importorskip("triton", reason="Triton is not installed (the fused kernel needs it)")
     _back_to_back("cuda", 7, fused=fused)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("driver", [False, True])
+@pytest.mark.parametrize("seed", range(2))
+def test_back_to_back_copies_issued_through_torch_or_the_driver(seed, driver):
+    # Passed on lent H200s on 2026-11-28 (two calls), with the file's other CUDA cases.
+    pytest.importorskip("triton", reason="Triton is not installed (the driver path launches its kernel)")
+    _back_to_back("cuda", 20 + seed, driver=driver)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

@@ -135,6 +135,7 @@ def pieces(c, calls: int) -> None:
     s = c._kernel_streams[0]
     ev = torch.cuda.Event()
     cur = torch.cuda.current_stream()
+    ev.record(cur)  # its handle exists from here
 
     def torch_ctx():
         with torch.cuda.stream(s):
@@ -147,6 +148,15 @@ def pieces(c, calls: int) -> None:
     fns = {"with torch.cuda.stream(s): pass": torch_ctx, "with _OnStream(s): pass": ours_ctx,
            "s.wait_stream(current)": lambda: s.wait_stream(cur),
            "event.record(current); s.wait_event(event)": lambda: (ev.record(cur), s.wait_event(ev))}
+    drv = getattr(c, "_driver", None)
+    if drv is not None:  # the same wait through the driver, on the same handles
+        d, h_ev, h_s = drv._d, ev.cuda_event, s.cuda_stream
+        raw = torch._C._cuda_getCurrentRawStream
+
+        def driver_wait():
+            d.record(h_ev, raw(cur.device_index))
+            d.wait(h_s, h_ev)
+        fns["driver: cuEventRecord(current); cuStreamWaitEvent(s)"] = driver_wait
     times = {k: [] for k in fns}
     for _ in range(calls // 10):
         torch.cuda.synchronize()
@@ -183,7 +193,8 @@ def main() -> None:
     new, base = New(layers, args.blocks, hosts), Base(layers, args.blocks, hosts)
     print(f"{args.layers} layers {list(shape)} fp16, {new.bytes_per_block >> 10} KiB per block; fused kernel: "
           f"{'yes' if new._fused is not None else 'NO'}; direct stores up to {new._direct_max_bytes >> 20} MiB "
-          f"(base {base._direct_max_bytes >> 20} MiB)")
+          f"(base {base._direct_max_bytes >> 20} MiB); CUDA driver issue path: "
+          f"{'yes' if getattr(new, '_driver', None) is not None else 'NO'}")
 
     def sync():
         new.synchronize()

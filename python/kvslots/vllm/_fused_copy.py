@@ -81,6 +81,9 @@ class FusedMover:
         self._addrs: tuple[int, ...] = ()
         self._addr_table: torch.Tensor | None = None
         self._host_addr: tuple[int, torch.Tensor] | None = None  # (host region address, on the device)
+        #: Triton's compiled kernel per (to_stage, direct) variant, from its first launch (the
+        #: warm-ups: every pointer 16-byte aligned), for launches through the CUDA driver.
+        self.compiled: dict[tuple[bool, bool], Any] = {}
 
     @staticmethod
     def supports(segments: list[tuple[torch.Tensor, int]], bytes_per_block: int) -> bool:
@@ -116,8 +119,10 @@ class FusedMover:
         if n == 0:
             return
         grid = (n, len(self._segments), -(-self._max_words // WORDS))
-        _kernel()[grid](stage.view(torch.int64), self._row_words, idx, self._table(), self._words, self._offsets,
-                        idx, idx, TO_STAGE=to_stage, WORDS=WORDS, DIRECT=False)
+        ck = _kernel()[grid](stage.view(torch.int64), self._row_words, idx, self._table(), self._words,
+                             self._offsets, idx, idx, TO_STAGE=to_stage, WORDS=WORDS, DIRECT=False)
+        if (to_stage, False) not in self.compiled:
+            self.compiled[(to_stage, False)] = ck
 
     def move_direct(self, host: torch.Tensor, idx: torch.Tensor, rows: torch.Tensor, *, to_host: bool) -> None:
         """One launch on the current stream: host region row ``rows[i]`` <-> device block
@@ -126,12 +131,19 @@ class FusedMover:
         n = idx.shape[0]
         if n == 0:
             return
+        base = self.host_base(host)
+        grid = (n, len(self._segments), -(-self._max_words // WORDS))
+        ck = _kernel()[grid](base, self._row_words, idx, self._table(), self._words, self._offsets, rows, base,
+                             TO_STAGE=to_host, WORDS=WORDS, DIRECT=True)
+        if (to_host, True) not in self.compiled:
+            self.compiled[(to_host, True)] = ck
+
+    def host_base(self, host: torch.Tensor) -> torch.Tensor:
+        """The host region's address, in a one-element tensor on the device (the direct kernel
+        reads it there), remade when the region moves."""
         addr = host.data_ptr()
         if self._host_addr is None or self._host_addr[0] != addr:
             if addr % 8:
                 raise InvalidStateError("the host region is not aligned to 8 bytes")
             self._host_addr = (addr, torch.tensor([addr], dtype=torch.int64, device=self._device))
-        base = self._host_addr[1]
-        grid = (n, len(self._segments), -(-self._max_words // WORDS))
-        _kernel()[grid](base, self._row_words, idx, self._table(), self._words, self._offsets, rows, base,
-                        TO_STAGE=to_host, WORDS=WORDS, DIRECT=True)
+        return self._host_addr[1]

@@ -26,7 +26,10 @@ Engines.
   layer (``_fused_copy.py``); otherwise one torch kernel per layer (``index_select`` /
   ``index_copy_``), spread over several streams. With the fused kernel, stores of up to
   ``DIRECT_MAX_BYTES`` skip the staging buffers: one launch writes the pinned host rows through
-  the GPU's unified address (probed once at construction; staged where the GPU cannot). The
+  the GPU's unified address (probed once at construction; staged where the GPU cannot).
+  Copies of up to ``DRIVER_RING_IDS`` blocks are queued through the CUDA driver itself
+  (``_DriverPath``: the same streams, events and kernel, at a fraction of torch's host time per
+  call; probed at construction against the torch path, which stays where it is unavailable). The
   kernel streams first wait for the compute stream, so a store sees the KV the forward wrote
   and a load does not overwrite blocks still being read; at high priority their thread blocks
   go ahead of the forward's queued ones instead of waiting behind them for SMs. Copies are
@@ -49,7 +52,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, cast
 
@@ -57,7 +60,9 @@ import numpy as np
 import torch
 
 from .. import _args, _core
-from ..errors import ArgumentTypeError, InvalidArgumentError
+from ..errors import ArgumentTypeError, InvalidArgumentError, TransferError
+from ._cuda_driver import ContextGuard, CudaDriver, DriverEvent, KernelLaunch
+from ._fused_copy import WORDS as FUSED_WORDS
 from ._fused_copy import FusedMover
 
 __all__ = ["BlockCopier", "Transfer"]
@@ -94,6 +99,14 @@ DIRECT_MAX_BYTES = 128 << 20
 #: hardware queues (CUDA_DEVICE_MAX_CONNECTIONS), streams share queues and the compute stream
 #: can end up behind a kernel stream that waits for the bus.
 KERNEL_STREAMS = 4
+
+#: Largest copy (in blocks) issued through the CUDA driver instead of torch (``_DriverPath``): the
+#: width of its pinned ring of block ids. Past a few hundred blocks a copy takes tens of ms and
+#: the issue time is noise.
+DRIVER_RING_IDS = 1024
+#: Copies whose ids the ring holds at once: a copy reuses a slot once the copy that last used it
+#: is done on the device (waiting for it if not, which 16 copies in flight make rare).
+DRIVER_RING_SLOTS = 16
 
 #: Most copy threads per call. ``_core.copy_blocks`` takes any machine-sized count (a count past
 #: it failed every copy later); more threads than cores only adds overhead.
@@ -323,6 +336,10 @@ class BlockCopier:
         self._direct_max_bytes = -1
         if self._fused is not None and self._host.is_pinned():
             self._enable_direct()
+        # Copies of at most DRIVER_RING_IDS blocks issued through the CUDA driver (None: torch).
+        self._driver: _DriverPath | None = None
+        if self._fused is not None and self._stream is not None and self._host.is_pinned():
+            self._enable_driver()
 
     def _enable_fused(self) -> bool:
         """Moves chunks with the fused Triton kernel from now on, where it supports this layout."""
@@ -360,6 +377,25 @@ class BlockCopier:
         if not ok:
             return False
         self._direct_max_bytes = DIRECT_MAX_BYTES
+        return True
+
+    def _enable_driver(self) -> bool:
+        """Issues copies of up to DRIVER_RING_IDS blocks through the CUDA driver from now on,
+        where a probe shows its result is the torch path's: a store and a load of one block,
+        staged and (where enabled) direct, compared byte for byte with what the torch path
+        moved. Anything unexpected (no libcuda, an older driver, a kernel layout Triton changed)
+        keeps the torch path, with a warning."""
+        assert self._fused is not None and self._stream is not None
+        try:
+            path = _DriverPath.open(self)
+            ok = path.probe()
+        except Exception as e:
+            ok = False
+            logger.warning("kvslots: CUDA driver issue path unavailable (%s); copies issued through torch",
+                           str(e).splitlines()[0] if str(e) else type(e).__name__)
+        if not ok:
+            return False
+        self._driver = path
         return True
 
     def _segments_of(
@@ -523,6 +559,8 @@ class BlockCopier:
         if self._engine == "rust":
             self._copy_rust(dev, host, to_host)
             return Transfer(nbytes)
+        if self._driver is not None and len(dev) <= self._driver.max_ids:
+            return self._driver.copy(dev, host, to_host, nbytes)
         if to_host and nbytes <= self._direct_max_bytes and self._fused is not None:
             return self._copy_direct(dev, host, to_host, nbytes)
         if self._stream is None:
@@ -583,10 +621,7 @@ class BlockCopier:
         in program order."""
         order = np.argsort(host, kind="stable")  # longest host runs
         dev, host = dev[order], host[order]
-        if not self._staging:
-            for _ in range(STAGING_BUFFERS):
-                buf = torch.empty((self._chunk, self._bytes_per_block), dtype=torch.uint8, device=self._device)
-                self._staging.append((buf, [g.stage_view(buf) for g in self._groups]))
+        self._ensure_staging()
         cuda = self._stream is not None
         kernel_streams: list[Any] = self._kernel_streams or [None]
         # Device ids are uploaded by the first kernel step, so a load's first bus copy is queued
@@ -613,6 +648,12 @@ class BlockCopier:
                 self._bus_step(stage, hs, bus_done, kernels_done, to_host)
                 idx_all = self._kernel_step(kernel_streams, stage, views, dev, idx_all, c0, c1, bus_done,
                                             kernels_done, to_host)
+
+    def _ensure_staging(self) -> None:
+        if not self._staging:
+            for _ in range(STAGING_BUFFERS):
+                buf = torch.empty((self._chunk, self._bytes_per_block), dtype=torch.uint8, device=self._device)
+                self._staging.append((buf, [g.stage_view(buf) for g in self._groups]))
 
     def _kernel_step(self, streams: list[Any], stage: torch.Tensor, views: list[torch.Tensor], dev: np.ndarray,
                      idx_all: torch.Tensor | None, c0: int, c1: int, bus_done: Any, kernels_done: list[Any],
@@ -696,6 +737,206 @@ class BlockCopier:
         )
 
 
+class _DriverPath:
+    """BlockCopier's CUDA copies of up to DRIVER_RING_IDS blocks, issued through the CUDA driver
+    (``_cuda_driver``): the same streams, events, staging buffers and fused kernel as the torch
+    path and the same order of operations, at about 1 us per driver call where torch's
+    ``copy_``, event and stream calls and Triton's launcher take 5-30 us each. The block ids go
+    to a slot of a pinned ring that the kernels read through the GPU's unified address, so no
+    id upload is queued; a slot is reused once the copy that used it is done.
+
+    Built by :meth:`open` on CUDA; the constructor takes the driver, the kernel launches per
+    (to_stage, direct) variant and the raw stream and event handles, so the issue logic also
+    runs on CPU memory under a stand-in driver (tests)."""
+
+    SLOT_BYTES = 2 * DRIVER_RING_IDS * 8
+
+    def __init__(self, c: BlockCopier, driver: Any, launches: dict[tuple[bool, bool], Any], *, ctx: Any,
+                 bus: int, kernel: int, compute: Callable[[], int], compute_mark: int, bus_mark: int,
+                 bus_done: list[int], kernels_done: list[int], pin_memory: bool = True):
+        assert c._fused is not None
+        self._c = c
+        fused = self._fused = c._fused
+        self._d = driver
+        self._ctx = ctx
+        self._gather = launches[(True, False)]
+        self._scatter = launches[(False, False)]
+        self._direct = launches.get((True, True)) if c._direct_max_bytes > 0 else None
+        # Kernel arguments: ids go at a 16-byte aligned address, as in the launches Triton
+        # compiled these variants for; a chunk of odd length would put the next one off it.
+        self.max_ids = DRIVER_RING_IDS if c._chunk % 2 == 0 else min(DRIVER_RING_IDS, c._chunk)
+        self._ring = torch.zeros((DRIVER_RING_SLOTS, 2, DRIVER_RING_IDS), dtype=torch.int64, pin_memory=pin_memory)
+        self._ring_np = self._ring.numpy()
+        self._ring_ptr = self._ring.data_ptr()
+        self._ring_dev = torch.empty((DRIVER_RING_SLOTS, 2, DRIVER_RING_IDS), dtype=torch.int64, device=c._device)
+        self._ring_dev_ptr = self._ring_dev.data_ptr()
+        self._slot_events: list[Any] = [None] * DRIVER_RING_SLOTS
+        self._next_slot = 0
+        c._ensure_staging()
+        self._stage = [buf.data_ptr() for buf, _ in c._staging]
+        self._bpb = c._bytes_per_block
+        self._row_words = fused._row_words
+        self._words = fused._words.data_ptr()
+        self._offsets = fused._offsets.data_ptr()
+        self._grid_yz = (len(fused._segments), -(-fused._max_words // FUSED_WORDS))
+        self._bus, self._kernel, self._compute = bus, kernel, compute
+        self._compute_mark, self._bus_mark = compute_mark, bus_mark
+        self._bus_done, self._kernels_done = bus_done, kernels_done
+
+    @classmethod
+    def open(cls, c: BlockCopier) -> _DriverPath:
+        """The path over ``c``'s CUDA streams and events; raises where the driver or the
+        compiled kernels are not what it expects."""
+        assert c._fused is not None and c._stream is not None
+        d = CudaDriver.open()
+        with torch.cuda.device(c._device):
+            torch.cuda.current_stream(c._device).synchronize()  # the primary context exists
+            ctx = ContextGuard(d, d.current_context())
+        launches = {key: KernelLaunch(d, ck) for key, ck in c._fused.compiled.items()}
+        # torch makes an event's CUDA handle at its first record: record each once (on the
+        # stream that records it later), so the handles exist and torch's waits see them.
+        compute_mark, bus_mark = cast(torch.cuda.Event, c._compute_mark), cast(torch.cuda.Event, c._bus_mark)
+        events: list[tuple[torch.cuda.Event, torch.cuda.Stream]] = [
+            (compute_mark, torch.cuda.current_stream(c._device)), (bus_mark, c._stream)]
+        for b in range(len(c._bus_done)):
+            events += [(c._bus_done[b], c._stream), (c._kernels_done[b][0], c._kernel_streams[0])]
+        for ev, stream in events:
+            ev.record(stream)
+        handles = [ev.cuda_event for ev, _ in events]
+        if not all(handles):
+            raise TransferError("a torch CUDA event has no handle after recording")
+        index = cast(int, c._device.index)
+        raw_stream = torch._C._cuda_getCurrentRawStream
+        return cls(c, d, launches, ctx=ctx, bus=c._stream.cuda_stream, kernel=c._kernel_streams[0].cuda_stream,
+                   compute=lambda: raw_stream(index), compute_mark=compute_mark.cuda_event,
+                   bus_mark=bus_mark.cuda_event, bus_done=[ev.cuda_event for ev in c._bus_done],
+                   kernels_done=[evs[0].cuda_event for evs in c._kernels_done])
+
+    def probe(self) -> bool:
+        """Stores, loads and (where enabled) directly stores up to two blocks through this path
+        and compares them with the torch path's gather; device blocks end as they began."""
+        c, fused = self._c, self._fused
+        n = min(2, c._num_device_blocks, c._num_host_blocks)
+        ids = np.arange(n, dtype=np.int64)
+        ids_dev = torch.from_numpy(ids).to(c._device)
+        nbytes = n * self._bpb
+
+        def gathered() -> torch.Tensor:
+            scratch = torch.empty((n, self._bpb), dtype=torch.uint8, device=c._device)
+            fused.move(scratch, ids_dev, to_stage=True)
+            if c._device.type == "cuda":
+                torch.cuda.current_stream(c._device).synchronize()
+            return scratch.cpu()
+
+        want = gathered()
+        direct_max, c._direct_max_bytes = c._direct_max_bytes, -1
+        try:
+            self.copy(ids, ids, True, nbytes).wait()  # staged
+        finally:
+            c._direct_max_bytes = direct_max
+        ok = torch.equal(c._host[:n], want)
+        c._host[:n] = torch.bitwise_not(want)
+        self.copy(ids, ids, False, nbytes).wait()
+        ok = ok and torch.equal(gathered(), torch.bitwise_not(want))
+        c._host[:n] = want
+        self.copy(ids, ids, False, nbytes).wait()
+        ok = ok and torch.equal(gathered(), want)
+        if self._direct is not None:
+            c._host[:n] = 0
+            self.copy(ids, ids, True, nbytes).wait()
+            ok = ok and torch.equal(c._host[:n], want)
+        if not ok:
+            logger.warning("kvslots: CUDA driver issue path moved other bytes than torch's in its probe; "
+                           "copies issued through torch")
+        return ok
+
+    def _take_slot(self) -> int:
+        slot = self._next_slot
+        self._next_slot = (slot + 1) % DRIVER_RING_SLOTS
+        ev = self._slot_events[slot]
+        if ev is not None and not ev.query():
+            ev.synchronize()  # 16 copies later and still running: its kernels may read the ids
+        return slot
+
+    def copy(self, dev: np.ndarray, host: np.ndarray, to_host: bool, nbytes: int) -> Transfer:
+        """What ``BlockCopier._copy`` does on CUDA for ``len(dev) <= max_ids`` blocks."""
+        c, d = self._c, self._d
+        n = len(dev)
+        kernel, bus, bpb, host_ptr = self._kernel, self._bus, self._bpb, c._host.data_ptr()
+        with self._ctx:
+            slot = self._take_slot()
+            ids = self._ring_np[slot]
+            if to_host and self._direct is not None and nbytes <= c._direct_max_bytes:
+                # One launch between the layers and the host rows: after the forward (the KV
+                # it wrote) and after staged bus copies still using host rows. It reads its ids
+                # from the pinned ring: its time is the bus's, which hides the few reads.
+                ids[0, :n] = dev
+                ids[1, :n] = host
+                idx = self._ring_ptr + slot * self.SLOT_BYTES
+                base = self._fused.host_base(c._host).data_ptr()
+                table = self._fused._table().data_ptr()  # every call: a layer's memory may have moved
+                d.record(self._compute_mark, self._compute())
+                d.wait(kernel, self._compute_mark)
+                d.record(self._bus_mark, bus)
+                d.wait(kernel, self._bus_mark)
+                self._direct((n, *self._grid_yz), kernel, (base, self._row_words, idx, table, self._words,
+                                                          self._offsets, idx + DRIVER_RING_IDS * 8, base))
+                event = DriverEvent(d)
+                d.record(event.handle, kernel)
+                d.wait(bus, event.handle)
+                self._slot_events[slot] = event
+                return Transfer(nbytes, event)
+            order = np.argsort(host, kind="stable")  # longest host runs
+            dev, host = dev[order], host[order]
+            ids[0, :n] = dev
+            # Staged kernels read their ids from the device copy of the slot (read from the
+            # pinned ring, a 16-block scatter took 33 us instead of 17 on an H200): a load
+            # uploads them first on the bus stream, whose copies the scatter waits for anyway;
+            # a store on the kernel stream, before it waits for the forward.
+            idx = self._ring_dev_ptr + slot * self.SLOT_BYTES
+            src = self._ring_ptr + slot * self.SLOT_BYTES
+            chunks = [(k % len(self._stage), c0, min(n, c0 + c._chunk)) for k, c0 in enumerate(range(0, n, c._chunk))]
+            if to_host:
+                d.htod(idx, src, n * 8, kernel)
+                d.record(self._compute_mark, self._compute())
+                d.wait(kernel, self._compute_mark)
+                table = self._fused._table().data_ptr()
+                for b, c0, c1 in chunks:  # gather, then the bus
+                    stage, bus_done, kernels_done = self._stage[b], self._bus_done[b], self._kernels_done[b]
+                    d.wait(kernel, bus_done)
+                    self._gather((c1 - c0, *self._grid_yz), kernel,
+                                 (stage, self._row_words, idx + c0 * 8, table, self._words, self._offsets, idx, idx))
+                    d.record(kernels_done, kernel)
+                    d.wait(bus, kernels_done)
+                    for i, j, h0 in _runs(host[c0:c1]):
+                        d.dtoh(host_ptr + h0 * bpb, stage + i * bpb, (j - i) * bpb, bus)
+                    d.record(bus_done, bus)
+                last = bus
+            else:
+                # The bus copies first: a small load is bound by how soon its bytes move.
+                for k, (b, c0, c1) in enumerate(chunks):
+                    stage = self._stage[b]
+                    d.wait(bus, self._kernels_done[b])
+                    if k == 0:
+                        d.htod(idx, src, n * 8, bus)
+                    for i, j, h0 in _runs(host[c0:c1]):
+                        d.htod(stage + i * bpb, host_ptr + h0 * bpb, (j - i) * bpb, bus)
+                    d.record(self._bus_done[b], bus)
+                    if k == 0:  # later chunks' bus copies wait for this one's scatter
+                        table = self._fused._table().data_ptr()
+                        d.record(self._compute_mark, self._compute())
+                        d.wait(kernel, self._compute_mark)
+                    d.wait(kernel, self._bus_done[b])
+                    self._scatter((c1 - c0, *self._grid_yz), kernel,
+                                  (stage, self._row_words, idx + c0 * 8, table, self._words, self._offsets, idx, idx))
+                    d.record(self._kernels_done[b], kernel)
+                last = kernel
+            event = DriverEvent(d)
+            d.record(event.handle, last)
+            self._slot_events[slot] = event
+        return Transfer(nbytes, event)
+
+
 class _OnStream:
     """``torch.cuda.stream(s)`` at less than half its host time (the copies switch streams several
     times per call; H100, benches/profiling/cuda_small_copies.py): saves and restores the current
@@ -732,6 +973,11 @@ def _runs(ids: np.ndarray) -> list[tuple[int, int, int]]:
 def _as_ids(ids: Ids, name: str, limit: int, kind: str, most: int) -> np.ndarray:
     """A contiguous int64 array of at most ``most`` ids in ``0..limit``, or a typed error
     naming the index."""
+    if type(ids) is np.ndarray and ids.dtype == np.int64 and ids.ndim == 1 and 0 < ids.shape[0] <= most:
+        # The common case at half the host time (a small copy is bound by it): min and max
+        # instead of a mask; any id out of range takes the full check below for its message.
+        if 0 <= ids.min() and ids.max() < limit:
+            return np.ascontiguousarray(ids)
     try:
         if isinstance(ids, torch.Tensor):
             if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:

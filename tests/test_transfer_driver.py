@@ -1,0 +1,260 @@
+"""BlockCopier's CUDA driver issue path (``_DriverPath``) on CPU memory: a stand-in driver runs
+its calls in program order (bus copies as memmove, the fused kernel's launches by a Python model
+of the kernel reading its raw arguments), so the ids in the pinned ring, the staging rows, the
+runs of host rows, the chunks and the direct rows are checked against a reference without a GPU.
+The real driver and kernel run in test_transfer.py's CUDA cases."""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import types
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from kvslots.errors import TransferError
+from kvslots.vllm import _cuda_driver
+from kvslots.vllm._cuda_driver import KernelLaunch
+from kvslots.vllm._fused_copy import FusedMover
+from kvslots.vllm.transfer import BlockCopier, _DriverPath
+
+from test_transfer import _back_to_back
+
+
+def _i64(addr: int) -> int:
+    return ctypes.c_int64.from_address(addr).value
+
+
+class FakeDriver:
+    """Runs each call at once on host memory; counts them."""
+
+    def __init__(self) -> None:
+        self.calls: dict[str, int] = {}
+        self._events = 0
+
+    def _count(self, name: str) -> None:
+        self.calls[name] = self.calls.get(name, 0) + 1
+
+    def htod(self, dst: int, src: int, nbytes: int, stream: int) -> None:
+        self._count("htod")
+        ctypes.memmove(dst, src, nbytes)
+
+    def dtoh(self, dst: int, src: int, nbytes: int, stream: int) -> None:
+        self._count("dtoh")
+        ctypes.memmove(dst, src, nbytes)
+
+    def record(self, event: int, stream: int) -> None:
+        assert event and stream, "a handle is missing"
+        self._count("record")
+
+    def wait(self, stream: int, event: int) -> None:
+        assert event and stream, "a handle is missing"
+        self._count("wait")
+
+    def event_create(self) -> int:
+        self._events += 1
+        return self._events
+
+    def event_query(self, event: int) -> bool:
+        return True
+
+    def event_synchronize(self, event: int) -> None:
+        pass
+
+    def event_destroy(self, event: int) -> int:
+        return 0
+
+
+def model_kernel(to_stage: bool, direct: bool, calls: list[tuple[int, ...]]) -> Any:
+    """The fused kernel (``_fused_copy.move_blocks``) over raw addresses, program by program."""
+
+    def launch(grid: tuple[int, int, int], stream: int, args: tuple[int, ...]) -> None:
+        calls.append(grid)
+        stage, row_words, idx, table, words, offsets, rows, base = args
+        n, nseg, _parts = grid
+        for r in range(n):
+            block = _i64(idx + 8 * r)
+            for s in range(nseg):
+                w, addr, hoff = _i64(words + 8 * s), _i64(table + 8 * s), _i64(offsets + 8 * s)
+                dev = addr + block * w * 8
+                if direct:
+                    staged = _i64(base) + _i64(rows + 8 * r) * row_words * 8 + hoff * 8
+                else:
+                    staged = stage + r * row_words * 8 + hoff * 8
+                if to_stage:
+                    ctypes.memmove(staged, dev, w * 8)
+                else:
+                    ctypes.memmove(dev, staged, w * 8)
+
+    return launch
+
+
+def install(c: BlockCopier, driver: FakeDriver | None = None,
+            launched: list[tuple[int, ...]] | None = None) -> _DriverPath:
+    """The driver path over a CPU copier (engine 'torch'), its fused mover built without Triton
+    and held by the path alone: copies the path does not take run torch's per-layer kernels."""
+    c._fused = FusedMover([(seg.u8, seg.host_offset) for seg in c._segments], c.bytes_per_block, c._device)
+    launched = [] if launched is None else launched
+    launches = {(t, dr): model_kernel(t, dr, launched) for t in (True, False) for dr in (True, False)}
+    path = _DriverPath(c, driver or FakeDriver(), launches, ctx=contextlib.nullcontext(), bus=1, kernel=2,
+                       compute=lambda: 3, compute_mark=11, bus_mark=12, bus_done=[13, 14],
+                       kernels_done=[15, 16], pin_memory=False)
+    c._driver = path
+    c._fused = None
+    return path
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_the_driver_path_moves_what_the_reference_does(seed):
+    # Random stores, loads and forward writes with staging chunks of 1-5 blocks: odd chunks
+    # leave copies longer than one chunk to torch's path, so the two interleave.
+    _back_to_back("cpu", 30 + seed, fused=None, setup=install)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_the_driver_path_with_direct_stores(seed):
+    def setup(c: BlockCopier) -> None:
+        c._direct_max_bytes = 10 * c.bytes_per_block
+        install(c)
+        assert c._driver is not None and c._driver._direct is not None
+
+    _back_to_back("cpu", 40 + seed, setup=setup)
+
+
+def _layers(n: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return {f"l{i}": torch.randint(-100, 100, (2, n, 4, 2, 8), generator=g).to(torch.float16) for i in range(3)}
+
+
+def test_one_call_per_run_of_host_rows_and_one_launch_per_chunk():
+    n = 40
+    layers = _layers(n)
+    c = BlockCopier(layers, n, 32, engine="torch")
+    d, launched = FakeDriver(), []
+    install(c, d, launched)
+    want = {k: v[:, [5, 1, 7, 3, 9]].clone() for k, v in layers.items()}
+    c.store([5, 1, 7, 3, 9], [10, 11, 12, 20, 21])  # host runs 10-12 and 20-21
+    assert d.calls["dtoh"] == 2 and len(launched) == 1 and launched[0][0] == 5
+    assert d.calls["htod"] == 1  # the ids, to the device copy of the ring slot
+    for v in layers.values():
+        v[:, [30, 31, 32, 33, 34]] = 0
+    c.load([21, 10, 20, 12, 11], [34, 30, 33, 32, 31])
+    assert d.calls["htod"] == 1 + 1 + 2 and len(launched) == 2  # the ids, then one copy per run
+    assert all(torch.equal(v[:, [30, 31, 32, 33, 34]], want[k]) for k, v in layers.items())
+
+
+def test_chunks_cycle_the_staging_buffers():
+    n = 64
+    layers = _layers(n)
+    probe = BlockCopier(layers, n, 64, engine="torch")
+    c = BlockCopier(layers, n, 64, engine="torch", staging_bytes=2 * 4 * probe.bytes_per_block)  # chunks of 4
+    d, launched = FakeDriver(), []
+    install(c, d, launched)
+    ids = np.arange(10) * 3
+    want = {k: v[:, ids].clone() for k, v in layers.items()}
+    c.store(ids, np.arange(10))
+    assert [g[0] for g in launched] == [4, 4, 2]
+    assert d.calls["dtoh"] == 3  # consecutive host rows: one bus copy per chunk
+    for v in layers.values():
+        v[:, ids] = 0
+    c.load(np.arange(10), ids)
+    assert all(torch.equal(v[:, ids], want[k]) for k, v in layers.items())
+
+
+def test_an_odd_chunk_leaves_longer_copies_to_torch():
+    n = 64
+    layers = _layers(n)
+    probe = BlockCopier(layers, n, 64, engine="torch")
+    c = BlockCopier(layers, n, 64, engine="torch", staging_bytes=2 * 3 * probe.bytes_per_block)
+    launched: list[tuple[int, ...]] = []
+    path = install(c, launched=launched)
+    assert path.max_ids == 3
+    c.store([1, 2, 3], [0, 1, 2])
+    assert len(launched) == 1
+    c.store([1, 2, 3, 4], [0, 1, 2, 3])
+    assert len(launched) == 1
+
+
+def test_a_slot_is_reused_only_after_its_copy_is_done():
+    n = 40
+    c = BlockCopier(_layers(n), n, 32, engine="torch")
+
+    class Pending(FakeDriver):
+        waited: list[int] = []
+
+        def event_query(self, event: int) -> bool:
+            return False  # never done by itself
+
+        def event_synchronize(self, event: int) -> None:
+            self.waited.append(event)
+
+    d = Pending()
+    install(c, d)
+    for i in range(_DriverPath.SLOT_BYTES // (2 * 8) and 16):
+        c.store([i], [i])
+    assert d.waited == []  # 16 slots, 16 copies: none reused yet
+    c.store([1], [1])
+    assert d.waited == [1]  # the 17th reuses slot 0: it waits for the first copy's event
+
+
+class ParamDriver:
+    def __init__(self, sizes: list[int]):
+        self.sizes = sizes
+        self.launches: list[tuple[Any, ...]] = []
+
+    def param_sizes(self, function: int) -> list[int]:
+        return self.sizes
+
+    def launch(self, function, grid, threads, shared, stream, params) -> None:
+        self.launches.append((function, grid, threads, shared, stream, params))
+
+
+def _compiled(**md: Any) -> Any:
+    meta = dict(num_warps=4, shared=0, global_scratch_size=0, profile_scratch_size=0, num_ctas=1)
+    meta.update(md)
+    return types.SimpleNamespace(function=0x1234, metadata=types.SimpleNamespace(**meta))
+
+
+@pytest.mark.parametrize("sizes", [[8, 4, 8, 8, 8, 8, 8, 8], [8, 4, 8, 8, 8, 8, 8, 8, 8, 8], [8, 8] + [8] * 6])
+def test_a_launch_packs_its_arguments_in_the_kernels_layout(sizes):
+    d = ParamDriver(sizes)
+    k = KernelLaunch(d, _compiled())  # type: ignore[arg-type]
+    args = (1 << 40, 262144, 2 << 40, 3 << 40, 4 << 40, 5 << 40, 6 << 40, 7 << 40)
+    k((16, 64, 4), 99, args)
+    function, grid, threads, shared, stream, params = d.launches[0]
+    assert (function, grid, threads, shared, stream) == (0x1234, (16, 64, 4), 128, 0, 99)
+    got = [ctypes.cast(params[i], ctypes.POINTER(ctypes.c_int32 if s == 4 else ctypes.c_uint64)).contents.value
+           for i, s in enumerate(sizes)]
+    assert got == [*args, *([0] * (len(sizes) - 8))]  # Triton's scratch pointers: null
+
+
+@pytest.mark.parametrize("sizes", [[8, 4, 8], [8, 4] + [8] * 9, [8, 2, 8, 8, 8, 8, 8, 8], [4, 4, 8, 8, 8, 8, 8, 8]])
+def test_an_unexpected_kernel_layout_is_refused(sizes):
+    with pytest.raises(TransferError):
+        KernelLaunch(ParamDriver(sizes), _compiled())  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("md", [dict(global_scratch_size=64), dict(num_ctas=2), dict(launch_pdl=True)])
+def test_a_kernel_that_needs_more_than_a_plain_launch_is_refused(md):
+    with pytest.raises(TransferError):
+        KernelLaunch(ParamDriver([8, 4] + [8] * 6), _compiled(**md))  # type: ignore[arg-type]
+
+
+def test_a_failed_driver_call_is_a_transfer_error():
+    class Lib:
+        def __getattr__(self, name: str) -> Any:
+            f = lambda *a: 700  # noqa: E731  CUDA_ERROR_ILLEGAL_ADDRESS
+            return f
+
+    d = _cuda_driver.CudaDriver.__new__(_cuda_driver.CudaDriver)
+    d._htod = Lib().x
+    with pytest.raises(TransferError, match="cuMemcpyHtoDAsync failed with CUresult 700"):
+        d.htod(1, 2, 3, 4)
+
+
+def test_no_driver_path_on_cpu():
+    c = BlockCopier(_layers(12), 12, 4)
+    assert c._driver is None
