@@ -258,3 +258,24 @@ def test_a_failed_driver_call_is_a_transfer_error():
 def test_no_driver_path_on_cpu():
     c = BlockCopier(_layers(12), 12, 4)
     assert c._driver is None
+
+
+def test_the_kernels_address_table_follows_a_layer_that_moved():
+    layers = _layers(12)
+    c = BlockCopier(layers, 12, 4, engine="torch")
+    m = FusedMover([(seg.u8, seg.host_offset) for seg in c._segments], c.bytes_per_block, c._device)
+    assert len(m._reps) == 3  # one view per layer's storage is watched
+    first = m._table().tolist()
+    assert first == [seg.u8.data_ptr() for seg in c._segments]
+    storage = layers["l1"].untyped_storage()
+    storage.resize_(storage.nbytes() * 4)  # reallocated: every view of it moves
+    second = m._table().tolist()
+    assert second == [seg.u8.data_ptr() for seg in c._segments] and second != first
+
+
+def test_layers_viewing_one_allocation_are_watched_through_one_view():
+    big = torch.zeros(3, 2, 12, 4, 2, 8, dtype=torch.float16)  # vLLM's layers can share one buffer
+    c = BlockCopier({f"l{i}": big[i] for i in range(3)}, 12, 4, engine="torch")
+    m = FusedMover([(seg.u8, seg.host_offset) for seg in c._segments], c.bytes_per_block, c._device)
+    assert len(m._reps) == 1
+    assert m._table().tolist() == [seg.u8.data_ptr() for seg in c._segments]

@@ -72,13 +72,19 @@ class FusedMover:
     def __init__(self, segments: list[tuple[torch.Tensor, int]], bytes_per_block: int, device: torch.device):
         self._segments = segments
         self._views = [view for view, _ in segments]
+        # One view per distinct storage is enough to see a move (a storage reallocated by
+        # resize_ moves every view of it): vLLM's layers are often views of one allocation.
+        reps: dict[int, torch.Tensor] = {}
+        for view in self._views:
+            reps.setdefault(view.untyped_storage().data_ptr(), view)
+        self._reps = list(reps.values())
+        self._rep_addrs: tuple[int, ...] = ()
         self._row_words = bytes_per_block // 8
         self._device = device
         words = [view.shape[1] // 8 for view, _ in segments]
         self._max_words = max(words)
         self._words = torch.tensor(words, dtype=torch.int64, device=device)
         self._offsets = torch.tensor([off // 8 for _, off in segments], dtype=torch.int64, device=device)
-        self._addrs: tuple[int, ...] = ()
         self._addr_table: torch.Tensor | None = None
         self._host_addr: tuple[int, torch.Tensor] | None = None  # (host region address, on the device)
         #: Triton's compiled kernel per (to_stage, direct) variant, from its first launch (the
@@ -104,12 +110,13 @@ class FusedMover:
             torch.cuda.current_stream(self._device).synchronize()
 
     def _table(self) -> torch.Tensor:
-        addrs = tuple(map(torch.Tensor.data_ptr, self._views))  # every call: ~2x a generator's speed
-        if addrs != self._addrs:  # first use, or a layer's memory moved (resize_, set_)
+        reps = tuple(map(torch.Tensor.data_ptr, self._reps))  # every call: ~2x a generator's speed
+        if reps != self._rep_addrs:  # first use, or a layer's memory moved (resize_)
+            addrs = tuple(map(torch.Tensor.data_ptr, self._views))
             if any(a % 8 for a in addrs):
                 raise InvalidStateError("a KV layer tensor moved to memory not aligned to 8 bytes")
             self._addr_table = torch.tensor(addrs, dtype=torch.int64, device=self._device)
-            self._addrs = addrs
+            self._rep_addrs = reps
         assert self._addr_table is not None
         return self._addr_table
 
