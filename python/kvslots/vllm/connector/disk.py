@@ -527,6 +527,9 @@ class DiskWorker:
         self._watch_wipe = False  # a wipe was queued: take_done looks whether it failed
         self._failures_told = (0, 0)  # (dropped full, failed) spills already logged
         self._failures_told_at = float("-inf")
+        self._not_queued: list[tuple[int, bool]] = []  # spills the store refused by raising
+        self._not_queued_count = 0  # since the last log line
+        self._not_queued_told_at = float("-inf")
 
     def register(self, kv_caches: dict[str, Any], copier: Any, num_device_blocks: int, threads: int) -> None:
         from ..transfer import BlockCopier
@@ -548,11 +551,42 @@ class DiskWorker:
         self.staging_np = self.staging.host.numpy()
 
     def spill(self, disk: DiskStepMeta) -> None:
+        """Hands the step's spills to the writer. Never raises: a spill that cannot be queued
+        (the store raised: a closed or forked store, a bad block) is reported not written by the
+        next ``take_done``, so the scheduler frees its disk slot; an exception let out part-way
+        left the batch's later slots "writing" at the scheduler for ever (never reported)."""
         if disk.wipe:
-            self.store.wipe()  # queued ahead of this step's spills
-            self._watch_wipe = True
-        for hb, slot, h, tokens, succ, parent, lora in disk.spills:
-            self.store.submit(slot, self.host_np[hb], h, tokens, succ, parent, lora)
+            try:
+                self.store.wipe()  # queued ahead of this step's spills
+                self._watch_wipe = True
+            except Exception as e:
+                # Spills written after a wipe that never ran would sit beside records of before
+                # the reset: none is written.
+                self._refuse(disk.spills, f"the wipe could not be queued ({type(e).__name__}: {e})")
+                return
+        failed: list[int] = []
+        why = ""
+        for i, (hb, slot, h, tokens, succ, parent, lora) in enumerate(disk.spills):
+            try:
+                self.store.submit(slot, self.host_np[hb], h, tokens, succ, parent, lora)
+            except Exception as e:  # this block only: the others are queued as usual
+                failed.append(i)
+                why = why or f"{type(e).__name__}: {e}"
+        if failed:
+            self._refuse([disk.spills[i] for i in failed], why)
+
+    def _refuse(self, spills: list[Any], why: str) -> None:
+        """Spills not queued: reported not written by the next ``take_done`` (their slots
+        freed), said in the log at most once a minute (a store that raises does so every step)."""
+        if not spills:
+            return
+        self._not_queued.extend((s[1], False) for s in spills)
+        self._not_queued_count += len(spills)
+        now = time.monotonic()
+        if now - self._not_queued_told_at >= self.FAILURE_LOG_S:
+            logger.error("kvslots disk tier: %d spill(s) to %s could not be queued (last: %s); those blocks are "
+                         "not kept on disk", self._not_queued_count, self.path, why)
+            self._not_queued_count, self._not_queued_told_at = 0, now
 
     def start(self, disk: DiskStepMeta) -> None:
         """Queues the step's disk reads on the store's reader threads (never waits)."""
@@ -652,6 +686,9 @@ class DiskWorker:
 
     def take_done(self) -> list[tuple[int, bool]]:
         done = self.store.take_done()
+        if self._not_queued:
+            done = self._not_queued + done
+            self._not_queued = []
         if done and not all(ok for _, ok in done):
             self._tell_failures()
         if self._watch_wipe:

@@ -1,0 +1,91 @@
+"""A spill batch whose submit raises part-way (a closed or forked store, a bad block) leaves no
+disk slot "writing": the blocks queued are written, the refused ones are reported not written
+(their slots freed at the scheduler), one log line says so; the worker's hook does not raise."""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+
+from kvslots._core import DiskIndex
+from kvslots.errors import DiskTierError
+from kvslots.vllm.connector.disk import DiskLayout, DiskStepMeta, DiskWorker
+
+BPB, BS = 256, 4
+
+
+class RaisingStore:
+    """The worker's DiskStore whose submit (or wipe) raises on the chosen calls."""
+
+    def __init__(self, store, fail_on: set[int], fail_wipe: bool = False) -> None:
+        self._store, self.fail_on, self.fail_wipe, self.calls = store, fail_on, fail_wipe, 0
+
+    def submit(self, *args):
+        self.calls += 1
+        if self.calls in self.fail_on:
+            raise DiskTierError("No space left on device (os error 28)")
+        return self._store.submit(*args)
+
+    def wipe(self):
+        if self.fail_wipe:
+            raise DiskTierError("the disk store is closed")
+        return self._store.wipe()
+
+    def __getattr__(self, name: str):
+        return getattr(self._store, name)
+
+
+def setup(tmp_path, n: int):
+    layout = DiskLayout(num_layers=1, bytes_per_block=BPB, dtype="uint8", fingerprint=7)
+    w = DiskWorker(directory=str(tmp_path), num_slots=16, block_size=BS, layout=layout, queue_len=16)
+    w.host_np = np.arange(8 * BPB, dtype=np.uint8).reshape(8, BPB)  # register()'s host region
+    index = DiskIndex(16, BS)
+    spills = []
+    for i in range(n):
+        h, tokens = 1000 + i, [i] * BS
+        slot = index.begin_write(h, tokens, None, None, None)
+        spills.append((i, slot, h, tokens, None, None, None))
+    return w, index, spills
+
+
+def report(w: DiskWorker, index: DiskIndex) -> list[tuple[int, bool]]:
+    w.store.flush()
+    done = w.take_done()
+    for slot, ok in done:
+        index.complete_write(slot, ok)
+    return done
+
+
+def test_a_submit_raising_for_the_third_of_five_leaves_no_slot_writing(tmp_path, caplog):
+    w, index, spills = setup(tmp_path, 5)
+    w.store = RaisingStore(w.store, fail_on={3})
+    caplog.set_level(logging.ERROR, logger="kvslots.vllm.connector.disk")
+    w.spill(DiskStepMeta(spills=spills))  # raised on the old code, the batch's last three never reported
+    done = report(w, index)
+    slots = [s[1] for s in spills]
+    assert sorted(done) == sorted((s, i != 2) for i, s in enumerate(slots))
+    assert index.num_writing == 0 and index.num_stored == 4
+    assert not index.contains(1002) and all(index.contains(1000 + i) for i in (0, 1, 3, 4))
+    logs = [r.getMessage() for r in caplog.records]
+    assert len(logs) == 1 and "1 spill(s)" in logs[0] and "No space left" in logs[0], logs
+    assert report(w, index) == []  # reported once
+    # A store that keeps raising: reported every time, said at most once a minute.
+    w.store.fail_on = set(range(1, 100))
+    more = [(i, index.begin_write(2000 + i, [i] * BS, None, None, None), 2000 + i, [i] * BS, None, None, None)
+            for i in range(3)]
+    w.spill(DiskStepMeta(spills=more))
+    assert sorted(report(w, index)) == sorted((s[1], False) for s in more)
+    assert index.num_writing == 0 and len(caplog.records) == 1
+    w.close()
+
+
+def test_a_wipe_that_cannot_be_queued_writes_none_of_its_step(tmp_path, caplog):
+    w, index, spills = setup(tmp_path, 3)
+    w.store = RaisingStore(w.store, fail_on=set(), fail_wipe=True)
+    caplog.set_level(logging.ERROR, logger="kvslots.vllm.connector.disk")
+    w.spill(DiskStepMeta(spills=spills, wipe=True))
+    assert sorted(report(w, index)) == sorted((s[1], False) for s in spills)
+    assert index.num_writing == 0 and index.num_stored == 0
+    assert "wipe could not be queued" in caplog.records[0].getMessage()
+    w.close()
