@@ -32,51 +32,48 @@ _sz = ctypes.c_size_t
 _ui = ctypes.c_uint
 
 
+#: The driver entry points used, by attribute name: (symbol, argument types); all return CUresult.
+_ENTRY_POINTS: dict[str, tuple[str, list[Any]]] = {
+    "_htod": ("cuMemcpyHtoDAsync_v2", [_u64, _vp, _sz, _vp]),
+    "_dtoh": ("cuMemcpyDtoHAsync_v2", [_vp, _u64, _sz, _vp]),
+    "_record": ("cuEventRecord", [_vp, _vp]),
+    "_wait": ("cuStreamWaitEvent", [_vp, _vp, _ui]),
+    "_launch": ("cuLaunchKernel", [_vp, _ui, _ui, _ui, _ui, _ui, _ui, _ui, _vp, _vp, _vp]),
+    "_event_create": ("cuEventCreate", [ctypes.POINTER(_vp), _ui]),
+    "event_destroy": ("cuEventDestroy_v2", [_vp]),
+    "_event_query": ("cuEventQuery", [_vp]),
+    "_event_sync": ("cuEventSynchronize", [_vp]),
+    "_ctx_get": ("cuCtxGetCurrent", [ctypes.POINTER(_vp)]),
+    "_ctx_push": ("cuCtxPushCurrent_v2", [_vp]),
+    "_ctx_pop": ("cuCtxPopCurrent_v2", [ctypes.POINTER(_vp)]),
+    # CUDA 12.4+: where it is missing (an older driver) this path is not used
+    "_param_info": ("cuFuncGetParamInfo", [_vp, _sz, ctypes.POINTER(_sz), ctypes.POINTER(_sz)]),
+}
+
+
 class CudaDriver:
     """libcuda's entry points used on the issue path, with argument types set once."""
 
+    _htod: Any
+    _dtoh: Any
+    _record: Any
+    _wait: Any
+    _launch: Any
+    _event_create: Any
+    event_destroy: Any
+    _event_query: Any
+    _event_sync: Any
+    _ctx_get: Any
+    _ctx_push: Any
+    _ctx_pop: Any
+    _param_info: Any
+
     def __init__(self, lib: Any):
         self._lib = lib
-        f = lib.cuMemcpyHtoDAsync_v2
-        f.argtypes, f.restype = [_u64, _vp, _sz, _vp], ctypes.c_int
-        self._htod = f
-        f = lib.cuMemcpyDtoHAsync_v2
-        f.argtypes, f.restype = [_vp, _u64, _sz, _vp], ctypes.c_int
-        self._dtoh = f
-        f = lib.cuEventRecord
-        f.argtypes, f.restype = [_vp, _vp], ctypes.c_int
-        self._record = f
-        f = lib.cuStreamWaitEvent
-        f.argtypes, f.restype = [_vp, _vp, _ui], ctypes.c_int
-        self._wait = f
-        f = lib.cuLaunchKernel
-        f.argtypes = [_vp, _ui, _ui, _ui, _ui, _ui, _ui, _ui, _vp, _vp, _vp]
-        f.restype = ctypes.c_int
-        self._launch = f
-        f = lib.cuEventCreate
-        f.argtypes, f.restype = [ctypes.POINTER(_vp), _ui], ctypes.c_int
-        self._event_create = f
-        f = lib.cuEventDestroy_v2
-        f.argtypes, f.restype = [_vp], ctypes.c_int
-        self.event_destroy = f
-        f = lib.cuEventQuery
-        f.argtypes, f.restype = [_vp], ctypes.c_int
-        self._event_query = f
-        f = lib.cuEventSynchronize
-        f.argtypes, f.restype = [_vp], ctypes.c_int
-        self._event_sync = f
-        f = lib.cuCtxGetCurrent
-        f.argtypes, f.restype = [ctypes.POINTER(_vp)], ctypes.c_int
-        self._ctx_get = f
-        f = lib.cuCtxPushCurrent_v2
-        f.argtypes, f.restype = [_vp], ctypes.c_int
-        self._ctx_push = f
-        f = lib.cuCtxPopCurrent_v2
-        f.argtypes, f.restype = [ctypes.POINTER(_vp)], ctypes.c_int
-        self._ctx_pop = f
-        f = lib.cuFuncGetParamInfo  # CUDA 12.4+: a missing symbol disables this path
-        f.argtypes, f.restype = [_vp, _sz, ctypes.POINTER(_sz), ctypes.POINTER(_sz)], ctypes.c_int
-        self._param_info = f
+        for attr, (symbol, argtypes) in _ENTRY_POINTS.items():
+            f = getattr(lib, symbol)
+            f.argtypes, f.restype = argtypes, ctypes.c_int
+            setattr(self, attr, f)
 
     @classmethod
     def open(cls) -> CudaDriver:

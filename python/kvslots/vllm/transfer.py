@@ -292,7 +292,7 @@ class BlockCopier:
             raise InvalidArgumentError(
                 f"cannot allocate the host region: num_host_blocks={self._num_host_blocks} host blocks of "
                 f"{self._bytes_per_block} bytes need {nbytes} bytes{' of pinned memory' if pin_memory else ''} "
-                f"({str(e).splitlines()[0] if str(e) else type(e).__name__})",
+                f"({_first_line(e)})",
                 details={"nbytes": nbytes},
             ) from e
 
@@ -351,7 +351,7 @@ class BlockCopier:
             mover.warm_up()
         except Exception as e:  # Triton installed but unable to build or launch here
             logger.warning("kvslots: fused copy kernel unavailable (%s); one kernel per layer instead",
-                           str(e).splitlines()[0] if str(e) else type(e).__name__)
+                           _first_line(e))
             return False
         self._fused = mover
         return True
@@ -373,7 +373,7 @@ class BlockCopier:
         except Exception as e:  # the GPU cannot address this host memory
             ok = False
             logger.warning("kvslots: direct host copies unavailable (%s); every copy is staged",
-                           str(e).splitlines()[0] if str(e) else type(e).__name__)
+                           _first_line(e))
         if not ok:
             return False
         self._direct_max_bytes = DIRECT_MAX_BYTES
@@ -381,10 +381,10 @@ class BlockCopier:
 
     def _enable_driver(self) -> bool:
         """Issues copies of up to DRIVER_RING_IDS blocks through the CUDA driver from now on,
-        where a probe shows its result is the torch path's: a store and a load of one block,
-        staged and (where enabled) direct, compared byte for byte with what the torch path
-        moved. Anything unexpected (no libcuda, an older driver, a kernel layout Triton changed)
-        keeps the torch path, with a warning."""
+        where a probe shows its result is the torch path's (``_DriverPath.probe``: a staged
+        store, two loads and, where enabled, a direct store of two blocks, compared byte for
+        byte with the torch path's gather). Anything unexpected (no libcuda, an older driver,
+        a kernel layout Triton changed) keeps the torch path, with a warning."""
         assert self._fused is not None and self._stream is not None
         try:
             path = _DriverPath.open(self)
@@ -392,7 +392,7 @@ class BlockCopier:
         except Exception as e:
             ok = False
             logger.warning("kvslots: CUDA driver issue path unavailable (%s); copies issued through torch",
-                           str(e).splitlines()[0] if str(e) else type(e).__name__)
+                           _first_line(e))
         if not ok:
             return False
         self._driver = path
@@ -953,6 +953,11 @@ class _OnStream:
 
     def __exit__(self, *exc: object) -> None:
         torch.cuda.set_stream(self._prev)
+
+
+def _first_line(e: BaseException) -> str:
+    """An exception's first line for a one-line warning, or its type's name where it has none."""
+    return str(e).splitlines()[0] if str(e) else type(e).__name__
 
 
 def _runs(ids: np.ndarray) -> list[tuple[int, int, int]]:
