@@ -14,11 +14,12 @@ import errno
 import importlib
 import os
 import signal
+import stat
 import sys
 from collections.abc import Callable
 from typing import Any, NoReturn
 
-from .errors import KVSlotsError
+from .errors import ConfigError, KVSlotsError
 
 # Modules that contribute subcommands, in --help order.
 COMMAND_MODULES = [
@@ -218,6 +219,116 @@ def output() -> Any:
     if sys.stdout is None:
         raise OSError(errno.EBADF, "stdout is closed")
     return sys.stdout
+
+
+def write_file(path: str, text: str) -> None:
+    """Writes ``text`` (UTF-8) to the file ``path`` that a command was asked to write (``-o``);
+    a ConfigError naming ``path`` if that fails. The one home for how a command writes a file.
+
+    A regular file (or a new one) is written whole or not at all: a temporary file beside it is
+    filled, flushed to disk, given the old file's mode (a new one gets 0666 less the umask) and
+    renamed over it, so a write that fails (a full disk, ``ulimit -f``, a Ctrl-C) or a crash
+    leaves an existing file byte-for-byte as it was, and a failure leaves no temporary file
+    behind. A link is followed (the file it names is replaced, the link kept). What is not a
+    regular file (a FIFO, ``/dev/null``, ``/dev/stdout``) is written in place, as a stream."""
+    try:
+        data = text.encode("utf-8")
+    except UnicodeEncodeError:  # a lone surrogate: not the path's fault, as the ValueError below says
+        raise ConfigError("cannot write: the output is not valid Unicode text (a lone surrogate)", None, path) from None
+    st = None
+    try:
+        try:
+            target = os.path.realpath(path)
+            st = os.stat(target)
+        except FileNotFoundError:
+            pass
+        if st is not None and stat.S_ISDIR(st.st_mode):
+            raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR))
+        if _in_place(path, st):
+            _write_in_place(path, data)
+            return
+        _write_replacing(target, data, st)
+    except OSError as e:
+        if e.errno == errno.ENXIO and st is not None and stat.S_ISFIFO(st.st_mode):
+            why = "a FIFO that nobody reads"
+        else:
+            why = e.strerror or str(e)
+        raise ConfigError(f"cannot write: {why}", None, path) from None
+    except ValueError:  # a NUL or a lone surrogate in the path (open's ValueError was a traceback)
+        why = "a NUL" if "\0" in path else "a lone surrogate, which no file name holds,"
+        raise ConfigError(f"cannot write: {why} in the path", None, path) from None
+
+
+def _in_place(path: str, st: os.stat_result | None) -> bool:
+    """Whether ``path`` is written as a stream rather than replaced: anything but a regular file
+    (a FIFO such as ``-o >(cmd)``, a device), and a process's own descriptors (``/dev/stdout``
+    resolves to the file stdout was opened on: replaced, the shell's descriptor kept the old one;
+    on a pipe, to no path at all)."""
+    if st is not None and not stat.S_ISREG(st.st_mode):
+        return True
+    absolute = os.path.abspath(path)
+    return absolute in ("/dev/stdout", "/dev/stderr") or absolute.startswith(("/dev/fd/", "/proc/"))
+
+
+def _write_in_place(path: str, data: bytes) -> None:
+    # O_NONBLOCK for the open only: a FIFO nobody reads is ENXIO, not a wait without end (it
+    # hung); one with a reader (-o >(cmd)) is then written as a blocking pipe.
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NONBLOCK | os.O_CLOEXEC, 0o666)
+    try:
+        os.set_blocking(fd, True)
+        _write_all(fd, data)
+    finally:
+        os.close(fd)
+
+
+def _write_replacing(target: str, data: bytes, st: os.stat_result | None) -> None:
+    directory = os.path.dirname(target) or "."
+    # A short name of our own (the target's name may already be NAME_MAX long), hidden, in the
+    # same directory: os.replace is atomic only within one file system.
+    for _ in range(100):
+        tmp = os.path.join(directory, f".kvslots-{os.urandom(6).hex()}.tmp")
+        try:
+            # 0o666: the umask applies, as it did to a file opened with open(path, "w").
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
+            break
+        except FileExistsError:
+            continue
+    else:  # 100 names of 48 random bits all taken: not a directory to write in
+        raise OSError(errno.EEXIST, "no free temporary file name beside it")
+    try:
+        try:
+            if st is not None:  # the file's own mode and, where allowed, owner, not ours
+                os.fchmod(fd, stat.S_IMODE(st.st_mode))
+                if (st.st_uid, st.st_gid) != (os.geteuid(), os.getegid()):
+                    try:
+                        os.fchown(fd, st.st_uid, st.st_gid)
+                    except PermissionError:
+                        pass
+            _write_all(fd, data)
+            os.fsync(fd)  # on disk before the rename: a crash then leaves old or new, not an empty file
+        finally:
+            os.close(fd)
+        os.replace(tmp, target)
+    except BaseException:  # an OSError, or a Ctrl-C part way: no temporary file left behind
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+    try:  # the rename itself on disk; a directory that cannot be synced still holds the new file
+        dfd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            os.fsync(dfd)
+        finally:
+            os.close(dfd)
+    except OSError:
+        pass
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]
 
 
 if __name__ == "__main__":

@@ -9,12 +9,11 @@ fails included) exits with status 2 and one line naming the field.
 from __future__ import annotations
 
 import argparse
-import errno
 import os
 import shlex
 import sys
 
-from ..cli import one_line, output
+from ..cli import one_line, output, write_file
 from ..errors import ConfigError
 from .trtllm import ConversionResult, check_with_vllm, convert_trtllm_config
 from .vllm_args import check_exec_strings
@@ -89,7 +88,7 @@ def run(args: argparse.Namespace) -> int:
             # Written over the YAML it was made from: the input was gone, the flags in its place.
             raise ConfigError("is the input file: give another path (the YAML would be overwritten)",
                               "-o/--output", args.output)
-        _write(args.output, text)
+        write_file(args.output, text)  # whole or not at all: an existing file is kept on failure
     else:
         out = output()
         out.write(text)
@@ -108,34 +107,6 @@ def _same_file(a: str, b: str) -> bool:
         return os.path.samefile(a, b)
     except (OSError, ValueError):  # one of them is not there, or no path (a NUL)
         return False
-
-
-def _write(path: str, text: str) -> None:
-    """Writes ``text`` to the file ``path`` (-o); a ConfigError naming it if that fails."""
-    created = False
-    try:
-        # O_NONBLOCK for the open only: a FIFO nobody reads is ENXIO, not a wait without end
-        # (it hung); one with a reader (-o >(cmd)) is then written as a blocking pipe.
-        flags = os.O_WRONLY | os.O_CREAT | os.O_NONBLOCK | os.O_CLOEXEC
-        try:
-            fd = os.open(path, flags | os.O_EXCL, 0o666)
-            created = True
-        except FileExistsError:
-            fd = os.open(path, flags | os.O_TRUNC, 0o666)
-        os.set_blocking(fd, True)
-        with open(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-    except OSError as e:
-        if created:  # a file this run made and could not fill (a full disk, ulimit -f): not left behind
-            try:
-                os.unlink(path)
-            except OSError:
-                pass
-        why = "a FIFO that nobody reads" if e.errno == errno.ENXIO else e.strerror or e
-        raise ConfigError(f"cannot write: {why}", None, path) from None
-    except ValueError:  # a NUL or a lone surrogate in the path (open's ValueError was a traceback)
-        why = "a NUL" if "\0" in path else "a lone surrogate, which no file name holds,"
-        raise ConfigError(f"cannot write: {why} in the path", None, path) from None
 
 
 __all__ = ["add_parser", "run"]

@@ -1,0 +1,137 @@
+"""``kvslots convert-config -o FILE`` writes FILE whole or not at all (kvslots.cli.write_file):
+the file was opened with O_TRUNC and then written, so a write that failed part way (a full disk,
+``ulimit -f``, an I/O error, a Ctrl-C) destroyed an existing FILE. Now a temporary file beside it
+is filled, synced and renamed over it; a failure leaves FILE byte-for-byte as it was and no
+temporary file behind."""
+
+from __future__ import annotations
+
+import errno
+import os
+import resource
+import stat
+import subprocess
+import sys
+
+import pytest
+
+from kvslots import cli
+
+YAML = "speculative_config:\n  decoding_type: NGram\n  max_draft_len: 2\n"
+OLD = b"--max-num-seqs 1\n"  # what a previous run wrote
+
+
+def _setup(tmp_path, mode=0o640):
+    f = tmp_path / "e.yaml"
+    f.write_text(YAML)
+    dest = tmp_path / "flags.txt"
+    dest.write_bytes(OLD)
+    os.chmod(dest, mode)
+    return f, dest
+
+
+def test_a_write_cut_short_by_ulimit_leaves_the_old_file(tmp_path):
+    # The old code truncated the file, wrote 10 bytes ("--speculat") and said exit 2.
+    f, dest = _setup(tmp_path)
+    before = sorted(os.listdir(tmp_path))
+    proc = subprocess.run([sys.executable, "-m", "kvslots", "convert-config", str(f), "-q", "-o", str(dest)],
+                          stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=120,
+                          preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (len(OLD), len(OLD))))
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr == f"kvslots convert-config: error: {dest}: cannot write: File too large\n", proc.stderr
+    assert dest.read_bytes() == OLD
+    assert stat.S_IMODE(dest.stat().st_mode) == 0o640
+    assert sorted(os.listdir(tmp_path)) == before  # no temporary file left
+
+
+@pytest.mark.parametrize("where, error, status", [
+    ("fsync", OSError(errno.EIO, "Input/output error"), 2),
+    ("write", OSError(errno.ENOSPC, "No space left on device"), 2),
+    ("write", KeyboardInterrupt(), 130),  # a Ctrl-C part way
+])
+def test_a_failure_part_way_leaves_the_old_file_and_no_temporary(tmp_path, capsys, monkeypatch, where, error, status):
+    f, dest = _setup(tmp_path)
+    before = sorted(os.listdir(tmp_path))
+    real = getattr(os, where)
+    calls = []
+
+    def failing(fd, *rest):
+        # Only the output file's descriptor fails (not stderr's, nor a directory's fsync).
+        if fd > 2 and not calls:
+            calls.append(fd)
+            if where == "write":
+                real(fd, bytes(rest[0])[:5])  # part of it written first
+            raise error
+        return real(fd, *rest)
+
+    monkeypatch.setattr(os, where, failing)
+    capsys.readouterr()
+    assert cli.main(["convert-config", str(f), "-q", "-o", str(dest)]) == status
+    monkeypatch.undo()
+    _, err = capsys.readouterr()
+    assert err.count("\n") == 1, err
+    if status == 2:
+        assert err == f"kvslots convert-config: error: {dest}: cannot write: {error.strerror}\n", err
+    assert calls, f"os.{where} was never called on the output"
+    assert dest.read_bytes() == OLD
+    assert sorted(os.listdir(tmp_path)) == before
+
+
+def test_the_new_file_is_complete_and_synced_before_it_replaces_the_old(tmp_path, monkeypatch):
+    f, dest = _setup(tmp_path)
+    real_replace, real_fsync = os.replace, os.fsync
+    synced, seen = [], []
+
+    def fsync(fd):
+        synced.append(os.readlink(f"/proc/self/fd/{fd}"))
+        return real_fsync(fd)
+
+    def replace(src, dst):
+        seen.append((os.path.dirname(src), open(src, "rb").read(), dest.read_bytes(), src in synced))
+        return real_replace(src, dst)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "replace", replace)
+    assert cli.main(["convert-config", str(f), "-q", "-o", str(dest)]) == 0
+    monkeypatch.undo()
+    new = dest.read_bytes()
+    assert new.startswith(b"--speculative-config ") and new.endswith(b"\n")
+    # Renamed from beside it (one file system), whole and on disk, while the old file was intact.
+    assert seen == [(str(tmp_path), new, OLD, True)], seen
+    assert stat.S_IMODE(dest.stat().st_mode) == 0o640  # the old file's mode, not the temporary's
+    assert sorted(os.listdir(tmp_path)) == ["e.yaml", "flags.txt"]
+
+
+def test_a_new_file_gets_the_umask_and_a_link_is_kept(tmp_path):
+    # Controls (the old code did the same): a new file is 0666 less the umask; -o naming a link
+    # replaces the file it names and keeps the link.
+    f = tmp_path / "e.yaml"
+    f.write_text(YAML)
+    old_umask = os.umask(0o027)
+    try:
+        assert cli.main(["convert-config", str(f), "-q", "-o", str(tmp_path / "new.txt")]) == 0
+    finally:
+        os.umask(old_umask)
+    assert stat.S_IMODE((tmp_path / "new.txt").stat().st_mode) == 0o640
+    (tmp_path / "real.txt").write_bytes(OLD)
+    os.symlink("real.txt", tmp_path / "link.txt")
+    assert cli.main(["convert-config", str(f), "-q", "-o", str(tmp_path / "link.txt")]) == 0
+    assert os.readlink(tmp_path / "link.txt") == "real.txt"
+    assert (tmp_path / "real.txt").read_bytes() == (tmp_path / "new.txt").read_bytes()
+
+
+def test_a_refused_conversion_leaves_the_file(tmp_path, capsys):
+    f, dest = _setup(tmp_path)
+    f.write_text("speculative_config:\n  decoding_type: Eagle\n  max_draft_len: -3\n")
+    assert cli.main(["convert-config", str(f), "-q", "-o", str(dest)]) == 2
+    assert dest.read_bytes() == OLD
+    assert sorted(os.listdir(tmp_path)) == ["e.yaml", "flags.txt"]
+
+
+def test_dev_stdout_is_written_as_a_stream(tmp_path):
+    # /dev/stdout on a pipe resolves to no path: it is written in place, as before.
+    f = tmp_path / "e.yaml"
+    f.write_text("max_batch_size: 4\n")
+    proc = subprocess.run([sys.executable, "-m", "kvslots", "convert-config", str(f), "-q", "-o", "/dev/stdout"],
+                          stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=120)
+    assert (proc.returncode, proc.stdout, proc.stderr) == (0, "--max-num-seqs 4\n", "")
