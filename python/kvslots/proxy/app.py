@@ -47,7 +47,7 @@ from ..config.loader import MAX_DEPTH, loads_strict_json
 from ..errors import ArgumentTypeError, ConfigError, InvalidArgumentError, short_repr
 from ..indexer.config import check_worker_name
 from ..indexer.httpguard import BodyLimit, eof_is_disconnect, json_members, json_shape_error
-from .cli import check_unique_names, http_url, seconds, shown_url
+from .cli import check_unique_names, default_requests_per_client, http_url, requests_per_client, seconds, shown_url
 
 logger = logging.getLogger(__name__)
 
@@ -385,6 +385,47 @@ class _Unfinished(StreamingResponse):
             await super().stream_response(send)
 
 
+#: The routes whose requests take backend connections, counted per client (:class:`_PerClient`).
+_PROXIED = frozenset({"/v1/completions", "/v1/chat/completions"})
+
+
+class _PerClient:
+    """ASGI middleware: at most ``most`` proxied requests (:data:`_PROXIED`) from one client
+    address in flight at once, from their head to their answer's last byte; one more is a 429
+    with ``Retry-After: 1`` before its body is read. Without it one client opening many
+    connections held every backend connection (``--backend-connections``) and every other
+    client's request waited behind its requests, up to ``--timeout``."""
+
+    def __init__(self, app: Any, most: int):
+        self.app = app
+        self.most = most
+        #: Requests in flight per client address (all on the event loop: no lock); none at 0.
+        self.in_flight: dict[Any, int] = {}
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http" or scope.get("path") not in _PROXIED:
+            return await self.app(scope, receive, send)
+        who = (scope.get("client") or (None,))[0]
+        n = self.in_flight.get(who, 0)
+        if n >= self.most:
+            body = json.dumps({"error": f"this client has {n} requests in flight, the most one client may have "
+                                        "at once (--max-requests-per-client); retry later"}).encode()
+            await send({"type": "http.response.start", "status": 429,
+                        "headers": [(b"content-type", b"application/json"),
+                                    (b"content-length", str(len(body)).encode()), (b"retry-after", b"1")]})
+            await send({"type": "http.response.body", "body": body})
+            return
+        self.in_flight[who] = n + 1
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            left = self.in_flight[who] - 1
+            if left:
+                self.in_flight[who] = left
+            else:
+                del self.in_flight[who]
+
+
 def _passed_on(resp: httpx.Response, content: bytes, headers: dict[str, str]) -> Response:
     return Response(content, status_code=resp.status_code,
                     media_type=resp.headers.get("content-type", "application/json"), headers=headers)
@@ -392,12 +433,15 @@ def _passed_on(resp: httpx.Response, content: bytes, headers: dict[str, str]) ->
 
 def create_app(prefill_urls: Sequence[str], decode_workers: Sequence[DecodeWorker], *, indexer_url: str | None = None,
                timeout_s: float = 600.0, transport: httpx.AsyncBaseTransport | None = None,
-               max_body_mb: int = DEFAULT_MAX_BODY_MB, backend_connections: int = BACKEND_CONNECTIONS) -> FastAPI:
+               max_body_mb: int = DEFAULT_MAX_BODY_MB, backend_connections: int = BACKEND_CONNECTIONS,
+               max_requests_per_client: int | None = None) -> FastAPI:
     """The proxy app. ``transport`` replaces the network (tests). A request body over
     ``max_body_mb`` MiB is a 413 before it is read whole. At most ``backend_connections``
     connections to the prefill and decode workers are open at once (a request finding them all in
     use waits for one, up to ``timeout_s``), and :data:`SIDE_CONNECTIONS` more for the indexer and
-    ``GET /v1/models``."""
+    ``GET /v1/models``. One client address may have at most ``max_requests_per_client``
+    completions in flight at once (a 429 past it; None:
+    :func:`~kvslots.proxy.cli.default_requests_per_client`, 0: no limit)."""
     if isinstance(prefill_urls, str):  # its characters would be the URLs
         raise ArgumentTypeError("prefill_urls must be a list of URLs, got a str")
     # Read once, as lists: an iterator was consumed by the checks below (every request then
@@ -412,6 +456,9 @@ def create_app(prefill_urls: Sequence[str], decode_workers: Sequence[DecodeWorke
             or not 0 < backend_connections <= MAX_BACKEND_CONNECTIONS):
         raise InvalidArgumentError(f"backend_connections {short_repr(backend_connections)} must be an integer in "
                                    f"1..{MAX_BACKEND_CONNECTIONS}")
+    if max_requests_per_client is None:
+        max_requests_per_client = default_requests_per_client(backend_connections)
+    requests_per_client(max_requests_per_client, "max_requests_per_client")
     prefill_urls = [http_url(u, "prefill URL") for u in prefill_urls]
     seconds(timeout_s, "timeout_s")
     if transport is not None and not isinstance(transport, httpx.AsyncBaseTransport):
@@ -455,6 +502,8 @@ def create_app(prefill_urls: Sequence[str], decode_workers: Sequence[DecodeWorke
                   lifespan=lifespan, redirect_slashes=False)
     app.add_middleware(BodyLimit, max_bytes=max_body_mb * 2**20, key="error",
                        budget_bytes=max(BODY_BUDGET_BYTES, 4 * max_body_mb * 2**20))
+    if max_requests_per_client:  # outside BodyLimit: refused before a byte of its body is read
+        app.add_middleware(_PerClient, most=max_requests_per_client)
 
     async def pick_decode(body: dict[str, Any], big: bool) -> DecodeWorker:
         ids = await _off_loop(_token_ids, body) if big else _token_ids(body)  # a walk over every item

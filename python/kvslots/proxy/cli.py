@@ -50,6 +50,29 @@ def seconds(value: object, what: str = "timeout") -> float:
     raise InvalidArgumentError(f"{what} {short_repr(value)} must be a finite number of seconds > 0")
 
 
+#: Largest ``--max-requests-per-client``: past the most backend connections it limits nothing.
+MAX_REQUESTS_PER_CLIENT = 1 << 16
+
+
+def default_requests_per_client(backend_connections: int) -> int:
+    """``--max-requests-per-client``'s default: ``backend_connections`` less a quarter of them (768
+    of 1024), at least 1. One address (a client opening many connections) can then never hold
+    every backend connection: a quarter (256 by default: vLLM's usual max_num_seqs) stays for the
+    others, while a gateway in front of the proxy (every request from one address) still gets
+    three quarters at once; 0 lifts the limit."""
+    return max(1, backend_connections - backend_connections // 4)
+
+
+def requests_per_client(value: object, what: str = "max_requests_per_client") -> int:
+    """``value`` when it is an integer in 0..:data:`MAX_REQUESTS_PER_CLIENT` (0: no limit); an
+    :class:`~kvslots.InvalidArgumentError` naming ``what`` otherwise. The one check of the
+    per-client limit (the command line and :func:`~kvslots.proxy.app.create_app`)."""
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_REQUESTS_PER_CLIENT:
+        raise InvalidArgumentError(f"{what} {short_repr(value)} must be an integer in 0..{MAX_REQUESTS_PER_CLIENT} "
+                                   "(0: no limit)")
+    return value
+
+
 def shown_url(url: str) -> str:
     """``url`` without its user and password, as clients and logs see it (an ``/healthz``, a
     response header, an error message)."""
@@ -86,6 +109,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="most connections to the prefill and decode workers open at once; a request finding them "
                         "all in use waits, up to --timeout (default 1024, or half of what the file descriptor "
                         "limit, ulimit -n, leaves when that is less)")
+    p.add_argument("--max-requests-per-client", type=int, metavar="N",
+                   help="most completions one client address may have in flight at once; one more is answered "
+                        "429 with Retry-After (default: --backend-connections less a quarter, so one client "
+                        "cannot take every backend connection; 0: no limit)")
     p.set_defaults(func=run)
 
 
@@ -162,6 +189,13 @@ def run(args: argparse.Namespace) -> int:
             fds.check_backend_connections(backend, SIDE_CONNECTIONS)
         except KVSlotsError as e:
             raise ServeError(str(e)) from None
+    per_client = args.max_requests_per_client
+    if per_client is None:
+        per_client = default_requests_per_client(backend)
+    try:
+        requests_per_client(per_client, "--max-requests-per-client")
+    except InvalidArgumentError as e:
+        raise ServeError(str(e)) from None
     import uvicorn
 
     from .._listen import check_listen
@@ -172,11 +206,12 @@ def run(args: argparse.Namespace) -> int:
     check_listen(args.host, args.port)
     logging.basicConfig(level="INFO", format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     app = create_app(prefill, workers, indexer_url=indexer, timeout_s=args.timeout, max_body_mb=args.max_body_mb,
-                     backend_connections=backend)
+                     backend_connections=backend, max_requests_per_client=per_client)
     max_connections = args.max_connections or fds.default_max_connections(backend + SIDE_CONNECTIONS)
     logging.getLogger("kvslots.proxy").info(
-        "at most %d client connections at once (%s), %d to the workers", max_connections,
-        "--max-connections" if args.max_connections else "what the file descriptor limit leaves", backend)
+        "at most %d client connections at once (%s), %d to the workers, %s", max_connections,
+        "--max-connections" if args.max_connections else "what the file descriptor limit leaves", backend,
+        f"{per_client} requests at once per client address" if per_client != 0 else "no limit per client")
     # uvicorn_options: at most max_connections connections, a request's head is at most 64 KiB
     # and it must arrive within 60 s, no WebSockets (see httpguard).
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning", **uvicorn_options(max_connections))
