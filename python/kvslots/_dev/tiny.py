@@ -41,6 +41,7 @@ from dataclasses import asdict, dataclass
 import torch
 from safetensors.torch import save_file
 
+from ..cli import write_file
 from ..config.loader import brief, read_config_text
 from ..errors import ConfigError
 
@@ -271,8 +272,9 @@ def build_tiny_models(root: str, dims: Dims = TINY) -> dict[str, str]:
         # The EAGLE-3 head reads three auxiliary hidden states: embeddings, layer L//2, last layer.
         aux = (0, 1, 2) if dims.layers <= 2 else (0, dims.layers // 2, dims.layers)
         build_eagle3(paths["eagle3"], paths["target"], aux_layer_ids=aux, dims=dims)
-        with open(done, "w") as f:
-            f.write(stamp + "\n")
+        # Whole or not at all: a marker cut short (a full disk) named "models of other
+        # dimensions" on every later run, until removed by hand.
+        write_file(done, stamp + "\n")
     except ConfigError:
         raise
     except (OSError, ValueError) as e:  # ValueError: a NUL in the path
