@@ -21,7 +21,8 @@
   answered, then closed (uvicorn closed the connection on the EOF, the answer unwritten); but
   for a request whose answer the app streams (:func:`eof_is_disconnect`) the EOF is the client
   gone, as uvicorn had it (a client closed at once and one half-closed look the same until
-  something is written to it); a
+  something is written to it), and for one marked :func:`probe_eof` an interim ``100 Continue``
+  written on the EOF tells them apart (a closed client's system resets the connection); a
   request answered before its body arrived whole (a 413) is closed once the client has sent
   nothing more of that body for :data:`REFUSED_LINGER_S` (its bytes were read as the next
   head's: a 431 past 64 KiB);
@@ -37,6 +38,7 @@ bounded by :class:`BodyLimit` (ASGI middleware), and their shape by :func:`json_
 from __future__ import annotations
 
 import json
+import socket
 import time
 from collections.abc import MutableMapping
 from typing import Any
@@ -69,6 +71,33 @@ def eof_is_disconnect(scope: MutableMapping[str, Any]) -> None:
     if not isinstance(scope, MutableMapping):
         raise ArgumentTypeError(f"scope must be a dict (an ASGI scope), got {type(scope).__name__}")
     scope[_EOF_KEY] = True
+#: The scope key :func:`probe_eof` sets.
+_PROBE_KEY = "kvslots.probe_eof"
+#: What :func:`probe_eof` writes on the client's EOF: an interim answer every HTTP/1.1 client
+#: takes before the final one (RFC 9110, 15.2; http.client skips 100 only).
+_PROBE = b"HTTP/1.1 100 Continue\r\n\r\n"
+#: How long after the probe the socket is asked whether the client reset it (then at each tick).
+_PROBE_WAIT_S = 0.1
+#: Linux's TCP_CLOSE: the state of a socket its peer has reset (tcp_info's first byte).
+_TCP_CLOSE = 7
+
+
+def probe_eof(scope: MutableMapping[str, Any]) -> None:
+    """Marks the HTTP/1.1 request of ``scope`` (an ASGI HTTP scope, as the guard's protocol made
+    it) as one whose client's EOF is probed while no byte of its answer is written: a client that
+    closed and one that half-closed look the same until written to, so the guard writes an interim
+    ``100 Continue`` then; a closed client's system answers it with a reset, and the request is
+    marked disconnected (the app's ``receive()`` says ``http.disconnect``) and the connection
+    aborted; a half-closed client gets its answer after the interim one. Unmarked, a closed
+    client was noticed only when its answer was written: the proxy ran a gone client's decode.
+    Linux only (the reset is read from ``TCP_INFO``); elsewhere nothing is probed. An HTTP/1.0
+    request (which takes no interim answer) is not marked."""
+    if not isinstance(scope, MutableMapping):
+        raise ArgumentTypeError(f"scope must be a dict (an ASGI scope), got {type(scope).__name__}")
+    if scope.get("http_version") == "1.1" and hasattr(socket, "TCP_INFO"):
+        scope[_PROBE_KEY] = True
+
+
 #: A chunked body is fed to the parser in pieces of at least this many bytes (up to a blank
 #: line): a request pipelined after it may be parsed with it, so at most this many bytes' worth
 #: (a few dozen requests) come in past MAX_PIPELINED. One piece per blank line was 20-30 times
@@ -114,6 +143,7 @@ class _Guard:
         self._guard_held = b""  # received, not parsed yet: past MAX_PIPELINED requests waiting
         self._guard_eof = False  # the client half-closed while bytes were held
         self._guard_eof_seen = False  # the client half-closed (or closed: they look the same)
+        self._guard_probed: Any = None  # the cycle whose EOF was probed (probe_eof)
         self._guard_fields = 0  # (httptools) bytes of the current request's header fields
         self._guard_trailers = False  # (httptools) its head is parsed: fields now are trailers
         self._guard_body = 0  # (httptools) the body's bytes the parser has still to see; -1: chunked
@@ -179,7 +209,44 @@ class _Guard:
         if self._guard_refused or c is None or c.response_complete or c.more_body or self._guard_gone(c):
             return False
         c.keep_alive = False  # the last request parsed (pipelined ones come before it)
+        self._guard_probe(c)
         return True
+
+    def _guard_probe(self, c: Any) -> None:
+        """Writes the interim answer that tells a closed client from a half-closed one
+        (:func:`probe_eof`) once for ``c``, when it is marked, its client's EOF seen and nothing
+        else is being answered on the connection (no byte of an answer is under way)."""
+        if (self._guard_probed is c or not self._guard_eof_seen or not c.scope.get(_PROBE_KEY)
+                or c.response_started or c.response_complete or self.transport.is_closing()
+                or getattr(self, "pipeline", ()) or any(w is not c and not w.response_complete
+                                                        for w in self._guard_cycles)):
+            return
+        self._guard_probed = c
+        self.transport.write(_PROBE)
+        self.loop.call_later(_PROBE_WAIT_S, self._guard_check_reset)
+
+    def _guard_reset(self) -> bool:
+        """Whether the client reset the connection since its EOF was probed: every request it
+        has waiting is then marked disconnected."""
+        c = self._guard_probed
+        if c is None or c.response_complete or self.transport.is_closing():
+            return False
+        try:
+            sock = self.transport.get_extra_info("socket")
+            state = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 8)[0]
+        except (OSError, AttributeError, IndexError):  # closed meanwhile; no TCP_INFO
+            return False
+        if state != _TCP_CLOSE:
+            return False
+        for w in self._guard_cycles:
+            if not w.response_complete:
+                w.disconnected = True
+                w.message_event.set()
+        return True
+
+    def _guard_check_reset(self) -> None:
+        if self._guard_reset():
+            self.transport.abort()
 
     def _guard_gone(self, c: Any) -> bool:
         """Whether the client's EOF ends ``c`` (unanswered) as a disconnect (:func:`eof_is_disconnect`):
@@ -324,6 +391,11 @@ class _Guard:
         if c is not None and self._guard_gone(c):  # a stream whose client has gone
             self.transport.abort()
             return
+        if c is not None and self._guard_eof_seen:  # marked after the EOF came, or reset since
+            self._guard_probe(c)
+            if self._guard_reset():
+                self.transport.abort()
+                return
         if self.transport.is_closing():
             if self.transport.get_write_buffer_size():  # until it is read, or it stalls
                 self._guard_timer = self.loop.call_later(_TICK_S, self._guard_tick)

@@ -46,7 +46,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ..config.loader import MAX_DEPTH, loads_strict_json
 from ..errors import ArgumentTypeError, ConfigError, InvalidArgumentError, short_repr
 from ..indexer.config import check_worker_name
-from ..indexer.httpguard import BodyLimit, eof_is_disconnect, json_members, json_shape_error
+from ..indexer.httpguard import BodyLimit, eof_is_disconnect, json_members, json_shape_error, probe_eof
 from .cli import check_unique_names, default_requests_per_client, http_url, requests_per_client, seconds, shown_url
 
 logger = logging.getLogger(__name__)
@@ -371,6 +371,26 @@ async def _read_upto(chunks: Any, into: bytearray, most: int) -> bool:
     return False
 
 
+async def _unless_gone(receive: Any, work: Any) -> Any:
+    """What ``work`` (a coroutine) returns, unless the client goes first (``receive``, the
+    request's ASGI receive once its body is read, says ``http.disconnect``): then None, ``work``
+    cancelled."""
+    import anyio
+
+    out: list[Any] = []
+
+    async def watch() -> None:
+        while (await receive())["type"] != "http.disconnect":
+            pass
+        tg.cancel_scope.cancel()
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(watch)
+        out.append(await work)
+        tg.cancel_scope.cancel()
+    return out[0] if out else None
+
+
 class _BrokenOff(Exception):
     """A passed-on answer's worker failed, or ``--timeout`` passed, after its head was sent."""
 
@@ -477,7 +497,7 @@ def create_app(prefill_urls: Sequence[str], decode_workers: Sequence[DecodeWorke
         http_url(indexer_url, "indexer URL")
     prefill_cycle = itertools.cycle(list(prefill_urls))
     decode_cycle = itertools.cycle(list(decode_workers))
-    state: dict[str, Any] = {"recomputed": 0, "disaggregated": 0, "decode_errors": 0}
+    state: dict[str, Any] = {"recomputed": 0, "disaggregated": 0, "decode_errors": 0, "gone_before_decode": 0}
     # max_keepalive_connections=20 (httpx's default), not the pool's size: httpcore's pool walks
     # every connection for each waiting request and hands idle ones to requests that wake slowly
     # (150 requests held at once by one worker took 6.9 s to reach it with all kept, 1.0-1.7 s
@@ -532,7 +552,10 @@ def create_app(prefill_urls: Sequence[str], decode_workers: Sequence[DecodeWorke
         state["decode_errors"] += 1
         return JSONResponse({"error": f"decode worker {shown_url(worker.url)} {what}"}, status_code=502)
 
-    async def forward(path: str, body: dict[str, Any], big: bool) -> Response:
+    async def prefill_and_pick(path: str, body: dict[str, Any], big: bool
+                               ) -> tuple[dict[str, Any], DecodeWorker, dict[str, str]]:
+        """The prefill (its ``kv_transfer_params`` go into the decode request), then the decode
+        worker: the decode request, its worker and the answer's headers."""
         prefill_url = next(prefill_cycle)
         params = None
         try:
@@ -555,14 +578,25 @@ def create_app(prefill_urls: Sequence[str], decode_workers: Sequence[DecodeWorke
         headers = {}
         if isinstance(params, dict) and params.get("do_remote_prefill"):
             decode_req["kv_transfer_params"] = params
-            state["disaggregated"] += 1
             headers["x-kvslots-pd"] = "disaggregated"
         else:
             decode_req.pop("kv_transfer_params", None)
-            state["recomputed"] += 1
             headers["x-kvslots-pd"] = "recomputed"
         worker = await pick_decode(body, big)
         headers["x-kvslots-decode-worker"] = shown_url(worker.url)
+        return decode_req, worker, headers
+
+    async def forward(request: Request, path: str, body: dict[str, Any], big: bool) -> Response:
+        # The client may go while its prompt is prefilled (or its decode worker picked): the
+        # prefill request is then cancelled (its connection closed: vLLM aborts it) and no decode
+        # is started. It was started anyway, its answer written to nobody.
+        picked = await _unless_gone(request.receive, prefill_and_pick(path, body, big))
+        if picked is None:
+            state["gone_before_decode"] += 1
+            logger.info("kvslots proxy: a client went while its prompt was prefilled; no decode started")
+            return Response(status_code=499)  # (written to nobody)
+        decode_req, worker, headers = picked
+        state["disaggregated" if headers["x-kvslots-pd"] == "disaggregated" else "recomputed"] += 1
         url = f"{worker.url.rstrip('/')}{path}"
         if body.get("stream"):
             try:
@@ -659,17 +693,19 @@ def create_app(prefill_urls: Sequence[str], decode_workers: Sequence[DecodeWorke
             return JSONResponse({"error": doc}, status_code=400)
         if doc.get("stream"):  # a client that closes (or half-closes) has gone: its backend requests end
             eof_is_disconnect(request.scope)
+        else:  # a closed client is told from a half-closed one (answered) by a 100 Continue
+            probe_eof(request.scope)
         return doc, big
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         body = await read_body(request)
-        return body if isinstance(body, Response) else await forward("/v1/completions", *body)
+        return body if isinstance(body, Response) else await forward(request, "/v1/completions", *body)
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
         body = await read_body(request)
-        return body if isinstance(body, Response) else await forward("/v1/chat/completions", *body)
+        return body if isinstance(body, Response) else await forward(request, "/v1/chat/completions", *body)
 
     @app.get("/v1/models")
     async def models() -> Response:
