@@ -3,16 +3,18 @@
 //!
 //! No address crosses a copy call. A region is registered once from the memory object itself
 //! (a numpy array through `__array_interface__`, or a CPU torch tensor through its own
-//! `data_ptr`, `nbytes`, `dtype` and `device`), together with its block layout; the region
-//! keeps the object alive. A copy names two regions and block ids, every id is checked against
-//! its region's block count, and the memory is read again from the object (it must not have
-//! moved or shrunk) before any byte moves.
+//! `data_ptr`, `nbytes`, `dtype` and `device`, with torch functions disabled), together with
+//! its block layout; the region keeps the object alive (and a numpy array unresizable). A
+//! copy names two regions and block ids, every id is checked against its region's block
+//! count, and the memory is read again from the object (it must not have moved or shrunk)
+//! before any byte moves.
 
 use kvslots_core as core;
 use numpy::{PyArrayDescrMethods, PyUntypedArray, PyUntypedArrayMethods};
 use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
+use pyo3::types::PyWeakrefReference;
 
 use crate::convert::{arg, block_ids, count, int, show, type_name};
 use crate::errors::{invalid, reading_error, slot_error, type_error};
@@ -43,6 +45,10 @@ struct Torch {
     data_ptr: Py<PyAny>,
     nbytes: Py<PyAny>,
     untyped_storage: Py<PyAny>,
+    /// `torch._C.DisableTorchFunction`: the tensor is read with it entered, so a
+    /// `TorchFunctionMode` (which sees even the base class's methods on a plain tensor) cannot
+    /// answer another address, size or storage.
+    disable: Py<PyAny>,
 }
 
 static TORCH: PyOnceLock<Torch> = PyOnceLock::new();
@@ -57,9 +63,26 @@ fn torch_api(py: Python<'_>) -> PyResult<&'static Torch> {
             data_ptr: base_cls.getattr("data_ptr")?.unbind(),
             nbytes: base_cls.getattr("nbytes")?.unbind(),
             untyped_storage: base_cls.getattr("untyped_storage")?.unbind(),
+            disable: torch.getattr("_C")?.getattr("DisableTorchFunction")?.unbind(),
             base_cls: base_cls.unbind(),
         })
     })
+}
+
+/// Runs `f` with torch's `__torch_function__` handling (subclasses and modes) off.
+fn without_torch_function<T>(
+    py: Python<'_>,
+    t: &Torch,
+    f: impl FnOnce() -> PyResult<T>,
+) -> PyResult<T> {
+    let guard = t.disable.bind(py).call0()?;
+    guard.call_method0(intern!(py, "__enter__"))?;
+    let r = f();
+    let none = py.None();
+    let exit = guard.call_method1(intern!(py, "__exit__"), (&none, &none, &none));
+    let v = r?;
+    exit?;
+    Ok(v)
 }
 
 /// A CPU torch tensor's memory (contiguous), or `None` when `obj` is not a torch tensor. Only
@@ -84,6 +107,11 @@ fn torch_memory(obj: &Bound<'_, PyAny>) -> PyResult<Option<Memory>> {
         }
         return Ok(None);
     }
+    without_torch_function(py, t, || tensor_memory(obj, t)).map(Some)
+}
+
+fn tensor_memory(obj: &Bound<'_, PyAny>, t: &Torch) -> PyResult<Memory> {
+    let py = obj.py();
     let base_cls = t.base_cls.bind(py);
     let method =
         |name: &str| -> PyResult<Bound<'_, PyAny>> { base_cls.getattr(name)?.call1((obj,)) };
@@ -109,13 +137,13 @@ fn torch_memory(obj: &Bound<'_, PyAny>) -> PyResult<Option<Memory>> {
     if base == 0 && nbytes > 0 {
         return Err(bad_memory(obj, "its address is null"));
     }
-    Ok(Some(Memory {
+    Ok(Memory {
         base,
         nbytes,
         writable: true,
         dtype: prop("dtype")?.str()?.to_string(),
         device: device_str,
-    }))
+    })
 }
 
 /// The storage of a CPU torch tensor whose registered memory is `base..base + nbytes`, to be
@@ -212,6 +240,31 @@ fn array_raw(obj: &Bound<'_, PyAny>) -> PyResult<(usize, usize, bool)> {
     Ok((base, nbytes, flags & numpy::npyffi::NPY_ARRAY_WRITEABLE != 0))
 }
 
+/// Weak references to a numpy array and to each array it is a view of, held by its region:
+/// numpy refuses to resize an array that has a weak reference, even with `refcheck=False`,
+/// which otherwise reallocates the bytes in place (freeing them under a copy running without
+/// the GIL: a segfault). Nothing for a torch tensor (see `held_storage`).
+fn pin_arrays(obj: &Bound<'_, PyAny>) -> PyResult<Vec<Py<PyAny>>> {
+    let py = obj.py();
+    let mut pins = Vec::new();
+    let mut cur = obj.clone();
+    // numpy collapses a view's bases to the array owning the bytes; the bound is only a guard.
+    while let Ok(arr) = cur.cast::<PyUntypedArray>() {
+        pins.push(PyWeakrefReference::new(arr)?.into_any().unbind());
+        if pins.len() >= 64 {
+            break;
+        }
+        // SAFETY: a live ndarray; its base field is null or a strong reference it holds
+        // (read from the struct: a subclass may override the `base` attribute).
+        let base = unsafe { (*arr.as_array_ptr()).fields.base };
+        if base.is_null() {
+            break;
+        }
+        cur = unsafe { Bound::from_borrowed_ptr(py, base) };
+    }
+    Ok(pins)
+}
+
 fn memory_of(obj: &Bound<'_, PyAny>) -> PyResult<Memory> {
     // A tensor torch cannot answer for (a sparse CSR or mkldnn one raises from is_contiguous
     // or data_ptr): a kvslots error naming the memory, with torch's as its cause.
@@ -232,6 +285,8 @@ fn memory_of(obj: &Bound<'_, PyAny>) -> PyResult<Memory> {
 #[pyclass(module = "kvslots._core", weakref, frozen)]
 pub(crate) struct BlockRegion {
     memory: Py<PyAny>,
+    /// Weak references to a numpy memory and the arrays it is a view of (see `pin_arrays`).
+    pins: Vec<Py<PyAny>>,
     mem: Memory,
     num_blocks: usize,
     block_bytes: usize,
@@ -244,7 +299,11 @@ impl BlockRegion {
     /// The Python objects it holds, for the cycle collector: without it a cycle through this
     /// object (a request, array or status whose attribute refers back to it) was never freed.
     fn __traverse__(&self, visit: pyo3::pyclass::PyVisit<'_>) -> Result<(), pyo3::pyclass::PyTraverseError> {
-        visit.call(&self.memory)
+        visit.call(&self.memory)?;
+        for p in &self.pins {
+            visit.call(p)?;
+        }
+        Ok(())
     }
 
     /// Refuses `pickle`, `copy.copy` and `copy.deepcopy`: see `errors::refuse_copy`.
@@ -302,8 +361,10 @@ impl BlockRegion {
                 ),
             ));
         }
+        let pins = pin_arrays(memory)?;
         Ok(BlockRegion {
             memory: memory.clone().unbind(),
+            pins,
             mem,
             num_blocks,
             block_bytes,
@@ -367,24 +428,26 @@ impl BlockRegion {
         if let Some(t) = TORCH.get(py) {
             let ty = obj.get_type();
             if ty.is(t.tensor.bind(py)) || ty.is(t.parameter.bind(py)) {
-                let base = int::<usize>(
-                    &t.data_ptr.bind(py).call1((obj,))?,
-                    "memory.data_ptr()",
-                    None,
-                )?;
-                let nbytes = int::<usize>(
-                    &t.nbytes
-                        .bind(py)
-                        .call_method1(intern!(py, "__get__"), (obj, t.base_cls.bind(py)))?,
-                    "memory.nbytes",
-                    None,
-                )?;
-                self.check_same(which, base, nbytes)?;
-                let pin = held_storage(obj, t, base, self.mem.nbytes, which)?;
-                return Ok(Current {
-                    base,
-                    writable: self.mem.writable,
-                    _pin: Some(pin),
+                return without_torch_function(py, t, || {
+                    let base = int::<usize>(
+                        &t.data_ptr.bind(py).call1((obj,))?,
+                        "memory.data_ptr()",
+                        None,
+                    )?;
+                    let nbytes = int::<usize>(
+                        &t.nbytes
+                            .bind(py)
+                            .call_method1(intern!(py, "__get__"), (obj, t.base_cls.bind(py)))?,
+                        "memory.nbytes",
+                        None,
+                    )?;
+                    self.check_same(which, base, nbytes)?;
+                    let pin = held_storage(obj, t, base, self.mem.nbytes, which)?;
+                    Ok(Current {
+                        base,
+                        writable: self.mem.writable,
+                        _pin: Some(pin),
+                    })
                 });
             }
         }

@@ -1,0 +1,116 @@
+"""BlockRegion's memory stays where it was registered: numpy cannot reallocate a registered
+array under a copy, and a TorchFunctionMode cannot answer another address for a tensor."""
+
+from __future__ import annotations
+
+import gc
+import os
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+from kvslots import _core
+
+
+def test_a_registered_array_cannot_be_resized_in_place():
+    """``ndarray.resize(refcheck=False)`` reallocated a registered array's bytes (freeing them
+    under a copy running without the GIL); the region's weak reference makes numpy refuse it, for
+    the array and for the array a registered view belongs to, until the region is gone."""
+    a = np.zeros(4096, np.uint8)
+    r = _core.BlockRegion(a, block_bytes=64, num_blocks=64)
+    with pytest.raises(ValueError):
+        a.resize(1, refcheck=False)
+    assert a.size == 4096
+    owner = np.zeros(4096 + 64, np.uint8)
+    view = owner[64:]
+    rv = _core.BlockRegion(view, block_bytes=64, num_blocks=64)
+    with pytest.raises(ValueError):
+        owner.resize(1, refcheck=False)
+    assert _core.copy_blocks(rv, r, [1], [2]) == 64
+    del r, rv, view
+    gc.collect()
+    a.resize(1, refcheck=False)
+    owner.resize(1, refcheck=False)
+    assert a.size == owner.size == 1
+
+
+def _child(code: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+
+
+def test_an_array_resized_during_a_copy_frees_nothing_being_written():
+    """Another thread's ``dst.resize(1, refcheck=False)`` while copy_blocks wrote into ``dst``
+    unmapped the bytes being written: the child died with SIGSEGV. Now the resize is refused and
+    every copy finishes."""
+    r = _child("""
+        import threading, time
+        import numpy as np
+        from kvslots import _core
+        n, bb = 64 << 20, 64 << 10  # mmap-backed: a shrunk allocation's tail is unmapped
+        src, dst = np.ones(n, np.uint8), np.zeros(n, np.uint8)
+        rs = _core.BlockRegion(src, block_bytes=bb, num_blocks=n // bb)
+        rd = _core.BlockRegion(dst, block_bytes=bb, num_blocks=n // bb)
+        ids = np.arange(n // bb, dtype=np.int64)
+        refused = 0
+        for _ in range(5):
+            t = threading.Thread(target=_core.copy_blocks, args=(rs, rd, ids, ids))
+            t.start()
+            time.sleep(0.002)
+            try:
+                dst.resize(1, refcheck=False)
+            except ValueError:
+                refused += 1
+            t.join()
+        print(refused, int(dst[-1]))
+    """)
+    assert r.returncode == 0, (r.returncode, r.stderr[-2000:])
+    assert r.stdout.split() == ["5", "1"]
+
+
+def test_a_torch_function_mode_cannot_forge_a_tensor_address():
+    """A TorchFunctionMode sees even ``TensorBase.data_ptr`` of a plain tensor: one answering
+    another array's address (and a storage object saying the same) made the region point there,
+    and a copy wrote into that array. The tensor is now read with torch functions disabled."""
+    torch = pytest.importorskip("torch")
+    from torch.overrides import TorchFunctionMode
+
+    victim = np.zeros(1 << 16, np.uint8)
+
+    class Storage:
+        class device:
+            type = "cpu"
+
+        def data_ptr(self):
+            return victim.ctypes.data
+
+        def nbytes(self):
+            return victim.nbytes
+
+    class Forge(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            name = getattr(func, "__name__", "")
+            if name == "data_ptr":
+                return victim.ctypes.data
+            if name == "untyped_storage":
+                return Storage()
+            out = func(*args, **(kwargs or {}))
+            return victim.nbytes if name == "__get__" and type(out) is int else out
+
+    t = torch.zeros(64, dtype=torch.uint8)
+    host = _core.BlockRegion(np.full(64, 7, np.uint8), block_bytes=8, num_blocks=8)
+    plain = _core.BlockRegion(t, block_bytes=8, num_blocks=8)
+    with Forge():
+        forged = _core.BlockRegion(t, block_bytes=8, num_blocks=8)
+        assert forged.nbytes == 64
+        assert _core.copy_blocks(host, forged, [0], [1]) == 8
+        assert _core.copy_blocks(host, plain, [0], [2]) == 8
+    assert not victim.any()
+    assert t.tolist() == [0] * 8 + [7] * 16 + [0] * 40
+    # A mode that only passes calls on (torch.device's) is no obstacle.
+    with torch.device("cpu"):
+        assert _core.copy_blocks(host, _core.BlockRegion(t, block_bytes=8, num_blocks=8), [0], [7]) == 8
+    assert t[56:].tolist() == [7] * 8
