@@ -89,3 +89,34 @@ def test_a_wipe_that_cannot_be_queued_writes_none_of_its_step(tmp_path, caplog):
     assert index.num_writing == 0 and index.num_stored == 0
     assert "wipe could not be queued" in caplog.records[0].getMessage()
     w.close()
+
+
+class SpillingPlanner:
+    """What DiskScheduler asks of the connector's planner to plan spills."""
+
+    def __init__(self, spills) -> None:
+        self.spills = spills
+
+    def enable_spill(self) -> None:
+        pass
+
+    def take_spills(self):
+        out, self.spills = self.spills, []
+        return out
+
+
+def test_a_spill_the_index_refuses_leaves_the_rest_of_the_batch_planned(tmp_path, caplog):
+    # The scheduler's half: begin_write raising for one block of a batch (a record of the wrong
+    # length) raised out of build() with the earlier blocks' slots taken, never shipped, so
+    # never reported: "writing" for ever. Now that block is not spilled, the others are.
+    from kvslots.vllm.connector.disk import DiskScheduler
+
+    layout = DiskLayout(num_layers=1, bytes_per_block=BPB, dtype="uint8", fingerprint=7)
+    taken = [(i, 1000 + i, None, None, None, [i] * (BS if i != 1 else BS - 1)) for i in range(3)]
+    sched = DiskScheduler(SpillingPlanner(taken), directory=str(tmp_path), num_slots=16, block_size=BS,
+                          layout=layout, eagle=False)
+    caplog.set_level(logging.WARNING, logger="kvslots.vllm.connector.disk")
+    meta = sched.build()
+    assert [s[2] for s in meta.spills] == [1000, 1002]
+    assert sched.index.num_writing == 2 and sched.stats["spills_not_taken"] == 1
+    assert any("0x3e9 not spilled" in r.getMessage() for r in caplog.records)

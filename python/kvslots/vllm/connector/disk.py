@@ -48,7 +48,7 @@ import numpy as np
 
 from ..._core import DiskIndex, DiskStore
 from ..._args import text
-from ...errors import ConfigError, DiskTierError, InvalidArgumentError
+from ...errors import ConfigError, DiskTierError, InvalidArgumentError, KVSlotsError
 from ...config.connector import DISK_FILE_NAME
 from ...config.loader import read_config_text
 
@@ -364,7 +364,13 @@ class DiskScheduler:
             return None
         spills = []
         for hb, h, parent, lora, succ, tokens in taken:
-            slot = self.index.begin_write(h, tokens, succ, parent, lora)
+            try:
+                slot = self.index.begin_write(h, tokens, succ, parent, lora)
+            except KVSlotsError as e:
+                # This block only (a record the index cannot take): raised out of the loop, the
+                # slots begun before it stayed "writing" for ever and the rest were lost.
+                logger.warning("kvslots disk tier: block %#x not spilled: %s", h, e)
+                slot = None
             if slot is None:
                 self.stats["spills_not_taken"] += 1
                 continue
