@@ -255,9 +255,11 @@ MAX_MODELS_ANSWER = 16 * 2**20
 MAX_DECODE_ANSWER = 64 * 2**20
 #: A decode worker's answer to a request without a stream is read whole up to this many bytes (and
 #: sent whole, a 502 when the worker fails or ``--timeout`` passes first); past it, what was read is
-#: sent and the rest passed on as it comes, within ``--timeout`` in all (cut off past it: the client
-#: sees the answer unfinished). Bounded at 64 MiB, legitimate answers were a 502 (n=8 of 8k
-#: tokens with top_logprobs=20 is about 96 MB), and read whole, each took its size in memory.
+#: sent and the rest passed on as it comes, the worker given ``--timeout`` in all to send it and the
+#: client, apart, as long to read it (cut off past either: the client sees the answer unfinished;
+#: the worker's counted in ``decode_errors``, the client's in ``slow_clients``). Bounded at 64 MiB,
+#: legitimate answers were a 502 (n=8 of 8k tokens with top_logprobs=20 is about 96 MB), and read
+#: whole, each took its size in memory.
 PASS_ON_AFTER = 2**20
 
 
@@ -497,7 +499,8 @@ def create_app(prefill_urls: Sequence[str], decode_workers: Sequence[DecodeWorke
         http_url(indexer_url, "indexer URL")
     prefill_cycle = itertools.cycle(list(prefill_urls))
     decode_cycle = itertools.cycle(list(decode_workers))
-    state: dict[str, Any] = {"recomputed": 0, "disaggregated": 0, "decode_errors": 0, "gone_before_decode": 0}
+    state: dict[str, Any] = {"recomputed": 0, "disaggregated": 0, "decode_errors": 0, "gone_before_decode": 0,
+                             "slow_clients": 0}
     # max_keepalive_connections=20 (httpx's default), not the pool's size: httpcore's pool walks
     # every connection for each waiting request and hands idle ones to requests that wake slowly
     # (150 requests held at once by one worker took 6.9 s to reach it with all kept, 1.0-1.7 s
@@ -664,16 +667,32 @@ def create_app(prefill_urls: Sequence[str], decode_workers: Sequence[DecodeWorke
             return Response(bytes(content), media_type="application/json", headers=headers)
 
         async def rest() -> AsyncIterator[bytes]:
+            # --timeout bounds the worker's time (waiting for its bytes) and, apart, the client's
+            # (taking what was read): one clock for both blamed the worker for a client slow to
+            # read (counted in decode_errors, "the worker broke off its answer").
+            worker_left = deadline - anyio.current_time()
+            client_s = 0.0
             try:
+                sent = anyio.current_time()
                 yield bytes(content)
                 content.clear()
+                client_s += anyio.current_time() - sent
                 while True:
+                    asked = anyio.current_time()
                     try:
-                        with anyio.fail_after(max(deadline - anyio.current_time(), 0)):
+                        with anyio.fail_after(max(worker_left, 0)):
                             chunk = await chunks.__anext__()
                     except StopAsyncIteration:
                         return
+                    got = anyio.current_time()
+                    worker_left -= got - asked
                     yield chunk
+                    client_s += anyio.current_time() - got
+                    if client_s > timeout_s:
+                        state["slow_clients"] += 1
+                        logger.warning("kvslots proxy: a client took more than %g s to read the answer of decode "
+                                       "worker %s; cut off", timeout_s, shown_url(worker.url))
+                        raise _BrokenOff
             except (httpx.HTTPError, TimeoutError) as e:
                 state["decode_errors"] += 1
                 why = f"no whole answer within {timeout_s:g} s" if isinstance(e, TimeoutError) else _why(e)
