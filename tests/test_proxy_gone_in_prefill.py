@@ -33,6 +33,8 @@ class _Marks:
         self.prefill_ended = threading.Event()  # the prefill request ended: answered or cancelled
         self.prefill_cancelled = False
         self.decode = threading.Event()  # the decode worker got the request
+        self.decode_ended = threading.Event()
+        self.decode_cancelled = False
 
 
 @pytest.fixture(scope="module")
@@ -43,9 +45,11 @@ def proxy():
     async def backend(request: httpx.Request) -> httpx.Response:
         body = json.loads(request.content)
         m = marks[body["prompt"]]
+        in_decode = body["prompt"].startswith("in-decode")
         if body.get("kv_transfer_params", {}).get("do_remote_decode"):
             try:
-                await asyncio.sleep(PREFILL_S if body["prompt"].startswith("gone") else SHORT_PREFILL_S)
+                await asyncio.sleep(PREFILL_S if body["prompt"].startswith("gone") else
+                                    0.0 if in_decode else SHORT_PREFILL_S)
             except asyncio.CancelledError:
                 m.prefill_cancelled = True
                 raise
@@ -53,6 +57,14 @@ def proxy():
                 m.prefill_ended.set()
             return httpx.Response(200, json={"kv_transfer_params": {"do_remote_prefill": True}})
         m.decode.set()
+        if in_decode:  # a long answer without a stream
+            try:
+                await asyncio.sleep(PREFILL_S)
+            except asyncio.CancelledError:
+                m.decode_cancelled = True
+                raise
+            finally:
+                m.decode_ended.set()
         if body.get("stream"):
             return httpx.Response(200, content=b'data: {"x": 1}\n\ndata: [DONE]\n\n',
                                   headers={"content-type": "text/event-stream"})
@@ -96,6 +108,20 @@ def test_a_client_gone_during_its_prefill_gets_no_decode(proxy, stream, how):
     assert m.prefill_cancelled and time.monotonic() - gone < 2 * httpguard._TICK_S + 1, \
         "the prefill request ran on"  # the old code: it ran its PREFILL_S
     assert not m.decode.wait(1.0), "the decode worker got the request of a client gone"
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the reset is read from TCP_INFO (Linux)")
+def test_a_client_gone_while_its_answer_is_decoded_ends_the_decode_request(proxy):
+    port, marks, _ = proxy
+    m = marks["in-decode"] = _Marks()
+    s = socket.create_connection(("127.0.0.1", port))
+    s.sendall(_request("in-decode", False))
+    assert m.decode.wait(5)
+    gone = time.monotonic()
+    s.close()
+    assert m.decode_ended.wait(PREFILL_S + 2)
+    assert m.decode_cancelled and time.monotonic() - gone < 2 * httpguard._TICK_S + 1, \
+        "the decode request ran on"  # before: it ran its PREFILL_S, for nobody
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])

@@ -386,10 +386,16 @@ async def _unless_gone(receive: Any, work: Any) -> Any:
             pass
         tg.cancel_scope.cancel()
 
+    failed: list[Exception] = []
     async with anyio.create_task_group() as tg:
         tg.start_soon(watch)
-        out.append(await work)
+        try:
+            out.append(await work)
+        except Exception as e:  # raised as it is, not in the task group's ExceptionGroup
+            failed.append(e)
         tg.cancel_scope.cancel()
+    if failed:
+        raise failed[0]
     return out[0] if out else None
 
 
@@ -633,9 +639,9 @@ def create_app(prefill_urls: Sequence[str], decode_workers: Sequence[DecodeWorke
 
             return StreamingResponse(chunks(), media_type=resp.headers.get("content-type", "text/event-stream"),
                                      headers=headers)
-        return await pass_on(worker, url, decode_req, big, headers)
+        return await pass_on(request.receive, worker, url, decode_req, big, headers)
 
-    async def pass_on(worker: DecodeWorker, url: str, decode_req: dict[str, Any], big: bool,
+    async def pass_on(receive: Any, worker: DecodeWorker, url: str, decode_req: dict[str, Any], big: bool,
                       headers: dict[str, str]) -> Response:
         """The decode worker's answer to a request without a stream: whole when it is at most
         :data:`PASS_ON_AFTER` bytes, else passed on as it comes (:data:`PASS_ON_AFTER`)."""
@@ -643,14 +649,28 @@ def create_app(prefill_urls: Sequence[str], decode_workers: Sequence[DecodeWorke
 
         deadline = anyio.current_time() + timeout_s
         resp = None
-        try:
+        content = bytearray()
+
+        async def first() -> tuple[httpx.Response, Any, bool]:
+            nonlocal resp
             async with _within(timeout_s):
                 resp = await client.send(client.build_request("POST", url, **await _encoded(decode_req, big)),
                                          stream=True)
                 chunks = resp.aiter_bytes()
-                content = bytearray()
                 whole = await _read_upto(chunks, content, PASS_ON_AFTER if resp.status_code == 200 else
                                          MAX_DECODE_ANSWER)
+            return resp, chunks, whole
+
+        try:
+            # A client gone before a byte of its answer is written (httpguard.probe_eof) ends the
+            # decode request: it ran to its end, for nobody.
+            got = await _unless_gone(receive, first())
+            if got is None:
+                if resp is not None:
+                    await resp.aclose()
+                logger.info("kvslots proxy: a client went while its answer was decoded; decode request ended")
+                return Response(status_code=499)  # (written to nobody)
+            resp, chunks, whole = got
             if not whole and resp.status_code != 200:
                 raise httpx.ReadError(f"an answer of more than {MAX_DECODE_ANSWER} bytes")
         except httpx.HTTPError as e:
