@@ -48,7 +48,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from ...errors import TransferError
+from ...errors import TransferError, short_repr
 
 logger = logging.getLogger(__name__)
 
@@ -87,14 +87,21 @@ class PDStepMeta:
         return bool(self.holds or self.recvs)
 
 
-def parse_remote_params(params: Any) -> dict[str, Any] | None:
+def parse_remote_params(params: Any, num_prompt_tokens: int | None = None) -> dict[str, Any] | None:
     """The producer's hand-off, checked; None when ``params`` ask for no remote prefill. A
-    malformed hand-off is a :class:`TransferError` (kind ``"layout"``) naming the field."""
+    malformed hand-off is a :class:`TransferError` (kind ``"layout"``) naming the field.
+
+    Only the ``remote_block_ids`` of the prompt's blocks are checked and kept: those of
+    ``num_tokens`` tokens, and of at most ``num_prompt_tokens`` (the request's prompt) when
+    given; a producer's list may go on (a request's lookahead blocks), and nothing past them is
+    pulled."""
     if not isinstance(params, dict) or not params.get("do_remote_prefill"):
         return None
 
     def bad(key: str) -> TransferError:
-        return TransferError(f"kv_transfer_params.{key}={params.get(key)!r} is not valid", details={"kind": "layout"})
+        # Bounded: the full repr of a client's 2**24 ids or 100 MB host went into the log line.
+        return TransferError(f"kv_transfer_params.{key}={short_repr(params.get(key))} is not valid",
+                             details={"kind": "layout"})
 
     out: dict[str, Any] = {}
     for key in ("remote_engine_id", "remote_host", "remote_request_id"):
@@ -108,8 +115,13 @@ def parse_remote_params(params: Any) -> dict[str, Any] | None:
             raise bad(key)
         out[key] = v
     ids = params.get("remote_block_ids")
-    if not isinstance(ids, list) or not ids or len(ids) > 1 << 24 or not all(
-            isinstance(b, int) and not isinstance(b, bool) and 0 <= b < 1 << 40 for b in ids):
+    if not isinstance(ids, list) or not ids or len(ids) > 1 << 24:
+        raise bad("remote_block_ids")
+    # The prompt's blocks only: every id was checked, 2.8 s of the scheduler's thread (every
+    # request waits) for a client's list of 2**24, again at each scheduling attempt.
+    tokens = out["num_tokens"] if num_prompt_tokens is None else min(out["num_tokens"], max(1, num_prompt_tokens))
+    ids = ids[:-(-tokens // out["remote_block_size"])]
+    if not all(isinstance(b, int) and not isinstance(b, bool) and 0 <= b < 1 << 40 for b in ids):
         raise bad("remote_block_ids")
     out["remote_block_ids"] = ids
     return out
@@ -139,7 +151,7 @@ class PDScheduler:
             return None
         params = request.kv_transfer_params
         try:
-            p = parse_remote_params(params)
+            p = parse_remote_params(params, len(request.prompt_token_ids or ()))
         except TransferError as e:
             self.stats["bad_params"] += 1
             logger.warning("kvslots P/D: request %s: %s; computing it here", request.request_id, e)
@@ -199,7 +211,8 @@ class PDScheduler:
         # A hand-off we cannot use still names a producer holding blocks: tell it to free them.
         if isinstance(params, dict) and isinstance(params.get("remote_host"), str) and isinstance(
                 params.get("remote_port"), int) and isinstance(params.get("remote_request_id"), str):
-            self._recvs.append(RecvSpec(req_id, params["remote_request_id"], str(params.get("remote_engine_id")),
+            engine = params.get("remote_engine_id")  # not used by a release: not made text whatever it is
+            self._recvs.append(RecvSpec(req_id, params["remote_request_id"], engine if isinstance(engine, str) else "",
                                         params["remote_host"], params["remote_port"], [], []))
 
     # ---- producer ----

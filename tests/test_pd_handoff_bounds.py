@@ -1,0 +1,58 @@
+"""A hand-off's remote_block_ids are read only as far as the prompt's blocks: a client's list of
+2**24 ids was checked item by item on the scheduler's thread (2.8 s, every request waiting), at
+each scheduling attempt; ids past the prompt's blocks are never pulled."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+pytest.importorskip("vllm", reason="vLLM is not installed (make test installs it)")
+
+from kvslots.errors import TransferError  # noqa: E402
+from kvslots.vllm.connector.pd import PDScheduler, parse_remote_params  # noqa: E402
+
+BS = 32
+
+
+def params(ids, num_tokens=70):
+    return {"do_remote_prefill": True, "remote_engine_id": "e1", "remote_request_id": "r1",
+            "remote_host": "127.0.0.1", "remote_port": 5000, "remote_block_ids": ids, "remote_block_size": BS,
+            "num_tokens": num_tokens}
+
+
+def test_only_the_prompts_blocks_are_checked_and_kept():
+    # 70 tokens: 3 blocks; what follows is not looked at (here: not even ids).
+    got = parse_remote_params(params([4, 5, 6] + ["junk", -1, None] * 100_000))
+    assert got["remote_block_ids"] == [4, 5, 6]
+    with pytest.raises(TransferError):  # within the prompt's blocks: still checked
+        parse_remote_params(params([4, -1, 6, 7]))
+
+
+def test_a_long_id_list_is_kept_as_far_as_the_prompts_blocks():
+    # A lying num_tokens (2**31 tokens) does not widen it: the request's prompt bounds it. The
+    # whole list was checked and kept (2**24 ids: 2.8 s of the scheduler's thread).
+    s = PDScheduler(engine_id="me", host="127.0.0.1", port=6000, block_size=BS, timeout_s=30.0,
+                    producer=False, consumer=True)
+    long = [1] * (1 << 20)
+    p = parse_remote_params(params(long, num_tokens=1 << 31), num_prompt_tokens=70)
+    assert p is not None and p["remote_block_ids"] == [1, 1, 1]
+    req = SimpleNamespace(request_id="d1", prompt_token_ids=list(range(70)), status=None,
+                          kv_transfer_params=params(long, num_tokens=1 << 31))
+    assert s.matched(req, 0) == (0, False)  # 2**31 tokens computed there, 70 here: computed here
+    (spec,) = s.build().recvs
+    assert spec.local_block_ids == [] and spec.remote_req_id == "r1"  # the producer is released
+    req = SimpleNamespace(request_id="d2", prompt_token_ids=list(range(70)), status=None,
+                          kv_transfer_params=params(long))
+    assert s.matched(req, 0) == (70, True)
+    assert s._matched["d2"][1]["remote_block_ids"] == [1, 1, 1]
+
+
+@pytest.mark.parametrize("over", [{"remote_host": "h" * 10_000_000}, {"remote_block_ids": [-1] * (1 << 20)},
+                                  {"remote_engine_id": ["e"] * (1 << 20)}])
+def test_a_bad_field_is_named_in_a_short_message(over):
+    # The whole value's repr was the message (and the scheduler's log line): 10 MB for that host.
+    with pytest.raises(TransferError) as e:
+        parse_remote_params({**params([1, 2, 3]), **over})
+    assert len(str(e.value)) < 200 and next(iter(over)) in str(e.value)
