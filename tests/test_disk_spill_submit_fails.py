@@ -120,3 +120,33 @@ def test_a_spill_the_index_refuses_leaves_the_rest_of_the_batch_planned(tmp_path
     assert [s[2] for s in meta.spills] == [1000, 1002]
     assert sched.index.num_writing == 2 and sched.stats["spills_not_taken"] == 1
     assert any("0x3e9 not spilled" in r.getMessage() for r in caplog.records)
+
+
+def test_an_engine_whose_store_refuses_every_spill_runs_on_with_no_slot_writing(tmp_path, caplog):
+    # Through the connector and vLLM's scheduler: handle_preemptions raised out of the step (the
+    # engine died) with the disk slots of the step's spills "writing" at the scheduler.
+    import random
+
+    import pytest
+
+    pytest.importorskip("vllm", reason="vLLM is not installed (make test installs it)")
+    import test_disk_scheduler as tds
+    from kvslots._dev.tiny import build_tiny_models
+    from vllm_harness import engine_config
+
+    models = build_tiny_models(str(tmp_path / "tiny"))
+    cfg = engine_config(models["target"], None, num_blocks=64)
+    h = tds.disk_harness(cfg, tmp_path)
+    w = h.workers[0]._disk_worker
+    w.store = RaisingStore(w.store, fail_on=set(range(1, 10_000)))
+    caplog.set_level(logging.ERROR, logger="kvslots.vllm.connector.disk")
+    rng = random.Random(5)
+    h.add("a", tds.tokens(rng, tds.PROMPT), max_tokens=2)
+    h.run_until_done()
+    h.add("push", tds.tokens(rng, 10 * tds.BLOCK_SIZE + 5), max_tokens=2)
+    h.run_until_done()
+    tds.settle(h)
+    disk = h.connector._disk_sched
+    assert disk.stats["spilled_blocks"] > 0 and w.store.calls == disk.stats["spilled_blocks"]
+    assert disk.index.num_writing == 0 and disk.index.num_stored == 0 and not disk._writing
+    assert any("could not be queued" in r.getMessage() for r in caplog.records)
