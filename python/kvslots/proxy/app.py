@@ -78,7 +78,8 @@ class DecodeWorker:
 
 
 def prefill_body(body: dict[str, Any]) -> dict[str, Any]:
-    """The prefill worker's copy of a request: one token, no stream, asks for a remote decode."""
+    """The prefill worker's copy of a request: one token (no ``min_tokens``), no stream, asks for a
+    remote decode."""
     if not isinstance(body, dict):
         raise ArgumentTypeError(f"body must be a dict (a JSON object), got {type(body).__name__}")
     out = dict(body)  # only top-level keys change: nothing nested is copied
@@ -87,6 +88,10 @@ def prefill_body(body: dict[str, Any]) -> dict[str, Any]:
         out["max_completion_tokens"] = 1
     out["stream"] = False
     out.pop("stream_options", None)
+    # vLLM refuses min_tokens past max_tokens (a 400): every request with min_tokens > 1 was
+    # computed again on the decode worker, its prefill refused. One token suppresses no EOS that
+    # matters here: the decode worker samples the answer.
+    out.pop("min_tokens", None)
     out["kv_transfer_params"] = {"do_remote_decode": True}
     return out
 
