@@ -5,6 +5,8 @@ one line and exit status 2 rather than the server's own log and exit status."""
 from __future__ import annotations
 
 import socket
+import threading
+from typing import Any
 
 from .errors import ConfigError
 
@@ -20,7 +22,7 @@ def check_listen(host: str, port: int) -> None:
     if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
         raise ConfigError(f"port {port!r} is not a port number in 0..65535")
     try:
-        infos = socket.getaddrinfo(host or None, port, socket.AF_UNSPEC, socket.SOCK_STREAM, 0, socket.AI_PASSIVE)
+        infos = _resolve(host or None, port)
     except (socket.gaierror, UnicodeError, ValueError) as e:
         raise ConfigError(f"host {host!r}: cannot resolve it ({getattr(e, 'strerror', None) or e})") from None
     for family, kind, proto, _, addr in infos:
@@ -32,3 +34,38 @@ def check_listen(host: str, port: int) -> None:
                 sock.bind(addr)
         except OSError as e:
             raise ConfigError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+
+
+#: Longest wait, in seconds, for the resolver to answer for a host name: getaddrinfo has no
+#: timeout of its own, and a resolver that never answers (a dead DNS server without a timeout
+#: in resolv.conf, a hung NSS module such as LDAP or sssd) made the command hang before it started.
+RESOLVE_TIMEOUT_S = 10.0
+
+
+def _resolve(host: str | None, port: int) -> list[Any]:
+    """getaddrinfo for a passive TCP socket, bounded by :data:`RESOLVE_TIMEOUT_S` (a
+    gaierror EAI_AGAIN past it). An address (or no host) needs no resolver and is answered at once;
+    a name is looked up in a daemon thread, which a resolver that never answers leaves behind
+    (the command then ends with the error, the thread with it)."""
+    args = (host, port, socket.AF_UNSPEC, socket.SOCK_STREAM, 0, socket.AI_PASSIVE)
+    try:
+        return socket.getaddrinfo(*args[:5], socket.AI_PASSIVE | socket.AI_NUMERICHOST)
+    except socket.gaierror:
+        pass  # a name, not an address
+    answer: list[Any] = []
+    done = threading.Event()
+
+    def lookup() -> None:
+        try:
+            answer.append(socket.getaddrinfo(*args))
+        except BaseException as e:  # handed to the caller
+            answer.append(e)
+        finally:
+            done.set()
+
+    threading.Thread(target=lookup, name="kvslots-resolve", daemon=True).start()
+    if not done.wait(RESOLVE_TIMEOUT_S):  # a Ctrl-C still ends the wait (the caller's to report)
+        raise socket.gaierror(socket.EAI_AGAIN, f"the resolver did not answer within {RESOLVE_TIMEOUT_S:g} s")
+    if isinstance(answer[0], BaseException):
+        raise answer[0]
+    return answer[0]
