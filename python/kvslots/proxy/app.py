@@ -61,9 +61,14 @@ __all__ = ["DecodeWorker", "create_app", "prefill_body", "DEFAULT_MAX_BODY_MB"]
 BACKEND_CONNECTIONS = 1024
 #: Most backend connections given: a descriptor each.
 MAX_BACKEND_CONNECTIONS = 1 << 16
-#: A pool of its own for the short calls (the indexer's /score, ``GET /v1/models``), so that they
-#: do not wait behind the requests holding every backend connection.
-SIDE_CONNECTIONS = 8
+#: Pools of their own for the short calls, the indexer's /score and ``GET /v1/models``, so that they
+#: do not wait behind the requests holding every backend connection, nor /score behind clients
+#: asking for the models (in one pool, 16 of them waiting on a decode worker slow to answer held
+#: it, and every prompt's /score waited past its 2 s: round robin).
+SCORE_CONNECTIONS = 6
+MODELS_CONNECTIONS = 2
+#: Connections of both: the descriptors the command sets aside for them.
+SIDE_CONNECTIONS = SCORE_CONNECTIONS + MODELS_CONNECTIONS
 
 #: Largest request body accepted by default (``--max-body-mb``): a 1000 MB body was read whole
 #: (2 GB of memory) before a byte of it was looked at.
@@ -535,16 +540,17 @@ def create_app(prefill_urls: Sequence[str], decode_workers: Sequence[DecodeWorke
     client = httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=10.0), transport=transport,
                                limits=httpx.Limits(max_connections=backend_connections, max_keepalive_connections=20),
                                headers=identity, event_hooks={"response": [_not_encoded]})
-    side = httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=10.0), transport=transport,
-                             limits=httpx.Limits(max_connections=SIDE_CONNECTIONS,
-                                                 max_keepalive_connections=SIDE_CONNECTIONS),
-                             headers=identity, event_hooks={"response": [_not_encoded]})
+    side, models_side = (httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=10.0), transport=transport,
+                                           limits=httpx.Limits(max_connections=n, max_keepalive_connections=n),
+                                           headers=identity, event_hooks={"response": [_not_encoded]})
+                         for n in (SCORE_CONNECTIONS, MODELS_CONNECTIONS))
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         yield
         await client.aclose()
         await side.aclose()
+        await models_side.aclose()
 
     # redirect_slashes off: /v1/completions/ was a 307 with an empty body, a 404 as any unknown path.
     app = FastAPI(title="kvslots proxy", summary="OpenAI-compatible front door for disaggregated prefill/decode",
@@ -769,7 +775,7 @@ def create_app(prefill_urls: Sequence[str], decode_workers: Sequence[DecodeWorke
     @app.get("/v1/models")
     async def models() -> Response:
         try:
-            status, content = await _post_read(side, f"{decode_workers[0].url.rstrip('/')}/v1/models", {},
+            status, content = await _post_read(models_side, f"{decode_workers[0].url.rstrip('/')}/v1/models", {},
                                                most=MAX_MODELS_ANSWER, within=timeout_s, method="GET")
         except httpx.HTTPError as e:
             return JSONResponse({"error": f"decode worker failed: {_why(e)}"}, status_code=502)
