@@ -580,6 +580,63 @@ impl DeviceAllocator {
         Some(s)
     }
 
+    /// The table positions an [`Self::allocate`] of `request` with `a` would register (empty:
+    /// none), read without changing anything, so a caller can build what it emits for them
+    /// before the allocation (an error there then leaves the allocator as it was). The
+    /// allocation's `commit` equals it whenever the allocation is done from the same state.
+    /// `tagged`: the slot and tag of an [`Self::allocate_tagged`], found as it finds them.
+    pub fn planned_commit(
+        &self,
+        request: &str,
+        tagged: Option<(usize, u64)>,
+        a: &AllocArgs,
+    ) -> Range<usize> {
+        if a.delay_cache_blocks || !self.enable_caching {
+            return 0..0;
+        }
+        let slot = match tagged {
+            Some((s, t)) if t != 0 && self.slots.get(s).is_some_and(|r| r.tag == t) => Some(s),
+            _ => self.slot_of(request),
+        };
+        let slot = slot.map(|s| &self.slots[s]);
+        let tracked = slot.is_some_and(|r| r.tracked);
+        let adopt = a.num_hit_blocks > 0 || a.num_external_tokens > 0;
+        let total_computed = a
+            .num_computed_tokens
+            .saturating_add(a.num_hit_blocks.saturating_mul(self.block_size))
+            .saturating_add(a.num_external_tokens)
+            .min(a.max_model_len);
+        let to_cache = total_computed
+            .saturating_add(a.num_new_tokens)
+            .min(a.num_tokens);
+        let end = to_cache.saturating_sub(a.num_reprefillable_tokens) / self.block_size;
+        let start = if adopt && !tracked {
+            a.num_hit_blocks
+        } else {
+            slot.map_or(0, |r| r.num_cached)
+        };
+        start..end.max(start)
+    }
+
+    /// The table positions [`Self::cache`] with these arguments would register, read without
+    /// changing anything (see [`Self::planned_commit`]).
+    pub fn planned_cache(
+        &self,
+        request: &str,
+        num_tokens: usize,
+        num_reprefillable_tokens: usize,
+    ) -> Range<usize> {
+        let Some(s) = self.slot_of(request) else {
+            return 0..0;
+        };
+        if !self.enable_caching {
+            return 0..0;
+        }
+        let end = num_tokens.saturating_sub(num_reprefillable_tokens) / self.block_size;
+        let start = self.slots[s].num_cached;
+        start..end.max(start)
+    }
+
     /// vLLM's `allocate_slots`. `Ok(None)`: it does not fit, nothing changed.
     ///
     /// `hashes` is the request's block hashes: the first `num_hit_blocks` name the prefix hit,

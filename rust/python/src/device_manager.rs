@@ -21,7 +21,8 @@ use crate::convert::{
     arg, count, flag, list_or_tuple_items, next_item, opt_ints, show, text, type_name, IntArg,
 };
 use crate::errors::{
-    borrow, borrow_mut, busy, invalid, reading_error, slot_error as err, type_error,
+    borrow, borrow_mut, busy, changed_meanwhile, invalid, reading_error, slot_error as err,
+    type_error,
     ArgumentTypeError,
 };
 
@@ -392,6 +393,10 @@ impl DeviceKVManager {
             num_reprefillable_tokens: this.num_reprefillable,
             zero_external_blocks: true,
         };
+        // An allocation that registers blocks builds its event first: the general path.
+        if this.hook && !this.inner.planned_commit("", Some((slot, tag)), &a).is_empty() {
+            return Ok(None);
+        }
         let done = match this.inner.allocate_tagged("", slot, tag, &a, &hashes) {
             Ok(Some(done)) => done,
             Ok(None) => return Ok(Some(None)),
@@ -401,7 +406,7 @@ impl DeviceKVManager {
         drop(this);
         let out = out.into_py(py)?;
         if hook {
-            call_hook(slf, request, done.commit.start, done.commit.end)?;
+            call_hook(slf, request, done.commit.start, done.commit.end, None)?;
         }
         Ok(Some(Some(out)))
     }
@@ -511,6 +516,29 @@ impl DeviceKVManager {
             zero_external_blocks: zero_external,
         };
         let tag = request.as_ptr() as u64;
+        let tagged = known.map(|s| (s, tag));
+        // The event for the blocks it registers is built before anything changes: a hook that
+        // raises leaves the allocation undone.
+        let planned = if this.hook {
+            this.inner.planned_commit(rid, tagged, &a)
+        } else {
+            0..0
+        };
+        let stored = if planned.is_empty() {
+            None
+        } else {
+            drop(this);
+            let ev = prepare_stored(slf, request, &planned)?;
+            this = borrow_mut(slf)?;
+            if this.inner.planned_commit(rid, tagged, &a) != planned {
+                return Err(changed_meanwhile(format!(
+                    "the DeviceKVManager was changed while the KV event for request {} was built \
+                     (by the request's attributes or another thread); nothing was allocated",
+                    core::error::shown(rid)
+                )));
+            }
+            Some(ev)
+        };
         let done = match known {
             Some(s) => this.inner.allocate_tagged(rid, s, tag, &a, &hashes),
             None => this.inner.allocate(rid, &a, &hashes),
@@ -534,7 +562,7 @@ impl DeviceKVManager {
             note_slot(slf, request, rid, done.slot);
         }
         if hook {
-            call_hook(slf, request, done.commit.start, done.commit.end)?;
+            call_hook(slf, request, done.commit.start, done.commit.end, stored)?;
         }
         Ok(Some(out))
     }
@@ -663,18 +691,38 @@ fn exact_count(obj: Option<&Bound<'_, PyAny>>) -> Option<usize> {
     }
 }
 
-/// Calls the subclass's event hook outside any borrow of the manager.
+/// The subclass's event for the blocks `planned` of the request's table that a call is about
+/// to register (`self._prepare_stored(request, start, end)`), built before the call changes
+/// anything: whatever it raises (the request's fields are read there) leaves the manager as it
+/// was. `None` without the method.
+fn prepare_stored(
+    slf: &Bound<'_, DeviceKVManager>,
+    request: &Bound<'_, PyAny>,
+    planned: &std::ops::Range<usize>,
+) -> PyResult<Py<PyAny>> {
+    let py = slf.py();
+    match slf.getattr_opt(intern!(py, "_prepare_stored"))? {
+        Some(f) => Ok(f.call1((request, planned.start, planned.end))?.unbind()),
+        None => Ok(py.None()),
+    }
+}
+
+/// Calls the subclass's event hook outside any borrow of the manager, after the call is done:
+/// `self._on_alloc(request, start, end, stored)`, `stored` the event `prepare_stored` built
+/// (`None` when the call registered nothing). It only queues the events (the evictions', then
+/// `stored`); what can fail was done before anything changed.
 fn call_hook(
     slf: &Bound<'_, DeviceKVManager>,
     request: &Bound<'_, PyAny>,
     start: usize,
     end: usize,
+    stored: Option<Py<PyAny>>,
 ) -> PyResult<()> {
     // The base class used directly (record_evictions=True) has no hook: the allocation stands
     // and the evictions stay queued for drain_evicted, instead of an AttributeError raised
     // after the allocation was made.
     if let Some(hook) = slf.getattr_opt(intern!(slf.py(), "_on_alloc"))? {
-        hook.call1((request, start, end))?;
+        hook.call1((request, start, end, stored))?;
     }
     Ok(())
 }
@@ -842,6 +890,27 @@ impl DeviceKVManager {
         let hashes = RequestHashes::of(request, &rid)?;
         let mut this = borrow_mut(slf)?;
         let reprefill = this.num_reprefillable;
+        // As in allocate_slots: the event first, then the registration.
+        let planned = if this.hook {
+            this.inner.planned_cache(&rid, n, reprefill)
+        } else {
+            0..0
+        };
+        let stored = if planned.is_empty() {
+            None
+        } else {
+            drop(this);
+            let ev = prepare_stored(slf, request, &planned)?;
+            this = borrow_mut(slf)?;
+            if this.inner.planned_cache(&rid, n, reprefill) != planned {
+                return Err(changed_meanwhile(format!(
+                    "the DeviceKVManager was changed while the KV event for request {} was built \
+                     (by the request's attributes or another thread); nothing was registered",
+                    core::error::shown(&rid)
+                )));
+            }
+            Some(ev)
+        };
         let done = this
             .inner
             .cache(&rid, n, reprefill, &hashes)
@@ -849,7 +918,7 @@ impl DeviceKVManager {
         let hook = this.hook && (!done.is_empty() || this.inner.num_evicted_pending() > 0);
         drop(this);
         if hook {
-            call_hook(slf, request, done.start, done.end)?;
+            call_hook(slf, request, done.start, done.end, stored)?;
         }
         Ok((done.start, done.end))
     }

@@ -101,6 +101,13 @@ pub(crate) fn busy(what: &str) -> PyErr {
     ))
 }
 
+/// A `ConcurrentUseError` for a call whose object was changed by Python code it ran before
+/// changing anything itself (an argument's attribute, a hook, another thread).
+pub(crate) fn changed_meanwhile(message: String) -> PyErr {
+    let none: Option<String> = None;
+    ConcurrentUseError::new_err((message, none))
+}
+
 /// Borrows a pyclass for a call, refusing with `ConcurrentUseError` (not pyo3's RuntimeError)
 /// when another call holds it.
 pub(crate) fn borrow<'py, T: pyo3::PyClass>(slf: &Bound<'py, T>) -> PyResult<PyRef<'py, T>> {

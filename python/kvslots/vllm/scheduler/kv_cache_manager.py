@@ -410,16 +410,27 @@ class KVSlotsKVCacheManager(DeviceKVManager):
         self._events.extend(BlockRemoved(block_hashes=[self._ext(h)], medium=MEDIUM_GPU, group_idx=0)
                             for h in evicted)
 
-    def _on_alloc(self, request: Any, start: int, end: int) -> None:
+    def _prepare_stored(self, request: Any, start: int, end: int) -> Any:
+        """Called by the Rust class before a call that will register blocks ``start..end`` of
+        the request's table changes anything: their BlockStored, built here (it reads the
+        request, which may raise) so that an error leaves the allocation undone."""
+        if not self.enable_kv_cache_events:
+            return None
+        return self._stored_event(request, start, end, start)
+
+    def _on_alloc(self, request: Any, start: int, end: int, stored: Any = None) -> None:
         """Called by the Rust class after an allocation that registered blocks ``start..end`` of
-        the request's table or evicted cached blocks: BlockRemoved for each eviction, then one
-        BlockStored for the run, as vLLM's block pool emits them."""
+        the request's table or evicted cached blocks: BlockRemoved for each eviction, then the
+        run's BlockStored (``stored``, from ``_prepare_stored``), as vLLM's block pool emits
+        them. Only queues what was built: nothing here reads the request."""
         if not self.enable_kv_cache_events:
             self.drain_evicted()
             return
         self._flush_evictions()
-        if end > start:
-            self._events.append(self._stored_event(request, start, end, start))
+        if stored is None and end > start:
+            stored = self._stored_event(request, start, end, start)
+        if stored is not None:
+            self._events.append(stored)
 
     def _stored_event(self, request: Any, start: int, end: int, parent_index: int) -> Any:
         from vllm.distributed.kv_events import MEDIUM_GPU, BlockStored

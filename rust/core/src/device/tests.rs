@@ -470,16 +470,16 @@ fn random_operations_keep_the_invariants() {
                     let id = format!("r{round}-{step}");
                     let new = toks.len() - hit * BS;
                     let la = rnd(4) as usize;
-                    let res = a.allocate(
-                        &id,
-                        &AllocArgs {
-                            num_hit_blocks: hit,
-                            num_lookahead_tokens: la,
-                            ..args(0, toks.len(), new)
-                        },
-                        &h,
-                    );
-                    if let Ok(Some(_)) = res {
+                    let aa = AllocArgs {
+                        num_hit_blocks: hit,
+                        num_lookahead_tokens: la,
+                        ..args(0, toks.len(), new)
+                    };
+                    let plan = a.planned_commit(&id, None, &aa);
+                    let res = a.allocate(&id, &aa, &h);
+                    if let Ok(Some(done)) = res {
+                        // What the binding builds the KV event for, before the allocation.
+                        assert_eq!(done.commit, plan);
                         live.push((id, toks, hit * BS + new));
                     }
                 }
@@ -491,14 +491,20 @@ fn random_operations_keep_the_invariants() {
                     let rejected = rnd(k as u64 + 1) as usize;
                     toks.push(7 + rnd(5) as u32);
                     let h = hashes(toks);
-                    let res = a.allocate(
-                        id,
-                        &AllocArgs {
-                            num_lookahead_tokens: k,
-                            ..args(*computed, toks.len(), 1 + k)
-                        },
-                        &h,
-                    );
+                    let aa = AllocArgs {
+                        num_lookahead_tokens: k,
+                        ..args(*computed, toks.len(), 1 + k)
+                    };
+                    if rnd(4) == 0 {
+                        let n = rnd(*computed as u64 + 1) as usize;
+                        let planned = a.planned_cache(id, n, 0);
+                        assert_eq!(a.cache(id, n, 0, &h).unwrap(), planned);
+                    }
+                    let plan = a.planned_commit(id, None, &aa);
+                    let res = a.allocate(id, &aa, &h);
+                    if let Ok(Some(done)) = &res {
+                        assert_eq!(done.commit, plan);
+                    }
                     match res {
                         Ok(Some(_)) => *computed = (*computed + 1 + k - rejected).min(toks.len()),
                         Ok(None) => {
