@@ -549,7 +549,7 @@ def _back_to_back(device: str, seed: int, ops: int = 300, fused: bool | None = N
         setup(c)
     c.host.zero_()
     host_ref = c.host.clone()
-    pending_loads: set[int] = set()
+    pending: set[int] = set()  # device blocks a store or load in flight reads or writes
 
     def host_row(d: int) -> torch.Tensor:
         return torch.cat([cpu[k][:, d].contiguous().view(torch.uint8).reshape(2, -1) for k in cpu]).reshape(-1)
@@ -561,6 +561,7 @@ def _back_to_back(device: str, seed: int, ops: int = 300, fused: bool | None = N
             c.store(d, hs)
             for di, hi in zip(d, hs):
                 host_ref[hi] = host_row(int(di))
+            pending.update(int(x) for x in d)
         elif kind == 1:
             hs, d = rng.choice(h, k, replace=True), rng.choice(n, k, replace=False)
             c.load(hs, d)
@@ -568,12 +569,12 @@ def _back_to_back(device: str, seed: int, ops: int = 300, fused: bool | None = N
                 row = host_ref[hi].view(len(cpu), 2, -1)
                 for li, name in enumerate(cpu):
                     cpu[name][:, di] = row[li].view(torch.float16).view(2, 16, 2, 8)
-            pending_loads.update(int(x) for x in d)
-        else:  # the forward writes a block; a loaded one only once its load is waited for
+            pending.update(int(x) for x in d)
+        else:  # the forward writes a block; one being stored or loaded only once that is done
             d, name = int(rng.integers(0, n)), f"l{int(rng.integers(0, len(cpu)))}"
-            if d in pending_loads:
+            if d in pending:
                 c.synchronize()
-                pending_loads.clear()
+                pending.clear()
             layers[name][:, d] += 1
             cpu[name][:, d] += 1
     c.synchronize()

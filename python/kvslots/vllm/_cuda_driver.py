@@ -6,8 +6,8 @@ switches and Triton's launcher each cost 5-30 us of Python and dispatch (H100 pr
 docs/connector.md). The driver calls themselves take about 1 us each. This module wraps exactly
 those calls, on the handles torch already owns (its streams, its events, the staging buffers,
 the pinned host region), and launches the fused Triton kernel that Triton compiled, with the
-parameter layout the driver reports for it. It holds no memory of its own but a pinned ring of
-block ids and the events that guard it.
+parameter layout the driver reports for it. It holds no memory; the pinned ring of block ids
+and its device copy belong to ``transfer._DriverPath``.
 
 Everything here is probed once at construction by BlockCopier against the torch path (bytes
 compared); any mismatch, missing symbol or unexpected kernel layout leaves the torch path in use.
@@ -43,6 +43,7 @@ _ENTRY_POINTS: dict[str, tuple[str, list[Any]]] = {
     "event_destroy": ("cuEventDestroy_v2", [_vp]),
     "_event_query": ("cuEventQuery", [_vp]),
     "_event_sync": ("cuEventSynchronize", [_vp]),
+    "_stream_sync": ("cuStreamSynchronize", [_vp]),
     "_ctx_get": ("cuCtxGetCurrent", [ctypes.POINTER(_vp)]),
     "_ctx_push": ("cuCtxPushCurrent_v2", [_vp]),
     "_ctx_pop": ("cuCtxPopCurrent_v2", [ctypes.POINTER(_vp)]),
@@ -63,6 +64,7 @@ class CudaDriver:
     event_destroy: Any
     _event_query: Any
     _event_sync: Any
+    _stream_sync: Any
     _ctx_get: Any
     _ctx_push: Any
     _ctx_pop: Any
@@ -130,6 +132,9 @@ class CudaDriver:
     def event_synchronize(self, event: int) -> None:
         self._ok(self._event_sync(event), "cuEventSynchronize")
 
+    def stream_synchronize(self, stream: int) -> None:
+        self._ok(self._stream_sync(stream), "cuStreamSynchronize")
+
     def current_context(self) -> int:
         h = _vp()
         self._ok(self._ctx_get(ctypes.byref(h)), "cuCtxGetCurrent")
@@ -157,25 +162,30 @@ class CudaDriver:
 
 class DriverEvent:
     """A completion event of one copy (``Transfer`` reads it): made without timing, destroyed
-    with the object (the driver frees it once the recorded work is done)."""
+    with the object (the driver frees it once the recorded work is done). Its calls run with
+    the copier's context current (``ctx``), from whichever thread waits on it."""
 
-    __slots__ = ("_driver", "handle")
+    __slots__ = ("_driver", "_ctx", "handle")
 
-    def __init__(self, driver: CudaDriver):
+    def __init__(self, driver: CudaDriver, ctx: Any):
         self._driver = driver
+        self._ctx = ctx
         self.handle = driver.event_create()
 
     def query(self) -> bool:
-        return self._driver.event_query(self.handle)
+        with self._ctx:
+            return self._driver.event_query(self.handle)
 
     def synchronize(self) -> None:
-        self._driver.event_synchronize(self.handle)
+        with self._ctx:
+            self._driver.event_synchronize(self.handle)
 
     def __del__(self) -> None:
         h, self.handle = getattr(self, "handle", 0), 0
         if h:
             try:
-                self._driver.event_destroy(h)
+                with self._ctx:
+                    self._driver.event_destroy(h)
             except Exception:  # interpreter shutdown: the driver may be gone already
                 pass
 
@@ -187,6 +197,8 @@ class KernelLaunch:
     rewrites the values only. ``compiled`` is Triton's CompiledKernel, already loaded."""
 
     ARGS = 8  # move_blocks(stage, row_words, idx, addr, words, host, rows, rows_base)
+    #: Metadata fields of the Triton versions that append a scratch pointer to every kernel.
+    SCRATCH = ("global_scratch_size", "profile_scratch_size")
 
     def __init__(self, driver: CudaDriver, compiled: Any):
         md = compiled.metadata
@@ -200,9 +212,11 @@ class KernelLaunch:
         if not function:
             raise TransferError("the kernel is not loaded")
         sizes = driver.param_sizes(function)
-        extra = len(sizes) - self.ARGS
-        if not 0 <= extra <= 2 or sizes[1] not in (4, 8) or any(s != 8 for i, s in enumerate(sizes) if i != 1):
-            raise TransferError(f"unexpected kernel parameters (byte sizes {sizes})")
+        # Exactly the 8 arguments (row_words an i32: the kernel never specializes it, so a
+        # value of 1 cannot drop it from the parameters) and one pointer per scratch field.
+        want = [8, 4] + [8] * (self.ARGS - 2 + sum(hasattr(md, f) for f in self.SCRATCH))
+        if sizes != want:
+            raise TransferError(f"unexpected kernel parameters (byte sizes {sizes}, expected {want})")
         self._driver = driver
         self._function = function
         self._threads = 32 * int(md.num_warps)
@@ -220,22 +234,25 @@ class KernelLaunch:
 class ContextGuard:
     """Makes the copier's CUDA context current around an issue from a thread where another (or
     none) is: torch sets the primary context on threads that made runtime calls; a thread that
-    only ever copies through this path may not have. Costs one query where it is already set."""
+    only ever copies through this path may not have. Costs one query where it is already set.
+    Nests (an event waited for inside a copy): each exit undoes only its own entry."""
 
-    __slots__ = ("_driver", "_ctx", "_pushed")
+    __slots__ = ("_driver", "_ctx", "_local")
 
     def __init__(self, driver: CudaDriver, ctx: int):
         self._driver = driver
         self._ctx = ctx
-        self._pushed = threading.local()
+        self._local = threading.local()
 
     def __enter__(self) -> None:
         pushed = self._driver.current_context() != self._ctx
         if pushed:
             self._driver.push_context(self._ctx)
-        self._pushed.v = pushed
+        stack = getattr(self._local, "pushed", None)
+        if stack is None:
+            stack = self._local.pushed = []
+        stack.append(pushed)
 
     def __exit__(self, *exc: object) -> None:
-        if getattr(self._pushed, "v", False):
-            self._pushed.v = False
+        if self._local.pushed.pop():
             self._driver.pop_context()

@@ -37,7 +37,9 @@ def _kernel() -> Any:
     except ImportError:
         return None
 
-    @triton.jit
+    # row_words is never specialized: as a constant (Triton makes an int argument of 1 one) it
+    # would drop out of the compiled parameters the driver issue path packs by position.
+    @triton.jit(do_not_specialize=["row_words"])
     def move_blocks(stage_ptr, row_words, idx_ptr, addr_ptr, words_ptr, host_ptr, rows_ptr, rows_base_ptr,
                     TO_STAGE: tl.constexpr, WORDS: tl.constexpr, DIRECT: tl.constexpr):
         row = tl.program_id(0)
@@ -79,6 +81,9 @@ class FusedMover:
             reps.setdefault(view.untyped_storage().data_ptr(), view)
         self._reps = list(reps.values())
         self._rep_addrs: tuple[int, ...] = ()
+        # Tables replaced after a move, kept: a copy queued before may still read one on the
+        # device (a move is rare: a resize or a sleep / wake-up), and freed memory is reused.
+        self._retired: list[torch.Tensor] = []
         self._row_words = bytes_per_block // 8
         self._device = device
         words = [view.shape[1] // 8 for view, _ in segments]
@@ -115,6 +120,8 @@ class FusedMover:
             addrs = tuple(map(torch.Tensor.data_ptr, self._views))
             if any(a % 8 for a in addrs):
                 raise InvalidStateError("a KV layer tensor moved to memory not aligned to 8 bytes")
+            if self._addr_table is not None:
+                self._retired.append(self._addr_table)
             self._addr_table = torch.tensor(addrs, dtype=torch.int64, device=self._device)
             self._rep_addrs = reps
         assert self._addr_table is not None

@@ -52,6 +52,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, cast
@@ -740,10 +741,11 @@ class BlockCopier:
 class _DriverPath:
     """BlockCopier's CUDA copies of up to DRIVER_RING_IDS blocks, issued through the CUDA driver
     (``_cuda_driver``): the same streams, events, staging buffers and fused kernel as the torch
-    path and the same order of operations, at about 1 us per driver call where torch's
-    ``copy_``, event and stream calls and Triton's launcher take 5-30 us each. The block ids go
-    to a slot of a pinned ring that the kernels read through the GPU's unified address, so no
-    id upload is queued; a slot is reused once the copy that used it is done.
+    path and the same waits, at about 1 us per driver call where torch's ``copy_``, event and
+    stream calls and Triton's launcher take 5-30 us each. The block ids go to a slot of a
+    pinned ring instead of a ``pin_memory()`` per copy: a direct store's kernel reads them
+    there through the GPU's unified address; staged kernels read a device copy of the slot,
+    uploaded with the copy. A slot is reused once the copy that used it is done.
 
     Built by :meth:`open` on CUDA; the constructor takes the driver, the kernel launches per
     (to_stage, direct) variant and the raw stream and event handles, so the issue logic also
@@ -755,7 +757,9 @@ class _DriverPath:
                  bus: int, kernel: int, compute: Callable[[], int], compute_mark: int, bus_mark: int,
                  bus_done: list[int], kernels_done: list[int], pin_memory: bool = True):
         assert c._fused is not None
-        self._c = c
+        # A proxy: the copier holds this path, and a cycle would keep its pinned host region
+        # and staging buffers alive past the worker's release of it (sleep) until a full GC.
+        self._c = cast(BlockCopier, weakref.proxy(c))
         fused = self._fused = c._fused
         self._d = driver
         self._ctx = ctx
@@ -814,9 +818,10 @@ class _DriverPath:
 
     def probe(self) -> bool:
         """Stores, loads and (where enabled) directly stores up to two blocks through this path
-        and compares them with the torch path's gather; device blocks end as they began."""
+        and compares them with the torch path's gather; device blocks end as they began, also
+        when a step raises."""
         c, fused = self._c, self._fused
-        n = min(2, c._num_device_blocks, c._num_host_blocks)
+        n = min(2, c._num_device_blocks, c._num_host_blocks, self.max_ids)
         ids = np.arange(n, dtype=np.int64)
         ids_dev = torch.from_numpy(ids).to(c._device)
         nbytes = n * self._bpb
@@ -835,9 +840,14 @@ class _DriverPath:
         finally:
             c._direct_max_bytes = direct_max
         ok = torch.equal(c._host[:n], want)
-        c._host[:n] = torch.bitwise_not(want)
-        self.copy(ids, ids, False, nbytes).wait()
-        ok = ok and torch.equal(gathered(), torch.bitwise_not(want))
+        try:
+            c._host[:n] = torch.bitwise_not(want)
+            self.copy(ids, ids, False, nbytes).wait()
+            ok = ok and torch.equal(gathered(), torch.bitwise_not(want))
+        finally:  # the blocks' own bytes back, through the torch path's kernel
+            fused.move(want.to(c._device), ids_dev, to_stage=False)
+            if c._device.type == "cuda":
+                torch.cuda.current_stream(c._device).synchronize()
         c._host[:n] = want
         self.copy(ids, ids, False, nbytes).wait()
         ok = ok and torch.equal(gathered(), want)
@@ -860,80 +870,91 @@ class _DriverPath:
 
     def copy(self, dev: np.ndarray, host: np.ndarray, to_host: bool, nbytes: int) -> Transfer:
         """What ``BlockCopier._copy`` does on CUDA for ``len(dev) <= max_ids`` blocks."""
+        with self._ctx:
+            try:
+                return self._issue(dev, host, to_host, nbytes)
+            except BaseException:
+                # Part of the copy may be queued, its slot and buffer events not all recorded:
+                # let it finish before the slot or a staging buffer can be handed out again.
+                for stream in (self._bus, self._kernel):
+                    with contextlib.suppress(Exception):
+                        self._d.stream_synchronize(stream)
+                raise
+
+    def _issue(self, dev: np.ndarray, host: np.ndarray, to_host: bool, nbytes: int) -> Transfer:
         c, d = self._c, self._d
         n = len(dev)
         kernel, bus, bpb, host_ptr = self._kernel, self._bus, self._bpb, c._host.data_ptr()
-        with self._ctx:
-            slot = self._take_slot()
-            ids = self._ring_np[slot]
-            if to_host and self._direct is not None and nbytes <= c._direct_max_bytes:
-                # One launch between the layers and the host rows: after the forward (the KV
-                # it wrote) and after staged bus copies still using host rows. It reads its ids
-                # from the pinned ring: its time is the bus's, which hides the few reads.
-                ids[0, :n] = dev
-                ids[1, :n] = host
-                idx = self._ring_ptr + slot * self.SLOT_BYTES
-                base = self._fused.host_base(c._host).data_ptr()
-                table = self._fused._table().data_ptr()  # every call: a layer's memory may have moved
-                d.record(self._compute_mark, self._compute())
-                d.wait(kernel, self._compute_mark)
-                d.record(self._bus_mark, bus)
-                d.wait(kernel, self._bus_mark)
-                self._direct((n, *self._grid_yz), kernel, (base, self._row_words, idx, table, self._words,
-                                                          self._offsets, idx + DRIVER_RING_IDS * 8, base))
-                event = DriverEvent(d)
-                d.record(event.handle, kernel)
-                d.wait(bus, event.handle)
-                self._slot_events[slot] = event
-                return Transfer(nbytes, event)
-            order = np.argsort(host, kind="stable")  # longest host runs
-            dev, host = dev[order], host[order]
+        slot = self._take_slot()
+        ids = self._ring_np[slot]
+        if to_host and self._direct is not None and nbytes <= c._direct_max_bytes:
+            # One launch between the layers and the host rows: after the forward (the KV
+            # it wrote) and after staged bus copies still using host rows. It reads its ids
+            # from the pinned ring: its time is the bus's, which hides the few reads.
             ids[0, :n] = dev
-            # Staged kernels read their ids from the device copy of the slot (read from the
-            # pinned ring, a 16-block scatter took 33 us instead of 17 on an H200): a load
-            # uploads them first on the bus stream, whose copies the scatter waits for anyway;
-            # a store on the kernel stream, before it waits for the forward.
-            idx = self._ring_dev_ptr + slot * self.SLOT_BYTES
-            src = self._ring_ptr + slot * self.SLOT_BYTES
-            chunks = [(k % len(self._stage), c0, min(n, c0 + c._chunk)) for k, c0 in enumerate(range(0, n, c._chunk))]
-            if to_host:
-                d.htod(idx, src, n * 8, kernel)
-                d.record(self._compute_mark, self._compute())
-                d.wait(kernel, self._compute_mark)
-                table = self._fused._table().data_ptr()
-                for b, c0, c1 in chunks:  # gather, then the bus
-                    stage, bus_done, kernels_done = self._stage[b], self._bus_done[b], self._kernels_done[b]
-                    d.wait(kernel, bus_done)
-                    self._gather((c1 - c0, *self._grid_yz), kernel,
-                                 (stage, self._row_words, idx + c0 * 8, table, self._words, self._offsets, idx, idx))
-                    d.record(kernels_done, kernel)
-                    d.wait(bus, kernels_done)
-                    for i, j, h0 in _runs(host[c0:c1]):
-                        d.dtoh(host_ptr + h0 * bpb, stage + i * bpb, (j - i) * bpb, bus)
-                    d.record(bus_done, bus)
-                last = bus
-            else:
-                # The bus copies first: a small load is bound by how soon its bytes move.
-                for k, (b, c0, c1) in enumerate(chunks):
-                    stage = self._stage[b]
-                    d.wait(bus, self._kernels_done[b])
-                    if k == 0:
-                        d.htod(idx, src, n * 8, bus)
-                    for i, j, h0 in _runs(host[c0:c1]):
-                        d.htod(stage + i * bpb, host_ptr + h0 * bpb, (j - i) * bpb, bus)
-                    d.record(self._bus_done[b], bus)
-                    if k == 0:  # later chunks' bus copies wait for this one's scatter
-                        table = self._fused._table().data_ptr()
-                        d.record(self._compute_mark, self._compute())
-                        d.wait(kernel, self._compute_mark)
-                    d.wait(kernel, self._bus_done[b])
-                    self._scatter((c1 - c0, *self._grid_yz), kernel,
-                                  (stage, self._row_words, idx + c0 * 8, table, self._words, self._offsets, idx, idx))
-                    d.record(self._kernels_done[b], kernel)
-                last = kernel
-            event = DriverEvent(d)
-            d.record(event.handle, last)
+            ids[1, :n] = host
+            idx = self._ring_ptr + slot * self.SLOT_BYTES
+            base = self._fused.host_base(c._host).data_ptr()
+            table = self._fused._table().data_ptr()  # every call: a layer's memory may have moved
+            d.record(self._compute_mark, self._compute())
+            d.wait(kernel, self._compute_mark)
+            d.record(self._bus_mark, bus)
+            d.wait(kernel, self._bus_mark)
+            self._direct((n, *self._grid_yz), kernel, (base, self._row_words, idx, table, self._words,
+                                                      self._offsets, idx + DRIVER_RING_IDS * 8, base))
+            event = DriverEvent(d, self._ctx)
+            d.record(event.handle, kernel)
+            d.wait(bus, event.handle)
             self._slot_events[slot] = event
+            return Transfer(nbytes, event)
+        order = np.argsort(host, kind="stable")  # longest host runs
+        dev, host = dev[order], host[order]
+        ids[0, :n] = dev
+        # Staged kernels read their ids from the device copy of the slot (read from the
+        # pinned ring, a 16-block scatter took 33 us instead of 17 on an H200): a load
+        # uploads them first on the bus stream, whose copies the scatter waits for anyway;
+        # a store on the kernel stream, before it waits for the forward.
+        idx = self._ring_dev_ptr + slot * self.SLOT_BYTES
+        src = self._ring_ptr + slot * self.SLOT_BYTES
+        chunks = [(k % len(self._stage), c0, min(n, c0 + c._chunk)) for k, c0 in enumerate(range(0, n, c._chunk))]
+        if to_host:
+            d.htod(idx, src, n * 8, kernel)
+            d.record(self._compute_mark, self._compute())
+            d.wait(kernel, self._compute_mark)
+            table = self._fused._table().data_ptr()
+            for b, c0, c1 in chunks:  # gather, then the bus
+                stage, bus_done, kernels_done = self._stage[b], self._bus_done[b], self._kernels_done[b]
+                d.wait(kernel, bus_done)
+                self._gather((c1 - c0, *self._grid_yz), kernel,
+                             (stage, self._row_words, idx + c0 * 8, table, self._words, self._offsets, idx, idx))
+                d.record(kernels_done, kernel)
+                d.wait(bus, kernels_done)
+                for i, j, h0 in _runs(host[c0:c1]):
+                    d.dtoh(host_ptr + h0 * bpb, stage + i * bpb, (j - i) * bpb, bus)
+                d.record(bus_done, bus)
+            last = bus
+        else:
+            # The bus copies first: a small load is bound by how soon its bytes move.
+            for k, (b, c0, c1) in enumerate(chunks):
+                stage = self._stage[b]
+                d.wait(bus, self._kernels_done[b])
+                if k == 0:
+                    d.htod(idx, src, n * 8, bus)
+                for i, j, h0 in _runs(host[c0:c1]):
+                    d.htod(stage + i * bpb, host_ptr + h0 * bpb, (j - i) * bpb, bus)
+                d.record(self._bus_done[b], bus)
+                if k == 0:  # once, before the first scatter: the kernels wait for the forward
+                    table = self._fused._table().data_ptr()
+                    d.record(self._compute_mark, self._compute())
+                    d.wait(kernel, self._compute_mark)
+                d.wait(kernel, self._bus_done[b])
+                self._scatter((c1 - c0, *self._grid_yz), kernel,
+                              (stage, self._row_words, idx + c0 * 8, table, self._words, self._offsets, idx, idx))
+                d.record(self._kernels_done[b], kernel)
+            last = kernel
+        event = DriverEvent(d, self._ctx)
+        d.record(event.handle, last)
+        self._slot_events[slot] = event
         return Transfer(nbytes, event)
 
 
