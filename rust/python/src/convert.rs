@@ -144,6 +144,22 @@ fn small_int(i: &Bound<'_, PyInt>) -> Option<i128> {
     i.extract::<i128>().ok()
 }
 
+/// What `obj`'s type's `__index__` returns, as it returns it; `None` when it has none.
+fn index_slot<'py>(obj: &Bound<'py, PyAny>) -> Option<PyResult<Bound<'py, PyAny>>> {
+    // SAFETY: the type is alive while `obj` is; PyType_GetSlot returns the nb_index slot
+    // function of any type (static ones too, since 3.10) or NULL, and the slot returns a new
+    // reference or NULL with an exception set.
+    unsafe {
+        let tp = pyo3::ffi::Py_TYPE(obj.as_ptr());
+        let slot = pyo3::ffi::PyType_GetSlot(tp, pyo3::ffi::Py_nb_index);
+        if slot.is_null() {
+            return None;
+        }
+        let f: pyo3::ffi::unaryfunc = std::mem::transmute(slot);
+        Some(Bound::from_owned_ptr_or_err(obj.py(), f(obj.as_ptr())))
+    }
+}
+
 /// An integer argument: an `int` or an object with `__index__`, never a `bool` or a float.
 pub(crate) fn int<T: IntRange>(
     obj: &Bound<'_, PyAny>,
@@ -172,20 +188,34 @@ pub(crate) fn int<T: IntRange>(
     let i = match obj.cast_exact::<PyInt>() {
         Ok(i) => i,
         Err(_) => {
-            // __index__ (numpy integers): Python code, run before any borrow or lock. An
-            // __index__ that returns an int subclass gets an exact copy too.
-            // SAFETY: PyNumber_Index returns a new reference or NULL with an exception set.
-            let r = unsafe {
-                Bound::from_owned_ptr_or_err(py, pyo3::ffi::PyNumber_Index(obj.as_ptr()))
+            // __index__ (numpy integers): Python code, run before any borrow or lock. Called
+            // through the type's slot, not PyNumber_Index, which copies what it returns into an
+            // exact int: an __index__ returning True was read as 1 (Python only warns).
+            // (An int subclass: its value, as PyNumber_Index reads it, never its __index__.)
+            let returned = match if obj.is_instance_of::<PyInt>() {
+                Some(Ok(obj.clone()))
+            } else {
+                index_slot(obj)
+            } {
+                None => return Err(wrong()),
+                Some(Ok(v)) => v,
+                Some(Err(e)) if e.is_instance_of::<PyTypeError>(py) => return Err(wrong()),
+                Some(Err(e)) => return Err(from_callback(py, e, wrong())),
             };
-            owned = match r {
-                Ok(v) => v,
-                Err(e) if e.is_instance_of::<PyTypeError>(py) => return Err(wrong()),
-                Err(e) => return Err(from_callback(py, e, wrong())),
-            };
-            if owned.is_instance_of::<PyBool>() {
+            if returned.is_instance_of::<PyBool>() || !returned.is_instance_of::<PyInt>() {
                 return Err(wrong());
             }
+            owned = if returned.is_exact_instance_of::<PyInt>() {
+                returned
+            } else {
+                // An int subclass: PyNumber_Index copies its value into an exact int without
+                // running its Python code.
+                // SAFETY: PyNumber_Index returns a new reference or NULL with an exception set.
+                unsafe {
+                    Bound::from_owned_ptr_or_err(py, pyo3::ffi::PyNumber_Index(returned.as_ptr()))
+                }
+                .map_err(|_| wrong())?
+            };
             owned.cast::<PyInt>().map_err(|_| wrong())?
         }
     };
