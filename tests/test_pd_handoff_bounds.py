@@ -56,3 +56,27 @@ def test_a_bad_field_is_named_in_a_short_message(over):
     with pytest.raises(TransferError) as e:
         parse_remote_params({**params([1, 2, 3]), **over})
     assert len(str(e.value)) < 200 and next(iter(over)) in str(e.value)
+
+
+def test_a_late_ack_after_many_expired_holds_is_still_told_the_blocks_are_gone(monkeypatch):
+    # Past 100,000 timed-out holds the producer forgot them all at once: a late consumer's ack
+    # for one that had just timed out was taken for an early ack (answered held: True) and the
+    # consumer used KV the producer had freed. Now the oldest are forgotten first.
+    import logging
+
+    from kvslots.vllm.connector import pd
+
+    monkeypatch.setattr(pd, "MAX_EXPIRED", 100, raising=False)
+    logging.getLogger(pd.__name__).setLevel(logging.ERROR)
+    try:
+        w = pd.PDWorker(engine_id="p", host="127.0.0.1", port=0, block_size=BS, model="m", timeout_s=30.0,
+                        producer=True, consumer=False)
+        for i in range(101):
+            w.on_step(pd.PDStepMeta(holds={f"r{i}": 0.0}))
+            w._expire()
+    finally:
+        logging.getLogger(pd.__name__).setLevel(logging.NOTSET)
+    assert w._handle({"op": "done", "req": "r100"}) == {"held": False}  # the latest: remembered
+    assert w._handle({"op": "done", "req": "r0"}) == {"held": True}  # the oldest: forgotten
+    sending, _, _ = w.take_finished()
+    assert len(sending) == 101

@@ -56,6 +56,8 @@ __all__ = ["PDScheduler", "PDWorker", "PDStepMeta", "RecvSpec", "parse_remote_pa
 
 #: Acks kept for holds whose metadata has not reached the producer yet (normally a step's worth).
 MAX_EARLY_ACKS = 65_536
+#: Timed-out holds remembered for their late acks (the oldest forgotten first).
+MAX_EXPIRED = 100_000
 #: Longest id or host name of a hand-off, and so of a request id a ``done`` ack may name (vLLM's
 #: ids are some dozen characters). Bounds the early-ack store to MAX_EARLY_ACKS such ids: a
 #: control frame may hold 64 KiB, and 65,536 ids of that size were 4 GiB.
@@ -278,7 +280,8 @@ class PDWorker:
         self._lock = threading.Lock()
         self._held: dict[str, float] = {}  # producer: req -> deadline (monotonic)
         self._early_acks: dict[str, float] = {}  # acks that came before the hold's metadata
-        self._expired: set[str] = set()
+        # Holds that timed out, oldest first, for the late consumer's ack (answered held: False).
+        self._expired: dict[str, None] = {}
         self._sending_done: set[str] = set()
         self._recving_done: set[str] = set()
         self._recving_failed: set[str] = set()
@@ -324,7 +327,7 @@ class PDWorker:
             with self._lock:
                 self.stats["acks"] += 1
                 if req in self._expired:
-                    self._expired.discard(req)
+                    del self._expired[req]
                     return {"held": False}
                 if req in self._held:
                     del self._held[req]
@@ -359,7 +362,7 @@ class PDWorker:
             for req, deadline in list(self._held.items()):
                 if now >= deadline:
                     del self._held[req]
-                    self._expired.add(req)
+                    self._expired[req] = None
                     self._sending_done.add(req)
                     self.stats["expired"] += 1
                     logger.warning("kvslots P/D: no decode worker took request %s within %.0f s; freeing its blocks",
@@ -367,8 +370,11 @@ class PDWorker:
             for req, t in list(self._early_acks.items()):
                 if now - t > 600:
                     del self._early_acks[req]
-            if len(self._expired) > 100_000:
-                self._expired.clear()
+            # The oldest go past MAX_EXPIRED: all were cleared at once, so a late ack for a hold
+            # that had just timed out was taken for an early one and answered held: True, and the
+            # consumer used blocks the producer had freed.
+            while len(self._expired) > MAX_EXPIRED:
+                del self._expired[next(iter(self._expired))]
 
     # ---- consumer ----
     def _hello(self, spec: RecvSpec) -> dict[str, Any]:
