@@ -65,7 +65,6 @@ class _Req:
     rid: str
     prompt: np.ndarray
     output_len: int
-    generated: int = 0
 
 
 @dataclass
@@ -111,18 +110,20 @@ def run(cfg: SimConfig) -> SimReport:
     rep = SimReport(cfg)
     events: Counter[str] = Counter()
     running: list[_Req] = []
+    # Per running request, in running's order, as arrays (a step's bookkeeping is a few numpy
+    # calls, not a Python loop per request and a slot id looked up again per request and step):
+    # tokens generated, tokens to generate, slot id.
+    generated = np.zeros(0, np.int64)
+    output_len = np.zeros(0, np.int64)
+    slot_ids = np.zeros(0, np.uint64)
     k = cfg.lookahead
+    new_tokens = np.full(cfg.batch, 1 + k, dtype=np.uint32)  # each step's 1 + K positions, read-only
+    new_tokens.flags.writeable = False
     t0 = time.perf_counter()
-
-    def preempt() -> None:
-        victim = running.pop()
-        m.finish(victim.rid)
-        victim.generated = 0
-        waiting.appendleft(victim)
-        rep.preemptions += 1
 
     while waiting or running:
         # Admit and prefill: the prompt's KV is computed and verified in one go.
+        admitted: list[_Req] = []
         while waiting and len(running) < cfg.batch:
             req = waiting.popleft()
             matched = m.create(req.rid, req.prompt, lookahead=k)
@@ -136,56 +137,66 @@ def run(cfg: SimConfig) -> SimReport:
                 break
             m.commit(req.rid, req.prompt[matched:])
             running.append(req)
+            admitted.append(req)
+        if admitted:  # a preempted request starts again from its prompt: 0 generated
+            generated = np.concatenate([generated, np.zeros(len(admitted), np.int64)])
+            output_len = np.concatenate([output_len, np.array([r.output_len for r in admitted], np.int64)])
+            slot_ids = np.concatenate([slot_ids, np.array([m.slot_id(r.rid) for r in admitted], np.uint64)])
         # Verify this step's drafts: each accepted with probability p until the first rejection.
-        draws = rng.random((len(running), k)) < cfg.acceptance
-        accepted = np.where(draws.all(axis=1), k, draws.argmin(axis=1)) if k else np.zeros(len(running), np.int64)
+        n = len(running)
+        # A rejected column after the K drafts: the first rejection's index is the number accepted.
+        draws = np.zeros((n, k + 1), dtype=bool)
+        np.less(rng.random((n, k)), cfg.acceptance, out=draws[:, :k])
+        accepted = draws.argmin(axis=1)
         num_accepted = 1 + accepted  # the token sampled last step plus the accepted drafts
-        tokens = rng.integers(0, cfg.vocab, int(num_accepted.sum()), dtype=np.uint32)
+        total = int(num_accepted.sum())
+        tokens = rng.integers(0, cfg.vocab, total, dtype=np.uint32)
         rep.steps += 1
-        rep.drafted_tokens += k * len(running)
-        rep.accepted_drafts += int(accepted.sum())
-        done = []
-        for j, req in enumerate(running):
-            req.generated += int(num_accepted[j])
-            rep.generated_tokens += int(num_accepted[j])
-            if req.generated >= req.output_len:
-                done.append(j)
-        # Finished requests: commit and leave. The rest: one batch step.
-        offsets = np.concatenate([[0], np.cumsum(num_accepted)])
-        keep = np.ones(len(running), dtype=bool)
-        for j in done:
-            req = running[j]
-            m.commit(req.rid, tokens[offsets[j] : offsets[j + 1]])
-            m.finish(req.rid)
-            keep[j] = False
-            rep.completed += 1
-        survivors = [r for j, r in enumerate(running) if keep[j]]
-        tok_keep = np.concatenate([tokens[offsets[j] : offsets[j + 1]] for j in np.flatnonzero(keep)] or [tokens[:0]])
-        running = survivors
+        rep.drafted_tokens += k * n
+        rep.accepted_drafts += total - n
+        rep.generated_tokens += total
+        generated += num_accepted
+        finished = generated >= output_len
+        if finished.any():
+            # Finished requests: commit and leave. The rest: one batch step.
+            offsets = np.concatenate([[0], np.cumsum(num_accepted)])
+            for j in np.flatnonzero(finished).tolist():
+                req = running[j]
+                m.commit(req.rid, tokens[offsets[j] : offsets[j + 1]])
+                m.finish(req.rid)
+                rep.completed += 1
+            keep = ~finished
+            running = [r for r, kept in zip(running, keep.tolist()) if kept]
+            tokens = tokens[np.repeat(keep, num_accepted)]
+            num_accepted, accepted = num_accepted[keep], accepted[keep]
+            generated, output_len, slot_ids = generated[keep], output_len[keep], slot_ids[keep]
         if running:
-            ids = np.array([m.slot_id(r.rid) for r in running], dtype=np.uint64)
-            acc = num_accepted[keep].astype(np.uint32)
-            rej = (k - accepted[keep]).astype(np.uint32)
-            new = np.full(len(running), 1 + k, dtype=np.uint32)
+            acc = num_accepted.astype(np.uint32)
+            rej = (k - accepted).astype(np.uint32)
+            new = new_tokens[: len(running)]
             while True:
                 try:
-                    m.step(ids, acc, tok_keep, rej, new)
+                    m.step(slot_ids, acc, tokens, rej, new)
                     break
                 except OutOfBlocksError as e:
                     if len(running) == 1:  # alone, every other block is free or evictable: requeued, it would loop forever
                         raise InvalidArgumentError(
                             f"num_blocks {cfg.num_blocks} is too small: request {running[0].rid} cannot finish "
                             f"even alone ({e})") from None
-                    # Commit what was verified, then free the newest request and retry.
-                    victim_j = len(running) - 1
-                    preempt()
-                    a = int(acc[victim_j])
-                    ids, acc, rej, new = ids[:-1], acc[:-1], rej[:-1], new[:-1]
-                    tok_keep = tok_keep[: len(tok_keep) - a]
+                    # Commit what was verified, then free the newest request (it starts again
+                    # from its prompt, as vLLM's recompute preemption does) and retry.
+                    victim = running.pop()
+                    m.finish(victim.rid)
+                    waiting.appendleft(victim)
+                    rep.preemptions += 1
+                    tokens = tokens[: len(tokens) - int(acc[-1])]
+                    acc, rej, new = acc[:-1], rej[:-1], new[:-1]
+                    generated, output_len, slot_ids = generated[:-1], output_len[:-1], slot_ids[:-1]
                     if not running:
                         break
-        for ev in m.drain_events():
-            events[type(ev).__name__] += 1
+        if rep.steps % 64 == 0:  # counted by kind from the core's own tuples (no event structs made)
+            events.update([raw[0] for raw in m.drain_raw_events()])
+    events.update([raw[0] for raw in m.drain_raw_events()])
     rep.seconds = time.perf_counter() - t0
     rep.stats = m.stats()
     rep.events = {n: events[n] for n in (BlockStored.__name__, BlockRemoved.__name__, AllBlocksCleared.__name__)}
