@@ -114,3 +114,33 @@ def test_a_torch_function_mode_cannot_forge_a_tensor_address():
     with torch.device("cpu"):
         assert _core.copy_blocks(host, _core.BlockRegion(t, block_bytes=8, num_blocks=8), [0], [7]) == 8
     assert t[56:].tolist() == [7] * 8
+
+
+def test_an_async_disk_read_pins_its_array(tmp_path):
+    """DiskStore.read_rows_async keeps its array alive until take_reads, and the reader threads
+    write into it meanwhile; ``out.resize(1, refcheck=False)`` freed it under them (a read
+    landing in the arrays allocated next: 'malloc(): unsorted double linked list corrupted', an
+    abort). numpy now refuses, for the array and for the array it views, until the read is
+    taken."""
+    bpb, n = 4096, 4
+    ds = _core.DiskStore(str(tmp_path / "f.bin"), num_slots=n, block_size=2, num_layers=1, bytes_per_block=bpb,
+                         dtype="uint8", fingerprint=1)
+    for i in range(n):
+        assert ds.submit(i, np.full(bpb, i + 1, np.uint8), 100 + i, [1, 2])
+    ds.flush()
+    owner = np.zeros((n + 1) * bpb, np.uint8)
+    out = owner[bpb:].reshape(n, bpb)
+    whole = np.zeros((n, bpb), np.uint8)
+    ticket = ds.read_rows_async(list(range(n)), [100 + i for i in range(n)], out, list(range(n)))
+    ticket2 = ds.read_rows_async(list(range(n)), [100 + i for i in range(n)], whole, list(range(n)))
+    for a in (owner, whole):
+        with pytest.raises(ValueError):
+            a.resize(1, refcheck=False)
+    assert ds.wait_reads(10.0)
+    assert sorted(t for t, bad, err in ds.take_reads() if not bad and err is None) == [ticket, ticket2]
+    assert out[:, 0].tolist() == whole[:, 0].tolist() == [1, 2, 3, 4]
+    del out
+    gc.collect()
+    owner.resize(1, refcheck=False)
+    whole.resize(1, refcheck=False)
+    assert owner.size == whole.size == 1

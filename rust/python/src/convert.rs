@@ -26,6 +26,7 @@ use pyo3::exceptions::PyTypeError;
 use pyo3::prelude::*;
 use pyo3::types::{
     PyBool, PyByteArray, PyBytes, PyDict, PyFloat, PyInt, PyList, PyString, PyTuple,
+    PyWeakrefReference,
 };
 
 use crate::errors::{encode_error, invalid, type_error, KVSlotsError};
@@ -88,6 +89,33 @@ pub(crate) fn type_name(obj: &Bound<'_, PyAny>) -> String {
         .name()
         .map(|n| n.to_string())
         .unwrap_or_else(|_| "?".into())
+}
+
+/// Weak references to a numpy array and to each array it is a view of, to hold while its
+/// memory is used without the GIL (a copy, a disk read, a read in flight): numpy refuses to
+/// resize an array that has a weak reference, even with `refcheck=False`, which otherwise
+/// reallocates the bytes in place, freeing them under the copy or read (a segfault, or a read
+/// landing in whatever memory came next: heap corruption). Empty for anything but an ndarray
+/// (a torch tensor: see `copy::held_storage`).
+pub(crate) fn pin_arrays(obj: &Bound<'_, PyAny>) -> PyResult<Vec<Py<PyAny>>> {
+    let py = obj.py();
+    let mut pins = Vec::new();
+    let mut cur = obj.clone();
+    // numpy collapses a view's bases to the array owning the bytes; the bound is only a guard.
+    while let Ok(arr) = cur.cast::<PyUntypedArray>() {
+        pins.push(PyWeakrefReference::new(arr)?.into_any().unbind());
+        if pins.len() >= 64 {
+            break;
+        }
+        // SAFETY: a live ndarray; its base field is null or a strong reference it holds
+        // (read from the struct: a subclass may override the `base` attribute).
+        let base = unsafe { (*arr.as_array_ptr()).fields.base };
+        if base.is_null() {
+            break;
+        }
+        cur = unsafe { Bound::from_borrowed_ptr(py, base) };
+    }
+    Ok(pins)
 }
 
 /// An error raised by Python code an argument ran (`__index__`, `__iter__`, ...): a kvslots

@@ -14,9 +14,8 @@ use numpy::{PyArrayDescrMethods, PyUntypedArray, PyUntypedArrayMethods};
 use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
-use pyo3::types::PyWeakrefReference;
 
-use crate::convert::{arg, block_ids, count, int, show, type_name};
+use crate::convert::{arg, block_ids, count, int, pin_arrays, show, type_name};
 use crate::errors::{invalid, reading_error, slot_error, type_error};
 
 /// Where a memory object's bytes are, read from the object itself.
@@ -240,31 +239,6 @@ fn array_raw(obj: &Bound<'_, PyAny>) -> PyResult<(usize, usize, bool)> {
     Ok((base, nbytes, flags & numpy::npyffi::NPY_ARRAY_WRITEABLE != 0))
 }
 
-/// Weak references to a numpy array and to each array it is a view of, held by its region:
-/// numpy refuses to resize an array that has a weak reference, even with `refcheck=False`,
-/// which otherwise reallocates the bytes in place (freeing them under a copy running without
-/// the GIL: a segfault). Nothing for a torch tensor (see `held_storage`).
-fn pin_arrays(obj: &Bound<'_, PyAny>) -> PyResult<Vec<Py<PyAny>>> {
-    let py = obj.py();
-    let mut pins = Vec::new();
-    let mut cur = obj.clone();
-    // numpy collapses a view's bases to the array owning the bytes; the bound is only a guard.
-    while let Ok(arr) = cur.cast::<PyUntypedArray>() {
-        pins.push(PyWeakrefReference::new(arr)?.into_any().unbind());
-        if pins.len() >= 64 {
-            break;
-        }
-        // SAFETY: a live ndarray; its base field is null or a strong reference it holds
-        // (read from the struct: a subclass may override the `base` attribute).
-        let base = unsafe { (*arr.as_array_ptr()).fields.base };
-        if base.is_null() {
-            break;
-        }
-        cur = unsafe { Bound::from_borrowed_ptr(py, base) };
-    }
-    Ok(pins)
-}
-
 fn memory_of(obj: &Bound<'_, PyAny>) -> PyResult<Memory> {
     // A tensor torch cannot answer for (a sparse CSR or mkldnn one raises from is_contiguous
     // or data_ptr): a kvslots error naming the memory, with torch's as its cause.
@@ -285,7 +259,7 @@ fn memory_of(obj: &Bound<'_, PyAny>) -> PyResult<Memory> {
 #[pyclass(module = "kvslots._core", weakref, frozen)]
 pub(crate) struct BlockRegion {
     memory: Py<PyAny>,
-    /// Weak references to a numpy memory and the arrays it is a view of (see `pin_arrays`).
+    /// Weak references to a numpy memory and the arrays it is a view of (`convert::pin_arrays`).
     pins: Vec<Py<PyAny>>,
     mem: Memory,
     num_blocks: usize,

@@ -12,7 +12,7 @@ use numpy::{PyReadonlyArray1, PyReadwriteArray2, PyUntypedArrayMethods};
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
 
-use crate::convert::{arg, count, int, log_to_msgpack, opt_int, text, IntArg, MetaArgs};
+use crate::convert::{arg, count, int, log_to_msgpack, opt_int, pin_arrays, text, IntArg, MetaArgs};
 use crate::errors::{borrow, borrow_mut, invalid, slot_error, type_error};
 
 pyo3::import_exception!(kvslots.errors, DiskTierError);
@@ -544,7 +544,11 @@ impl DiskStore {
         let r: Vec<usize> = IntArg::<u32>::extract(rows, "rows", None)?.as_slice().iter().map(|&x| x as usize).collect();
         let (s, h) = self.check_read(slots, block_hashes, &out, &r, false)?;
         let bpb = self.file.layout().bytes_per_block as usize;
-        let owner: Py<PyAny> = out.as_any().clone().unbind();
+        // The array, with weak references that keep numpy from resizing it (and the array it
+        // views) under the read: (out, *pins).
+        let mut kept = vec![out.as_any().clone().unbind()];
+        kept.extend(pin_arrays(out.as_any())?);
+        let owner: Py<PyAny> = pyo3::types::PyTuple::new(out.py(), kept)?.into_any().unbind();
         let base = out
             .as_slice_mut()
             .map_err(|_| type_error(None, "out must be a C-contiguous uint8 array".into()))?
@@ -757,6 +761,8 @@ impl DiskStore {
         self.check_process()?;
         let (s, h) = self.check_read(slots, block_hashes, &out, &rows, exact)?;
         let bpb = self.file.layout().bytes_per_block as usize;
+        // numpy may not resize the array (or the one it views) while it is read into.
+        let pins = pin_arrays(out.as_any())?;
         let dst = out
             .as_slice_mut()
             .map_err(|_| type_error(None, "out must be a C-contiguous uint8 array".into()))?;
@@ -801,6 +807,7 @@ impl DiskStore {
             Ok(bad)
         });
         self.held.lock().unwrap_or_else(|p| p.into_inner()).release(&starts);
+        drop(pins);
         let bad = res.map_err(disk_error)?;
         let good = (s.len() - bad.len()) as u64;
         self.read_blocks.fetch_add(good, Ordering::Relaxed);
