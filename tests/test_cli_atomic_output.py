@@ -135,3 +135,28 @@ def test_dev_stdout_is_written_as_a_stream(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "kvslots", "convert-config", str(f), "-q", "-o", "/dev/stdout"],
                           stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=120)
     assert (proc.returncode, proc.stdout, proc.stderr) == (0, "--max-num-seqs 4\n", "")
+
+
+@pytest.mark.parametrize("output", ["{yaml}/", "{yaml}/.", "{tmp}/new/", "{tmp}/new/."])
+def test_a_path_naming_a_directory_is_refused_and_writes_nothing(tmp_path, capsys, output):
+    # "e.yaml/" is no file name: open() refused it (as the code before write_file did); resolved
+    # to e.yaml, it replaced the input (f891be3), and "new/" made a file "new".
+    f, dest = _setup(tmp_path)
+    output = output.format(yaml=f, tmp=tmp_path)
+    capsys.readouterr()
+    assert cli.main(["convert-config", str(f), "-q", "-o", output]) == 2
+    _, err = capsys.readouterr()
+    assert err.startswith(f"kvslots convert-config: error: {output}: cannot write: ") and err.count("\n") == 1, err
+    assert f.read_text() == YAML and dest.read_bytes() == OLD
+    assert sorted(os.listdir(tmp_path)) == ["e.yaml", "flags.txt"]
+
+
+def test_dash_is_stdout(tmp_path, capsys, monkeypatch):
+    # A file named "-" was made in the working directory.
+    monkeypatch.chdir(tmp_path)
+    f = tmp_path / "e.yaml"
+    f.write_text("max_batch_size: 4\n")
+    capsys.readouterr()
+    assert cli.main(["convert-config", str(f), "-q", "-o", "-"]) == 0
+    assert capsys.readouterr().out == "--max-num-seqs 4\n"
+    assert sorted(os.listdir(tmp_path)) == ["e.yaml"]

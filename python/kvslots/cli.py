@@ -238,12 +238,13 @@ def write_file(path: str, text: str) -> None:
     st = None
     try:
         try:
-            target = os.path.realpath(path)
-            st = os.stat(target)
+            st = os.stat(path)  # the path as given, as open() reads it: "FILE/" is not FILE
         except FileNotFoundError:
-            pass
+            if os.path.basename(path) in ("", ".", ".."):  # "new/": open() made no file "new" of it
+                raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR)) from None
         if st is not None and stat.S_ISDIR(st.st_mode):
             raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR))
+        target = os.path.realpath(path)
         if _in_place(path, st):
             _write_in_place(path, data)
             return

@@ -42,7 +42,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="speculators-format draft checkpoint: its method, K and verifier replace the YAML's speculative_config",
     )
     p.add_argument("--verifier", help="target model to use instead of the speculators checkpoint's verifier")
-    p.add_argument("-o", "--output", metavar="PATH", help="write the arguments to PATH instead of stdout")
+    p.add_argument("-o", "--output", metavar="PATH", help="write the arguments to PATH instead of stdout ('-': stdout)")
     p.add_argument("-q", "--quiet", action="store_true", help="do not print warnings and ignored keys")
     p.add_argument(
         "--check", action="store_true",
@@ -83,7 +83,7 @@ def run(args: argparse.Namespace) -> int:
         except Exception as e:  # vLLM's own validation errors
             first = str(e).splitlines()[0] if str(e) else ""
             raise ConfigError(f"vLLM rejected the arguments: {type(e).__name__}: {first}") from None
-    if args.output is not None:
+    if args.output is not None and args.output != "-":  # "-": stdout, as for other tools (a file "-" was made)
         if _same_file(args.output, args.file):
             # Written over the YAML it was made from: the input was gone, the flags in its place.
             raise ConfigError("is the input file: give another path (the YAML would be overwritten)",
