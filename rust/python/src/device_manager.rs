@@ -553,6 +553,11 @@ impl DeviceKVManager {
                 .saturating_add(external)
                 .min(this.max_model_len)
                 .saturating_add(new);
+            // One entry a request: its reservation is the latest allocation's. An earlier
+            // entry of the same step materialised first used up that reservation, and the
+            // later one then failed finish_step (CapacityExceededError) after the first had
+            // taken its blocks.
+            this.forget_deferred(rid);
             this.deferred.push((rid.to_owned(), main, lookahead));
         }
         let (out, hook) = this.allocated(py, &done);
