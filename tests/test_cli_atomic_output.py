@@ -160,3 +160,18 @@ def test_dash_is_stdout(tmp_path, capsys, monkeypatch):
     assert cli.main(["convert-config", str(f), "-q", "-o", "-"]) == 0
     assert capsys.readouterr().out == "--max-num-seqs 4\n"
     assert sorted(os.listdir(tmp_path)) == ["e.yaml"]
+
+
+def test_a_file_the_user_may_not_write_is_not_replaced(tmp_path, capsys, monkeypatch):
+    # open(O_TRUNC) refused a user's read-only file (EACCES); renamed over from a writable
+    # directory, it would be replaced. (The tests run as root, for whom every file is writable:
+    # os.access answers as for another user here.)
+    f, dest = _setup(tmp_path, mode=0o444)
+    real = os.access
+    monkeypatch.setattr(os, "access", lambda p, mode, **kw: False if str(p) == str(dest) else real(p, mode, **kw))
+    capsys.readouterr()
+    assert cli.main(["convert-config", str(f), "-q", "-o", str(dest)]) == 2
+    _, err = capsys.readouterr()
+    assert err == f"kvslots convert-config: error: {dest}: cannot write: Permission denied\n", err
+    assert dest.read_bytes() == OLD
+    assert sorted(os.listdir(tmp_path)) == ["e.yaml", "flags.txt"]

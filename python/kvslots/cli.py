@@ -245,6 +245,9 @@ def write_file(path: str, text: str) -> None:
         if st is not None and stat.S_ISDIR(st.st_mode):
             raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR))
         target = os.path.realpath(path)
+        if st is not None and stat.S_ISREG(st.st_mode) and not os.access(target, os.W_OK):
+            # A file we may not write stays so (open() refused it): renamed over, it was replaced.
+            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES))
         if _in_place(path, st):
             _write_in_place(path, data)
             return
