@@ -37,6 +37,32 @@ def test_a_registered_array_cannot_be_resized_in_place():
     assert a.size == owner.size == 1
 
 
+def test_an_array_over_a_memoryview_pins_the_array_behind_it(tmp_path):
+    """``np.frombuffer(memoryview(a))``'s base is the memoryview, and numpy resizes ``a`` in
+    place whatever buffers it has exported: a region (or a disk read) over such an array left
+    ``a.resize(1, refcheck=False)`` free to free its bytes. The pin follows ``memoryview.obj``."""
+    a = np.zeros(4096, np.uint8)
+    v = np.frombuffer(memoryview(a)[64:], np.uint8)
+    r = _core.BlockRegion(v, block_bytes=64, num_blocks=8)
+    with pytest.raises(ValueError):
+        a.resize(1, refcheck=False)
+    b = np.zeros(4096, np.uint8)
+    ds = _core.DiskStore(str(tmp_path / "f.bin"), num_slots=1, block_size=2, num_layers=1, bytes_per_block=64,
+                         dtype="uint8", fingerprint=1)
+    assert ds.submit(0, np.full(64, 9, np.uint8), 5, [1, 2])
+    ds.flush()
+    out = np.frombuffer(memoryview(b), np.uint8).reshape(64, 64)
+    ds.read_rows_async([0], [5], out, [3])
+    with pytest.raises(ValueError):
+        b.resize(1, refcheck=False)
+    assert ds.wait_reads(10.0) and ds.take_reads()
+    assert b[3 * 64:4 * 64].tolist() == [9] * 64
+    del r, v, out
+    gc.collect()
+    a.resize(1, refcheck=False)
+    b.resize(1, refcheck=False)
+
+
 def _child(code: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=120,
                           env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})

@@ -102,11 +102,20 @@ pub(crate) fn pin_arrays(obj: &Bound<'_, PyAny>) -> PyResult<Vec<Py<PyAny>>> {
     let mut pins = Vec::new();
     let mut cur = obj.clone();
     // numpy collapses a view's bases to the array owning the bytes; the bound is only a guard.
-    while let Ok(arr) = cur.cast::<PyUntypedArray>() {
-        pins.push(PyWeakrefReference::new(arr)?.into_any().unbind());
-        if pins.len() >= 64 {
-            break;
+    for _ in 0..64 {
+        if cur.is_instance_of::<pyo3::types::PyMemoryView>() {
+            // np.frombuffer(memoryview(a)): the array's base is the memoryview, and numpy
+            // resizes `a` whatever buffers it has exported.
+            match cur.getattr(pyo3::intern!(py, "obj")) {
+                Ok(o) => cur = o,
+                Err(_) => break,
+            }
+            continue;
         }
+        let Ok(arr) = cur.cast::<PyUntypedArray>() else {
+            break;
+        };
+        pins.push(PyWeakrefReference::new(arr)?.into_any().unbind());
         // SAFETY: a live ndarray; its base field is null or a strong reference it holds
         // (read from the struct: a subclass may override the `base` attribute).
         let base = unsafe { (*arr.as_array_ptr()).fields.base };
