@@ -96,7 +96,8 @@ pub(crate) fn type_name(obj: &Bound<'_, PyAny>) -> String {
 /// resize an array that has a weak reference, even with `refcheck=False`, which otherwise
 /// reallocates the bytes in place, freeing them under the copy or read (a segfault, or a read
 /// landing in whatever memory came next: heap corruption). Empty for anything but an ndarray
-/// (a torch tensor: see `copy::held_storage`).
+/// (a torch tensor: see `copy::held_storage`). Not covered: `ndarray.__setstate__` replaces an
+/// array's buffer whatever refers to it (numpy's own views of it dangle too).
 pub(crate) fn pin_arrays(obj: &Bound<'_, PyAny>) -> PyResult<Vec<Py<PyAny>>> {
     let py = obj.py();
     let mut pins = Vec::new();

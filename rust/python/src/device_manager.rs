@@ -313,7 +313,8 @@ pub(crate) struct DeviceKVManager {
     watermark_blocks: usize,
     /// Request statuses the watermark applies to (WAITING, PREEMPTED).
     watermark_statuses: Vec<Py<PyAny>>,
-    /// Call `self._on_alloc(request, start, end)` when an allocation registered or evicted.
+    /// Call `self._prepare_stored(request, start, end)` before an allocation registers blocks
+    /// and `self._on_alloc(request, start, end, stored)` after one registered or evicted.
     hook: bool,
     /// Reserve the lookahead and materialise it at the end of the step.
     defer_lookahead: bool,
@@ -822,7 +823,7 @@ impl DeviceKVManager {
         Ok(())
     }
 
-    /// Whether allocations call `self._on_alloc(request, start, end)` when they register or
+    /// Whether allocations call `self._prepare_stored` and `self._on_alloc` when they register or
     /// evict blocks (the subclass builds vLLM's KV events there).
     #[getter(_hook)]
     fn hook_flag(slf: &Bound<'_, Self>) -> PyResult<bool> {
