@@ -470,8 +470,11 @@ def uvicorn_options(max_connections: Any = None) -> dict[str, Any]:
     """What ``uvicorn.run`` / ``uvicorn.Config`` take for the indexer and the proxy: the guarded
     protocol (at most ``max_connections`` connections open at once), and no WebSocket support
     (neither has a WebSocket route: an ``Upgrade: websocket`` request was a 403 with an empty
-    body; without it, it is an ordinary HTTP request)."""
-    return {"http": protocol_class(max_connections), "ws": "none"}
+    body; without it, it is an ordinary HTTP request), and no client address taken from
+    ``X-Forwarded-For`` (uvicorn trusts it from 127.0.0.1 by default: behind the default
+    ``--host 127.0.0.1`` any client could name a new address in each request and pass the proxy's
+    per-client limit)."""
+    return {"http": protocol_class(max_connections), "ws": "none", "proxy_headers": False}
 
 
 class BodyLimit:
