@@ -1,16 +1,18 @@
-"""A spill batch whose submit raises part-way (a closed or forked store, a bad block) leaves no
+"""A spill batch whose submit raises part-way (a bad block or slot, a full disk) leaves no
 disk slot "writing": the blocks queued are written, the refused ones are reported not written
 (their slots freed at the scheduler), one log line says so; the worker's hook does not raise."""
 
 from __future__ import annotations
 
+import gc
 import logging
+import os
 
 import numpy as np
 
 from kvslots._core import DiskIndex
 from kvslots.errors import DiskTierError
-from kvslots.vllm.connector.disk import DiskLayout, DiskStepMeta, DiskWorker
+from kvslots.vllm.connector.disk import FILE_NAME, DiskLayout, DiskStepMeta, DiskWorker
 
 BPB, BS = 256, 4
 
@@ -20,6 +22,7 @@ class RaisingStore:
 
     def __init__(self, store, fail_on: set[int], fail_wipe: bool = False) -> None:
         self._store, self.fail_on, self.fail_wipe, self.calls = store, fail_on, fail_wipe, 0
+        self.wipes = 0
 
     def submit(self, *args):
         self.calls += 1
@@ -28,6 +31,7 @@ class RaisingStore:
         return self._store.submit(*args)
 
     def wipe(self):
+        self.wipes += 1
         if self.fail_wipe:
             raise DiskTierError("the disk store is closed")
         return self._store.wipe()
@@ -36,9 +40,11 @@ class RaisingStore:
         return getattr(self._store, name)
 
 
+LAYOUT = DiskLayout(num_layers=1, bytes_per_block=BPB, dtype="uint8", fingerprint=7)
+
+
 def setup(tmp_path, n: int):
-    layout = DiskLayout(num_layers=1, bytes_per_block=BPB, dtype="uint8", fingerprint=7)
-    w = DiskWorker(directory=str(tmp_path), num_slots=16, block_size=BS, layout=layout, queue_len=16)
+    w = DiskWorker(directory=str(tmp_path), num_slots=16, block_size=BS, layout=LAYOUT, queue_len=16)
     w.host_np = np.arange(8 * BPB, dtype=np.uint8).reshape(8, BPB)  # register()'s host region
     index = DiskIndex(16, BS)
     spills = []
@@ -89,6 +95,32 @@ def test_a_wipe_that_cannot_be_queued_writes_none_of_its_step(tmp_path, caplog):
     assert index.num_writing == 0 and index.num_stored == 0
     assert "wipe could not be queued" in caplog.records[0].getMessage()
     w.close()
+
+
+def test_a_wipe_that_could_not_be_queued_is_tried_again_before_later_spills(tmp_path):
+    # A record of before the reset, then a reset whose wipe raised once: the next step's spill
+    # was written beside it, and a restart found the pre-reset record again.
+    w, index, spills = setup(tmp_path, 2)
+    w.spill(DiskStepMeta(spills=spills[:1]))
+    assert report(w, index) == [(spills[0][1], True)]
+    index.clear()  # the scheduler's reset
+    w.store = RaisingStore(w.store, fail_on=set(), fail_wipe=True)
+    w.spill(DiskStepMeta(spills=[], wipe=True))
+    later = (1, index.begin_write(2000, [9] * BS, None, None, None), 2000, [9] * BS, None, None, None)
+    w.spill(DiskStepMeta(spills=[later]))  # still failing: refused, the wipe tried again
+    assert w.store.wipes == 2 and report(w, index) == [(later[1], False)]
+    w.store.fail_wipe = False
+    again = (1, index.begin_write(2000, [9] * BS, None, None, None), 2000, [9] * BS, None, None, None)
+    w.spill(DiskStepMeta(spills=[again]))
+    assert w.store.wipes == 3 and report(w, index) == [(again[1], True)]
+    w.spill(DiskStepMeta(spills=[]))
+    assert w.store.wipes == 3  # done: not again
+    w.close()
+    del w
+    gc.collect()
+    fresh = DiskIndex(16, BS)  # a restart: only what was written after the wipe
+    fresh.restore_from_file(os.path.join(str(tmp_path), FILE_NAME), **LAYOUT.kwargs())
+    assert fresh.contains(2000) and not fresh.contains(1000)
 
 
 class SpillingPlanner:

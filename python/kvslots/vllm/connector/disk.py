@@ -531,6 +531,7 @@ class DiskWorker:
         self._pending: list[_PendingRead] = []  # in the order they started
         self._by_ticket: dict[int, _PendingRead] = {}
         self._watch_wipe = False  # a wipe was queued: take_done looks whether it failed
+        self._wipe_pending = False  # a reset's wipe could not be queued: retried before any spill
         self._failures_told = (0, 0)  # (dropped full, failed) spills already logged
         self._failures_told_at = float("-inf")
         self._not_queued: list[tuple[int, bool]] = []  # spills the store refused by raising
@@ -558,16 +559,19 @@ class DiskWorker:
 
     def spill(self, disk: DiskStepMeta) -> None:
         """Hands the step's spills to the writer. Never raises: a spill that cannot be queued
-        (the store raised: a closed or forked store, a bad block) is reported not written by the
-        next ``take_done``, so the scheduler frees its disk slot; an exception let out part-way
-        left the batch's later slots "writing" at the scheduler for ever (never reported)."""
-        if disk.wipe:
+        (the store raised: a bad block or slot) is reported not written by the next
+        ``take_done``, so the scheduler frees its disk slot; an exception let out part-way left
+        the batch's later slots "writing" at the scheduler for ever (never reported)."""
+        if disk.wipe or self._wipe_pending:
             try:
                 self.store.wipe()  # queued ahead of this step's spills
                 self._watch_wipe = True
+                self._wipe_pending = False
             except Exception as e:
                 # Spills written after a wipe that never ran would sit beside records of before
-                # the reset: none is written.
+                # the reset (found again after a restart): none is written until a wipe is
+                # queued, tried again at each step.
+                self._wipe_pending = True
                 self._refuse(disk.spills, f"the wipe could not be queued ({type(e).__name__}: {e})")
                 return
         failed: list[int] = []

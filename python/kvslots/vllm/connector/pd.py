@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections import OrderedDict
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -279,9 +280,9 @@ class PDWorker:
         self._server: Any = None
         self._lock = threading.Lock()
         self._held: dict[str, float] = {}  # producer: req -> deadline (monotonic)
-        self._early_acks: dict[str, float] = {}  # acks that came before the hold's metadata
+        self._early_acks: OrderedDict[str, float] = OrderedDict()  # acks that came before the hold's metadata
         # Holds that timed out, oldest first, for the late consumer's ack (answered held: False).
-        self._expired: dict[str, None] = {}
+        self._expired: OrderedDict[str, None] = OrderedDict()
         self._sending_done: set[str] = set()
         self._recving_done: set[str] = set()
         self._recving_failed: set[str] = set()
@@ -334,10 +335,11 @@ class PDWorker:
                     self._sending_done.add(req)
                 else:  # the hold's metadata is not here yet: vLLM still holds the blocks
                     self._early_acks[req] = now
+                    self._early_acks.move_to_end(req)  # oldest first, for the trims below
                     # Bounded: a peer acking ids that never come would grow this for 10 minutes.
                     # Dropping the oldest only makes its hold (if it ever comes) wait for its timeout.
                     while len(self._early_acks) > MAX_EARLY_ACKS:
-                        del self._early_acks[next(iter(self._early_acks))]
+                        self._early_acks.popitem(last=False)
             return {"held": True}
         raise ValueError(f"unknown op {op!r}")
 
@@ -367,14 +369,15 @@ class PDWorker:
                     self.stats["expired"] += 1
                     logger.warning("kvslots P/D: no decode worker took request %s within %.0f s; freeing its blocks",
                                    req, self.timeout_s)
-            for req, t in list(self._early_acks.items()):
-                if now - t > 600:
-                    del self._early_acks[req]
+            # Oldest first (OrderedDict: a plain dict's first key, after many deletions from the
+            # front, is found by skipping every deleted slot, 1 s for a burst of 50,000 here).
+            while self._early_acks and now - next(iter(self._early_acks.values())) > 600:
+                self._early_acks.popitem(last=False)
             # The oldest go past MAX_EXPIRED: all were cleared at once, so a late ack for a hold
             # that had just timed out was taken for an early one and answered held: True, and the
             # consumer used blocks the producer had freed.
             while len(self._expired) > MAX_EXPIRED:
-                del self._expired[next(iter(self._expired))]
+                self._expired.popitem(last=False)
 
     # ---- consumer ----
     def _hello(self, spec: RecvSpec) -> dict[str, Any]:
