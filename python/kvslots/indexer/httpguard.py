@@ -71,6 +71,18 @@ def eof_is_disconnect(scope: MutableMapping[str, Any]) -> None:
     if not isinstance(scope, MutableMapping):
         raise ArgumentTypeError(f"scope must be a dict (an ASGI scope), got {type(scope).__name__}")
     scope[_EOF_KEY] = True
+#: The scope key :func:`cut_off` sets.
+_CUT_KEY = "kvslots.cut_off"
+
+
+def cut_off(scope: MutableMapping[str, Any]) -> None:
+    """Marks the answer of ``scope`` (an ASGI HTTP scope, as the guard's protocol made it) as cut
+    off by the app: once the app returns (uvicorn closes the connection), what is left unsent is
+    dropped and the connection aborted within a tick (:data:`_TICK_S`). Closed only, it waited for
+    the client to take what was sent, up to the write stall (:data:`READ_TIMEOUT_S`)."""
+    if not isinstance(scope, MutableMapping):
+        raise ArgumentTypeError(f"scope must be a dict (an ASGI scope), got {type(scope).__name__}")
+    scope[_CUT_KEY] = True
 #: The scope key :func:`probe_eof` sets.
 _PROBE_KEY = "kvslots.probe_eof"
 #: What :func:`probe_eof` writes on the client's EOF: an interim answer every HTTP/1.1 client
@@ -180,7 +192,11 @@ class _Guard:
     def _write_stalled(self, now: float) -> bool:
         """Whether the client has taken nothing of what it is sent for :data:`READ_TIMEOUT_S`: the
         transport has asked us to stop writing since, or the connection was closed with an answer
-        it has not read (close() waits for the client to read it all)."""
+        it has not read (close() waits for the client to read it all); at once when the app cut
+        its answer off (:func:`cut_off`) and the connection is closing."""
+        c = self.cycle
+        if c is not None and c.scope.get(_CUT_KEY) and self.transport.is_closing():  # (cut_off) unsent: dropped
+            return True
         flow = getattr(self, "flow", None)
         if flow is not None and flow.write_paused:
             return now - self._guard_paused_at > READ_TIMEOUT_S

@@ -46,7 +46,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ..config.loader import MAX_DEPTH, loads_strict_json
 from ..errors import ArgumentTypeError, ConfigError, InvalidArgumentError, short_repr
 from ..indexer.config import check_worker_name
-from ..indexer.httpguard import BodyLimit, eof_is_disconnect, json_members, json_shape_error, probe_eof
+from ..indexer.httpguard import BodyLimit, cut_off, eof_is_disconnect, json_members, json_shape_error, probe_eof
 from .cli import check_unique_names, default_requests_per_client, http_url, requests_per_client, seconds, shown_url
 
 logger = logging.getLogger(__name__)
@@ -425,11 +425,57 @@ class _BrokenOff(Exception):
 class _Unfinished(StreamingResponse):
     """A StreamingResponse whose body ending in :class:`_BrokenOff` is left unfinished: uvicorn
     closes the connection without the last chunk, so the client knows the answer was cut short
-    (an ended one would look whole)."""
+    (an ended one would look whole).
+
+    With ``client_s``, the client has that many seconds in all to take what it is sent: each
+    send is bounded by what is left (a client reading nothing blocks it, uvicorn waiting for its
+    socket to drain), and past them the answer is cut off and its connection aborted
+    (:func:`~kvslots.indexer.httpguard.cut_off`); ``on_slow()`` is called then, or when a
+    disconnect (the guard's write stall) ends a send the client was not taking. Timed after each
+    chunk was taken, a client reading nothing held its connection until the guard's write stall
+    (60 s), past ``--timeout``, and was not counted."""
+
+    def __init__(self, content: Any, *, client_s: float | None = None, on_slow: Any = None, **kw: Any):
+        super().__init__(content, **kw)
+        self.client_s = client_s
+        self.on_slow = on_slow
+        self.scope: Any = None
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        self.scope = scope
+        await super().__call__(scope, receive, send)
 
     async def stream_response(self, send: Any) -> None:
         with contextlib.suppress(_BrokenOff):
-            await super().stream_response(send)
+            await super().stream_response(send if self.client_s is None else self._timed(send))
+
+    def _timed(self, send: Any) -> Any:
+        import anyio
+
+        left = self.client_s
+
+        async def timed(message: Any) -> None:
+            nonlocal left
+            start = anyio.current_time()
+            try:
+                with anyio.fail_after(max(left, 0)):
+                    await send(message)
+            except TimeoutError:
+                left = 0.0
+            except anyio.get_cancelled_exc_class():  # a disconnect while the client took nothing
+                if self.on_slow is not None:
+                    self.on_slow()
+                raise
+            else:
+                left -= anyio.current_time() - start
+            if left <= 0:
+                if self.on_slow is not None:
+                    self.on_slow()
+                if self.scope is not None:
+                    cut_off(self.scope)
+                raise _BrokenOff
+
+        return timed
 
 
 #: The routes whose requests take backend connections, counted per client (:class:`_PerClient`).
@@ -714,15 +760,12 @@ def create_app(prefill_urls: Sequence[str], decode_workers: Sequence[DecodeWorke
 
         async def rest() -> AsyncIterator[bytes]:
             # --timeout bounds the worker's time (waiting for its bytes) and, apart, the client's
-            # (taking what was read): one clock for both blamed the worker for a client slow to
-            # read (counted in decode_errors, "the worker broke off its answer").
+            # (taking what was read: _Unfinished's client_s): one clock for both blamed the worker
+            # for a client slow to read (counted in decode_errors, "the worker broke off its answer").
             worker_left = deadline - anyio.current_time()
-            client_s = 0.0
             try:
-                sent = anyio.current_time()
                 yield bytes(content)
                 content.clear()
-                client_s += anyio.current_time() - sent
                 while True:
                     asked = anyio.current_time()
                     try:
@@ -730,15 +773,8 @@ def create_app(prefill_urls: Sequence[str], decode_workers: Sequence[DecodeWorke
                             chunk = await chunks.__anext__()
                     except StopAsyncIteration:
                         return
-                    got = anyio.current_time()
-                    worker_left -= got - asked
+                    worker_left -= anyio.current_time() - asked
                     yield chunk
-                    client_s += anyio.current_time() - got
-                    if client_s > timeout_s:
-                        state["slow_clients"] += 1
-                        logger.warning("kvslots proxy: a client took more than %g s to read the answer of decode "
-                                       "worker %s; cut off", timeout_s, shown_url(worker.url))
-                        raise _BrokenOff
             except (httpx.HTTPError, TimeoutError) as e:
                 state["decode_errors"] += 1
                 why = f"no whole answer within {timeout_s:g} s" if isinstance(e, TimeoutError) else _why(e)
@@ -747,7 +783,13 @@ def create_app(prefill_urls: Sequence[str], decode_workers: Sequence[DecodeWorke
             finally:
                 await resp.aclose()
 
-        return _Unfinished(rest(), media_type="application/json", headers=headers)
+        def slow() -> None:
+            state["slow_clients"] += 1
+            logger.warning("kvslots proxy: a client took more than %g s to read the answer of decode worker %s; "
+                           "cut off", timeout_s, shown_url(worker.url))
+
+        return _Unfinished(rest(), media_type="application/json", headers=headers, client_s=timeout_s,
+                           on_slow=slow)
 
     async def read_body(request: Request) -> tuple[dict[str, Any], bool] | JSONResponse:
         """The request's JSON object, and whether it is big (checked, parsed and encoded off the loop)."""
