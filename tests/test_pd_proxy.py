@@ -264,7 +264,8 @@ def test_cli_port_in_use_is_one_line_exit_2(capsys, monkeypatch):
     free = free_port()
     assert _proxy_cli(["--prefill", "http://p/", "--decode", "http://d=w", "--port", str(free)], capsys)[0] == 0
     assert len(started) == 1 and started[0].pop("http").__name__.startswith("Guarded")
-    assert started == [{"host": "127.0.0.1", "port": free, "log_level": "warning", "ws": "none"}]
+    assert started == [{"host": "127.0.0.1", "port": free, "log_level": "warning", "ws": "none",
+                        "proxy_headers": False}]
 
 
 def test_body_over_the_cap_is_a_413_before_it_is_read_whole(capsys, monkeypatch):
