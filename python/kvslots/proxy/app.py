@@ -680,11 +680,16 @@ def create_app(prefill_urls: Sequence[str], decode_workers: Sequence[DecodeWorke
         state["disaggregated" if headers["x-kvslots-pd"] == "disaggregated" else "recomputed"] += 1
         url = f"{worker.url.rstrip('/')}{path}"
         if body.get("stream"):
+            # Watched as the prefill is: a client gone before the decode worker's head came (queued
+            # in vLLM) kept its decode running, and its place (--max-requests-per-client), till then.
             try:
-                resp = await client.send(client.build_request("POST", url, **await _encoded(decode_req, big)),
-                                         stream=True)
+                resp = await _unless_gone(request.receive, client.send(
+                    client.build_request("POST", url, **await _encoded(decode_req, big)), stream=True))
             except httpx.HTTPError as e:
                 return decode_failed(worker, f"failed: {_why(e)}")
+            if resp is None:
+                logger.info("kvslots proxy: a client went before its decode worker answered; decode request ended")
+                return Response(status_code=499)  # (written to nobody)
             if resp.status_code != 200:
                 try:
                     async with _within(timeout_s):
