@@ -116,3 +116,31 @@ def test_a_raising_event_leaves_a_running_request_and_cache_blocks_unchanged():
     assert m.allocate_slots(r, BS - 4) is not None
     assert [len(e.block_hashes) for e in m.take_events()] == [1]
     assert m.check_invariants() is None
+
+
+def test_a_request_that_changes_the_manager_while_its_event_is_built_allocates_nothing():
+    """The event is built with no borrow held, so the request's fields may call the manager: a
+    request whose LoRA fields free another allocation of it meanwhile gets ConcurrentUseError
+    and nothing allocated (its first allocation's free stands); the manager stays consistent."""
+    from kvslots.errors import ConcurrentUseError
+
+    m = manager()
+    r = request("r", BS + 4)
+    assert m.allocate_slots(r, BS + 4) is not None
+    m.take_events()
+
+    class Freeing(BadLora):
+        def __getattr__(self, name):
+            m.free(r)
+            return super().__getattr__(name)
+
+    r.num_computed_tokens = BS + 4
+    for t in range(BS - 4):
+        r.append_output_token_ids(100 + t)
+    r.lora_request = Freeing()  # after the appends: the block hasher reads it too
+    free_after_free = m.num_free_blocks() + 2
+    with pytest.raises(ConcurrentUseError, match="nothing was allocated"):
+        m.allocate_slots(r, BS - 4)
+    assert "r" not in m
+    assert m.num_free_blocks() == free_after_free
+    assert m.check_invariants() is None
