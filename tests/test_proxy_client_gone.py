@@ -23,6 +23,7 @@ from kvslots.proxy.app import DecodeWorker, create_app  # noqa: E402
 from process_support import serve_guarded  # noqa: E402
 
 FIRST_TOKEN_S = 8.0  # the decode worker's stream: nothing for this long (queued in vLLM)
+LONG_PREFILL_S = 2 * httpguard._TICK_S + 2.0
 
 
 @pytest.fixture(scope="module")
@@ -33,7 +34,8 @@ def proxy():
     async def backend(request: httpx.Request) -> httpx.Response:
         body = json.loads(request.content)
         if body.get("kv_transfer_params", {}).get("do_remote_decode"):
-            await asyncio.sleep(0.2)  # the prefill
+            # the prefill; a long one for a client to go in (seen gone within a tick or two)
+            await asyncio.sleep(LONG_PREFILL_S if body["prompt"] == "long" else 0.2)
             return httpx.Response(200, json={"kv_transfer_params": {"do_remote_prefill": True}})
         if not body.get("stream"):
             await asyncio.sleep(1.5 * httpguard._TICK_S + 0.5)  # past a guard's tick
@@ -57,8 +59,8 @@ def proxy():
     t.join(10)
 
 
-def _request(stream: bool) -> bytes:
-    body = json.dumps({"prompt": "hi", "stream": stream, "max_tokens": 10}).encode()
+def _request(stream: bool, prompt: str = "hi") -> bytes:
+    body = json.dumps({"prompt": prompt, "stream": stream, "max_tokens": 10}).encode()
     return (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
             b"Content-Length: %d\r\n\r\n" % len(body)) + body
 
@@ -68,20 +70,25 @@ def _request(stream: bool) -> bytes:
 def test_a_client_gone_from_a_stream_ends_the_decode_stream(proxy, when, how):
     port, marks = proxy
     marks["opened"], marks["closed"] = threading.Event(), threading.Event()
+    gone_before = httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=5).json()["gone_before_decode"]
     s = socket.create_connection(("127.0.0.1", port))
     s.settimeout(5)
-    s.sendall(_request(stream=True))
+    s.sendall(_request(stream=True, prompt="long" if when == "before the head" else "hi"))
     if when == "after the head":  # the stream's head is written, no token yet
         got = b""
         while b"\r\n\r\n" not in got:
             got += s.recv(65536)
         assert got.startswith(b"HTTP/1.1 200 OK"), got[:300]
-    # before the head: gone while its prefill runs (a close and a half-close look the same)
+    else:  # gone while its prefill runs (a close and a half-close look the same), its body read
+        time.sleep(0.3)
     s.shutdown(socket.SHUT_WR) if how == "shutdown" else s.close()
     gone = time.monotonic()
     try:
-        if when == "before the head" and not marks["opened"].wait(2 * httpguard._TICK_S + 1.5):
-            return  # seen gone before its prefill ended: no decode started (test_proxy_gone_in_prefill)
+        if when == "before the head":  # seen gone before its prefill ended: no decode started
+            assert not marks["opened"].wait(LONG_PREFILL_S + 1.0), "a decode was started for a client gone"
+            health = httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=5).json()
+            assert health["gone_before_decode"] == gone_before + 1, health
+            return
         assert marks["opened"].wait(5)
         # the old code: at the first token (FIRST_TOKEN_S); now at once, or the guard's next tick
         assert marks["closed"].wait(2 * httpguard._TICK_S + 1.5), "the decode stream was not ended"

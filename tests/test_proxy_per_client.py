@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 
 import httpx
 import pytest
@@ -108,13 +109,18 @@ def test_one_client_past_the_default_limit_is_429_and_others_go_through():
 
 
 def test_a_stream_holds_its_place_until_it_ends():
+    during_answered = threading.Event()  # the stream's tokens come once the request during it is answered
+
     async def backend(request: httpx.Request) -> httpx.Response:
         if json.loads(request.content).get("kv_transfer_params", {}).get("do_remote_decode"):
             return httpx.Response(200, json={"kv_transfer_params": {"do_remote_prefill": True}})
 
         async def gen():
+            for _ in range(500):
+                if during_answered.is_set():
+                    break
+                await asyncio.sleep(0.01)
             for _ in range(3):
-                await asyncio.sleep(0.1)
                 yield b'data: {"x": 1}\n\n'
         return httpx.Response(200, content=gen(), headers={"content-type": "text/event-stream"})
 
@@ -127,6 +133,7 @@ def test_a_stream_holds_its_place_until_it_ends():
             with a.stream("POST", "/v1/completions", json={"prompt": "hi", "stream": True}) as s:
                 assert s.status_code == 200
                 during = a2.post("/v1/completions", json={"prompt": "hi"})  # another connection
+                during_answered.set()
                 body = s.read()
             after = a2.post("/v1/completions", json={"prompt": "hi", "stream": True})
     finally:
