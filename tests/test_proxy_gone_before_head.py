@@ -57,6 +57,8 @@ def test_a_client_gone_before_the_decode_head_ends_the_decode_request(how):
         time.sleep(0.2)
         r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json={"prompt": "hi"}, timeout=5)
         assert r.status_code == 200, r.text
+        health = httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=5).json()
+        assert health["gone_in_decode"] == 1 and health["gone_before_decode"] == 0, health
         s.close()
     finally:
         server.should_exit = True

@@ -114,6 +114,7 @@ def test_a_client_gone_during_its_prefill_gets_no_decode(proxy, stream, how):
 def test_a_client_gone_while_its_answer_is_decoded_ends_the_decode_request(proxy):
     port, marks, _ = proxy
     m = marks["in-decode"] = _Marks()
+    before = httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=5).json()["gone_in_decode"]
     s = socket.create_connection(("127.0.0.1", port))
     s.sendall(_request("in-decode", False))
     assert m.decode.wait(5)
@@ -122,6 +123,8 @@ def test_a_client_gone_while_its_answer_is_decoded_ends_the_decode_request(proxy
     assert m.decode_ended.wait(PREFILL_S + 2)
     assert m.decode_cancelled and time.monotonic() - gone < 2 * httpguard._TICK_S + 1, \
         "the decode request ran on"  # before: it ran its PREFILL_S, for nobody
+    time.sleep(0.2)  # (counted as the request returns)
+    assert httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=5).json()["gone_in_decode"] == before + 1
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])

@@ -571,7 +571,7 @@ def create_app(prefill_urls: Sequence[str], decode_workers: Sequence[DecodeWorke
     prefill_cycle = itertools.cycle(list(prefill_urls))
     decode_cycle = itertools.cycle(list(decode_workers))
     state: dict[str, Any] = {"recomputed": 0, "disaggregated": 0, "decode_errors": 0, "gone_before_decode": 0,
-                             "slow_clients": 0}
+                             "gone_in_decode": 0, "slow_clients": 0}
     # max_keepalive_connections=20 (httpx's default), not the pool's size: httpcore's pool walks
     # every connection for each waiting request and hands idle ones to requests that wake slowly
     # (150 requests held at once by one worker took 6.9 s to reach it with all kept, 1.0-1.7 s
@@ -688,6 +688,7 @@ def create_app(prefill_urls: Sequence[str], decode_workers: Sequence[DecodeWorke
             except httpx.HTTPError as e:
                 return decode_failed(worker, f"failed: {_why(e)}")
             if resp is None:
+                state["gone_in_decode"] += 1
                 logger.info("kvslots proxy: a client went before its decode worker answered; decode request ended")
                 return Response(status_code=499)  # (written to nobody)
             if resp.status_code != 200:
@@ -706,7 +707,7 @@ def create_app(prefill_urls: Sequence[str], decode_workers: Sequence[DecodeWorke
 
             async def chunks() -> AsyncIterator[bytes]:
                 try:
-                    async for chunk in resp.aiter_bytes():  # decoded: we do not forward content-encoding
+                    async for chunk in resp.aiter_bytes():  # unencoded: asked for, others refused (_not_encoded)
                         yield chunk
                 except httpx.HTTPError as e:  # the status is sent already: end the stream, log why
                     state["decode_errors"] += 1
@@ -745,6 +746,7 @@ def create_app(prefill_urls: Sequence[str], decode_workers: Sequence[DecodeWorke
             if got is None:
                 if resp is not None:
                     await resp.aclose()
+                state["gone_in_decode"] += 1
                 logger.info("kvslots proxy: a client went while its answer was decoded; decode request ended")
                 return Response(status_code=499)  # (written to nobody)
             resp, chunks, whole = got
