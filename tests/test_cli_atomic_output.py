@@ -167,11 +167,116 @@ def test_a_file_the_user_may_not_write_is_not_replaced(tmp_path, capsys, monkeyp
     # directory, it would be replaced. (The tests run as root, for whom every file is writable:
     # os.access answers as for another user here.)
     f, dest = _setup(tmp_path, mode=0o444)
-    real = os.access
-    monkeypatch.setattr(os, "access", lambda p, mode, **kw: False if str(p) == str(dest) else real(p, mode, **kw))
+    real = os.open
+
+    def refusing(p, flags, *rest, **kw):  # the kernel's answer to another user
+        if str(p) == str(dest) and flags & os.O_WRONLY:
+            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES))
+        return real(p, flags, *rest, **kw)
+
+    monkeypatch.setattr(os, "open", refusing)
     capsys.readouterr()
     assert cli.main(["convert-config", str(f), "-q", "-o", str(dest)]) == 2
     _, err = capsys.readouterr()
     assert err == f"kvslots convert-config: error: {dest}: cannot write: Permission denied\n", err
     assert dest.read_bytes() == OLD
     assert sorted(os.listdir(tmp_path)) == ["e.yaml", "flags.txt"]
+
+
+# Where renaming a new file over FILE would lose something or cannot be done, FILE is written in
+# place as before f891be3 (a review found each of these refused or changed by the rename).
+
+
+def _convert(f, dest) -> None:
+    assert cli.main(["convert-config", str(f), "-q", "-o", str(dest)]) == 0
+    assert dest.read_bytes() != OLD and b"--speculative-config" in dest.read_bytes()
+
+
+def test_a_file_in_a_directory_that_takes_no_new_file_is_written_in_place(tmp_path, monkeypatch):
+    # A writable file in a root-owned directory (EACCES), a sticky one (EPERM), a read-only one
+    # (EROFS) was refused: the temporary file could not be made.
+    f, dest = _setup(tmp_path)
+    inode = dest.stat().st_ino
+    real = os.open
+
+    def no_new_files(p, flags, *rest, **kw):
+        if os.path.basename(str(p)).startswith(".kvslots-"):
+            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES))
+        return real(p, flags, *rest, **kw)
+
+    monkeypatch.setattr(os, "open", no_new_files)
+    _convert(f, dest)
+    assert dest.stat().st_ino == inode and sorted(os.listdir(tmp_path)) == ["e.yaml", "flags.txt"]
+
+
+@pytest.mark.parametrize("code", [errno.EBUSY, errno.EXDEV])
+def test_a_file_that_is_a_mount_point_is_written_in_place(tmp_path, monkeypatch, code):
+    # docker run -v ./flags.txt:/app/flags.txt: renaming over a mount point is EBUSY.
+    f, dest = _setup(tmp_path)
+    real = os.replace
+
+    def busy(a, b, *rest, **kw):
+        if str(b) == str(dest):
+            raise OSError(code, os.strerror(code))
+        return real(a, b, *rest, **kw)
+
+    monkeypatch.setattr(os, "replace", busy)
+    _convert(f, dest)
+    assert sorted(os.listdir(tmp_path)) == ["e.yaml", "flags.txt"]
+
+
+def test_a_file_with_another_hard_link_is_written_in_place(tmp_path):
+    f, dest = _setup(tmp_path)
+    other = tmp_path / "other.txt"
+    os.link(dest, other)
+    _convert(f, dest)
+    assert other.read_bytes() == dest.read_bytes()  # replaced, the other name kept the old text
+
+
+def test_a_file_with_extended_attributes_is_written_in_place(tmp_path):
+    f, dest = _setup(tmp_path)
+    try:
+        os.setxattr(dest, "user.kvslots-test", b"1")
+    except OSError as e:
+        pytest.skip(f"this file system takes no user extended attributes ({e.strerror})")
+    _convert(f, dest)
+    assert os.getxattr(dest, "user.kvslots-test") == b"1"  # a new file would not have it
+
+
+def test_a_file_of_another_owner_is_written_in_place_by_a_user_who_cannot_give_it(tmp_path, monkeypatch):
+    # A non-root user writing someone else's group-writable file: the rename made it theirs.
+    f, dest = _setup(tmp_path)
+    inode = dest.stat().st_ino
+    monkeypatch.setattr(os, "geteuid", lambda: dest.stat().st_uid + 1)
+    _convert(f, dest)
+    assert dest.stat().st_ino == inode
+
+
+def test_the_temporary_file_is_never_more_open_than_the_file_it_replaces(tmp_path, monkeypatch):
+    f, dest = _setup(tmp_path, mode=0o600)
+    real, modes = os.open, []
+
+    def recording(p, flags, mode=0o777, *rest, **kw):
+        if os.path.basename(str(p)).startswith(".kvslots-"):
+            modes.append(mode)
+        return real(p, flags, mode, *rest, **kw)
+
+    monkeypatch.setattr(os, "open", recording)
+    _convert(f, dest)
+    assert modes == [0o600] and stat.S_IMODE(dest.stat().st_mode) == 0o600
+
+
+def test_a_read_only_file_system_is_named_as_such(tmp_path, capsys, monkeypatch):
+    f, dest = _setup(tmp_path)
+    real = os.open
+
+    def read_only(p, flags, *rest, **kw):
+        if str(p) == str(dest) and flags & os.O_WRONLY:
+            raise OSError(errno.EROFS, os.strerror(errno.EROFS))
+        return real(p, flags, *rest, **kw)
+
+    monkeypatch.setattr(os, "open", read_only)
+    capsys.readouterr()
+    assert cli.main(["convert-config", str(f), "-q", "-o", str(dest)]) == 2
+    assert capsys.readouterr().err.endswith("cannot write: Read-only file system\n")
+    assert dest.read_bytes() == OLD

@@ -37,9 +37,11 @@ def check_listen(host: str, port: int) -> None:
 
 
 #: Longest wait, in seconds, for the resolver to answer for a host name: getaddrinfo has no
-#: timeout of its own, and a resolver that never answers (a dead DNS server without a timeout
-#: in resolv.conf, a hung NSS module such as LDAP or sssd) made the command hang before it started.
-RESOLVE_TIMEOUT_S = 10.0
+#: timeout of its own, and a hung NSS module (LDAP, sssd) or a resolv.conf with very long
+#: timeouts made the command hang before it started. A dead DNS server under glibc's defaults
+#: gives up by itself (5 s per try, 2 tries, per server: at most 30 s for three), so 30 s
+#: refuses no lookup the resolver would have answered.
+RESOLVE_TIMEOUT_S = 30.0
 
 
 def _resolve(host: str | None, port: int) -> list[Any]:

@@ -225,11 +225,15 @@ def write_file(path: str, text: str) -> None:
     """Writes ``text`` (UTF-8) to the file ``path`` that a command was asked to write (``-o``);
     a ConfigError naming ``path`` if that fails. The one home for how a command writes a file.
 
-    A regular file (or a new one) is written whole or not at all: a temporary file beside it is
-    filled, flushed to disk, given the old file's mode (a new one gets 0666 less the umask) and
-    renamed over it, so a write that fails (a full disk, ``ulimit -f``, a Ctrl-C) or a crash
-    leaves an existing file byte-for-byte as it was, and a failure leaves no temporary file
-    behind. A link is followed (the file it names is replaced, the link kept). What is not a
+    A regular file (or a new one) is written whole or not at all where it can be replaced: a
+    temporary file beside it is filled, flushed to disk, given the old file's mode and renamed
+    over it, so a write that fails (a full disk, ``ulimit -f``, a Ctrl-C) or a crash leaves an
+    existing file byte-for-byte as it was; a failure or a Ctrl-C leaves no temporary file (a
+    kill may leave a hidden ``.kvslots-*.tmp``). A new file gets 0666 less the umask. A link is
+    followed (the file it names is replaced, the link kept). Where a replace would lose
+    something or cannot be made, the file is written in place (truncated first), as before: a
+    file with other hard links, extended attributes (ACLs, labels) or another owner we cannot
+    give the new one, in a directory we may not write, or that is a mount point. What is not a
     regular file (a FIFO, ``/dev/null``, ``/dev/stdout``) is written in place, as a stream."""
     try:
         data = text.encode("utf-8")
@@ -245,13 +249,12 @@ def write_file(path: str, text: str) -> None:
         if st is not None and stat.S_ISDIR(st.st_mode):
             raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR))
         target = os.path.realpath(path)
-        if st is not None and stat.S_ISREG(st.st_mode) and not os.access(target, os.W_OK):
-            # A file we may not write stays so (open() refused it): renamed over, it was replaced.
-            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES))
-        if _in_place(path, st):
+        if st is not None and stat.S_ISREG(st.st_mode):
+            # Refused as open() refused it (a file we may not write, a read-only file system):
+            # renamed over from a writable directory, such a file was replaced.
+            os.close(os.open(target, os.O_WRONLY | os.O_NONBLOCK | os.O_CLOEXEC))
+        if _in_place(path, st) or not _replaceable(target, st) or not _write_replacing(target, data, st):
             _write_in_place(path, data)
-            return
-        _write_replacing(target, data, st)
     except OSError as e:
         if e.errno == errno.ENXIO and st is not None and stat.S_ISFIFO(st.st_mode):
             why = "a FIFO that nobody reads"
@@ -274,6 +277,22 @@ def _in_place(path: str, st: os.stat_result | None) -> bool:
     return absolute in ("/dev/stdout", "/dev/stderr") or absolute.startswith(("/dev/fd/", "/proc/"))
 
 
+def _replaceable(target: str, st: os.stat_result | None) -> bool:
+    """Whether a new file renamed over ``target`` would be the same file to its users: not if
+    it has other hard links (they would keep the old text), extended attributes (ACLs, security
+    labels: a new file would not have them) or an owner and group we cannot give a new file."""
+    if st is None:
+        return True
+    if st.st_nlink > 1:
+        return False
+    try:
+        if os.listxattr(target):
+            return False
+    except OSError:  # no extended attributes on this file system
+        pass
+    return os.geteuid() == 0 or (st.st_uid, st.st_gid) == (os.geteuid(), os.getegid())
+
+
 def _write_in_place(path: str, data: bytes) -> None:
     # O_NONBLOCK for the open only: a FIFO nobody reads is ENXIO, not a wait without end (it
     # hung); one with a reader (-o >(cmd)) is then written as a blocking pipe.
@@ -285,34 +304,49 @@ def _write_in_place(path: str, data: bytes) -> None:
         os.close(fd)
 
 
-def _write_replacing(target: str, data: bytes, st: os.stat_result | None) -> None:
+#: A temporary file that cannot be made beside the target, or renamed over it: written in place.
+_NO_REPLACE = (errno.EACCES, errno.EPERM, errno.EROFS, errno.EBUSY, errno.EXDEV)
+
+
+def _write_replacing(target: str, data: bytes, st: os.stat_result | None) -> bool:
+    """Writes ``data`` to a temporary file beside ``target`` and renames it over it; False,
+    with nothing left behind, where the directory takes no new file or the rename cannot be
+    made (a directory we may not write, a read-only one, a target that is a mount point)."""
     directory = os.path.dirname(target) or "."
     # A short name of our own (the target's name may already be NAME_MAX long), hidden, in the
     # same directory: os.replace is atomic only within one file system.
     for _ in range(100):
         tmp = os.path.join(directory, f".kvslots-{os.urandom(6).hex()}.tmp")
         try:
-            # 0o666: the umask applies, as it did to a file opened with open(path, "w").
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
+            # A new file: 0o666, the umask applies, as to open(path, "w"). Over an existing one:
+            # 0o600 until it has that file's mode, never more open than the file it replaces.
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666 if st is None else 0o600)
             break
         except FileExistsError:
             continue
+        except OSError as e:
+            if e.errno in _NO_REPLACE:
+                return False
+            raise
     else:  # 100 names of 48 random bits all taken: not a directory to write in
         raise OSError(errno.EEXIST, "no free temporary file name beside it")
     try:
         try:
-            if st is not None:  # the file's own mode and, where allowed, owner, not ours
+            if st is not None:  # the file's own mode and owner (checked replaceable), not ours
                 os.fchmod(fd, stat.S_IMODE(st.st_mode))
                 if (st.st_uid, st.st_gid) != (os.geteuid(), os.getegid()):
-                    try:
-                        os.fchown(fd, st.st_uid, st.st_gid)
-                    except PermissionError:
-                        pass
+                    os.fchown(fd, st.st_uid, st.st_gid)
             _write_all(fd, data)
             os.fsync(fd)  # on disk before the rename: a crash then leaves old or new, not an empty file
         finally:
             os.close(fd)
-        os.replace(tmp, target)
+        try:
+            os.replace(tmp, target)
+        except OSError as e:
+            if e.errno in _NO_REPLACE:
+                os.unlink(tmp)
+                return False
+            raise
     except BaseException:  # an OSError, or a Ctrl-C part way: no temporary file left behind
         try:
             os.unlink(tmp)
@@ -327,6 +361,7 @@ def _write_replacing(target: str, data: bytes, st: os.stat_result | None) -> Non
             os.close(dfd)
     except OSError:
         pass
+    return True
 
 
 def _write_all(fd: int, data: bytes) -> None:
