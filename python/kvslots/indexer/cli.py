@@ -70,6 +70,10 @@ def run(args: argparse.Namespace) -> int:
         return 2
 
     check_listen(cfg.host, cfg.port)
+    if cfg.backend == "redis":  # its host looked up with a bound, as the one to listen on
+        from .redis_backend import check_redis_resolves
+
+        check_redis_resolves(cfg.redis_url)
     service = IndexerService(cfg)
     log = logging.getLogger("kvslots.indexer")
     if cfg.host not in ("127.0.0.1", "::1", "localhost"):

@@ -35,6 +35,7 @@ import json
 import logging
 import os
 import re
+import socket
 import threading
 import time
 import uuid
@@ -91,6 +92,29 @@ _WORKER = re.compile(WORKER_NAME.pattern.encode())
 
 class NotWriter(Exception):
     """This replica lost the lease: it must stop writing."""
+
+
+def check_redis_resolves(url: str) -> None:
+    """A ConfigError when the resolver does not answer for the host of the Redis URL ``url`` (a
+    checked one: :func:`check_redis_url`) within :data:`kvslots._listen.RESOLVE_TIMEOUT_S`. redis-py
+    looks it up with getaddrinfo, which has no timeout (its connect timeout starts after): a
+    resolver that never answered hung ``kvslots indexer --backend redis`` at its first tick, before
+    it served. A host the resolver answers it does not know is left to the backend (Redis
+    unreachable: answered ``stale`` until it resolves), as before."""
+    from .. import _listen
+
+    given = redis.Redis.from_url(url).connection_pool.connection_kwargs
+    host = given.get("host")
+    if not isinstance(host, str) or not host:  # unix://: no lookup
+        return
+    try:
+        _listen._resolve(host, int(given.get("port") or 6379))
+    except socket.gaierror as e:
+        # only _resolve's own timeout (an EAI_AGAIN the resolver gave is its answer)
+        if e.errno == socket.EAI_AGAIN and "did not answer" in str(e.strerror):
+            raise ConfigError(f"redis URL host {host!r}: cannot resolve it ({e.strerror})") from None
+    except (UnicodeError, ValueError, OSError):
+        pass  # the backend's to report, as before
 
 
 class RedisBackend(Backend):
