@@ -40,7 +40,7 @@ from __future__ import annotations
 import json
 import socket
 import time
-from collections.abc import MutableMapping
+from collections.abc import Mapping, MutableMapping
 from typing import Any
 
 from .. import _args
@@ -83,6 +83,15 @@ def cut_off(scope: MutableMapping[str, Any]) -> None:
     if not isinstance(scope, MutableMapping):
         raise ArgumentTypeError(f"scope must be a dict (an ASGI scope), got {type(scope).__name__}")
     scope[_CUT_KEY] = True
+#: The scope key the guard sets on a request whose connection it aborted for a write stall.
+_STALLED_KEY = "kvslots.write_stalled"
+
+
+def write_stalled(scope: Mapping[str, Any]) -> bool:
+    """Whether the guard aborted the connection of ``scope`` (an ASGI HTTP scope) because its
+    client took nothing of what it was sent for :data:`READ_TIMEOUT_S`: uvicorn's send then returns
+    as if it had sent (the request is marked disconnected), and the app cannot tell why."""
+    return bool(scope.get(_STALLED_KEY)) if isinstance(scope, Mapping) else False
 #: The scope key :func:`probe_eof` sets.
 _PROBE_KEY = "kvslots.probe_eof"
 #: What :func:`probe_eof` writes on the client's EOF: an interim answer every HTTP/1.1 client
@@ -401,6 +410,7 @@ class _Guard:
             for c in self._guard_cycles:
                 if not c.response_complete:
                     c.disconnected = True
+                    c.scope[_STALLED_KEY] = True
             self.transport.abort()
             return
         c = self.cycle

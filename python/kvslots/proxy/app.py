@@ -46,7 +46,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ..config.loader import MAX_DEPTH, loads_strict_json
 from ..errors import ArgumentTypeError, ConfigError, InvalidArgumentError, short_repr
 from ..indexer.config import check_worker_name
-from ..indexer.httpguard import BodyLimit, cut_off, eof_is_disconnect, json_members, json_shape_error, probe_eof
+from ..indexer.httpguard import (BodyLimit, cut_off, eof_is_disconnect, json_members, json_shape_error, probe_eof,
+                                 write_stalled)
 from .cli import check_unique_names, default_requests_per_client, http_url, requests_per_client, seconds, shown_url
 
 logger = logging.getLogger(__name__)
@@ -430,8 +431,8 @@ class _Unfinished(StreamingResponse):
     With ``client_s``, the client has that many seconds in all to take what it is sent: each
     send is bounded by what is left (a client reading nothing blocks it, uvicorn waiting for its
     socket to drain), and past them the answer is cut off and its connection aborted
-    (:func:`~kvslots.indexer.httpguard.cut_off`); ``on_slow()`` is called then, or when a
-    disconnect (the guard's write stall) ends a send the client was not taking. Timed after each
+    (:func:`~kvslots.indexer.httpguard.cut_off`); ``on_slow()`` is called then, or when the
+    guard's write stall ended a send (:func:`~kvslots.indexer.httpguard.write_stalled`). Timed after each
     chunk was taken, a client reading nothing held its connection until the guard's write stall
     (60 s), past ``--timeout``, and was not counted."""
 
@@ -462,13 +463,12 @@ class _Unfinished(StreamingResponse):
                     await send(message)
             except TimeoutError:
                 left = 0.0
-            except anyio.get_cancelled_exc_class():  # a disconnect while the client took nothing
-                if self.on_slow is not None:
-                    self.on_slow()
-                raise
             else:
                 left -= anyio.current_time() - start
-            if left <= 0:
+            # The guard's write stall (READ_TIMEOUT_S, before --timeout) ends a send the client
+            # takes nothing of as if it were sent: the rest was read from the worker for nobody.
+            stalled = self.scope is not None and write_stalled(self.scope)
+            if left <= 0 or stalled:
                 if self.on_slow is not None:
                     self.on_slow()
                 if self.scope is not None:
