@@ -61,3 +61,17 @@ def test_integers_by_index_still_read(call):
         CALLS[call](IndexStr())
     assert _core.block_hash(0, [1, OddInt(2), 3]) == _core.block_hash(0, [1, 2, 3])
     assert _core.block_hash(0, [1, IndexBool(2), 3]) == _core.block_hash(0, [1, 2, 3])
+
+
+@pytest.mark.parametrize("value", [True, False])
+def test_the_reference_model_refuses_an_index_returning_a_bool_too(value):
+    # docs/design.md: the argument rules are mirrored by the reference model.
+    from kvslots.slots.reference import ReferenceSlotManager
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        with pytest.raises(ArgumentTypeError, match="must be an int"):
+            ReferenceSlotManager(IndexBool(value), 16)
+        with pytest.raises(ArgumentTypeError, match="must be an int"):
+            _core.SlotManager(IndexBool(value), 16)
+    assert ReferenceSlotManager(IndexBool(4), 16) is not None  # an __index__ returning an int reads

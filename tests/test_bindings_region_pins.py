@@ -37,6 +37,27 @@ def test_a_registered_array_cannot_be_resized_in_place():
     assert a.size == owner.size == 1
 
 
+def test_a_strided_view_pins_the_array_behind_it():
+    # as_strided's (and sliding_window_view's) views have numpy's DummyArray as their base: the
+    # pin stopped there, the array could be resized and a copy into the view wrote freed memory.
+    x = np.zeros(4096, np.uint8)
+    v = np.lib.stride_tricks.as_strided(x, shape=(4096,), strides=(1,))
+    r = _core.BlockRegion(v, block_bytes=64, num_blocks=64)
+    with pytest.raises(ValueError):
+        x.resize(1, refcheck=False)
+    del r, v
+    gc.collect()
+    w = np.lib.stride_tricks.sliding_window_view(x, 1)[:, 0]  # read-only: a copy's source
+    rw = _core.BlockRegion(w, block_bytes=64, num_blocks=64)
+    del w
+    with pytest.raises(ValueError):
+        x.resize(1, refcheck=False)
+    del rw
+    gc.collect()
+    x.resize(1, refcheck=False)  # released with the regions
+    assert x.size == 1
+
+
 def test_an_array_over_a_memoryview_pins_the_array_behind_it(tmp_path):
     """``np.frombuffer(memoryview(a))``'s base is the memoryview, and numpy resizes ``a`` in
     place whatever buffers it has exported: a region (or a disk read) over such an array left

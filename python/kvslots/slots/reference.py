@@ -104,6 +104,10 @@ def _int(value: Any, what: str, lo: int, hi: int, request_id: str | None = None)
                                 f"{type(value).__name__} {short_repr(value)}", request_id)
     try:
         v = operator.index(value)
+        if not isinstance(value, int) and isinstance(type(value).__index__(value), bool):
+            # operator.index turns an __index__ returning True into 1 (a DeprecationWarning only);
+            # the Rust core refuses it, as it refuses a bool.
+            raise TypeError
     except TypeError:
         raise ArgumentTypeError(f"invalid argument{_where(request_id)}: {what} must be an int, got "
                                 f"{type(value).__name__}", request_id) from None

@@ -114,6 +114,17 @@ pub(crate) fn pin_arrays(obj: &Bound<'_, PyAny>) -> PyResult<Vec<Py<PyAny>>> {
             continue;
         }
         let Ok(arr) = cur.cast::<PyUntypedArray>() else {
+            // as_strided's (and sliding_window_view's) views have numpy's DummyArray as their
+            // base, an interface holder whose `base` is the array with the bytes.
+            if cur.get_type().name().is_ok_and(|n| n == "DummyArray") {
+                match cur.getattr(pyo3::intern!(py, "base")) {
+                    Ok(b) if !b.is_none() => {
+                        cur = b;
+                        continue;
+                    }
+                    _ => {}
+                }
+            }
             break;
         };
         pins.push(PyWeakrefReference::new(arr)?.into_any().unbind());

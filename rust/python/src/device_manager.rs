@@ -320,6 +320,9 @@ pub(crate) struct DeviceKVManager {
     defer_lookahead: bool,
     /// This step's deferred allocations: (request id, main tokens, lookahead tokens).
     deferred: Vec<(String, usize, usize)>,
+    /// The request ids in `deferred`: whether one has an entry, without a scan of the list
+    /// (every deferred allocation asks; a scan made a step quadratic in its batch).
+    deferred_ids: std::collections::HashSet<String>,
     empty: Py<KVBlocks>,
     last_commit: (usize, usize),
     scratch: Vec<u32>,
@@ -329,7 +332,7 @@ impl DeviceKVManager {
     /// A freed request's deferred lookahead goes with it: the same id allocated again within
     /// the step would otherwise get the old allocation's lookahead at `finish_step` too.
     fn forget_deferred(&mut self, rid: &str) {
-        if self.deferred.iter().any(|d| d.0 == rid) {
+        if self.deferred_ids.remove(rid) {
             self.deferred.retain(|d| d.0 != rid);
         }
     }
@@ -559,6 +562,7 @@ impl DeviceKVManager {
             // later one then failed finish_step (CapacityExceededError) after the first had
             // taken its blocks.
             this.forget_deferred(rid);
+            this.deferred_ids.insert(rid.to_owned());
             this.deferred.push((rid.to_owned(), main, lookahead));
         }
         let (out, hook) = this.allocated(py, &done);
@@ -791,6 +795,7 @@ impl DeviceKVManager {
             hook: record_evictions,
             defer_lookahead,
             deferred: Vec::new(),
+            deferred_ids: std::collections::HashSet::new(),
             empty: Py::new(py, KVBlocks { ids: Vec::new() })?,
             last_commit: (0, 0),
             scratch: Vec::new(),
@@ -1112,6 +1117,7 @@ impl DeviceKVManager {
             return Err(busy("DeviceKVManager"));
         }
         this.deferred.clear();
+        this.deferred_ids.clear();
         let live: Vec<_> = deferred
             .into_iter()
             .zip(keep)
