@@ -263,10 +263,7 @@ class _Guard:
             return False
         if state != _TCP_CLOSE:
             return False
-        for w in self._guard_cycles:
-            if not w.response_complete:
-                w.disconnected = True
-                w.message_event.set()
+        self._guard_mark_gone()
         return True
 
     def _guard_check_reset(self) -> None:
@@ -278,11 +275,15 @@ class _Guard:
         every request it has waiting is marked so (uvicorn marks the newest only, on closing)."""
         if not (self._guard_eof_seen and not c.response_complete and c.scope.get(_EOF_KEY)):
             return False
+        self._guard_mark_gone()
+        return True
+
+    def _guard_mark_gone(self) -> None:
+        """Every request of this connection still unanswered ends as a disconnect."""
         for w in self._guard_cycles:
             if not w.response_complete:
                 w.disconnected = True
                 w.message_event.set()
-        return True
 
     def data_received(self, data: bytes) -> None:
         if self._guard_refused:  # answered already: nothing it sends is read

@@ -487,7 +487,7 @@ impl DeviceKVManager {
             .map_err(|e| reading_error(py, e, "request.status"))?;
         let hashes = RequestHashes::of(request, rid)?;
 
-        let mut this = borrow_mut(slf)?;
+        let this = borrow_mut(slf)?;
         let bs = this.inner.block_size();
         if hit_tokens % bs != 0 {
             return Err(invalid(
@@ -523,26 +523,9 @@ impl DeviceKVManager {
         let tagged = known.map(|s| (s, tag));
         // The event for the blocks it registers is built before anything changes: a hook that
         // raises leaves the allocation undone.
-        let planned = if this.hook {
-            this.inner.planned_commit(rid, tagged, &a)
-        } else {
-            0..0
-        };
-        let stored = if planned.is_empty() {
-            None
-        } else {
-            drop(this);
-            let ev = prepare_stored(slf, request, &planned)?;
-            this = borrow_mut(slf)?;
-            if this.inner.planned_commit(rid, tagged, &a) != planned {
-                return Err(changed_meanwhile(format!(
-                    "the DeviceKVManager was changed while the KV event for request {} was built \
-                     (by the request's attributes or another thread); nothing was allocated",
-                    core::error::shown(rid)
-                )));
-            }
-            Some(ev)
-        };
+        let (stored, mut this) = stored_before(slf, this, request, rid, "allocated", |m| {
+            m.inner.planned_commit(rid, tagged, &a)
+        })?;
         let done = match known {
             Some(s) => this.inner.allocate_tagged(rid, s, tag, &a, &hashes),
             None => this.inner.allocate(rid, &a, &hashes),
@@ -705,6 +688,35 @@ fn exact_count(obj: Option<&Bound<'_, PyAny>>) -> Option<usize> {
 /// to register (`self._prepare_stored(request, start, end)`), built before the call changes
 /// anything: whatever it raises (the request's fields are read there) leaves the manager as it
 /// was. `None` without the method.
+/// The KV event for the table positions `plan` gives (None for none, or with events off),
+/// built by `_prepare_stored` with no borrow held (Python code: it may raise, or call this
+/// manager), then the borrow taken again: `plan` must give the same positions, else the
+/// manager was changed meanwhile, a ConcurrentUseError saying nothing was `done`.
+fn stored_before<'py>(
+    slf: &Bound<'py, DeviceKVManager>,
+    this: PyRefMut<'py, DeviceKVManager>,
+    request: &Bound<'py, PyAny>,
+    rid: &str,
+    done: &str,
+    plan: impl Fn(&DeviceKVManager) -> std::ops::Range<usize>,
+) -> PyResult<(Option<Py<PyAny>>, PyRefMut<'py, DeviceKVManager>)> {
+    let planned = if this.hook { plan(&this) } else { 0..0 };
+    if planned.is_empty() {
+        return Ok((None, this));
+    }
+    drop(this);
+    let ev = prepare_stored(slf, request, &planned)?;
+    let this = borrow_mut(slf)?;
+    if plan(&this) != planned {
+        return Err(changed_meanwhile(format!(
+            "the DeviceKVManager was changed while the KV event for request {} was built \
+             (by the request's attributes or another thread); nothing was {done}",
+            core::error::shown(rid)
+        )));
+    }
+    Ok((Some(ev), this))
+}
+
 fn prepare_stored(
     slf: &Bound<'_, DeviceKVManager>,
     request: &Bound<'_, PyAny>,
@@ -899,29 +911,12 @@ impl DeviceKVManager {
         let rid = request_id_of(request)?;
         let n = count(num_computed_tokens, "num_computed_tokens", Some(&rid))?;
         let hashes = RequestHashes::of(request, &rid)?;
-        let mut this = borrow_mut(slf)?;
+        let this = borrow_mut(slf)?;
         let reprefill = this.num_reprefillable;
         // As in allocate_slots: the event first, then the registration.
-        let planned = if this.hook {
-            this.inner.planned_cache(&rid, n, reprefill)
-        } else {
-            0..0
-        };
-        let stored = if planned.is_empty() {
-            None
-        } else {
-            drop(this);
-            let ev = prepare_stored(slf, request, &planned)?;
-            this = borrow_mut(slf)?;
-            if this.inner.planned_cache(&rid, n, reprefill) != planned {
-                return Err(changed_meanwhile(format!(
-                    "the DeviceKVManager was changed while the KV event for request {} was built \
-                     (by the request's attributes or another thread); nothing was registered",
-                    core::error::shown(&rid)
-                )));
-            }
-            Some(ev)
-        };
+        let (stored, mut this) = stored_before(slf, this, request, &rid, "registered", |m| {
+            m.inner.planned_cache(&rid, n, reprefill)
+        })?;
         let done = this
             .inner
             .cache(&rid, n, reprefill, &hashes)
