@@ -453,6 +453,7 @@ class _Unfinished(StreamingResponse):
     def _timed(self, send: Any) -> Any:
         import anyio
 
+        assert self.client_s is not None  # _timed is used only with a client time
         left = self.client_s
 
         async def timed(message: Any) -> None:
