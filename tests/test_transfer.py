@@ -515,6 +515,48 @@ def test_cuda_round_trip_on_side_stream():
         assert torch.equal(v[:, [3, 4, 5, 9]], orig[k][:, [3, 4, 5, 9]])
 
 
+def random_copies(c: BlockCopier, cpu: dict[str, torch.Tensor], rng: np.random.Generator, n: int, h: int,
+                  ops: int, *, max_blocks: int, write: Callable[[str, int], None], wait: Callable[[], None],
+                  step: Callable[[], None] = lambda: None) -> torch.Tensor:
+    """Issue ``ops`` random stores, loads (1 to ``max_blocks`` blocks) and forward writes on ``c``,
+    mirroring each in ``cpu`` (the layers' reference) and in the host region's reference, which
+    is returned. ``write(name, d)`` adds 1 to block ``d`` of layer ``name`` the way the caller's
+    forward does; a block with a copy in flight is written only after ``wait()`` (the copier's
+    contract). ``step()`` runs after each operation."""
+    c.host.zero_()
+    host_ref = c.host.clone()
+    in_flight: set[int] = set()  # device blocks a store or load in flight reads or writes
+
+    def host_row(d: int) -> torch.Tensor:
+        return torch.cat([cpu[k][:, d].contiguous().view(torch.uint8).reshape(2, -1) for k in cpu]).reshape(-1)
+
+    for _ in range(ops):
+        kind, k = int(rng.integers(0, 3)), int(rng.integers(1, max_blocks + 1))
+        if kind == 0:
+            d, hs = rng.choice(n, k, replace=True), rng.choice(h, k, replace=False)
+            c.store(d, hs)
+            for di, hi in zip(d, hs):
+                host_ref[hi] = host_row(int(di))
+            in_flight.update(int(x) for x in d)
+        elif kind == 1:
+            hs, d = rng.choice(h, k, replace=True), rng.choice(n, k, replace=False)
+            c.load(hs, d)
+            for hi, di in zip(hs, d):
+                row = host_ref[hi].view(len(cpu), 2, -1)
+                for li, name in enumerate(cpu):
+                    cpu[name][:, di] = row[li].view(torch.float16).view(2, 16, 2, 8)
+            in_flight.update(int(x) for x in d)
+        else:
+            d, name = int(rng.integers(0, n)), f"l{int(rng.integers(0, len(cpu)))}"
+            if d in in_flight:
+                wait()
+                in_flight.clear()
+            write(name, d)
+            cpu[name][:, d] += 1
+        step()
+    return host_ref
+
+
 def _back_to_back(device: str, seed: int, ops: int = 300, fused: bool | None = None, direct: bool = False,
                   driver: bool | None = None, setup: Callable[[BlockCopier], None] | None = None) -> None:
     """Random stores, loads and forward writes, issued with no synchronize between copies (the
@@ -547,36 +589,10 @@ def _back_to_back(device: str, seed: int, ops: int = 300, fused: bool | None = N
         assert c._driver is not None, "the CUDA driver issue path is on"
     if setup is not None:
         setup(c)
-    c.host.zero_()
-    host_ref = c.host.clone()
-    pending: set[int] = set()  # device blocks a store or load in flight reads or writes
+    def forward_write(name: str, d: int) -> None:
+        layers[name][:, d] += 1
 
-    def host_row(d: int) -> torch.Tensor:
-        return torch.cat([cpu[k][:, d].contiguous().view(torch.uint8).reshape(2, -1) for k in cpu]).reshape(-1)
-
-    for _ in range(ops):
-        kind, k = int(rng.integers(0, 3)), int(rng.integers(1, 20))
-        if kind == 0:
-            d, hs = rng.choice(n, k, replace=True), rng.choice(h, k, replace=False)
-            c.store(d, hs)
-            for di, hi in zip(d, hs):
-                host_ref[hi] = host_row(int(di))
-            pending.update(int(x) for x in d)
-        elif kind == 1:
-            hs, d = rng.choice(h, k, replace=True), rng.choice(n, k, replace=False)
-            c.load(hs, d)
-            for hi, di in zip(hs, d):
-                row = host_ref[hi].view(len(cpu), 2, -1)
-                for li, name in enumerate(cpu):
-                    cpu[name][:, di] = row[li].view(torch.float16).view(2, 16, 2, 8)
-            pending.update(int(x) for x in d)
-        else:  # the forward writes a block; one being stored or loaded only once that is done
-            d, name = int(rng.integers(0, n)), f"l{int(rng.integers(0, len(cpu)))}"
-            if d in pending:
-                c.synchronize()
-                pending.clear()
-            layers[name][:, d] += 1
-            cpu[name][:, d] += 1
+    host_ref = random_copies(c, cpu, rng, n, h, ops, max_blocks=19, write=forward_write, wait=c.synchronize)
     c.synchronize()
     assert all(torch.equal(layers[k].cpu(), cpu[k]) for k in cpu)
     assert torch.equal(c.host, host_ref)

@@ -26,7 +26,7 @@ from kvslots.vllm._cuda_driver import ContextGuard, KernelLaunch
 from kvslots.vllm._fused_copy import FusedMover
 from kvslots.vllm.transfer import STAGING_BUFFERS, BlockCopier, _DriverPath
 
-from test_transfer import _back_to_back
+from test_transfer import _back_to_back, random_copies
 
 
 def _i64(addr: int) -> int:
@@ -407,38 +407,13 @@ def test_the_driver_paths_waits_order_every_copy(seed, n, chunk, direct):
                             ctx=contextlib.nullcontext(), bus=1, kernel=2, compute=lambda: StreamSim.COMPUTE,
                             compute_mark=11, bus_mark=12, bus_done=[13, 14], kernels_done=[15, 16], pin_memory=False)
     c._fused = None
-    c.host.zero_()
-    host_ref = c.host.clone()
-    in_flight: set[int] = set()
 
-    def host_row(d: int) -> torch.Tensor:
-        return torch.cat([cpu[k][:, d].contiguous().view(torch.uint8).reshape(2, -1) for k in cpu]).reshape(-1)
+    def forward_write(name: str, d: int) -> None:  # the forward writes a block on the compute stream
+        t = layers[name]
+        sim.enqueue(StreamSim.COMPUTE, lambda: t[:, d].add_(1))
 
-    for _ in range(200):
-        kind, k = int(rng.integers(0, 3)), int(rng.integers(1, min(20, h + 1)))
-        if kind == 0:
-            d, hs = rng.choice(n, k, replace=True), rng.choice(h, k, replace=False)
-            c.store(d, hs)
-            for di, hi in zip(d, hs):
-                host_ref[hi] = host_row(int(di))
-            in_flight.update(int(x) for x in d)
-        elif kind == 1:
-            hs, d = rng.choice(h, k, replace=True), rng.choice(n, k, replace=False)
-            c.load(hs, d)
-            for hi, di in zip(hs, d):
-                row = host_ref[hi].view(len(cpu), 2, -1)
-                for li, name in enumerate(cpu):
-                    cpu[name][:, di] = row[li].view(torch.float16).view(2, 16, 2, 8)
-            in_flight.update(int(x) for x in d)
-        else:  # the forward writes a block on the compute stream
-            d, name = int(rng.integers(0, n)), f"l{int(rng.integers(0, len(cpu)))}"
-            if d in in_flight:
-                sim.drain()
-                in_flight.clear()
-            t = layers[name]
-            sim.enqueue(StreamSim.COMPUTE, lambda t=t, d=d: t[:, d].add_(1))
-            cpu[name][:, d] += 1
-        sim.some()
+    host_ref = random_copies(c, cpu, rng, n, h, 200, max_blocks=min(19, h), write=forward_write, wait=sim.drain,
+                             step=sim.some)
     sim.drain()
     assert all(torch.equal(layers[k], cpu[k]) for k in cpu)
     assert torch.equal(c.host, host_ref)
