@@ -117,6 +117,117 @@ def check_redis_resolves(url: str) -> None:
         pass  # the backend's to report, as before
 
 
+class _Lookup:
+    """One getaddrinfo under way in a daemon thread, shared by every connect that needs it."""
+
+    def __init__(self) -> None:
+        self.started = time.monotonic()
+        self.done = threading.Event()
+        self.answer: Any = None
+
+
+_lookups: dict[tuple, _Lookup] = {}
+_lookups_lock = threading.Lock()
+
+
+def _getaddrinfo_bounded(host: str, port: int, family: int, kind: int) -> list[Any]:
+    """socket.getaddrinfo for a connect, bounded by kvslots._listen.RESOLVE_TIMEOUT_S (a gaierror
+    EAI_AGAIN past it, which redis-py reports as a ConnectionError: Redis unreachable). An address
+    needs no resolver. A name is looked up in one daemon thread per (host, port), shared by the
+    connects that want it meanwhile: a resolver that never answers leaves one thread behind, not
+    one per reconnect or per /score, and a connect after the bound fails at once until it
+    answers."""
+    from .. import _listen
+
+    try:
+        return socket.getaddrinfo(host, port, family, kind, 0, socket.AI_NUMERICHOST)
+    except socket.gaierror:
+        pass  # a name
+    key = (host, port, family, kind)
+    with _lookups_lock:
+        look = _lookups.get(key)
+        if look is None:
+            look = _lookups[key] = _Lookup()
+            threading.Thread(target=_lookup, args=(key, look), name="kvslots-redis-resolve", daemon=True).start()
+    bound = _listen.RESOLVE_TIMEOUT_S
+    if not look.done.wait(max(0.0, look.started + bound - time.monotonic())):
+        raise socket.gaierror(socket.EAI_AGAIN, f"the resolver did not answer for {host!r} within {bound:g} s")
+    if isinstance(look.answer, BaseException):
+        raise look.answer
+    return cast(list, look.answer)
+
+
+def _lookup(key: tuple, look: _Lookup) -> None:
+    try:
+        look.answer = socket.getaddrinfo(*key)
+    except BaseException as e:  # handed to the callers
+        look.answer = e
+    finally:
+        with _lookups_lock:  # the next connect looks the name up again (a changed address)
+            if _lookups.get(key) is look:
+                del _lookups[key]
+        look.done.set()
+
+
+def _connect_tcp(conn: Any) -> socket.socket:
+    """redis.Connection._connect (redis-py 5-8) with the host looked up by _getaddrinfo_bounded:
+    redis-py resolves again at each reconnect with no timeout (socket_connect_timeout starts after
+    the lookup), so a resolver that hung while Redis was away hung the upkeep thread and every
+    /score."""
+    err: OSError | None = None
+    for family, kind, proto, _, address in _getaddrinfo_bounded(conn.host, conn.port, conn.socket_type,
+                                                                 socket.SOCK_STREAM):
+        sock = None
+        try:
+            sock = socket.socket(family, kind, proto)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            if conn.socket_keepalive:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+                for k, v in conn.socket_keepalive_options.items():
+                    sock.setsockopt(socket.IPPROTO_TCP, k, v)
+            sock.settimeout(conn.socket_connect_timeout)
+            sock.connect(address)
+            sock.settimeout(conn.socket_timeout)
+            return sock
+        except OSError as e:
+            err = e
+            if sock is not None:
+                try:
+                    sock.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+                sock.close()
+    if err is not None:
+        raise err
+    raise OSError("socket.getaddrinfo returned an empty list")
+
+
+class _BoundedConnection(redis.Connection):
+    def _connect(self) -> socket.socket:
+        return _connect_tcp(self)
+
+
+class _BoundedSSLConnection(redis.SSLConnection):
+    # TLS is wrapped as redis-py does, with server_hostname the URL's host (verified as before)
+    def _connect(self) -> Any:
+        sock = _connect_tcp(self)
+        try:
+            return self._wrap_socket_with_ssl(sock)
+        except (OSError, redis.RedisError):
+            sock.close()
+            raise
+
+
+def redis_client(url: str, **kwargs: Any) -> redis.Redis:
+    """redis.Redis.from_url(url, **kwargs) whose TCP and TLS connections look the host up with a
+    bound at each (re)connect (_getaddrinfo_bounded); a unix socket needs no lookup."""
+    chosen = redis.connection.parse_url(url).get("connection_class", redis.Connection)
+    bounded = {redis.Connection: _BoundedConnection, redis.SSLConnection: _BoundedSSLConnection}.get(chosen)
+    if bounded is not None:
+        kwargs["connection_class"] = bounded
+    return redis.Redis.from_url(url, **kwargs)
+
+
 class RedisBackend(Backend):
     name = "redis"
     unavailable = (redis.RedisError,)
@@ -128,7 +239,7 @@ class RedisBackend(Backend):
             check_redis_url(cfg.redis_url)
         self.ns = cfg.redis_namespace
         self.id = f"{os.uname().nodename}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
-        self.r = client or redis.Redis.from_url(
+        self.r = client or redis_client(
             cfg.redis_url, socket_timeout=1.0, socket_connect_timeout=1.0, health_check_interval=5
         )
         self._apply_script = self.r.register_script(_APPLY)
