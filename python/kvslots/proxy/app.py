@@ -520,9 +520,42 @@ class _PerClient:
                 del self.in_flight[who]
 
 
+#: Longest delay in seconds of a worker's Retry-After passed on (a day); a longer one is passed on as this.
+MAX_RETRY_AFTER_S = 86400
+
+
+def _retry_after(resp: httpx.Response) -> dict[str, str]:
+    """The worker's ``Retry-After`` (its 429's or 503's: how long it asks clients to wait) as a
+    header for the client, when it is one valid value: delay-seconds (at most
+    :data:`MAX_RETRY_AFTER_S`) or an HTTP-date, written anew (the proxy's own text, never the
+    worker's bytes); none otherwise (absent, given twice, or anything else)."""
+    import email.utils
+    from datetime import timezone
+
+    utc = timezone.utc
+    values = resp.headers.get_list("retry-after")
+    if len(values) != 1:
+        return {}
+    value = values[0].strip(" \t")  # HTTP's blanks only: str.strip() takes \x0b, \x1c, ...
+    if value.isascii() and value.isdigit():
+        return {"retry-after": str(min(int(value), MAX_RETRY_AFTER_S) if len(value) <= 12 else MAX_RETRY_AFTER_S)}
+    if len(value) > 64 or not value.isascii():
+        return {}
+    try:
+        when = email.utils.parsedate_to_datetime(value)
+    except (TypeError, ValueError, IndexError, OverflowError):
+        return {}
+    try:  # "-0000" (no zone) is RFC 5322's unknown zone: UTC, as HTTP-dates are
+        when = when.replace(tzinfo=utc) if when.tzinfo is None else when.astimezone(utc)
+        return {"retry-after": email.utils.format_datetime(when, usegmt=True)}
+    except (ValueError, OverflowError):  # a zone that takes the date out of range
+        return {}
+
+
 def _passed_on(resp: httpx.Response, content: bytes, headers: dict[str, str]) -> Response:
     return Response(content, status_code=resp.status_code,
-                    media_type=resp.headers.get("content-type", "application/json"), headers=headers)
+                    media_type=resp.headers.get("content-type", "application/json"),
+                    headers={**headers, **_retry_after(resp)})
 
 
 def create_app(prefill_urls: Sequence[str], decode_workers: Sequence[DecodeWorker], *, indexer_url: str | None = None,
@@ -630,9 +663,12 @@ def create_app(prefill_urls: Sequence[str], decode_workers: Sequence[DecodeWorke
                         return best
         return next(decode_cycle)
 
-    def decode_failed(worker: DecodeWorker, what: str) -> JSONResponse:
+    def decode_failed(worker: DecodeWorker, what: str, resp: httpx.Response | None = None) -> JSONResponse:
         state["decode_errors"] += 1
-        return JSONResponse({"error": f"decode worker {shown_url(worker.url)} {what}"}, status_code=502)
+        # A worker's 503 with Retry-After (overloaded, draining) keeps it: clients (the OpenAI SDK
+        # too) wait that long before trying again instead of their own backoff.
+        return JSONResponse({"error": f"decode worker {shown_url(worker.url)} {what}"}, status_code=502,
+                            headers=_retry_after(resp) if resp is not None else None)
 
     async def prefill_and_pick(path: str, body: dict[str, Any], big: bool
                                ) -> tuple[dict[str, Any], DecodeWorker, dict[str, str]]:
@@ -704,7 +740,8 @@ def create_app(prefill_urls: Sequence[str], decode_workers: Sequence[DecodeWorke
                     await resp.aclose()
                 if _client_error(resp.status_code):
                     return _passed_on(resp, content, headers)
-                return decode_failed(worker, f"answered {resp.status_code}: {content.decode(errors='replace')[:500]}")
+                return decode_failed(worker, f"answered {resp.status_code}: {content.decode(errors='replace')[:500]}",
+                                     resp)
 
             async def chunks() -> AsyncIterator[bytes]:
                 try:
@@ -763,7 +800,7 @@ def create_app(prefill_urls: Sequence[str], decode_workers: Sequence[DecodeWorke
                 return _passed_on(resp, bytes(content), headers)
             if resp.status_code != 200:
                 return decode_failed(worker, f"answered {resp.status_code}: "
-                                             f"{content[:2000].decode(errors='replace')[:500]}")
+                                             f"{content[:2000].decode(errors='replace')[:500]}", resp)
             return Response(bytes(content), media_type="application/json", headers=headers)
 
         async def rest() -> AsyncIterator[bytes]:
