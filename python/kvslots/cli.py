@@ -10,13 +10,15 @@ from __future__ import annotations
 
 import argparse
 import codecs
+import contextlib
 import errno
 import importlib
 import os
 import signal
 import stat
 import sys
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterator
 from typing import Any, NoReturn
 
 from .errors import ConfigError, KVSlotsError
@@ -228,13 +230,14 @@ def write_file(path: str, text: str) -> None:
     A regular file (or a new one) is written whole or not at all where it can be replaced: a
     temporary file beside it is filled, flushed to disk, given the old file's mode and renamed
     over it, so a write that fails (a full disk, ``ulimit -f``, a Ctrl-C) or a crash leaves an
-    existing file byte-for-byte as it was; a failure or a Ctrl-C leaves no temporary file (a
-    kill may leave a hidden ``.kvslots-*.tmp``). A new file gets 0666 less the umask. A link is
-    followed (the file it names is replaced, the link kept). Where a replace would lose
-    something or cannot be made, the file is written in place (truncated first), as before: a
-    file with other hard links, extended attributes (ACLs, labels) or another owner we cannot
-    give the new one, in a directory we may not write, or that is a mount point. What is not a
-    regular file (a FIFO, ``/dev/null``, ``/dev/stdout``) is written in place, as a stream."""
+    existing file byte-for-byte as it was; a failure, a Ctrl-C, a SIGTERM or a SIGHUP leaves no
+    temporary file (a SIGKILL may leave a hidden ``.kvslots-*.tmp``). A new file gets 0666 less
+    the umask. A link is followed (the file it names is replaced, the link kept). Where a
+    replace would lose something or cannot be made, the file is written in place (truncated
+    first), as before: a file with other hard links, extended attributes (ACLs, labels) or
+    another owner we cannot give the new one, in a directory we may not write, or that is a
+    mount point. What is not a regular file (a FIFO, ``/dev/null``, ``/dev/stdout``) is written
+    in place, as a stream."""
     try:
         data = text.encode("utf-8")
     except UnicodeEncodeError:  # a lone surrogate: not the path's fault, as the ValueError below says
@@ -313,46 +316,50 @@ def _write_replacing(target: str, data: bytes, st: os.stat_result | None) -> boo
     with nothing left behind, where the directory takes no new file or the rename cannot be
     made (a directory we may not write, a read-only one, a target that is a mount point)."""
     directory = os.path.dirname(target) or "."
-    # A short name of our own (the target's name may already be NAME_MAX long), hidden, in the
-    # same directory: os.replace is atomic only within one file system.
-    for _ in range(100):
-        tmp = os.path.join(directory, f".kvslots-{os.urandom(6).hex()}.tmp")
+    with _TemporaryGuard() as guard:
         try:
-            # A new file: 0o666, the umask applies, as to open(path, "w"). Over an existing one:
-            # 0o600 until it has that file's mode, never more open than the file it replaces.
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666 if st is None else 0o600)
-            break
-        except FileExistsError:
-            continue
-        except OSError as e:
-            if e.errno in _NO_REPLACE:
-                return False
-            raise
-    else:  # 100 names of 48 random bits all taken: not a directory to write in
-        raise OSError(errno.EEXIST, "no free temporary file name beside it")
-    try:
-        try:
+            # A short name of our own (the target's name may already be NAME_MAX long), hidden,
+            # in the same directory: os.replace is atomic only within one file system.
+            for _ in range(100):
+                tmp = os.path.join(directory, f".kvslots-{os.urandom(6).hex()}.tmp")
+                try:
+                    # A new file: 0o666, the umask applies, as to open(path, "w"). Over an
+                    # existing one: 0o600 until it has that file's mode, never more open than
+                    # the file it replaces. Signals held: the file is ours to remove (guard.path)
+                    # from the moment it exists, whenever a signal comes.
+                    with _signals_held():
+                        guard.fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC,
+                                           0o666 if st is None else 0o600)
+                        guard.path = tmp
+                    break
+                except FileExistsError:  # another's: never removed
+                    continue
+                except OSError as e:
+                    if e.errno in _NO_REPLACE:
+                        return False
+                    raise
+            else:  # 100 names of 48 random bits all taken: not a directory to write in
+                raise OSError(errno.EEXIST, "no free temporary file name beside it")
+            fd = guard.fd
             if st is not None:  # the file's own mode and owner (checked replaceable), not ours
                 os.fchmod(fd, stat.S_IMODE(st.st_mode))
                 if (st.st_uid, st.st_gid) != (os.geteuid(), os.getegid()):
                     os.fchown(fd, st.st_uid, st.st_gid)
             _write_all(fd, data)
             os.fsync(fd)  # on disk before the rename: a crash then leaves old or new, not an empty file
-        finally:
+            guard.fd = None
             os.close(fd)
-        try:
-            os.replace(tmp, target)
-        except OSError as e:
-            if e.errno in _NO_REPLACE:
-                os.unlink(tmp)
-                return False
+            try:
+                os.replace(tmp, target)
+                guard.path = None  # the target's now
+            except OSError as e:
+                if e.errno in _NO_REPLACE:
+                    guard.remove()
+                    return False
+                raise
+        except BaseException:  # an OSError, or a Ctrl-C part way: no temporary file left behind
+            guard.remove()
             raise
-    except BaseException:  # an OSError, or a Ctrl-C part way: no temporary file left behind
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
     try:  # the rename itself on disk; a directory that cannot be synced still holds the new file
         dfd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         try:
@@ -362,6 +369,83 @@ def _write_replacing(target: str, data: bytes, st: os.stat_result | None) -> boo
     except OSError:
         pass
     return True
+
+
+#: Signals that end the process by default, and so would leave write_file's temporary file
+#: behind (a kill, a closed terminal; a Ctrl-C is a KeyboardInterrupt, handled as an error).
+_ENDING_SIGNALS = (signal.SIGTERM, signal.SIGHUP, signal.SIGINT)
+
+
+class _TemporaryGuard:
+    """While a temporary file exists (``path``, its descriptor ``fd``), a signal that ends the
+    process removes it first and then ends it as the signal would have (SIGTERM, SIGHUP: the
+    default action; a killed process left a ``.kvslots-*.tmp`` beside the target). A handler of
+    the program's own is called as before (Python's SIGINT handler: a KeyboardInterrupt, which
+    the caller's cleanup handles). Only the main thread can take signals; elsewhere this does
+    nothing. A SIGKILL still leaves the file."""
+
+    def __init__(self) -> None:
+        self.path: str | None = None
+        self.fd: int | None = None
+        self._previous: dict[int, Any] = {}
+
+    def __enter__(self) -> _TemporaryGuard:
+        if threading.current_thread() is not threading.main_thread():
+            return self
+        for signum in _ENDING_SIGNALS:
+            previous = signal.getsignal(signum)
+            if previous is None or previous == signal.SIG_IGN:  # set outside Python, or ignored
+                continue
+            self._previous[signum] = previous
+            signal.signal(signum, self._handle)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        # signal.signal first runs a signal already pending (our handler): what that raises
+        # (a KeyboardInterrupt) comes out once every handler is restored.
+        try:
+            while self._previous:
+                signum, previous = next(iter(self._previous.items()))
+                signal.signal(signum, previous)
+                del self._previous[signum]
+        except BaseException:
+            self.__exit__()
+            raise
+
+    def remove(self) -> None:
+        fd, path, self.fd, self.path = self.fd, self.path, None, None
+        if fd is not None:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        if path is not None:
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        previous = self._previous.get(signum, signal.SIG_DFL)
+        if callable(previous):
+            previous(signum, frame)  # what it raises reaches the caller's cleanup
+            return
+        self.remove()
+        self.__exit__()
+        signal.raise_signal(signum)  # SIG_DFL again: ends the process as it would have
+
+
+@contextlib.contextmanager
+def _signals_held() -> Iterator[None]:
+    """Signals held back (delivered at the end) while a file is made and noted as ours."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    held = signal.pthread_sigmask(signal.SIG_BLOCK, _ENDING_SIGNALS)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, held)
 
 
 def _write_all(fd: int, data: bytes) -> None:

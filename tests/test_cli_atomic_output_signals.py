@@ -1,0 +1,103 @@
+"""``kvslots convert-config -o FILE`` killed by a signal part way through its write leaves no
+temporary file (kvslots.cli.write_file): a SIGTERM or a SIGHUP ended the process with its
+``.kvslots-*.tmp`` beside FILE, never removed. Now the temporary file is removed and the process
+then ends as the signal would have (killed by it; a Ctrl-C is still exit status 130)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from kvslots import cli
+
+YAML = "speculative_config:\n  decoding_type: NGram\n  max_draft_len: 2\n"
+OLD = b"--max-num-seqs 1\n"
+
+# The child's write of the output blocks (a slow disk) once it has begun, after saying so.
+CHILD = """
+import os, sys, time
+from kvslots import cli
+real = os.write
+def slow(fd, data):
+    if fd > 2:
+        real(fd, bytes(data)[:5])
+        print("writing", flush=True)
+        time.sleep(60)
+    return real(fd, data)
+os.write = slow
+sys.exit(cli.main(["convert-config", sys.argv[1], "-q", "-o", sys.argv[2]]))
+"""
+
+
+@pytest.mark.parametrize("signum, status", [
+    (signal.SIGTERM, -signal.SIGTERM),
+    (signal.SIGHUP, -signal.SIGHUP),
+    (signal.SIGINT, 130),
+])
+def test_a_signal_part_way_leaves_the_old_file_and_no_temporary(tmp_path, signum, status):
+    f = tmp_path / "e.yaml"
+    f.write_text(YAML)
+    dest = tmp_path / "flags.txt"
+    dest.write_bytes(OLD)
+    before = sorted(os.listdir(tmp_path))
+    # A new session: a shell's Ctrl-C or hang-up never reaches it, and SIGINT is not ignored in it.
+    proc = subprocess.Popen([sys.executable, "-c", CHILD, str(f), str(dest)], stdin=subprocess.DEVNULL,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        assert proc.stdout.readline() == "writing\n", proc.stderr.read()
+        assert len(os.listdir(tmp_path)) == len(before) + 1  # the temporary file, part written
+        proc.send_signal(signum)
+        _, err = proc.communicate(timeout=30)
+    finally:
+        proc.kill()
+        proc.wait()
+    assert proc.returncode == status, err
+    if signum == signal.SIGINT:
+        assert err == "kvslots convert-config: interrupted\n", err
+    else:
+        assert err == "", err
+    assert dest.read_bytes() == OLD
+    assert sorted(os.listdir(tmp_path)) == before
+
+
+def test_the_handlers_are_restored_and_a_programs_own_is_called(tmp_path, monkeypatch):
+    # A program's own SIGTERM handler still decides (here: it raises), and the cleanup runs.
+    dest = tmp_path / "out.txt"
+    dest.write_bytes(OLD)
+    before = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT)}
+    calls = []
+
+    class Stop(Exception):
+        pass
+
+    def own(signum, frame):
+        calls.append(signum)
+        raise Stop
+
+    signal.signal(signal.SIGTERM, own)
+    real = os.write
+
+    def write(fd, data):
+        if fd > 2:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return real(fd, data)
+
+    try:
+        monkeypatch.setattr(os, "write", write)
+        with pytest.raises(Stop):
+            cli.write_file(str(dest), "new text\n")
+        monkeypatch.undo()
+        assert calls == [signal.SIGTERM]
+        assert signal.getsignal(signal.SIGTERM) is own
+    finally:
+        signal.signal(signal.SIGTERM, before[signal.SIGTERM])
+    assert {s: signal.getsignal(s) for s in before} == before
+    assert dest.read_bytes() == OLD
+    assert os.listdir(tmp_path) == ["out.txt"]
+    cli.write_file(str(dest), "new text\n")  # and an ordinary write still replaces it
+    assert dest.read_bytes() == b"new text\n"
+    assert {s: signal.getsignal(s) for s in before} == before
