@@ -464,7 +464,7 @@ class KVSlotsConnector(KVConnectorBase_V1):
                 meta = meta or KVSlotsWorkerMetadata()
                 meta.disk_done, meta.disk_corrupt, self._disk_corrupt = done, self._disk_corrupt, set()
                 meta.disk_loaded, self._disk_loaded = self._disk_loaded, []
-                meta.disk_stats = self._disk_worker.store.stats()
+                meta.disk_stats = self._disk_worker.stats()
         return meta
 
 

@@ -537,6 +537,12 @@ class DiskWorker:
         self._not_queued: list[tuple[int, bool]] = []  # spills the store refused by raising
         self._not_queued_count = 0  # since the last log line
         self._not_queued_told_at = float("-inf")
+        # The step metadata last spilled and started: a step retried after its hook raised
+        # part-way (handle_preemptions' stores, start_load_kv's loads) queued them again, and
+        # each write or read was reported twice (the scheduler's index refuses the second).
+        self._spilled: DiskStepMeta | None = None
+        self._started: DiskStepMeta | None = None
+        self._unusable_told = False  # a store this process cannot use (forked) was said in the log
 
     def register(self, kv_caches: dict[str, Any], copier: Any, num_device_blocks: int, threads: int) -> None:
         from ..transfer import BlockCopier
@@ -561,7 +567,11 @@ class DiskWorker:
         """Hands the step's spills to the writer. Never raises: a spill that cannot be queued
         (the store raised: a bad block or slot) is reported not written by the next
         ``take_done``, so the scheduler frees its disk slot; an exception let out part-way left
-        the batch's later slots "writing" at the scheduler for ever (never reported)."""
+        the batch's later slots "writing" at the scheduler for ever (never reported). A step's
+        metadata spilled already is not spilled again."""
+        if disk is self._spilled:
+            return
+        self._spilled = disk
         if disk.wipe or self._wipe_pending:
             try:
                 self.store.wipe()  # queued ahead of this step's spills
@@ -599,7 +609,11 @@ class DiskWorker:
             self._not_queued_count, self._not_queued_told_at = 0, now
 
     def start(self, disk: DiskStepMeta) -> None:
-        """Queues the step's disk reads on the store's reader threads (never waits)."""
+        """Queues the step's disk reads on the store's reader threads (never waits); a step's
+        metadata started already is not started again (each read was reported twice)."""
+        if disk is self._started:
+            return
+        self._started = disk
         for ld in disk.loads:
             p = _PendingRead(ld)
             n = len(ld.device_blocks)
@@ -695,14 +709,22 @@ class DiskWorker:
     FAILURE_LOG_S = 60.0
 
     def take_done(self) -> list[tuple[int, bool]]:
-        done = self.store.take_done()
+        """Writes finished since the last call, [(slot, written)], with the spills that could
+        not be queued (not written). Never raises: a store this process cannot use (opened
+        before a fork: its writer thread is not here) raised InvalidStateError at every step,
+        and the refused spills were never reported; now those are, and the cause is logged once."""
+        try:
+            done = self.store.take_done()
+        except Exception as e:
+            done = []
+            self._unusable(e)
         if self._not_queued:
             done = self._not_queued + done
             self._not_queued = []
         if done and not all(ok for _, ok in done):
             self._tell_failures()
         if self._watch_wipe:
-            why = self.store.out_of_use
+            why = self.store.out_of_use  # a getter that asks the file only
             if why is not None:  # said once: the store stays out of use until a restart
                 self._watch_wipe = False
                 logger.warning("kvslots disk tier: %s is out of use until a restart (%s); its blocks are "
@@ -718,7 +740,9 @@ class DiskWorker:
         now = time.monotonic()
         if now - self._failures_told_at < self.FAILURE_LOG_S:  # first: a failing disk fails every step
             return
-        st = self.store.stats()
+        st = self.stats()
+        if not st:
+            return
         full, failed = st["dropped_full"], st["write_failures"]
         if full + failed > sum(self._failures_told) and self.store.out_of_use is None:
             logger.warning("kvslots disk tier: spills not written to %s (those blocks are not kept on disk): "
@@ -727,6 +751,20 @@ class DiskWorker:
                            failed - self._failures_told[1], self.store.last_write_error,
                            full - self._failures_told[0], failed, full)
             self._failures_told, self._failures_told_at = (full, failed), now
+
+    def stats(self) -> dict[str, int]:
+        """The store's counters; {} where the store cannot be asked (see :meth:`take_done`)."""
+        try:
+            return dict(self.store.stats())
+        except Exception as e:
+            self._unusable(e)
+            return {}
+
+    def _unusable(self, e: Exception) -> None:
+        if not self._unusable_told:
+            self._unusable_told = True
+            logger.error("kvslots disk tier: %s cannot be used in this process (%s: %s); its spills are "
+                         "reported not written", self.path, type(e).__name__, e)
 
     def close(self) -> None:
         self.store.wait_reads(60.0)  # the reads write into the host region: let them end
