@@ -244,11 +244,36 @@ def _json_bytes(doc: Any) -> bytes:
     return _dumps(doc)
 
 
-async def _encoded(doc: Any, big: bool) -> dict[str, Any]:
+async def _encoded(doc: Any, big: bool, auth: dict[str, bytes] | None = None) -> dict[str, Any]:
     """What ``client.post``/``build_request`` take for a JSON body: encoded in a worker thread when
-    the request was big (:data:`OFF_LOOP_BYTES`)."""
+    the request was big (:data:`OFF_LOOP_BYTES`); with ``auth``'s headers (:func:`_client_auth`)."""
     content = await _off_loop(_json_bytes, doc) if big else _json_bytes(doc)
-    return {"content": content, "headers": {"content-type": "application/json"}}
+    return {"content": content, "headers": {"content-type": "application/json", **(auth or {})}}
+
+
+#: Longest ``backend_api_key`` (``--backend-api-key``).
+MAX_API_KEY = 4096
+
+
+def check_api_key(value: object, what: str = "backend_api_key") -> str:
+    """``value`` when it is a key the proxy can send as ``Authorization: Bearer KEY`` (vLLM's
+    ``--api-key``): 1..:data:`MAX_API_KEY` printable ASCII characters, no blank; an
+    :class:`~kvslots.InvalidArgumentError` naming ``what`` otherwise (the key is not shown)."""
+    if not isinstance(value, str):
+        raise InvalidArgumentError(f"{what} must be a str, got {type(value).__name__}")
+    if not 0 < len(value) <= MAX_API_KEY or not all("!" <= c <= "~" for c in value):
+        raise InvalidArgumentError(f"{what} must be 1..{MAX_API_KEY} printable ASCII characters without blanks "
+                                   f"(got {len(value)} characters)")
+    return value
+
+
+def _client_auth(scope: Any) -> dict[str, bytes] | str:
+    """The client's ``Authorization`` header, as sent (bytes), for the workers: {} without one,
+    why it is refused (a 400) when it is given more than once (which one would a worker read?)."""
+    found = [v for k, v in scope["headers"] if k == b"authorization"]
+    if len(found) > 1:
+        return f"{len(found)} Authorization headers; give one"
+    return {"authorization": found[0]} if found else {}
 
 
 #: Most bytes of the indexer's answer to /score the proxy reads (about 250 a worker), and the most
@@ -561,14 +586,20 @@ def _passed_on(resp: httpx.Response, content: bytes, headers: dict[str, str]) ->
 def create_app(prefill_urls: Sequence[str], decode_workers: Sequence[DecodeWorker], *, indexer_url: str | None = None,
                timeout_s: float = 600.0, transport: httpx.AsyncBaseTransport | None = None,
                max_body_mb: int = DEFAULT_MAX_BODY_MB, backend_connections: int = BACKEND_CONNECTIONS,
-               max_requests_per_client: int | None = None) -> FastAPI:
+               max_requests_per_client: int | None = None, backend_api_key: str | None = None) -> FastAPI:
     """The proxy app. ``transport`` replaces the network (tests). A request body over
     ``max_body_mb`` MiB is a 413 before it is read whole. At most ``backend_connections``
     connections to the prefill and decode workers are open at once (a request finding them all in
     use waits for one, up to ``timeout_s``), and :data:`SIDE_CONNECTIONS` more for the indexer and
     ``GET /v1/models``. One client address may have at most ``max_requests_per_client``
     completions in flight at once (a 429 past it; None:
-    :func:`~kvslots.proxy.cli.default_requests_per_client`, 0: no limit)."""
+    :func:`~kvslots.proxy.cli.default_requests_per_client`, 0: no limit).
+
+    The prefill and decode workers get the client's ``Authorization`` header (each leg, and
+    ``GET /v1/models``), as a reverse proxy passes it (llm-d's routing sidecar), so workers
+    started with vLLM's ``--api-key`` check the client's key; with ``backend_api_key`` they get
+    ``Authorization: Bearer KEY`` instead (vLLM's disaggregated proxy examples), the client's not
+    sent. The indexer gets neither."""
     if isinstance(prefill_urls, str):  # its characters would be the URLs
         raise ArgumentTypeError("prefill_urls must be a list of URLs, got a str")
     # Read once, as lists: an iterator was consumed by the checks below (every request then
@@ -602,6 +633,8 @@ def create_app(prefill_urls: Sequence[str], decode_workers: Sequence[DecodeWorke
     check_unique_names(decode_workers)
     if indexer_url is not None:
         http_url(indexer_url, "indexer URL")
+    if backend_api_key is not None:
+        backend_api_key = check_api_key(backend_api_key)
     prefill_cycle = itertools.cycle(list(prefill_urls))
     decode_cycle = itertools.cycle(list(decode_workers))
     state: dict[str, Any] = {"recomputed": 0, "disaggregated": 0, "decode_errors": 0, "gone_before_decode": 0,
@@ -617,13 +650,19 @@ def create_app(prefill_urls: Sequence[str], decode_workers: Sequence[DecodeWorke
     # and decoded what came without a bound, 64 KiB read at a time up to 66 MB (deflate's ratio),
     # so a worker's 0.5 MB gzip answer grew the proxy by 315 MB.
     identity = {"accept-encoding": "identity"}
+    # The workers' key, when given, is in their clients' headers (not the indexer's, side).
+    keyed = {**identity, "authorization": f"Bearer {backend_api_key}"} if backend_api_key else identity
     client = httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=10.0), transport=transport,
                                limits=httpx.Limits(max_connections=backend_connections, max_keepalive_connections=20),
-                               headers=identity, event_hooks={"response": [_not_encoded]})
+                               headers=keyed, event_hooks={"response": [_not_encoded]})
     side, models_side = (httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=10.0), transport=transport,
                                            limits=httpx.Limits(max_connections=n, max_keepalive_connections=n),
-                                           headers=identity, event_hooks={"response": [_not_encoded]})
-                         for n in (SCORE_CONNECTIONS, MODELS_CONNECTIONS))
+                                           headers=h, event_hooks={"response": [_not_encoded]})
+                         for n, h in ((SCORE_CONNECTIONS, identity), (MODELS_CONNECTIONS, keyed)))
+
+    def worker_auth(scope: Any) -> dict[str, bytes] | str:
+        """The headers a request's worker legs add (:func:`_client_auth`): none with the workers' key."""
+        return {} if backend_api_key else _client_auth(scope)
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -670,7 +709,7 @@ def create_app(prefill_urls: Sequence[str], decode_workers: Sequence[DecodeWorke
         return JSONResponse({"error": f"decode worker {shown_url(worker.url)} {what}"}, status_code=502,
                             headers=_retry_after(resp) if resp is not None else None)
 
-    async def prefill_and_pick(path: str, body: dict[str, Any], big: bool
+    async def prefill_and_pick(path: str, body: dict[str, Any], big: bool, auth: dict[str, bytes]
                                ) -> tuple[dict[str, Any], DecodeWorker, dict[str, str]]:
         """The prefill (its ``kv_transfer_params`` go into the decode request), then the decode
         worker: the decode request, its worker and the answer's headers."""
@@ -678,7 +717,7 @@ def create_app(prefill_urls: Sequence[str], decode_workers: Sequence[DecodeWorke
         params = None
         try:
             status, content = await _post_read(client, f"{prefill_url.rstrip('/')}{path}",
-                                               await _encoded(prefill_body(body), big), most=MAX_PREFILL_ANSWER,
+                                               await _encoded(prefill_body(body), big, auth), most=MAX_PREFILL_ANSWER,
                                                within=timeout_s)
         except httpx.HTTPError as e:
             logger.warning("kvslots proxy: prefill worker %s failed: %s", shown_url(prefill_url), _why(e))
@@ -704,11 +743,12 @@ def create_app(prefill_urls: Sequence[str], decode_workers: Sequence[DecodeWorke
         headers["x-kvslots-decode-worker"] = shown_url(worker.url)
         return decode_req, worker, headers
 
-    async def forward(request: Request, path: str, body: dict[str, Any], big: bool) -> Response:
+    async def forward(request: Request, path: str, body: dict[str, Any], big: bool, auth: dict[str, bytes]
+                      ) -> Response:
         # The client may go while its prompt is prefilled (or its decode worker picked): the
         # prefill request is then cancelled (its connection closed: vLLM aborts it) and no decode
         # is started. It was started anyway, its answer written to nobody.
-        picked = await _unless_gone(request.receive, prefill_and_pick(path, body, big))
+        picked = await _unless_gone(request.receive, prefill_and_pick(path, body, big, auth))
         if picked is None:
             state["gone_before_decode"] += 1
             logger.info("kvslots proxy: a client went while its prompt was prefilled; no decode started")
@@ -721,7 +761,7 @@ def create_app(prefill_urls: Sequence[str], decode_workers: Sequence[DecodeWorke
             # in vLLM) kept its decode running, and its place (--max-requests-per-client), till then.
             try:
                 resp = await _unless_gone(request.receive, client.send(
-                    client.build_request("POST", url, **await _encoded(decode_req, big)), stream=True))
+                    client.build_request("POST", url, **await _encoded(decode_req, big, auth)), stream=True))
             except httpx.HTTPError as e:
                 return decode_failed(worker, f"failed: {_why(e)}")
             if resp is None:
@@ -755,10 +795,10 @@ def create_app(prefill_urls: Sequence[str], decode_workers: Sequence[DecodeWorke
 
             return StreamingResponse(chunks(), media_type=resp.headers.get("content-type", "text/event-stream"),
                                      headers=headers)
-        return await pass_on(request.receive, worker, url, decode_req, big, headers)
+        return await pass_on(request.receive, worker, url, decode_req, big, headers, auth)
 
     async def pass_on(receive: Any, worker: DecodeWorker, url: str, decode_req: dict[str, Any], big: bool,
-                      headers: dict[str, str]) -> Response:
+                      headers: dict[str, str], auth: dict[str, bytes]) -> Response:
         """The decode worker's answer to a request without a stream: whole when it is at most
         :data:`PASS_ON_AFTER` bytes, else passed on as it comes (:data:`PASS_ON_AFTER`)."""
         import anyio
@@ -770,7 +810,7 @@ def create_app(prefill_urls: Sequence[str], decode_workers: Sequence[DecodeWorke
         async def first() -> tuple[httpx.Response, Any, bool]:
             nonlocal resp
             async with _within(timeout_s):
-                resp = await client.send(client.build_request("POST", url, **await _encoded(decode_req, big)),
+                resp = await client.send(client.build_request("POST", url, **await _encoded(decode_req, big, auth)),
                                          stream=True)
                 chunks = resp.aiter_bytes()
                 whole = await _read_upto(chunks, content, PASS_ON_AFTER if resp.status_code == 200 else
@@ -836,8 +876,12 @@ def create_app(prefill_urls: Sequence[str], decode_workers: Sequence[DecodeWorke
         return _Unfinished(rest(), media_type="application/json", headers=headers, client_s=timeout_s,
                            on_slow=slow)
 
-    async def read_body(request: Request) -> tuple[dict[str, Any], bool] | JSONResponse:
-        """The request's JSON object, and whether it is big (checked, parsed and encoded off the loop)."""
+    async def read_body(request: Request) -> tuple[dict[str, Any], bool, dict[str, bytes]] | JSONResponse:
+        """The request's JSON object, whether it is big (checked, parsed and encoded off the loop),
+        and the headers its worker legs add (:func:`worker_auth`)."""
+        auth = worker_auth(request.scope)
+        if isinstance(auth, str):
+            return JSONResponse({"error": auth}, status_code=400)
         raw = await request.body()
         big = len(raw) > OFF_LOOP_BYTES
         doc = await _off_loop(_request_doc, raw) if big else _request_doc(raw)
@@ -847,7 +891,7 @@ def create_app(prefill_urls: Sequence[str], decode_workers: Sequence[DecodeWorke
             eof_is_disconnect(request.scope)
         else:  # a closed client is told from a half-closed one (answered) by a 100 Continue
             probe_eof(request.scope)
-        return doc, big
+        return doc, big, auth
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
@@ -860,10 +904,14 @@ def create_app(prefill_urls: Sequence[str], decode_workers: Sequence[DecodeWorke
         return body if isinstance(body, Response) else await forward(request, "/v1/chat/completions", *body)
 
     @app.get("/v1/models")
-    async def models() -> Response:
+    async def models(request: Request) -> Response:
+        auth = worker_auth(request.scope)
+        if isinstance(auth, str):
+            return JSONResponse({"error": auth}, status_code=400)
         try:
-            status, content = await _post_read(models_side, f"{decode_workers[0].url.rstrip('/')}/v1/models", {},
-                                               most=MAX_MODELS_ANSWER, within=timeout_s, method="GET")
+            status, content = await _post_read(models_side, f"{decode_workers[0].url.rstrip('/')}/v1/models",
+                                               {"headers": auth}, most=MAX_MODELS_ANSWER, within=timeout_s,
+                                               method="GET")
         except httpx.HTTPError as e:
             return JSONResponse({"error": f"decode worker failed: {_why(e)}"}, status_code=502)
         if status >= 500 or status < 200:  # the worker's failure, as for completions

@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import logging
 import math
+import os
 from urllib.parse import urlparse
 
 from ..errors import InvalidArgumentError, KVSlotsError, ServeError, short_repr
@@ -80,6 +81,10 @@ def shown_url(url: str) -> str:
     return u._replace(netloc=u.netloc.rpartition("@")[2]).geturl() if "@" in u.netloc else url
 
 
+#: Where ``--backend-api-key`` is read from when it is not given.
+API_KEY_ENV = "KVSLOTS_BACKEND_API_KEY"
+
+
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "proxy",
@@ -113,6 +118,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="most completions one client address may have in flight at once; one more is answered "
                         "429 with Retry-After (default: --backend-connections less a quarter, so one client "
                         "cannot take every backend connection; 0: no limit)")
+    p.add_argument("--backend-api-key", metavar="KEY", default=os.environ.get(API_KEY_ENV),
+                   help="send 'Authorization: Bearer KEY' to the prefill and decode workers (their vLLM --api-key) "
+                        "instead of the client's Authorization header, which is passed on without it (default: "
+                        f"${API_KEY_ENV}, which keeps the key out of the process list)")
     p.set_defaults(func=run)
 
 
@@ -177,7 +186,13 @@ def run(args: argparse.Namespace) -> int:
 
     if args.max_connections is not None and not 0 < args.max_connections <= fds.MAX_CONNECTIONS:
         raise ServeError(f"--max-connections {args.max_connections} must be in 1..{fds.MAX_CONNECTIONS}")
-    from .app import BACKEND_CONNECTIONS, MAX_BACKEND_CONNECTIONS, SIDE_CONNECTIONS, create_app
+    from .app import BACKEND_CONNECTIONS, MAX_BACKEND_CONNECTIONS, SIDE_CONNECTIONS, check_api_key, create_app
+
+    if args.backend_api_key is not None:
+        try:
+            check_api_key(args.backend_api_key, f"--backend-api-key (or ${API_KEY_ENV})")
+        except InvalidArgumentError as e:
+            raise ServeError(str(e)) from None
 
     backend = args.backend_connections
     if backend is None:
@@ -206,7 +221,8 @@ def run(args: argparse.Namespace) -> int:
     check_listen(args.host, args.port)
     logging.basicConfig(level="INFO", format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     app = create_app(prefill, workers, indexer_url=indexer, timeout_s=args.timeout, max_body_mb=args.max_body_mb,
-                     backend_connections=backend, max_requests_per_client=per_client)
+                     backend_connections=backend, max_requests_per_client=per_client,
+                     backend_api_key=args.backend_api_key)
     max_connections = args.max_connections or fds.default_max_connections(backend + SIDE_CONNECTIONS)
     logging.getLogger("kvslots.proxy").info(
         "at most %d client connections at once (%s), %d to the workers, %s", max_connections,

@@ -1,0 +1,132 @@
+"""Workers started with vLLM's ``--api-key`` refused every proxied request: the proxy sent them no
+``Authorization``. Now the client's is passed on to both legs (prefill and decode) and to
+``GET /v1/models``, as a reverse proxy passes it (llm-d's routing sidecar); with
+``--backend-api-key`` (or $KVSLOTS_BACKEND_API_KEY) the workers get ``Bearer KEY`` instead, the
+client's not sent (vLLM's disaggregated proxy examples). The indexer gets neither."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+
+pytest.importorskip("fastapi")
+uvicorn = pytest.importorskip("uvicorn")
+from fastapi.testclient import TestClient  # noqa: E402
+
+from kvslots import cli  # noqa: E402
+from kvslots.errors import InvalidArgumentError  # noqa: E402
+from kvslots.proxy.app import DecodeWorker, create_app  # noqa: E402
+
+
+def _proxy(seen: list, **kw) -> TestClient:
+    """A proxy whose backends (prefill p, decode d, indexer i) record (leg, Authorization) and
+    refuse a request without 'Bearer good' as vLLM --api-key does (401)."""
+    def backend(request: httpx.Request) -> httpx.Response:
+        auth = request.headers.get_list("authorization")
+        if request.url.host == "i":
+            seen.append(("indexer", auth))
+            return httpx.Response(200, json={"workers": {}})
+        body = json.loads(request.content) if request.content else {}
+        leg = "models" if request.url.path == "/v1/models" else \
+            "prefill" if body.get("kv_transfer_params", {}).get("do_remote_decode") else "decode"
+        seen.append((leg, auth))
+        if auth != ["Bearer good"]:
+            return httpx.Response(401, json={"error": "Unauthorized"})
+        if leg == "prefill":
+            return httpx.Response(200, json={"kv_transfer_params": {"do_remote_prefill": True}})
+        return httpx.Response(200, json={"ok": True})
+
+    return TestClient(create_app(["http://p"], [DecodeWorker("http://d", "w")], indexer_url="http://i",
+                                 transport=httpx.MockTransport(backend), **kw))
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_the_clients_authorization_reaches_both_legs(stream):
+    seen: list = []
+    with _proxy(seen) as c:
+        r = c.post("/v1/completions", json={"prompt": [1, 2, 3], "stream": stream},
+                   headers={"Authorization": "Bearer good"})
+        models = c.get("/v1/models", headers={"Authorization": "Bearer good"})
+    assert r.status_code == 200 and r.headers["x-kvslots-pd"] == "disaggregated"
+    assert models.status_code == 200
+    assert seen == [("prefill", ["Bearer good"]), ("indexer", []), ("decode", ["Bearer good"]),
+                    ("models", ["Bearer good"])]
+
+
+def test_a_wrong_key_is_the_workers_401():
+    seen: list = []
+    with _proxy(seen) as c:
+        r = c.post("/v1/chat/completions", json={"messages": []}, headers={"Authorization": "Bearer bad"})
+        none = c.post("/v1/chat/completions", json={"messages": []})
+    assert r.status_code == 401 and none.status_code == 401
+    assert ("decode", ["Bearer bad"]) in seen and ("decode", []) in seen
+
+
+def test_the_backend_key_replaces_the_clients():
+    seen: list = []
+    with _proxy(seen, backend_api_key="good") as c:
+        r = c.post("/v1/completions", json={"prompt": [1], "stream": True}, headers={"Authorization": "Bearer bad"})
+        models = c.get("/v1/models")
+    assert r.status_code == 200 and models.status_code == 200
+    assert seen == [("prefill", ["Bearer good"]), ("indexer", []), ("decode", ["Bearer good"]),
+                    ("models", ["Bearer good"])]
+
+
+def test_two_authorizations_are_a_400_before_any_worker():
+    seen: list = []
+    with _proxy(seen) as c:
+        r = c.post("/v1/completions", json={"prompt": "hi"},
+                   headers=[("authorization", "Bearer good"), ("authorization", "Bearer other")])
+        m = c.get("/v1/models", headers=[("authorization", "Bearer good"), ("authorization", "Bearer other")])
+    assert r.status_code == 400 and m.status_code == 400
+    assert "Authorization" in r.json()["error"] and seen == []
+
+
+def test_a_non_ascii_authorization_is_passed_on_as_sent():
+    seen: list = []
+    with _proxy(seen) as c:
+        r = c.post("/v1/completions", json={"prompt": "hi"}, headers={"Authorization": b"Bearer \xff\xfe"})
+    assert r.status_code == 401  # (the worker's answer), not a 500 of encoding it
+    assert ("decode", ["Bearer \xff\xfe"]) in seen
+
+
+@pytest.mark.parametrize("key", ["", "has blank", "k\n", "é", "x" * 4097, 5, b"k"])
+def test_create_app_refuses_a_bad_key(key):
+    with pytest.raises(InvalidArgumentError) as e:
+        create_app(["http://p"], [DecodeWorker("http://d")], backend_api_key=key)
+    assert "has blank" not in str(e.value)  # the key is never shown
+
+
+@pytest.fixture
+def started(monkeypatch):
+    from kvslots import _listen
+    from kvslots.proxy import app as app_module
+
+    given: dict = {}
+    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: given.update(kw))
+    monkeypatch.setattr(_listen, "check_listen", lambda host, port: None)
+    real = app_module.create_app
+    monkeypatch.setattr(app_module, "create_app", lambda *a, **kw: given.update(app=kw) or real(*a, **kw))
+    return given
+
+
+def _cli(capsys, argv):
+    capsys.readouterr()
+    code = cli.main(["proxy", "--prefill", "http://p:1", "--decode", "http://d:2", *argv])
+    return (code, *capsys.readouterr())
+
+
+def test_the_command_takes_the_key_from_the_flag_or_the_environment(capsys, started, monkeypatch):
+    monkeypatch.delenv("KVSLOTS_BACKEND_API_KEY", raising=False)
+    assert _cli(capsys, [])[0] == 0 and started["app"]["backend_api_key"] is None
+    assert _cli(capsys, ["--backend-api-key", "k1"])[0] == 0 and started["app"]["backend_api_key"] == "k1"
+    monkeypatch.setenv("KVSLOTS_BACKEND_API_KEY", "k2")
+    assert _cli(capsys, [])[0] == 0 and started["app"]["backend_api_key"] == "k2"
+
+
+def test_a_bad_key_is_one_line_exit_2(capsys, started):
+    code, out, err = _cli(capsys, ["--backend-api-key", "secret part"])
+    assert code == 2 and out == "" and err.count("\n") == 1, err
+    assert "--backend-api-key" in err and "secret" not in err and "http" not in started
