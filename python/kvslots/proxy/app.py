@@ -33,6 +33,7 @@ import json
 import logging
 import math
 import re
+from logging import INFO, WARNING
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from itertools import accumulate
@@ -44,6 +45,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from ..config.loader import MAX_DEPTH, loads_strict_json
+from ..events._ratelog import RateLimitedLog
 from ..errors import ArgumentTypeError, ConfigError, InvalidArgumentError, short_repr
 from ..indexer.config import check_worker_name
 from ..indexer.httpguard import (BodyLimit, cut_off, eof_is_disconnect, json_members, json_shape_error, probe_eof,
@@ -635,6 +637,10 @@ def create_app(prefill_urls: Sequence[str], decode_workers: Sequence[DecodeWorke
         http_url(indexer_url, "indexer URL")
     if backend_api_key is not None:
         backend_api_key = check_api_key(backend_api_key)
+    # What backends and clients can make the proxy log (a failure, a client gone), at most
+    # _ratelog.BURST lines a minute per backend (or the clients) and kind: a dead backend under
+    # 1,000 requests a second wrote 1,000 lines a second.
+    logs = RateLimitedLog(logger)
     prefill_cycle = itertools.cycle(list(prefill_urls))
     decode_cycle = itertools.cycle(list(decode_workers))
     state: dict[str, Any] = {"recomputed": 0, "disaggregated": 0, "decode_errors": 0, "gone_before_decode": 0,
@@ -690,11 +696,13 @@ def create_app(prefill_urls: Sequence[str], decode_workers: Sequence[DecodeWorke
                 if not 200 <= status < 300:
                     raise httpx.HTTPError(f"it answered {status}")
             except httpx.HTTPError as e:
-                logger.warning("kvslots proxy: indexer %s unusable (%s); round robin", shown_url(indexer_url), _why(e))
+                logs.log(WARNING, ("indexer", "unusable"), "kvslots proxy: indexer %s unusable (%s); round robin",
+                         shown_url(indexer_url), _why(e))
             else:
                 answer = await _answer_object(content)
                 if answer is None:
-                    logger.warning("kvslots proxy: indexer %s answered no JSON object; round robin", shown_url(indexer_url))
+                    logs.log(WARNING, ("indexer", "no object"), "kvslots proxy: indexer %s answered no JSON object; "
+                             "round robin", shown_url(indexer_url))
                 else:
                     workers = answer.get("workers")
                     best = max(scored, key=lambda w: _score(workers, w.indexer_name))
@@ -704,6 +712,8 @@ def create_app(prefill_urls: Sequence[str], decode_workers: Sequence[DecodeWorke
 
     def decode_failed(worker: DecodeWorker, what: str, resp: httpx.Response | None = None) -> JSONResponse:
         state["decode_errors"] += 1
+        # %r: the worker's text in it is on one line (a newline in it wrote a line of the worker's choosing)
+        logs.log(WARNING, (worker.url, "failed"), "kvslots proxy: decode worker %s: %r", shown_url(worker.url), what)
         # A worker's 503 with Retry-After (overloaded, draining) keeps it: clients (the OpenAI SDK
         # too) wait that long before trying again instead of their own backoff.
         return JSONResponse({"error": f"decode worker {shown_url(worker.url)} {what}"}, status_code=502,
@@ -720,17 +730,19 @@ def create_app(prefill_urls: Sequence[str], decode_workers: Sequence[DecodeWorke
                                                await _encoded(prefill_body(body), big, auth), most=MAX_PREFILL_ANSWER,
                                                within=timeout_s)
         except httpx.HTTPError as e:
-            logger.warning("kvslots proxy: prefill worker %s failed: %s", shown_url(prefill_url), _why(e))
+            logs.log(WARNING, (prefill_url, "failed"), "kvslots proxy: prefill worker %s failed: %s",
+                     shown_url(prefill_url), _why(e))
         else:
             answer = await _answer_object(content) if status == 200 else None
             if answer is not None:
                 params = answer.get("kv_transfer_params")
             elif status == 200:  # an array, a string, not JSON: recomputed on the decode worker
-                logger.warning("kvslots proxy: prefill worker %s answered 200 without a JSON object: %r",
-                               shown_url(prefill_url), content[:300])
+                logs.log(WARNING, (prefill_url, "no object"),
+                         "kvslots proxy: prefill worker %s answered 200 without a JSON object: %r",
+                         shown_url(prefill_url), content[:300])
             else:
-                logger.warning("kvslots proxy: prefill worker %s answered %d: %s", shown_url(prefill_url), status,
-                               content[:300].decode(errors="replace"))
+                logs.log(WARNING, (prefill_url, "refused"), "kvslots proxy: prefill worker %s answered %d: %r",
+                         shown_url(prefill_url), status, content[:300].decode(errors="replace"))
         decode_req = dict(body)
         headers = {}
         if isinstance(params, dict) and params.get("do_remote_prefill"):
@@ -751,7 +763,8 @@ def create_app(prefill_urls: Sequence[str], decode_workers: Sequence[DecodeWorke
         picked = await _unless_gone(request.receive, prefill_and_pick(path, body, big, auth))
         if picked is None:
             state["gone_before_decode"] += 1
-            logger.info("kvslots proxy: a client went while its prompt was prefilled; no decode started")
+            logs.log(INFO, ("client", "gone"), "kvslots proxy: a client went while its prompt was prefilled; "
+                     "no decode started")
             return Response(status_code=499)  # (written to nobody)
         decode_req, worker, headers = picked
         state["disaggregated" if headers["x-kvslots-pd"] == "disaggregated" else "recomputed"] += 1
@@ -766,7 +779,8 @@ def create_app(prefill_urls: Sequence[str], decode_workers: Sequence[DecodeWorke
                 return decode_failed(worker, f"failed: {_why(e)}")
             if resp is None:
                 state["gone_in_decode"] += 1
-                logger.info("kvslots proxy: a client went before its decode worker answered; decode request ended")
+                logs.log(INFO, ("client", "gone"), "kvslots proxy: a client went before its decode worker answered; "
+                         "decode request ended")
                 return Response(status_code=499)  # (written to nobody)
             if resp.status_code != 200:
                 try:
@@ -789,7 +803,8 @@ def create_app(prefill_urls: Sequence[str], decode_workers: Sequence[DecodeWorke
                         yield chunk
                 except httpx.HTTPError as e:  # the status is sent already: end the stream, log why
                     state["decode_errors"] += 1
-                    logger.warning("kvslots proxy: decode worker %s broke off the stream: %s", shown_url(worker.url), e)
+                    logs.log(WARNING, (worker.url, "broke off"), "kvslots proxy: decode worker %s broke off the "
+                             "stream: %s", shown_url(worker.url), _why(e))
                 finally:
                     await resp.aclose()
 
@@ -825,7 +840,8 @@ def create_app(prefill_urls: Sequence[str], decode_workers: Sequence[DecodeWorke
                 if resp is not None:
                     await resp.aclose()
                 state["gone_in_decode"] += 1
-                logger.info("kvslots proxy: a client went while its answer was decoded; decode request ended")
+                logs.log(INFO, ("client", "gone"), "kvslots proxy: a client went while its answer was decoded; "
+                         "decode request ended")
                 return Response(status_code=499)  # (written to nobody)
             resp, chunks, whole = got
             if not whole and resp.status_code != 200:
@@ -863,15 +879,16 @@ def create_app(prefill_urls: Sequence[str], decode_workers: Sequence[DecodeWorke
             except (httpx.HTTPError, TimeoutError) as e:
                 state["decode_errors"] += 1
                 why = f"no whole answer within {timeout_s:g} s" if isinstance(e, TimeoutError) else _why(e)
-                logger.warning("kvslots proxy: decode worker %s broke off its answer: %s", shown_url(worker.url), why)
+                logs.log(WARNING, (worker.url, "broke off"), "kvslots proxy: decode worker %s broke off its answer: %s",
+                         shown_url(worker.url), why)
                 raise _BrokenOff from None
             finally:
                 await resp.aclose()
 
         def slow() -> None:
             state["slow_clients"] += 1
-            logger.warning("kvslots proxy: a client took more than %g s to read the answer of decode worker %s; "
-                           "cut off", timeout_s, shown_url(worker.url))
+            logs.log(WARNING, (worker.url, "slow client"), "kvslots proxy: a client took more than %g s to read the "
+                     "answer of decode worker %s; cut off", timeout_s, shown_url(worker.url))
 
         return _Unfinished(rest(), media_type="application/json", headers=headers, client_s=timeout_s,
                            on_slow=slow)
