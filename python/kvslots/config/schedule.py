@@ -365,7 +365,9 @@ def apply_lookahead(
         raise ArgumentTypeError(f"request_ids must be a sequence of request ids, got {type(request_ids).__name__}")
     if not (callable(getattr(target, "slot_info", None)) and callable(getattr(target, "set_lookahead", None))):
         raise ArgumentTypeError(f"target must be a SlotManager or a SlotTracker, got {type(target).__name__}")
-    n = len(request_ids) if batch_size is None else batch_size
+    # Checked whatever the schedule: with a fixed K it was never read, and 'x' or -1 came
+    # back as the update's batch_size.
+    n = len(request_ids) if batch_size is None else _count(batch_size, "batch_size")
     k = _lookahead(schedule, n)
     for rid in request_ids:  # fail before changing anything
         target.slot_info(rid)
