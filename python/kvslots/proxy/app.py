@@ -269,6 +269,19 @@ def check_api_key(value: object, what: str = "backend_api_key") -> str:
     return value
 
 
+_TOKEN = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]{1,256}")
+
+
+def check_header_name(value: object, what: str = "client_id_header") -> str:
+    """``value`` lowercased when it is an HTTP header name (a token of at most 256 characters), as
+    the ASGI scope holds it; an :class:`~kvslots.InvalidArgumentError` naming ``what`` otherwise."""
+    if not isinstance(value, str):
+        raise InvalidArgumentError(f"{what} must be a str, got {type(value).__name__}")
+    if not _TOKEN.fullmatch(value):
+        raise InvalidArgumentError(f"{what} {short_repr(value)} is not an HTTP header name")
+    return value.lower()
+
+
 def _client_auth(scope: Any) -> dict[str, bytes] | str:
     """The client's ``Authorization`` header, as sent (bytes), for the workers: {} without one,
     why it is refused (a 400) when it is given more than once (which one would a worker read?)."""
@@ -515,18 +528,38 @@ class _PerClient:
     address in flight at once, from their head to their answer's last byte; one more is a 429
     with ``Retry-After: 1`` before its body is read. Without it one client opening many
     connections held every backend connection (``--backend-connections``) and every other
-    client's request waited behind its requests, up to ``--timeout``."""
+    client's request waited behind its requests, up to ``--timeout``.
 
-    def __init__(self, app: Any, most: int):
+    With ``id_header`` (``--client-id-header``, a lowercase header name), a request's client is
+    the last item of that header's last line (a load balancer appends its client's address to
+    ``X-Forwarded-For``: the items before it are the client's own), the address when it has none:
+    behind a load balancer every client has its address. Only a trusted load balancer may set it;
+    a client reaching the proxy directly names itself anew in each request. Keys are kept only
+    while their requests are in flight (at most one a connection) and hashed (16 bytes), so any
+    number of names takes no more memory than the connections do."""
+
+    def __init__(self, app: Any, most: int, id_header: bytes | None = None):
         self.app = app
         self.most = most
-        #: Requests in flight per client address (all on the event loop: no lock); none at 0.
+        self.id_header = id_header
+        #: Requests in flight per client (all on the event loop: no lock); none at 0.
         self.in_flight: dict[Any, int] = {}
+
+    def _who(self, scope: Any) -> Any:
+        if self.id_header is not None:
+            named = [v for k, v in scope["headers"] if k == self.id_header]
+            if named:
+                item = named[-1].rpartition(b",")[2].strip(b" \t")
+                if item:
+                    import hashlib
+
+                    return hashlib.blake2b(item, digest_size=16).digest()  # bytes: never an address (str)
+        return (scope.get("client") or (None,))[0]
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         if scope["type"] != "http" or scope.get("path") not in _PROXIED:
             return await self.app(scope, receive, send)
-        who = (scope.get("client") or (None,))[0]
+        who = self._who(scope)
         n = self.in_flight.get(who, 0)
         if n >= self.most:
             body = json.dumps({"error": f"this client has {n} requests in flight, the most one client may have "
@@ -588,14 +621,16 @@ def _passed_on(resp: httpx.Response, content: bytes, headers: dict[str, str]) ->
 def create_app(prefill_urls: Sequence[str], decode_workers: Sequence[DecodeWorker], *, indexer_url: str | None = None,
                timeout_s: float = 600.0, transport: httpx.AsyncBaseTransport | None = None,
                max_body_mb: int = DEFAULT_MAX_BODY_MB, backend_connections: int = BACKEND_CONNECTIONS,
-               max_requests_per_client: int | None = None, backend_api_key: str | None = None) -> FastAPI:
+               max_requests_per_client: int | None = None, backend_api_key: str | None = None,
+               client_id_header: str | None = None) -> FastAPI:
     """The proxy app. ``transport`` replaces the network (tests). A request body over
     ``max_body_mb`` MiB is a 413 before it is read whole. At most ``backend_connections``
     connections to the prefill and decode workers are open at once (a request finding them all in
     use waits for one, up to ``timeout_s``), and :data:`SIDE_CONNECTIONS` more for the indexer and
     ``GET /v1/models``. One client address may have at most ``max_requests_per_client``
     completions in flight at once (a 429 past it; None:
-    :func:`~kvslots.proxy.cli.default_requests_per_client`, 0: no limit).
+    :func:`~kvslots.proxy.cli.default_requests_per_client`, 0: no limit); with
+    ``client_id_header``, one client is one value of that header (:class:`_PerClient`).
 
     The prefill and decode workers get the client's ``Authorization`` header (each leg, and
     ``GET /v1/models``), as a reverse proxy passes it (llm-d's routing sidecar), so workers
@@ -637,6 +672,7 @@ def create_app(prefill_urls: Sequence[str], decode_workers: Sequence[DecodeWorke
         http_url(indexer_url, "indexer URL")
     if backend_api_key is not None:
         backend_api_key = check_api_key(backend_api_key)
+    id_header = None if client_id_header is None else check_header_name(client_id_header).encode()
     # What backends and clients can make the proxy log (a failure, a client gone), at most
     # _ratelog.BURST lines a minute per backend (or the clients) and kind: a dead backend under
     # 1,000 requests a second wrote 1,000 lines a second.
@@ -683,7 +719,7 @@ def create_app(prefill_urls: Sequence[str], decode_workers: Sequence[DecodeWorke
     app.add_middleware(BodyLimit, max_bytes=max_body_mb * 2**20, key="error",
                        budget_bytes=max(BODY_BUDGET_BYTES, 4 * max_body_mb * 2**20))
     if max_requests_per_client:  # outside BodyLimit: refused before a byte of its body is read
-        app.add_middleware(_PerClient, most=max_requests_per_client)
+        app.add_middleware(_PerClient, most=max_requests_per_client, id_header=id_header)
 
     async def pick_decode(body: dict[str, Any], big: bool) -> DecodeWorker:
         ids = await _off_loop(_token_ids, body) if big else _token_ids(body)  # a walk over every item

@@ -122,6 +122,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="send 'Authorization: Bearer KEY' to the prefill and decode workers (their vLLM --api-key) "
                         "instead of the client's Authorization header, which is passed on without it (default: "
                         f"${API_KEY_ENV}, which keeps the key out of the process list)")
+    p.add_argument("--client-id-header", metavar="NAME",
+                   help="behind a trusted load balancer: --max-requests-per-client counts each value of this header "
+                        "(its last item, e.g. X-Forwarded-For's address the load balancer appended) as one client, "
+                        "not the connection's address (default: the address; a client that reaches the proxy "
+                        "directly could name itself anew in each request)")
     p.set_defaults(func=run)
 
 
@@ -186,11 +191,17 @@ def run(args: argparse.Namespace) -> int:
 
     if args.max_connections is not None and not 0 < args.max_connections <= fds.MAX_CONNECTIONS:
         raise ServeError(f"--max-connections {args.max_connections} must be in 1..{fds.MAX_CONNECTIONS}")
-    from .app import BACKEND_CONNECTIONS, MAX_BACKEND_CONNECTIONS, SIDE_CONNECTIONS, check_api_key, create_app
+    from .app import (BACKEND_CONNECTIONS, MAX_BACKEND_CONNECTIONS, SIDE_CONNECTIONS, check_api_key,
+                      check_header_name, create_app)
 
     if args.backend_api_key is not None:
         try:
             check_api_key(args.backend_api_key, f"--backend-api-key (or ${API_KEY_ENV})")
+        except InvalidArgumentError as e:
+            raise ServeError(str(e)) from None
+    if args.client_id_header is not None:
+        try:
+            check_header_name(args.client_id_header, "--client-id-header")
         except InvalidArgumentError as e:
             raise ServeError(str(e)) from None
 
@@ -222,12 +233,14 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level="INFO", format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     app = create_app(prefill, workers, indexer_url=indexer, timeout_s=args.timeout, max_body_mb=args.max_body_mb,
                      backend_connections=backend, max_requests_per_client=per_client,
-                     backend_api_key=args.backend_api_key)
+                     backend_api_key=args.backend_api_key, client_id_header=args.client_id_header)
     max_connections = args.max_connections or fds.default_max_connections(backend + SIDE_CONNECTIONS)
     logging.getLogger("kvslots.proxy").info(
         "at most %d client connections at once (%s), %d to the workers, %s", max_connections,
         "--max-connections" if args.max_connections else "what the file descriptor limit leaves", backend,
-        f"{per_client} requests at once per client address" if per_client != 0 else "no limit per client")
+        (f"{per_client} requests at once per client "
+         + (f"({args.client_id_header} header, else address)" if args.client_id_header else "address"))
+        if per_client != 0 else "no limit per client")
     # uvicorn_options: at most max_connections connections, a request's head is at most 64 KiB
     # and it must arrive within 60 s, no WebSockets (see httpguard).
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning", **uvicorn_options(max_connections))
