@@ -105,10 +105,10 @@ def load_speculators_checkpoint(
 
     model_type = doc.get("speculators_model_type")
     if not isinstance(model_type, str) or not model_type:
-        raise ConfigError(f"must be a non-empty string, got {model_type!r}", "speculators_model_type", source)
+        raise ConfigError(f"must be a non-empty string, got {brief(model_type)}", "speculators_model_type", source)
     if model_type not in SPECULATORS_METHODS:
         raise ConfigError(
-            f"unsupported speculators model type {model_type!r}; vLLM 0.32 loads "
+            f"unsupported speculators model type {brief(model_type)}; vLLM 0.32 loads "
             f"{', '.join(sorted(SPECULATORS_METHODS))}",
             "speculators_model_type",
             source,
@@ -135,15 +135,16 @@ def load_speculators_checkpoint(
     k = first.get("speculative_tokens")
     k_field = "speculators_config.proposal_methods[0].speculative_tokens"
     if isinstance(k, bool) or not isinstance(k, int):
-        raise ConfigError(f"must be an integer, got {k!r}", k_field, source)
+        raise ConfigError(f"must be an integer, got {brief(k)}", k_field, source)
     if k < 1:
         raise ConfigError(f"must be >= 1, got {k}", k_field, source)
     check_num_speculative_tokens(k, k_field, source)
     default = spec.get("default_proposal_method")
     if default is not None and first.get("proposal_type") not in (None, default):
         warnings.append(
-            f"default_proposal_method is {default!r} but vLLM uses the first proposal method "
-            f"({first.get('proposal_type')!r}, K={k})"
+            # Quoted briefly: either may be any value of the file (a 3 MB string was a 3 MB warning).
+            f"default_proposal_method is {brief(default)} but vLLM uses the first proposal method "
+            f"({brief(first.get('proposal_type'))}, K={k})"
         )
     if num_speculative_tokens is not None:
         # Bounded as the file's K is (10**30 went into vLLM's JSON).
@@ -167,10 +168,10 @@ def load_speculators_checkpoint(
         verifier = reference_text(verifier, "verifier")
         target, local = _resolve_verifier(verifier, Path.cwd(), "verifier", None)
         if declared not in (None, "") and declared != verifier:
-            warnings.append(f"verifier {target!r} overrides the checkpoint's {declared!r}")
+            warnings.append(f"verifier {target!r} overrides the checkpoint's {brief(declared)}")
     else:
         if not isinstance(declared, str) or not declared:
-            raise ConfigError(f"must be a non-empty string, got {declared!r}", name_field, source)
+            raise ConfigError(f"must be a non-empty string, got {brief(declared)}", name_field, source)
         target, local = _resolve_verifier(declared, base, name_field, source)
         if local and target != declared:
             warnings.append(
