@@ -612,9 +612,23 @@ def _retry_after(resp: httpx.Response) -> dict[str, str]:
         return {}
 
 
+_MEDIA_TYPE = re.compile(rb"[\x20-\x7e]{1,256}")
+
+
+def _media_type(resp: httpx.Response, default: str) -> str:
+    """The worker's Content-Type for the client when it is one of printable ASCII (at most 256
+    bytes), else ``default``: httpx decodes a header as UTF-8 when it can, and one past Latin-1
+    (a worker's 'text/plain; x=\u4e2d') failed Starlette's encoding of it, a 500 in plain text (the
+    worker's connection left open) instead of its answer."""
+    values = [v for k, v in resp.headers.raw if k.lower() == b"content-type"]
+    if len(values) == 1 and _MEDIA_TYPE.fullmatch(values[0].strip(b" \t")):
+        return values[0].strip(b" \t").decode("ascii")
+    return default
+
+
 def _passed_on(resp: httpx.Response, content: bytes, headers: dict[str, str]) -> Response:
     return Response(content, status_code=resp.status_code,
-                    media_type=resp.headers.get("content-type", "application/json"),
+                    media_type=_media_type(resp, "application/json"),
                     headers={**headers, **_retry_after(resp)})
 
 
@@ -844,7 +858,7 @@ def create_app(prefill_urls: Sequence[str], decode_workers: Sequence[DecodeWorke
                 finally:
                     await resp.aclose()
 
-            return StreamingResponse(chunks(), media_type=resp.headers.get("content-type", "text/event-stream"),
+            return StreamingResponse(chunks(), media_type=_media_type(resp, "text/event-stream"),
                                      headers=headers)
         return await pass_on(request.receive, worker, url, decode_req, big, headers, auth)
 
