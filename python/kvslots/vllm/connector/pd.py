@@ -42,14 +42,14 @@ from __future__ import annotations
 
 import logging
 import math
-from collections import OrderedDict
+from collections import OrderedDict, deque
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from ...errors import TransferError, short_repr
+from ...errors import InvalidStateError, TransferError, short_repr
 
 logger = logging.getLogger(__name__)
 
@@ -63,6 +63,18 @@ MAX_EXPIRED = 100_000
 #: ids are some dozen characters). Bounds the early-ack store to MAX_EARLY_ACKS such ids: a
 #: control frame may hold 64 KiB, and 65,536 ids of that size were 4 GiB.
 MAX_ID_CHARS = 512
+#: Pulls running at once (threads, made as needed), over all prefill workers.
+PULL_THREADS = 32
+#: Of those, at most this many for prefill workers never contacted yet (one each), and at most
+#: FAILING_THREADS for those whose last contact got no answer (gone, blackholed, hung): each
+#: pull to such a host holds its thread for the control timeouts, so a few dead hosts held
+#: every thread (two, all of them) and pulls from live ones waited behind them.
+NEW_HOST_THREADS = 8
+FAILING_THREADS = 2
+#: Pulls from one prefill worker at once, once it answered (one at a time before).
+PULLS_PER_HOST = 4
+#: Prefill workers whose last contact is remembered (the oldest forgotten first: then new).
+MAX_KNOWN_HOSTS = 4096
 
 
 @dataclass
@@ -77,6 +89,14 @@ class RecvSpec:
     remote_port: int
     remote_block_ids: list[int]
     local_block_ids: list[int]
+
+
+@dataclass
+class _Lane:
+    """The pulls of one prefill worker (host, port): waiting, oldest first, and running."""
+
+    queue: deque[RecvSpec] = field(default_factory=deque)
+    running: int = 0
 
 
 @dataclass
@@ -287,7 +307,14 @@ class PDWorker:
         self._recving_done: set[str] = set()
         self._recving_failed: set[str] = set()
         self._peers: dict[tuple[str, int], dict[str, Any]] = {}
-        self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvslots-pd-pull") if consumer else None
+        self._pool = ThreadPoolExecutor(max_workers=PULL_THREADS, thread_name_prefix="kvslots-pd-pull") \
+            if consumer else None
+        # Pulls wait in one lane per prefill worker and start within the thread budgets above
+        # (the pool never queues): a host that does not answer holds at most its budget's threads.
+        self._lanes: dict[tuple[str, int], _Lane] = {}
+        self._answers: OrderedDict[tuple[str, int], bool] = OrderedDict()  # host -> its last contact answered
+        self._running = {"live": 0, "new": 0, "failing": 0}
+        self._closing = False
         self.stats = {"pulled_blocks": 0, "pulled_bytes": 0, "failed_pulls": 0, "acks": 0, "bad_acks": 0,
                       "expired": 0}
 
@@ -354,9 +381,64 @@ class PDWorker:
                         self._sending_done.add(req)
                     else:
                         self._held[req] = now + hold_s
-        for spec in meta.recvs:
-            assert self._pool is not None, "a consumer step on a worker that is not a consumer"
-            self._pool.submit(self._pull, spec)
+        if meta.recvs:
+            if self._pool is None:
+                raise InvalidStateError("kvslots P/D: pulls in the step of a worker that is not a consumer")
+            with self._lock:
+                if self._closing:
+                    return
+                for spec in meta.recvs:
+                    key = (spec.remote_host, spec.remote_port)
+                    self._lanes.setdefault(key, _Lane()).queue.append(spec)
+                self._dispatch()
+
+    def _kind(self, key: tuple[str, int]) -> str:
+        answered = self._answers.get(key)
+        return "new" if answered is None else "live" if answered else "failing"
+
+    def _dispatch(self) -> None:
+        """Starts the waiting pulls the budgets allow (under ``_lock``)."""
+        budget = {"live": PULL_THREADS, "new": NEW_HOST_THREADS, "failing": FAILING_THREADS}
+        for key in list(self._lanes):
+            lane = self._lanes[key]
+            kind = self._kind(key)
+            per_host = PULLS_PER_HOST if kind == "live" else 1
+            while (lane.queue and lane.running < per_host and sum(self._running.values()) < PULL_THREADS
+                   and self._running[kind] < budget[kind]):
+                spec = lane.queue.popleft()
+                lane.running += 1
+                self._running[kind] += 1
+                assert self._pool is not None
+                self._pool.submit(self._run_pull, key, kind, spec)
+            if not lane.queue and not lane.running:
+                del self._lanes[key]
+
+    def _run_pull(self, key: tuple[str, int], kind: str, spec: RecvSpec) -> None:
+        answered: bool | None = None
+        try:
+            answered = self._pull(spec)
+        finally:
+            gave_up: list[RecvSpec] = []
+            with self._lock:
+                lane = self._lanes.setdefault(key, _Lane())
+                lane.running -= 1
+                self._running[kind] -= 1
+                if answered is not None:
+                    self._answers[key] = answered
+                    self._answers.move_to_end(key)
+                    while len(self._answers) > MAX_KNOWN_HOSTS:
+                        self._answers.popitem(last=False)
+                if answered is False:
+                    # Those waiting for a host that just did not answer fail now (recomputed),
+                    # each would wait the same timeouts; later ones try it again, one at a time.
+                    gave_up, lane.queue = list(lane.queue), deque()
+                if not self._closing:
+                    self._dispatch()
+            for s in gave_up:
+                self._finish(s, False)
+            if gave_up:
+                logger.warning("kvslots P/D: prefill worker %s:%d did not answer; %d pull(s) waiting for it failed "
+                               "without trying it", key[0], key[1], len(gave_up))
 
     def _expire(self) -> None:
         now = time.monotonic()
@@ -399,19 +481,29 @@ class PDWorker:
                                 details={"kind": "layout"})
         return info
 
-    def _pull(self, spec: RecvSpec) -> None:
+    def _pull(self, spec: RecvSpec) -> bool | None:
+        """Pulls and acks one request; whether the prefill worker's control channel answered
+        (None: not asked)."""
         from ..pd.control import control_call
 
         from ..pd.control import _unpin_thread
 
         _unpin_thread()
         ok = True
+        answered: bool | None = None
         t0 = time.monotonic()
         logger.debug("kvslots P/D: request %s: pulling %d blocks from %s:%d", spec.req_id, len(spec.local_block_ids),
                      spec.remote_host, spec.remote_port)
         try:
             if spec.local_block_ids:
-                info = self._hello(spec)
+                try:
+                    info = self._hello(spec)
+                except TransferError as e:
+                    # No answer at all (kind "timeout"): the ack would wait as long again for
+                    # nothing; the producer's hold expires.
+                    answered = e.details.get("kind") != "timeout"
+                    raise
+                answered = True
                 self.layout.check_compatible(info["layout_obj"])
                 nbytes = self.transport.read_blocks(info["session"], info["layout_obj"], spec.remote_block_ids,
                                                     spec.local_block_ids)
@@ -425,8 +517,11 @@ class PDWorker:
             ok = False
             logger.exception("kvslots P/D: request %s: pull failed", spec.req_id)
         try:
+            if answered is False:
+                raise TransferError("not tried: the hello got no answer", details={"kind": "timeout"})
             reply = control_call(spec.remote_host, spec.remote_port, {"op": "done", "req": spec.remote_req_id},
                                  timeout_s=self.control_timeout_s)
+            answered = True
             if spec.local_block_ids and not reply.get("held", False):
                 ok = False
                 logger.warning("kvslots P/D: request %s: the prefill worker freed its blocks before the pull ended",
@@ -435,9 +530,15 @@ class PDWorker:
             if ok and spec.local_block_ids:
                 # The bytes arrived, but the producer could not confirm it still held them.
                 ok = False
+            if answered is None:
+                answered = e.details.get("kind") != "timeout"
             logger.warning("kvslots P/D: request %s: ack to the prefill worker failed: %s", spec.req_id, e)
         logger.debug("kvslots P/D: request %s: pull and ack done in %.3f s, ok=%s", spec.req_id,
                      time.monotonic() - t0, ok)
+        self._finish(spec, ok)
+        return answered
+
+    def _finish(self, spec: RecvSpec, ok: bool) -> None:
         with self._lock:
             if not spec.local_block_ids:
                 return  # a release: vLLM is not waiting on it
@@ -461,6 +562,10 @@ class PDWorker:
 
     def close(self) -> None:
         if self._pool is not None:
+            with self._lock:
+                self._closing = True  # the waiting pulls are dropped (the engine is going)
+                for lane in self._lanes.values():
+                    lane.queue.clear()
             self._pool.shutdown(wait=True)
         if self._server is not None:
             self._server.close()
