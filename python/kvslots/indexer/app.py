@@ -5,6 +5,8 @@ import contextlib
 import hmac
 import json
 import logging
+import re
+from collections.abc import MutableMapping
 from typing import Annotated, Any, Callable
 
 import anyio
@@ -140,10 +142,16 @@ def _body_bounds(route: APIRoute) -> tuple[int, int, int] | None:
 class _StrictJSONRequest(Request):
     #: The most arrays and objects, strings, and items the route's body may hold (None: no bound).
     bounds: tuple[int, int, int] | None = None
+    #: /score: token ids past this many are dropped before parsing (:func:`_first_ids`)
+    keep_ids: int | None = None
 
     async def json(self) -> Any:
         if not hasattr(self, "_json"):
             body = await self.body()
+            if self.keep_ids is not None:  # a pass or a few over the bytes: off the loop when big
+                body = await anyio.to_thread.run_sync(_first_ids, body, self.keep_ids, self.scope,
+                                                      limiter=self.app.state.parse_threads) \
+                    if len(body) > OFF_LOOP_BYTES else _first_ids(body, self.keep_ids, self.scope)
             # Before any parser builds it: a 3 MB body of a million empty arrays held every other
             # request for 0.5 s (1 s to refuse), off the event loop too (the parser holds the GIL);
             # one of a million nulls, twice as long as the largest good one. A small body costs
@@ -165,13 +173,69 @@ class _StrictJSONRoute(APIRoute):
     def get_route_handler(self) -> Callable:
         handler = super().get_route_handler()
         bounds = _body_bounds(self)
+        keep_ids = getattr(self.endpoint, "keep_ids", None)
 
         async def strict_handler(request: Request) -> Response:
             strict = _StrictJSONRequest(request.scope, request.receive)
             strict.bounds = bounds
+            strict.keep_ids = keep_ids
             return await handler(strict)
 
         return strict_handler
+
+
+#: Where a /score body's token_ids array starts: the key after '{' or ',' (inside a valid
+#: document's string the quote would be escaped), the array's first byte at group 1's end.
+_TOKEN_IDS_AT = re.compile(rb'[{,]\s*"token_ids"\s*:\s*(\[)')
+
+
+def _over(most: str) -> bytes:
+    """A regex of the integers of len(most) digits greater than ``most``."""
+    alts = [f"{most[:k]}[{int(d) + 1}-9][0-9]{{{len(most) - k - 1}}}" for k, d in enumerate(most) if d != "9"]
+    return "|".join(alts).encode()
+
+
+#: In ids with no blanks between commas (``,1,2,``): an item that is no JSON integer in [0, 2**32)
+#: (a leading zero, 11 digits or more, 10 past U32). Each starts with a literal ',' (a fast
+#: search) and has no nested repeat: a regex of those kept a mark per item, 450 MB for 3 MB.
+_NOT_ID = re.compile(rb",0[0-9]|,[0-9]{11}|,(?:" + _over(str(U32)) + rb"),")
+#: The scope key of a /score prompt's length when its ids past max_tokens were dropped
+TOTAL_IDS = "kvslots.indexer.token_ids"
+
+
+def _first_ids(body: bytes, keep: int, scope: MutableMapping[str, Any]) -> bytes:
+    """``body`` with its token_ids array cut to its first ``keep`` ids when it holds more, all of
+    them integers in [0, 2**32) (checked here with C's speed: bytes methods and regexes): a
+    longer prompt is scored on its first --max-tokens ids, and only those are parsed, so a body
+    costs what it did when longer ones were refused (a JSON integer costs ~1 us and up to 36
+    bytes to build: 1.57M of them in a 3 MB body took 1.9 s and 30 MB, the most taken before
+    0.35 s and 13 MB). The prompt's length goes in ``scope[TOTAL_IDS]``. Any other body is
+    returned as is, for the parser and the model to judge."""
+    if body.count(b",") < keep:
+        return body
+    at = _TOKEN_IDS_AT.search(body)
+    if at is None:
+        return body
+    start = at.end(1)
+    end = body.find(b"]", start)
+    if end < 0 or body.count(b",", start, end) < keep:
+        return body
+    content = body[start:end]
+    lo, hi = 0, len(content)  # the keep-th comma: the first index with keep commas up to it
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if content.count(b",", 0, mid + 1) >= keep:
+            hi = mid
+        else:
+            lo = mid + 1
+    # The dropped ids are checked here (the kept ones by the parser and the model)
+    tail = content[lo + 1 :]
+    items = b"," + tail.translate(None, b" \t\r\n") + b","
+    if (tail.translate(None, b"0123456789, \t\r\n") or b",," in items or _NOT_ID.search(items)
+            or len(items) != len(tail) + 2 and re.search(rb"[0-9][ \t\r\n]+[0-9]", tail)):
+        return body  # not ids alone: the parser and the model say what is wrong
+    scope[TOTAL_IDS] = content.count(b",") + 1
+    return body[: start + lo] + body[end:]
 
 
 def _is_json(content_type: str | None) -> bool:
@@ -214,6 +278,8 @@ class WorkerScore(BaseModel):
 class ScoreResponse(BaseModel):
     block_size: int
     prompt_blocks: int = Field(description="Full blocks in the prompt")
+    truncated: bool = Field(description="True when the prompt is longer than the indexer's --max-tokens: "
+                            "its first --max-tokens tokens were scored (a prefix's match is the prompt's)")
     stale: bool = Field(
         description="True when the index may lag the workers (a replay in progress, Redis "
         "unreachable or being rebuilt, no live writer): use the scores with care"
@@ -254,7 +320,8 @@ def create_app(service: IndexerService, *, own_service: bool = False) -> FastAPI
     class ScoreRequest(BaseModel):
         model_config = ConfigDict(extra="forbid")
         token_ids: Annotated[list[TokenId], WrapValidator(_few_errors)] = Field(
-            max_length=max_tokens, description=f"The prompt's token ids (at most {max_tokens})"
+            max_length=max_tokens, description=f"The prompt's token ids: of a longer prompt the first "
+            f"{max_tokens} are scored (truncated: true; the body is still at most {cfg.max_body_bytes} bytes)"
         )
         lora_id: int | None = Field(None, strict=True, ge=0, le=U64,
                                     description="LoRA adapter id, as the engine reports it")
@@ -329,11 +396,19 @@ def create_app(service: IndexerService, *, own_service: bool = False) -> FastAPI
                             + ("" if ctype else " (none was given)"))
         return JSONResponse(status_code=422, content={"detail": detail})
 
-    @app.post("/score", response_model=ScoreResponse, summary="Score a prompt against every worker")
-    def score(req: ScoreRequest) -> dict[str, Any]:
+    def score(req: ScoreRequest, request: Request) -> dict[str, Any]:
         """Per worker: the longest prefix of the prompt it holds (blocks, tokens), per tier, and
-        the tier-weighted score. Only full blocks count."""
-        return service.score(req.token_ids, req.block_size, req.lora_id, req.lora_name)
+        the tier-weighted score. Only full blocks count. Of a prompt longer than --max-tokens, the
+        first --max-tokens tokens are scored (``truncated``: true)."""
+        doc = service.score(req.token_ids, req.block_size, req.lora_id, req.lora_name)
+        total = request.scope.get(TOTAL_IDS)
+        if total is not None:  # the body's ids past max_tokens were dropped unparsed
+            doc["truncated"] = True
+            doc["prompt_blocks"] = total // doc["block_size"]
+        return doc
+
+    score.keep_ids = max_tokens  # type: ignore[attr-defined]  # (_StrictJSONRoute reads it)
+    app.post("/score", response_model=ScoreResponse, summary="Score a prompt against every worker")(score)
 
     @app.get("/workers", response_model=list[WorkerOut], summary="Registered workers and stream state")
     def workers() -> list[dict[str, Any]]:

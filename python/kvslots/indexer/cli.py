@@ -36,7 +36,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--capacity", type=int,
                    help="most (block, worker) entries kept, LRU-evicted beyond (default 4000000; 0 = no limit)")
     p.add_argument("--block-size", type=int, help="block size of /score requests that name none (default 16)")
-    p.add_argument("--max-tokens", type=int, help="most token ids in one /score request (default 262144)")
+    p.add_argument("--max-tokens", type=int, help="most token ids /score scores: of a longer prompt the first "
+                   "(truncated: true); bodies are capped accordingly (default 262144)")
     p.add_argument("--replay-timeout", type=float, help="seconds to wait for a replay answer (default 2)")
     p.add_argument("--max-frame-mb", type=int, metavar="MIB",
                    help="largest event frame taken from a worker; a bigger one drops the connection, which is "

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import itertools
 import logging
 import threading
 import time
@@ -234,6 +235,12 @@ class IndexerService:
         # A generator: the backend consumed it, then len() failed; a set or a mapping has no order.
         if not isinstance(tokens, Sized) or isinstance(tokens, (AbstractSet, Mapping)):
             raise ArgumentTypeError(f"token_ids must be a sequence of integers, got {type(tokens).__name__}")
+        # A longer prompt's first max_tokens are scored: a prefix's score holds for the prompt too,
+        # and long prompts are where a prefix hit matters most (they were refused: round robin).
+        n = len(tokens)
+        truncated = n > self.cfg.max_tokens
+        if truncated:
+            tokens = list(itertools.islice(tokens, self.cfg.max_tokens))
         t0 = time.perf_counter()
         res: ScoreResult = self.backend.score(tokens, bs, lora_id, lora_name)
         self.metrics.lookups.observe(time.perf_counter() - t0)
@@ -251,7 +258,8 @@ class IndexerService:
             workers[name] = _entry(blocks, tier_blocks, score, bs)
         return {
             "block_size": bs,
-            "prompt_blocks": len(tokens) // bs,
+            "prompt_blocks": n // bs,  # the whole prompt's, scored or not
+            "truncated": truncated,
             "stale": stale,
             "stale_reasons": reasons,
             "workers": workers,
