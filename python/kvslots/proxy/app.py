@@ -851,15 +851,17 @@ def create_app(prefill_urls: Sequence[str], decode_workers: Sequence[DecodeWorke
                 try:
                     async for chunk in resp.aiter_bytes():  # unencoded: asked for, others refused (_not_encoded)
                         yield chunk
-                except httpx.HTTPError as e:  # the status is sent already: end the stream, log why
+                except httpx.HTTPError as e:  # the status is sent already: log why, leave the stream unfinished
                     state["decode_errors"] += 1
                     logs.log(WARNING, (worker.url, "broke off"), "kvslots proxy: decode worker %s broke off the "
                              "stream: %s", shown_url(worker.url), _why(e))
+                    # Ended, a stream cut short (a worker's reset, its answer shorter than its
+                    # Content-Length) looked whole to the client, as a passed-on answer would.
+                    raise _BrokenOff from None
                 finally:
                     await resp.aclose()
 
-            return StreamingResponse(chunks(), media_type=_media_type(resp, "text/event-stream"),
-                                     headers=headers)
+            return _Unfinished(chunks(), media_type=_media_type(resp, "text/event-stream"), headers=headers)
         return await pass_on(request.receive, worker, url, decode_req, big, headers, auth)
 
     async def pass_on(receive: Any, worker: DecodeWorker, url: str, decode_req: dict[str, Any], big: bool,
