@@ -232,13 +232,28 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     d = SimConfig()
     p = sub.add_parser("simulate", help="run a simulated EAGLE workload through the slot manager",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--requests", type=int, default=d.requests)
-    p.add_argument("--batch", type=int, default=d.batch, help="max running requests")
-    p.add_argument("--lookahead", "-k", type=int, default=d.lookahead, help="draft tokens per step (K)")
-    p.add_argument("--acceptance", type=float, default=d.acceptance, help="per-draft acceptance probability")
-    p.add_argument("--block-size", type=int, default=d.block_size)
-    p.add_argument("--num-blocks", type=int, default=d.num_blocks)
-    p.add_argument("--seed", type=int, default=d.seed)
+    bounds = {name: (lo, hi) for name, lo, hi in _INT_FIELDS}
+
+    def span(name: str) -> str:  # SimConfig's own bounds, as its errors state them
+        lo, hi = bounds[name]
+        if hi < 1 << 20:
+            return f"[{lo}, {hi}]"
+        return f"[{lo}, 2**{hi.bit_length()}-1]" if hi & (hi + 1) == 0 else f"[{lo}, 2**{hi.bit_length() - 1}]"
+
+    p.add_argument("--requests", type=int, default=d.requests,
+                   help=f"requests in the workload ({span('requests')}; default %(default)s)")
+    p.add_argument("--batch", type=int, default=d.batch,
+                   help=f"max running requests ({span('batch')}; default %(default)s)")
+    p.add_argument("--lookahead", "-k", type=int, default=d.lookahead,
+                   help=f"draft tokens per step, K ({span('lookahead')}; default %(default)s)")
+    p.add_argument("--acceptance", type=float, default=d.acceptance,
+                   help="per-draft acceptance probability ([0, 1]; default %(default)s)")
+    p.add_argument("--block-size", type=int, default=d.block_size,
+                   help=f"tokens per KV block ({span('block_size')}; default %(default)s)")
+    p.add_argument("--num-blocks", type=int, default=d.num_blocks,
+                   help=f"blocks in the pool ({span('num_blocks')}; default %(default)s)")
+    p.add_argument("--seed", type=int, default=d.seed,
+                   help=f"random seed of the prompts, lengths and acceptances ({span('seed')}; default %(default)s)")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.set_defaults(func=_main)
 

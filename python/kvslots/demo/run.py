@@ -233,16 +233,22 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--method", choices=["draft_model", "eagle", "eagle3"], default="draft_model",
                    help="speculative method; draft_model uses the target itself (100%% acceptance), "
-                        "the tiny random EAGLE heads accept almost nothing")
-    p.add_argument("-k", type=int, default=3, help="draft tokens per step (1-64)")
-    p.add_argument("--requests", type=int, default=4, help="requests sharing the prefix (1-1000)")
+                        "the tiny random EAGLE heads accept almost nothing (default %(default)s)")
+    p.add_argument("-k", type=int, default=3, help="draft tokens per step ([1, 64]; default %(default)s)")
+    p.add_argument("--requests", type=int, default=4,
+                   help="requests sharing the prefix ([1, 1000]; default %(default)s)")
     p.add_argument("--prefix-len", type=int, default=320,
-                   help=f"tokens of the shared prefix (with --max-tokens, at most {MAX_MODEL_LEN - SUFFIX_LEN})")
-    p.add_argument("--max-tokens", type=int, default=32, help="tokens generated per request (>= 1)")
-    p.add_argument("--host-cache-gb", type=float, default=0.25, help="host-memory tier in GiB")
-    p.add_argument("--cache-dir", default=os.path.join(os.path.expanduser("~"), ".cache", "kvslots", "tiny-models"))
-    p.add_argument("--timeout", type=float, default=900, help="seconds to wait for the server (> 0)")
-    p.add_argument("--seed", type=int, default=0)
+                   help=f"tokens of the shared prefix (with --max-tokens, at most {MAX_MODEL_LEN - SUFFIX_LEN}; "
+                        "default %(default)s)")
+    p.add_argument("--max-tokens", type=int, default=32,
+                   help="tokens generated per request (>= 1; default %(default)s)")
+    p.add_argument("--host-cache-gb", type=float, default=0.25,
+                   help="host-memory tier in GiB (default %(default)s)")
+    p.add_argument("--cache-dir", default=os.path.join(os.path.expanduser("~"), ".cache", "kvslots", "tiny-models"),
+                   help="directory the tiny models are built in once and reused from (default %(default)s)")
+    p.add_argument("--timeout", type=float, default=900,
+                   help="seconds to wait for the server (> 0; default %(default)s)")
+    p.add_argument("--seed", type=int, default=0, help="random seed of the prompts (default %(default)s)")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.add_argument("--verbose", action="store_true", help="show the server's output")
     p.set_defaults(func=_show)

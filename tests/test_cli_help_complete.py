@@ -1,0 +1,56 @@
+"""Every option of the kvslots commands kept here (simulate, convert-config, serve, demo) says
+in --help what it does, and one with a default says that default: kvslots simulate's
+--requests, --block-size, --num-blocks and --seed and kvslots demo's --cache-dir and --seed had
+no help at all, and neither command showed a default (nor simulate the bounds its errors
+state)."""
+
+from __future__ import annotations
+
+import argparse
+import re
+
+import pytest
+
+from kvslots import cli
+from kvslots._dev.simulate import _INT_FIELDS, SimConfig
+
+COMMANDS = ["simulate", "convert-config", "serve", "demo"]
+
+
+def _subparser(name: str) -> argparse.ArgumentParser:
+    parser = cli.build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return sub.choices[name]
+
+
+def _options(name: str):
+    return [a for a in _subparser(name)._actions if a.option_strings and not isinstance(a, argparse._HelpAction)]
+
+
+@pytest.mark.parametrize("name", COMMANDS)
+def test_every_option_has_help_and_shows_its_default(name):
+    text = " ".join(_subparser(name).format_help().split())  # as printed, lines joined
+    for action in _options(name):
+        assert action.help and action.help != argparse.SUPPRESS, f"{name} {action.option_strings[0]}: no help"
+        if action.default in (None, False):
+            continue
+        shown = f"{action.default:g}" if isinstance(action.default, float) else str(action.default)
+        # "(default 15)", or a choice's own words ending "(default)": "flags: vllm serve arguments (default)"
+        assert f"default {shown}" in text or re.search(rf"\b{re.escape(shown)}\b[^;]*\(default\)", text), \
+            f"{name} {action.option_strings[0]}: default {shown} not in its help"
+
+
+def test_simulate_states_the_bounds_it_enforces():
+    text = " ".join(_subparser("simulate").format_help().split())
+    shown = {"requests": "[0, 100000]", "batch": "[1, 4096]", "lookahead": "[0, 64]", "block_size": "[1, 4096]",
+             "num_blocks": "[1, 2**24]", "seed": "[0, 2**64-1]"}
+    bounds = {name: (lo, hi) for name, lo, hi in _INT_FIELDS}
+    for name, words in shown.items():
+        assert words in text, name
+        lo, hi = bounds[name]
+        SimConfig(**{name: lo})  # only checked, not run
+        SimConfig(**{name: hi})
+        with pytest.raises(Exception):
+            SimConfig(**{name: hi + 1})
+        with pytest.raises(Exception):
+            SimConfig(**{name: lo - 1})
