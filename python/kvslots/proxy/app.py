@@ -43,6 +43,7 @@ import httpx
 import msgspec
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import TypeAdapter
 
 from ..config.loader import MAX_DEPTH, loads_strict_json
 from ..events._ratelog import RateLimitedLog
@@ -398,6 +399,20 @@ def _token_ids(body: dict[str, Any]) -> list[int] | msgspec.Raw | None:
     if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
         return prompt
     return None
+
+
+_STREAM = TypeAdapter(bool | None)
+
+
+def _streams(body: dict[str, Any]) -> bool:
+    """Whether the decode worker streams its answer: ``stream`` as vLLM reads it (``bool | None``
+    under pydantic's lax rules: "false", "0", "off" are False, "yes" and 1 True; a value it
+    refuses is its 400, not streamed). Read by truth, "false" took the stream path for an answer
+    vLLM sent whole, unbounded by ``--timeout`` in all."""
+    try:
+        return _STREAM.validate_python(body.get("stream")) is True
+    except ValueError:  # pydantic's ValidationError
+        return False
 
 
 def _why(e: Exception) -> str:
@@ -819,7 +834,7 @@ def create_app(prefill_urls: Sequence[str], decode_workers: Sequence[DecodeWorke
         decode_req, worker, headers = picked
         state["disaggregated" if headers["x-kvslots-pd"] == "disaggregated" else "recomputed"] += 1
         url = f"{worker.url.rstrip('/')}{path}"
-        if body.get("stream"):
+        if _streams(body):
             # Watched as the prefill is: a client gone before the decode worker's head came (queued
             # in vLLM) kept its decode running, and its place (--max-requests-per-client), till then.
             try:
@@ -956,7 +971,7 @@ def create_app(prefill_urls: Sequence[str], decode_workers: Sequence[DecodeWorke
         doc = await _off_loop(_request_doc, raw) if big else _request_doc(raw)
         if not isinstance(doc, dict):
             return JSONResponse({"error": doc}, status_code=400)
-        if doc.get("stream"):  # a client that closes (or half-closes) has gone: its backend requests end
+        if _streams(doc):  # a client that closes (or half-closes) has gone: its backend requests end
             eof_is_disconnect(request.scope)
         else:  # a closed client is told from a half-closed one (answered) by a 100 Continue
             probe_eof(request.scope)
