@@ -124,6 +124,8 @@ def test_the_command_takes_the_key_from_the_flag_or_the_environment(capsys, star
     assert _cli(capsys, ["--backend-api-key", "k1"])[0] == 0 and started["app"]["backend_api_key"] == "k1"
     monkeypatch.setenv("KVSLOTS_BACKEND_API_KEY", "k2")
     assert _cli(capsys, [])[0] == 0 and started["app"]["backend_api_key"] == "k2"
+    monkeypatch.setenv("KVSLOTS_BACKEND_API_KEY", "")  # set empty: as unset (not a refused key)
+    assert _cli(capsys, [])[0] == 0 and started["app"]["backend_api_key"] is None
 
 
 def test_a_bad_key_is_one_line_exit_2(capsys, started):

@@ -28,7 +28,8 @@ def _statuses(names: list[dict[str, str]], **kw) -> list[int]:
         first = asyncio.ensure_future(c.post("/v1/completions", json={"prompt": "hi"}, headers=names[0]))
         await _until(lambda: held.held == 1, "the first request never reached the worker")
         rest = [asyncio.ensure_future(c.post("/v1/completions", json={"prompt": "hi"}, headers=h)) for h in names[1:]]
-        await _until(lambda: held.held + sum(r.done() for r in rest) == len(names), "requests neither held nor answered")
+        await _until(lambda: held.held + sum(r.done() for r in rest) == len(names),
+                     "requests neither held nor answered")
         held.go.set()
         return [r.status_code for r in await asyncio.gather(first, *rest)]
 

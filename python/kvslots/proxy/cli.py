@@ -118,7 +118,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="most completions one client address may have in flight at once; one more is answered "
                         "429 with Retry-After (default: --backend-connections less a quarter, so one client "
                         "cannot take every backend connection; 0: no limit)")
-    p.add_argument("--backend-api-key", metavar="KEY", default=os.environ.get(API_KEY_ENV),
+    p.add_argument("--backend-api-key", metavar="KEY", default=os.environ.get(API_KEY_ENV) or None,  # "": unset
                    help="send 'Authorization: Bearer KEY' to the prefill and decode workers (their vLLM --api-key) "
                         "instead of the client's Authorization header, which is passed on without it (default: "
                         f"${API_KEY_ENV}, which keeps the key out of the process list)")
