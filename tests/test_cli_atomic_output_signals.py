@@ -101,3 +101,34 @@ def test_the_handlers_are_restored_and_a_programs_own_is_called(tmp_path, monkey
     cli.write_file(str(dest), "new text\n")  # and an ordinary write still replaces it
     assert dest.read_bytes() == b"new text\n"
     assert {s: signal.getsignal(s) for s in before} == before
+
+
+# A signal taken by another thread (any thread not holding it may take one sent to the process):
+# its Python handler runs in the main thread at the next chance, here just after the temporary
+# file is made, before write_file had noted it as its own (it was left behind).
+CHILD_THREAD = """
+import os, signal, sys, threading, time
+from kvslots import cli
+other = threading.Thread(target=time.sleep, args=(60,), daemon=True)
+other.start()
+real = os.open
+def made(path, flags, *rest):
+    fd = real(path, flags, *rest)
+    if ".kvslots-" in path:
+        signal.pthread_kill(other.ident, signal.SIGTERM)
+        time.sleep(0.5)  # the handler runs as this returns
+    return fd
+os.open = made
+cli.write_file(sys.argv[1], "new text\\n")
+print("not ended", flush=True)
+"""
+
+
+def test_a_signal_taken_by_another_thread_as_the_file_is_made(tmp_path):
+    dest = tmp_path / "flags.txt"
+    dest.write_bytes(OLD)
+    proc = subprocess.run([sys.executable, "-c", CHILD_THREAD, str(dest)], stdin=subprocess.DEVNULL,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == -signal.SIGTERM, (proc.stdout, proc.stderr)
+    assert dest.read_bytes() == OLD
+    assert os.listdir(tmp_path) == ["flags.txt"]

@@ -325,12 +325,17 @@ def _write_replacing(target: str, data: bytes, st: os.stat_result | None) -> boo
                 try:
                     # A new file: 0o666, the umask applies, as to open(path, "w"). Over an
                     # existing one: 0o600 until it has that file's mode, never more open than
-                    # the file it replaces. Signals held: the file is ours to remove (guard.path)
-                    # from the moment it exists, whenever a signal comes.
+                    # the file it replaces. Noted as ours to remove (guard.path) before it exists,
+                    # signals held meanwhile (another thread may take one for the process, its
+                    # handler then runs here), so that no signal falls between.
                     with _signals_held():
-                        guard.fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC,
-                                           0o666 if st is None else 0o600)
                         guard.path = tmp
+                        try:
+                            guard.fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC,
+                                               0o666 if st is None else 0o600)
+                        except BaseException:
+                            guard.path = None  # not made (a FileExistsError: another's, never removed)
+                            raise
                     break
                 except FileExistsError:  # another's: never removed
                     continue
