@@ -199,7 +199,9 @@ class _BrokenStream(httpx.AsyncByteStream):
         raise httpx.ReadError("connection reset")
 
 
-def test_stream_broken_off_by_the_decode_worker_ends_the_stream():
+def test_stream_broken_off_by_the_decode_worker_is_counted():
+    # What reached the client before the break is passed on; that the stream is left unfinished
+    # (no last chunk) is tests/test_proxy_stream_broken_off.py's, through a real server.
     def backend(request: httpx.Request) -> httpx.Response:
         if request.url.host.startswith("prefill"):
             return httpx.Response(200, json={"kv_transfer_params": PARAMS})
