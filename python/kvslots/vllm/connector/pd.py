@@ -6,7 +6,11 @@ runs its prompt (``max_tokens`` 1). When it finishes, :meth:`PDScheduler.request
 its blocks (returns True) and answers with the parameters the decode worker needs::
 
     {"do_remote_prefill": true, "remote_engine_id", "remote_host", "remote_port",
-     "remote_block_ids", "remote_block_size", "num_tokens"}
+     "remote_block_ids", "remote_block_size", "num_tokens", "remote_hold"}
+
+``remote_hold`` ([producer life, hold number]) comes back with the consumer's ``done``: the
+producer tells an ack for a hold that came and went (acked already, or timed out and forgotten)
+from an early one, with no list of past holds to keep.
 
 The blocks hold the prompt's KV in every registered layer: the target's and the drafter's (vLLM
 registers the EAGLE / draft model layers with the connector like any other attention layer).
@@ -42,6 +46,7 @@ from __future__ import annotations
 
 import logging
 import math
+import secrets
 from collections import OrderedDict, deque
 import threading
 import time
@@ -89,6 +94,8 @@ class RecvSpec:
     remote_port: int
     remote_block_ids: list[int]
     local_block_ids: list[int]
+    #: The hand-off's ``remote_hold`` (producer life, hold number), sent back with the ack.
+    remote_hold: tuple[int, int] | None = None
 
 
 @dataclass
@@ -105,9 +112,26 @@ class PDStepMeta:
     holds: dict[str, float] = field(default_factory=dict)
     #: consumer: reads to start (or releases, with no blocks)
     recvs: list[RecvSpec] = field(default_factory=list)
+    #: producer: the number of each hold (its hand-off's ``remote_hold``), increasing
+    hold_seqs: dict[str, int] = field(default_factory=dict)
+    #: producer: this producer's life (random, made at start; sent in the first step's metadata
+    #: and with every hold), 0: not told
+    hold_epoch: int = 0
 
     def __bool__(self) -> bool:
-        return bool(self.holds or self.recvs)
+        return bool(self.holds or self.recvs or self.hold_epoch)
+
+
+#: A hold number or producer life: a positive int msgpack carries.
+_HOLD_MAX = (1 << 63) - 1
+
+
+def _hold(v: Any) -> tuple[int, int] | None:
+    """``remote_hold`` as (life, number), or None when it is not two ints in 1..2**63-1."""
+    if (isinstance(v, (list, tuple)) and len(v) == 2
+            and all(isinstance(x, int) and not isinstance(x, bool) and 0 < x <= _HOLD_MAX for x in v)):
+        return int(v[0]), int(v[1])
+    return None
 
 
 def parse_remote_params(params: Any, num_prompt_tokens: int | None = None) -> dict[str, Any] | None:
@@ -137,6 +161,11 @@ def parse_remote_params(params: Any, num_prompt_tokens: int | None = None) -> di
         if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
             raise bad(key)
         out[key] = v
+    # Absent from an older producer's hand-off: its ack is then taken as before.
+    if "remote_hold" in params and params["remote_hold"] is not None:
+        out["remote_hold"] = _hold(params["remote_hold"])
+        if out["remote_hold"] is None:
+            raise bad("remote_hold")
     ids = params.get("remote_block_ids")
     if not isinstance(ids, list) or not ids or len(ids) > 1 << 24:
         raise bad("remote_block_ids")
@@ -165,6 +194,10 @@ class PDScheduler:
         self._matched: dict[str, tuple[int, dict[str, Any]]] = {}  # req -> (local hit tokens, params)
         self._recvs: list[RecvSpec] = []
         self._holds: dict[str, float] = {}
+        self._hold_seqs: dict[str, int] = {}
+        self._hold_epoch = secrets.randbits(62) + 1  # this life's: a restarted producer's differs
+        self._hold_seq = 0
+        self._epoch_sent = False
         self.stats = {"remote_prefills": 0, "remote_tokens": 0, "bad_params": 0, "holds": 0}
 
     # ---- consumer ----
@@ -228,7 +261,7 @@ class PDScheduler:
 
     def _spec(self, req_id: str, p: dict[str, Any], remote: list[int], local: list[int]) -> RecvSpec:
         return RecvSpec(req_id, p["remote_request_id"], p["remote_engine_id"], p["remote_host"], p["remote_port"],
-                        remote, local)
+                        remote, local, p.get("remote_hold"))
 
     def _release_if_known(self, req_id: str, params: Any) -> None:
         # A hand-off we cannot use still names a producer holding blocks: tell it to free them.
@@ -236,7 +269,8 @@ class PDScheduler:
                 params.get("remote_port"), int) and isinstance(params.get("remote_request_id"), str):
             engine = params.get("remote_engine_id")  # not used by a release: not made text whatever it is
             self._recvs.append(RecvSpec(req_id, params["remote_request_id"], engine if isinstance(engine, str) else "",
-                                        params["remote_host"], params["remote_port"], [], []))
+                                        params["remote_host"], params["remote_port"], [], [],
+                                        _hold(params.get("remote_hold"))))
 
     # ---- producer ----
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
@@ -254,6 +288,8 @@ class PDScheduler:
         if request.status != RequestStatus.FINISHED_LENGTH_CAPPED or not block_ids:
             return False, None  # aborted or stopped early: nothing for a decode worker
         self._holds[request.request_id] = self.timeout_s
+        self._hold_seq += 1
+        self._hold_seqs[request.request_id] = self._hold_seq
         self.stats["holds"] += 1
         logger.debug("kvslots P/D: request %s: holding %d blocks for a decode worker", request.request_id,
                      len(block_ids))
@@ -267,17 +303,22 @@ class PDScheduler:
             "remote_block_ids": [int(b) for b in block_ids],
             "remote_block_size": self.block_size,
             "num_tokens": len(request.prompt_token_ids or ()),
+            "remote_hold": [self._hold_epoch, self._hold_seq],
         }
 
     def build(self) -> PDStepMeta | None:
-        if not self._recvs and not self._holds:
+        # The first step tells the worker this life's number, before any hand-off can be acked.
+        first = self.producer and not self._epoch_sent
+        if not self._recvs and not self._holds and not first:
             return None
-        meta = PDStepMeta(holds=self._holds, recvs=self._recvs)
-        self._holds, self._recvs = {}, []
+        self._epoch_sent = True
+        meta = PDStepMeta(holds=self._holds, recvs=self._recvs, hold_seqs=self._hold_seqs,
+                          hold_epoch=self._hold_epoch if self.producer else 0)
+        self._holds, self._recvs, self._hold_seqs = {}, [], {}
         return meta
 
     def has_pending(self) -> bool:
-        return bool(self._recvs or self._holds)
+        return bool(self._recvs or self._holds or (self.producer and not self._epoch_sent))
 
 
 class PDWorker:
@@ -303,6 +344,8 @@ class PDWorker:
         self._early_acks: OrderedDict[str, float] = OrderedDict()  # acks that came before the hold's metadata
         # Holds that timed out, oldest first, for the late consumer's ack (answered held: False).
         self._expired: OrderedDict[str, None] = OrderedDict()
+        self._hold_epoch = 0  # this producer's life (from the scheduler's first step), 0: not told yet
+        self._hold_seen = 0  # the highest hold number whose metadata came: every lower one came too
         self._sending_done: set[str] = set()
         self._recving_done: set[str] = set()
         self._recving_failed: set[str] = set()
@@ -316,7 +359,7 @@ class PDWorker:
         self._running = {"live": 0, "new": 0, "failing": 0}
         self._closing = False
         self.stats = {"pulled_blocks": 0, "pulled_bytes": 0, "failed_pulls": 0, "acks": 0, "bad_acks": 0,
-                      "expired": 0}
+                      "expired": 0, "unknown_acks": 0}
 
     # ---- set-up ----
     def register(self, kv_caches: dict[str, Any], num_blocks: int) -> None:
@@ -351,6 +394,7 @@ class PDWorker:
                 with self._lock:
                     self.stats["bad_acks"] += 1
                 raise ValueError(f"done: req of {len(req)} characters (at most {MAX_ID_CHARS})")
+            hold = _hold(msg.get("hold"))  # None from a consumer that does not send it
             now = time.monotonic()
             with self._lock:
                 self.stats["acks"] += 1
@@ -360,6 +404,14 @@ class PDWorker:
                 if req in self._held:
                     del self._held[req]
                     self._sending_done.add(req)
+                elif hold is not None and (hold[0] != self._hold_epoch or hold[1] <= self._hold_seen):
+                    # Not held and not early: its hold's metadata came (holds come in number
+                    # order) and went (acked already, or timed out and forgotten past
+                    # MAX_EXPIRED), or it is of another life of this producer (restarted; the
+                    # first step tells the life before any hand-off can exist). Answered held
+                    # before: the consumer used blocks the producer had freed.
+                    self.stats["unknown_acks"] += 1
+                    return {"held": False, "unknown": True}
                 else:  # the hold's metadata is not here yet: vLLM still holds the blocks
                     self._early_acks[req] = now
                     self._early_acks.move_to_end(req)  # oldest first, for the trims below
@@ -373,6 +425,12 @@ class PDWorker:
     def on_step(self, meta: PDStepMeta | None) -> None:
         if meta is None:
             return
+        if meta.hold_epoch:
+            with self._lock:
+                if meta.hold_epoch != self._hold_epoch:
+                    self._hold_epoch, self._hold_seen = meta.hold_epoch, 0
+                if meta.hold_seqs:
+                    self._hold_seen = max(self._hold_seen, max(meta.hold_seqs.values()))
         if meta.holds:
             now = time.monotonic()
             with self._lock:
@@ -519,8 +577,10 @@ class PDWorker:
         try:
             if answered is False:
                 raise TransferError("not tried: the hello got no answer", details={"kind": "timeout"})
-            reply = control_call(spec.remote_host, spec.remote_port, {"op": "done", "req": spec.remote_req_id},
-                                 timeout_s=self.control_timeout_s)
+            ack: dict[str, Any] = {"op": "done", "req": spec.remote_req_id}
+            if spec.remote_hold is not None:
+                ack["hold"] = list(spec.remote_hold)
+            reply = control_call(spec.remote_host, spec.remote_port, ack, timeout_s=self.control_timeout_s)
             answered = True
             if spec.local_block_ids and not reply.get("held", False):
                 ok = False
