@@ -26,18 +26,18 @@ def test_cli_json(capsys):
 
 
 @pytest.mark.parametrize("argv, problem", [
-    (["--batch", "0"], "batch must be in [1, 4096], got 0"),  # was a hang: nothing was ever admitted
-    (["--batch", "-1"], "batch must be in"),
-    (["--seed", "-1"], "seed must be in [0, 2**64-1], got -1"),  # was numpy's ValueError
-    (["--seed", str(2**64)], "seed must be in"),
-    (["--requests", "-1"], "requests must be in"),
-    (["--lookahead", "-1"], "lookahead must be in"),
-    (["--lookahead", "65"], "lookahead must be in"),
-    (["--acceptance", "nan"], "acceptance must be a finite number"),
-    (["--acceptance", "1.5"], "acceptance must be <= 1"),
-    (["--block-size", "0"], "block_size must be in"),
-    (["--num-blocks", "0"], "num_blocks must be in"),
-    (["--num-blocks", str(2**40)], "num_blocks must be in"),
+    (["--batch", "0"], "error: --batch must be in [1, 4096], got 0"),  # was a hang: nothing was ever admitted
+    (["--batch", "-1"], "error: --batch must be in"),
+    (["--seed", "-1"], "error: --seed must be in [0, 2**64-1], got -1"),  # was numpy's ValueError
+    (["--seed", str(2**64)], "error: --seed must be in"),
+    (["--requests", "-1"], "error: --requests must be in"),
+    (["--lookahead", "-1"], "error: --lookahead/-k must be in"),
+    (["-k", "65"], "error: --lookahead/-k must be in"),
+    (["--acceptance", "nan"], "error: --acceptance must be a finite number"),
+    (["--acceptance", "1.5"], "error: --acceptance must be <= 1"),
+    (["--block-size", "0"], "error: --block-size must be in"),  # named as the flag, not the field
+    (["--num-blocks", "0"], "error: --num-blocks must be in"),
+    (["--num-blocks", str(2**40)], "error: --num-blocks must be in"),
     (["--num-blocks", "10"], "num_blocks 10 is too small"),  # a request that cannot finish alone looped forever
     (["--num-blocks", "1"], "out of blocks"),
 ])

@@ -258,7 +258,18 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_main)
 
 
+#: The flag each of SimConfig's fields is given by on the command line.
+_FLAGS = {"requests": "--requests", "batch": "--batch", "lookahead": "--lookahead/-k", "acceptance": "--acceptance",
+          "block_size": "--block-size", "num_blocks": "--num-blocks", "seed": "--seed"}
+
+
 def _main(args: argparse.Namespace) -> int:
+    # Checked here under the flags' names, as argparse names them (SimConfig's errors named its
+    # fields: 'block_size must be in [1, 4096]' for --block-size 0).
+    for name, lo, hi in _INT_FIELDS:
+        if name in _FLAGS:
+            _args.integer(getattr(args, name), _FLAGS[name], lo, hi)
+    _args.number(args.acceptance, _FLAGS["acceptance"], 0.0, 1.0)
     cfg = SimConfig(requests=args.requests, batch=args.batch, lookahead=args.lookahead,
                     acceptance=args.acceptance, block_size=args.block_size,
                     num_blocks=args.num_blocks, seed=args.seed)
