@@ -40,12 +40,17 @@ timeout (which the consumer caps at ``pd_timeout_s``) plus twice the control tim
 contact with a producer is probed first and fails after 10 s or ``pd_timeout_s``, whichever is
 shorter (Mooncake's own hand-shake would wait 60 s; see ``pd/transport.py``). The producer frees
 every held block at ack or timeout.
+
+The control channel is authenticated when the workers share a secret, in the environment
+variable ``KVSLOTS_PD_SECRET`` (or the one ``pd_secret_env`` names): see
+:mod:`kvslots.vllm.pd.control`.
 """
 
 from __future__ import annotations
 
 import logging
 import math
+import os
 import secrets
 from collections import OrderedDict, deque
 import threading
@@ -326,7 +331,10 @@ class PDWorker:
     producer's control server and held requests, the consumer's background pulls."""
 
     def __init__(self, *, engine_id: str, host: str, port: int, block_size: int, model: str, timeout_s: float,
-                 producer: bool, consumer: bool, control_timeout_s: float = 10.0):
+                 producer: bool, consumer: bool, control_timeout_s: float = 10.0, secret: bytes | None = None):
+        from ..pd.control import _secret
+
+        self._secret = _secret(secret)  # the control channel's shared secret (None: not authenticated)
         self.engine_id = engine_id
         self.host = host
         self.port = port
@@ -375,7 +383,7 @@ class PDWorker:
         if self.producer:
             from ..pd.control import ControlServer
 
-            self._server = ControlServer(self.host, self.port, self._handle)
+            self._server = ControlServer(self.host, self.port, self._handle, secret=self._secret)
         logger.info("kvslots P/D worker (%s%s): %d segments (%d layers incl. draft), %d bytes per block, "
                     "Mooncake session %s", "producer" if self.producer else "", " consumer" if self.consumer else "",
                     len(self.layout.segments), len(kv_caches), self.layout.bytes_per_block, self.transport.session_id)
@@ -527,7 +535,8 @@ class PDWorker:
         key = (spec.remote_host, spec.remote_port)
         info = self._peers.get(key)
         if info is None or info["engine_id"] != spec.remote_engine_id:  # first time, or a restarted producer
-            info = control_call(spec.remote_host, spec.remote_port, {"op": "hello"}, timeout_s=self.control_timeout_s)
+            info = control_call(spec.remote_host, spec.remote_port, {"op": "hello"}, timeout_s=self.control_timeout_s,
+                                secret=self._secret)
             info["layout_obj"] = BlockLayout.from_wire(info.get("layout"))
             self._peers[key] = info
         if info.get("engine_id") != spec.remote_engine_id:
@@ -580,7 +589,8 @@ class PDWorker:
             ack: dict[str, Any] = {"op": "done", "req": spec.remote_req_id}
             if spec.remote_hold is not None:
                 ack["hold"] = list(spec.remote_hold)
-            reply = control_call(spec.remote_host, spec.remote_port, ack, timeout_s=self.control_timeout_s)
+            reply = control_call(spec.remote_host, spec.remote_port, ack, timeout_s=self.control_timeout_s,
+                                 secret=self._secret)
             answered = True
             if spec.local_block_ids and not reply.get("held", False):
                 ok = False
@@ -659,7 +669,36 @@ def make_pd(vllm_config: Any, kv_cache_config: Any, is_scheduler: bool, cfg: Any
                            timeout_s=cfg.pd_timeout_s, producer=producer, consumer=consumer), None
     return None, PDWorker(engine_id=engine_id, host=cfg.pd_host, port=port, block_size=block_size,
                           model=_model_key(vllm_config), timeout_s=cfg.pd_timeout_s, producer=producer,
-                          consumer=consumer)
+                          consumer=consumer, secret=pd_secret(getattr(cfg, "pd_secret_env", None)))
+
+
+#: The environment variable holding the P/D control channel's shared secret, unless the extra
+#: config's ``pd_secret_env`` names another. An environment variable, not a config value: vLLM
+#: logs its whole kv_transfer_config at start.
+SECRET_ENV = "KVSLOTS_PD_SECRET"
+
+
+def pd_secret(env: str | None = None) -> bytes | None:
+    """The shared secret from the environment variable ``env`` (:data:`SECRET_ENV` when None),
+    or None when it is unset or empty; one too short is a ConnectorConfigError."""
+    from ...config.connector import ConnectorConfigError
+    from ..pd.control import MIN_SECRET_BYTES
+
+    name = SECRET_ENV if env is None else env
+    try:
+        if not isinstance(name, str) or not name or "=" in name or "\0" in name:
+            raise ValueError
+        key = os.fsencode(name)
+    except (ValueError, UnicodeError):  # UnicodeEncodeError: a lone surrogate
+        raise ConnectorConfigError(f"kv_connector_extra_config.pd_secret_env={short_repr(env)}: the name of an "
+                                   "environment variable") from None
+    value = os.environb.get(key, b"")  # its bytes as given, whatever the locale
+    if not value:
+        return None
+    if len(value) < MIN_SECRET_BYTES:
+        raise ConnectorConfigError(f"the P/D secret in ${name} has {len(value)} bytes; at least {MIN_SECRET_BYTES} "
+                                   "(e.g. python -c 'import secrets; print(secrets.token_urlsafe(32))')")
+    return value
 
 
 def _model_key(vllm_config: Any) -> str:

@@ -20,10 +20,22 @@ one connection streaming frames that never end held gigabytes after seconds.)
 
 Every client call has a timeout and a fresh connection per attempt, so a dead or restarted peer
 gives a :class:`~kvslots.errors.TransferError` (kind ``"peer"`` / ``"timeout"``), never a hang.
+
+Authentication (optional, off by default as in vLLM's own NixlConnector, P2pNcclConnector and
+MooncakeConnector, whose side channels trust their network). With a shared ``secret`` on both
+ends, each request's msgpack is preceded by its HMAC-SHA256 (:data:`TAG_BYTES`) under the
+secret, and each reply's by the HMAC of the request's tag and the reply: a server answers a
+request whose tag does not match (checked with :func:`hmac.compare_digest`) with an error and
+never acts on it; a caller takes no reply whose tag does not match. A captured request can be
+sent again (no clock is shared): a ``done`` acts once, a ``hello`` discloses nothing secret.
+A server with no secret on an address other than loopback says so in one warning at start.
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
+import ipaddress
 import logging
 import os
 import selectors
@@ -59,6 +71,31 @@ MAX_REPLY_BYTES = 16 << 20
 MAX_CONNECTIONS = 64
 #: Seconds a connection has from its accept to deliver its request and take its reply.
 REQUEST_DEADLINE_S = 10.0
+#: Bytes of the HMAC-SHA256 tag before each message when a secret is set.
+TAG_BYTES = 32
+#: Shortest secret taken (bytes): a shorter one is guessed.
+MIN_SECRET_BYTES = 16
+#: An unauthenticated request is logged at most this often (a scanner sends many).
+_REFUSED_LOG_S = 60.0
+
+
+def _secret(secret: Any) -> bytes | None:
+    if secret is None:
+        return None
+    if not isinstance(secret, (bytes, bytearray)):
+        raise ArgumentTypeError(f"secret must be bytes or None, got {type(secret).__name__}")
+    if len(secret) < MIN_SECRET_BYTES:
+        raise InvalidArgumentError(f"secret must be at least {MIN_SECRET_BYTES} bytes, got {len(secret)}")
+    return bytes(secret)
+
+
+def _request_tag(secret: bytes, body: bytes) -> bytes:
+    return hmac.new(secret, b"kvslots-pd-request\0" + body, hashlib.sha256).digest()
+
+
+def _reply_tag(secret: bytes, request_tag: bytes, body: bytes) -> bytes:
+    # Bound to its request: a reply captured for one request is no reply to another.
+    return hmac.new(secret, b"kvslots-pd-reply\0" + request_tag + body, hashlib.sha256).digest()
 
 
 class _Conn:
@@ -73,15 +110,20 @@ class _Conn:
 
 class ControlServer:
     """Answers control requests on TCP ``host:port`` with ``handler(msg) -> reply`` on its own
-    thread. ``port`` 0 picks a free port (see :attr:`port`)."""
+    thread. ``port`` 0 picks a free port (see :attr:`port`). With ``secret`` (bytes, at least
+    :data:`MIN_SECRET_BYTES`) only requests tagged with it are acted on (see the module)."""
 
-    def __init__(self, host: str, port: int, handler: Callable[[dict[str, Any]], dict[str, Any]]):
+    def __init__(self, host: str, port: int, handler: Callable[[dict[str, Any]], dict[str, Any]], *,
+                 secret: bytes | None = None):
         # Checked before a socket exists: a lone surrogate in host was a UnicodeEncodeError that
         # left the socket open, a port of -1 or 2**70 was "bound", a handler no callable killed
         # the serving thread at the first request.
         host = _host(host)
         port = integer(port, "port", 0, 65535)
         handler = cast(Callable[[dict[str, Any]], dict[str, Any]], callback(handler, "handler"))
+        self._secret = _secret(secret)
+        self.refused = 0  # requests not authenticated
+        self._refused_told_at = float("-inf")
         try:
             family, kind, proto, _, addr = socket.getaddrinfo(None if host == "*" else host, port,
                                                               type=socket.SOCK_STREAM,
@@ -107,6 +149,10 @@ class ControlServer:
             raise
         self.host = host
         self._handler = handler
+        if self._secret is None and not _loopback(self._sock.getsockname()[0]):
+            logger.warning("kvslots P/D control channel on %s:%d is not authenticated: anyone who reaches it can "
+                           "release this worker's held blocks; set a shared secret (KVSLOTS_PD_SECRET on every "
+                           "worker) or keep the network private", host, self.port)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._serve, name="kvslots-pd-control", daemon=True)
         self._thread.start()
@@ -201,12 +247,27 @@ class ControlServer:
         return True
 
     def _answer(self, payload: bytes) -> bytes:
+        if self._secret is not None:
+            tag, body = payload[:TAG_BYTES], payload[TAG_BYTES:]
+            if len(tag) < TAG_BYTES or not hmac.compare_digest(tag, _request_tag(self._secret, body)):
+                self.refused += 1
+                now = time.monotonic()
+                if now - self._refused_told_at >= _REFUSED_LOG_S:
+                    self._refused_told_at = now
+                    logger.warning("kvslots P/D control channel: %d request(s) not authenticated refused (another "
+                                   "secret or none on the caller)", self.refused)
+                return _ENC.encode({"error": "not authenticated (the P/D secret differs, or the caller has none)"})
+            reply = self._reply(body)
+            return _reply_tag(self._secret, tag, reply) + reply
+        return self._reply(payload)
+
+    def _reply(self, payload: bytes) -> bytes:
         try:
             msg = _DEC.decode(payload)
             if not isinstance(msg, dict):
                 raise TypeError("not a map")
             reply = _ENC.encode(self._handler(msg))
-            if len(reply) > MAX_REPLY_BYTES:
+            if len(reply) > MAX_REPLY_BYTES - TAG_BYTES:  # room for a tag
                 raise ValueError(f"reply of {len(reply)} bytes, over the {MAX_REPLY_BYTES} a caller reads")
         except Exception as e:  # a bad request must not stop the server
             # Encoded in here too: a reply msgpack cannot encode (a handler's bug) ended this
@@ -217,6 +278,13 @@ class ControlServer:
     def close(self) -> None:
         self._stop.set()
         self._thread.join(5)
+
+
+def _loopback(addr: str) -> bool:
+    try:
+        return ipaddress.ip_address(addr.split("%")[0]).is_loopback
+    except ValueError:
+        return False
 
 
 def _hung_up(sock: socket.socket) -> bool:
@@ -252,19 +320,23 @@ def _host(host: Any) -> str:
     return host
 
 
-def control_call(host: str, port: int, msg: dict[str, Any], *, timeout_s: float, retries: int = 1) -> dict[str, Any]:
+def control_call(host: str, port: int, msg: dict[str, Any], *, timeout_s: float, retries: int = 1,
+                 secret: bytes | None = None) -> dict[str, Any]:
     """Sends ``msg`` to a :class:`ControlServer` and returns its reply; a
     :class:`~kvslots.errors.TransferError` when no reply comes within ``timeout_s`` (per try) or
     the reply is an error. Checked before anything is sent: ``timeout_s`` and ``retries``
     (:class:`~kvslots.errors.InvalidArgumentError`), ``msg`` a dict
     (:class:`~kvslots.errors.ArgumentTypeError`); a host, port or msg content that cannot reach
     a server (they come from the peer's hand-off, ``kv_transfer_params``) is a TransferError
-    (kind ``"peer"``), as a peer that does not answer is."""
+    (kind ``"peer"``), as a peer that does not answer is. With
+    ``secret`` the request is tagged and a reply not tagged with it is a TransferError (kind
+    ``"peer"``)."""
     # Checked first: a negative timeout_s was ZMQ's "wait forever" (a hang), NaN, inf or None a
     # builtin ValueError, OverflowError or TypeError, a msg msgpack cannot encode a TypeError or
     # UnicodeEncodeError, one over the server's cap waited out every try unanswered.
     timeout_s = number(timeout_s, "timeout_s", positive=True, hi=MAX_TIMEOUT_S)
     retries = integer(retries, "retries", 0, MAX_RETRIES)
+    secret = _secret(secret)
     if not isinstance(msg, dict):
         raise ArgumentTypeError(f"msg must be a dict, got {type(msg).__name__}")
     try:
@@ -282,6 +354,10 @@ def control_call(host: str, port: int, msg: dict[str, Any], *, timeout_s: float,
         # in a hand-off's host or request id, a UnicodeEncodeError, escaped its ack handler and
         # left the request waiting; a NUL was ZMQ's error, a TransferError, before these checks).
         raise TransferError(f"P/D peer {brief(host)}:{brief(port)}: {e}", details={"kind": "peer"}) from None
+    tag = b""
+    if secret is not None:
+        tag = _request_tag(secret, payload)
+        payload = tag + payload
     frame = _LEN.pack(len(payload)) + payload
     last = ""
     for _ in range(retries + 1):
@@ -291,6 +367,11 @@ def control_call(host: str, port: int, msg: dict[str, Any], *, timeout_s: float,
             last = str(e) or f"no reply within {timeout_s} s"
             time.sleep(0.05)
             continue
+        if secret is not None:
+            got, body = body[:TAG_BYTES], body[TAG_BYTES:]
+            if len(got) < TAG_BYTES or not hmac.compare_digest(got, _reply_tag(secret, tag, body)):
+                raise TransferError(f"P/D control reply from {host}:{port} is not authenticated (the P/D secret "
+                                    f"differs, or the peer has none){_refusal(got + body)}", details={"kind": "peer"})
         try:
             reply = _DEC.decode(body)
         except DECODE_ERRORS as e:  # bad UTF-8 or deep nesting too, not only malformed bytes
@@ -305,6 +386,15 @@ def control_call(host: str, port: int, msg: dict[str, Any], *, timeout_s: float,
         return reply
     raise TransferError(f"P/D peer {host}:{port} did not answer {brief(msg.get('op'))}: {last}",
                         details={"kind": "timeout"})
+
+
+def _refusal(raw: bytes) -> str:
+    """A server's unauthenticated error reply, for the caller's message ("" if it is none)."""
+    try:
+        reply = _DEC.decode(raw)
+    except DECODE_ERRORS:
+        return ""
+    return f": {brief(reply['error'], 300)}" if isinstance(reply, dict) and "error" in reply else ""
 
 
 class _NoAnswer(Exception):
