@@ -108,7 +108,14 @@ def main(argv: list[str] | None = None) -> int:
     _stderr_or_devnull()
     try:
         parser = build_parser()
-        args = parser.parse_args(argv)
+        args, extras = parser.parse_known_args(argv)
+        if extras:
+            # Said by the command's own parser, as its other argument errors are: argparse's
+            # top-level parser said 'kvslots: error: ... (see kvslots --help)' for them.
+            command = getattr(args, "command", None)
+            sub = next((a.choices[command] for a in parser._actions
+                        if isinstance(a, argparse._SubParsersAction) and command in a.choices), parser)
+            sub.error(f"unrecognized arguments: {' '.join(extras)}")
         if not getattr(args, "func", None):
             # An argument error like any other: one line (the whole help was printed, exit status 2).
             parser.error(f"a command is required: one of {', '.join(_commands(parser))}")

@@ -1,0 +1,29 @@
+"""An argument a command does not know is that command's error, as its other argument errors
+are: argparse's top-level parser reported it, as ``kvslots: error: unrecognized arguments: X
+(see kvslots --help)``, which names no command and sends the user to the wrong --help."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvslots import cli
+
+
+@pytest.mark.parametrize("argv, prog, extras", [
+    (["simulate", "--bogus"], "kvslots simulate", "--bogus"),
+    (["convert-config", "a.yaml", "b.yaml"], "kvslots convert-config", "b.yaml"),
+    (["demo", "--bogus", "x"], "kvslots demo", "--bogus x"),
+    (["--bogus"], "kvslots", "--bogus"),  # no command: the top level's
+])
+def test_unrecognized_arguments_are_the_commands_error(capsys, argv, prog, extras):
+    with pytest.raises(SystemExit) as e:
+        cli.main(argv)
+    assert e.value.code == 2
+    out, err = capsys.readouterr()
+    assert out == ""
+    assert err == f"{prog}: error: unrecognized arguments: {extras} (see {prog} --help)\n", err
+
+
+def test_known_arguments_still_run(capsys):
+    assert cli.main(["simulate", "--requests", "2", "--batch", "2", "--json"]) == 0
+    assert '"completed": 2' in capsys.readouterr().out
