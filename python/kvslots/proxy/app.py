@@ -283,13 +283,26 @@ def check_header_name(value: object, what: str = "client_id_header") -> str:
     return value.lower()
 
 
+#: An HTTP field value (RFC 9110: visible characters, obs-text too, blanks only between them), as
+#: h11 (httpx's writer to the workers) checks it.
+_FIELD_VALUE = re.compile(rb"(?:[\x21-\x7e\x80-\xff]+(?:[ \t]+[\x21-\x7e\x80-\xff]+)*)?")
+
+
 def _client_auth(scope: Any) -> dict[str, bytes] | str:
-    """The client's ``Authorization`` header, as sent (bytes), for the workers: {} without one,
-    why it is refused (a 400) when it is given more than once (which one would a worker read?)."""
+    """The client's ``Authorization`` header, as sent (bytes) but its outer blanks, for the
+    workers: {} without one, why it is refused (a 400) when it is given more than once (which one
+    would a worker read?) or is no HTTP field value (a control character in it: the value is not
+    quoted). uvicorn's httptools parser keeps a value's trailing blanks, which h11 refuses: its
+    error, quoting the client's credential, was logged and sent back in a 502."""
     found = [v for k, v in scope["headers"] if k == b"authorization"]
     if len(found) > 1:
         return f"{len(found)} Authorization headers; give one"
-    return {"authorization": found[0]} if found else {}
+    if not found:
+        return {}
+    value = found[0].strip(b" \t")
+    if not _FIELD_VALUE.fullmatch(value):
+        return "the Authorization header is not an HTTP field value (a control character in it)"
+    return {"authorization": value}
 
 
 #: Most bytes of the indexer's answer to /score the proxy reads (about 250 a worker), and the most
@@ -417,7 +430,11 @@ def _streams(body: dict[str, Any]) -> bool:
 
 def _why(e: Exception) -> str:
     """What went wrong with a backend request: httpx's timeouts say nothing (str() is ''), and a
-    502 "decode worker ... failed: " said nothing either."""
+    502 "decode worker ... failed: " said nothing either. A request the proxy could not write
+    (h11's LocalProtocolError: a header value it refuses) is named, not quoted: its text holds
+    the header's value, a client's credential in logs and answers."""
+    if isinstance(e, httpx.LocalProtocolError):
+        return "the request could not be written (LocalProtocolError)"
     return str(e) or type(e).__name__
 
 
