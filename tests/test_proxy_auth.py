@@ -132,3 +132,41 @@ def test_a_bad_key_is_one_line_exit_2(capsys, started):
     code, out, err = _cli(capsys, ["--backend-api-key", "secret part"])
     assert code == 2 and out == "" and err.count("\n") == 1, err
     assert "--backend-api-key" in err and "secret" not in err and "http" not in started
+
+
+@pytest.mark.parametrize("prefill,decode", [("http://u:pw@p", "http://d"), ("http://p", "http://u:pw@d"),
+                                            ("http://u@p", "http://d")])
+def test_a_worker_url_with_userinfo_and_the_backend_key_are_refused(prefill, decode):
+    # httpx sends the URL's user:password as Basic auth in place of the key: it silently won
+    with pytest.raises(InvalidArgumentError) as e:
+        create_app([prefill], [DecodeWorker(decode)], backend_api_key="good")
+    assert "user:password" in str(e.value) and "pw" not in str(e.value) and "u@" not in str(e.value)
+
+
+def test_a_worker_url_with_userinfo_and_the_backend_key_are_one_line_exit_2(capsys, started):
+    capsys.readouterr()
+    code = cli.main(["proxy", "--prefill", "http://p:1", "--decode", "http://u:pw@d:2", "--backend-api-key", "k"])
+    out, err = capsys.readouterr()
+    assert code == 2 and out == "" and err.count("\n") == 1, err
+    assert "--backend-api-key" in err and "pw" not in err and "app" not in started
+
+
+def test_a_worker_urls_userinfo_is_sent_in_place_of_the_clients_authorization():
+    """The operator's setting wins (as --help says): the client's header is not sent beside it."""
+    seen: list = []
+
+    def backend(request: httpx.Request) -> httpx.Response:
+        body = json.loads(request.content) if request.content else {}
+        leg = "models" if request.url.path == "/v1/models" else \
+            "prefill" if body.get("kv_transfer_params", {}).get("do_remote_decode") else "decode"
+        seen.append((leg, request.headers.get_list("authorization")))
+        if leg == "prefill":
+            return httpx.Response(200, json={"kv_transfer_params": {"do_remote_prefill": True}})
+        return httpx.Response(200, json={"ok": True})
+
+    app = create_app(["http://u:pw@p"], [DecodeWorker("http://u:pw@d")], transport=httpx.MockTransport(backend))
+    with TestClient(app) as c:
+        assert c.post("/v1/completions", json={"prompt": "hi"}, headers={"Authorization": "Bearer c"}).status_code == 200
+        assert c.get("/v1/models", headers={"Authorization": "Bearer c"}).status_code == 200
+    basic = ["Basic dTpwdw=="]  # u:pw
+    assert seen == [("prefill", basic), ("decode", basic), ("models", basic)]

@@ -51,7 +51,8 @@ from ..errors import ArgumentTypeError, ConfigError, InvalidArgumentError, short
 from ..indexer.config import check_worker_name
 from ..indexer.httpguard import (BodyLimit, cut_off, eof_is_disconnect, json_members, json_shape_error, probe_eof,
                                  write_stalled)
-from .cli import check_unique_names, default_requests_per_client, http_url, requests_per_client, seconds, shown_url
+from .cli import (check_unique_names, default_requests_per_client, http_url, requests_per_client, seconds, shown_url,
+                  userinfo_urls)
 
 logger = logging.getLogger(__name__)
 
@@ -682,7 +683,9 @@ def create_app(prefill_urls: Sequence[str], decode_workers: Sequence[DecodeWorke
     ``GET /v1/models``), as a reverse proxy passes it (llm-d's routing sidecar), so workers
     started with vLLM's ``--api-key`` check the client's key; with ``backend_api_key`` they get
     ``Authorization: Bearer KEY`` instead (vLLM's disaggregated proxy examples), the client's not
-    sent. The indexer gets neither."""
+    sent. The indexer gets neither. A worker URL's ``user:password@`` is sent to that worker as
+    Basic auth in place of the client's header (the operator's setting wins); it and
+    ``backend_api_key`` together are an :class:`~kvslots.InvalidArgumentError`."""
     if isinstance(prefill_urls, str):  # its characters would be the URLs
         raise ArgumentTypeError("prefill_urls must be a list of URLs, got a str")
     # Read once, as lists: an iterator was consumed by the checks below (every request then
@@ -718,6 +721,11 @@ def create_app(prefill_urls: Sequence[str], decode_workers: Sequence[DecodeWorke
         http_url(indexer_url, "indexer URL")
     if backend_api_key is not None:
         backend_api_key = check_api_key(backend_api_key)
+        # httpx sends a URL's user:password as Basic auth in place of the key: it silently won.
+        with_userinfo = userinfo_urls([*prefill_urls, *(w.url for w in decode_workers)])
+        if with_userinfo:
+            raise InvalidArgumentError(f"backend_api_key and a worker URL with user:password@ "
+                                       f"({shown_url(with_userinfo[0])}): give one way to authenticate to the workers")
     id_header = None if client_id_header is None else check_header_name(client_id_header).encode()
     # What backends and clients can make the proxy log (a failure, a client gone), at most
     # _ratelog.BURST lines a minute per backend (or the clients) and kind: a dead backend under

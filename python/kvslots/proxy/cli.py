@@ -81,6 +81,12 @@ def shown_url(url: str) -> str:
     return u._replace(netloc=u.netloc.rpartition("@")[2]).geturl() if "@" in u.netloc else url
 
 
+def userinfo_urls(urls: list[str]) -> list[str]:
+    """Those of ``urls`` with a ``user:password@`` (httpx sends it as Basic auth, in place of any
+    Authorization header)."""
+    return [u for u in urls if "@" in urlparse(u).netloc]
+
+
 #: Where ``--backend-api-key`` is read from when it is not given.
 API_KEY_ENV = "KVSLOTS_BACKEND_API_KEY"
 
@@ -97,9 +103,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         ),
     )
     p.add_argument("--prefill", action="append", required=True, metavar="URL",
-                   help="a prefill worker's HTTP address, e.g. http://127.0.0.1:8100 (repeatable)")
+                   help="a prefill worker's HTTP address, e.g. http://127.0.0.1:8100 (repeatable; a "
+                        "user:password@ in it is sent to that worker as Basic auth, in place of the client's "
+                        "Authorization; not with --backend-api-key)")
     p.add_argument("--decode", action="append", required=True, metavar="URL[=WORKER]",
-                   help="a decode worker's HTTP address, with its name in the indexer after '=' (repeatable)")
+                   help="a decode worker's HTTP address, with its name in the indexer after '=' (repeatable; "
+                        "user:password@ as for --prefill)")
     p.add_argument("--indexer", metavar="URL",
                    help="kvslots indexer to pick the decode worker holding most of a token-id prompt")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
@@ -199,6 +208,10 @@ def run(args: argparse.Namespace) -> int:
             check_api_key(args.backend_api_key, f"--backend-api-key (or ${API_KEY_ENV})")
         except InvalidArgumentError as e:
             raise ServeError(str(e)) from None
+        with_userinfo = userinfo_urls([*prefill, *(w.url for w in workers)])
+        if with_userinfo:
+            raise ServeError(f"--backend-api-key (or ${API_KEY_ENV}) and a worker URL with user:password@ "
+                             f"({shown_url(with_userinfo[0])}): give one way to authenticate to the workers")
     if args.client_id_header is not None:
         try:
             check_header_name(args.client_id_header, "--client-id-header")
