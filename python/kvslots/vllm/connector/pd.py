@@ -534,7 +534,7 @@ class PDWorker:
 
         key = (spec.remote_host, spec.remote_port)
         info = self._peers.get(key)
-        if info is None or info["engine_id"] != spec.remote_engine_id:  # first time, or a restarted producer
+        if info is None or info.get("engine_id") != spec.remote_engine_id:  # first time, or a restarted producer
             info = control_call(spec.remote_host, spec.remote_port, {"op": "hello"}, timeout_s=self.control_timeout_s,
                                 secret=self._secret)
             info["layout_obj"] = BlockLayout.from_wire(info.get("layout"))
@@ -547,6 +547,11 @@ class PDWorker:
                                 f"{info.get('block_size')}, this one {self.model!r} with {self.block_size}",
                                 details={"kind": "layout"})
         return info
+
+    def _read(self, info: dict[str, Any], spec: RecvSpec) -> int:
+        self.layout.check_compatible(info["layout_obj"])
+        return int(self.transport.read_blocks(info["session"], info["layout_obj"], spec.remote_block_ids,
+                                              spec.local_block_ids))
 
     def _pull(self, spec: RecvSpec) -> bool | None:
         """Pulls and acks one request; whether the prefill worker's control channel answered
@@ -563,6 +568,8 @@ class PDWorker:
                      spec.remote_host, spec.remote_port)
         try:
             if spec.local_block_ids:
+                key = (spec.remote_host, spec.remote_port)
+                cached = key in self._peers
                 try:
                     info = self._hello(spec)
                 except TransferError as e:
@@ -571,11 +578,24 @@ class PDWorker:
                     answered = e.details.get("kind") != "timeout"
                     raise
                 answered = True
-                self.layout.check_compatible(info["layout_obj"])
-                nbytes = self.transport.read_blocks(info["session"], info["layout_obj"], spec.remote_block_ids,
-                                                    spec.local_block_ids)
-                self.stats["pulled_blocks"] += len(spec.local_block_ids)
-                self.stats["pulled_bytes"] += nbytes
+                try:
+                    nbytes = self._read(info, spec)
+                except Exception:
+                    # The hello kept from before may be stale: a producer restarted on the same
+                    # port under the same engine id (a fixed kv_transfer_config engine_id) has
+                    # a new Mooncake session and memory, and every later pull read the old ones
+                    # and failed, until this worker restarted. Asked again; read again if new.
+                    if self._peers.get(key) is info:
+                        del self._peers[key]
+                    if not cached:
+                        raise
+                    fresh = self._hello(spec)
+                    if fresh["session"] == info["session"] and fresh.get("layout") == info.get("layout"):
+                        raise
+                    nbytes = self._read(fresh, spec)
+                with self._lock:
+                    self.stats["pulled_blocks"] += len(spec.local_block_ids)
+                    self.stats["pulled_bytes"] += nbytes
         except TransferError as e:
             ok = False
             logger.warning("kvslots P/D: request %s: pulling %d blocks failed: %s", spec.req_id,
