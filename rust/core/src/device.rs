@@ -223,6 +223,46 @@ pub struct Allocated {
     pub evicted: usize,
 }
 
+/// How an allocation fits, from [`DeviceAllocator::plan_allocation`]: made without changing
+/// anything, and carried out as it is by [`DeviceAllocator::allocate_planned`] (the one fit
+/// check; an allocation plans and carries out in one go).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct FitPlan {
+    slot: Option<usize>,
+    held: usize,
+    /// The request adopts the hit and external blocks (its first allocation with them).
+    adopt: bool,
+    hits: Vec<BlockId>,
+    evictable: usize,
+    ext_blocks: usize,
+    new_blocks: usize,
+    /// Table length with the lookahead.
+    need_blocks: usize,
+    defer_lookahead: bool,
+    zero_external_blocks: bool,
+    commit_start: usize,
+    /// `None`: nothing registered (caching off or delayed).
+    commit_end: Option<usize>,
+    /// [`DeviceAllocator::changes`] when planned.
+    changes: u64,
+}
+
+impl FitPlan {
+    /// The table positions the allocation registers (their hashes are the request's
+    /// `block_hashes[commit]`); empty: none. Equal to [`Allocated::commit`].
+    pub fn commit(&self) -> Range<usize> {
+        match self.commit_end {
+            Some(end) => self.commit_start..end.max(self.commit_start),
+            None => 0..0,
+        }
+    }
+
+    /// Blocks the allocation takes from the pool (prefix hits from the cache included).
+    pub fn num_blocks_taken(&self) -> usize {
+        self.ext_blocks + self.new_blocks + self.evictable
+    }
+}
+
 #[derive(Debug, Default)]
 struct Req {
     blocks: Vec<BlockId>,
@@ -274,6 +314,8 @@ pub struct DeviceAllocator {
     evicted: Vec<FullHash>,
     new_block_ids: Vec<BlockId>,
     stats: DeviceStats,
+    /// Counts the calls that may change what an allocation does (see [`Self::changes`]).
+    changes: u64,
     // Scratch.
     scratch_ids: Vec<BlockId>,
     scratch_hashes: Vec<FullHash>,
@@ -335,6 +377,7 @@ impl DeviceAllocator {
             evicted: Vec::new(),
             new_block_ids: Vec::new(),
             stats: DeviceStats::default(),
+            changes: 0,
             scratch_ids: Vec::new(),
             scratch_hashes: Vec::new(),
             scratch_keys: Vec::new(),
@@ -393,6 +436,13 @@ impl DeviceAllocator {
     pub fn request_ids(&self) -> impl Iterator<Item = &str> + '_ {
         self.reqs.keys().map(|k| &**k)
     }
+    /// A count of the calls that may have changed the allocator (every `&mut` call but the
+    /// drains and `record_for_zeroing`, which change nothing an allocation reads): a
+    /// [`FitPlan`] made at one count holds while the count stays the same.
+    pub fn changes(&self) -> u64 {
+        self.changes
+    }
+
     pub fn stats(&self) -> DeviceStats {
         self.stats
     }
@@ -575,51 +625,14 @@ impl DeviceAllocator {
     /// returns the slot (`None`: the request holds none). A caller gives one tag to one live
     /// request at a time.
     pub fn tag_slot(&mut self, request: &str, tag: u64) -> Option<usize> {
+        self.changes = self.changes.wrapping_add(1);
         let s = self.slot_of(request)?;
         self.slots[s].tag = tag;
         Some(s)
     }
 
-    /// The table positions an [`Self::allocate`] of `request` with `a` would register (empty:
-    /// none), read without changing anything, so a caller can build what it emits for them
-    /// before the allocation (an error there then leaves the allocator as it was). The
-    /// allocation's `commit` equals it whenever the allocation is done from the same state.
-    /// `tagged`: the slot and tag of an [`Self::allocate_tagged`], found as it finds them.
-    pub fn planned_commit(
-        &self,
-        request: &str,
-        tagged: Option<(usize, u64)>,
-        a: &AllocArgs,
-    ) -> Range<usize> {
-        if a.delay_cache_blocks || !self.enable_caching {
-            return 0..0;
-        }
-        let slot = match tagged {
-            Some((s, t)) if t != 0 && self.slots.get(s).is_some_and(|r| r.tag == t) => Some(s),
-            _ => self.slot_of(request),
-        };
-        let slot = slot.map(|s| &self.slots[s]);
-        let tracked = slot.is_some_and(|r| r.tracked);
-        let adopt = a.num_hit_blocks > 0 || a.num_external_tokens > 0;
-        let total_computed = a
-            .num_computed_tokens
-            .saturating_add(a.num_hit_blocks.saturating_mul(self.block_size))
-            .saturating_add(a.num_external_tokens)
-            .min(a.max_model_len);
-        let to_cache = total_computed
-            .saturating_add(a.num_new_tokens)
-            .min(a.num_tokens);
-        let end = to_cache.saturating_sub(a.num_reprefillable_tokens) / self.block_size;
-        let start = if adopt && !tracked {
-            a.num_hit_blocks
-        } else {
-            slot.map_or(0, |r| r.num_cached)
-        };
-        start..end.max(start)
-    }
-
     /// The table positions [`Self::cache`] with these arguments would register, read without
-    /// changing anything (see [`Self::planned_commit`]).
+    /// changing anything (see [`FitPlan::commit`]).
     pub fn planned_cache(
         &self,
         request: &str,
@@ -671,6 +684,48 @@ impl DeviceAllocator {
         self.allocate_at(request, Some(slot), a, hashes)
     }
 
+    /// How an allocation of `request` with `a` would go from the current state, read without
+    /// changing anything: `Ok(None)` when it does not fit, the argument errors the allocation
+    /// would give, else the [`FitPlan`] [`Self::allocate_planned`] carries out. A caller builds
+    /// what it emits for the blocks the allocation registers ([`FitPlan::commit`]) only once it
+    /// knows the allocation fits, and before anything changes (an error there then leaves the
+    /// allocator as it was). `tagged`: the slot and tag of an [`Self::allocate_tagged`], found
+    /// as it finds them.
+    #[inline(always)]
+    pub fn plan_allocation<H: HashSource + ?Sized>(
+        &self,
+        request: &str,
+        tagged: Option<(usize, u64)>,
+        a: &AllocArgs,
+        hashes: &H,
+    ) -> Result<Option<FitPlan>> {
+        let slot = match tagged {
+            Some((s, t)) if t != 0 && self.slots.get(s).is_some_and(|r| r.tag == t) => Some(s),
+            _ => self.slot_of(request),
+        };
+        self.fit(request, slot, a, hashes, &mut Vec::new())
+    }
+
+    /// Carries out an allocation [`Self::plan_allocation`] planned. The plan must come from
+    /// this allocator with nothing changed since (a caller that let go of it meanwhile plans
+    /// again and compares); the pool is checked all the same, so a stale plan is an error,
+    /// never a corrupt pool.
+    #[inline(always)]
+    pub fn allocate_planned<H: HashSource + ?Sized>(
+        &mut self,
+        request: &str,
+        plan: FitPlan,
+        hashes: &H,
+    ) -> Result<Allocated> {
+        if plan.changes != self.changes {
+            return Err(SlotError::invalid(
+                Some(request),
+                "the allocator was changed since the allocation was planned",
+            ));
+        }
+        self.apply(request, plan, hashes)
+    }
+
     #[inline(always)]
     fn allocate_at<H: HashSource + ?Sized>(
         &mut self,
@@ -679,6 +734,30 @@ impl DeviceAllocator {
         a: &AllocArgs,
         hashes: &H,
     ) -> Result<Option<Allocated>> {
+        // The hit's ids go in the scratch vector (no allocation per call); the plan hands it
+        // back through `apply`, or here.
+        let mut hits = std::mem::take(&mut self.scratch_ids);
+        match self.fit(request, slot, a, hashes, &mut hits) {
+            Ok(Some(plan)) => self.apply(request, plan, hashes).map(Some),
+            r => {
+                self.scratch_ids = hits;
+                r.map(|_| None)
+            }
+        }
+    }
+
+    /// The one fit check: every read-only step of an allocation (arguments, the prefix hit, the
+    /// fit, what it takes and registers), for [`Self::plan_allocation`] and [`Self::allocate`].
+    /// `hits`: a vector for the hit's ids (its buffer is reused), moved into the plan.
+    #[inline(always)]
+    fn fit<H: HashSource + ?Sized>(
+        &self,
+        request: &str,
+        slot: Option<usize>,
+        a: &AllocArgs,
+        hashes: &H,
+        hits: &mut Vec<BlockId>,
+    ) -> Result<Option<FitPlan>> {
         let bs = self.block_size;
         let rid = Some(request);
         if a.num_new_tokens == 0 && a.num_external_tokens == 0 && a.num_hit_blocks == 0 {
@@ -712,25 +791,24 @@ impl DeviceAllocator {
                 format!("computed blocks to adopt for a request that already holds {held} blocks"),
             ));
         }
-        // Resolve the hit (read-only).
-        let mut hits = std::mem::take(&mut self.scratch_ids);
+        // Resolve the hit.
         hits.clear();
         if a.num_hit_blocks > 0 {
-            if let Err(e) = self.prefix_block_ids(hashes, a.num_hit_blocks, &mut hits) {
-                self.scratch_ids = hits;
+            if let Err(e) = self.prefix_block_ids(hashes, a.num_hit_blocks, hits) {
                 return Err(match e {
                     SlotError::InvalidArgument { message, .. } => SlotError::invalid(rid, message),
                     e => e,
                 });
             }
         }
-        let evictable = hits.iter().filter(|&&b| self.pool.refcount(b) == 0).count();
+        let hit_ids: &[BlockId] = hits;
+        let evictable = hit_ids.iter().filter(|&&b| self.pool.refcount(b) == 0).count();
         let to_allocate = |num_tokens: usize| -> usize {
             let required = cdiv(num_tokens, bs);
             if tracked {
                 required.saturating_sub(held)
             } else {
-                required.saturating_sub(hits.len() + held) + evictable
+                required.saturating_sub(hit_ids.len() + held) + evictable
             }
         };
         // Saturating: counts come from the caller (up to 2**63 each); a sum past usize is
@@ -757,7 +835,6 @@ impl DeviceAllocator {
         let free = self.pool.available().saturating_sub(held_back);
         if let Some(full_tokens) = a.full_sequence_tokens {
             if to_allocate(full_tokens) + a.watermark_blocks > free {
-                self.scratch_ids = hits;
                 return Ok(None);
             }
         }
@@ -767,10 +844,9 @@ impl DeviceAllocator {
             .min(a.max_model_len);
         let n = to_allocate(need_slot);
         if n.saturating_add(a.watermark_blocks).saturating_add(a.reserved_blocks) > free {
-            self.scratch_ids = hits;
             return Ok(None);
         }
-        // What this call registers, read before anything changes.
+        // What this call registers.
         let commit_end = if a.delay_cache_blocks || !self.enable_caching {
             None
         } else {
@@ -778,18 +854,68 @@ impl DeviceAllocator {
             Some(to_cache.saturating_sub(a.num_reprefillable_tokens) / bs)
         };
         let commit_start = if adopt && !tracked {
-            hits.len()
+            hit_ids.len()
         } else {
             slot.map_or(0, |s| self.slots[s].num_cached)
         };
+        // Blocks this call takes, by construction at most `n` (checked again when it is done).
+        let ext_blocks = if adopt && !tracked && a.num_external_tokens > 0 {
+            cdiv(num_local.saturating_add(a.num_external_tokens), bs).saturating_sub(hit_ids.len())
+        } else {
+            0
+        };
+        let main_target = if a.defer_lookahead {
+            main_tokens.min(a.max_model_len)
+        } else {
+            need_slot
+        };
+        let new_blocks = cdiv(main_target, bs).saturating_sub(held + hit_ids.len() + ext_blocks);
+        Ok(Some(FitPlan {
+            slot,
+            held,
+            adopt: adopt && !tracked,
+            hits: std::mem::take(hits),
+            evictable,
+            ext_blocks,
+            new_blocks,
+            need_blocks: cdiv(need_slot, bs),
+            defer_lookahead: a.defer_lookahead,
+            zero_external_blocks: a.zero_external_blocks,
+            commit_start,
+            commit_end,
+            changes: self.changes,
+        }))
+    }
+
+    /// Keeps the larger of the hit vectors as the scratch (a plan made by
+    /// [`Self::plan_allocation`] brings its own, often without a buffer).
+    #[inline(always)]
+    fn keep_scratch_ids(&mut self, hits: Vec<BlockId>) {
+        if hits.capacity() >= self.scratch_ids.capacity() {
+            self.scratch_ids = hits;
+        }
+    }
+
+    /// Carries out a plan from [`Self::fit`] made from the current state; gives its hit vector
+    /// back to the scratch.
+    #[inline(always)]
+    fn apply<H: HashSource + ?Sized>(
+        &mut self,
+        request: &str,
+        plan: FitPlan,
+        hashes: &H,
+    ) -> Result<Allocated> {
+        let rid = Some(request);
+        let FitPlan { slot, held, adopt, hits, evictable, ext_blocks, new_blocks, .. } = plan;
+        // The hashes of what this call registers, read before anything changes.
         let mut commit_hashes = std::mem::take(&mut self.scratch_hashes);
         commit_hashes.clear();
-        if let Some(end) = commit_end {
-            for i in commit_start..end {
+        if let Some(end) = plan.commit_end {
+            for i in plan.commit_start..end {
                 match hashes.get(i) {
                     Ok(h) => commit_hashes.push(h),
                     Err(e) => {
-                        self.scratch_ids = hits;
+                        self.keep_scratch_ids(hits);
                         self.scratch_hashes = commit_hashes;
                         return Err(match e {
                             SlotError::InvalidArgument { message, .. } => {
@@ -801,22 +927,10 @@ impl DeviceAllocator {
                 }
             }
         }
-        // Blocks this call takes, by construction at most `n`: a hard check all the same, so
-        // a wrong argument can never reach the pool.
-        let ext_blocks = if adopt && !tracked && a.num_external_tokens > 0 {
-            cdiv(num_local.saturating_add(a.num_external_tokens), bs).saturating_sub(hits.len())
-        } else {
-            0
-        };
-        let table_after_adopt = held + hits.len() + ext_blocks;
-        let main_target = if a.defer_lookahead {
-            main_tokens.min(a.max_model_len)
-        } else {
-            need_slot
-        };
-        let new_blocks = cdiv(main_target, bs).saturating_sub(table_after_adopt);
+        // At most what the fit check counted: a hard check all the same, so a wrong argument
+        // (or a stale plan) can never reach the pool.
         if ext_blocks + new_blocks + evictable > self.pool.available() {
-            self.scratch_ids = hits;
+            self.keep_scratch_ids(hits);
             self.scratch_hashes = commit_hashes;
             return Err(SlotError::OutOfBlocks {
                 request: request.to_owned(),
@@ -825,10 +939,11 @@ impl DeviceAllocator {
                 total: self.num_blocks() as u64,
             });
         }
-        if let Some(end) = commit_end {
+        let table_after_adopt = held + hits.len() + ext_blocks;
+        if let Some(end) = plan.commit_end {
             let table = table_after_adopt + new_blocks;
             if end > table {
-                self.scratch_ids = hits;
+                self.keep_scratch_ids(hits);
                 self.scratch_hashes = commit_hashes;
                 return Err(SlotError::invalid(
                     rid,
@@ -838,12 +953,13 @@ impl DeviceAllocator {
         }
 
         // ---- from here on nothing fails ----
+        self.changes = self.changes.wrapping_add(1);
         let evicted_before = self.stats.evicted_blocks;
         let s = match slot {
             Some(s) => s,
             None => self.slot_or_insert(request),
         };
-        if adopt && !tracked {
+        if adopt {
             for &b in &hits {
                 self.pool.pin(b);
             }
@@ -851,34 +967,34 @@ impl DeviceAllocator {
             self.slots[s].blocks.extend_from_slice(&hits);
             self.slots[s].num_cached = hits.len();
             self.slots[s].tracked = true;
-            self.take_blocks(s, ext_blocks, a.zero_external_blocks);
+            self.take_blocks(s, ext_blocks, plan.zero_external_blocks);
         }
-        self.scratch_ids = hits;
+        self.keep_scratch_ids(hits);
         let new_range = self.take_blocks(s, new_blocks, true);
         {
             let len = self.slots[s].blocks.len();
             let r = &mut self.slots[s];
             let before = r.shadow.saturating_sub(held);
             r.shadow = r.shadow.max(len);
-            if a.defer_lookahead {
-                r.shadow = r.shadow.max(cdiv(need_slot, bs));
-                let res = cdiv(need_slot, bs).saturating_sub(len);
+            if plan.defer_lookahead {
+                r.shadow = r.shadow.max(plan.need_blocks);
+                let res = plan.need_blocks.saturating_sub(len);
                 self.step_reserved = self.step_reserved - r.reserved + res;
                 r.reserved = res;
             }
             self.debt = self.debt - before + (r.shadow - len);
         }
-        let commit = match commit_end {
+        let commit = match plan.commit_end {
             Some(end) => self.register(s, end, &commit_hashes),
             None => 0..0,
         };
         self.scratch_hashes = commit_hashes;
-        Ok(Some(Allocated {
+        Ok(Allocated {
             slot: s,
             new_blocks: new_range,
             commit,
             evicted: (self.stats.evicted_blocks - evicted_before) as usize,
-        }))
+        })
     }
 
     /// Registers the request's blocks `num_cached..end` under `hashes` (one per block).
@@ -929,6 +1045,7 @@ impl DeviceAllocator {
         num_reprefillable_tokens: usize,
         hashes: &H,
     ) -> Result<Range<usize>> {
+        self.changes = self.changes.wrapping_add(1);
         let Some(s) = self.slot_of(request) else {
             return Ok(0..0);
         };
@@ -973,6 +1090,7 @@ impl DeviceAllocator {
         request: &str,
         num_tokens: usize,
     ) -> Result<Range<usize>> {
+        self.changes = self.changes.wrapping_add(1);
         let Some(s) = self.slot_of(request) else {
             return Err(SlotError::UnknownRequest {
                 request: request.to_owned(),
@@ -1010,6 +1128,7 @@ impl DeviceAllocator {
 
     /// Gives back every reservation not materialised (the end of a step).
     pub fn release_reservations(&mut self) {
+        self.changes = self.changes.wrapping_add(1);
         if self.step_reserved == 0 {
             return;
         }
@@ -1038,6 +1157,7 @@ impl DeviceAllocator {
     /// vLLM's `free`: the request's blocks go back tail first (so its tail is evicted first).
     /// Returns whether the request held a table.
     pub fn free(&mut self, request: &str) -> bool {
+        self.changes = self.changes.wrapping_add(1);
         let Some(s) = self.remove_slot(request) else {
             return false;
         };
@@ -1056,6 +1176,7 @@ impl DeviceAllocator {
     /// vLLM's `pop_blocks_for_free`: forgets the request and hands its blocks (in table order)
     /// to the caller, still held; give them back with [`DeviceAllocator::release`].
     pub fn pop_blocks(&mut self, request: &str, out: &mut Vec<BlockId>) -> bool {
+        self.changes = self.changes.wrapping_add(1);
         let Some(s) = self.remove_slot(request) else {
             return false;
         };
@@ -1076,6 +1197,7 @@ impl DeviceAllocator {
     /// first is evicted first; the null block is skipped). Every block must have been popped
     /// as many times as it is released; nothing changes otherwise.
     pub fn release(&mut self, blocks: &[BlockId]) -> Result<()> {
+        self.changes = self.changes.wrapping_add(1);
         let mut need: FxHashMap<BlockId, u32> = FxHashMap::default();
         for &b in blocks {
             if b as usize >= self.num_blocks() {
@@ -1113,6 +1235,7 @@ impl DeviceAllocator {
     /// vLLM's `evict_blocks`: takes these blocks out of the prefix registry (held ones stay
     /// held). Returns how many were registered.
     pub fn evict_blocks(&mut self, blocks: &[BlockId]) -> Result<usize> {
+        self.changes = self.changes.wrapping_add(1);
         if let Some(&b) = blocks.iter().find(|&&b| b as usize >= self.num_blocks()) {
             return Err(SlotError::invalid(
                 None,
@@ -1139,6 +1262,7 @@ impl DeviceAllocator {
     /// vLLM's `reset_prefix_cache`: only when no request holds a block (the null block aside);
     /// then every registration goes. Returns whether it did.
     pub fn reset_prefix_cache(&mut self) -> bool {
+        self.changes = self.changes.wrapping_add(1);
         if self.pool.num_held() != 1 {
             return false;
         }

@@ -397,13 +397,17 @@ impl DeviceKVManager {
             num_reprefillable_tokens: this.num_reprefillable,
             zero_external_blocks: true,
         };
+        let plan = match this.inner.plan_allocation("", Some((slot, tag)), &a, &hashes) {
+            Ok(Some(plan)) => plan,
+            Ok(None) => return Ok(Some(None)),
+            Err(_) => return Ok(None),
+        };
         // An allocation that registers blocks builds its event first: the general path.
-        if this.hook && !this.inner.planned_commit("", Some((slot, tag)), &a).is_empty() {
+        if this.hook && !plan.commit().is_empty() {
             return Ok(None);
         }
-        let done = match this.inner.allocate_tagged("", slot, tag, &a, &hashes) {
-            Ok(Some(done)) => done,
-            Ok(None) => return Ok(Some(None)),
+        let done = match this.inner.allocate_planned("", plan, &hashes) {
+            Ok(done) => done,
             Err(_) => return Ok(None),
         };
         let (out, hook) = this.allocated(py, &done);
@@ -521,18 +525,16 @@ impl DeviceKVManager {
         };
         let tag = request.as_ptr() as u64;
         let tagged = known.map(|s| (s, tag));
-        // The event for the blocks it registers is built before anything changes: a hook that
-        // raises leaves the allocation undone.
-        let (stored, mut this) = stored_before(slf, this, request, rid, "allocated", |m| {
-            m.inner.planned_commit(rid, tagged, &a)
-        })?;
-        let done = match known {
-            Some(s) => this.inner.allocate_tagged(rid, s, tag, &a, &hashes),
-            None => this.inner.allocate(rid, &a, &hashes),
-        };
-        let Some(done) = done.map_err(|e| hashes.error(e))? else {
+        // Whether and how it fits, decided once: a refused allocation (vLLM asks for requests
+        // that do not fit every step under memory pressure) builds no event.
+        let plan = this.inner.plan_allocation(rid, tagged, &a, &hashes);
+        let Some(plan) = plan.map_err(|e| hashes.error(e))? else {
             return Ok(None);
         };
+        // The event for the blocks it registers is built before anything changes: a hook that
+        // raises leaves the allocation undone.
+        let (stored, mut this) = stored_before(slf, this, request, rid, "allocated", plan.commit())?;
+        let done = this.inner.allocate_planned(rid, plan, &hashes).map_err(|e| hashes.error(e))?;
         let untagged = this.inner.slot_tag(done.slot) != tag;
         if defer {
             let main = computed
@@ -685,29 +687,28 @@ fn exact_count(obj: Option<&Bound<'_, PyAny>>) -> Option<usize> {
 }
 
 /// The subclass's event for the blocks `planned` of the request's table that a call is about
-/// to register (`self._prepare_stored(request, start, end)`), built before the call changes
-/// anything: whatever it raises (the request's fields are read there) leaves the manager as it
-/// was. `None` without the method.
-/// The KV event for the table positions `plan` gives (None for none, or with events off),
-/// built by `_prepare_stored` with no borrow held (Python code: it may raise, or call this
-/// manager), then the borrow taken again: `plan` must give the same positions, else the
-/// manager was changed meanwhile, a ConcurrentUseError saying nothing was `done`.
+/// to register (`self._prepare_stored(request, start, end)`; None for none, with events off or
+/// without the method), built before the call changes anything: whatever it raises (the
+/// request's fields are read there) leaves the manager as it was. It is built with no borrow
+/// held (Python code: it may raise, or call this manager), then the borrow is taken again: a
+/// call that may have changed the allocator meanwhile ([`DeviceAllocator::changes`]) makes the
+/// plan stale, a ConcurrentUseError saying nothing was `done`.
 fn stored_before<'py>(
     slf: &Bound<'py, DeviceKVManager>,
     this: PyRefMut<'py, DeviceKVManager>,
     request: &Bound<'py, PyAny>,
     rid: &str,
     done: &str,
-    plan: impl Fn(&DeviceKVManager) -> std::ops::Range<usize>,
+    planned: std::ops::Range<usize>,
 ) -> PyResult<(Option<Py<PyAny>>, PyRefMut<'py, DeviceKVManager>)> {
-    let planned = if this.hook { plan(&this) } else { 0..0 };
-    if planned.is_empty() {
+    if !this.hook || planned.is_empty() {
         return Ok((None, this));
     }
+    let changes = this.inner.changes();
     drop(this);
     let ev = prepare_stored(slf, request, &planned)?;
     let this = borrow_mut(slf)?;
-    if plan(&this) != planned {
+    if this.inner.changes() != changes {
         return Err(changed_meanwhile(format!(
             "the DeviceKVManager was changed while the KV event for request {} was built \
              (by the request's attributes or another thread); nothing was {done}",
@@ -914,9 +915,8 @@ impl DeviceKVManager {
         let this = borrow_mut(slf)?;
         let reprefill = this.num_reprefillable;
         // As in allocate_slots: the event first, then the registration.
-        let (stored, mut this) = stored_before(slf, this, request, &rid, "registered", |m| {
-            m.inner.planned_cache(&rid, n, reprefill)
-        })?;
+        let planned = this.inner.planned_cache(&rid, n, reprefill);
+        let (stored, mut this) = stored_before(slf, this, request, &rid, "registered", planned)?;
         let done = this
             .inner
             .cache(&rid, n, reprefill, &hashes)

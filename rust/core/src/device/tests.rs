@@ -432,6 +432,57 @@ fn bad_input_is_an_error_and_changes_nothing() {
 
 /// Random operations with random (often wrong) arguments: never a panic, and the invariants
 /// hold after every call; when every request ends the pool is whole again.
+/// Plans the allocation, checks the plan changed nothing, then allocates (`planned`: by carrying
+/// the plan out, else by `allocate`) and checks the plan agreed with what it did: refused
+/// exactly when the plan said so, the same argument errors, the positions registered and the
+/// blocks taken from the pool the plan's.
+fn plan_and_allocate(
+    a: &mut DeviceAllocator,
+    id: &str,
+    aa: &AllocArgs,
+    h: &Vec<FullHash>,
+    planned: bool,
+) -> Result<Option<Allocated>> {
+    let (avail, changes) = (a.pool().available(), a.changes());
+    let plan = a.plan_allocation(id, None, aa, h);
+    assert_eq!((a.pool().available(), a.changes()), (avail, changes));
+    let res = match (&plan, planned) {
+        (Ok(Some(p)), true) => a.allocate_planned(id, p.clone(), h).map(Some),
+        _ => a.allocate(id, aa, h),
+    };
+    let taken = avail - a.pool().available();
+    match (&plan, &res) {
+        (Err(p), Err(r)) => assert_eq!(p.to_string(), r.to_string()),
+        (Ok(None), Ok(None)) => assert_eq!(taken, 0),
+        (Ok(Some(p)), Ok(Some(done))) => {
+            assert_eq!(done.commit, p.commit(), "{id}");
+            assert_eq!(taken, p.num_blocks_taken(), "{id}");
+        }
+        // A check made when it is carried out (the hashes of what it registers, the table).
+        (Ok(Some(_)), Err(_)) => assert_eq!(taken, 0),
+        (p, r) => panic!("{id}: planned {p:?}, allocated {r:?}"),
+    }
+    res
+}
+
+#[test]
+fn a_stale_plan_is_refused_and_changes_nothing() {
+    let mut a = alloc(16);
+    let h = hashes(&[1; 8]);
+    let plan = a.plan_allocation("r", None, &args(0, 8, 8), &h).unwrap().unwrap();
+    assert_eq!(plan.commit(), 0..2);
+    a.allocate("s", &args(0, 8, 8), &hashes(&[2; 8])).unwrap().unwrap();
+    let free = a.num_free_blocks();
+    assert!(a.allocate_planned("r", plan, &h).is_err());
+    assert_eq!((a.num_free_blocks(), a.blocks("r").len()), (free, 0));
+    // Refused: a plan says so without a hash of what it would register being read.
+    let big = args(0, 64, 64);
+    let few = hashes(&[3; 4]);
+    assert!(a.plan_allocation("big", None, &big, &few).unwrap().is_none());
+    assert!(a.allocate("big", &big, &few).unwrap().is_none());
+    a.check().unwrap();
+}
+
 #[test]
 fn random_operations_keep_the_invariants() {
     let mut x = 0x853c_49e6_748f_ea9bu64;
@@ -475,11 +526,8 @@ fn random_operations_keep_the_invariants() {
                         num_lookahead_tokens: la,
                         ..args(0, toks.len(), new)
                     };
-                    let plan = a.planned_commit(&id, None, &aa);
-                    let res = a.allocate(&id, &aa, &h);
+                    let res = plan_and_allocate(&mut a, &id, &aa, &h, rnd(2) == 0);
                     if let Ok(Some(done)) = res {
-                        // What the binding builds the KV event for, before the allocation.
-                        assert_eq!(done.commit, plan);
                         live.push((id, toks, hit * BS + new));
                     }
                 }
@@ -500,11 +548,7 @@ fn random_operations_keep_the_invariants() {
                         let planned = a.planned_cache(id, n, 0);
                         assert_eq!(a.cache(id, n, 0, &h).unwrap(), planned);
                     }
-                    let plan = a.planned_commit(id, None, &aa);
-                    let res = a.allocate(id, &aa, &h);
-                    if let Ok(Some(done)) = &res {
-                        assert_eq!(done.commit, plan);
-                    }
+                    let res = plan_and_allocate(&mut a, id, &aa, &h, rnd(2) == 0);
                     match res {
                         Ok(Some(_)) => *computed = (*computed + 1 + k - rejected).min(toks.len()),
                         Ok(None) => {
