@@ -178,7 +178,8 @@ def test_builtin_errors_from_the_output_are_kvslots_errors_with_their_cause():
     so.scheduled_cached_reqs.num_computed_tokens[1] = "x"
     with pytest.raises(KVSlotsError) as ei:
         p.build(so)
-    assert isinstance(ei.value, TypeError) and isinstance(ei.value.__cause__, TypeError)
+    # Read as every integer of the bindings is: the kvslots error itself, naming the field.
+    assert isinstance(ei.value, TypeError) and "num_computed_tokens must be an int" in str(ei.value)
     nb = list(_good_step(reqs))
     nb[0] = ([Hostile(1, _raise)],)
     with pytest.raises(KVSlotsError) as ei:

@@ -132,8 +132,12 @@ fn external_hash(obj: &Bound<'_, PyAny>) -> PyResult<u64> {
         let tail = &bytes[bytes.len().saturating_sub(8)..];
         return Ok(tail.iter().fold(0u64, |acc, &x| (acc << 8) | x as u64));
     }
-    if let Ok(v) = obj.extract::<u64>() {
-        return Ok(v);
+    // An int as every integer the bindings read (a bool is no block hash); one past 64 bits
+    // is masked below, as vLLM does.
+    match int::<u64>(obj, "a block hash", None) {
+        Ok(v) => return Ok(v),
+        Err(e) if obj.is_instance_of::<pyo3::types::PyBool>() => return Err(e),
+        Err(_) => {}
     }
     let masked = obj
         .call_method1(intern!(obj.py(), "__and__"), (u64::MAX,))
@@ -143,10 +147,11 @@ fn external_hash(obj: &Bound<'_, PyAny>) -> PyResult<u64> {
                 format!("a block hash must be bytes or int, got {}", type_name(obj)),
             )
         })?;
-    masked.extract::<u64>()
+    int::<u64>(&masked, "a block hash", None)
 }
 
-/// Item `j` of a token sequence (a list read without a reference count change).
+/// Item `j` of a token sequence: an exact int read from a list without a reference count
+/// change, anything else converted as every integer the bindings read (a bool is no token).
 fn token_at(seq: &Bound<'_, PyAny>, j: usize) -> PyResult<u32> {
     if let Ok(list) = seq.cast::<PyList>() {
         if j >= list.len() {
@@ -158,31 +163,19 @@ fn token_at(seq: &Bound<'_, PyAny>, j: usize) -> PyResult<u32> {
                 ),
             ));
         }
-        // SAFETY: the list is alive and the GIL held; j < len was checked; the item is borrowed
-        // and only read.
-        let v = unsafe {
-            let item = pyo3::ffi::PyList_GetItem(list.as_ptr(), j as pyo3::ffi::Py_ssize_t);
-            if item.is_null() {
-                return Err(PyErr::fetch(seq.py()));
-            }
-            pyo3::ffi::PyLong_AsLongLong(item)
-        };
-        if v == -1 {
-            if let Some(e) = PyErr::take(seq.py()) {
-                return Err(e);
-            }
+        if let Some(v) = conv::list_small_int(list, j) {
+            return u32::try_from(v).map_err(|_| {
+                invalid(
+                    None,
+                    format!(
+                        "token id {v} at position {j} of {} is out of range",
+                        list.len()
+                    ),
+                )
+            });
         }
-        return u32::try_from(v).map_err(|_| {
-            invalid(
-                None,
-                format!(
-                    "token id {v} at position {j} of {} is out of range",
-                    list.len()
-                ),
-            )
-        });
     }
-    seq.get_item(j)?.extract::<u32>()
+    int::<u32>(&seq.get_item(j)?, "a token id", None)
 }
 
 /// A token read that is not a u32 (a pending Python error, e.g. not an int, is replaced).
@@ -234,10 +227,17 @@ fn max_scheduled(scheduled: &Bound<'_, PyDict>) -> PyResult<usize> {
     let mut key: *mut pyo3::ffi::PyObject = std::ptr::null_mut();
     let mut value: *mut pyo3::ffi::PyObject = std::ptr::null_mut();
     let mut max = 0usize;
+    // Values other than an exact int (a bool, an int subclass, numpy) are converted after the
+    // walk, as every integer argument is: that may run their Python code.
+    let mut others: Vec<Bound<'_, PyAny>> = Vec::new();
     // SAFETY: the dict is alive and the GIL held; nothing here runs Python code that could
-    // mutate it; key and value are borrowed and only read.
+    // mutate it; key and value are borrowed and only read (a value kept is a new reference).
     unsafe {
         while pyo3::ffi::PyDict_Next(scheduled.as_ptr(), &mut pos, &mut key, &mut value) != 0 {
+            if pyo3::ffi::PyLong_CheckExact(value) == 0 {
+                others.push(Bound::from_borrowed_ptr(scheduled.py(), value));
+                continue;
+            }
             let v = pyo3::ffi::PyLong_AsSsize_t(value);
             if v < 0 {
                 let _ = PyErr::take(scheduled.py());
@@ -249,11 +249,14 @@ fn max_scheduled(scheduled: &Bound<'_, PyDict>) -> PyResult<usize> {
             max = max.max(v as usize);
         }
     }
+    for v in &others {
+        max = max.max(count(v, "num_scheduled_tokens", None)?);
+    }
     Ok(max)
 }
 
 fn usize_attr(obj: &Bound<'_, PyAny>, name: &Bound<'_, PyString>) -> PyResult<usize> {
-    obj.getattr(name)?.extract::<usize>()
+    count(&obj.getattr(name)?, name.to_str()?, None)
 }
 
 /// What tracking a request takes, read from its object before anything changes: its id
@@ -289,9 +292,11 @@ impl ConnectorPlanner {
         if fresh {
             prompt_len = usize_attr(req, intern!(py, "num_prompt_tokens"))?;
             lora = match req.getattr(intern!(py, "lora_request")) {
-                Ok(l) if !l.is_none() => l
-                    .getattr(intern!(py, "lora_int_id"))?
-                    .extract::<Option<u64>>()?,
+                Ok(l) if !l.is_none() => opt_int::<u64>(
+                    Some(&l.getattr(intern!(py, "lora_int_id"))?),
+                    "lora_request.lora_int_id",
+                    None,
+                )?,
                 _ => None,
             };
         }
@@ -453,10 +458,11 @@ impl ConnectorPlanner {
             let mut all_ints = true;
             for (k, &item) in self.items.iter().enumerate() {
                 let item = item as *mut pyo3::ffi::PyObject;
-                // SAFETY: as above; the item is borrowed and only read. Only an int is read
-                // here: for anything else PyLong_AsLongLong would run its `__index__`, which
-                // could free the other borrowed items.
-                if unsafe { pyo3::ffi::PyLong_Check(item) } == 0 {
+                // SAFETY: as above; the item is borrowed and only read. Only an exact int is
+                // read here: for anything else PyLong_AsLongLong would run its `__index__`,
+                // which could free the other borrowed items, or read a bool as 0/1 (token_at
+                // converts the others, refusing a bool as every integer argument is).
+                if unsafe { pyo3::ffi::PyLong_CheckExact(item) } == 0 {
                     all_ints = false;
                     break;
                 }
@@ -475,7 +481,7 @@ impl ConnectorPlanner {
             }
         } else {
             for j in lo * bs..hi * bs {
-                self.tokens.push(seq.get_item(j)?.extract::<u32>()?);
+                self.tokens.push(token_at(seq, j)?);
             }
         }
         // The successor, when known and a real token (else none is recorded).
@@ -758,7 +764,7 @@ impl ConnectorPlanner {
             let nc = usize_attr(&nr, n_computed)?;
             let sched = scheduled
                 .get_item(&rid_obj)?
-                .map_or(Ok(0), |v| v.extract::<usize>())?;
+                .map_or(Ok(0), |v| count(&v, "num_scheduled_tokens", None))?;
             let start = self.blocks.len();
             self.blocks.extend_from_slice(dev.as_slice());
             stage.new.push(MirrorIn {
@@ -826,7 +832,7 @@ impl ConnectorPlanner {
                     .unwrap_or_else(|_| nb.get_item(0))?;
                 if let Ok(list) = group.cast::<PyList>() {
                     for b in list.iter() {
-                        self.blocks.push(b.extract::<u32>()?);
+                        self.blocks.push(int::<u32>(&b, "new_block_ids", None)?);
                     }
                 } else {
                     let d = IntArg::<u32>::extract(&group, "new_block_ids", None)?;
@@ -849,7 +855,7 @@ impl ConnectorPlanner {
                 });
                 continue;
             }
-            let nc = computed.get_item(i)?.extract::<usize>()?;
+            let nc = count(&computed.get_item(i)?, "num_computed_tokens", None)?;
             // The scheduled count matters only while prefilling (chunk ends, preemption).
             let sched = if self.inner.prefilling(slot, nc) {
                 // SAFETY: as above.
@@ -857,7 +863,7 @@ impl ConnectorPlanner {
                 Some(
                     scheduled
                         .get_item(&rid_obj)?
-                        .map_or(Ok(0), |v| v.extract::<usize>())?,
+                        .map_or(Ok(0), |v| count(&v, "num_scheduled_tokens", None))?,
                 )
             } else {
                 None
