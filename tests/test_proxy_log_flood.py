@@ -44,3 +44,43 @@ def test_a_dead_backend_logs_a_burst_not_a_line_per_request(caplog):
     assert len(decode) == burst and "further such messages" in decode[-1]
     assert all("\n" not in line for line in decode)  # the worker's text on the line it is logged in
     assert len(caplog.records) == 4 * burst
+
+
+def _prefill(request: httpx.Request) -> bool:
+    import json
+
+    return bool(json.loads(request.content).get("kv_transfer_params", {}).get("do_remote_decode"))
+
+
+def test_a_prefill_workers_4xx_does_not_hide_its_5xx(caplog):
+    """Keyed (url, "refused"), clients' bad requests (a 4xx each) used the prefill worker's burst:
+    its 500s that followed were never logged."""
+    failing = []
+
+    def backend(request: httpx.Request) -> httpx.Response:
+        if _prefill(request):
+            return httpx.Response(500 if failing else 400, json={"error": "x"})
+        return httpx.Response(400 if not failing else 200, json={"ok": 1})
+
+    app = create_app(["http://p"], [DecodeWorker("http://d")], transport=httpx.MockTransport(backend))
+    with caplog.at_level(logging.INFO, logger="kvslots.proxy"), TestClient(app) as c:
+        for _ in range(2 * _ratelog.BURST):
+            assert c.post("/v1/completions", json={"prompt": "bad"}).status_code == 400
+        failing.append(1)
+        for _ in range(5):
+            assert c.post("/v1/completions", json={"prompt": "hi"}).status_code == 200
+    assert len(_lines(caplog, "prefill worker http://p answered 500")) == 5  # the old code: 0
+    assert _lines(caplog, "answered 400") == []  # the client's fault: at DEBUG
+
+
+def test_one_url_as_prefill_and_decode_worker_has_an_allowance_for_each(caplog):
+    def backend(request: httpx.Request) -> httpx.Response:
+        raise httpx.ConnectError("connection refused")  # a "failed" line for each role
+
+    app = create_app(["http://x"], [DecodeWorker("http://x")], transport=httpx.MockTransport(backend))
+    with caplog.at_level(logging.INFO, logger="kvslots.proxy"), TestClient(app) as c:
+        for _ in range(N):
+            assert c.post("/v1/completions", json={"prompt": "hi"}).status_code == 502
+    burst = _ratelog.BURST
+    assert len(_lines(caplog, "prefill worker http://x")) == burst  # the old code: burst / 2 each
+    assert len(_lines(caplog, "decode worker http://x")) == burst

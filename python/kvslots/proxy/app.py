@@ -33,7 +33,7 @@ import json
 import logging
 import math
 import re
-from logging import INFO, WARNING
+from logging import DEBUG, INFO, WARNING
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from itertools import accumulate
@@ -439,6 +439,11 @@ def _why(e: Exception) -> str:
     return str(e) or type(e).__name__
 
 
+def _status_class(status: int) -> str:
+    """'4xx', '5xx', ...: a rate-limited log's kind (one per class, not per status)."""
+    return f"{status // 100}xx"
+
+
 def _client_error(status: int) -> bool:
     """A 4xx from the decode worker: the request's fault (vLLM's 400 for a bad max_tokens, a
     prompt over the model's length, an unknown model; 429), so the client gets it as it is, not
@@ -729,7 +734,8 @@ def create_app(prefill_urls: Sequence[str], decode_workers: Sequence[DecodeWorke
     id_header = None if client_id_header is None else check_header_name(client_id_header).encode()
     # What backends and clients can make the proxy log (a failure, a client gone), at most
     # _ratelog.BURST lines a minute per backend (or the clients) and kind: a dead backend under
-    # 1,000 requests a second wrote 1,000 lines a second.
+    # 1,000 requests a second wrote 1,000 lines a second. Keys are (role, URL, kind): one URL
+    # given as a prefill and a decode worker shared an allowance, one role's lines hiding the other's.
     logs = RateLimitedLog(logger)
     prefill_cycle = itertools.cycle(list(prefill_urls))
     decode_cycle = itertools.cycle(list(decode_workers))
@@ -803,7 +809,8 @@ def create_app(prefill_urls: Sequence[str], decode_workers: Sequence[DecodeWorke
     def decode_failed(worker: DecodeWorker, what: str, resp: httpx.Response | None = None) -> JSONResponse:
         state["decode_errors"] += 1
         # %r: the worker's text in it is on one line (a newline in it wrote a line of the worker's choosing)
-        logs.log(WARNING, (worker.url, "failed"), "kvslots proxy: decode worker %s: %r", shown_url(worker.url), what)
+        logs.log(WARNING, ("decode", worker.url, _status_class(resp.status_code) if resp is not None else "failed"),
+                 "kvslots proxy: decode worker %s: %r", shown_url(worker.url), what)
         # A worker's 503 with Retry-After (overloaded, draining) keeps it: clients (the OpenAI SDK
         # too) wait that long before trying again instead of their own backoff.
         return JSONResponse({"error": f"decode worker {shown_url(worker.url)} {what}"}, status_code=502,
@@ -820,19 +827,22 @@ def create_app(prefill_urls: Sequence[str], decode_workers: Sequence[DecodeWorke
                                                await _encoded(prefill_body(body), big, auth), most=MAX_PREFILL_ANSWER,
                                                within=timeout_s)
         except httpx.HTTPError as e:
-            logs.log(WARNING, (prefill_url, "failed"), "kvslots proxy: prefill worker %s failed: %s",
+            logs.log(WARNING, ("prefill", prefill_url, "failed"), "kvslots proxy: prefill worker %s failed: %s",
                      shown_url(prefill_url), _why(e))
         else:
             answer = await _answer_object(content) if status == 200 else None
             if answer is not None:
                 params = answer.get("kv_transfer_params")
             elif status == 200:  # an array, a string, not JSON: recomputed on the decode worker
-                logs.log(WARNING, (prefill_url, "no object"),
+                logs.log(WARNING, ("prefill", prefill_url, "no object"),
                          "kvslots proxy: prefill worker %s answered 200 without a JSON object: %r",
                          shown_url(prefill_url), content[:300])
             else:
-                logs.log(WARNING, (prefill_url, "refused"), "kvslots proxy: prefill worker %s answered %d: %r",
-                         shown_url(prefill_url), status, content[:300].decode(errors="replace"))
+                # Keyed on the status class: a flood of clients' bad requests (a 4xx, logged at DEBUG:
+                # the decode worker's answer tells the client) hid the worker's own 500s.
+                logs.log(DEBUG if _client_error(status) else WARNING, ("prefill", prefill_url, _status_class(status)),
+                         "kvslots proxy: prefill worker %s answered %d: %r", shown_url(prefill_url), status,
+                         content[:300].decode(errors="replace"))
         decode_req = dict(body)
         headers = {}
         if isinstance(params, dict) and params.get("do_remote_prefill"):
@@ -893,8 +903,8 @@ def create_app(prefill_urls: Sequence[str], decode_workers: Sequence[DecodeWorke
                         yield chunk
                 except httpx.HTTPError as e:  # the status is sent already: log why, leave the stream unfinished
                     state["decode_errors"] += 1
-                    logs.log(WARNING, (worker.url, "broke off"), "kvslots proxy: decode worker %s broke off the "
-                             "stream: %s", shown_url(worker.url), _why(e))
+                    logs.log(WARNING, ("decode", worker.url, "broke off"), "kvslots proxy: decode worker %s broke "
+                             "off the stream: %s", shown_url(worker.url), _why(e))
                     # Ended, a stream cut short (a worker's reset, its answer shorter than its
                     # Content-Length) looked whole to the client, as a passed-on answer would.
                     raise _BrokenOff from None
@@ -971,16 +981,16 @@ def create_app(prefill_urls: Sequence[str], decode_workers: Sequence[DecodeWorke
             except (httpx.HTTPError, TimeoutError) as e:
                 state["decode_errors"] += 1
                 why = f"no whole answer within {timeout_s:g} s" if isinstance(e, TimeoutError) else _why(e)
-                logs.log(WARNING, (worker.url, "broke off"), "kvslots proxy: decode worker %s broke off its answer: %s",
-                         shown_url(worker.url), why)
+                logs.log(WARNING, ("decode", worker.url, "broke off"),
+                         "kvslots proxy: decode worker %s broke off its answer: %s", shown_url(worker.url), why)
                 raise _BrokenOff from None
             finally:
                 await resp.aclose()
 
         def slow() -> None:
             state["slow_clients"] += 1
-            logs.log(WARNING, (worker.url, "slow client"), "kvslots proxy: a client took more than %g s to read the "
-                     "answer of decode worker %s; cut off", timeout_s, shown_url(worker.url))
+            logs.log(WARNING, ("decode", worker.url, "slow client"), "kvslots proxy: a client took more than %g s to "
+                     "read the answer of decode worker %s; cut off", timeout_s, shown_url(worker.url))
 
         return _Unfinished(rest(), media_type="application/json", headers=headers, client_s=timeout_s,
                            on_slow=slow)
