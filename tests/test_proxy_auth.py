@@ -61,7 +61,47 @@ def test_a_wrong_key_is_the_workers_401():
         r = c.post("/v1/chat/completions", json={"messages": []}, headers={"Authorization": "Bearer bad"})
         none = c.post("/v1/chat/completions", json={"messages": []})
     assert r.status_code == 401 and none.status_code == 401
-    assert ("decode", ["Bearer bad"]) in seen and ("decode", []) in seen
+    # the prefill worker's 401 is the client's answer: nothing more is asked of anyone
+    assert seen == [("prefill", ["Bearer bad"]), ("prefill", [])]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("status", [401, 403])
+def test_the_prefill_workers_401_or_403_is_the_clients_answer_as_it_is(status, stream):
+    """It was taken as a failed prefill: the prompt was scored by the indexer and sent to the
+    decode worker, which refused it too (an unauthenticated request reached every backend)."""
+    seen: list = []
+
+    def backend(request: httpx.Request) -> httpx.Response:
+        if request.url.host == "i":
+            seen.append("indexer")
+            return httpx.Response(200, json={"workers": {"w": {"score": 1}}})
+        seen.append(request.url.host)
+        return httpx.Response(status, content=b'{"error":"no"}', headers={"content-type": "application/problem+json",
+                                                                          "retry-after": "5"})
+
+    app = create_app(["http://p"], [DecodeWorker("http://d", "w")], indexer_url="http://i",
+                     transport=httpx.MockTransport(backend))
+    with TestClient(app) as c:
+        r = c.post("/v1/completions", json={"prompt": [1, 2, 3], "stream": stream})
+    assert (r.status_code, r.content, r.headers["content-type"]) == (status, b'{"error":"no"}',
+                                                                     "application/problem+json")
+    assert r.headers["retry-after"] == "5"
+    assert seen == ["p"]  # the old code: ["p", "indexer", "d"]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_the_decode_workers_401_is_the_clients_answer(stream):
+    def backend(request: httpx.Request) -> httpx.Response:
+        if json.loads(request.content).get("kv_transfer_params", {}).get("do_remote_decode"):
+            return httpx.Response(200, json={"kv_transfer_params": {"do_remote_prefill": True}})
+        return httpx.Response(401, json={"error": "Unauthorized"})
+
+    app = create_app(["http://p"], [DecodeWorker("http://d")], transport=httpx.MockTransport(backend))
+    with TestClient(app) as c:
+        r = c.post("/v1/completions", json={"prompt": "hi", "stream": stream})
+        health = c.get("/healthz").json()
+    assert r.status_code == 401 and r.json() == {"error": "Unauthorized"} and health["decode_errors"] == 0
 
 
 def test_the_backend_key_replaces_the_clients():
@@ -89,7 +129,7 @@ def test_a_non_ascii_authorization_is_passed_on_as_sent():
     with _proxy(seen) as c:
         r = c.post("/v1/completions", json={"prompt": "hi"}, headers={"Authorization": b"Bearer \xff\xfe"})
     assert r.status_code == 401  # (the worker's answer), not a 500 of encoding it
-    assert ("decode", ["Bearer \xff\xfe"]) in seen
+    assert ("prefill", ["Bearer \xff\xfe"]) in seen
 
 
 @pytest.mark.parametrize("key", ["", "has blank", "k\n", "é", "x" * 4097, 5, b"k"])

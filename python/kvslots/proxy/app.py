@@ -352,13 +352,13 @@ async def _read_most(resp: httpx.Response, most: int) -> bytes:
 
 
 async def _post_read(client: httpx.AsyncClient, url: str, request: dict[str, Any], *, most: int,
-                     within: float, method: str = "POST") -> tuple[int, bytes]:
-    """POSTs ``request`` (:func:`_encoded`) to ``url`` (or sends ``method``): the answer's status
-    and body, the body of at most ``most`` bytes and all of it within ``within`` seconds; an
-    :class:`httpx.HTTPError` otherwise, as one without end was read into memory whole. The one
-    home of reading a backend's answer whole (:func:`_read_most`, :func:`_within`)."""
+                     within: float, method: str = "POST") -> tuple[httpx.Response, bytes]:
+    """POSTs ``request`` (:func:`_encoded`) to ``url`` (or sends ``method``): the answer (its
+    status and headers; closed) and its body, of at most ``most`` bytes and all of it within
+    ``within`` seconds; an :class:`httpx.HTTPError` otherwise, as one without end was read into
+    memory whole. The one home of reading a backend's answer whole (:func:`_read_most`, :func:`_within`)."""
     async with _within(within), client.stream(method, url, **request) as resp:
-        return resp.status_code, await _read_most(resp, most)
+        return resp, await _read_most(resp, most)
 
 
 async def _answer_object(content: bytes) -> dict[str, Any] | None:
@@ -786,11 +786,11 @@ def create_app(prefill_urls: Sequence[str], decode_workers: Sequence[DecodeWorke
         scored = [w for w in decode_workers if w.indexer_name]
         if indexer_url and ids and scored:
             try:
-                status, content = await _post_read(side, f"{indexer_url.rstrip('/')}/score",
-                                                   await _encoded({"token_ids": ids}, big), most=MAX_INDEXER_ANSWER,
-                                                   within=INDEXER_TIMEOUT_S)
-                if not 200 <= status < 300:
-                    raise httpx.HTTPError(f"it answered {status}")
+                resp, content = await _post_read(side, f"{indexer_url.rstrip('/')}/score",
+                                                 await _encoded({"token_ids": ids}, big), most=MAX_INDEXER_ANSWER,
+                                                 within=INDEXER_TIMEOUT_S)
+                if not 200 <= resp.status_code < 300:
+                    raise httpx.HTTPError(f"it answered {resp.status_code}")
             except httpx.HTTPError as e:
                 logs.log(WARNING, ("indexer", "unusable"), "kvslots proxy: indexer %s unusable (%s); round robin",
                          shown_url(indexer_url), _why(e))
@@ -817,19 +817,26 @@ def create_app(prefill_urls: Sequence[str], decode_workers: Sequence[DecodeWorke
                             headers=_retry_after(resp) if resp is not None else None)
 
     async def prefill_and_pick(path: str, body: dict[str, Any], big: bool, auth: dict[str, bytes]
-                               ) -> tuple[dict[str, Any], DecodeWorker, dict[str, str]]:
+                               ) -> tuple[dict[str, Any], DecodeWorker, dict[str, str]] | Response:
         """The prefill (its ``kv_transfer_params`` go into the decode request), then the decode
-        worker: the decode request, its worker and the answer's headers."""
+        worker: the decode request, its worker and the answer's headers; or the prefill worker's
+        401 or 403, the client's answer as it is (the client is not let in: computed on the
+        decode worker, an unauthenticated request reached the indexer and the decode worker)."""
         prefill_url = next(prefill_cycle)
         params = None
         try:
-            status, content = await _post_read(client, f"{prefill_url.rstrip('/')}{path}",
-                                               await _encoded(prefill_body(body), big, auth), most=MAX_PREFILL_ANSWER,
-                                               within=timeout_s)
+            resp, content = await _post_read(client, f"{prefill_url.rstrip('/')}{path}",
+                                             await _encoded(prefill_body(body), big, auth), most=MAX_PREFILL_ANSWER,
+                                             within=timeout_s)
         except httpx.HTTPError as e:
             logs.log(WARNING, ("prefill", prefill_url, "failed"), "kvslots proxy: prefill worker %s failed: %s",
                      shown_url(prefill_url), _why(e))
         else:
+            status = resp.status_code
+            if status in (401, 403):
+                logs.log(DEBUG, ("prefill", prefill_url, "4xx"), "kvslots proxy: prefill worker %s answered %d",
+                         shown_url(prefill_url), status)
+                return _passed_on(resp, content, {})
             answer = await _answer_object(content) if status == 200 else None
             if answer is not None:
                 params = answer.get("kv_transfer_params")
@@ -866,6 +873,8 @@ def create_app(prefill_urls: Sequence[str], decode_workers: Sequence[DecodeWorke
             logs.log(INFO, ("client", "gone"), "kvslots proxy: a client went while its prompt was prefilled; "
                      "no decode started")
             return Response(status_code=499)  # (written to nobody)
+        if isinstance(picked, Response):
+            return picked
         decode_req, worker, headers = picked
         state["disaggregated" if headers["x-kvslots-pd"] == "disaggregated" else "recomputed"] += 1
         url = f"{worker.url.rstrip('/')}{path}"
@@ -1028,11 +1037,12 @@ def create_app(prefill_urls: Sequence[str], decode_workers: Sequence[DecodeWorke
         if isinstance(auth, str):
             return JSONResponse({"error": auth}, status_code=400)
         try:
-            status, content = await _post_read(models_side, f"{decode_workers[0].url.rstrip('/')}/v1/models",
-                                               {"headers": auth}, most=MAX_MODELS_ANSWER, within=timeout_s,
-                                               method="GET")
+            resp, content = await _post_read(models_side, f"{decode_workers[0].url.rstrip('/')}/v1/models",
+                                             {"headers": auth}, most=MAX_MODELS_ANSWER, within=timeout_s,
+                                             method="GET")
         except httpx.HTTPError as e:
             return JSONResponse({"error": f"decode worker failed: {_why(e)}"}, status_code=502)
+        status = resp.status_code
         if status >= 500 or status < 200:  # the worker's failure, as for completions
             return JSONResponse({"error": f"decode worker {shown_url(decode_workers[0].url)} answered "
                                           f"{status}: {content[:500].decode(errors='replace')}"}, status_code=502)
