@@ -36,12 +36,14 @@ def test_the_workers_retry_after_is_passed_on(stream, status, proxied):
 
 
 @pytest.mark.parametrize("sent,passed", [
-    (b"Wed, 21 Oct 2015 07:28:00 GMT", "Wed, 21 Oct 2015 07:28:00 GMT"),
-    (b"Wed, 21 Oct 2015 09:28:00 +0200", "Wed, 21 Oct 2015 07:28:00 GMT"),  # written anew, in GMT
+    (b"Wed, 21 Oct 2015 07:28:00 GMT", "0"),  # a date: the seconds from now to it, 0 when past
+    (b"Wed, 21 Oct 2015 09:28:00 +0200", "0"),
     (b"007", "7"),
     (b"9" * 40, "86400"),  # at most a day
     (b"-1", None), (b"1.5", None), (b"5, 6", None), (b"soon", None), (b"\xff\xfe", None),
-    (b"1\x0b", None), (b"Mon, 01 Jan 9999 23:59:59 -1200", "Sat, 02 Jan 9999 11:59:59 GMT"),
+    (b"1\x0b", None),
+    (b"Mon, 01 Jan 9999 23:59:59 -1200", "86400"),  # a date at most a day away too (was passed on as it was)
+    (b"Fri, 01 Jan 2100 00:00:00 GMT", "86400"),
     (b"Fri, 31 Dec 9999 23:59:59 -1200", None), (b"<script>" * 100, None),
 ])
 def test_a_retry_after_is_checked_and_written_anew(sent, passed):
@@ -55,3 +57,14 @@ def test_two_retry_afters_are_none():
     with _client(429, [b"1", b"2"]) as c:
         r = c.post("/v1/chat/completions", json={"messages": []})
     assert r.status_code == 429 and "retry-after" not in r.headers
+
+
+@pytest.mark.parametrize("ahead", [100, 3600])
+def test_a_date_is_the_seconds_from_now_to_it(ahead):
+    import email.utils
+    import time
+
+    sent = email.utils.formatdate(time.time() + ahead, usegmt=True).encode()
+    with _client(503, [sent]) as c:
+        r = c.post("/v1/completions", json={"prompt": "hi"})
+    assert r.status_code == 502 and ahead - 30 <= int(r.headers["retry-after"]) <= ahead + 1

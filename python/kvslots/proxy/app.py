@@ -624,11 +624,12 @@ MAX_RETRY_AFTER_S = 86400
 
 def _retry_after(resp: httpx.Response) -> dict[str, str]:
     """The worker's ``Retry-After`` (its 429's or 503's: how long it asks clients to wait) as a
-    header for the client, when it is one valid value: delay-seconds (at most
-    :data:`MAX_RETRY_AFTER_S`) or an HTTP-date, written anew (the proxy's own text, never the
-    worker's bytes); none otherwise (absent, given twice, or anything else)."""
+    header for the client, when it is one valid value: delay-seconds, or an HTTP-date as the
+    delay-seconds from now to it (0 when past), at most :data:`MAX_RETRY_AFTER_S`, written anew
+    (the proxy's own text, never the worker's bytes); none otherwise (absent, given twice, or
+    anything else). A date was passed on as a date, past the cap (year 9999)."""
     import email.utils
-    from datetime import timezone
+    from datetime import datetime, timezone
 
     utc = timezone.utc
     values = resp.headers.get_list("retry-after")
@@ -645,9 +646,10 @@ def _retry_after(resp: httpx.Response) -> dict[str, str]:
         return {}
     try:  # "-0000" (no zone) is RFC 5322's unknown zone: UTC, as HTTP-dates are
         when = when.replace(tzinfo=utc) if when.tzinfo is None else when.astimezone(utc)
-        return {"retry-after": email.utils.format_datetime(when, usegmt=True)}
     except (ValueError, OverflowError):  # a zone that takes the date out of range
         return {}
+    delay = (when - datetime.now(utc)).total_seconds()
+    return {"retry-after": str(min(max(math.ceil(delay), 0), MAX_RETRY_AFTER_S))}
 
 
 _MEDIA_TYPE = re.compile(rb"[\x20-\x7e]{1,256}")
