@@ -84,3 +84,29 @@ def test_one_url_as_prefill_and_decode_worker_has_an_allowance_for_each(caplog):
     burst = _ratelog.BURST
     assert len(_lines(caplog, "prefill worker http://x")) == burst  # the old code: burst / 2 each
     assert len(_lines(caplog, "decode worker http://x")) == burst
+
+
+def test_prefill_and_indexer_failures_are_counted_in_healthz():
+    """What the rate-limited log leaves out was reported only when the same kind failed again
+    later; /healthz now counts every prefill failure, by kind, and the indexer's."""
+    answers = iter([httpx.ConnectError("refused")] * 3 + [httpx.Response(500)] * 2 + [httpx.Response(404)]
+                   + [httpx.Response(204)] + [httpx.Response(200, text="[]")] + [httpx.Response(401)])
+
+    def backend(request: httpx.Request) -> httpx.Response:
+        if request.url.host == "i":
+            return httpx.Response(500)
+        if _prefill(request):
+            answer = next(answers)
+            if isinstance(answer, Exception):
+                raise answer
+            return answer
+        return httpx.Response(200, json={"ok": 1})
+
+    app = create_app(["http://p"], [DecodeWorker("http://d", "w")], indexer_url="http://i",
+                     transport=httpx.MockTransport(backend))
+    with TestClient(app) as c:
+        statuses = [c.post("/v1/completions", json={"prompt": [1, 2]}).status_code for _ in range(9)]
+        health = c.get("/healthz").json()
+    assert statuses == [200] * 8 + [401]
+    assert health["prefill_errors"] == {"no_answer": 3, "4xx": 2, "5xx": 2, "other_status": 1, "no_object": 1}
+    assert health["indexer_errors"] == 8 and health["recomputed"] == 8

@@ -618,6 +618,11 @@ class _PerClient:
                 del self.in_flight[who]
 
 
+#: The kinds of prefill failures counted in /healthz's ``prefill_errors``: no answer (refused, reset,
+#: past --timeout, too big), a 4xx (the client's fault: its 401 and 403 are the client's answer), a
+#: 5xx, another status but 200, a 200 without a JSON object.
+PREFILL_ERROR_KINDS = ("no_answer", "4xx", "5xx", "other_status", "no_object")
+
 #: Longest delay in seconds of a worker's Retry-After passed on (a day); a longer one is passed on as this.
 MAX_RETRY_AFTER_S = 86400
 
@@ -741,8 +746,12 @@ def create_app(prefill_urls: Sequence[str], decode_workers: Sequence[DecodeWorke
     logs = RateLimitedLog(logger)
     prefill_cycle = itertools.cycle(list(prefill_urls))
     decode_cycle = itertools.cycle(list(decode_workers))
+    # prefill_errors and indexer_errors: what the rate-limited log leaves out is counted where an
+    # operator looks (a count of lines left out was logged only when the same kind failed again).
     state: dict[str, Any] = {"recomputed": 0, "disaggregated": 0, "decode_errors": 0, "gone_before_decode": 0,
-                             "gone_in_decode": 0, "slow_clients": 0}
+                             "gone_in_decode": 0, "slow_clients": 0, "indexer_errors": 0,
+                             "prefill_errors": dict.fromkeys(PREFILL_ERROR_KINDS, 0)}
+    prefill_errors = state["prefill_errors"]
     # max_keepalive_connections=20 (httpx's default), not the pool's size: httpcore's pool walks
     # every connection for each waiting request and hands idle ones to requests that wake slowly
     # (150 requests held at once by one worker took 6.9 s to reach it with all kept, 1.0-1.7 s
@@ -794,11 +803,13 @@ def create_app(prefill_urls: Sequence[str], decode_workers: Sequence[DecodeWorke
                 if not 200 <= resp.status_code < 300:
                     raise httpx.HTTPError(f"it answered {resp.status_code}")
             except httpx.HTTPError as e:
+                state["indexer_errors"] += 1
                 logs.log(WARNING, ("indexer", "unusable"), "kvslots proxy: indexer %s unusable (%s); round robin",
                          shown_url(indexer_url), _why(e))
             else:
                 answer = await _answer_object(content)
                 if answer is None:
+                    state["indexer_errors"] += 1
                     logs.log(WARNING, ("indexer", "no object"), "kvslots proxy: indexer %s answered no JSON object; "
                              "round robin", shown_url(indexer_url))
                 else:
@@ -831,10 +842,13 @@ def create_app(prefill_urls: Sequence[str], decode_workers: Sequence[DecodeWorke
                                              await _encoded(prefill_body(body), big, auth), most=MAX_PREFILL_ANSWER,
                                              within=timeout_s)
         except httpx.HTTPError as e:
+            prefill_errors["no_answer"] += 1
             logs.log(WARNING, ("prefill", prefill_url, "failed"), "kvslots proxy: prefill worker %s failed: %s",
                      shown_url(prefill_url), _why(e))
         else:
             status = resp.status_code
+            if status != 200:
+                prefill_errors[_status_class(status) if 400 <= status < 600 else "other_status"] += 1
             if status in (401, 403):
                 logs.log(DEBUG, ("prefill", prefill_url, "4xx"), "kvslots proxy: prefill worker %s answered %d",
                          shown_url(prefill_url), status)
@@ -843,6 +857,7 @@ def create_app(prefill_urls: Sequence[str], decode_workers: Sequence[DecodeWorke
             if answer is not None:
                 params = answer.get("kv_transfer_params")
             elif status == 200:  # an array, a string, not JSON: recomputed on the decode worker
+                prefill_errors["no_object"] += 1
                 logs.log(WARNING, ("prefill", prefill_url, "no object"),
                          "kvslots proxy: prefill worker %s answered 200 without a JSON object: %r",
                          shown_url(prefill_url), content[:300])
