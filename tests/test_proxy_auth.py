@@ -210,3 +210,15 @@ def test_a_worker_urls_userinfo_is_sent_in_place_of_the_clients_authorization():
         assert c.get("/v1/models", headers={"Authorization": "Bearer c"}).status_code == 200
     basic = ["Basic dTpwdw=="]  # u:pw
     assert seen == [("prefill", basic), ("decode", basic), ("models", basic)]
+
+
+def test_with_the_backend_key_the_clients_authorization_is_not_read():
+    """Not sent, not checked: two of them (a 400 without the key), or one with a control
+    character, change nothing; the workers get the key."""
+    seen: list = []
+    with _proxy(seen, backend_api_key="good") as c:
+        two = c.post("/v1/completions", json={"prompt": "hi"},
+                     headers=[("authorization", "Bearer a"), ("authorization", "Bearer b")])
+        odd = c.post("/v1/completions", json={"prompt": "hi"}, headers={"Authorization": b"Bearer \x01"})
+    assert two.status_code == 200 and odd.status_code == 200
+    assert {tuple(auth) for _, auth in seen} == {("Bearer good",)}

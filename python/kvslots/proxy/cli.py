@@ -131,12 +131,15 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--backend-api-key", metavar="KEY", default=os.environ.get(API_KEY_ENV) or None,  # "": unset
                    help="send 'Authorization: Bearer KEY' to the prefill and decode workers (their vLLM --api-key) "
                         "instead of the client's Authorization header, which is passed on without it (default: "
-                        f"${API_KEY_ENV}, which keeps the key out of the process list)")
+                        f"${API_KEY_ENV}, which keeps the key out of the process list). The proxy checks no "
+                        "client's key: anyone who reaches it uses the workers' key")
     p.add_argument("--client-id-header", metavar="NAME",
                    help="behind a trusted load balancer: --max-requests-per-client counts each value of this header "
                         "(its last item, e.g. X-Forwarded-For's address the load balancer appended) as one client, "
                         "not the connection's address (default: the address; a client that reaches the proxy "
-                        "directly could name itself anew in each request)")
+                        "directly could name itself anew in each request, and so can every client behind a load "
+                        "balancer that passes the header on without appending to it; behind several hops, e.g. "
+                        "a CDN then a load balancer, the last item is the previous hop's address)")
     p.set_defaults(func=run)
 
 
