@@ -21,6 +21,7 @@ from typing import Any, Iterable, cast
 
 from ..._core import DeviceKVManager, KVBlocks
 from ...errors import ConfigError
+from ...slots.reference import _int
 
 logger = logging.getLogger(__name__)
 
@@ -305,8 +306,13 @@ class KVSlotsKVCacheManager(DeviceKVManager):
         ``max_cache_hit_length`` (vLLM 0.33) caps the hit; 0.32 never passes it."""
         if not self.enable_caching or request.skip_reading_prefix_cache:
             return self.empty_kv_cache_blocks, 0, 0
-        limit = request.num_tokens - 1 if max_cache_hit_length is None else max_cache_hit_length
-        blocks = self.computed_blocks(request, max(0, int(limit)) // self.block_size, self.use_eagle)
+        # Integers as the bindings read them (int() took True as 1, "5" as 5, 3.9 as 3, and
+        # raised ValueError for NaN).
+        if max_cache_hit_length is None:
+            limit = _int(request.num_tokens, "request.num_tokens", 0, 1 << 64) - 1
+        else:
+            limit = _int(max_cache_hit_length, "max_cache_hit_length", -(1 << 63), 1 << 64)
+        blocks = self.computed_blocks(request, max(0, limit) // self.block_size, self.use_eagle)
         n = blocks.num_blocks
         if (n and self.enable_kv_cache_events
                 and getattr(request, "kv_cache_report_mode", "incremental") == "full"):
