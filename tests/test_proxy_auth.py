@@ -18,6 +18,7 @@ from fastapi.testclient import TestClient  # noqa: E402
 from kvslots import cli  # noqa: E402
 from kvslots.errors import InvalidArgumentError  # noqa: E402
 from kvslots.proxy.app import DecodeWorker, create_app  # noqa: E402
+from proxy_support import started  # noqa: E402,F401 - a fixture
 
 
 def _proxy(seen: list, **kw) -> TestClient:
@@ -137,19 +138,6 @@ def test_create_app_refuses_a_bad_key(key):
     with pytest.raises(InvalidArgumentError) as e:
         create_app(["http://p"], [DecodeWorker("http://d")], backend_api_key=key)
     assert "has blank" not in str(e.value)  # the key is never shown
-
-
-@pytest.fixture
-def started(monkeypatch):
-    from kvslots import _listen
-    from kvslots.proxy import app as app_module
-
-    given: dict = {}
-    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: given.update(kw))
-    monkeypatch.setattr(_listen, "check_listen", lambda host, port: None)
-    real = app_module.create_app
-    monkeypatch.setattr(app_module, "create_app", lambda *a, **kw: given.update(app=kw) or real(*a, **kw))
-    return given
 
 
 def _cli(capsys, argv):

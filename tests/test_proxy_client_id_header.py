@@ -17,6 +17,7 @@ from test_proxy_per_client import _run, _until  # noqa: E402
 from kvslots import cli  # noqa: E402
 from kvslots.errors import InvalidArgumentError  # noqa: E402
 from kvslots.proxy.app import DecodeWorker, create_app  # noqa: E402
+from proxy_support import started  # noqa: E402,F401 - a fixture
 
 LB = "10.0.0.9"  # every request comes from the load balancer
 
@@ -57,19 +58,6 @@ def test_requests_without_the_header_are_their_address():
 def test_create_app_refuses_a_bad_header_name(name):
     with pytest.raises(InvalidArgumentError):
         create_app(["http://p"], [DecodeWorker("http://d")], client_id_header=name)
-
-
-@pytest.fixture
-def started(monkeypatch):
-    from kvslots import _listen
-    from kvslots.proxy import app as app_module
-
-    given: dict = {}
-    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: given.update(kw))
-    monkeypatch.setattr(_listen, "check_listen", lambda host, port: None)
-    real = app_module.create_app
-    monkeypatch.setattr(app_module, "create_app", lambda *a, **kw: given.update(app=kw) or real(*a, **kw))
-    return given
 
 
 def test_the_command_passes_the_header_or_refuses_it_in_one_line(capsys, started):

@@ -20,6 +20,7 @@ from kvslots import cli  # noqa: E402
 from kvslots.errors import InvalidArgumentError  # noqa: E402
 from kvslots.proxy.app import DecodeWorker, create_app  # noqa: E402
 from process_support import serve_guarded  # noqa: E402
+from proxy_support import started  # noqa: E402,F401 - a fixture
 
 
 class _Held:
@@ -170,20 +171,6 @@ def test_the_default_leaves_a_quarter_to_others():
     from kvslots.proxy.cli import default_requests_per_client
 
     assert [default_requests_per_client(n) for n in (1, 2, 4, 1024)] == [1, 2, 3, 768]
-
-
-@pytest.fixture
-def started(monkeypatch):
-    """What create_app was given (nothing is started)."""
-    from kvslots import _listen
-    from kvslots.proxy import app as app_module
-
-    given: dict = {}
-    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: given.update(kw))
-    monkeypatch.setattr(_listen, "check_listen", lambda host, port: None)
-    real = app_module.create_app
-    monkeypatch.setattr(app_module, "create_app", lambda *a, **kw: given.update(app=kw) or real(*a, **kw))
-    return given
 
 
 def _cli(capsys, argv):

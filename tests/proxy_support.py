@@ -1,0 +1,30 @@
+"""Fixtures of the proxy's command tests, in one home."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+
+import pytest
+
+
+@pytest.fixture
+def started(monkeypatch) -> Iterator[dict]:
+    """``kvslots proxy`` run without serving: what create_app was given (``app``) and uvicorn.run's
+    options (nothing is started, no address checked). The loggers the command sets
+    (:func:`kvslots.proxy.cli.quiet_logs`) are as they were afterwards."""
+    import uvicorn
+
+    from kvslots import _listen
+    from kvslots.proxy import app as app_module
+
+    given: dict = {}
+    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: given.update(kw))
+    monkeypatch.setattr(_listen, "check_listen", lambda host, port: None)
+    real = app_module.create_app
+    monkeypatch.setattr(app_module, "create_app", lambda *a, **kw: given.update(app=kw) or real(*a, **kw))
+    httpx_log, error_log = logging.getLogger("httpx"), logging.getLogger("uvicorn.error")
+    level, filters = httpx_log.level, list(error_log.filters)
+    yield given
+    httpx_log.setLevel(level)
+    error_log.filters[:] = filters
