@@ -55,11 +55,22 @@ log = logging.getLogger(__name__)
 #: Largest frame the replay ROUTER accepts (a request's frames are an empty delimiter and 8 bytes).
 REPLAY_MAX_FRAME = 1024
 
-#: Largest frame the PUB socket accepts beyond the topic's length: all a PUB reads is its
-#: subscribers' subscriptions (a flag byte and a topic prefix). A bigger frame drops the peer's
-#: connection: without the bound ZMQ buffered it whole (a peer declaring a 2 GiB subscription
-#: grew the publisher by 700 MB/s as it sent the bytes).
-SUBSCRIPTION_MAX_FRAME = 1024
+#: Largest frame the live socket accepts beyond the topic's length: all it reads is its
+#: subscribers' subscriptions (a flag byte and a topic prefix) and their handshake (a SUB's is
+#: 27 bytes). A bigger frame drops the peer's connection: without the bound ZMQ buffered it whole
+#: (a peer declaring a 2 GiB subscription grew the publisher by 700 MB/s as it sent the bytes).
+#: A subscription longer than the topic matches none of its messages; each byte of a distinct one
+#: costs the socket's subscription trie ~47 bytes (1 KiB ones: 47 KB each).
+SUBSCRIPTION_MAX_FRAME = 256
+#: Most distinct subscriptions the live socket keeps. ZMQ keeps every distinct one a peer sends
+#: until it leaves, with no option to bound them (30,000 of 1 KB grew a publisher by 1.4 GB, and
+#: shutdown() took over 5 s to free them); subscribers use one or two. Past this many the socket
+#: is made again on the same address (counted ``subscription_resets``): every subscriber
+#: reconnects and subscribes again by itself, and heals what it missed meanwhile by replay.
+MAX_SUBSCRIPTIONS = 1024
+#: Messages from one peer queued in the live socket at most (its RCVHWM): a subscriber sends
+#: subscriptions only; read by the sender thread, up to REPLAY_REQUESTS_PER_ROUND at a turn.
+SUBSCRIPTION_HWM = 100
 
 #: Replay messages queued for one peer at most (the ROUTER's send high-water mark). With
 #: ROUTER_MANDATORY a full queue is an EAGAIN, not a silent drop: the replay waits and resumes
@@ -75,6 +86,15 @@ REPLAY_STALL_S = 10.0
 #: faster than it reads them kept every live batch waiting (one such peer: 132 ms median delay;
 #: two: batches over 5 s late). A turn of 1,000 garbage frames takes about 2 ms.
 REPLAY_REQUESTS_PER_ROUND = 1000
+#: Most bytes of batches the replay buffer keeps by default (``buffer_bytes``): past them the
+#: oldest leave it, as past ``buffer_steps``. buffer_steps alone pinned any amount (10,000
+#: batches of 64 MiB: 640 GiB); a replay asking for one that left gets the rest (a hole).
+DEFAULT_BUFFER_BYTES = 1 << 30
+MAX_BUFFER_BYTES = 1 << 40
+#: Highest ``hwm``: a subscriber that stops reading makes the live socket queue up to hwm
+#: messages for it, ~200 bytes each (three frames) besides the batches they share with the
+#: other subscribers (19 MB at the default 100,000; 400 GB at 2**31-1, which was taken).
+MAX_HWM = 1_000_000
 #: Retries of a replay whose peer's queue is full: after 1 ms, doubling up to 100 ms.
 _RETRY_MIN, _RETRY_MAX = 0.001, 0.1
 
@@ -110,8 +130,12 @@ class EventPublisher(NoCopy):
         caller passes it to the encoder.
     buffer_steps:
         How many recent batches the replay buffer keeps.
+    buffer_bytes:
+        How many bytes of recent batches the replay buffer keeps at most (the newest batch is
+        always kept); :data:`DEFAULT_BUFFER_BYTES` by default, at most :data:`MAX_BUFFER_BYTES`.
     hwm:
-        High-water mark of the PUB socket (messages; beyond it ZMQ drops for slow subscribers).
+        High-water mark of the PUB socket (messages; beyond it ZMQ drops for slow subscribers),
+        at most :data:`MAX_HWM`.
     max_queue_size:
         Batches waiting to be sent; when full, :meth:`publish` blocks (as vLLM's publisher does)
         rather than drop a batch before it has a sequence number, which no subscriber could see.
@@ -133,6 +157,7 @@ class EventPublisher(NoCopy):
         data_parallel_rank: int = 0,
         buffer_steps: int = 10_000,
         hwm: int = 100_000,
+        buffer_bytes: int = DEFAULT_BUFFER_BYTES,
         max_queue_size: int = 100_000,
         bind: bool | None = None,
         linger_ms: int = 1000,
@@ -150,6 +175,12 @@ class EventPublisher(NoCopy):
         # from the old replay HWM of 2 * (buffer_steps + 1); replays no longer depend on it.
         buffer_steps = _args.integer(buffer_steps, "buffer_steps", 1, _args.C_INT_MAX // 2 - 1)
         hwm = _args.integer(hwm, "hwm", 0, _args.C_INT_MAX)
+        if hwm > MAX_HWM:
+            raise InvalidArgumentError(
+                f"hwm {hwm}: at most {MAX_HWM}: a subscriber that stops reading is queued up to hwm "
+                f"messages, ~200 bytes each besides the batches (~{hwm * 200 / 2**30:.0f} GiB per subscriber)",
+                details={"hwm": hwm, "max": MAX_HWM})
+        buffer_bytes = _args.integer(buffer_bytes, "buffer_bytes", 1, MAX_BUFFER_BYTES)
         max_queue_size = _args.integer(max_queue_size, "max_queue_size", 1)
         bind = _args.flag(bind, "bind", optional=True)
         linger_ms = _args.integer(linger_ms, "linger_ms", -1, _args.C_INT_MAX)
@@ -176,33 +207,30 @@ class EventPublisher(NoCopy):
         self._in_flight = 0  # batches taken from the queue but not yet sent
 
         # Owned by the sender thread once it runs.
-        self._buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_steps)
+        self._buffer: deque[tuple[int, bytes]] = deque()  # at most buffer_steps and buffer_bytes
+        self._buffer_steps = buffer_steps
+        self._max_buffer_bytes = buffer_bytes
+        self._buffered_bytes = 0
         self._next_seq = 0
         self._drop_on_wire: set[int] = set()
         self._replays: dict[bytes, _Replay] = {}  # by peer identity; at most one per peer
         self._stats = dict.fromkeys(
             ("published", "dropped_on_wire", "replay_requests", "replayed", "replay_malformed",
-             "replay_refused", "replay_truncated", "errors"),
+             "replay_refused", "replay_truncated", "subscription_resets", "errors"),
             0,
         )
+        self._subscriptions: set[bytes] = set()  # the live socket's distinct ones (at most MAX_SUBSCRIPTIONS)
+        self._hwm = hwm
 
         self._pub: zmq.Socket | None = None
         self._replay: zmq.Socket | None = None
+        self._poller: Any = None  # the sender thread's (_run)
         self._wakeup = WakePipe()
         try:
             ep = offset_endpoint_port(endpoint, data_parallel_rank)
             assert ep is not None
-            self._pub = self._ctx.socket(zmq.PUB)
-            self._pub.setsockopt(zmq.SNDHWM, hwm)
-            self._pub.setsockopt(zmq.LINGER, linger_ms)
-            self._pub.setsockopt(zmq.MAXMSGSIZE, SUBSCRIPTION_MAX_FRAME + len(self._topic))
-            if is_ipv6(ep):
-                self._pub.setsockopt(zmq.IPV6, 1)
-            if is_bind_endpoint(ep) if bind is None else bind:
-                self._pub.bind(ep)
-                ep = self._pub.getsockopt_string(zmq.LAST_ENDPOINT)
-            else:
-                self._pub.connect(ep)
+            self._bind_pub = is_bind_endpoint(ep) if bind is None else bind
+            self._pub, ep = self._open_pub(ep)
             self.endpoint: str = ep
             self.replay_endpoint: str | None = None
             rep = offset_endpoint_port(replay_endpoint, data_parallel_rank)
@@ -236,6 +264,27 @@ class EventPublisher(NoCopy):
             target=self._run, name=f"kvslots-event-publisher[{self.endpoint}]", daemon=True
         )
         self._thread.start()
+
+    def _open_pub(self, ep: str) -> tuple[zmq.Socket, str]:
+        """The live socket on ``ep`` and its address (the port a bind chose). An XPUB, which sends
+        as a PUB does and hands its new subscriptions up, so that they can be counted."""
+        sock = self._ctx.socket(zmq.XPUB)
+        try:
+            sock.setsockopt(zmq.SNDHWM, self._hwm)
+            sock.setsockopt(zmq.RCVHWM, SUBSCRIPTION_HWM)
+            sock.setsockopt(zmq.LINGER, self._linger_ms)
+            sock.setsockopt(zmq.MAXMSGSIZE, SUBSCRIPTION_MAX_FRAME + len(self._topic))
+            if is_ipv6(ep):
+                sock.setsockopt(zmq.IPV6, 1)
+            if self._bind_pub:
+                sock.bind(ep)
+                ep = sock.getsockopt_string(zmq.LAST_ENDPOINT)
+            else:
+                sock.connect(ep)
+        except BaseException:
+            sock.close(linger=0)
+            raise
+        return sock, ep
 
     # ---- producer side (any thread) --------------------------------------------------------
 
@@ -316,7 +365,9 @@ class EventPublisher(NoCopy):
         """Counters: published, dropped_on_wire (test hook), replay_requests, replayed (batches
         resent), replay_malformed, replay_refused (requests from a peer whose previous replay is
         still being sent), replay_truncated (replays dropped before their end: the peer took
-        nothing for ``REPLAY_STALL_S`` or disconnected), errors; plus queued and next_seq."""
+        nothing for ``REPLAY_STALL_S`` or disconnected), subscription_resets (the live socket
+        made again past ``MAX_SUBSCRIPTIONS`` distinct subscriptions), errors; plus queued and
+        next_seq."""
         with self._lock:
             queued = len(self._queue) + self._in_flight
         return {**self._stats, "queued": queued, "next_seq": self._next_seq}
@@ -360,10 +411,12 @@ class EventPublisher(NoCopy):
     # ---- sender thread ---------------------------------------------------------------------
 
     def _run(self) -> None:
-        poller = zmq.Poller()
+        poller = self._poller = zmq.Poller()
         poller.register(self._wakeup.fileno(), zmq.POLLIN)  # poll() answers with the fd
         if self._replay is not None:
             poller.register(self._replay, zmq.POLLIN)
+        if self._pub is not None:
+            poller.register(self._pub, zmq.POLLIN)  # subscriptions
         try:
             while not self._round(poller):
                 pass
@@ -378,6 +431,8 @@ class EventPublisher(NoCopy):
         """One wake-up of the sender thread; True when it should exit."""
         try:
             ready = dict(poller.poll(self._retry_timeout_ms()))
+            if self._pub is not None and self._pub in ready:
+                self._read_subscriptions()
             if self._replay is not None and self._replay in ready:
                 self._serve_replays()
             self._resume_replays()
@@ -406,10 +461,16 @@ class EventPublisher(NoCopy):
         seq = self._next_seq
         self._next_seq += 1
         self._buffer.append((seq, payload))
+        self._buffered_bytes += len(payload)
+        while len(self._buffer) > self._buffer_steps or (
+                self._buffered_bytes > self._max_buffer_bytes and len(self._buffer) > 1):
+            self._buffered_bytes -= len(self._buffer.popleft()[1])
         if seq in self._drop_on_wire:
             self._drop_on_wire.discard(seq)
             self._stats["dropped_on_wire"] += 1
             return
+        if self._pub is None and not self._reopen_pub(0.0):  # a reset that could not bind again
+            return  # buffered: subscribers see a gap and replay it
         assert self._pub is not None
         try:
             self._pub.send_multipart(live_message(self._topic, seq, payload), copy=False)
@@ -419,6 +480,56 @@ class EventPublisher(NoCopy):
             # The batch stays in the replay buffer, so subscribers see a healable gap.
             self._stats["errors"] += 1
             log.exception("event publisher send failed (seq %d)", seq)
+
+    def _read_subscriptions(self) -> None:
+        """Counts the live socket's distinct subscriptions (it hands up each new one and each
+        last cancel, peers leaving included); past :data:`MAX_SUBSCRIPTIONS` makes it again."""
+        assert self._pub is not None
+        for _ in range(REPLAY_REQUESTS_PER_ROUND):
+            try:
+                msg = self._pub.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            if msg[:1] == b"\x01":
+                self._subscriptions.add(msg[1:])
+            elif msg[:1] == b"\x00":
+                self._subscriptions.discard(msg[1:])
+            if len(self._subscriptions) > MAX_SUBSCRIPTIONS:
+                self._reset_pub()
+                return
+
+    def _reset_pub(self) -> None:
+        """The live socket made again on its address: everything it kept goes with the old one.
+        Subscribers reconnect by themselves (ZMQ) and replay what they missed."""
+        assert self._pub is not None
+        self._stats["subscription_resets"] += 1
+        n = self._stats["subscription_resets"]
+        if n & (n - 1) == 0:  # 1st, 2nd, 4th, ...
+            log.warning("event publisher %s: over %d distinct subscriptions: the socket is made again, its "
+                        "subscribers reconnect (%d times so far)", self.endpoint, MAX_SUBSCRIPTIONS, n)
+        self._poller.unregister(self._pub)
+        self._pub.close(linger=0)
+        self._pub = None
+        self._subscriptions.clear()
+        self._reopen_pub(2.0)
+
+    def _reopen_pub(self, wait_s: float) -> bool:
+        """Opens the live socket again on its address, trying for up to ``wait_s`` (the old one's
+        listener is closed by ZMQ's I/O thread a moment after close()); False if it could not."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            try:
+                self._pub, _ = self._open_pub(self.endpoint)
+                break
+            except zmq.ZMQError as e:
+                if time.monotonic() >= deadline:
+                    self._stats["errors"] += 1
+                    log.error("event publisher: cannot open %s again: %s (tried again at the next batch)",
+                              self.endpoint, e)
+                    return False
+                time.sleep(0.01)
+        self._poller.register(self._pub, zmq.POLLIN)
+        return True
 
     def _serve_replays(self) -> None:
         """Reads up to ``REPLAY_REQUESTS_PER_ROUND`` requests (the rest wait for the next round,
