@@ -42,3 +42,34 @@ def test_a_false_stream_spelled_as_a_string_is_bounded_by_the_timeout():
     with TestClient(app) as c:
         r = c.post("/v1/completions", json={"prompt": "hi", "stream": "false"})
     assert r.status_code == 502 and "no whole answer within 1 s" in r.json()["error"]  # the old code: 200
+
+
+_STREAM_VALUES = [True, False, None, 1, 0, 1.0, 0.0, 0.5, 2, -1, "true", "false", "True", "FALSE", "tRuE", " true",
+                  "true ", "1", "0", "yes", "no", "y", "n", "on", "off", "t", "f", "", "1.0", "0.0", [], {}, [1],
+                  10**30, "x" * 5000]
+
+
+def test_stream_is_read_as_vllms_own_request_models_read_it():
+    """The proxy's reading against vLLM's CompletionRequest and ChatCompletionRequest (in the venv):
+    streamed exactly when vLLM streams; a value vLLM refuses (its 400) is not streamed."""
+    try:
+        import vllm  # noqa: F401
+    except ImportError as e:
+        pytest.skip(f"vLLM is not installed ({e}): nothing to compare with")
+    from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+    from vllm.entrypoints.openai.completion.protocol import CompletionRequest
+
+    from kvslots.proxy.app import _request_doc, _streams
+
+    differ = []
+    for value in _STREAM_VALUES:
+        got = _streams(_request_doc(json.dumps({"prompt": "hi", "stream": value}).encode()))
+        for model, fields in ((CompletionRequest, {"prompt": "hi"}),
+                              (ChatCompletionRequest, {"messages": [{"role": "user", "content": "hi"}]})):
+            try:
+                want = model.model_validate({**fields, "stream": value}).stream is True
+            except ValueError:  # pydantic's ValidationError: vLLM's 400
+                want = False
+            if got is not want:
+                differ.append((model.__name__, repr(value)[:40], got, want))
+    assert differ == []
