@@ -122,3 +122,21 @@ def test_a_host_that_stopped_answering_takes_one_thread_and_live_ones_keep_their
     finally:
         cons.close()
     assert pd.PULL_THREADS > pd.NEW_HOST_THREADS + pd.FAILING_THREADS + pd.PULLS_PER_HOST
+
+
+def test_the_producers_said_hello_to_are_bounded(monkeypatch):
+    # Each prefill worker's hello (its layout, some KiB) was kept for good, for any host and
+    # port a hand-off named that answered: a client naming many grew the consumer without bound.
+    from kvslots.vllm.pd import control
+
+    monkeypatch.setattr(pd, "MAX_KNOWN_HOSTS", 8)
+    monkeypatch.setattr(control, "control_call", lambda *a, **k: {"engine_id": "P", "block_size": BS, "model": "m"})
+    monkeypatch.setattr("kvslots.vllm.pd.BlockLayout.from_wire", staticmethod(lambda wire: object()))
+    cons = PDWorker(engine_id="D", host="127.0.0.1", port=0, block_size=BS, model="m", timeout_s=30.0,
+                    producer=False, consumer=True)
+    try:
+        for port in range(1, 101):
+            cons._hello(spec("r", port, local=0))
+        assert len(cons._peers) == 8 and ("127.0.0.1", 100) in cons._peers
+    finally:
+        cons.close()

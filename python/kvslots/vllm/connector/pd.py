@@ -550,7 +550,12 @@ class PDWorker:
             info = control_call(spec.remote_host, spec.remote_port, {"op": "hello"}, timeout_s=self.control_timeout_s,
                                 secret=self._secret)
             info["layout_obj"] = BlockLayout.from_wire(info.get("layout"))
-            self._peers[key] = info
+            with self._lock:
+                # Bounded: hand-offs (a client's kv_transfer_params) may name any host and port
+                # that answers, each kept with its layout (some KiB) for good.
+                while len(self._peers) >= MAX_KNOWN_HOSTS:
+                    del self._peers[next(iter(self._peers))]
+                self._peers[key] = info
         if info.get("engine_id") != spec.remote_engine_id:
             raise TransferError(f"prefill worker {key[0]}:{key[1]} is engine {info.get('engine_id')!r}, the request "
                                 f"was prefilled by {spec.remote_engine_id!r} (restarted?)", details={"kind": "peer"})
@@ -597,8 +602,9 @@ class PDWorker:
                     # port under the same engine id (a fixed kv_transfer_config engine_id) has
                     # a new Mooncake session and memory, and every later pull read the old ones
                     # and failed, until this worker restarted. Asked again; read again if new.
-                    if self._peers.get(key) is info:
-                        del self._peers[key]
+                    with self._lock:
+                        if self._peers.get(key) is info:
+                            del self._peers[key]
                     if not cached:
                         raise
                     fresh = self._hello(spec)
