@@ -134,3 +134,44 @@ def test_settings_past_their_bound_are_refused(kwargs, what):
     with pytest.raises(InvalidArgumentError, match=f"^{what}"):
         EventPublisher(LOCAL, **kwargs)
     EventPublisher(LOCAL, hwm=MAX_HWM, buffer_bytes=2**40).shutdown()  # the bounds themselves
+
+
+def test_replays_in_progress_are_capped():
+    # Peers asking for a replay and reading nothing each held up to REPLAY_HWM batches in their
+    # queue, with no bound on their number; past MAX_REPLAYS a request is left unanswered.
+    cap = getattr(pubmod, "MAX_REPLAYS", 64)
+    ctx = zmq.Context()
+    pub = EventPublisher(LOCAL, LOCAL, buffer_steps=500, context=ctx)
+    stalled = []
+    try:
+        one = encode_batch(KVEventBatch(0.0, [BlockRemoved(list(range(2**40, 2**40 + 200)), None)]))
+        for _ in range(500):
+            pub.publish(one)
+        assert pub.flush(10)
+        for _ in range(cap + 36):
+            d = ctx.socket(zmq.DEALER)
+            d.setsockopt(zmq.LINGER, 0)
+            d.setsockopt(zmq.RCVHWM, 1)
+            d.connect(pub.replay_endpoint)
+            d.send_multipart(replay_request(0))
+            stalled.append(d)
+        deadline = time.monotonic() + 10
+        while pub.stats()["replay_requests"] < cap + 36:
+            assert time.monotonic() < deadline, pub.stats()
+            time.sleep(0.01)
+        st = pub.stats()
+        assert st.get("replay_busy") == 36 and len(pub._replays) == cap, st
+        # the stalled peers leave: their replays end, and a reading peer is answered in full
+        for d in stalled:
+            d.close()
+        stalled.clear()
+        deadline = time.monotonic() + 10
+        while pub._replays:
+            assert time.monotonic() < deadline, pub.stats()
+            time.sleep(0.01)
+        assert _replay_from(pub, ctx, 0) == list(range(500))
+    finally:
+        for d in stalled:
+            d.close()
+        pub.shutdown()
+        ctx.term()

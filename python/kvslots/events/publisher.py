@@ -79,6 +79,11 @@ SUBSCRIPTION_HWM = 100
 #: a reading subscriber's catch-up fast (10,000 batches of 1.5 KB in 0.4 s; 0.27 s at 256, 1 s
 #: at 16) while 50 stalled peers cost 8 MiB with 1.5 KB batches, 77 MiB with 30 KB ones.
 REPLAY_HWM = 64
+#: Replays in progress at most (one per peer): each holds up to REPLAY_HWM batches in its peer's
+#: queue, and peers were not counted (500 peers asking at once and reading nothing: 500 x 64
+#: batches). A request past them is not answered (counted replay_busy): the subscriber's replay
+#: times out and asks again later, as of a server that is down.
+MAX_REPLAYS = 64
 #: A replay the peer has taken nothing of for this long is dropped (counted replay_truncated).
 REPLAY_STALL_S = 10.0
 #: Replay requests read per wake-up of the sender thread, at most. Queued batches are sent between
@@ -216,7 +221,7 @@ class EventPublisher(NoCopy):
         self._replays: dict[bytes, _Replay] = {}  # by peer identity; at most one per peer
         self._stats = dict.fromkeys(
             ("published", "dropped_on_wire", "replay_requests", "replayed", "replay_malformed",
-             "replay_refused", "replay_truncated", "subscription_resets", "errors"),
+             "replay_refused", "replay_busy", "replay_truncated", "subscription_resets", "errors"),
             0,
         )
         self._subscriptions: set[bytes] = set()  # the live socket's distinct ones (at most MAX_SUBSCRIPTIONS)
@@ -364,7 +369,8 @@ class EventPublisher(NoCopy):
     def stats(self) -> dict[str, int]:
         """Counters: published, dropped_on_wire (test hook), replay_requests, replayed (batches
         resent), replay_malformed, replay_refused (requests from a peer whose previous replay is
-        still being sent), replay_truncated (replays dropped before their end: the peer took
+        still being sent), replay_busy (requests left unanswered while ``MAX_REPLAYS`` are in
+        progress), replay_truncated (replays dropped before their end: the peer took
         nothing for ``REPLAY_STALL_S`` or disconnected), subscription_resets (the live socket
         made again past ``MAX_SUBSCRIPTIONS`` distinct subscriptions), errors; plus queued and
         next_seq."""
@@ -553,6 +559,9 @@ class EventPublisher(NoCopy):
                 # One replay per peer: a peer asking again before it took the last one's end
                 # marker would only pile up copies of the buffer.
                 self._stats["replay_refused"] += 1
+                continue
+            if len(self._replays) >= MAX_REPLAYS:
+                self._stats["replay_busy"] += 1
                 continue
             replay = _Replay(start, self._next_seq, time.monotonic())
             self._replays[client] = replay
