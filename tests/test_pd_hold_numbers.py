@@ -69,6 +69,7 @@ def test_a_second_ack_an_early_ack_and_another_lifes_ack():
     a, b = hand_off(s, "a"), hand_off(s, "b")
     meta = s.build()
     assert meta.hold_seqs == {"a": 1, "b": 2} and a["remote_hold"] == [meta.hold_epoch, 1]
+    assert 0 < meta.hold_epoch < 2**53  # exact as a double (JSON readers)
     w.on_step(meta)
     assert ack(w, a) == {"held": True}
     assert ack(w, a) == {"held": False, "unknown": True}  # acked already: its blocks may be gone

@@ -201,7 +201,9 @@ class PDScheduler:
         self._recvs: list[RecvSpec] = []
         self._holds: dict[str, float] = {}
         self._hold_seqs: dict[str, int] = {}
-        self._hold_epoch = secrets.randbits(62) + 1  # this life's: a restarted producer's differs
+        # This life's (a restarted producer's differs); under 2**53, as the hand-off may pass
+        # through JSON readers that keep numbers as doubles.
+        self._hold_epoch = secrets.randbits(52) + 1
         self._hold_seq = 0
         self._epoch_sent = False
         self.stats = {"remote_prefills": 0, "remote_tokens": 0, "bad_params": 0, "holds": 0}
