@@ -3,6 +3,7 @@ a request whose fields raise while its BlockStored is built leaves the manager a
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import pytest
@@ -18,6 +19,7 @@ from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec  # noqa: E402
 from vllm.v1.request import Request  # noqa: E402
 
+from kvslots.errors import KVSlotsError  # noqa: E402
 from kvslots.vllm.scheduler import KVSlotsKVCacheManager  # noqa: E402
 
 BS = 16
@@ -64,6 +66,14 @@ def state(m: KVSlotsKVCacheManager):
             len(m._events), m.last_commit())
 
 
+@contextlib.contextmanager
+def raises_boom():
+    """What the request's fields raise while the event is built: a kvslots error, from Boom."""
+    with pytest.raises(KVSlotsError, match="KV event") as ei:
+        yield
+    assert isinstance(ei.value.__cause__, Boom)
+
+
 @pytest.fixture(autouse=True)
 def _disarm():
     BadLora.armed = False
@@ -83,7 +93,7 @@ def test_a_raising_event_leaves_the_allocation_undone():
     r = request("r", 3 * BS)
     r.lora_request = BadLora()
     BadLora.armed = True
-    with pytest.raises(Boom):
+    with raises_boom():
         m.allocate_slots(r, 3 * BS)
     assert state(m) == before
     assert "r" not in m
@@ -105,11 +115,11 @@ def test_a_raising_event_leaves_a_running_request_and_cache_blocks_unchanged():
         r.append_output_token_ids(100 + t)
     before = state(m)
     BadLora.armed = True
-    with pytest.raises(Boom):
+    with raises_boom():
         m.allocate_slots(r, BS - 4)
     assert state(m) == before
     # cache_blocks of the filled block (delayed caching registered nothing at allocation).
-    with pytest.raises(Boom):
+    with raises_boom():
         m.cache_blocks(r, 2 * BS)
     assert state(m) == before
     BadLora.armed = False
@@ -144,3 +154,23 @@ def test_a_request_that_changes_the_manager_while_its_event_is_built_allocates_n
     assert "r" not in m
     assert m.num_free_blocks() == free_after_free
     assert m.check_invariants() is None
+
+
+def test_a_duck_typed_request_without_vllm_fields_gets_a_kvslots_error():
+    """A request with what allocate_slots reads but not the fields vLLM's event helpers read
+    (mm_features): Python's AttributeError came out of allocate_slots with events on."""
+    m = manager()
+
+    class Duck:
+        request_id = "duck"
+        num_computed_tokens = 0
+        block_hashes = [bytes([i]) * 32 for i in range(1, 3)]
+        all_token_ids = _all_token_ids = list(range(2 * BS))
+        lora_request = None
+        status = None
+
+    before = state(m)
+    with pytest.raises(KVSlotsError, match="KV event") as ei:
+        m.allocate_slots(Duck(), 2 * BS)
+    assert isinstance(ei.value.__cause__, AttributeError)
+    assert state(m) == before

@@ -725,7 +725,13 @@ fn prepare_stored(
 ) -> PyResult<Py<PyAny>> {
     let py = slf.py();
     match slf.getattr_opt(intern!(py, "_prepare_stored"))? {
-        Some(f) => Ok(f.call1((request, planned.start, planned.end))?.unbind()),
+        // The request's fields are read there: what they raise is a kvslots error, as for the
+        // fields the bindings read themselves (a duck-typed request without vLLM's mm_features
+        // raised Python's AttributeError).
+        Some(f) => Ok(f
+            .call1((request, planned.start, planned.end))
+            .map_err(|e| reading_error(py, e, "the request's fields for its KV event"))?
+            .unbind()),
         None => Ok(py.None()),
     }
 }
