@@ -15,7 +15,8 @@ indexer is given and the prompt is token ids (the proxy does not tokenize), else
 
 A prefill worker that fails or answers without ``kv_transfer_params`` (or with anything but a
 JSON object) does not fail the request: it goes to the decode worker without them and is
-computed there (the response then has the header ``x-kvslots-pd: recomputed``). A decode worker
+computed there (the response then has the header ``x-kvslots-pd: recomputed``), but for its
+401 or 403, the client's answer as it is (the client is not let in). A decode worker
 that fails (no answer, a 5xx) is a 502 with the reason; its 4xx answer (the request's fault:
 vLLM's 400 for a bad parameter) is the client's, status and body. A request body that is not a
 JSON object under kvslots' strict parser (no NaN, no duplicate keys, at most 64 levels, Unicode
