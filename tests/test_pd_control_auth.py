@@ -175,3 +175,15 @@ def test_a_pull_between_workers_needs_the_same_secret(consumer_secret, pulled):
     finally:
         cons.close()
         prod.close()
+
+
+@pytest.mark.parametrize("bad", ["", "A=B", "a\0b", "\ud800", 5, True, ["X"]])
+def test_pd_secret_env_is_a_config_key_checked_at_start(bad):
+    # The variable's name is a kv_connector_extra_config key with the other keys' checks (it was
+    # read with getattr from a config that had no such field: only KVSLOTS_PD_SECRET worked).
+    from kvslots.config.connector import ConnectorConfig, ConnectorConfigError
+
+    assert ConnectorConfig.from_extra_config({"pd_secret_env": "MY_PD_SECRET"}).pd_secret_env == "MY_PD_SECRET"
+    assert ConnectorConfig.from_extra_config({}).pd_secret_env is None
+    with pytest.raises(ConnectorConfigError, match="pd_secret_env"):
+        ConnectorConfig.from_extra_config({"pd_secret_env": bad})

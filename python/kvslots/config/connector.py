@@ -63,13 +63,16 @@ class ConnectorConfig:
     pd_host: str = "127.0.0.1"
     pd_port: int | None = None
     pd_timeout_s: float = 120.0
+    #: The environment variable holding the P/D control channel's shared secret (None:
+    #: KVSLOTS_PD_SECRET). A variable's name, never the secret: vLLM logs kv_transfer_config.
+    pd_secret_env: str | None = None
 
     def __post_init__(self) -> None:
         # The constructor is public (kvslots.vllm.ConnectorConfig): its values get the checks
         # from_extra_config's do (NaN GiB was int()'s ValueError when sizing, -5 blocks taken).
         for f in fields(self):
             value = getattr(self, f.name)
-            checked = _check(f.name, value)
+            checked = check_key(f.name, value)
             if checked is not value:
                 object.__setattr__(self, f.name, checked)
 
@@ -107,7 +110,7 @@ class ConnectorConfig:
             raise ConnectorConfigError(
                 f"kv_connector_extra_config: unknown key(s) {shown}; known keys: {', '.join(sorted(known))}"
             )
-        return cls(**{key: _check(key, value) for key, value in given.items()})
+        return cls(**{key: check_key(key, value) for key, value in given.items()})
 
     def num_host_blocks(self, bytes_per_block: int) -> int:
         """Host blocks for this worker, given the bytes of one block over all its layers."""
@@ -263,7 +266,10 @@ def _exact(value: Any) -> Any:
     return value
 
 
-def _check(key: str, value: Any) -> Any:
+def check_key(key: str, value: Any) -> Any:
+    """``value`` for kv_connector_extra_config's ``key`` checked (and made its exact type) by that
+    key's one rule, or a ConnectorConfigError naming the key."""
+
     def bad(why: str) -> ConnectorConfigError:
         return ConnectorConfigError(f"kv_connector_extra_config.{key}={_brief(value)}: {why}")
 
@@ -313,6 +319,12 @@ def _check(key: str, value: Any) -> Any:
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 86400:
             raise bad("must be a number of seconds in (0, 86400]")
         return float(value)
+    if key == "pd_secret_env":
+        if value is None:
+            return None
+        if not _text(value) or not value or "=" in value:
+            raise bad("must be the name of an environment variable (valid Unicode, no '=', no NUL)")
+        return value
     if key == "eagle_block_drop":
         # isinstance, not ``in``: 1, 0 and 1.0 equal True and False but are no booleans.
         if isinstance(value, bool) or isinstance(value, str) and value == "auto":

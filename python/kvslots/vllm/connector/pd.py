@@ -709,7 +709,7 @@ def make_pd(vllm_config: Any, kv_cache_config: Any, is_scheduler: bool, cfg: Any
                            timeout_s=cfg.pd_timeout_s, producer=producer, consumer=consumer), None
     return None, PDWorker(engine_id=engine_id, host=cfg.pd_host, port=port, block_size=block_size,
                           model=_model_key(vllm_config), timeout_s=cfg.pd_timeout_s, producer=producer,
-                          consumer=consumer, secret=pd_secret(getattr(cfg, "pd_secret_env", None)))
+                          consumer=consumer, secret=pd_secret(cfg.pd_secret_env))
 
 
 #: The environment variable holding the P/D control channel's shared secret, unless the extra
@@ -721,18 +721,11 @@ SECRET_ENV = "KVSLOTS_PD_SECRET"
 def pd_secret(env: str | None = None) -> bytes | None:
     """The shared secret from the environment variable ``env`` (:data:`SECRET_ENV` when None),
     or None when it is unset or empty; one too short is a ConnectorConfigError."""
-    from ...config.connector import ConnectorConfigError
+    from ...config.connector import ConnectorConfigError, check_key
     from ..pd.control import MIN_SECRET_BYTES
 
-    name = SECRET_ENV if env is None else env
-    try:
-        if not isinstance(name, str) or not name or "=" in name or "\0" in name:
-            raise ValueError
-        key = os.fsencode(name)
-    except (ValueError, UnicodeError):  # UnicodeEncodeError: a lone surrogate
-        raise ConnectorConfigError(f"kv_connector_extra_config.pd_secret_env={short_repr(env)}: the name of an "
-                                   "environment variable") from None
-    value = os.environb.get(key, b"")  # its bytes as given, whatever the locale
+    name = SECRET_ENV if env is None else check_key("pd_secret_env", env)
+    value = os.environb.get(os.fsencode(name), b"")  # its bytes as given, whatever the locale
     if not value:
         return None
     if len(value) < MIN_SECRET_BYTES:
