@@ -45,6 +45,7 @@ def test_bad_config_names_the_key(extra, named):
     ({"host_cache_blocks": 1 << 31}, "host_cache_blocks"),
     ({"copy_threads": 1025}, "copy_threads"),
     ({"events_hwm": 1 << 31}, "events_hwm"),
+    ({"events_hwm": 1_000_001}, "events_hwm"),  # the publisher's MAX_HWM: refused at start, not at bind
     ({"events_topic": "x" * 10_000, "bogus" * 1000: 1}, "unknown key"),
 ])
 def test_sizes_are_bounded_so_sizing_never_overflows(extra, named):

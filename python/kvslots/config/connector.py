@@ -222,7 +222,7 @@ class ConnectorConfig:
 #: Integer keys' upper bounds: a block count within a C int, BlockCopier's thread limit
 #: (kvslots.vllm.transfer.MAX_THREADS), the event publisher's limits (ZMQ options are C ints).
 _INT_LIMITS = {"host_cache_blocks": (1 << 31) - 1, "copy_threads": 1024,
-               "events_buffer_steps": (1 << 30) - 2, "events_hwm": (1 << 31) - 1}
+               "events_buffer_steps": (1 << 30) - 2, "events_hwm": None}
 
 
 def _blocks_in(key: str, gb: float, bytes_per_block: int) -> int:
@@ -299,6 +299,10 @@ def check_key(key: str, value: Any) -> Any:
         if value is None and key == "host_cache_blocks":
             return None
         hi = _INT_LIMITS[key]
+        if hi is None:  # events_hwm: the publisher's bound, checked at start-up, not when it binds
+            from ..events.protocol import MAX_HWM
+
+            hi = MAX_HWM
         if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= hi:
             raise bad(f"must be an integer in [1, {hi}]")
         return value

@@ -26,6 +26,12 @@ from .. import _args
 from ..config.loader import brief
 from ..errors import ArgumentTypeError, InvalidArgumentError, InvalidStateError
 
+#: Highest ``hwm`` of a publisher (and kv_connector_extra_config's ``events_hwm``): a
+#: subscriber that stops reading makes the live socket queue up to hwm messages for it, ~200
+#: bytes each (three frames) besides the batches they share with the other subscribers (19 MB
+#: at the default 100,000; 400 GB at 2**31-1, which was taken).
+MAX_HWM = 1_000_000
+
 _HOST = re.compile(r"[A-Za-z0-9_]([A-Za-z0-9_.-]{0,252})", re.ASCII)
 _PORT = re.compile(r"[0-9]{1,5}", re.ASCII)
 #: Longest ipc:// path in bytes: sun_path (108 bytes on Linux, 104 elsewhere) less its NUL.

@@ -35,6 +35,7 @@ from ._wakeup import WakePipe
 from .codec import EventBatch, decode_batch, encode_struct
 from .protocol import (
     END_SEQ,
+    MAX_HWM,
     check_endpoint,
     check_process,
     fork_generation,
@@ -96,10 +97,6 @@ REPLAY_REQUESTS_PER_ROUND = 1000
 #: batches of 64 MiB: 640 GiB); a replay asking for one that left gets the rest (a hole).
 DEFAULT_BUFFER_BYTES = 1 << 30
 MAX_BUFFER_BYTES = 1 << 40
-#: Highest ``hwm``: a subscriber that stops reading makes the live socket queue up to hwm
-#: messages for it, ~200 bytes each (three frames) besides the batches they share with the
-#: other subscribers (19 MB at the default 100,000; 400 GB at 2**31-1, which was taken).
-MAX_HWM = 1_000_000
 #: Retries of a replay whose peer's queue is full: after 1 ms, doubling up to 100 ms.
 _RETRY_MIN, _RETRY_MAX = 0.001, 0.1
 
