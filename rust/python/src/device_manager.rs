@@ -177,6 +177,13 @@ fn fast_count(obj: &Bound<'_, PyAny>, what: &str, rid: Option<&str>) -> PyResult
             }
         }
     }
+    slow_count(obj, what, rid)
+}
+
+// Out of line: the per-step call stays small whatever else inlines `count`.
+#[cold]
+#[inline(never)]
+fn slow_count(obj: &Bound<'_, PyAny>, what: &str, rid: Option<&str>) -> PyResult<usize> {
     count(obj, what, rid)
 }
 
@@ -730,10 +737,16 @@ fn prepare_stored(
         // raised Python's AttributeError).
         Some(f) => Ok(f
             .call1((request, planned.start, planned.end))
-            .map_err(|e| reading_error(py, e, "the request's fields for its KV event"))?
+            .map_err(event_error)?
             .unbind()),
         None => Ok(py.None()),
     }
+}
+
+#[cold]
+#[inline(never)]
+fn event_error(e: PyErr) -> PyErr {
+    Python::attach(|py| reading_error(py, e, "the request's fields for its KV event"))
 }
 
 /// Calls the subclass's event hook outside any borrow of the manager, after the call is done:
