@@ -995,7 +995,7 @@ def test_a_flood_of_bad_frames_logs_a_bounded_number_of_lines(closing, caplog):
     period, the counters still counting every one, and other publishers still logged."""
     import logging
 
-    from kvslots.events import _ratelog
+    from kvslots import _ratelog
 
     xpub, sub, rec = raw_publisher_and_subscriber(closing)
     with caplog.at_level(logging.INFO, logger="kvslots.events.subscriber"):

@@ -22,7 +22,7 @@ pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 
 import kvslots  # noqa: E402
-from kvslots.events import _ratelog  # noqa: E402
+from kvslots import _ratelog  # noqa: E402
 from ports import free_port  # noqa: E402
 from process_support import serve_guarded  # noqa: E402
 

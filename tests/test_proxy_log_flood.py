@@ -1,7 +1,7 @@
 """A failing backend logged a line for every request it failed (a dead prefill worker under 1,000
 requests a second wrote 1,000 lines a second), and clients going mid-request a line each. Now each
 backend (and the clients) has at most ``_ratelog.BURST`` lines a period per kind, the rest
-counted (:class:`kvslots.events._ratelog.RateLimitedLog`)."""
+counted (:class:`kvslots._ratelog.RateLimitedLog`)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import pytest
 pytest.importorskip("fastapi")
 from fastapi.testclient import TestClient  # noqa: E402
 
-from kvslots.events import _ratelog  # noqa: E402
+from kvslots import _ratelog  # noqa: E402
 from kvslots.proxy.app import DecodeWorker, create_app  # noqa: E402
 
 N = 60

@@ -1,6 +1,7 @@
-"""Log lines a remote peer can trigger at will (a malformed batch, a stream that starts over),
-bounded per peer: a publisher sending a flood of bad frames wrote a warning per frame (137,000
-lines in 3 s), enough to fill a disk."""
+"""Log lines a remote peer can trigger at will (a malformed batch, a stream that starts over, a
+backend that fails every request), bounded per peer and kind: a publisher sending a flood of
+bad frames wrote a warning per frame (137,000 lines in 3 s), enough to fill a disk. Shared by
+the events subscriber, the indexer and the proxy."""
 
 from __future__ import annotations
 

@@ -115,7 +115,7 @@ from ..errors import (
     UnknownWorkerError,
 )
 from ..errors import short_repr as _shown
-from ._ratelog import RateLimitedLog
+from .._ratelog import RateLimitedLog
 from ._wakeup import WakePipe
 from .codec import DECODE_ERRORS, KVEventBatch
 from .protocol import (

@@ -12,7 +12,7 @@ from collections.abc import Set as AbstractSet
 from typing import Any
 
 from .._core import ApplyStats
-from ..events._ratelog import RateLimitedLog
+from .._ratelog import RateLimitedLog
 from ..errors import ArgumentTypeError, ConfigError, InvalidArgumentError, OutOfDescriptorsError
 from . import fds
 from .backend import TIER_NAMES, Backend, MemoryBackend, ScoreResult

@@ -47,7 +47,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import TypeAdapter
 
 from ..config.loader import MAX_DEPTH, loads_strict_json
-from ..events._ratelog import RateLimitedLog
+from .._ratelog import RateLimitedLog
 from ..errors import ArgumentTypeError, ConfigError, InvalidArgumentError, short_repr
 from ..indexer.config import check_worker_name
 from ..indexer.httpguard import (BodyLimit, cut_off, eof_is_disconnect, json_members, json_shape_error, probe_eof,

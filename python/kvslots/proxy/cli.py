@@ -183,14 +183,14 @@ def check_unique_names(workers: list) -> None:
 
 
 class _RateLimitedRecords(logging.Filter):
-    """A logger's records through a :class:`~kvslots.events._ratelog.RateLimitedLog` keyed on
+    """A logger's records through a :class:`~kvslots._ratelog.RateLimitedLog` keyed on
     their level and message template: uvicorn's lines a peer triggers at will ("ASGI callable
     returned without completing response." for each stream a worker broke off, "Invalid HTTP
     request received." for each malformed request) were one line each, not limited."""
 
     def __init__(self, logger: logging.Logger) -> None:
         super().__init__()
-        from ..events._ratelog import RateLimitedLog
+        from .._ratelog import RateLimitedLog
 
         self.logs = RateLimitedLog(logger)
         self.inside = threading.local()  # the line RateLimitedLog writes comes back through here
