@@ -33,7 +33,8 @@ NB = 16
     ({"pd_port": 0}, "pd_port"), ({"pd_port": 70000}, "pd_port"), ({"pd_port": "80"}, "pd_port"),
     ({"pd_port": True}, "pd_port"), ({"pd_host": "a:1"}, "pd_host"), ({"pd_host": ""}, "pd_host"),
     ({"pd_timeout_s": 0}, "pd_timeout_s"), ({"pd_timeout_s": float("nan")}, "pd_timeout_s"),
-    ({"pd_timeout_s": "1"}, "pd_timeout_s"),
+    ({"pd_timeout_s": "1"}, "pd_timeout_s"), ({"pd_timeout_s": 1e-300}, "pd_timeout_s"),
+    ({"pd_timeout_s": 0.09}, "pd_timeout_s"),
 ])
 def test_bad_pd_config_names_the_key(extra, named):
     with pytest.raises(ConnectorConfigError, match=named):

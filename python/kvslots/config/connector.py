@@ -320,8 +320,9 @@ def check_key(key: str, value: Any) -> Any:
             raise bad("must be a TCP port in [1, 65535]")
         return value
     if key == "pd_timeout_s":
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 86400:
-            raise bad("must be a number of seconds in (0, 86400]")
+        # At least 0.1 s: it also bounds the control calls, and 1e-300 made every one fail at once.
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.1 <= value <= 86400:
+            raise bad("must be a number of seconds in [0.1, 86400]")
         return float(value)
     if key == "pd_secret_env":
         if value is None:
