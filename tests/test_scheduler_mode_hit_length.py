@@ -56,3 +56,25 @@ def test_int_hit_lengths_still_cap_the_hit():
     assert m.get_computed_blocks(b)[1] == 4 * BS
     assert m.get_computed_blocks(b, 2 * BS + 3)[1] == 2 * BS
     assert m.get_computed_blocks(b, -5)[1] == 0
+
+
+@pytest.mark.parametrize("blocks, tokens, err", [
+    ("hit", 2 * BS + 1, "not block aligned"), ("hit", 8 * BS, "cannot truncate"), ("hit", True, "must be an int"),
+    ("hit", "32", "must be an int"), ("hit", float("nan"), "must be an int"), (None, BS, "must be KVBlocks"),
+])
+def test_truncate_computed_blocks_raises_kvslots_errors(blocks, tokens, err):
+    """Python's ValueError (and for True, a str or None: 1 % 16's ValueError, TypeError,
+    AttributeError) before."""
+    from kvslots.errors import KVSlotsError
+
+    m, b = _setup()
+    hit = m.get_computed_blocks(b)[0] if blocks == "hit" else blocks
+    with pytest.raises(KVSlotsError, match=err):
+        m.truncate_computed_blocks(hit, tokens)
+
+
+def test_truncate_computed_blocks_truncates():
+    m, b = _setup()
+    hit = m.get_computed_blocks(b)[0]
+    assert m.truncate_computed_blocks(hit, 2 * BS).get_block_ids() == ([*hit.get_block_ids()[0][:2]],)
+    assert m.truncate_computed_blocks(hit, 0).num_blocks == 0

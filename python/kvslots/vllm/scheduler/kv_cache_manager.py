@@ -20,7 +20,7 @@ import logging
 from typing import Any, Iterable, cast
 
 from ..._core import DeviceKVManager, KVBlocks
-from ...errors import ConfigError
+from ...errors import ArgumentTypeError, ConfigError, InvalidArgumentError
 from ...slots.reference import _int
 
 logger = logging.getLogger(__name__)
@@ -324,12 +324,17 @@ class KVSlotsKVCacheManager(DeviceKVManager):
         return (*self.get_computed_blocks(request, max_cache_hit_length), False)
 
     def truncate_computed_blocks(self, blocks: KVBlocks, num_computed_tokens: int) -> KVBlocks:
+        # kvslots errors (InvalidArgumentError is a ValueError, as these were), the count read
+        # as the bindings read one (True was 1; a str or a non-KVBlocks raised Python's errors).
         bs = self.block_size
-        if num_computed_tokens % bs:
-            raise ValueError(f"num_computed_tokens {num_computed_tokens} is not block aligned ({bs})")
-        n = num_computed_tokens // bs
+        if not isinstance(blocks, KVBlocks):
+            raise ArgumentTypeError(f"invalid argument: blocks must be KVBlocks, got {type(blocks).__name__}")
+        tokens = _int(num_computed_tokens, "num_computed_tokens", 0, 1 << 64)
+        if tokens % bs:
+            raise InvalidArgumentError(f"invalid argument: num_computed_tokens {tokens} is not block aligned ({bs})")
+        n = tokens // bs
         if n > blocks.num_blocks:
-            raise ValueError(f"cannot truncate {blocks.num_blocks} blocks to {n}")
+            raise InvalidArgumentError(f"invalid argument: cannot truncate {blocks.num_blocks} blocks to {n}")
         if n == 0:
             return self.empty_kv_cache_blocks
         return KVBlocks(cast("tuple[list[int], ...]", blocks.get_block_ids())[0][:n])
