@@ -16,7 +16,8 @@ indexer is given and the prompt is token ids (the proxy does not tokenize), else
 A prefill worker that fails or answers without ``kv_transfer_params`` (or with anything but a
 JSON object) does not fail the request: it goes to the decode worker without them and is
 computed there (the response then has the header ``x-kvslots-pd: recomputed``), but for its
-401 or 403, the client's answer as it is (the client is not let in). A decode worker
+401 or 403 to the client's credential, the client's answer as it is (the client is not let in;
+one to the proxy's own, ``backend_api_key`` or the URL's user:password, is recomputed). A decode worker
 that fails (no answer, a 5xx) is a 502 with the reason; its 4xx answer (the request's fault:
 vLLM's 400 for a bad parameter) is the client's, status and body. A request body that is not a
 JSON object under kvslots' strict parser (no NaN, no duplicate keys, at most 64 levels, Unicode
@@ -620,7 +621,7 @@ class _PerClient:
 
 
 #: The kinds of prefill failures counted in /healthz's ``prefill_errors``: no answer (refused, reset,
-#: past --timeout, too big), a 4xx (the client's fault: its 401 and 403 are the client's answer), a
+#: past --timeout, too big), a 4xx (a 401 or 403 to the client's credential is the client's answer), a
 #: 5xx, another status but 200, a 200 without a JSON object.
 PREFILL_ERROR_KINDS = ("no_answer", "4xx", "5xx", "other_status", "no_object")
 
@@ -740,6 +741,7 @@ def create_app(prefill_urls: Sequence[str], decode_workers: Sequence[DecodeWorke
             raise InvalidArgumentError(f"backend_api_key and a worker URL with user:password@ "
                                        f"({shown_url(with_userinfo[0])}): give one way to authenticate to the workers")
     id_header = None if client_id_header is None else check_header_name(client_id_header).encode()
+    prefill_userinfo = frozenset(userinfo_urls(prefill_urls))  # the proxy's credential, not the client's
     # What backends and clients can make the proxy log (a failure, a client gone), at most
     # _ratelog.BURST lines a minute per backend (or the clients) and kind: a dead backend under
     # 1,000 requests a second wrote 1,000 lines a second. Keys are (role, URL, kind): one URL
@@ -834,8 +836,9 @@ def create_app(prefill_urls: Sequence[str], decode_workers: Sequence[DecodeWorke
                                ) -> tuple[dict[str, Any], DecodeWorker, dict[str, str]] | Response:
         """The prefill (its ``kv_transfer_params`` go into the decode request), then the decode
         worker: the decode request, its worker and the answer's headers; or the prefill worker's
-        401 or 403, the client's answer as it is (the client is not let in: computed on the
-        decode worker, an unauthenticated request reached the indexer and the decode worker)."""
+        401 or 403 when the client's credential (or none) was sent, the client's answer as it is
+        (the client is not let in: computed on the decode worker, an unauthenticated request
+        reached the indexer and the decode worker)."""
         prefill_url = next(prefill_cycle)
         params = None
         try:
@@ -850,12 +853,20 @@ def create_app(prefill_urls: Sequence[str], decode_workers: Sequence[DecodeWorke
             status = resp.status_code
             if status != 200:
                 prefill_errors[_status_class(status) if 400 <= status < 600 else "other_status"] += 1
-            if status in (401, 403):
-                logs.log(DEBUG, ("prefill", prefill_url, "4xx"), "kvslots proxy: prefill worker %s answered %d",
+            if status in (401, 403) and not (backend_api_key or prefill_url in prefill_userinfo):
+                logs.log(DEBUG, ("prefill", prefill_url, "client auth"), "kvslots proxy: prefill worker %s answered %d",
                          shown_url(prefill_url), status)
                 return _passed_on(resp, content, {})
             answer = await _answer_object(content) if status == 200 else None
-            if answer is not None:
+            if status in (401, 403):
+                # The credential was the proxy's (--backend-api-key, the URL's user:password), not
+                # the client's: the operator's mistake, which every client was answered with while
+                # the decode worker would have served them. Recomputed, as for any failed prefill.
+                logs.log(WARNING, ("prefill", prefill_url, "4xx"),
+                         "kvslots proxy: prefill worker %s refused the proxy's credential (%s): answered %d; "
+                         "recomputed on the decode worker", shown_url(prefill_url),
+                         "--backend-api-key" if backend_api_key else "the URL's user:password", status)
+            elif answer is not None:
                 params = answer.get("kv_transfer_params")
             elif status == 200:  # an array, a string, not JSON: recomputed on the decode worker
                 prefill_errors["no_object"] += 1
