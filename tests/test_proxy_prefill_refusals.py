@@ -50,3 +50,20 @@ def test_a_prefill_refusal_of_the_proxys_credential_is_recomputed(caplog, creden
     assert health["prefill_errors"]["4xx"] == 1 and health["recomputed"] == 1
     lines = _warnings(caplog, "prefill worker http://p refused the proxy's credential")
     assert len(lines) == 1 and "u:pw" not in lines[0]
+
+
+def test_a_prefill_workers_4xx_the_decode_worker_serves_is_logged(caplog):
+    """A prefill worker serving another model name (vLLM's 404) refused every request the decode
+    worker then served: P/D was off, and the old code logged it at DEBUG, nothing at INFO."""
+    def backend(request: httpx.Request) -> httpx.Response:
+        if _prefill(request):
+            return httpx.Response(404, json={"error": {"message": "The model `llama` does not exist."}})
+        return httpx.Response(200, json={"choices": [{"text": "ok"}]})
+
+    app = create_app(["http://p"], [DecodeWorker("http://d")], transport=httpx.MockTransport(backend))
+    with caplog.at_level(logging.INFO, logger="kvslots.proxy"), TestClient(app) as c:
+        for _ in range(3):
+            r = c.post("/v1/completions", json={"model": "llama", "prompt": "hi"})
+            assert r.status_code == 200 and r.headers["x-kvslots-pd"] == "recomputed"
+    lines = _warnings(caplog, "prefill worker http://p answered 404")
+    assert len(lines) == 3 and "does not exist" in lines[0]  # the old code: none

@@ -874,9 +874,11 @@ def create_app(prefill_urls: Sequence[str], decode_workers: Sequence[DecodeWorke
                          "kvslots proxy: prefill worker %s answered 200 without a JSON object: %r",
                          shown_url(prefill_url), content[:300])
             else:
-                # Keyed on the status class: a flood of clients' bad requests (a 4xx, logged at DEBUG:
-                # the decode worker's answer tells the client) hid the worker's own 500s.
-                logs.log(DEBUG if _client_error(status) else WARNING, ("prefill", prefill_url, _status_class(status)),
+                # Keyed on the status class: a flood of clients' bad requests (a 4xx) hid the worker's
+                # own 500s. A 4xx is a WARNING too: it is often the prefill worker's setting (another
+                # model name: 404, a smaller max_model_len) while the decode worker serves the
+                # request, and P/D was off with nothing logged at INFO.
+                logs.log(WARNING, ("prefill", prefill_url, _status_class(status)),
                          "kvslots proxy: prefill worker %s answered %d: %r", shown_url(prefill_url), status,
                          content[:300].decode(errors="replace"))
         decode_req = dict(body)
