@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import codecs
-import contextlib
 import errno
 import importlib
 import os
@@ -18,7 +17,7 @@ import signal
 import stat
 import sys
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any, NoReturn
 
 from .errors import ConfigError, KVSlotsError
@@ -238,7 +237,9 @@ def write_file(path: str, text: str) -> None:
     temporary file beside it is filled, flushed to disk, given the old file's mode and renamed
     over it, so a write that fails (a full disk, ``ulimit -f``, a Ctrl-C) or a crash leaves an
     existing file byte-for-byte as it was; a failure, a Ctrl-C, a SIGTERM or a SIGHUP leaves no
-    temporary file (a SIGKILL may leave a hidden ``.kvslots-*.tmp``). A new file gets 0666 less
+    temporary file (a SIGKILL may leave a hidden ``.kvslots-*.tmp``): from the first such write
+    in the main thread, SIGTERM, SIGHUP and SIGINT, where they end the process by default, have
+    a handler that removes it and then ends the process by the signal. A new file gets 0666 less
     the umask. A link is followed (the file it names is replaced, the link kept). Where a
     replace would lose something or cannot be made, the file is written in place (truncated
     first), as before: a file with other hard links, extended attributes (ACLs, labels) or
@@ -262,7 +263,8 @@ def write_file(path: str, text: str) -> None:
         if st is not None and stat.S_ISREG(st.st_mode):
             # Refused as open() refused it (a file we may not write, a read-only file system):
             # renamed over from a writable directory, such a file was replaced.
-            os.close(os.open(target, os.O_WRONLY | os.O_NONBLOCK | os.O_CLOEXEC))
+            # Closed in C as it is opened: a Ctrl-C between left the descriptor open.
+            list(map(os.close, map(os.open, (target,), (os.O_WRONLY | os.O_NONBLOCK | os.O_CLOEXEC,))))
         if _in_place(path, st) or not _replaceable(target, st) or not _write_replacing(target, data, st):
             _write_in_place(path, data)
     except OSError as e:
@@ -306,12 +308,21 @@ def _replaceable(target: str, st: os.stat_result | None) -> bool:
 def _write_in_place(path: str, data: bytes) -> None:
     # O_NONBLOCK for the open only: a FIFO nobody reads is ENXIO, not a wait without end (it
     # hung); one with a reader (-o >(cmd)) is then written as a blocking pipe.
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NONBLOCK | os.O_CLOEXEC, 0o666)
+    fds: list[int] = []
     try:
-        os.set_blocking(fd, True)
-        _write_all(fd, data)
+        _open_into(fds, path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NONBLOCK | os.O_CLOEXEC, 0o666)
+        os.set_blocking(fds[0], True)
+        _write_all(fds[0], data)
     finally:
-        os.close(fd)
+        for fd in fds:
+            os.close(fd)
+
+
+def _open_into(fds: list[int], path: str, flags: int, mode: int = 0o777) -> None:
+    """Appends ``os.open(path, flags, mode)`` to ``fds`` in C, with no Python code between, so
+    no signal's handler runs between (a Ctrl-C's KeyboardInterrupt as os.open returned lost
+    the descriptor): whoever holds ``fds`` closes it."""
+    fds.extend(map(os.open, (path,), (flags,), (mode,)))
 
 
 #: A temporary file that cannot be made beside the target, or renamed over it: written in place.
@@ -323,141 +334,132 @@ def _write_replacing(target: str, data: bytes, st: os.stat_result | None) -> boo
     with nothing left behind, where the directory takes no new file or the rename cannot be
     made (a directory we may not write, a read-only one, a target that is a mount point)."""
     directory = os.path.dirname(target) or "."
-    with _TemporaryGuard() as guard:
-        try:
-            # A short name of our own (the target's name may already be NAME_MAX long), hidden,
-            # in the same directory: os.replace is atomic only within one file system.
-            for _ in range(100):
-                tmp = os.path.join(directory, f".kvslots-{os.urandom(6).hex()}.tmp")
-                try:
-                    # A new file: 0o666, the umask applies, as to open(path, "w"). Over an
-                    # existing one: 0o600 until it has that file's mode, never more open than
-                    # the file it replaces. Noted as ours to remove (guard.path) before it exists,
-                    # signals held meanwhile (another thread may take one for the process, its
-                    # handler then runs here), so that no signal falls between.
-                    with _signals_held():
-                        guard.path = tmp
-                        try:
-                            guard.fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC,
-                                               0o666 if st is None else 0o600)
-                        except BaseException:
-                            guard.path = None  # not made (a FileExistsError: another's, never removed)
-                            raise
-                    break
-                except FileExistsError:  # another's: never removed
-                    continue
-                except OSError as e:
-                    if e.errno in _NO_REPLACE:
-                        return False
-                    raise
-            else:  # 100 names of 48 random bits all taken: not a directory to write in
-                raise OSError(errno.EEXIST, "no free temporary file name beside it")
-            fd = guard.fd
-            if st is not None:  # the file's own mode and owner (checked replaceable), not ours
-                os.fchmod(fd, stat.S_IMODE(st.st_mode))
-                if (st.st_uid, st.st_gid) != (os.geteuid(), os.getegid()):
-                    os.fchown(fd, st.st_uid, st.st_gid)
-            _write_all(fd, data)
-            os.fsync(fd)  # on disk before the rename: a crash then leaves old or new, not an empty file
-            guard.fd = None
-            os.close(fd)
+    _remove_on_ending_signals()
+    # The temporary file's descriptor, once it exists (_open_into: a KeyboardInterrupt as
+    # os.open returned lost the descriptor, and the file was taken for not made and left).
+    made: list[int] = []
+    tmp = None
+    try:
+        # A short name of our own (the target's name may already be NAME_MAX long), hidden,
+        # in the same directory: os.replace is atomic only within one file system. A new
+        # file: 0o666, the umask applies, as to open(path, "w"). Over an existing one: 0o600
+        # until it has that file's mode, never more open than the file it replaces.
+        flags, mode = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666 if st is None else 0o600
+        for _ in range(100):
+            tmp = os.path.join(directory, f".kvslots-{os.urandom(6).hex()}.tmp")
+            # Noted before it exists, as ours unless os.open says it is another's: a signal that
+            # ends the process removes it whenever it comes.
+            _LIVE[tmp] = made
             try:
-                os.replace(tmp, target)
-                guard.path = None  # the target's now
-            except OSError as e:
+                _open_into(made, tmp, flags, mode)
+                break
+            except OSError as e:  # not made (a FileExistsError: another's, never removed)
+                del _LIVE[tmp]
+                tmp = None
+                if isinstance(e, FileExistsError):
+                    continue
                 if e.errno in _NO_REPLACE:
-                    guard.remove()
                     return False
                 raise
-        except BaseException:  # an OSError, or a Ctrl-C part way: no temporary file left behind
-            guard.remove()
-            raise
-    try:  # the rename itself on disk; a directory that cannot be synced still holds the new file
-        dfd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        else:  # 100 names of 48 random bits all taken: not a directory to write in
+            raise OSError(errno.EEXIST, "no free temporary file name beside it")
+        fd = made[0]
+        if st is not None:  # the file's own mode and owner (checked replaceable), not ours
+            os.fchmod(fd, stat.S_IMODE(st.st_mode))
+            if (st.st_uid, st.st_gid) != (os.geteuid(), os.getegid()):
+                os.fchown(fd, st.st_uid, st.st_gid)
+        _write_all(fd, data)
+        os.fsync(fd)  # on disk before the rename: a crash then leaves old or new, not an empty file
+        made[0] = -1  # closed: marked first, never closed twice (the number may be reused)
+        os.close(fd)
         try:
-            os.fsync(dfd)
-        finally:
-            os.close(dfd)
+            os.replace(tmp, target)
+        except OSError as e:
+            if e.errno in _NO_REPLACE:
+                _remove_temporary(tmp, made)
+                return False
+            raise
+        del _LIVE[tmp]  # the target's now (a signal just before finds no such name)
+    except BaseException:  # an OSError, or a Ctrl-C part way: no temporary file left behind
+        if tmp is not None:
+            _remove_temporary(tmp, made)
+        raise
+    dfd: list[int] = []
+    try:  # the rename itself on disk; a directory that cannot be synced still holds the new file
+        _open_into(dfd, directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        os.fsync(dfd[0])
     except OSError:
         pass
+    finally:
+        for fd in dfd:
+            os.close(fd)
     return True
 
 
-#: Signals that end the process by default, and so would leave write_file's temporary file
-#: behind (a kill, a closed terminal; a Ctrl-C is a KeyboardInterrupt, handled as an error).
-_ENDING_SIGNALS = (signal.SIGTERM, signal.SIGHUP, signal.SIGINT)
-
-
-class _TemporaryGuard:
-    """While a temporary file exists (``path``, its descriptor ``fd``), a signal that ends the
-    process removes it first and then ends it as the signal would have (SIGTERM, SIGHUP: the
-    default action; a killed process left a ``.kvslots-*.tmp`` beside the target). A handler of
-    the program's own is called as before (Python's SIGINT handler: a KeyboardInterrupt, which
-    the caller's cleanup handles). Only the main thread can take signals; elsewhere this does
-    nothing. A SIGKILL still leaves the file."""
-
-    def __init__(self) -> None:
-        self.path: str | None = None
-        self.fd: int | None = None
-        self._previous: dict[int, Any] = {}
-
-    def __enter__(self) -> _TemporaryGuard:
-        if threading.current_thread() is not threading.main_thread():
-            return self
-        for signum in _ENDING_SIGNALS:
-            previous = signal.getsignal(signum)
-            if previous is None or previous == signal.SIG_IGN:  # set outside Python, or ignored
-                continue
-            self._previous[signum] = previous
-            signal.signal(signum, self._handle)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        # signal.signal first runs a signal already pending (our handler): what that raises
-        # (a KeyboardInterrupt) comes out once every handler is restored.
-        try:
-            while self._previous:
-                signum, previous = next(iter(self._previous.items()))
-                signal.signal(signum, previous)
-                del self._previous[signum]
-        except BaseException:
-            self.__exit__()
-            raise
-
-    def remove(self) -> None:
-        fd, path, self.fd, self.path = self.fd, self.path, None, None
-        if fd is not None:
+def _remove_temporary(tmp: str, made: list[int]) -> None:
+    """Closes and removes the temporary file ``tmp`` (a name of ours: made by us, or not yet
+    made), then forgets it."""
+    if made:
+        fd, made[0] = made[0], -1
+        if fd >= 0:
             try:
                 os.close(fd)
             except OSError:
                 pass
-        if path is not None:
-            try:
-                os.unlink(path)
-            except OSError:
-                pass
-
-    def _handle(self, signum: int, frame: Any) -> None:
-        previous = self._previous.get(signum, signal.SIG_DFL)
-        if callable(previous):
-            previous(signum, frame)  # what it raises reaches the caller's cleanup
-            return
-        self.remove()
-        self.__exit__()
-        signal.raise_signal(signum)  # SIG_DFL again: ends the process as it would have
-
-
-@contextlib.contextmanager
-def _signals_held() -> Iterator[None]:
-    """Signals held back (delivered at the end) while a file is made and noted as ours."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    held = signal.pthread_sigmask(signal.SIG_BLOCK, _ENDING_SIGNALS)
     try:
-        yield
-    finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, held)
+        os.unlink(tmp)
+    except OSError:
+        pass
+    _LIVE.pop(tmp, None)  # last: a signal meanwhile still removes it
+
+
+#: Signals that end the process by default, and so would leave write_file's temporary file
+#: behind (a kill, a closed terminal, a SIGINT where it is not Python's KeyboardInterrupt).
+_ENDING_SIGNALS = (signal.SIGTERM, signal.SIGHUP, signal.SIGINT)
+
+#: write_file's temporary files in progress (made, or being made: names of 48 random bits that
+#: os.open did not find taken), for :func:`_end_by_signal`; each with a list holding its
+#: descriptor once made (-1 once closed).
+_LIVE: dict[str, list[int]] = {}
+
+
+def _remove_on_ending_signals() -> None:
+    """Makes each of :data:`_ENDING_SIGNALS` whose action is the default (end the process)
+    remove write_file's temporary files first (:func:`_end_by_signal`): a kill or a closed
+    terminal left a ``.kvslots-*.tmp`` beside the target. The handler stays for the rest of the
+    process, and ends it as the default action would: putting the default back after each
+    write could lose a signal (CPython: "Signal 15 ignored due to race condition", the
+    process kept running). A signal with a handler of the program's own (Python's SIGINT
+    handler: a KeyboardInterrupt, which write_file's cleanup handles) or ignored is left as
+    it is; its handler decides. Python runs signal handlers only in the main thread, and only
+    that thread may set them: until write_file has run there once, a write from another thread
+    has no such handler. A SIGKILL still leaves the file."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    for signum in _ENDING_SIGNALS:
+        # Set over the default action, no signal is lost: one that comes before ends the
+        # process (no file exists yet), one after runs this handler. A Ctrl-C part way leaves
+        # each signal with the default action or this handler, both whole.
+        if signal.getsignal(signum) == signal.SIG_DFL:
+            signal.signal(signum, _end_by_signal)
+
+
+def _end_by_signal(signum: int, frame: Any) -> None:
+    """Removes the temporary files that exist, then ends the process by ``signum`` (the
+    default action, the signal let through: the exit status is the signal's)."""
+    for _ in range(100):
+        try:  # again after another signal's handler raised here (a Ctrl-C): this one still ends it
+            for path in list(_LIVE):
+                try:
+                    os.unlink(path)
+                except OSError:
+                    pass
+            signal.signal(signum, signal.SIG_DFL)
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, (signum,))
+            signal.raise_signal(signum)
+        except BaseException:
+            continue
+    os._exit(128 + signum)  # not ended by the default action (cannot happen for these signals)
 
 
 def _write_all(fd: int, data: bytes) -> None:
