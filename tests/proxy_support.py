@@ -12,7 +12,7 @@ import pytest
 def started(monkeypatch) -> Iterator[dict]:
     """``kvslots proxy`` run without serving: what create_app was given (``app``) and uvicorn.run's
     options (nothing is started, no address checked). The loggers the command sets
-    (:func:`kvslots.proxy.cli.quiet_logs`) are as they were afterwards."""
+    (:func:`kvslots._ratelog.quiet_logs`) are as they were afterwards."""
     import uvicorn
 
     from kvslots import _listen

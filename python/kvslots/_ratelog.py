@@ -1,7 +1,8 @@
 """Log lines a remote peer can trigger at will (a malformed batch, a stream that starts over, a
 backend that fails every request), bounded per peer and kind: a publisher sending a flood of
 bad frames wrote a warning per frame (137,000 lines in 3 s), enough to fill a disk. Shared by
-the events subscriber, the indexer and the proxy."""
+the events subscriber, the indexer and the proxy; :func:`quiet_logs` bounds what uvicorn logs
+for ``kvslots indexer`` and ``kvslots proxy``."""
 
 from __future__ import annotations
 
@@ -51,3 +52,38 @@ class RateLimitedLog:
             args = (*args, left_out)
         self._log.log(level, msg, *args, exc_info=exc_info)
         return True
+
+
+class RateLimitedRecords(logging.Filter):
+    """A logger's records through a :class:`RateLimitedLog` keyed on their level and message
+    template: uvicorn's lines a peer triggers at will ("ASGI callable returned without completing
+    response." for each stream a worker broke off, "Invalid HTTP request received." for each
+    malformed request) were one line each, not limited."""
+
+    def __init__(self, logger: logging.Logger) -> None:
+        super().__init__()
+        self.logs = RateLimitedLog(logger)
+        self.inside = threading.local()  # the line RateLimitedLog writes comes back through here
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if getattr(self.inside, "on", False):
+            return True
+        template = record.msg if isinstance(record.msg, str) else type(record.msg).__name__
+        key = ("uvicorn", record.levelno, template)
+        self.inside.on = True
+        try:
+            self.logs.log(record.levelno, key, "%s", record.getMessage(),
+                          exc_info=record.exc_info)  # type: ignore[arg-type]
+        finally:
+            self.inside.on = False
+        return False
+
+
+def quiet_logs() -> None:
+    """What ``kvslots indexer`` and ``kvslots proxy`` log, bounded: httpx's line for each request
+    answered (INFO) off, and uvicorn's lines a peer can trigger rate-limited
+    (:class:`RateLimitedRecords`). Once per logger, however often it is called."""
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    error = logging.getLogger("uvicorn.error")
+    if not any(isinstance(f, RateLimitedRecords) for f in error.filters):
+        error.addFilter(RateLimitedRecords(error))

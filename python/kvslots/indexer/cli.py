@@ -8,6 +8,7 @@ import sys
 
 from .._fds import raise_limit
 from .._listen import check_listen
+from .._ratelog import quiet_logs
 from .config import ADMIN_TOKEN_ENV, build_config
 
 
@@ -71,6 +72,9 @@ def run(args: argparse.Namespace) -> int:
         return 2
 
     check_listen(cfg.host, cfg.port)
+    # uvicorn's lines a peer can trigger (one per malformed request) rate-limited, as the proxy's
+    # (uvicorn's logging set-up keeps a logger's filters)
+    quiet_logs()
     if cfg.backend == "redis":  # its host looked up with a bound, as the one to listen on
         from .redis_backend import check_redis_resolves
 

@@ -8,7 +8,6 @@ import argparse
 import logging
 import math
 import os
-import threading
 from urllib.parse import urlparse
 
 from ..errors import InvalidArgumentError, KVSlotsError, ServeError, short_repr
@@ -182,41 +181,6 @@ def check_unique_names(workers: list) -> None:
                                        f"and {shown_url(w.url)}: one indexer worker is one decode worker")
 
 
-class _RateLimitedRecords(logging.Filter):
-    """A logger's records through a :class:`~kvslots._ratelog.RateLimitedLog` keyed on
-    their level and message template: uvicorn's lines a peer triggers at will ("ASGI callable
-    returned without completing response." for each stream a worker broke off, "Invalid HTTP
-    request received." for each malformed request) were one line each, not limited."""
-
-    def __init__(self, logger: logging.Logger) -> None:
-        super().__init__()
-        from .._ratelog import RateLimitedLog
-
-        self.logs = RateLimitedLog(logger)
-        self.inside = threading.local()  # the line RateLimitedLog writes comes back through here
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        if getattr(self.inside, "on", False):
-            return True
-        template = record.msg if isinstance(record.msg, str) else type(record.msg).__name__
-        self.inside.on = True
-        try:
-            self.logs.log(record.levelno, ("uvicorn", record.levelno, template), "%s", record.getMessage(),
-                          exc_info=record.exc_info)  # type: ignore[arg-type]
-        finally:
-            self.inside.on = False
-        return False
-
-
-def quiet_logs() -> None:
-    """What ``kvslots proxy`` logs, bounded: httpx's line for each backend answer (INFO) off, and
-    uvicorn's lines a peer can trigger rate-limited (:class:`_RateLimitedRecords`)."""
-    logging.getLogger("httpx").setLevel(logging.WARNING)
-    error = logging.getLogger("uvicorn.error")
-    if not any(isinstance(f, _RateLimitedRecords) for f in error.filters):
-        error.addFilter(_RateLimitedRecords(error))
-
-
 def run(args: argparse.Namespace) -> int:
     from .._fds import raise_limit
 
@@ -283,6 +247,8 @@ def run(args: argparse.Namespace) -> int:
     # would log it and exit with status 3).
     check_listen(args.host, args.port)
     logging.basicConfig(level="INFO", format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from .._ratelog import quiet_logs
+
     quiet_logs()  # (uvicorn's logging set-up keeps a logger's filters)
     app = create_app(prefill, workers, indexer_url=indexer, timeout_s=args.timeout, max_body_mb=args.max_body_mb,
                      backend_connections=backend, max_requests_per_client=per_client,

@@ -1,0 +1,51 @@
+"""uvicorn's lines a peer can trigger, bounded for both commands that serve HTTP
+(:func:`kvslots._ratelog.quiet_logs`): a malformed request is a WARNING of uvicorn's each."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+pytest.importorskip("uvicorn")
+
+from kvslots import _ratelog, cli  # noqa: E402
+
+
+class _Lines(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(self.format(record))
+
+
+@pytest.fixture
+def uvicorn_error():
+    """uvicorn.error with a handler recording what it writes; the loggers as they were afterwards."""
+    httpx_log, error = logging.getLogger("httpx"), logging.getLogger("uvicorn.error")
+    level, error_level, filters = httpx_log.level, error.level, list(error.filters)
+    lines = _Lines()
+    error.addHandler(lines)
+    error.setLevel(logging.INFO)  # as uvicorn.run sets it (another test's server may have left it at ERROR)
+    yield error, lines.lines
+    error.removeHandler(lines)
+    httpx_log.setLevel(level)
+    error.setLevel(error_level)
+    error.filters[:] = filters
+
+
+def test_the_indexer_command_limits_uvicorns_lines(uvicorn_error, monkeypatch):
+    """`kvslots indexer` logged a line per malformed request (200 of 200): the limit was the proxy's only."""
+    import uvicorn
+
+    from kvslots.indexer import cli as indexer_cli
+
+    monkeypatch.setattr(uvicorn, "run", lambda *a, **k: None)
+    monkeypatch.setattr(indexer_cli, "check_listen", lambda host, port: None)
+    assert cli.main(["indexer", "--port", "8200"]) == 0
+    error, lines = uvicorn_error
+    for _ in range(3 * _ratelog.BURST):
+        error.warning("Invalid HTTP request received.")
+    assert len(lines) == _ratelog.BURST  # the old code: 30
