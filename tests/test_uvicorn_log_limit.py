@@ -49,3 +49,45 @@ def test_the_indexer_command_limits_uvicorns_lines(uvicorn_error, monkeypatch):
     for _ in range(3 * _ratelog.BURST):
         error.warning("Invalid HTTP request received.")
     assert len(lines) == _ratelog.BURST  # the old code: 30
+
+
+def _raise(kind: type[Exception]) -> None:
+    raise kind("a bug")
+
+
+def _raise_elsewhere() -> None:
+    raise ValueError("another bug of the same type")
+
+
+def _log_traceback(error: logging.Logger, fn, *args) -> None:
+    try:
+        fn(*args)
+    except Exception as e:  # as uvicorn logs an app's exception
+        error.error("Exception in ASGI application\n", exc_info=e)
+
+
+def test_one_kind_of_traceback_does_not_hide_another(uvicorn_error):
+    """Every traceback is "Exception in ASGI application": keyed on (level, template) alone, ten
+    of one bug a minute (one a client can trigger) hid every other (0 of 3 ZeroDivisionErrors)."""
+    error, lines = uvicorn_error
+    _ratelog.quiet_logs()
+    for _ in range(2 * _ratelog.BURST):
+        _log_traceback(error, _raise, ValueError)
+    for _ in range(3):
+        _log_traceback(error, _raise, ZeroDivisionError)
+    for _ in range(2):
+        _log_traceback(error, _raise_elsewhere)
+    text = "\n".join(lines)
+    assert text.count("ValueError: a bug") == _ratelog.BURST
+    assert text.count("ZeroDivisionError: a bug") == 3  # the old code: 0
+    assert text.count("ValueError: another bug of the same type") == 2  # another frame: the old code, 0
+    assert len(lines) == _ratelog.BURST + 5
+
+
+def test_records_without_a_traceback_keep_one_allowance(uvicorn_error):
+    error, lines = uvicorn_error
+    _ratelog.quiet_logs()
+    _ratelog.quiet_logs()  # once per logger
+    for i in range(2 * _ratelog.BURST):
+        error.error("ASGI callable returned without completing response. (%d)", i)
+    assert len(lines) == _ratelog.BURST
