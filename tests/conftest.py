@@ -14,6 +14,21 @@ from __future__ import annotations
 
 import pytest
 
+@pytest.fixture(autouse=True)
+def _loggers_as_they_were():
+    """The loggers the commands set (:func:`kvslots._ratelog.quiet_logs`: httpx's level, uvicorn.error's
+    filters; uvicorn's own set-up: its level) are put back after each test: a test reaching them
+    through ``kvslots proxy`` or ``kvslots indexer`` left them set for the rest of the run."""
+    import logging
+
+    httpx_log, error = logging.getLogger("httpx"), logging.getLogger("uvicorn.error")
+    httpx_level, error_level, filters = httpx_log.level, error.level, list(error.filters)
+    yield
+    httpx_log.setLevel(httpx_level)
+    error.setLevel(error_level)
+    error.filters[:] = filters
+
+
 # Modules whose tests start vLLM engines, `kvslots serve` / `vllm serve` or the demo, and such
 # tests in modules that are otherwise light.
 ENGINE_MODULES = frozenset({

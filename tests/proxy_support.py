@@ -2,17 +2,14 @@
 
 from __future__ import annotations
 
-import logging
-from collections.abc import Iterator
-
 import pytest
 
 
 @pytest.fixture
-def started(monkeypatch) -> Iterator[dict]:
+def started(monkeypatch) -> dict:
     """``kvslots proxy`` run without serving: what create_app was given (``app``) and uvicorn.run's
     options (nothing is started, no address checked). The loggers the command sets
-    (:func:`kvslots._ratelog.quiet_logs`) are as they were afterwards."""
+    (:func:`kvslots._ratelog.quiet_logs`) are put back by conftest's autouse fixture."""
     import uvicorn
 
     from kvslots import _listen
@@ -23,8 +20,4 @@ def started(monkeypatch) -> Iterator[dict]:
     monkeypatch.setattr(_listen, "check_listen", lambda host, port: None)
     real = app_module.create_app
     monkeypatch.setattr(app_module, "create_app", lambda *a, **kw: given.update(app=kw) or real(*a, **kw))
-    httpx_log, error_log = logging.getLogger("httpx"), logging.getLogger("uvicorn.error")
-    level, filters = httpx_log.level, list(error_log.filters)
-    yield given
-    httpx_log.setLevel(level)
-    error_log.filters[:] = filters
+    return given

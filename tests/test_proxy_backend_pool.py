@@ -21,6 +21,7 @@ from kvslots import cli  # noqa: E402
 from kvslots.errors import InvalidArgumentError  # noqa: E402
 from kvslots.proxy.app import DecodeWorker, create_app  # noqa: E402
 from ports import free_port  # noqa: E402
+from proxy_support import started  # noqa: E402,F401 - a fixture
 
 AT_ONCE = 150  # past httpx's default pool of 100
 
@@ -147,24 +148,15 @@ def _cli(capsys, argv):
 
 
 @pytest.fixture
-def started(monkeypatch):
-    """What uvicorn.run and create_app were given (nothing is started), under a limit of 1024
-    descriptors with 20 open."""
-    from kvslots import _listen
+def limit_1024(monkeypatch):
+    """A limit of 1024 descriptors with 20 open."""
     from kvslots.indexer import fds
-    from kvslots.proxy import app as app_module
 
-    given: dict = {}
-    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: given.update(kw))
-    monkeypatch.setattr(_listen, "check_listen", lambda host, port: None)
     monkeypatch.setattr(fds, "limit", lambda: 1024)
     monkeypatch.setattr(fds, "in_use", lambda: 20)
-    real = app_module.create_app
-    monkeypatch.setattr(app_module, "create_app", lambda *a, **kw: given.update(app=kw) or real(*a, **kw))
-    return given
 
 
-def test_the_default_pool_shares_what_the_limit_leaves(capsys, started):
+def test_the_default_pool_shares_what_the_limit_leaves(capsys, started, limit_1024):
     from kvslots.indexer import fds
     from kvslots.proxy.app import SIDE_CONNECTIONS
 
@@ -175,7 +167,7 @@ def test_the_default_pool_shares_what_the_limit_leaves(capsys, started):
     assert started["http"].max_connections == room - room // 2 - SIDE_CONNECTIONS
 
 
-def test_backend_connections_given(capsys, started):
+def test_backend_connections_given(capsys, started, limit_1024):
     from kvslots.proxy.app import SIDE_CONNECTIONS
 
     code, out, err = _cli(capsys, ["--backend-connections", "300"])
@@ -187,7 +179,7 @@ def test_backend_connections_given(capsys, started):
 @pytest.mark.parametrize("value, says", [("0", "must be in 1..65536"), ("-5", "must be in 1..65536"),
                                          (str(2**16 + 1), "must be in 1..65536"),
                                          ("930", "the limit of 1024 (ulimit -n) leaves")])
-def test_backend_connections_refused_is_one_line_exit_2(capsys, started, value, says):
+def test_backend_connections_refused_is_one_line_exit_2(capsys, started, limit_1024, value, says):
     code, out, err = _cli(capsys, ["--backend-connections", value])
     assert code == 2 and out == "" and err.count("\n") == 1, err
     assert f"--backend-connections {value}" in err and says in err, err

@@ -23,17 +23,14 @@ class _Lines(logging.Handler):
 
 @pytest.fixture
 def uvicorn_error():
-    """uvicorn.error with a handler recording what it writes; the loggers as they were afterwards."""
-    httpx_log, error = logging.getLogger("httpx"), logging.getLogger("uvicorn.error")
-    level, error_level, filters = httpx_log.level, error.level, list(error.filters)
+    """uvicorn.error with a handler recording what it writes (its level and filters are put back
+    by conftest's autouse fixture)."""
+    error = logging.getLogger("uvicorn.error")
     lines = _Lines()
     error.addHandler(lines)
     error.setLevel(logging.INFO)  # as uvicorn.run sets it (another test's server may have left it at ERROR)
     yield error, lines.lines
     error.removeHandler(lines)
-    httpx_log.setLevel(level)
-    error.setLevel(error_level)
-    error.filters[:] = filters
 
 
 def test_the_indexer_command_limits_uvicorns_lines(uvicorn_error, monkeypatch):
@@ -91,3 +88,33 @@ def test_records_without_a_traceback_keep_one_allowance(uvicorn_error):
     for i in range(2 * _ratelog.BURST):
         error.error("ASGI callable returned without completing response. (%d)", i)
     assert len(lines) == _ratelog.BURST
+
+
+_before: dict = {}
+
+
+def test_a_command_sets_the_loggers(monkeypatch):
+    """(The next test checks they are put back: a test reaching quiet_logs through a command,
+    as test_indexer_http_hostile.py's and test_proxy_hostile.py's do, left uvicorn.error filtered
+    and httpx at WARNING for the rest of the run.)"""
+    import uvicorn
+
+    from kvslots.indexer import cli as indexer_cli
+
+    httpx_log, error = logging.getLogger("httpx"), logging.getLogger("uvicorn.error")
+    _before.update(httpx=httpx_log.level, filters=list(error.filters))
+    monkeypatch.setattr(uvicorn, "run", lambda *a, **k: None)
+    monkeypatch.setattr(indexer_cli, "check_listen", lambda host, port: None)
+    assert cli.main(["indexer", "--port", "8200"]) == 0
+    assert httpx_log.level == logging.WARNING
+    assert any(isinstance(f, _ratelog.RateLimitedRecords) for f in error.filters)
+
+
+def test_the_loggers_are_put_back_after_each_test():
+    if not _before:
+        pytest.skip("runs after test_a_command_sets_the_loggers")
+    assert logging.getLogger("httpx").level == _before["httpx"]
+    filters = logging.getLogger("uvicorn.error").filters
+    assert filters == _before["filters"]
+    # none at all: no test leaves it (the old tests: this module's, test_indexer_http_hostile.py's, ...)
+    assert not any(isinstance(f, _ratelog.RateLimitedRecords) for f in filters)
