@@ -31,8 +31,14 @@ def integer(value: Any, name: str, lo: int | None = None, hi: int | None = None)
     except Exception:  # TypeError, or whatever a hostile __index__ raises
         raise ArgumentTypeError(f"{name} must be an int, got {type(value).__name__} {short_repr(value)}") from None
     if (lo is not None and v < lo) or (hi is not None and v > hi):
-        raise InvalidArgumentError(f"{name} must be in [{_bound(lo)}, {_bound(hi)}], got {_int_text(v)}")
+        raise InvalidArgumentError(f"{name} must be in {span(lo, hi)}, got {_int_text(v)}")
     return v
+
+
+def span(lo: int | None, hi: int | None) -> str:
+    """``[lo, hi]`` as :func:`integer`'s errors state it (``[1, 2**24]``): for a --help that
+    states the same bounds."""
+    return f"[{_bound(lo)}, {_bound(hi)}]"
 
 
 def number(value: Any, name: str, lo: float | None = None, hi: float | None = None, *,

@@ -235,10 +235,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     bounds = {name: (lo, hi) for name, lo, hi in _INT_FIELDS}
 
     def span(name: str) -> str:  # SimConfig's own bounds, as its errors state them
-        lo, hi = bounds[name]
-        if hi < 1 << 20:
-            return f"[{lo}, {hi}]"
-        return f"[{lo}, 2**{hi.bit_length()}-1]" if hi & (hi + 1) == 0 else f"[{lo}, 2**{hi.bit_length() - 1}]"
+        return _args.span(*bounds[name])
 
     p.add_argument("--requests", type=int, default=d.requests,
                    help=f"requests in the workload ({span('requests')}; default %(default)s)")
