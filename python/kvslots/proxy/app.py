@@ -629,16 +629,50 @@ PREFILL_ERROR_KINDS = ("no_answer", "4xx", "5xx", "other_status", "no_object")
 MAX_RETRY_AFTER_S = 86400
 
 
-def _retry_after(resp: httpx.Response) -> dict[str, str]:
-    """The worker's ``Retry-After`` (its 429's or 503's: how long it asks clients to wait) as a
-    header for the client, when it is one valid value: delay-seconds, or an HTTP-date as the
-    delay-seconds from now to it (0 when past), at most :data:`MAX_RETRY_AFTER_S`, written anew
-    (the proxy's own text, never the worker's bytes); none otherwise (absent, given twice, or
-    anything else). A date was passed on as a date, past the cap (year 9999)."""
-    import email.utils
+_DAY = r"(?:Mon|Tue|Wed|Thu|Fri|Sat|Sun)"
+_MONTH = r"(?P<month>Jan|Feb|Mar|Apr|May|Jun|Jul|Aug|Sep|Oct|Nov|Dec)"
+_TIME = r"(?P<hour>\d\d):(?P<minute>\d\d):(?P<second>\d\d)"
+#: RFC 9110's three HTTP-date forms, and only them (email.utils took '1 Jan 2030 00:00', a zone
+#: but GMT, a two-digit year in the IMF form): IMF-fixdate, the obsolete RFC 850 and asctime forms.
+_HTTP_DATES = tuple(re.compile(p, re.ASCII) for p in (
+    rf"{_DAY}, (?P<day>\d\d) {_MONTH} (?P<year>\d{{4}}) {_TIME} GMT",
+    r"(?:Monday|Tuesday|Wednesday|Thursday|Friday|Saturday|Sunday), "
+    rf"(?P<day>\d\d)-{_MONTH}-(?P<year>\d\d) {_TIME} GMT",
+    rf"{_DAY} {_MONTH} (?P<day>[ \d]\d) {_TIME} (?P<year>\d{{4}})",
+))
+_MONTHS = ("Jan", "Feb", "Mar", "Apr", "May", "Jun", "Jul", "Aug", "Sep", "Oct", "Nov", "Dec")
+
+
+def _http_date(value: str, now: Any) -> Any:
+    """``value`` as an aware UTC datetime when it is an HTTP-date (:data:`_HTTP_DATES`), else None;
+    a two-digit year (RFC 850) is the latest one not more than 50 years after ``now`` (RFC 9110)."""
     from datetime import datetime, timezone
 
-    utc = timezone.utc
+    m = next((m for m in (p.fullmatch(value) for p in _HTTP_DATES) if m), None)
+    if m is None:
+        return None
+    year = int(m["year"])
+    if len(m["year"]) == 2:
+        year += now.year - now.year % 100
+        if year > now.year + 50:
+            year -= 100
+    try:  # second 60: a leap second (RFC 9110), which datetime has not
+        return datetime(year, _MONTHS.index(m["month"]) + 1, int(m["day"]), int(m["hour"]), int(m["minute"]),
+                        min(int(m["second"]), 59), tzinfo=timezone.utc)
+    except ValueError:  # 31 Feb, hour 24, year 0
+        return None
+
+
+def _retry_after(resp: httpx.Response) -> dict[str, str]:
+    """The worker's ``Retry-After`` (its 429's or 503's: how long it asks clients to wait) as a
+    header for the client, when it is one valid value: delay-seconds, or an HTTP-date
+    (:func:`_http_date`) as the delay-seconds to it from the worker's own ``Date`` when it has one
+    valid Date, else from the proxy's clock (0 when past), at most :data:`MAX_RETRY_AFTER_S`,
+    written anew (the proxy's own text, never the worker's bytes); none otherwise (absent, given
+    twice, or anything else). A date was passed on as a date, past the cap (year 9999); measured
+    on the proxy's clock alone, a worker 60 s slow asking for 30 s was passed on as 0."""
+    from datetime import datetime, timezone
+
     values = resp.headers.get_list("retry-after")
     if len(values) != 1:
         return {}
@@ -647,15 +681,13 @@ def _retry_after(resp: httpx.Response) -> dict[str, str]:
         return {"retry-after": str(min(int(value), MAX_RETRY_AFTER_S) if len(value) <= 12 else MAX_RETRY_AFTER_S)}
     if len(value) > 64 or not value.isascii():
         return {}
-    try:
-        when = email.utils.parsedate_to_datetime(value)
-    except (TypeError, ValueError, IndexError, OverflowError):
+    now = datetime.now(timezone.utc)
+    dates = resp.headers.get_list("date")
+    worker_now = _http_date(dates[0].strip(" \t"), now) if len(dates) == 1 and len(dates[0]) <= 64 else None
+    when = _http_date(value, worker_now or now)
+    if when is None:
         return {}
-    try:  # "-0000" (no zone) is RFC 5322's unknown zone: UTC, as HTTP-dates are
-        when = when.replace(tzinfo=utc) if when.tzinfo is None else when.astimezone(utc)
-    except (ValueError, OverflowError):  # a zone that takes the date out of range
-        return {}
-    delay = (when - datetime.now(utc)).total_seconds()
+    delay = (when - (worker_now or now)).total_seconds()
     return {"retry-after": str(min(max(math.ceil(delay), 0), MAX_RETRY_AFTER_S))}
 
 
