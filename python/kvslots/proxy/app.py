@@ -286,8 +286,9 @@ def check_header_name(value: object, what: str = "client_id_header") -> str:
     return value.lower()
 
 
-#: An HTTP field value (RFC 9110: visible characters, obs-text too, blanks only between them), as
-#: h11 (httpx's writer to the workers) checks it.
+#: An HTTP field value (RFC 9110: visible characters, obs-text too, blanks only between them).
+#: Stricter than h11 (httpx's writer to the workers), which refuses only NUL, CR, LF, \x0b and \x0c
+#: in a value: the other control characters (\x01-\x08, \x0e-\x1f, \x7f) are refused here.
 _FIELD_VALUE = re.compile(rb"(?:[\x21-\x7e\x80-\xff]+(?:[ \t]+[\x21-\x7e\x80-\xff]+)*)?")
 
 
