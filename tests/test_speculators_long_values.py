@@ -53,3 +53,30 @@ def test_a_long_value_is_a_short_error(tmp_path, kw, field):
         load_speculators_checkpoint(draft)
     assert e.value.field == field
     assert len(str(e.value)) < 500 + len(str(draft)), len(str(e.value))
+
+
+@pytest.mark.parametrize("declared", ["./" + "a" * 3_000_000, "./" + "/".join(["b" * 200] * 19), "org/" + "x" * 3_000_000],
+                         ids=["long-name", "deep", "hub-like"])
+def test_a_long_missing_local_verifier_is_a_short_error(tmp_path, declared):
+    # The path declared and the one looked for were quoted whole (4,130 characters).
+    draft, _ = _checkpoint(tmp_path, declared=declared)
+    with pytest.raises(ConfigError) as e:
+        load_speculators_checkpoint(draft)
+    assert e.value.field == "speculators_config.verifier.name_or_path"
+    assert "does not exist" in str(e.value)
+    assert len(str(e.value)) < 700 + len(str(draft)), len(str(e.value))  # two paths of at most 200
+
+
+def test_a_deep_local_verifier_is_a_short_warning(tmp_path):
+    # A relative verifier that exists, resolved against the checkpoint: its warning quoted the
+    # declared path and the resolved one whole (7,677 characters).
+    draft, _ = _checkpoint(tmp_path)
+    deep = draft.joinpath(*["c" * 250] * 15)
+    deep.mkdir(parents=True)
+    doc = json.loads((draft / "config.json").read_text())
+    doc["speculators_config"]["verifier"]["name_or_path"] = "./" + str(deep.relative_to(draft))
+    (draft / "config.json").write_text(json.dumps(doc))
+    ckpt = load_speculators_checkpoint(draft)
+    assert ckpt.verifier == str(deep) and ckpt.verifier_is_local
+    assert len(ckpt.warnings) == 1 and ckpt.warnings[0].startswith("local verifier './cccc")
+    assert len(ckpt.warnings[0]) < 600, len(ckpt.warnings[0])

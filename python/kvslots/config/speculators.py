@@ -62,17 +62,24 @@ class SpeculatorsCheckpoint:
     warnings: list[str] = field(default_factory=list)
 
 
+#: Longest quote of a path in a message (brief): enough for a real one.
+_PATH_CHARS = 200
+
+
 def _resolve_verifier(
     declared: str, base: Path, field_name: str, source: str | None
 ) -> tuple[str, bool]:
     """(target, is_local): a local directory (a relative name resolved against ``base``) or a
     Hugging Face Hub id; anything else is an error suggesting an explicit verifier."""
     ref = classify_model(declared, base=base)
+    # Paths quoted briefly (_PATH_CHARS): the file's own value, of any length (a 3 MB name was a
+    # 4,130-character error, a deep existing directory a 7,677-character warning).
     if ref.kind == "not_dir":
-        raise ConfigError(f"local verifier {ref.path!r} is not a directory", field_name, source)
+        raise ConfigError(f"local verifier {brief(ref.path, _PATH_CHARS)} is not a directory", field_name, source)
     if ref.kind == "missing":
         raise ConfigError(
-            f"local verifier path {declared!r} does not exist (looked for {ref.path!r}); "
+            f"local verifier path {brief(declared, _PATH_CHARS)} does not exist (looked for "
+            f"{brief(ref.path, _PATH_CHARS)}); "
             "pass the target model explicitly (verifier=... / --verifier)",
             field_name,
             source,
@@ -168,14 +175,15 @@ def load_speculators_checkpoint(
         verifier = reference_text(verifier, "verifier")
         target, local = _resolve_verifier(verifier, Path.cwd(), "verifier", None)
         if declared not in (None, "") and declared != verifier:
-            warnings.append(f"verifier {target!r} overrides the checkpoint's {brief(declared)}")
+            warnings.append(f"verifier {brief(target, _PATH_CHARS)} overrides the checkpoint's {brief(declared)}")
     else:
         if not isinstance(declared, str) or not declared:
             raise ConfigError(f"must be a non-empty string, got {brief(declared)}", name_field, source)
         target, local = _resolve_verifier(declared, base, name_field, source)
         if local and target != declared:
             warnings.append(
-                f"local verifier {declared!r} resolved against the checkpoint directory to {target!r} "
+                f"local verifier {brief(declared, _PATH_CHARS)} resolved against the checkpoint directory to "
+                f"{brief(target, _PATH_CHARS)} "
                 "(vLLM would resolve it against its working directory)"
             )
 
