@@ -179,6 +179,23 @@ def test_a_worker_url_with_userinfo_and_the_backend_key_are_one_line_exit_2(caps
     assert "--backend-api-key" in err and "pw" not in err and "app" not in started
 
 
+def test_the_userinfo_and_backend_key_rule_is_one_check(capsys, started):
+    """Written twice (create_app and the command), with two messages; now one check the command wraps."""
+    from kvslots.proxy.app import check_one_credential
+    from kvslots.proxy.cli import API_KEY_ENV
+
+    what = f"--backend-api-key (or ${API_KEY_ENV})"
+    with pytest.raises(InvalidArgumentError) as e:
+        check_one_credential(["http://p:1", "http://u:pw@d:2"], what)
+    with pytest.raises(InvalidArgumentError) as app_error:
+        create_app(["http://p:1"], [DecodeWorker("http://u:pw@d:2")], backend_api_key="k")
+    assert str(app_error.value) == str(e.value).replace(what, "backend_api_key")
+    capsys.readouterr()
+    assert cli.main(["proxy", "--prefill", "http://p:1", "--decode", "http://u:pw@d:2", "--backend-api-key", "k"]) == 2
+    assert capsys.readouterr().err == f"kvslots proxy: error: {e.value}\n"
+    check_one_credential(["http://p:1", "http://d:2"])  # none with user:password: nothing to refuse
+
+
 def test_a_worker_urls_userinfo_is_sent_in_place_of_the_clients_authorization():
     """The operator's setting wins (as --help says): the client's header is not sent beside it."""
     seen: list = []

@@ -273,6 +273,16 @@ def check_api_key(value: object, what: str = "backend_api_key") -> str:
     return value
 
 
+def check_one_credential(urls: Sequence[str], what: str = "backend_api_key") -> None:
+    """With the workers' key (``what``), a worker URL (of ``urls``) with ``user:password@`` is an
+    :class:`~kvslots.InvalidArgumentError`: httpx sends it as Basic auth in place of the key, which
+    silently lost. The one check of this rule (the command line and :func:`create_app`)."""
+    with_userinfo = userinfo_urls(list(urls))
+    if with_userinfo:
+        raise InvalidArgumentError(f"{what} and a worker URL with user:password@ ({shown_url(with_userinfo[0])}): "
+                                   "give one way to authenticate to the workers")
+
+
 _TOKEN = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]{1,256}")
 
 
@@ -768,11 +778,7 @@ def create_app(prefill_urls: Sequence[str], decode_workers: Sequence[DecodeWorke
         http_url(indexer_url, "indexer URL")
     if backend_api_key is not None:
         backend_api_key = check_api_key(backend_api_key)
-        # httpx sends a URL's user:password as Basic auth in place of the key: it silently won.
-        with_userinfo = userinfo_urls([*prefill_urls, *(w.url for w in decode_workers)])
-        if with_userinfo:
-            raise InvalidArgumentError(f"backend_api_key and a worker URL with user:password@ "
-                                       f"({shown_url(with_userinfo[0])}): give one way to authenticate to the workers")
+        check_one_credential([*prefill_urls, *(w.url for w in decode_workers)])
     id_header = None if client_id_header is None else check_header_name(client_id_header).encode()
     prefill_userinfo = frozenset(userinfo_urls(prefill_urls))  # the proxy's credential, not the client's
     # What backends and clients can make the proxy log (a failure, a client gone), at most

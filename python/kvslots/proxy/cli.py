@@ -204,17 +204,15 @@ def run(args: argparse.Namespace) -> int:
     if args.max_connections is not None and not 0 < args.max_connections <= fds.MAX_CONNECTIONS:
         raise ServeError(f"--max-connections {args.max_connections} must be in 1..{fds.MAX_CONNECTIONS}")
     from .app import (BACKEND_CONNECTIONS, MAX_BACKEND_CONNECTIONS, SIDE_CONNECTIONS, check_api_key,
-                      check_header_name, create_app)
+                      check_header_name, check_one_credential, create_app)
 
     if args.backend_api_key is not None:
+        what = f"--backend-api-key (or ${API_KEY_ENV})"
         try:
-            check_api_key(args.backend_api_key, f"--backend-api-key (or ${API_KEY_ENV})")
+            check_api_key(args.backend_api_key, what)
+            check_one_credential([*prefill, *(w.url for w in workers)], what)
         except InvalidArgumentError as e:
             raise ServeError(str(e)) from None
-        with_userinfo = userinfo_urls([*prefill, *(w.url for w in workers)])
-        if with_userinfo:
-            raise ServeError(f"--backend-api-key (or ${API_KEY_ENV}) and a worker URL with user:password@ "
-                             f"({shown_url(with_userinfo[0])}): give one way to authenticate to the workers")
     if args.client_id_header is not None:
         try:
             check_header_name(args.client_id_header, "--client-id-header")
