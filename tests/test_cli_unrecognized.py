@@ -14,6 +14,11 @@ from kvslots import cli
     (["convert-config", "a.yaml", "b.yaml"], "kvslots convert-config", "b.yaml"),
     (["demo", "--bogus", "x"], "kvslots demo", "--bogus x"),
     (["--bogus"], "kvslots", "--bogus"),  # no command: the top level's
+    # Before the command: the top level's (the command's --help does not list them).
+    (["--bogus", "simulate"], "kvslots", "--bogus"),
+    (["--bogus", "--x=1", "simulate", "--requests", "2"], "kvslots", "--bogus --x=1"),
+    (["--bogus", "simulate", "--other"], "kvslots", "--bogus"),
+    (["simulate", "--bogus", "simulate"], "kvslots simulate", "--bogus simulate"),
 ])
 def test_unrecognized_arguments_are_the_commands_error(capsys, argv, prog, extras):
     with pytest.raises(SystemExit) as e:
