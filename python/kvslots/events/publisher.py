@@ -56,22 +56,17 @@ log = logging.getLogger(__name__)
 #: Largest frame the replay ROUTER accepts (a request's frames are an empty delimiter and 8 bytes).
 REPLAY_MAX_FRAME = 1024
 
-#: Largest frame the live socket accepts beyond the topic's length: all it reads is its
-#: subscribers' subscriptions (a flag byte and a topic prefix) and their handshake (a SUB's is
-#: 27 bytes). A bigger frame drops the peer's connection: without the bound ZMQ buffered it whole
-#: (a peer declaring a 2 GiB subscription grew the publisher by 700 MB/s as it sent the bytes).
-#: A subscription longer than the topic matches none of its messages; each byte of a distinct one
-#: costs the socket's subscription trie ~47 bytes (1 KiB ones: 47 KB each).
+#: Largest frame the PUB socket accepts beyond the topic's length: all a PUB reads is its
+#: subscribers' subscriptions (a flag byte and a topic prefix). A bigger frame drops the peer's
+#: connection: without the bound ZMQ buffered it whole (a peer declaring a 2 GiB subscription
+#: grew the publisher by 700 MB/s as it sent the bytes). A subscription longer than the topic
+#: matches none of its messages; each byte of a distinct one costs the socket's subscription trie
+#: ~47 bytes (1 KiB ones: 47 KB each). ZMQ keeps every distinct subscription a peer sends until it
+#: leaves, with no option to bound their number: a known limit (30,000 of 200 B: +281 MB). An
+#: XPUB that counted them and made the socket again past a bound (17e4654) looped: every SUB
+#: re-sends all its subscriptions at each reconnect, so one peer holding 1,100 crossed the bound
+#: again after each reset, and every subscriber lost its entries at each.
 SUBSCRIPTION_MAX_FRAME = 256
-#: Most distinct subscriptions the live socket keeps. ZMQ keeps every distinct one a peer sends
-#: until it leaves, with no option to bound them (30,000 of 1 KB grew a publisher by 1.4 GB, and
-#: shutdown() took over 5 s to free them); subscribers use one or two. Past this many the socket
-#: is made again on the same address (counted ``subscription_resets``): every subscriber
-#: reconnects and subscribes again by itself, and heals what it missed meanwhile by replay.
-MAX_SUBSCRIPTIONS = 1024
-#: Messages from one peer queued in the live socket at most (its RCVHWM): a subscriber sends
-#: subscriptions only; read by the sender thread, up to REPLAY_REQUESTS_PER_ROUND at a turn.
-SUBSCRIPTION_HWM = 100
 
 #: Replay messages queued for one peer at most (the ROUTER's send high-water mark). With
 #: ROUTER_MANDATORY a full queue is an EAGAIN, not a silent drop: the replay waits and resumes
@@ -82,8 +77,9 @@ SUBSCRIPTION_HWM = 100
 REPLAY_HWM = 64
 #: Replays in progress at most (one per peer): each holds up to REPLAY_HWM batches in its peer's
 #: queue, and peers were not counted (500 peers asking at once and reading nothing: 500 x 64
-#: batches). A request past them is not answered (counted replay_busy): the subscriber's replay
-#: times out and asks again later, as of a server that is down.
+#: batches). A request past them drops the replay whose peer took something longest ago (counted
+#: replay_evicted): refusing the new one instead let 64 peers that ask and never read block
+#: every real replay, and a subscriber gives a gap up when its request is not answered.
 MAX_REPLAYS = 64
 #: A replay the peer has taken nothing of for this long is dropped (counted replay_truncated).
 REPLAY_STALL_S = 10.0
@@ -176,7 +172,8 @@ class EventPublisher(NoCopy):
         # Kept at the range the connector's config documents (events_buffer_steps), which dates
         # from the old replay HWM of 2 * (buffer_steps + 1); replays no longer depend on it.
         buffer_steps = _args.integer(buffer_steps, "buffer_steps", 1, _args.C_INT_MAX // 2 - 1)
-        hwm = _args.integer(hwm, "hwm", 0, _args.C_INT_MAX)
+        # 0 is ZMQ's "no limit": at least 1.
+        hwm = _args.integer(hwm, "hwm", 1, _args.C_INT_MAX)
         if hwm > MAX_HWM:
             raise InvalidArgumentError(
                 f"hwm {hwm}: at most {MAX_HWM}: a subscriber that stops reading is queued up to hwm "
@@ -218,21 +215,27 @@ class EventPublisher(NoCopy):
         self._replays: dict[bytes, _Replay] = {}  # by peer identity; at most one per peer
         self._stats = dict.fromkeys(
             ("published", "dropped_on_wire", "replay_requests", "replayed", "replay_malformed",
-             "replay_refused", "replay_busy", "replay_truncated", "subscription_resets", "errors"),
+             "replay_refused", "replay_evicted", "replay_truncated", "errors"),
             0,
         )
-        self._subscriptions: set[bytes] = set()  # the live socket's distinct ones (at most MAX_SUBSCRIPTIONS)
-        self._hwm = hwm
 
         self._pub: zmq.Socket | None = None
         self._replay: zmq.Socket | None = None
-        self._poller: Any = None  # the sender thread's (_run)
         self._wakeup = WakePipe()
         try:
             ep = offset_endpoint_port(endpoint, data_parallel_rank)
             assert ep is not None
-            self._bind_pub = is_bind_endpoint(ep) if bind is None else bind
-            self._pub, ep = self._open_pub(ep)
+            self._pub = self._ctx.socket(zmq.PUB)
+            self._pub.setsockopt(zmq.SNDHWM, hwm)
+            self._pub.setsockopt(zmq.LINGER, linger_ms)
+            self._pub.setsockopt(zmq.MAXMSGSIZE, SUBSCRIPTION_MAX_FRAME + len(self._topic))
+            if is_ipv6(ep):
+                self._pub.setsockopt(zmq.IPV6, 1)
+            if is_bind_endpoint(ep) if bind is None else bind:
+                self._pub.bind(ep)
+                ep = self._pub.getsockopt_string(zmq.LAST_ENDPOINT)
+            else:
+                self._pub.connect(ep)
             self.endpoint: str = ep
             self.replay_endpoint: str | None = None
             rep = offset_endpoint_port(replay_endpoint, data_parallel_rank)
@@ -266,27 +269,6 @@ class EventPublisher(NoCopy):
             target=self._run, name=f"kvslots-event-publisher[{self.endpoint}]", daemon=True
         )
         self._thread.start()
-
-    def _open_pub(self, ep: str) -> tuple[zmq.Socket, str]:
-        """The live socket on ``ep`` and its address (the port a bind chose). An XPUB, which sends
-        as a PUB does and hands its new subscriptions up, so that they can be counted."""
-        sock = self._ctx.socket(zmq.XPUB)
-        try:
-            sock.setsockopt(zmq.SNDHWM, self._hwm)
-            sock.setsockopt(zmq.RCVHWM, SUBSCRIPTION_HWM)
-            sock.setsockopt(zmq.LINGER, self._linger_ms)
-            sock.setsockopt(zmq.MAXMSGSIZE, SUBSCRIPTION_MAX_FRAME + len(self._topic))
-            if is_ipv6(ep):
-                sock.setsockopt(zmq.IPV6, 1)
-            if self._bind_pub:
-                sock.bind(ep)
-                ep = sock.getsockopt_string(zmq.LAST_ENDPOINT)
-            else:
-                sock.connect(ep)
-        except BaseException:
-            sock.close(linger=0)
-            raise
-        return sock, ep
 
     # ---- producer side (any thread) --------------------------------------------------------
 
@@ -366,11 +348,10 @@ class EventPublisher(NoCopy):
     def stats(self) -> dict[str, int]:
         """Counters: published, dropped_on_wire (test hook), replay_requests, replayed (batches
         resent), replay_malformed, replay_refused (requests from a peer whose previous replay is
-        still being sent), replay_busy (requests left unanswered while ``MAX_REPLAYS`` are in
-        progress), replay_truncated (replays dropped before their end: the peer took
-        nothing for ``REPLAY_STALL_S`` or disconnected), subscription_resets (the live socket
-        made again past ``MAX_SUBSCRIPTIONS`` distinct subscriptions), errors; plus queued and
-        next_seq."""
+        still being sent), replay_evicted (replays dropped for a new request while ``MAX_REPLAYS``
+        were in progress: the one whose peer took something longest ago), replay_truncated
+        (replays dropped before their end: the peer took nothing for ``REPLAY_STALL_S`` or
+        disconnected), errors; plus queued and next_seq."""
         with self._lock:
             queued = len(self._queue) + self._in_flight
         return {**self._stats, "queued": queued, "next_seq": self._next_seq}
@@ -414,12 +395,10 @@ class EventPublisher(NoCopy):
     # ---- sender thread ---------------------------------------------------------------------
 
     def _run(self) -> None:
-        poller = self._poller = zmq.Poller()
+        poller = zmq.Poller()
         poller.register(self._wakeup.fileno(), zmq.POLLIN)  # poll() answers with the fd
         if self._replay is not None:
             poller.register(self._replay, zmq.POLLIN)
-        if self._pub is not None:
-            poller.register(self._pub, zmq.POLLIN)  # subscriptions
         try:
             while not self._round(poller):
                 pass
@@ -434,8 +413,6 @@ class EventPublisher(NoCopy):
         """One wake-up of the sender thread; True when it should exit."""
         try:
             ready = dict(poller.poll(self._retry_timeout_ms()))
-            if self._pub is not None and self._pub in ready:
-                self._read_subscriptions()
             if self._replay is not None and self._replay in ready:
                 self._serve_replays()
             self._resume_replays()
@@ -472,8 +449,6 @@ class EventPublisher(NoCopy):
             self._drop_on_wire.discard(seq)
             self._stats["dropped_on_wire"] += 1
             return
-        if self._pub is None and not self._reopen_pub(0.0):  # a reset that could not bind again
-            return  # buffered: subscribers see a gap and replay it
         assert self._pub is not None
         try:
             self._pub.send_multipart(live_message(self._topic, seq, payload), copy=False)
@@ -483,56 +458,6 @@ class EventPublisher(NoCopy):
             # The batch stays in the replay buffer, so subscribers see a healable gap.
             self._stats["errors"] += 1
             log.exception("event publisher send failed (seq %d)", seq)
-
-    def _read_subscriptions(self) -> None:
-        """Counts the live socket's distinct subscriptions (it hands up each new one and each
-        last cancel, peers leaving included); past :data:`MAX_SUBSCRIPTIONS` makes it again."""
-        assert self._pub is not None
-        for _ in range(REPLAY_REQUESTS_PER_ROUND):
-            try:
-                msg = self._pub.recv(zmq.NOBLOCK)
-            except zmq.Again:
-                return
-            if msg[:1] == b"\x01":
-                self._subscriptions.add(msg[1:])
-            elif msg[:1] == b"\x00":
-                self._subscriptions.discard(msg[1:])
-            if len(self._subscriptions) > MAX_SUBSCRIPTIONS:
-                self._reset_pub()
-                return
-
-    def _reset_pub(self) -> None:
-        """The live socket made again on its address: everything it kept goes with the old one.
-        Subscribers reconnect by themselves (ZMQ) and replay what they missed."""
-        assert self._pub is not None
-        self._stats["subscription_resets"] += 1
-        n = self._stats["subscription_resets"]
-        if n & (n - 1) == 0:  # 1st, 2nd, 4th, ...
-            log.warning("event publisher %s: over %d distinct subscriptions: the socket is made again, its "
-                        "subscribers reconnect (%d times so far)", self.endpoint, MAX_SUBSCRIPTIONS, n)
-        self._poller.unregister(self._pub)
-        self._pub.close(linger=0)
-        self._pub = None
-        self._subscriptions.clear()
-        self._reopen_pub(2.0)
-
-    def _reopen_pub(self, wait_s: float) -> bool:
-        """Opens the live socket again on its address, trying for up to ``wait_s`` (the old one's
-        listener is closed by ZMQ's I/O thread a moment after close()); False if it could not."""
-        deadline = time.monotonic() + wait_s
-        while True:
-            try:
-                self._pub, _ = self._open_pub(self.endpoint)
-                break
-            except zmq.ZMQError as e:
-                if time.monotonic() >= deadline:
-                    self._stats["errors"] += 1
-                    log.error("event publisher: cannot open %s again: %s (tried again at the next batch)",
-                              self.endpoint, e)
-                    return False
-                time.sleep(0.01)
-        self._poller.register(self._pub, zmq.POLLIN)
-        return True
 
     def _serve_replays(self) -> None:
         """Reads up to ``REPLAY_REQUESTS_PER_ROUND`` requests (the rest wait for the next round,
@@ -558,8 +483,10 @@ class EventPublisher(NoCopy):
                 self._stats["replay_refused"] += 1
                 continue
             if len(self._replays) >= MAX_REPLAYS:
-                self._stats["replay_busy"] += 1
-                continue
+                # Its peer is likely not reading; its queue stays in ZMQ until it leaves.
+                oldest = min(self._replays, key=lambda c: self._replays[c].progress_at)
+                del self._replays[oldest]
+                self._stats["replay_evicted"] += 1
             replay = _Replay(start, self._next_seq, time.monotonic())
             self._replays[client] = replay
             self._pump(client, replay)
