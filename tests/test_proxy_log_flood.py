@@ -110,4 +110,41 @@ def test_prefill_and_indexer_failures_are_counted_in_healthz():
         health = c.get("/healthz").json()
     assert statuses == [200] * 8 + [401]
     assert health["prefill_errors"] == {"no_answer": 3, "4xx": 2, "5xx": 2, "other_status": 1, "no_object": 1}
-    assert health["indexer_errors"] == 8 and health["recomputed"] == 8
+    assert health["indexer_errors"] == {"no_answer": 0, "status": 8, "no_object": 0, "no_workers": 0, "bad_score": 0,
+                                        "unknown_worker": 0}
+    assert health["recomputed"] == 8
+
+
+def test_every_unusable_indexer_answer_is_counted_by_kind(caplog):
+    """An answer whose workers or scores could not be used was round robin uncounted (4 such: 1
+    counted, the one that was no JSON object); an answer whose scores are all read, none above 0
+    (nothing cached), is round robin and no error."""
+    answers = iter([httpx.ConnectError("refused"), httpx.Response(503), httpx.Response(200, text="[1]"),
+                    httpx.Response(200, text='{"workers": "junk"}'), httpx.Response(200, text='{"nope": 1}'),
+                    httpx.Response(200, text='{"workers": {"w": {"score": "high"}, "v": {"score": 0}}}'),
+                    httpx.Response(200, text='{"workers": {"w": {"score": null}, "v": {"score": 0}}}'),
+                    httpx.Response(200, text='{"workers": {"w": {"score": 0}}}'),
+                    httpx.Response(200, text='{"workers": {"w": {"score": 0}, "v": {"score": 0.0}}}'),
+                    httpx.Response(200, text='{"workers": {"w": {"score": 0}, "v": {"score": 2}}}')])
+
+    def backend(request: httpx.Request) -> httpx.Response:
+        if request.url.host == "i":
+            answer = next(answers)
+            if isinstance(answer, Exception):
+                raise answer
+            return answer
+        if _prefill(request):
+            return httpx.Response(200, json={"kv_transfer_params": {"do_remote_prefill": True}})
+        return httpx.Response(200, json={"by": request.url.host})
+
+    app = create_app(["http://p"], [DecodeWorker("http://d1", "w"), DecodeWorker("http://d2", "v")],
+                     indexer_url="http://i", transport=httpx.MockTransport(backend))
+    with caplog.at_level(logging.INFO, logger="kvslots.proxy"), TestClient(app) as c:
+        by = [c.post("/v1/completions", json={"prompt": [1, 2]}).json()["by"] for _ in range(10)]
+        health = c.get("/healthz").json()
+    assert by[-1] == "d2"  # the one score above 0
+    # the old code: an int, 3 (no answer, the 503, no object)
+    assert health["indexer_errors"] == {"no_answer": 1, "status": 1, "no_object": 1, "no_workers": 2,
+                                        "bad_score": 2, "unknown_worker": 1}
+    assert len(_lines(caplog, "indexer http://i")) == 8
+    assert len(_lines(caplog, "does not name worker 'v'")) == 1

@@ -401,15 +401,21 @@ def _json_object(content: bytes) -> dict[str, Any] | None:
 
 def _score(workers: Any, name: str | None) -> float:
     """A worker's score in the indexer's answer; 0 for anything but a finite number."""
+    value = _readable_score(workers, name)
+    return 0.0 if value is None else value
+
+
+def _readable_score(workers: Any, name: str | None) -> float | None:
+    """A worker's score in the indexer's answer when it is a finite number, else None."""
     entry = workers.get(name) if isinstance(workers, dict) else None
     score = entry.get("score") if isinstance(entry, dict) else None
     if isinstance(score, bool) or not isinstance(score, (int, float)):
-        return 0.0
+        return None
     try:
         value = float(score)
     except OverflowError:  # an integer past float's range
-        return 0.0
-    return value if math.isfinite(value) else 0.0
+        return None
+    return value if math.isfinite(value) else None
 
 
 def _token_ids(body: dict[str, Any]) -> list[int] | msgspec.Raw | None:
@@ -631,6 +637,13 @@ class _PerClient:
                 del self.in_flight[who]
 
 
+#: The kinds of indexer answers that leave the pick to round robin, counted in /healthz's
+#: ``indexer_errors``: no answer (refused, past its 2 s, too big), a status but 2xx, no JSON object,
+#: no ``workers`` object in it, a scored worker's score that is not a finite number, a scored
+#: worker it does not name (it names every worker it has: the names differ). Only an answer whose
+#: scores were all read and none is above 0 (nothing cached) is round robin uncounted.
+INDEXER_ERROR_KINDS = ("no_answer", "status", "no_object", "no_workers", "bad_score", "unknown_worker")
+
 #: The kinds of prefill failures counted in /healthz's ``prefill_errors``: no answer (refused, reset,
 #: past --timeout, too big), a 4xx (a 401 or 403 to the client's credential is the client's answer), a
 #: 5xx, another status but 200, a 200 without a JSON object.
@@ -791,9 +804,10 @@ def create_app(prefill_urls: Sequence[str], decode_workers: Sequence[DecodeWorke
     # prefill_errors and indexer_errors: what the rate-limited log leaves out is counted where an
     # operator looks (a count of lines left out was logged only when the same kind failed again).
     state: dict[str, Any] = {"recomputed": 0, "disaggregated": 0, "decode_errors": 0, "gone_before_decode": 0,
-                             "gone_in_decode": 0, "slow_clients": 0, "indexer_errors": 0,
+                             "gone_in_decode": 0, "slow_clients": 0,
+                             "indexer_errors": dict.fromkeys(INDEXER_ERROR_KINDS, 0),
                              "prefill_errors": dict.fromkeys(PREFILL_ERROR_KINDS, 0)}
-    prefill_errors = state["prefill_errors"]
+    prefill_errors, indexer_errors = state["prefill_errors"], state["indexer_errors"]
     # max_keepalive_connections=20 (httpx's default), not the pool's size: httpcore's pool walks
     # every connection for each waiting request and hands idle ones to requests that wake slowly
     # (150 requests held at once by one worker took 6.9 s to reach it with all kept, 1.0-1.7 s
@@ -842,24 +856,37 @@ def create_app(prefill_urls: Sequence[str], decode_workers: Sequence[DecodeWorke
                 resp, content = await _post_read(side, f"{indexer_url.rstrip('/')}/score",
                                                  await _encoded({"token_ids": ids}, big), most=MAX_INDEXER_ANSWER,
                                                  within=INDEXER_TIMEOUT_S)
-                if not 200 <= resp.status_code < 300:
-                    raise httpx.HTTPError(f"it answered {resp.status_code}")
             except httpx.HTTPError as e:
-                state["indexer_errors"] += 1
-                logs.log(WARNING, ("indexer", "unusable"), "kvslots proxy: indexer %s unusable (%s); round robin",
-                         shown_url(indexer_url), _why(e))
+                indexer_failed("no_answer", "unusable (%s)", _why(e))
             else:
-                answer = await _answer_object(content)
-                if answer is None:
-                    state["indexer_errors"] += 1
-                    logs.log(WARNING, ("indexer", "no object"), "kvslots proxy: indexer %s answered no JSON object; "
-                             "round robin", shown_url(indexer_url))
+                answer = await _answer_object(content) if 200 <= resp.status_code < 300 else None
+                workers = answer.get("workers") if answer is not None else None
+                if not 200 <= resp.status_code < 300:
+                    indexer_failed("status", "unusable (it answered %d)", resp.status_code)
+                elif answer is None:
+                    indexer_failed("no_object", "answered no JSON object")
+                elif not isinstance(workers, dict):
+                    indexer_failed("no_workers", "answered no 'workers' object")
                 else:
-                    workers = answer.get("workers")
                     best = max(scored, key=lambda w: _score(workers, w.indexer_name))
                     if _score(workers, best.indexer_name) > 0:
                         return best
+                    # Round robin: counted unless every score was read (none above 0: nothing cached)
+                    unknown = [w.indexer_name for w in scored if w.indexer_name not in workers]
+                    unread = [w.indexer_name for w in scored
+                              if w.indexer_name in workers and _readable_score(workers, w.indexer_name) is None]
+                    if unread:
+                        indexer_failed("bad_score", "answered a score that is not a finite number for worker %r",
+                                       unread[0])
+                    elif unknown:
+                        indexer_failed("unknown_worker", "does not name worker %r (is it another name there?)",
+                                       unknown[0])
         return next(decode_cycle)
+
+    def indexer_failed(kind: str, what: str, *args: Any) -> None:
+        indexer_errors[kind] += 1
+        logs.log(WARNING, ("indexer", kind), f"kvslots proxy: indexer %s {what}; round robin",
+                 shown_url(indexer_url), *args)
 
     def decode_failed(worker: DecodeWorker, what: str, resp: httpx.Response | None = None) -> JSONResponse:
         state["decode_errors"] += 1
