@@ -47,6 +47,28 @@ def test_every_option_has_help_and_shows_its_default(name):
     assert checked, name
 
 
+def test_every_indexer_option_has_help_and_log_level_its_default():
+    # Its options default to None (a --config file may set them): each help states the default.
+    from kvslots.indexer.config import IndexerConfig
+
+    for action in _options("indexer"):
+        assert action.help and action.help != argparse.SUPPRESS, f"indexer {action.option_strings[0]}: no help"
+    level = next(a for a in _options("indexer") if "--log-level" in a.option_strings)
+    assert f"(default {IndexerConfig().log_level})" in level.help
+
+
+def test_demo_states_the_host_cache_bounds_it_enforces():
+    from kvslots.config.connector import ConnectorConfig
+    from kvslots.errors import ConfigError
+
+    gb = next(a for a in _options("demo") if "--host-cache-gb" in a.option_strings)
+    assert "> 0 and < 2**20" in gb.help and "one block" in gb.help
+    ConnectorConfig(host_cache_gb=2**20 - 1)
+    for bad in (0, 2**20):
+        with pytest.raises(ConfigError):
+            ConnectorConfig(host_cache_gb=bad)
+
+
 def test_simulate_states_the_bounds_it_enforces():
     text = " ".join(_subparser("simulate").format_help().split())
     shown = {"requests": "[0, 100000]", "batch": "[1, 4096]", "lookahead": "[0, 64]", "block_size": "[1, 4096]",

@@ -243,7 +243,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-tokens", type=int, default=32,
                    help="tokens generated per request (>= 1; default %(default)s)")
     p.add_argument("--host-cache-gb", type=float, default=0.25,
-                   help="host-memory tier in GiB (default %(default)s)")
+                   help="host-memory tier in GiB (> 0 and < 2**20, room for one block at least; "
+                        "default %(default)s)")
     p.add_argument("--cache-dir", default=os.path.join(os.path.expanduser("~"), ".cache", "kvslots", "tiny-models"),
                    help="directory the tiny models are built in once and reused from (default %(default)s)")
     p.add_argument("--timeout", type=float, default=900,

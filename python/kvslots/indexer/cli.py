@@ -49,7 +49,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--admin-token", help=f"bearer token enabling POST/DELETE /workers (prefer {ADMIN_TOKEN_ENV} "
                                          "or --admin-token-file: arguments are visible to other users)")
     p.add_argument("--admin-token-file", metavar="FILE", help="read the admin token from FILE")
-    p.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
+    p.add_argument("--log-level", choices=["debug", "info", "warning", "error"],
+                   help="the service's log level (default info)")
     p.set_defaults(func=run, error_label=None)  # errors read "kvslots indexer: ..."
 
 
