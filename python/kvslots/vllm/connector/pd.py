@@ -35,8 +35,12 @@ speculative; drafts the prefill step proposed beyond the prompt are not sent (th
 Failures (prefill worker killed, restarted or silent, layouts or block sizes that differ, a
 hold that timed out): the request is reported in ``failed_recving`` as well as
 ``finished_recving``; vLLM then recomputes it (``kv_load_failure_policy: "recompute"``) or fails
-it with an error (``"fail"``, vLLM's default). Nothing waits longer than Mooncake's transfer
-timeout (which the consumer caps at ``pd_timeout_s``) plus twice the control timeout; a first
+it with an error (``"fail"``, vLLM's default). A pull takes at most two Mooncake transfer
+timeouts (each capped at ``pd_timeout_s`` by the consumer) and two control calls (a hello and
+the ack, each two tries of the control timeout, ``min(10 s, pd_timeout_s)``); it reads twice
+only when the first read failed and a new hello shows a restarted producer. A
+producer whose control channel stops answering costs one call, not the ack too: its pull
+fails after one transfer timeout (if a read was under way) and one call; a first
 contact with a producer is probed first and fails after 10 s or ``pd_timeout_s``, whichever is
 shorter (Mooncake's own hand-shake would wait 60 s; see ``pd/transport.py``). The producer frees
 every held block at ack or timeout.
@@ -609,7 +613,14 @@ class PDWorker:
                             del self._peers[key]
                     if not cached:
                         raise
-                    fresh = self._hello(spec)
+                    try:
+                        fresh = self._hello(spec)
+                    except TransferError as e:
+                        # The last contact is what counts: a producer that answered once and
+                        # died since stayed "live" (4 threads, its queue not failed, the ack
+                        # waited out as well).
+                        answered = e.details.get("kind") != "timeout"
+                        raise
                     if fresh["session"] == info["session"] and fresh.get("layout") == info.get("layout"):
                         raise
                     nbytes = self._read(fresh, spec)
@@ -625,7 +636,8 @@ class PDWorker:
             logger.exception("kvslots P/D: request %s: pull failed", spec.req_id)
         try:
             if answered is False:
-                raise TransferError("not tried: the hello got no answer", details={"kind": "timeout"})
+                raise TransferError("not tried: the prefill worker's control channel did not answer",
+                                    details={"kind": "timeout"})
             ack: dict[str, Any] = {"op": "done", "req": spec.remote_req_id}
             if spec.remote_hold is not None:
                 ack["hold"] = list(spec.remote_hold)
@@ -640,8 +652,7 @@ class PDWorker:
             if ok and spec.local_block_ids:
                 # The bytes arrived, but the producer could not confirm it still held them.
                 ok = False
-            if answered is None:
-                answered = e.details.get("kind") != "timeout"
+            answered = e.details.get("kind") != "timeout"  # the last exchange's answer
             logger.warning("kvslots P/D: request %s: ack to the prefill worker failed: %s", spec.req_id, e)
         logger.debug("kvslots P/D: request %s: pull and ack done in %.3f s, ok=%s", spec.req_id,
                      time.monotonic() - t0, ok)

@@ -1,0 +1,125 @@
+"""The consumer's pull lanes: which prefill workers count as answering (the last control
+exchange, by the pulls' start), and how the pull threads are shared between them. The control
+channel and Mooncake are fakes here, so every interleaving is driven by the test."""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import pytest
+
+from kvslots.errors import TransferError
+from kvslots.vllm.connector import pd
+from kvslots.vllm.connector.pd import PDStepMeta, PDWorker, RecvSpec
+from kvslots.vllm.pd import control
+
+KEY = ("127.0.0.1", 5)
+
+
+class FakeLayout:
+    def check_compatible(self, other: Any) -> None:
+        pass
+
+
+class FakeTransport:
+    session_id = "S1"
+
+    def __init__(self) -> None:
+        self.fail = False
+        self.reads = 0
+
+    def read_blocks(self, session: str, layout: Any, remote: list[int], local: list[int]) -> int:
+        self.reads += 1
+        if self.fail:
+            raise TransferError("mooncake read failed", details={"kind": "transfer"})
+        return 100 * len(local)
+
+    def close(self) -> None:
+        pass
+
+
+def consumer() -> PDWorker:
+    w = PDWorker(engine_id="D", host="127.0.0.1", port=0, block_size=4, model="m", timeout_s=30.0,
+                 producer=False, consumer=True, control_timeout_s=0.5)
+    w.layout, w.transport = FakeLayout(), FakeTransport()
+    return w
+
+
+def spec(req: str, port: int = KEY[1]) -> RecvSpec:
+    return RecvSpec(req, "p-" + req, "P", "127.0.0.1", port, [1], [1])
+
+
+def wait_for(w: PDWorker, reqs: set[str], timeout: float = 10) -> tuple[set[str], set[str]]:
+    end, done, failed = time.monotonic() + timeout, set(), set()
+    while time.monotonic() < end and not reqs <= done:
+        _, r, f = w.take_finished()
+        done |= r
+        failed |= f
+        time.sleep(0.002)
+    return done, failed
+
+
+def test_a_producer_that_answered_once_and_died_is_failing_after_one_call(monkeypatch):
+    # Its hello was kept, so its pull read (failed), asked a new hello (no answer) and still sent
+    # the ack (no answer either): twice the control calls, and the host stayed "live" (4
+    # threads at once, its queued pulls each waiting the same timeouts).
+    calls: list[str] = []
+    alive = [True]
+
+    def call(host: str, port: int, msg: dict[str, Any], **kw: Any) -> dict[str, Any]:
+        calls.append(msg["op"])
+        if not alive[0]:
+            raise TransferError("no answer", details={"kind": "timeout"})
+        if msg["op"] == "hello":
+            return {"session": "S1", "layout": {}, "engine_id": "P", "block_size": 4, "model": "m"}
+        return {"held": True}
+
+    monkeypatch.setattr(control, "control_call", call)
+    monkeypatch.setattr("kvslots.vllm.pd.BlockLayout.from_wire", staticmethod(lambda wire: object()))
+    cons = consumer()
+    try:
+        cons.on_step(PDStepMeta(recvs=[spec("a")]))
+        assert wait_for(cons, {"a"}) == ({"a"}, set())
+        assert calls == ["hello", "done"] and cons._answers[KEY] is True
+        alive[0], cons.transport.fail = False, True  # dead: neither Mooncake nor the control channel answers
+        calls.clear()
+        cons.on_step(PDStepMeta(recvs=[spec("b")]))
+        assert wait_for(cons, {"b"}) == ({"b"}, {"b"})
+        assert calls == ["hello"], calls  # the new hello got no answer: no ack
+        assert cons._answers[KEY] is False
+        # Now a failing host: one pull at a time, and those queued behind it fail with it.
+        calls.clear()
+        reads = cons.transport.reads
+        cons.on_step(PDStepMeta(recvs=[spec(f"c{i}") for i in range(8)]))
+        assert cons._running["failing"] == 1 and cons._running["live"] == 0
+        assert wait_for(cons, {f"c{i}" for i in range(8)}) == ({f"c{i}" for i in range(8)},) * 2
+        assert calls == ["hello"] and cons.transport.reads == reads
+    finally:
+        cons.close()
+
+
+def test_a_new_hello_that_answers_after_a_failed_read_still_acks(monkeypatch):
+    # A refusal is an answer: the host stays live and the ack is sent.
+    calls: list[str] = []
+
+    def call(host: str, port: int, msg: dict[str, Any], **kw: Any) -> dict[str, Any]:
+        calls.append(msg["op"])
+        if msg["op"] == "hello":
+            return {"session": "S1", "layout": {}, "engine_id": "P", "block_size": 4, "model": "m"}
+        return {"held": True}
+
+    monkeypatch.setattr(control, "control_call", call)
+    monkeypatch.setattr("kvslots.vllm.pd.BlockLayout.from_wire", staticmethod(lambda wire: object()))
+    cons = consumer()
+    try:
+        cons.on_step(PDStepMeta(recvs=[spec("a")]))
+        wait_for(cons, {"a"})
+        calls.clear()
+        cons.transport.fail = True
+        cons.on_step(PDStepMeta(recvs=[spec("b")]))
+        assert wait_for(cons, {"b"}) == ({"b"}, {"b"})
+        assert calls == ["hello", "done"] and cons._answers[KEY] is True
+    finally:
+        cons.close()
