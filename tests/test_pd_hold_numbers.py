@@ -101,3 +101,34 @@ def test_a_bad_hold_in_an_ack_is_taken_as_no_hold():
     w.on_step(s.build())
     for bad in ([1], "x", [2**64, 1], None):
         assert w._handle({"op": "done", "req": "z", "hold": bad}) == {"held": True}
+
+
+class _AckWhenReleased:
+    """The worker's lock, running ``hook`` once, right after its first release: as the control
+    thread's ack would between two locked sections of a step."""
+
+    def __init__(self, lock, hook) -> None:
+        self.lock, self.hook = lock, hook
+
+    def __enter__(self) -> None:
+        self.lock.acquire()
+
+    def __exit__(self, *exc) -> None:
+        self.lock.release()
+        hook, self.hook = self.hook, None
+        if hook is not None:
+            hook()
+
+
+def test_an_ack_while_its_holds_step_is_taken_finds_the_hold():
+    # The step raised the numbers seen in one locked section and added the holds in the next:
+    # an ack in between was answered unknown (held: False) for a good hold, which then waited
+    # for pd_timeout_s.
+    s, w = producer()
+    w.on_step(s.build())  # the first step: this life
+    params = hand_off(s, "r1")
+    replies = []
+    w._lock = _AckWhenReleased(w._lock, lambda: replies.append(ack(w, params)))
+    w.on_step(s.build())
+    assert replies == [{"held": True}]
+    assert w.num_held() == 0 and w.take_finished()[0] == {"r1"}

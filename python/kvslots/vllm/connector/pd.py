@@ -444,21 +444,23 @@ class PDWorker:
     def on_step(self, meta: PDStepMeta | None) -> None:
         if meta is None:
             return
-        if meta.hold_epoch:
-            with self._lock:
-                if meta.hold_epoch != self._hold_epoch:
-                    self._hold_epoch, self._hold_seen = meta.hold_epoch, 0
-                if meta.hold_seqs:
-                    self._hold_seen = max(self._hold_seen, max(meta.hold_seqs.values()))
-        if meta.holds:
+        if meta.hold_epoch or meta.holds:
             now = time.monotonic()
+            # One locked section, the holds before the number that says they came: an ack
+            # between the two (in two sections) found its number seen and its hold not held,
+            # and was answered unknown (the consumer dropped a good pull, the blocks waited
+            # for pd_timeout_s).
             with self._lock:
+                if meta.hold_epoch and meta.hold_epoch != self._hold_epoch:
+                    self._hold_epoch, self._hold_seen = meta.hold_epoch, 0
                 for req, hold_s in meta.holds.items():
                     if self._early_acks.pop(req, None) is not None:
                         self._sending_done.add(req)
                     else:
                         self._held[req] = now + hold_s
                         heapq.heappush(self._deadlines, (now + hold_s, req))
+                if meta.hold_epoch and meta.hold_seqs:
+                    self._hold_seen = max(self._hold_seen, max(meta.hold_seqs.values()))
         if meta.recvs:
             if self._pool is None:
                 raise InvalidStateError("kvslots P/D: pulls in the step of a worker that is not a consumer")
