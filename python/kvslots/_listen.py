@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import socket
 import threading
-from typing import Any
+import time
+from typing import Any, cast
 
 from .errors import ConfigError
 
@@ -44,30 +45,87 @@ def check_listen(host: str, port: int) -> None:
 RESOLVE_TIMEOUT_S = 30.0
 
 
-def _resolve(host: str | None, port: int) -> list[Any]:
-    """getaddrinfo for a passive TCP socket, bounded by :data:`RESOLVE_TIMEOUT_S` (a
-    gaierror EAI_AGAIN past it). An address (or no host) needs no resolver and is answered at once;
-    a name is looked up in a daemon thread, which a resolver that never answers leaves behind
-    (the command then ends with the error, the thread with it)."""
-    args = (host, port, socket.AF_UNSPEC, socket.SOCK_STREAM, 0, socket.AI_PASSIVE)
+#: Last answers kept (one per host, port and kind asked), for the next lookup of a name that a
+#: slow resolver answered too late.
+_MAX_KEPT = 64
+
+
+class _Lookup:
+    """One getaddrinfo under way in a daemon thread, shared by every caller that needs it."""
+
+    def __init__(self) -> None:
+        self.started = time.monotonic()
+        self.done = threading.Event()
+        self.answer: Any = None
+
+
+_lookups: dict[tuple, _Lookup] = {}  # under way
+_answered: dict[tuple, list[Any]] = {}  # the last answer of each name (a late one included)
+_lock = threading.Lock()
+
+
+def resolve(host: str | None, port: int, family: int = socket.AF_UNSPEC, kind: int = socket.SOCK_STREAM,
+            flags: int = 0, *, wait: float | None = None) -> list[Any]:
+    """socket.getaddrinfo, bounded: the one rule for every lookup kvslots makes on its own.
+
+    An address (or no host) needs no resolver and is answered at once. A name is looked up in one
+    daemon thread per (host, port, family, kind, flags), shared by the callers that want it
+    meanwhile, so a resolver that never answers leaves one thread behind, not one per call. A
+    caller waits at most ``wait`` seconds (:data:`RESOLVE_TIMEOUT_S` when None; no longer than
+    that bound from the lookup's start either) and the lookup runs on: when it is not done, the
+    name's last answer is used (one a lookup gave after its callers stopped waiting included, so a
+    resolver always slower than a caller's wait still serves the next one), else a gaierror
+    EAI_AGAIN "did not answer". A resolver's own error is raised as it is."""
+    args = (host, port, family, kind, 0, flags)
     try:
-        return socket.getaddrinfo(*args[:5], socket.AI_PASSIVE | socket.AI_NUMERICHOST)
+        return socket.getaddrinfo(*args[:5], flags | socket.AI_NUMERICHOST)
     except socket.gaierror:
         pass  # a name, not an address
-    answer: list[Any] = []
-    done = threading.Event()
+    bound = RESOLVE_TIMEOUT_S
+    key = args
+    with _lock:
+        look = _lookups.get(key)
+        if look is None:
+            look = _Lookup()
+            thread = threading.Thread(target=_lookup, args=(key, look), name="kvslots-resolve", daemon=True)
+            try:
+                thread.start()
+            except RuntimeError as e:  # no thread to be had: this call fails, the next one tries again
+                raise socket.gaierror(socket.EAI_AGAIN, f"cannot look {host!r} up: {e}") from None
+            _lookups[key] = look  # after the start: a failed one leaves nothing behind
+    left = look.started + bound - time.monotonic()
+    if wait is not None:
+        left = min(left, wait)
+    # a Ctrl-C still ends the wait (the caller's to report)
+    if not look.done.wait(max(0.0, left)):
+        with _lock:
+            kept = _answered.get(key)
+        if kept is not None:
+            return kept
+        waited = bound if wait is None else min(bound, wait)
+        raise socket.gaierror(socket.EAI_AGAIN, f"the resolver did not answer within {waited:g} s")
+    if isinstance(look.answer, BaseException):
+        raise look.answer
+    return cast(list, look.answer)
 
-    def lookup() -> None:
-        try:
-            answer.append(socket.getaddrinfo(*args))
-        except BaseException as e:  # handed to the caller
-            answer.append(e)
-        finally:
-            done.set()
 
-    threading.Thread(target=lookup, name="kvslots-resolve", daemon=True).start()
-    if not done.wait(RESOLVE_TIMEOUT_S):  # a Ctrl-C still ends the wait (the caller's to report)
-        raise socket.gaierror(socket.EAI_AGAIN, f"the resolver did not answer within {RESOLVE_TIMEOUT_S:g} s")
-    if isinstance(answer[0], BaseException):
-        raise answer[0]
-    return answer[0]
+def _lookup(key: tuple, look: _Lookup) -> None:
+    try:
+        look.answer = socket.getaddrinfo(*key)
+    except BaseException as e:  # handed to the callers
+        look.answer = e
+    finally:
+        with _lock:
+            if _lookups.get(key) is look:  # the next call looks the name up again (a changed address)
+                del _lookups[key]
+            if not isinstance(look.answer, BaseException):
+                _answered.pop(key, None)
+                if len(_answered) >= _MAX_KEPT:
+                    del _answered[next(iter(_answered))]
+                _answered[key] = look.answer
+        look.done.set()
+
+
+def _resolve(host: str | None, port: int) -> list[Any]:
+    """getaddrinfo for a passive TCP socket, bounded by :data:`RESOLVE_TIMEOUT_S` (:func:`resolve`)."""
+    return resolve(host, port, socket.AF_UNSPEC, socket.SOCK_STREAM, socket.AI_PASSIVE)

@@ -117,66 +117,17 @@ def check_redis_resolves(url: str) -> None:
         pass  # the backend's to report, as before
 
 
-class _Lookup:
-    """One getaddrinfo under way in a daemon thread, shared by every connect that needs it."""
-
-    def __init__(self) -> None:
-        self.started = time.monotonic()
-        self.done = threading.Event()
-        self.answer: Any = None
-
-
-_lookups: dict[tuple, _Lookup] = {}
-_lookups_lock = threading.Lock()
-
-
-def _getaddrinfo_bounded(host: str, port: int, family: int, kind: int) -> list[Any]:
-    """socket.getaddrinfo for a connect, bounded by kvslots._listen.RESOLVE_TIMEOUT_S (a gaierror
-    EAI_AGAIN past it, which redis-py reports as a ConnectionError: Redis unreachable). An address
-    needs no resolver. A name is looked up in one daemon thread per (host, port), shared by the
-    connects that want it meanwhile: a resolver that never answers leaves one thread behind, not
-    one per reconnect or per /score, and a connect after the bound fails at once until it
-    answers."""
-    from .. import _listen
-
-    try:
-        return socket.getaddrinfo(host, port, family, kind, 0, socket.AI_NUMERICHOST)
-    except socket.gaierror:
-        pass  # a name
-    key = (host, port, family, kind)
-    with _lookups_lock:
-        look = _lookups.get(key)
-        if look is None:
-            look = _lookups[key] = _Lookup()
-            threading.Thread(target=_lookup, args=(key, look), name="kvslots-redis-resolve", daemon=True).start()
-    bound = _listen.RESOLVE_TIMEOUT_S
-    if not look.done.wait(max(0.0, look.started + bound - time.monotonic())):
-        raise socket.gaierror(socket.EAI_AGAIN, f"the resolver did not answer for {host!r} within {bound:g} s")
-    if isinstance(look.answer, BaseException):
-        raise look.answer
-    return cast(list, look.answer)
-
-
-def _lookup(key: tuple, look: _Lookup) -> None:
-    try:
-        look.answer = socket.getaddrinfo(*key)
-    except BaseException as e:  # handed to the callers
-        look.answer = e
-    finally:
-        with _lookups_lock:  # the next connect looks the name up again (a changed address)
-            if _lookups.get(key) is look:
-                del _lookups[key]
-        look.done.set()
-
-
 def _connect_tcp(conn: Any) -> socket.socket:
-    """redis.Connection._connect (redis-py 5-8) with the host looked up by _getaddrinfo_bounded:
+    """redis.Connection._connect (redis-py 5.1-8) with the host looked up by kvslots._listen.resolve:
     redis-py resolves again at each reconnect with no timeout (socket_connect_timeout starts after
     the lookup), so a resolver that hung while Redis was away hung the upkeep thread and every
-    /score."""
+    /score. A connect waits for the lookup at most its socket_connect_timeout (the lookup runs on,
+    shared, and its answer serves the next connect); an address needs no lookup."""
+    from .. import _listen
+
     err: OSError | None = None
-    for family, kind, proto, _, address in _getaddrinfo_bounded(conn.host, conn.port, conn.socket_type,
-                                                                 socket.SOCK_STREAM):
+    for family, kind, proto, _, address in _listen.resolve(conn.host, conn.port, conn.socket_type,
+                                                           socket.SOCK_STREAM, wait=conn.socket_connect_timeout):
         sock = None
         try:
             sock = socket.socket(family, kind, proto)
@@ -220,7 +171,7 @@ class _BoundedSSLConnection(redis.SSLConnection):
 
 def redis_client(url: str, **kwargs: Any) -> redis.Redis:
     """redis.Redis.from_url(url, **kwargs) whose TCP and TLS connections look the host up with a
-    bound at each (re)connect (_getaddrinfo_bounded); a unix socket needs no lookup."""
+    bound at each (re)connect (_connect_tcp); a unix socket needs no lookup."""
     chosen = redis.connection.parse_url(url).get("connection_class", redis.Connection)
     bounded = {redis.Connection: _BoundedConnection, redis.SSLConnection: _BoundedSSLConnection}.get(chosen)
     if bounded is not None:
