@@ -9,6 +9,7 @@ import logging
 import socket
 import struct
 import threading
+import time
 
 import msgspec
 import pytest
@@ -106,6 +107,28 @@ def test_a_reply_tagged_for_another_request_is_refused():
     finally:
         t.join(5)
         lst.close()
+
+
+def test_identical_requests_have_their_own_tags_and_an_old_reply_is_no_reply(monkeypatch, served):
+    # A request's bytes were always the same ({"op": "hello"}), so its tag was too: a reply
+    # captured for one hello (an old Mooncake session) was a valid reply to every later hello.
+    frames: list[bytes] = []
+    real = control._exchange
+
+    def exchange(host, port, frame, deadline):
+        frames.append(frame)
+        return real(host, port, frame, deadline)
+
+    monkeypatch.setattr(control, "_exchange", exchange)
+    srv, calls = served
+    for _ in range(2):
+        assert control_call("127.0.0.1", srv.port, {"op": "hello"}, timeout_s=5, secret=SECRET) == {"ok": "hello"}
+    assert calls == [{"op": "hello"}] * 2  # the nonce is the tags' business, not the handler's
+    assert frames[0][4:4 + control.TAG_BYTES] != frames[1][4:4 + control.TAG_BYTES]
+    old = real("127.0.0.1", srv.port, frames[0], time.monotonic() + 5)  # a replay is answered (no nonce remembered) ...
+    monkeypatch.setattr(control, "_exchange", lambda *a: old)
+    with pytest.raises(TransferError, match="not authenticated"):  # ... and that answer is no one else's
+        control_call("127.0.0.1", srv.port, {"op": "hello"}, timeout_s=5, secret=SECRET)
 
 
 @pytest.mark.parametrize("bad, err", [("text-secret-0123456789", ArgumentTypeError), (b"short", InvalidArgumentError),

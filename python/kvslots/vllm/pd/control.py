@@ -25,10 +25,16 @@ Authentication (optional, off by default as in vLLM's own NixlConnector, P2pNccl
 MooncakeConnector, whose side channels trust their network). With a shared ``secret`` on both
 ends, each request's msgpack is preceded by its HMAC-SHA256 (:data:`TAG_BYTES`) under the
 secret, and each reply's by the HMAC of the request's tag and the reply: a server answers a
-request whose tag does not match (checked with :func:`hmac.compare_digest`) with an error and
-never acts on it; a caller takes no reply whose tag does not match. A captured request can be
-sent again (no clock is shared): a ``done`` acts once, a ``hello`` discloses nothing secret.
-A server with no secret on an address other than loopback says so in one warning at start.
+request whose tag does not match (checked with :func:`hmac.compare_digest`) with an error (not
+tagged: a caller with no secret or another one reads why) and never acts on it; a caller takes
+no reply whose tag does not match. Each tagged request carries a random ``nonce``, so no two
+share a tag and a reply captured for one is no reply to another. A captured request can still
+be sent again (no clock is shared, no nonce remembered): a ``done`` acts once, and a
+``hello``'s reply, readable on the wire as every reply is, gives the prefill worker's Mooncake
+session and layout. The secret protects this channel only: Mooncake's transfers have no
+authentication of their own, and with a hello's reply anyone who reaches them reads or writes
+the KV cache, so the network between the workers must be private, secret or not. A server with
+no secret on an address other than loopback says so in one warning at start.
 """
 
 from __future__ import annotations
@@ -151,8 +157,9 @@ class ControlServer:
         self._handler = handler
         if self._secret is None and not _loopback(self._sock.getsockname()[0]):
             logger.warning("kvslots P/D control channel on %s:%d is not authenticated: anyone who reaches it can "
-                           "release this worker's held blocks; set a shared secret (KVSLOTS_PD_SECRET on every "
-                           "worker) or keep the network private", host, self.port)
+                           "release this worker's held blocks; a shared secret (KVSLOTS_PD_SECRET on every worker) "
+                           "protects this channel only: Mooncake's KV transfers have no authentication, so the "
+                           "network between the workers must be private in any case", host, self.port)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._serve, name="kvslots-pd-control", daemon=True)
         self._thread.start()
@@ -257,15 +264,17 @@ class ControlServer:
                     logger.warning("kvslots P/D control channel: %d request(s) not authenticated refused (another "
                                    "secret or none on the caller)", self.refused)
                 return _ENC.encode({"error": "not authenticated (the P/D secret differs, or the caller has none)"})
-            reply = self._reply(body)
+            reply = self._reply(body, nonced=True)
             return _reply_tag(self._secret, tag, reply) + reply
         return self._reply(payload)
 
-    def _reply(self, payload: bytes) -> bytes:
+    def _reply(self, payload: bytes, nonced: bool = False) -> bytes:
         try:
             msg = _DEC.decode(payload)
             if not isinstance(msg, dict):
                 raise TypeError("not a map")
+            if nonced:
+                msg.pop("nonce", None)  # the caller's, for the tags only
             reply = _ENC.encode(self._handler(msg))
             if len(reply) > MAX_REPLY_BYTES - TAG_BYTES:  # room for a tag
                 raise ValueError(f"reply of {len(reply)} bytes, over the {MAX_REPLY_BYTES} a caller reads")
@@ -339,6 +348,10 @@ def control_call(host: str, port: int, msg: dict[str, Any], *, timeout_s: float,
     secret = _secret(secret)
     if not isinstance(msg, dict):
         raise ArgumentTypeError(f"msg must be a dict, got {type(msg).__name__}")
+    if secret is not None:
+        # Random per request: identical requests had identical tags, so a reply captured for
+        # one (an old hello's session) was a valid reply to every later one.
+        msg = {**msg, "nonce": os.urandom(16)}
     try:
         host = _host(host)
         port = integer(port, "port", 1, 65535)
