@@ -886,7 +886,7 @@ def create_app(prefill_urls: Sequence[str], decode_workers: Sequence[DecodeWorke
     def indexer_failed(kind: str, what: str, *args: Any) -> None:
         indexer_errors[kind] += 1
         logs.log(WARNING, ("indexer", kind), f"kvslots proxy: indexer %s {what}; round robin",
-                 shown_url(indexer_url), *args)
+                 shown_url(indexer_url or ""), *args)  # (only called with one)
 
     def decode_failed(worker: DecodeWorker, what: str, resp: httpx.Response | None = None) -> JSONResponse:
         state["decode_errors"] += 1
