@@ -79,3 +79,31 @@ def test_a_bad_id_past_max_tokens_is_refused(bad):
     ok = b'{"token_ids": [' + b"1, " * 100 + b"4294967295]}"
     r = c.post("/score", content=ok, headers={"content-type": "application/json"})
     assert r.status_code == 200 and r.json()["truncated"] is True
+
+
+@pytest.mark.parametrize("body", [
+    '{"token\\u005fids":[%s]}' % ",".join(map(str, LONG)),  # an escaped key: no cut on the bytes
+    '{"token_ids":[%s,-0]}' % ",".join(map(str, LONG[:99])),  # -0 past the limit (JSON's 0)
+    '{"token_ids":[%s]}' % ",".join(map(str, LONG)).replace(",", " ,", 1),  # a blank before a comma
+], ids=["escaped-key", "minus-zero", "blank"])
+def test_forms_the_byte_cut_leaves_are_truncated_too(body):
+    # Where _first_ids could not cut the ids on the bytes, the whole body was parsed and refused
+    # as too long (422 too_long), which a long prompt no longer is.
+    c = TestClient(app_module.create_app(_service(64)))
+    r = c.post("/score", content=body.encode(), headers={"content-type": "application/json"})
+    assert r.status_code == 200, r.text
+    doc = r.json()
+    total = body.count(",") + 1
+    assert doc["truncated"] is True and doc["prompt_blocks"] == total // BS, doc
+    assert doc["workers"]["a"]["blocks"] == 16 and doc["workers"]["a"]["tokens"] == 64, doc
+
+
+@pytest.mark.parametrize("bad, shown", [("-1", "-1"), ('"x"', '"x"'), ("1.5", "1.5"), ("4294967296", "4294967296")])
+def test_a_bad_id_past_the_limit_is_named(bad, shown):
+    c = TestClient(app_module.create_app(_service(64)))
+    body = '{"token_ids":[%s,%s,1]}' % (",".join(map(str, LONG[:99])), bad)
+    r = c.post("/score", content=body.encode(), headers={"content-type": "application/json"})
+    assert r.status_code == 422, r.text
+    (err,) = r.json()["detail"]  # not too_long: a longer prompt is taken
+    assert err["loc"] == ["body", "token_ids", 99], err
+    assert err["msg"].startswith(f"token id {shown} at index 99, past --max-tokens (64), is invalid"), err

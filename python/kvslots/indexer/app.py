@@ -2,6 +2,7 @@
 
 
 import contextlib
+import functools
 import hmac
 import json
 import logging
@@ -162,8 +163,10 @@ class _StrictJSONRequest(Request):
                     raise json.JSONDecodeError(f"the body has {why}", "", 0)
             # In threads of their own: many at once would take the pool's every thread, where
             # /healthz and /score run.
-            self._json = await anyio.to_thread.run_sync(_strict_json, body, limiter=self.app.state.parse_threads) \
-                if len(body) > OFF_LOOP_BYTES else _strict_json(body)
+            parse = _strict_json if self.keep_ids is None else functools.partial(
+                _parse_first_ids, keep=self.keep_ids, scope=self.scope)
+            self._json = await anyio.to_thread.run_sync(parse, body, limiter=self.app.state.parse_threads) \
+                if len(body) > OFF_LOOP_BYTES else parse(body)
         return self._json
 
 
@@ -236,6 +239,31 @@ def _first_ids(body: bytes, keep: int, scope: MutableMapping[str, Any]) -> bytes
         return body  # not ids alone: the parser and the model say what is wrong
     scope[TOTAL_IDS] = content.count(b",") + 1
     return body[: start + lo] + body[end:]
+
+
+def _parse_first_ids(body: bytes, keep: int, scope: MutableMapping[str, Any]) -> Any:
+    """_strict_json(body), its token_ids cut to their first ``keep`` when :func:`_first_ids` could
+    not cut them on the bytes (an escaped key such as ``token\\u005fids``, ``-0``, a bad id past
+    the limit): such a body was refused as too long (422 too_long), which a longer prompt is not.
+    A dropped id that is no integer in [0, 2**32) is a 422 that names it."""
+    doc = _strict_json(body)
+    if TOTAL_IDS in scope or type(doc) is not dict:
+        return doc
+    ids = doc.get("token_ids")
+    if type(ids) is not list or len(ids) <= keep:
+        return doc
+    for i in range(keep, len(ids)):
+        t = ids[i]
+        if type(t) is not int or not 0 <= t <= U32:
+            shown = json.dumps(t)
+            shown = shown if len(shown) <= 40 else shown[:37] + "..."
+            raise HTTPException(422, detail=[{
+                "type": "invalid_token_id", "loc": ["body", "token_ids", i],
+                "msg": f"token id {shown} at index {i}, past --max-tokens ({keep}), is invalid: "
+                       "token ids are integers in [0, 2**32)"}])
+    scope[TOTAL_IDS] = len(ids)
+    doc["token_ids"] = ids[:keep]
+    return doc
 
 
 def _is_json(content_type: str | None) -> bool:
