@@ -12,21 +12,33 @@ grouped test by rewriting ``item._nodeid``, which pytest 9.2 no longer reads.)
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import pytest
 
-@pytest.fixture(autouse=True)
-def _loggers_as_they_were():
+@contextlib.contextmanager
+def loggers_kept() -> Iterator[None]:
     """The loggers the commands set (:func:`kvslots._ratelog.quiet_logs`: httpx's level, uvicorn.error's
-    filters; uvicorn's own set-up: its level) are put back after each test: a test reaching them
-    through ``kvslots proxy`` or ``kvslots indexer`` left them set for the rest of the run."""
+    filters; uvicorn's own set-up: its level) as they were before the block, after it."""
     import logging
 
     httpx_log, error = logging.getLogger("httpx"), logging.getLogger("uvicorn.error")
     httpx_level, error_level, filters = httpx_log.level, error.level, list(error.filters)
-    yield
-    httpx_log.setLevel(httpx_level)
-    error.setLevel(error_level)
-    error.filters[:] = filters
+    try:
+        yield
+    finally:
+        httpx_log.setLevel(httpx_level)
+        error.setLevel(error_level)
+        error.filters[:] = filters
+
+
+@pytest.fixture(autouse=True)
+def _loggers_as_they_were() -> Iterator[None]:
+    """Every test runs in :func:`loggers_kept`: a test reaching the loggers through ``kvslots
+    proxy`` or ``kvslots indexer`` left them set for the rest of the run."""
+    with loggers_kept():
+        yield
 
 
 # Modules whose tests start vLLM engines, `kvslots serve` / `vllm serve` or the demo, and such

@@ -90,31 +90,22 @@ def test_records_without_a_traceback_keep_one_allowance(uvicorn_error):
     assert len(lines) == _ratelog.BURST
 
 
-_before: dict = {}
-
-
-def test_a_command_sets_the_loggers(monkeypatch):
-    """(The next test checks they are put back: a test reaching quiet_logs through a command,
-    as test_indexer_http_hostile.py's and test_proxy_hostile.py's do, left uvicorn.error filtered
-    and httpx at WARNING for the rest of the run.)"""
+def test_a_command_sets_the_loggers_and_they_are_put_back(monkeypatch):
+    """A test reaching quiet_logs through a command (as test_indexer_http_hostile.py's and
+    test_proxy_hostile.py's do) left uvicorn.error filtered and httpx at WARNING for the rest of
+    the run; conftest's autouse fixture runs every test in loggers_kept, checked here."""
     import uvicorn
 
+    from conftest import loggers_kept
     from kvslots.indexer import cli as indexer_cli
 
     httpx_log, error = logging.getLogger("httpx"), logging.getLogger("uvicorn.error")
-    _before.update(httpx=httpx_log.level, filters=list(error.filters))
+    before = httpx_log.level, list(error.filters)
     monkeypatch.setattr(uvicorn, "run", lambda *a, **k: None)
     monkeypatch.setattr(indexer_cli, "check_listen", lambda host, port: None)
-    assert cli.main(["indexer", "--port", "8200"]) == 0
-    assert httpx_log.level == logging.WARNING
-    assert any(isinstance(f, _ratelog.RateLimitedRecords) for f in error.filters)
-
-
-def test_the_loggers_are_put_back_after_each_test():
-    if not _before:
-        pytest.skip("runs after test_a_command_sets_the_loggers")
-    assert logging.getLogger("httpx").level == _before["httpx"]
-    filters = logging.getLogger("uvicorn.error").filters
-    assert filters == _before["filters"]
-    # none at all: no test leaves it (the old tests: this module's, test_indexer_http_hostile.py's, ...)
-    assert not any(isinstance(f, _ratelog.RateLimitedRecords) for f in filters)
+    with loggers_kept():
+        assert cli.main(["indexer", "--port", "8200"]) == 0
+        assert httpx_log.level == logging.WARNING
+        assert any(isinstance(f, _ratelog.RateLimitedRecords) for f in error.filters)
+    assert (httpx_log.level, error.filters) == before
+    assert not any(isinstance(f, _ratelog.RateLimitedRecords) for f in error.filters)
