@@ -123,3 +123,52 @@ def test_a_new_hello_that_answers_after_a_failed_read_still_acks(monkeypatch):
         assert calls == ["hello", "done"] and cons._answers[KEY] is True
     finally:
         cons.close()
+
+
+def _blocking_pulls(cons: PDWorker, answers: dict[str, bool]) -> dict[str, threading.Event]:
+    """Replaces the worker's pull: request r waits for its event, then answers answers[r]."""
+    gates: dict[str, threading.Event] = {}
+
+    def pull(s: RecvSpec) -> bool:
+        gates.setdefault(s.req_id, threading.Event()).wait(10)
+        cons._finish(s, answers.get(s.req_id, True))
+        return answers.get(s.req_id, True)
+
+    cons._pull = pull  # type: ignore[method-assign]
+    return gates
+
+
+def until(cond, timeout: float = 10) -> None:
+    end = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < end, "timed out"
+        time.sleep(0.002)
+
+
+def test_an_older_pulls_late_timeout_does_not_mark_a_host_that_answered_since_failing():
+    # The last contact was whichever pull finished last: one that started before the host came
+    # back and timed out after a newer one succeeded marked it failing and failed its queue.
+    cons = consumer()
+    cons._answers[KEY] = True
+    gates = _blocking_pulls(cons, {"old": False})
+    for r in ("old", "new", "b1", "b2", "q"):
+        gates[r] = threading.Event()
+    try:
+        cons.on_step(PDStepMeta(recvs=[spec("old")]))
+        until(lambda: cons._running["live"] == 1)
+        cons.on_step(PDStepMeta(recvs=[spec("new")]))
+        gates["new"].set()
+        until(lambda: cons._running["live"] == 1)  # new answered; old still waits
+        cons.on_step(PDStepMeta(recvs=[spec("b1"), spec("b2"), spec("b3"), spec("q")]))
+        assert len(cons._lanes[KEY].queue) == 1  # q waits: old, b1, b2, b3 run
+        gates["old"].set()  # its answer (none) is older than new's
+        until(lambda: not cons._lanes[KEY].queue)  # q started (or, before, failed untried)
+        assert cons._answers[KEY] is True and cons._running["live"] == 4
+        for g in ("b1", "b2", "b3", "q"):
+            gates.setdefault(g, threading.Event()).set()
+        done, failed = wait_for(cons, {"old", "new", "b1", "b2", "b3", "q"})
+        assert failed == {"old"} and "q" in done
+    finally:
+        for g in gates.values():
+            g.set()
+        cons.close()

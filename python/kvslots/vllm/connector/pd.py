@@ -375,6 +375,9 @@ class PDWorker:
         # (the pool never queues): a host that does not answer holds at most its budget's threads.
         self._lanes: dict[tuple[str, int], _Lane] = {}
         self._answers: OrderedDict[tuple[str, int], bool] = OrderedDict()  # host -> its last contact answered
+        # host -> the start of the pull that last set its _answers: an older pull's answer is
+        # stale (one timing out after a newer one succeeded marked a live host failing).
+        self._answered_at: dict[tuple[str, int], float] = {}
         self._running = {"live": 0, "new": 0, "failing": 0}
         self._closing = False
         self.stats = {"pulled_blocks": 0, "pulled_bytes": 0, "failed_pulls": 0, "acks": 0, "bad_acks": 0,
@@ -495,6 +498,7 @@ class PDWorker:
 
     def _run_pull(self, key: tuple[str, int], kind: str, spec: RecvSpec) -> None:
         answered: bool | None = None
+        started = time.monotonic()
         try:
             answered = self._pull(spec)
         finally:
@@ -503,11 +507,14 @@ class PDWorker:
                 lane = self._lanes.setdefault(key, _Lane())
                 lane.running -= 1
                 self._running[kind] -= 1
+                if answered is not None and started < self._answered_at.get(key, started):
+                    answered = None  # a newer pull's answer is more recent news of this host
                 if answered is not None:
                     self._answers[key] = answered
+                    self._answered_at[key] = started
                     self._answers.move_to_end(key)
                     while len(self._answers) > MAX_KNOWN_HOSTS:
-                        self._answers.popitem(last=False)
+                        self._answered_at.pop(self._answers.popitem(last=False)[0], None)
                 if answered is False:
                     # Those waiting for a host that just did not answer fail now (recomputed),
                     # each would wait the same timeouts; later ones try it again, one at a time.
