@@ -172,3 +172,33 @@ def test_an_older_pulls_late_timeout_does_not_mark_a_host_that_answered_since_fa
         for g in gates.values():
             g.set()
         cons.close()
+
+
+def test_a_free_thread_goes_to_the_host_that_waited_not_the_first_lane():
+    # Lanes were walked from the start, each filled: with 8 busy prefill workers taking all 32
+    # threads, every thread that freed went back to them and a 9th's pulls never started.
+    cons = consumer()
+    gates = _blocking_pulls(cons, {})
+    hosts = {p: ("127.0.0.1", p) for p in range(1, 10)}
+    for k in hosts.values():
+        cons._answers[k] = True
+    busy = [spec(f"h{p}-{j}", p) for p in range(1, 9) for j in range(8)]
+    for s in [*busy, spec("h9", 9)]:
+        gates[s.req_id] = threading.Event()
+    try:
+        cons.on_step(PDStepMeta(recvs=busy))
+        assert cons._running["live"] == pd.PULL_THREADS
+        assert all(cons._lanes[hosts[p]].running == pd.PULLS_PER_HOST for p in range(1, 9))
+        cons.on_step(PDStepMeta(recvs=[spec("h9", 9)]))
+        assert len(cons._lanes[hosts[9]].queue) == 1
+        gates["h1-0"].set()
+        until(lambda: len(cons._lanes[hosts[1]].queue) < 4 or not cons._lanes[hosts[9]].queue)
+        assert not cons._lanes[hosts[9]].queue and len(cons._lanes[hosts[1]].queue) == 4
+        # And the next thread that frees goes to host 1, which has waited longest since.
+        gates["h2-0"].set()
+        until(lambda: len(cons._lanes[hosts[1]].queue) < 4 or len(cons._lanes[hosts[2]].queue) < 4)
+        assert len(cons._lanes[hosts[1]].queue) == 3 and len(cons._lanes[hosts[2]].queue) == 4
+    finally:
+        for g in gates.values():
+            g.set()
+        cons.close()

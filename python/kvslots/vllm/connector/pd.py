@@ -482,19 +482,30 @@ class PDWorker:
     def _dispatch(self) -> None:
         """Starts the waiting pulls the budgets allow (under ``_lock``)."""
         budget = {"live": PULL_THREADS, "new": NEW_HOST_THREADS, "failing": FAILING_THREADS}
-        for key in list(self._lanes):
-            lane = self._lanes[key]
-            kind = self._kind(key)
-            per_host = PULLS_PER_HOST if kind == "live" else 1
-            while (lane.queue and lane.running < per_host and sum(self._running.values()) < PULL_THREADS
-                   and self._running[kind] < budget[kind]):
-                spec = lane.queue.popleft()
-                lane.running += 1
-                self._running[kind] += 1
-                assert self._pool is not None
-                self._pool.submit(self._run_pull, key, kind, spec)
-            if not lane.queue and not lane.running:
-                del self._lanes[key]
+        # Round-robin, one pull per lane a round, and a lane goes to the back when one of its
+        # pulls starts or ends: walked from the start, each lane filled, 8 busy prefill workers
+        # took every thread and a 9th waited until they drained. A lane that could start
+        # nothing cannot later in the same call (the budgets only fill): each round walks the
+        # lanes that started one in the round before.
+        keys = list(self._lanes)
+        while keys:
+            again = []
+            for key in keys:
+                lane = self._lanes[key]
+                kind = self._kind(key)
+                per_host = PULLS_PER_HOST if kind == "live" else 1
+                if (lane.queue and lane.running < per_host and sum(self._running.values()) < PULL_THREADS
+                        and self._running[kind] < budget[kind]):
+                    spec = lane.queue.popleft()
+                    lane.running += 1
+                    self._running[kind] += 1
+                    assert self._pool is not None
+                    self._pool.submit(self._run_pull, key, kind, spec)
+                    self._lanes[key] = self._lanes.pop(key)
+                    again.append(key)
+                elif not lane.queue and not lane.running:
+                    del self._lanes[key]
+            keys = again
 
     def _run_pull(self, key: tuple[str, int], kind: str, spec: RecvSpec) -> None:
         answered: bool | None = None
@@ -504,7 +515,8 @@ class PDWorker:
         finally:
             gave_up: list[RecvSpec] = []
             with self._lock:
-                lane = self._lanes.setdefault(key, _Lane())
+                lane = self._lanes.pop(key, None) or _Lane()
+                self._lanes[key] = lane  # to the back (round-robin: see _dispatch)
                 lane.running -= 1
                 self._running[kind] -= 1
                 if answered is not None and started < self._answered_at.get(key, started):
