@@ -132,3 +132,32 @@ def test_an_ack_while_its_holds_step_is_taken_finds_the_hold():
     w.on_step(s.build())
     assert replies == [{"held": True}]
     assert w.num_held() == 0 and w.take_finished()[0] == {"r1"}
+
+
+def test_an_ack_of_an_earlier_hold_of_the_same_id_leaves_the_current_one():
+    # A held id's ack was taken whatever its hold number: an earlier hold's (ids repeat with
+    # VLLM_DISABLE_REQUEST_ID_RANDOMIZATION, or a replayed ack) released the current hold and
+    # was answered held: True.
+    _, w = producer()
+
+    def done(req, hold=None):
+        return w._handle({"op": "done", "req": req, **({"hold": hold} if hold else {})})
+
+    w.on_step(pd.PDStepMeta(holds={"r": 120.0}, hold_seqs={"r": 1}, hold_epoch=9))
+    assert done("r", [9, 1]) == {"held": True}
+    w.on_step(pd.PDStepMeta(holds={"r": 120.0}, hold_seqs={"r": 2}, hold_epoch=9))
+    assert done("r", [9, 1]) == {"held": False, "unknown": True} and w.num_held() == 1
+    assert done("r", [8, 2]) == {"held": False, "unknown": True} and w.num_held() == 1  # another life's
+    assert done("r", [9, 2]) == {"held": True} and w.num_held() == 0
+    # With no number on either side, by the id as before.
+    w.on_step(pd.PDStepMeta(holds={"s": 120.0, "t": 120.0}, hold_seqs={"s": 3}, hold_epoch=9))
+    assert done("s") == {"held": True} and done("t", [9, 3]) == {"held": True} and w.num_held() == 0
+
+
+def test_a_late_ack_is_matched_with_the_expired_hold_by_its_number():
+    _, w = producer()
+    w.on_step(pd.PDStepMeta(holds={"r": 0.0}, hold_seqs={"r": 1}, hold_epoch=9))
+    w.take_finished()  # hold 1 times out
+    w.on_step(pd.PDStepMeta(holds={"r": 120.0}, hold_seqs={"r": 2}, hold_epoch=9))
+    assert w._handle({"op": "done", "req": "r", "hold": [9, 2]}) == {"held": True} and w.num_held() == 0
+    assert w._handle({"op": "done", "req": "r", "hold": [9, 1]}) == {"held": False}

@@ -355,14 +355,15 @@ class PDWorker:
         self.layout: Any = None
         self._server: Any = None
         self._lock = threading.Lock()
-        self._held: dict[str, float] = {}  # producer: req -> deadline (monotonic)
+        # producer: req -> (deadline (monotonic), hold number; 0: not told)
+        self._held: dict[str, tuple[float, int]] = {}
         # (deadline, req) of the holds, soonest first; an entry whose hold was acked (or held
         # again) is skipped when it comes up. Every step scanned every hold: 8 ms a step with
         # 50,000 held, on the worker's thread.
         self._deadlines: list[tuple[float, str]] = []
         self._early_acks: OrderedDict[str, float] = OrderedDict()  # acks that came before the hold's metadata
         # Holds that timed out, oldest first, for the late consumer's ack (answered held: False).
-        self._expired: OrderedDict[str, None] = OrderedDict()
+        self._expired: OrderedDict[str, int | None] = OrderedDict()  # -> its hold number (0, None: not told)
         self._hold_epoch = 0  # this producer's life (from the scheduler's first step), 0: not told yet
         self._hold_seen = 0  # the highest hold number whose metadata came: every lower one came too
         self._sending_done: set[str] = set()
@@ -420,10 +421,16 @@ class PDWorker:
             now = time.monotonic()
             with self._lock:
                 self.stats["acks"] += 1
-                if req in self._expired:
+                # An ack names a hold by its id and number: ids repeat (a replayed ack, or
+                # VLLM_DISABLE_REQUEST_ID_RANDOMIZATION), and an earlier hold's ack released the
+                # current one and was answered held: True. Only by the id when either has no number.
+                def this(number: int | None) -> bool:
+                    return hold is None or not number or hold == (self._hold_epoch, number)
+
+                if req in self._expired and this(self._expired[req]):
                     del self._expired[req]
                     return {"held": False}
-                if req in self._held:
+                if req in self._held and this(self._held[req][1]):
                     del self._held[req]
                     self._sending_done.add(req)
                 elif hold is not None and (hold[0] != self._hold_epoch or hold[1] <= self._hold_seen):
@@ -460,7 +467,7 @@ class PDWorker:
                     if self._early_acks.pop(req, None) is not None:
                         self._sending_done.add(req)
                     else:
-                        self._held[req] = now + hold_s
+                        self._held[req] = (now + hold_s, meta.hold_seqs.get(req, 0) if meta.hold_epoch else 0)
                         heapq.heappush(self._deadlines, (now + hold_s, req))
                 if meta.hold_epoch and meta.hold_seqs:
                     self._hold_seen = max(self._hold_seen, max(meta.hold_seqs.values()))
@@ -544,9 +551,10 @@ class PDWorker:
         with self._lock:
             while self._deadlines and self._deadlines[0][0] <= now:
                 deadline, req = heapq.heappop(self._deadlines)
-                if self._held.get(req) == deadline:
+                entry = self._held.get(req)
+                if entry is not None and entry[0] == deadline:
                     del self._held[req]
-                    self._expired[req] = None
+                    self._expired[req] = entry[1]
                     self._sending_done.add(req)
                     self.stats["expired"] += 1
                     logger.warning("kvslots P/D: no decode worker took request %s within %.0f s; freeing its blocks",
@@ -554,7 +562,7 @@ class PDWorker:
             if len(self._deadlines) > 2 * len(self._held) + 1024:
                 # Mostly acked holds waiting for their deadline (a day at most): rebuilt from
                 # the held ones, so the heap stays within twice them (amortized linear).
-                self._deadlines = [(d, r) for r, d in self._held.items()]
+                self._deadlines = [(d, r) for r, (d, _) in self._held.items()]
                 heapq.heapify(self._deadlines)
             # Oldest first (OrderedDict: a plain dict's first key, after many deletions from the
             # front, is found by skipping every deleted slot, 1 s for a burst of 50,000 here).
