@@ -170,6 +170,25 @@ def test_the_workers_take_the_secret_from_the_environment(monkeypatch):
             pd.pd_secret(bad)
 
 
+@pytest.mark.parametrize("value", [None, ""], ids=["unset", "empty"])
+def test_a_variable_pd_secret_env_names_must_be_set(monkeypatch, value):
+    # It silently meant no secret (a typo, or not exported to one worker): unauthenticated,
+    # with no warning on a consumer or on loopback. Unset means off for KVSLOTS_PD_SECRET only.
+    pytest.importorskip("vllm", reason="the connector's package imports vLLM")
+    from kvslots.config.connector import ConnectorConfigError
+    from kvslots.vllm.connector import pd
+
+    monkeypatch.setenv(pd.SECRET_ENV, SECRET.decode())  # another variable's secret is not taken
+    if value is None:
+        monkeypatch.delenv("MY_PD_SECRT", raising=False)
+    else:
+        monkeypatch.setenv("MY_PD_SECRT", value)
+    with pytest.raises(ConnectorConfigError, match=r"pd_secret_env names \$MY_PD_SECRT, which is not set or empty"):
+        pd.pd_secret("MY_PD_SECRT")
+    monkeypatch.delenv(pd.SECRET_ENV)
+    assert pd.pd_secret() is None
+
+
 @pytest.mark.parametrize("consumer_secret, pulled", [(SECRET, True), (None, False), (OTHER, False)],
                          ids=["same", "none", "another"])
 def test_a_pull_between_workers_needs_the_same_secret(consumer_secret, pulled):

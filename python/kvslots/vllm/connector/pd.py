@@ -760,12 +760,18 @@ SECRET_ENV = "KVSLOTS_PD_SECRET"
 
 def pd_secret(env: str | None = None) -> bytes | None:
     """The shared secret from the environment variable ``env`` (:data:`SECRET_ENV` when None),
-    or None when it is unset or empty; one too short is a ConnectorConfigError."""
+    or None when :data:`SECRET_ENV` is unset or empty; one too short, or a variable ``env``
+    names that is unset or empty, is a ConnectorConfigError."""
     from ...config.connector import ConnectorConfigError, check_key
     from ..pd.control import MIN_SECRET_BYTES
 
     name = SECRET_ENV if env is None else check_key("pd_secret_env", env)
     value = os.environb.get(os.fsencode(name), b"")  # its bytes as given, whatever the locale
+    if not value and env is not None:
+        # Named on purpose: a typo, or the variable not exported to this worker, turned
+        # authentication off without a word.
+        raise ConnectorConfigError(f"kv_connector_extra_config.pd_secret_env names ${name}, which is not set or "
+                                   "empty on this worker: set the P/D secret there, or drop pd_secret_env")
     if not value:
         return None
     if len(value) < MIN_SECRET_BYTES:
