@@ -202,3 +202,22 @@ def test_a_free_thread_goes_to_the_host_that_waited_not_the_first_lane():
         for g in gates.values():
             g.set()
         cons.close()
+
+
+def test_a_new_hello_from_a_known_host_drops_no_other(monkeypatch):
+    # At the bound, a known host's new hello (a restarted producer) dropped the oldest other one.
+    engines = {1: "P", 2: "P", 3: "P"}
+    monkeypatch.setattr(pd, "MAX_KNOWN_HOSTS", 3)
+    monkeypatch.setattr(control, "control_call", lambda host, port, msg, **kw: {
+        "engine_id": engines[port], "block_size": 4, "model": "m"})
+    monkeypatch.setattr("kvslots.vllm.pd.BlockLayout.from_wire", staticmethod(lambda wire: object()))
+    cons = consumer()
+    try:
+        for port in (1, 2, 3):
+            cons._hello(spec("r", port))
+        engines[2] = "P2"
+        cons._hello(RecvSpec("r", "p", "P2", "127.0.0.1", 2, [1], [1]))
+        assert list(cons._peers) == [("127.0.0.1", 1), ("127.0.0.1", 3), ("127.0.0.1", 2)]
+        assert cons._peers[("127.0.0.1", 2)]["engine_id"] == "P2"
+    finally:
+        cons.close()

@@ -587,7 +587,9 @@ class PDWorker:
             info["layout_obj"] = BlockLayout.from_wire(info.get("layout"))
             with self._lock:
                 # Bounded: hand-offs (a client's kv_transfer_params) may name any host and port
-                # that answers, each kept with its layout (some KiB) for good.
+                # that answers, each kept with its layout (some KiB) for good. A host's new hello
+                # replaces its old one (and goes last) without dropping another's.
+                self._peers.pop(key, None)
                 while len(self._peers) >= MAX_KNOWN_HOSTS:
                     del self._peers[next(iter(self._peers))]
                 self._peers[key] = info
