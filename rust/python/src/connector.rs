@@ -831,8 +831,18 @@ impl ConnectorPlanner {
                     .map(|t| t.get_item(0))
                     .unwrap_or_else(|_| nb.get_item(0))?;
                 if let Ok(list) = group.cast::<PyList>() {
-                    for b in list.iter() {
-                        self.blocks.push(int::<u32>(&b, "new_block_ids", None)?);
+                    // Exact ints read borrowed (as token_at does); the others converted. The
+                    // length is read again each item: a conversion may run Python code.
+                    let mut j = 0;
+                    while j < list.len() {
+                        let b = match conv::list_small_int(list, j)
+                            .and_then(|v| u32::try_from(v).ok())
+                        {
+                            Some(b) => b,
+                            None => int::<u32>(&list.get_item(j)?, "new_block_ids", None)?,
+                        };
+                        self.blocks.push(b);
+                        j += 1;
                     }
                 } else {
                     let d = IntArg::<u32>::extract(&group, "new_block_ids", None)?;
