@@ -355,7 +355,7 @@ def _write_replacing(target: str, data: bytes, st: os.stat_result | None) -> boo
             tmp = os.path.join(directory, f".kvslots-{os.urandom(6).hex()}.tmp")
             # Noted before it exists, as ours unless os.open says it is another's: a signal that
             # ends the process removes it whenever it comes.
-            _LIVE[tmp] = made
+            _LIVE[tmp] = (os.getpid(), made)
             try:
                 _open_into(made, tmp, flags, mode)
                 break
@@ -424,9 +424,19 @@ def _remove_temporary(tmp: str, made: list[int]) -> None:
 _ENDING_SIGNALS = (signal.SIGTERM, signal.SIGHUP, signal.SIGINT)
 
 #: write_file's temporary files in progress (made, or being made: names of 48 random bits that
-#: os.open did not find taken), for :func:`_end_by_signal`; each with a list holding its
-#: descriptor once made (-1 once closed).
-_LIVE: dict[str, list[int]] = {}
+#: os.open did not find taken), for :func:`_end_by_signal`; each with the id of the process
+#: writing it and a list holding its descriptor once made (-1 once closed).
+_LIVE: dict[str, tuple[int, list[int]]] = {}
+
+
+def _forget_after_fork() -> None:
+    """In a forked child: the parent's temporary files are the parent's. The child inherits the
+    handler and a copy of _LIVE: killed (multiprocessing's terminate), it removed the file the
+    parent was still writing, whose write then failed."""
+    _LIVE.clear()
+
+
+os.register_at_fork(after_in_child=_forget_after_fork)
 
 
 def _remove_on_ending_signals() -> None:
@@ -455,11 +465,13 @@ def _end_by_signal(signum: int, frame: Any) -> None:
     default action, the signal let through: the exit status is the signal's)."""
     for _ in range(100):
         try:  # again after another signal's handler raised here (a Ctrl-C): this one still ends it
-            for path in list(_LIVE):
-                try:
-                    os.unlink(path)
-                except OSError:
-                    pass
+            pid = os.getpid()  # and only this process's (a fork from C code keeps the parent's entries)
+            for path, (owner, _) in list(_LIVE.items()):
+                if owner == pid:
+                    try:
+                        os.unlink(path)
+                    except OSError:
+                        pass
             signal.signal(signum, signal.SIG_DFL)
             signal.pthread_sigmask(signal.SIG_UNBLOCK, (signum,))
             signal.raise_signal(signum)
