@@ -28,6 +28,7 @@ from kvslots import cli
 SWEEP = r"""
 import json, os, signal, sys
 from kvslots import cli
+cli.handle_ending_signals()  # as the kvslots program does
 signum, base, linked = int(sys.argv[1]), sys.argv[2], sys.argv[3] == "linked"
 ENDING = (signal.SIGTERM, signal.SIGHUP, signal.SIGINT)
 
@@ -187,6 +188,7 @@ int sigaction(int signum, const struct sigaction *act, struct sigaction *old) {
 SIGRACE_CHILD = r"""
 import os, sys
 from kvslots import cli
+cli.handle_ending_signals()
 os.environ["SIGRACE_ARM"] = "1"
 for i in range(3):
     cli.write_file(os.path.join(sys.argv[1], "out"), f"{i}")

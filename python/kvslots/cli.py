@@ -105,6 +105,8 @@ INTERRUPTED_STATUS = 130
 def main(argv: list[str] | None = None) -> int:
     prog = "kvslots"
     _stderr_or_devnull()
+    if argv is None:  # the program itself (kvslots, python -m kvslots): its signals are ours
+        handle_ending_signals()
     try:
         parser = build_parser()
         args, extras = parser.parse_known_args(argv)
@@ -242,10 +244,14 @@ def write_file(path: str, text: str) -> None:
     A regular file (or a new one) is written whole or not at all where it can be replaced: a
     temporary file beside it is filled, flushed to disk, given the old file's mode and renamed
     over it, so a write that fails (a full disk, ``ulimit -f``, a Ctrl-C) or a crash leaves an
-    existing file byte-for-byte as it was; a failure, a Ctrl-C, a SIGTERM or a SIGHUP leaves no
-    temporary file (a SIGKILL may leave a hidden ``.kvslots-*.tmp``): from the first such write
+    existing file byte-for-byte as it was; a failure or a Ctrl-C (KeyboardInterrupt) leaves no
+    temporary file. In the kvslots program itself (:func:`main` run as the program, which calls
+    :func:`handle_ending_signals`) neither does a SIGTERM or a SIGHUP: from the first such write
     in the main thread, SIGTERM, SIGHUP and SIGINT, where they end the process by default, have
-    a handler that removes it and then ends the process by the signal. A new file gets 0666 less
+    a handler that removes it and then ends the process by the signal, for the rest of the
+    process. Called from a program that imports kvslots, it changes no signal's handler (that
+    is the program's to decide): there a SIGTERM or a SIGHUP part way may leave a hidden
+    ``.kvslots-*.tmp`` beside the file, as a SIGKILL may anywhere. A new file gets 0666 less
     the umask. A link is followed (the file it names is replaced, the link kept). Where a
     replace would lose something or cannot be made, the file is written in place (truncated
     first), as before: a file with other hard links, extended attributes (ACLs, labels) or
@@ -419,6 +425,21 @@ def _remove_temporary(tmp: str, made: list[int]) -> None:
     _LIVE.pop(tmp, None)  # last: a signal meanwhile still removes it
 
 
+#: Whether write_file may give the ending signals a handler (:func:`handle_ending_signals`).
+_OWNED = False
+
+
+def handle_ending_signals() -> None:
+    """Says that kvslots owns this process (the ``kvslots`` program, ``python -m kvslots``): from
+    then on write_file sets the handler of :func:`_remove_on_ending_signals`. Side effect, for the
+    rest of the process: SIGTERM, SIGHUP and SIGINT where they had the default action have a
+    Python handler, which runs only when the main thread next runs Python code (a long C call
+    delays the exit) and which ``signal.getsignal`` returns. Not done by a library call of
+    write_file: a program that imports kvslots keeps its signals as they were."""
+    global _OWNED
+    _OWNED = True
+
+
 #: Signals that end the process by default, and so would leave write_file's temporary file
 #: behind (a kill, a closed terminal, a SIGINT where it is not Python's KeyboardInterrupt).
 _ENDING_SIGNALS = (signal.SIGTERM, signal.SIGHUP, signal.SIGINT)
@@ -449,8 +470,9 @@ def _remove_on_ending_signals() -> None:
     handler: a KeyboardInterrupt, which write_file's cleanup handles) or ignored is left as
     it is; its handler decides. Python runs signal handlers only in the main thread, and only
     that thread may set them: until write_file has run there once, a write from another thread
-    has no such handler. A SIGKILL still leaves the file."""
-    if threading.current_thread() is not threading.main_thread():
+    has no such handler. A SIGKILL still leaves the file. Only in a process kvslots owns
+    (:func:`handle_ending_signals`)."""
+    if not _OWNED or threading.current_thread() is not threading.main_thread():
         return
     for signum in _ENDING_SIGNALS:
         # Set over the default action, no signal is lost: one that comes before ends the

@@ -285,8 +285,10 @@ def build_tiny_models(root: str, dims: Dims = TINY) -> dict[str, str]:
 def main(argv: list[str] | None = None) -> int:
     """``python -m kvslots._dev.tiny [ROOT]``: errors are one line and exit status 2, as in the
     ``kvslots`` commands."""
-    from ..cli import OneLineParser, run_command
+    from ..cli import OneLineParser, handle_ending_signals, run_command
 
+    if argv is None:  # the program itself: a SIGTERM as the marker is written leaves no temporary file
+        handle_ending_signals()
     ap = OneLineParser(prog="python -m kvslots._dev.tiny",
                        description="Build tiny random-weight models (target, EAGLE, EAGLE-3).")
     ap.add_argument("root", nargs="?", default="/tmp/kvslots-tiny")
