@@ -360,19 +360,24 @@ def _write_replacing(target: str, data: bytes, st: os.stat_result | None) -> boo
         for _ in range(100):
             tmp = os.path.join(directory, f".kvslots-{os.urandom(6).hex()}.tmp")
             # Noted before it exists, as ours unless os.open says it is another's: a signal that
-            # ends the process removes it whenever it comes.
-            _LIVE[tmp] = (os.getpid(), made)
-            try:
-                _open_into(made, tmp, flags, mode)
-                break
-            except OSError as e:  # not made (a FileExistsError: another's, never removed)
-                del _LIVE[tmp]
-                tmp = None
-                if isinstance(e, FileExistsError):
-                    continue
-                if e.errno in _NO_REPLACE:
-                    return False
-                raise
+            # ends the process removes it whenever it comes. Noted and made under _LOCK, which the
+            # handler takes for good: no other thread makes a file after its list was read.
+            with _LOCK:
+                if _ENDING:
+                    tmp = None
+                    raise OSError(errno.EINTR, "the process is ending")
+                _LIVE[tmp] = (os.getpid(), made)
+                try:
+                    _open_into(made, tmp, flags, mode)
+                    break
+                except OSError as e:  # not made (a FileExistsError: another's, never removed)
+                    del _LIVE[tmp]
+                    tmp = None
+                    if isinstance(e, FileExistsError):
+                        continue
+                    if e.errno in _NO_REPLACE:
+                        return False
+                    raise
         else:  # 100 names of 48 random bits all taken: not a directory to write in
             raise OSError(errno.EEXIST, "no free temporary file name beside it")
         fd = made[0]
@@ -450,10 +455,22 @@ _ENDING_SIGNALS = (signal.SIGTERM, signal.SIGHUP, signal.SIGINT)
 _LIVE: dict[str, tuple[int, list[int]]] = {}
 
 
+#: Held while a temporary file is noted and made, and by :func:`_end_by_signal` from its start
+#: to the process's end (os.unlink lets other threads run: those that kept making files after
+#: it read _LIVE left them). Reentrant: the handler runs in the main thread, which may hold it.
+_LOCK = threading.RLock()
+#: Set by :func:`_end_by_signal`: no temporary file is made after it.
+_ENDING = False
+
+
 def _forget_after_fork() -> None:
     """In a forked child: the parent's temporary files are the parent's. The child inherits the
     handler and a copy of _LIVE: killed (multiprocessing's terminate), it removed the file the
-    parent was still writing, whose write then failed."""
+    parent was still writing, whose write then failed. The lock may have been held by a thread
+    the child does not have: a new one."""
+    global _LOCK, _ENDING
+    _LOCK = threading.RLock()
+    _ENDING = False
     _LIVE.clear()
 
 
@@ -485,8 +502,11 @@ def _remove_on_ending_signals() -> None:
 def _end_by_signal(signum: int, frame: Any) -> None:
     """Removes the temporary files that exist, then ends the process by ``signum`` (the
     default action, the signal let through: the exit status is the signal's)."""
+    global _ENDING
     for _ in range(100):
         try:  # again after another signal's handler raised here (a Ctrl-C): this one still ends it
+            _LOCK.acquire()  # never released: the process ends holding it (waits for a thread's os.open)
+            _ENDING = True
             pid = os.getpid()  # and only this process's (a fork from C code keeps the parent's entries)
             for path, (owner, _) in list(_LIVE.items()):
                 if owner == pid:
