@@ -399,7 +399,12 @@ def _write_replacing(target: str, data: bytes, st: os.stat_result | None) -> boo
         del _LIVE[tmp]  # the target's now (a signal just before finds no such name)
     except BaseException:  # an OSError, or a Ctrl-C part way: no temporary file left behind
         if tmp is not None:
-            _remove_temporary(tmp, made)
+            for _ in range(100):
+                try:  # again after a second Ctrl-C during it (it skipped the cleanup), as _end_by_signal does
+                    _remove_temporary(tmp, made)
+                    break
+                except KeyboardInterrupt:
+                    continue
         raise
     dfd: list[int] = []
     try:  # the rename itself on disk; a directory that cannot be synced still holds the new file
