@@ -17,7 +17,9 @@ from kvslots import cli
     # Before the command: the top level's (the command's --help does not list them).
     (["--bogus", "simulate"], "kvslots", "--bogus"),
     (["--bogus", "--x=1", "simulate", "--requests", "2"], "kvslots", "--bogus --x=1"),
-    (["--bogus", "simulate", "--other"], "kvslots", "--bogus"),
+    # And the command's own after it, named too (only --bogus was).
+    (["--bogus", "simulate", "--other"], "kvslots", "--bogus (and --other, unknown to kvslots simulate)"),
+    (["--bogus", "simulate", "--requests", "2", "--x", "y"], "kvslots", "--bogus (and --x y, unknown to kvslots simulate)"),
     (["simulate", "--bogus", "simulate"], "kvslots simulate", "--bogus simulate"),
 ])
 def test_unrecognized_arguments_are_the_commands_error(capsys, argv, prog, extras):

@@ -114,12 +114,14 @@ def main(argv: list[str] | None = None) -> int:
             # Said by the command's own parser, as its other argument errors are: argparse's
             # top-level parser said 'kvslots: error: ... (see kvslots --help)' for them. Those
             # before the command (kvslots --bogus simulate) are the top level's: its only options
-            # (--help, --version) exit, so all it was given there is unknown, and listed first.
+            # (--help, --version) exit, so all it was given there is unknown, and listed first;
+            # the command's own unknown ones are named too (they were left out).
             command = getattr(args, "command", None)
             given = sys.argv[1:] if argv is None else list(argv)
             at = next((i for i, a in enumerate(given) if a == command), None) if command else None
             if at and extras[:at] == given[:at]:
-                parser.error(f"unrecognized arguments: {' '.join(extras[:at])}")
+                more = f" (and {' '.join(extras[at:])}, unknown to {parser.prog} {command})" if extras[at:] else ""
+                parser.error(f"unrecognized arguments: {' '.join(extras[:at])}{more}")
             sub = next((a.choices[command] for a in parser._actions
                         if isinstance(a, argparse._SubParsersAction) and command in a.choices), parser)
             sub.error(f"unrecognized arguments: {' '.join(extras)}")
