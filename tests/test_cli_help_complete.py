@@ -48,7 +48,8 @@ def test_every_option_has_help_and_shows_its_default(name):
 
 
 def test_every_indexer_option_has_help_and_log_level_its_default():
-    # Its options default to None (a --config file may set them): each help states the default.
+    # Its options default to None (a --config file may set them): each has help, and --log-level's
+    # states the default IndexerConfig gives it.
     from kvslots.indexer.config import IndexerConfig
 
     for action in _options("indexer"):

@@ -277,8 +277,12 @@ def write_file(path: str, text: str) -> None:
         if st is not None and stat.S_ISREG(st.st_mode):
             # Refused as open() refused it (a file we may not write, a read-only file system):
             # renamed over from a writable directory, such a file was replaced.
-            # Closed in C as it is opened: a Ctrl-C between left the descriptor open.
-            list(map(os.close, map(os.open, (target,), (os.O_WRONLY | os.O_NONBLOCK | os.O_CLOEXEC,))))
+            probe: list[int] = []  # _open_into: a Ctrl-C as os.open returned left the descriptor open
+            try:
+                _open_into(probe, target, os.O_WRONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+            finally:
+                for fd in probe:
+                    os.close(fd)
         if _in_place(path, st) or not _replaceable(target, st) or not _write_replacing(target, data, st):
             _write_in_place(path, data)
     except OSError as e:
