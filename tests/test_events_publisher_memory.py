@@ -122,11 +122,21 @@ def _stalled_peers(ctx, endpoint, n):
     return out
 
 
+def _wait_for(cond, what, timeout=10.0):
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, what()
+        time.sleep(0.01)
+
+
 def test_replays_in_progress_are_capped(monkeypatch):
     # Peers asking for a replay and reading nothing each held up to REPLAY_HWM batches in their
-    # queue, with no bound on their number; past MAX_REPLAYS a request drops the replay whose
-    # peer took something longest ago. (4 slots, for each stalled peer's kernel buffers.)
+    # queue, with no bound on their number. Past MAX_REPLAYS a request is refused while every
+    # peer took something within REPLAY_EVICT_AFTER_S: 152bc5c evicted one at every request, and
+    # an evicted replay's batches stay queued until its peer leaves (800 peers: +506 MiB, not
+    # +103). (4 slots, for each stalled peer's kernel buffers.)
     monkeypatch.setattr(pubmod, "MAX_REPLAYS", 4)
+    monkeypatch.setattr(pubmod, "MAX_WAITING_REPLAYS", 4, raising=False)
     ctx = zmq.Context()
     pub = EventPublisher(LOCAL, LOCAL, buffer_steps=500, context=ctx)
     stalled = []
@@ -134,16 +144,26 @@ def test_replays_in_progress_are_capped(monkeypatch):
         for _ in range(500):
             pub.publish(BIG)
         assert pub.flush(10)
-        stalled = _stalled_peers(ctx, pub.replay_endpoint, 7)
-        deadline = time.monotonic() + 10
-        while pub.stats()["replay_requests"] < 7:
-            assert time.monotonic() < deadline, pub.stats()
-            time.sleep(0.01)
+        stalled = _stalled_peers(ctx, pub.replay_endpoint, 1)
+        _wait_for(lambda: pub.stats()["replayed"] > 0, pub.stats)
+        time.sleep(0.2)  # its queue and kernel buffers fill: what one such peer takes
+        one = pub.stats()["replayed"]
+        stalled += _stalled_peers(ctx, pub.replay_endpoint, 11)
+        _wait_for(lambda: pub.stats()["replay_requests"] >= 12, pub.stats)
+        time.sleep(0.2)
         st = pub.stats()
-        assert st.get("replay_evicted") == 3 and len(pub._replays) == 4, st
-        # a reading peer is answered in full while the stalled ones hold every slot
+        # 4 in progress, 4 waiting for a slot, 4 not answered
+        assert st.get("replay_busy") == 4 and st["replay_evicted"] == 0 and len(pub._replays) == 4, st
+        # what is queued for them: 4 peers' worth (the old code: 12 peers' worth)
+        assert st["replayed"] <= 4 * one * 1.25, (st, one)
+        # once their peers took nothing for REPLAY_EVICT_AFTER_S, the waiting ones get the slots...
+        monkeypatch.setattr(pubmod, "REPLAY_EVICT_AFTER_S", 0.3, raising=False)  # (1 s: scaled down)
+        time.sleep(0.5)
+        st = pub.stats()
+        assert st["replay_evicted"] == 4 and st["replayed"] <= 8 * one * 1.25, (st, one)
+        # ...and a reading peer is answered in full
         assert _replay_from(pub, ctx, 0) == list(range(500))
-        assert pub.stats()["replay_evicted"] == 4
+        assert pub.stats()["replay_evicted"] == 5
     finally:
         for d in stalled:
             d.close()
@@ -151,10 +171,65 @@ def test_replays_in_progress_are_capped(monkeypatch):
         ctx.term()
 
 
+def test_a_reading_replay_completes_under_a_flood_of_new_peers(monkeypatch):
+    # 152bc5c evicted the replay whose peer took something longest ago at every request past
+    # MAX_REPLAYS, and a new replay counts from its creation: a flood of requests from new routing
+    # ids evicted a subscriber's replay while it read at full speed, again at each of its retries,
+    # until it gave the gap up (1,312 of 20,000 replayed in the reviewer's run).
+    import threading
+    monkeypatch.setattr(pubmod, "MAX_REPLAYS", 4)
+    ctx = zmq.Context()
+    pub = EventPublisher(LOCAL, LOCAL, topic="kv", buffer_steps=10_000, context=ctx)
+    small = encode_batch(KVEventBatch(0.0, [BlockRemoved(list(range(2**40, 2**40 + 100)), None)]))
+    got, resets = [], []
+    sub = EventSubscriber(lambda w, seq, b: got.append(seq), lambda w, last, new: resets.append(new),
+                          replay_timeout_ms=500, resync_on_loss=True, context=ctx)
+    stop = threading.Event()
+
+    def flood():  # 4 new peers every 20 ms, each asking and never reading
+        prev: list = []
+        while not stop.is_set():
+            cur = _stalled_peers(ctx, pub.replay_endpoint, 4)
+            for d in prev:
+                d.close()
+            prev = cur
+            stop.wait(0.02)
+        for d in prev:
+            d.close()
+
+    flooder = threading.Thread(target=flood, daemon=True)
+    try:
+        sub.add_publisher("w", pub.endpoint, pub.replay_endpoint, topic="kv", wait=5)
+        sub.start()
+        _wait_for(lambda: got or pub.publish(small) or time.sleep(0.05), lambda: "no first batch", 5)
+        first = pub.next_seq
+        flooder.start()
+        time.sleep(0.3)
+        pub._test_drop_on_wire(*range(first, first + 5000))
+        for _ in range(5001):
+            pub.publish(small)
+        assert pub.flush(10)
+        last = pub.next_seq - 1
+        _wait_for(lambda: got[-1] >= last, lambda: (len(got), pub.stats(), sub.counters), 15)
+        assert got[got.index(first - 1):] == list(range(first - 1, last + 1)) and resets == []
+        # one request: the replay was never cut
+        assert sub.counters["replay_requests"] == 1 and sub.counters.get("lost", 0) == 0, sub.counters
+    finally:
+        stop.set()
+        if flooder.is_alive():
+            flooder.join(5)
+        sub.stop()
+        pub.shutdown()
+        ctx.term()
+
+
 def test_a_gap_heals_while_non_reading_peers_re_request(monkeypatch):
     # Peers that ask again and again and never read held every replay slot: a subscriber's
     # request was left unanswered and its gap given up (lost 12 of 12 in the reviewer's run).
+    # Now it waits until a slot's peer took nothing for REPLAY_EVICT_AFTER_S (1 s, below the
+    # default replay_timeout_ms of 2 s: scaled down here with it).
     monkeypatch.setattr(pubmod, "MAX_REPLAYS", 4)
+    monkeypatch.setattr(pubmod, "REPLAY_EVICT_AFTER_S", 0.2, raising=False)
     ctx = zmq.Context()
     pub = EventPublisher(LOCAL, LOCAL, topic="kv", context=ctx)
     got, resets = [], []

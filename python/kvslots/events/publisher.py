@@ -77,10 +77,20 @@ SUBSCRIPTION_MAX_FRAME = 256
 REPLAY_HWM = 64
 #: Replays in progress at most (one per peer): each holds up to REPLAY_HWM batches in its peer's
 #: queue, and peers were not counted (500 peers asking at once and reading nothing: 500 x 64
-#: batches). A request past them drops the replay whose peer took something longest ago (counted
-#: replay_evicted): refusing the new one instead let 64 peers that ask and never read block
-#: every real replay, and a subscriber gives a gap up when its request is not answered.
+#: batches). A request past them drops the replay whose peer took something longest ago if that
+#: peer took nothing for REPLAY_EVICT_AFTER_S (counted replay_evicted; it is sent its end marker,
+#: so a reading subscriber asks again at once); else the request waits (MAX_WAITING_REPLAYS).
+#: Refusing alone let 64 peers that ask and never read block every real replay until
+#: REPLAY_STALL_S; evicting at every request let a flood of new routing ids evict a fast-reading
+#: replay again and again (1,312 of 20,000 replayed), and grew the process without bound (an
+#: evicted replay's batches stay queued until its peer leaves: 800 such peers +506 MiB).
 MAX_REPLAYS = 64
+#: A replay is evicted for a new request only when its peer has taken nothing for this long: the
+#: queued batches then grow by at most MAX_REPLAYS x REPLAY_HWM per this time.
+REPLAY_EVICT_AFTER_S = 1.0
+#: Requests that wait for a replay slot at most (a few bytes each, served in order); past them a
+#: request is not answered (counted replay_busy): the subscriber gives the gap up.
+MAX_WAITING_REPLAYS = 16
 #: A replay the peer has taken nothing of for this long is dropped (counted replay_truncated).
 REPLAY_STALL_S = 10.0
 #: Replay requests read per wake-up of the sender thread, at most. Queued batches are sent between
@@ -213,9 +223,10 @@ class EventPublisher(NoCopy):
         self._next_seq = 0
         self._drop_on_wire: set[int] = set()
         self._replays: dict[bytes, _Replay] = {}  # by peer identity; at most one per peer
+        self._waiting: dict[bytes, tuple[int, int]] = {}  # requests past MAX_REPLAYS: (start, stop)
         self._stats = dict.fromkeys(
             ("published", "dropped_on_wire", "replay_requests", "replayed", "replay_malformed",
-             "replay_refused", "replay_evicted", "replay_truncated", "errors"),
+             "replay_refused", "replay_busy", "replay_evicted", "replay_truncated", "errors"),
             0,
         )
 
@@ -348,8 +359,11 @@ class EventPublisher(NoCopy):
     def stats(self) -> dict[str, int]:
         """Counters: published, dropped_on_wire (test hook), replay_requests, replayed (batches
         resent), replay_malformed, replay_refused (requests from a peer whose previous replay is
-        still being sent), replay_evicted (replays dropped for a new request while ``MAX_REPLAYS``
-        were in progress: the one whose peer took something longest ago), replay_truncated
+        still being sent), replay_busy (requests left unanswered: ``MAX_REPLAYS`` were in
+        progress, each of whose peers took something within ``REPLAY_EVICT_AFTER_S``, and
+        ``MAX_WAITING_REPLAYS`` requests waited already), replay_evicted
+        (replays dropped for a new request while ``MAX_REPLAYS`` were in progress: the one whose
+        peer took something longest ago, over ``REPLAY_EVICT_AFTER_S`` ago), replay_truncated
         (replays dropped before their end: the peer took nothing for ``REPLAY_STALL_S`` or
         disconnected), errors; plus queued and next_seq."""
         with self._lock:
@@ -477,25 +491,55 @@ class EventPublisher(NoCopy):
                 continue
             client, start = request
             self._stats["replay_requests"] += 1
-            if client in self._replays:
+            if client in self._replays or client in self._waiting:
                 # One replay per peer: a peer asking again before it took the last one's end
                 # marker would only pile up copies of the buffer.
                 self._stats["replay_refused"] += 1
                 continue
-            if len(self._replays) >= MAX_REPLAYS:
-                # Its peer is likely not reading; its queue stays in ZMQ until it leaves.
-                oldest = min(self._replays, key=lambda c: self._replays[c].progress_at)
-                del self._replays[oldest]
-                self._stats["replay_evicted"] += 1
-            replay = _Replay(start, self._next_seq, time.monotonic())
-            self._replays[client] = replay
-            self._pump(client, replay)
+            if self._waiting or (len(self._replays) >= MAX_REPLAYS and not self._evict_one()):
+                # Every slot's peer took something lately: the request waits its turn (in
+                # order), so the subscriber is answered, not left to give its gap up.
+                if len(self._waiting) < MAX_WAITING_REPLAYS:
+                    self._waiting[client] = (start, self._next_seq)
+                else:
+                    self._stats["replay_busy"] += 1
+                continue
+            self._start_replay(client, start, self._next_seq)
+
+    def _start_replay(self, client: bytes, start: int, stop: int) -> None:
+        replay = _Replay(start, stop, time.monotonic())
+        self._replays[client] = replay
+        self._pump(client, replay)
+
+    def _evict_one(self) -> bool:
+        """Drops the replay whose peer took something longest ago, if that is over
+        ``REPLAY_EVICT_AFTER_S`` ago: its peer is likely not reading (its queue stays in ZMQ until
+        it leaves). The peer is sent the end marker: a reading one asks again at once."""
+        oldest = min(self._replays, key=lambda c: self._replays[c].progress_at)
+        if time.monotonic() - self._replays[oldest].progress_at < REPLAY_EVICT_AFTER_S:
+            return False
+        del self._replays[oldest]
+        self._stats["replay_evicted"] += 1
+        assert self._replay is not None
+        try:
+            self._replay.send_multipart(replay_end(oldest), zmq.NOBLOCK)
+        except zmq.ZMQError:  # its queue is full (not reading) or it left
+            pass
+        return True
+
+    def _start_waiting(self) -> None:
+        while self._waiting and (len(self._replays) < MAX_REPLAYS or self._evict_one()):
+            client = next(iter(self._waiting))
+            start, stop = self._waiting.pop(client)
+            self._start_replay(client, start, stop)
 
     def _retry_timeout_ms(self) -> int | None:
         """How long the sender thread may sleep: until the next replay retry is due."""
         if not self._replays:
             return None
         due = min(r.retry_at for r in self._replays.values())
+        if self._waiting:  # a slot may become free to evict
+            due = min(due, time.monotonic() + _RETRY_MAX)
         return max(0, math.ceil((due - time.monotonic()) * 1000.0))
 
     def _resume_replays(self) -> None:
@@ -503,6 +547,7 @@ class EventPublisher(NoCopy):
         for client, replay in list(self._replays.items()):
             if replay.retry_at <= now:
                 self._pump(client, replay)
+        self._start_waiting()
 
     def _pump(self, client: bytes, replay: _Replay) -> None:
         """Hands the peer as much of its replay as its queue takes; the rest is retried later."""
