@@ -245,6 +245,9 @@ pub struct FitPlan {
     commit_end: Option<usize>,
     /// [`DeviceAllocator::changes`] when planned.
     changes: u64,
+    /// The allocator that planned it ([`DeviceAllocator`]'s `id`): another one's counter may
+    /// stand at the same count.
+    allocator: u64,
 }
 
 impl FitPlan {
@@ -290,6 +293,9 @@ pub struct DeviceStats {
     pub freed_requests: u64,
 }
 
+/// The next [`DeviceAllocator`]'s id (a u64 never wraps in practice).
+static NEXT_ALLOCATOR_ID: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
 #[derive(Debug)]
 pub struct DeviceAllocator {
     pool: BlockPool,
@@ -316,6 +322,8 @@ pub struct DeviceAllocator {
     stats: DeviceStats,
     /// Counts the calls that may change what an allocation does (see [`Self::changes`]).
     changes: u64,
+    /// Unique in the process (from `NEXT_ALLOCATOR_ID`): a plan names the allocator it is for.
+    id: u64,
     // Scratch.
     scratch_ids: Vec<BlockId>,
     scratch_hashes: Vec<FullHash>,
@@ -378,6 +386,7 @@ impl DeviceAllocator {
             new_block_ids: Vec::new(),
             stats: DeviceStats::default(),
             changes: 0,
+            id: NEXT_ALLOCATOR_ID.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
             scratch_ids: Vec::new(),
             scratch_hashes: Vec::new(),
             scratch_keys: Vec::new(),
@@ -708,8 +717,8 @@ impl DeviceAllocator {
 
     /// Carries out an allocation [`Self::plan_allocation`] planned. The plan must come from
     /// this allocator with nothing changed since (a caller that let go of it meanwhile plans
-    /// again and compares); the pool is checked all the same, so a stale plan is an error,
-    /// never a corrupt pool.
+    /// again and compares): a plan from another allocator, or a stale one, is an error and
+    /// nothing changes.
     #[inline(always)]
     pub fn allocate_planned<H: HashSource + ?Sized>(
         &mut self,
@@ -717,6 +726,12 @@ impl DeviceAllocator {
         plan: FitPlan,
         hashes: &H,
     ) -> Result<Allocated> {
+        if plan.allocator != self.id {
+            return Err(SlotError::invalid(
+                Some(request),
+                "the allocation was planned by another allocator",
+            ));
+        }
         if plan.changes != self.changes {
             return Err(SlotError::invalid(
                 Some(request),
@@ -884,6 +899,7 @@ impl DeviceAllocator {
             commit_start,
             commit_end,
             changes: self.changes,
+            allocator: self.id,
         }))
     }
 

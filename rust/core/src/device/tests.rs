@@ -664,3 +664,29 @@ fn a_slot_is_found_by_its_tag_only_while_it_carries_it() {
         .unwrap();
     assert_eq!(x.slot, s.slot);
 }
+
+#[test]
+fn a_plan_from_another_allocator_is_refused_and_changes_nothing() {
+    // B's counter brought to A's: the count alone took A's plan (A's hit ids, A's slot) as B's.
+    let filler = hashes(&(0..160).map(|t| 100 + t as u32).collect::<Vec<_>>());
+    let h = hashes(&[1; 32]);
+    let mut a = alloc(64);
+    a.allocate("filler", &args(0, 160, 160), &filler).unwrap().unwrap();
+    a.allocate("x", &args(0, 32, 32), &h).unwrap().unwrap();
+    a.free("x");
+    let hit = AllocArgs { num_hit_blocks: 8, ..args(0, 33, 1) };
+    let plan = a.plan_allocation("y", None, &hit, &h).unwrap().unwrap();
+    let slot_plan = a.plan_allocation("filler", None, &args(160, 164, 4), &filler).unwrap().unwrap();
+    for (rid, plan, hs) in [("y", plan, &h), ("filler", slot_plan, &filler)] {
+        let mut b = alloc(64);
+        while b.changes() < a.changes() {
+            b.release_reservations();
+        }
+        let free = b.num_free_blocks();
+        let err = b.allocate_planned(rid, plan, hs).unwrap_err();
+        assert!(err.to_string().contains("another allocator"), "{err}");
+        assert_eq!((b.num_free_blocks(), b.blocks(rid).len(), b.changes()), (free, 0, a.changes()));
+        b.check().unwrap();
+    }
+    a.check().unwrap();
+}
