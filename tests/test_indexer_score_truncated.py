@@ -107,3 +107,33 @@ def test_a_bad_id_past_the_limit_is_named(bad, shown):
     (err,) = r.json()["detail"]  # not too_long: a longer prompt is taken
     assert err["loc"] == ["body", "token_ids", 99], err
     assert err["msg"].startswith(f"token id {shown} at index 99, past --max-tokens (64), is invalid"), err
+
+
+@pytest.fixture(scope="module")
+def default_limits():
+    # At the default --max-tokens (262,144) every prompt past it is a body over SHAPE_CHECK_BYTES
+    svc = IndexerService(IndexerConfig(block_size=BS))
+    return TestClient(app_module.create_app(svc)), svc.cfg.max_tokens
+
+
+@pytest.mark.parametrize("form, status", [
+    ('{"token\\u005fids":[%s]}', 200),  # an escaped key
+    ('{"token_ids":[%s,-0]}', 200),  # -0 past the limit
+    ('{"token_ids":[%s,1,-1]}', 422),  # a bad id past the limit: named
+])
+def test_forms_past_the_default_limit_are_cut_not_refused_by_the_shape_check(default_limits, form, status):
+    # The shape check ran first with the model's bound (max_tokens items) and refused each with a
+    # generic "the body has at least ... array items": the cut after parsing never ran.
+    c, most = default_limits
+    ids = ",".join(str(1000 + i % 30_000) for i in range(most + 10))  # a realistic prompt, 1.7 MB
+    body = (form % ids).encode()
+    assert len(body) > app_module.SHAPE_CHECK_BYTES
+    r = c.post("/score", content=body, headers={"content-type": "application/json"})
+    assert r.status_code == status, r.text[:300]
+    if status == 200:
+        total = body.count(b",") + 1
+        assert r.json()["truncated"] is True and r.json()["prompt_blocks"] == total // BS
+    else:
+        (err,) = r.json()["detail"]
+        assert err["loc"] == ["body", "token_ids", most + 11], err
+        assert err["msg"].startswith(f"token id -1 at index {most + 11}, past --max-tokens"), err
