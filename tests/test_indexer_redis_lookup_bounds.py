@@ -27,6 +27,7 @@ def fresh_lookups(monkeypatch):
     """No answer kept from another test (a port can come again)."""
     monkeypatch.setattr(_listen, "_answered", {}, raising=False)
     monkeypatch.setattr(_listen, "_lookups", {}, raising=False)
+    monkeypatch.setattr(_listen, "_running", {}, raising=False)
 
 
 @pytest.fixture

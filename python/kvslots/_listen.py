@@ -48,6 +48,13 @@ RESOLVE_TIMEOUT_S = 30.0
 #: Last answers kept (one per host, port and kind asked), for the next lookup of a name that a
 #: slow resolver answered too late.
 _MAX_KEPT = 64
+#: A kept answer older than this, in seconds, is not used: a name that moved, looked up while a
+#: lookup hangs, must not keep its old address for good.
+KEPT_MAX_AGE_S = 300.0
+#: Lookups of one name running at once, at most: a lookup past RESOLVE_TIMEOUT_S lets the next
+#: caller start a new one (it stayed the name's only one for good, its kept answer used forever),
+#: and this caps the threads a resolver that hangs for good holds per name.
+MAX_LOOKUPS_PER_NAME = 2
 
 
 class _Lookup:
@@ -59,8 +66,10 @@ class _Lookup:
         self.answer: Any = None
 
 
-_lookups: dict[tuple, _Lookup] = {}  # under way
-_answered: dict[tuple, list[Any]] = {}  # the last answer of each name (a late one included)
+_lookups: dict[tuple, _Lookup] = {}  # under way: the latest of each name
+_running: dict[tuple, int] = {}  # lookup threads running per name (stuck ones included)
+#: the last answer of each name (a late one included): (its lookup's start, when it came, answer)
+_answered: dict[tuple, tuple[float, float, list[Any]]] = {}
 _lock = threading.Lock()
 
 
@@ -74,8 +83,10 @@ def resolve(host: str | None, port: int, family: int = socket.AF_UNSPEC, kind: i
     caller waits at most ``wait`` seconds (:data:`RESOLVE_TIMEOUT_S` when None; no longer than
     that bound from the lookup's start either) and the lookup runs on: when it is not done, the
     name's last answer is used (one a lookup gave after its callers stopped waiting included, so a
-    resolver always slower than a caller's wait still serves the next one), else a gaierror
-    EAI_AGAIN "did not answer". A resolver's own error is raised as it is."""
+    resolver always slower than a caller's wait still serves the next one) if it is at most
+    :data:`KEPT_MAX_AGE_S` old, else a gaierror EAI_AGAIN "did not answer". A lookup past its
+    bound lets the next caller start a new one (at most :data:`MAX_LOOKUPS_PER_NAME` of a name
+    run at once). A resolver's own error is raised as it is."""
     args = (host, port, family, kind, 0, flags)
     try:
         return socket.getaddrinfo(*args[:5], flags | socket.AI_NUMERICHOST)
@@ -85,7 +96,8 @@ def resolve(host: str | None, port: int, family: int = socket.AF_UNSPEC, kind: i
     key = args
     with _lock:
         look = _lookups.get(key)
-        if look is None:
+        now = time.monotonic()
+        if look is None or (now - look.started >= bound and _running.get(key, 0) < MAX_LOOKUPS_PER_NAME):
             look = _Lookup()
             thread = threading.Thread(target=_lookup, args=(key, look), name="kvslots-resolve", daemon=True)
             try:
@@ -93,17 +105,20 @@ def resolve(host: str | None, port: int, family: int = socket.AF_UNSPEC, kind: i
             except RuntimeError as e:  # no thread to be had: this call fails, the next one tries again
                 raise socket.gaierror(socket.EAI_AGAIN, f"cannot look {host!r} up: {e}") from None
             _lookups[key] = look  # after the start: a failed one leaves nothing behind
-    left = look.started + bound - time.monotonic()
-    if wait is not None:
-        left = min(left, wait)
+            _running[key] = _running.get(key, 0) + 1
+    left = look.started + bound - now
+    asked = bound if wait is None else min(bound, wait)
     # a Ctrl-C still ends the wait (the caller's to report)
-    if not look.done.wait(max(0.0, left)):
+    if not look.done.wait(max(0.0, min(left, asked))):
         with _lock:
             kept = _answered.get(key)
-        if kept is not None:
-            return kept
-        waited = bound if wait is None else min(bound, wait)
-        raise socket.gaierror(socket.EAI_AGAIN, f"the resolver did not answer within {waited:g} s")
+        if kept is not None and time.monotonic() - kept[1] <= KEPT_MAX_AGE_S:
+            return kept[2]
+        if left < asked:  # joined a lookup already under way that long: say so, not our wait
+            raise socket.gaierror(socket.EAI_AGAIN, (
+                f"the resolver did not answer within {bound:g} s ({_running.get(key, 0)} lookup(s) of "
+                f"{host!r} under way, the latest for {time.monotonic() - look.started:.3g} s)"))
+        raise socket.gaierror(socket.EAI_AGAIN, f"the resolver did not answer within {asked:g} s")
     if isinstance(look.answer, BaseException):
         raise look.answer
     return cast(list, look.answer)
@@ -118,11 +133,16 @@ def _lookup(key: tuple, look: _Lookup) -> None:
         with _lock:
             if _lookups.get(key) is look:  # the next call looks the name up again (a changed address)
                 del _lookups[key]
-            if not isinstance(look.answer, BaseException):
+            n = _running.pop(key, 1) - 1
+            if n > 0:
+                _running[key] = n
+            kept = _answered.get(key)
+            # a stuck lookup's late answer does not replace a later lookup's
+            if not isinstance(look.answer, BaseException) and (kept is None or kept[0] <= look.started):
                 _answered.pop(key, None)
                 if len(_answered) >= _MAX_KEPT:
                     del _answered[next(iter(_answered))]
-                _answered[key] = look.answer
+                _answered[key] = (look.started, time.monotonic(), look.answer)
         look.done.set()
 
 
