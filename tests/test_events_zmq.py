@@ -781,7 +781,7 @@ def test_from_raw_checks_the_tuples_items(item, value, named):
         ({"replay_endpoint": "tcp://127.0.0.1:0\x00"}, InvalidArgumentError, "replay_endpoint"),
         ({"topic": "\ud800"}, InvalidArgumentError, "topic must be valid Unicode"),
         ({"topic": b"kv"}, ArgumentTypeError, "topic must be a str"),
-        ({"hwm": 2**64}, InvalidArgumentError, "hwm must be in [1, 2**31-1]"),
+        ({"hwm": 2**64}, InvalidArgumentError, "hwm must be in [1, 1000000]"),
         ({"hwm": -1}, InvalidArgumentError, "hwm"),
         ({"max_queue_size": 0}, InvalidArgumentError, "max_queue_size"),
         ({"data_parallel_rank": -1}, InvalidArgumentError, "data_parallel_rank"),

@@ -57,9 +57,12 @@ log = logging.getLogger(__name__)
 REPLAY_MAX_FRAME = 1024
 
 #: Largest frame the PUB socket accepts beyond the topic's length: all a PUB reads is its
-#: subscribers' subscriptions (a flag byte and a topic prefix). A bigger frame drops the peer's
-#: connection: without the bound ZMQ buffered it whole (a peer declaring a 2 GiB subscription
-#: grew the publisher by 700 MB/s as it sent the bytes). A subscription longer than the topic
+#: subscribers' subscriptions. A ZMTP 3.1 peer (libzmq >= 4.3) sends each as a SUBSCRIBE command
+#: (a length byte, "SUBSCRIBE", the prefix: 10 bytes more than the prefix), a ZMTP 3.0 one as a
+#: flag byte and the prefix: so a prefix longer than 246 bytes plus the topic's length (255 from a
+#: 3.0 peer) drops the peer's connection. Without the bound ZMQ buffered it whole (a peer
+#: declaring a 2 GiB subscription grew the publisher by 700 MB/s as it sent the bytes). A
+#: subscription longer than the topic
 #: matches none of its messages; each byte of a distinct one costs the socket's subscription trie
 #: ~47 bytes (1 KiB ones: 47 KB each). ZMQ keeps every distinct subscription a peer sends until it
 #: leaves, with no option to bound their number: a known limit (30,000 of 200 B: +281 MB). An
@@ -182,13 +185,9 @@ class EventPublisher(NoCopy):
         # Kept at the range the connector's config documents (events_buffer_steps), which dates
         # from the old replay HWM of 2 * (buffer_steps + 1); replays no longer depend on it.
         buffer_steps = _args.integer(buffer_steps, "buffer_steps", 1, _args.C_INT_MAX // 2 - 1)
-        # 0 is ZMQ's "no limit": at least 1.
-        hwm = _args.integer(hwm, "hwm", 1, _args.C_INT_MAX)
-        if hwm > MAX_HWM:
-            raise InvalidArgumentError(
-                f"hwm {hwm}: at most {MAX_HWM}: a subscriber that stops reading is queued up to hwm "
-                f"messages, ~200 bytes each besides the batches (~{hwm * 200 / 2**30:.0f} GiB per subscriber)",
-                details={"hwm": hwm, "max": MAX_HWM})
+        # 0 is ZMQ's "no limit": at least 1. At most MAX_HWM: a subscriber that stops reading is
+        # queued up to hwm messages, ~200 bytes each besides the batches.
+        hwm = _args.integer(hwm, "hwm", 1, MAX_HWM)
         buffer_bytes = _args.integer(buffer_bytes, "buffer_bytes", 1, MAX_BUFFER_BYTES)
         max_queue_size = _args.integer(max_queue_size, "max_queue_size", 1)
         bind = _args.flag(bind, "bind", optional=True)
