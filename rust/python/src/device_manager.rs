@@ -21,7 +21,7 @@ use crate::convert::{
     arg, count, flag, list_or_tuple_items, next_item, opt_ints, show, text, type_name, IntArg,
 };
 use crate::errors::{
-    borrow, borrow_mut, busy, changed_meanwhile, invalid, reading_error, slot_error as err,
+    borrow, borrow_mut, busy, changed_meanwhile, invalid, reading_error, KVSlotsError, slot_error as err,
     type_error,
     ArgumentTypeError,
 };
@@ -713,7 +713,7 @@ fn stored_before<'py>(
     }
     let changes = this.inner.changes();
     drop(this);
-    let ev = prepare_stored(slf, request, &planned)?;
+    let ev = prepare_stored(slf, request, rid, &planned)?;
     let this = borrow_mut(slf)?;
     if this.inner.changes() != changes {
         return Err(changed_meanwhile(format!(
@@ -728,16 +728,17 @@ fn stored_before<'py>(
 fn prepare_stored(
     slf: &Bound<'_, DeviceKVManager>,
     request: &Bound<'_, PyAny>,
+    rid: &str,
     planned: &std::ops::Range<usize>,
 ) -> PyResult<Py<PyAny>> {
     let py = slf.py();
     match slf.getattr_opt(intern!(py, "_prepare_stored"))? {
-        // The request's fields are read there: what they raise is a kvslots error, as for the
-        // fields the bindings read themselves (a duck-typed request without vLLM's mm_features
-        // raised Python's AttributeError).
+        // kvslots's own _prepare_stored tells the request's fault (its fields) from the rest
+        // with kvslots errors, which pass through; anything else (a subclass's method) is a
+        // kvslots error that blames nobody in particular.
         Some(f) => Ok(f
             .call1((request, planned.start, planned.end))
-            .map_err(event_error)?
+            .map_err(|e| event_error(e, rid))?
             .unbind()),
         None => Ok(py.None()),
     }
@@ -745,8 +746,18 @@ fn prepare_stored(
 
 #[cold]
 #[inline(never)]
-fn event_error(e: PyErr) -> PyErr {
-    Python::attach(|py| reading_error(py, e, "the request's fields for its KV event"))
+fn event_error(e: PyErr, rid: &str) -> PyErr {
+    Python::attach(|py| {
+        if e.is_instance_of::<KVSlotsError>(py) || !e.is_instance_of::<pyo3::exceptions::PyException>(py) {
+            return e;
+        }
+        let new = KVSlotsError::new_err((
+            format!("building the KV event for request {} failed: {e}", core::error::shown(rid)),
+            rid.to_owned(),
+        ));
+        new.set_cause(py, Some(e));
+        new
+    })
 }
 
 /// Calls the subclass's event hook outside any borrow of the manager, after the call is done:

@@ -20,7 +20,7 @@ import logging
 from typing import Any, Iterable, cast
 
 from ..._core import DeviceKVManager, KVBlocks
-from ...errors import ArgumentTypeError, ConfigError, InvalidArgumentError
+from ...errors import ArgumentTypeError, ConfigError, InvalidArgumentError, KVSlotsError
 from ...slots.reference import _int
 
 logger = logging.getLogger(__name__)
@@ -308,10 +308,11 @@ class KVSlotsKVCacheManager(DeviceKVManager):
             return self.empty_kv_cache_blocks, 0, 0
         # Integers as the bindings read them (int() took True as 1, "5" as 5, 3.9 as 3, and
         # raised ValueError for NaN).
+        rid = _request_id(request)
         if max_cache_hit_length is None:
-            limit = _int(request.num_tokens, "request.num_tokens", 0, 1 << 64) - 1
+            limit = _int(request.num_tokens, "request.num_tokens", 0, 1 << 64, rid) - 1
         else:
-            limit = _int(max_cache_hit_length, "max_cache_hit_length", -(1 << 63), 1 << 64)
+            limit = _int(max_cache_hit_length, "max_cache_hit_length", -(1 << 63), 1 << 64, rid)
         blocks = self.computed_blocks(request, max(0, limit) // self.block_size, self.use_eagle)
         n = blocks.num_blocks
         if (n and self.enable_kv_cache_events
@@ -444,9 +445,31 @@ class KVSlotsKVCacheManager(DeviceKVManager):
             self._events.append(stored)
 
     def _stored_event(self, request: Any, start: int, end: int, parent_index: int) -> Any:
+        """The BlockStored of blocks ``start..end``. What reading the request's fields raises is
+        the request's fault (InvalidArgumentError, ArgumentTypeError for a TypeError); what
+        building the event raises is not (a vLLM whose BlockStored changed): a KVSlotsError
+        naming the request. Either keeps the error as its cause."""
         from vllm.distributed.kv_events import MEDIUM_GPU, BlockStored
         from vllm.v1.core import kv_cache_utils as kcu
 
+        try:
+            fields = self._stored_fields(kcu, request, start, end, parent_index)
+        except KVSlotsError:
+            raise
+        except Exception as e:
+            kind = ArgumentTypeError if isinstance(e, TypeError) else InvalidArgumentError
+            raise kind(f"invalid argument: cannot read the request's fields for its KV event: {e}",
+                       _request_id(request)) from e
+        try:
+            extra = fields.pop("extra")
+            return BlockStored(**fields, medium=MEDIUM_GPU, extra_keys=kcu.to_event_extra_keys(extra))
+        except KVSlotsError:
+            raise
+        except Exception as e:
+            rid = _request_id(request)
+            raise KVSlotsError(f"building the KV event for request {rid!r} failed: {e}", rid) from e
+
+    def _stored_fields(self, kcu: Any, request: Any, start: int, end: int, parent_index: int) -> dict[str, Any]:
         bs = self.block_size
         hashes = request.block_hashes
         ext = self._ext
@@ -469,15 +492,14 @@ class KVSlotsKVCacheManager(DeviceKVManager):
                 keys, mm_idx = kcu.generate_block_hash_extra_keys(request, i * bs, (i + 1) * bs, mm_idx)
             extra.append(keys)
         lora = request.lora_request
-        return BlockStored(**lookahead,
+        return dict(**lookahead,
             block_hashes=[ext(h) for h in hashes[start:end]],
             parent_block_hash=ext(hashes[parent_index - 1]) if parent_index > 0 else None,
             token_ids=request.all_token_ids[start * bs:end * bs],
             block_size=bs,
             lora_id=lora.adapter_id if lora else None,
-            medium=MEDIUM_GPU,
             lora_name=lora.name if lora else None,
-            extra_keys=kcu.to_event_extra_keys(extra),
+            extra=extra,
             group_idx=0,
             session_id=getattr(request, "session_id", None),
         )
@@ -557,3 +579,12 @@ class KVSlotsKVCacheManager(DeviceKVManager):
 
 
 __all__ = ["KVSlotsKVCacheManager", "SchedulerModeError", "check_supported", "USE_VLLM"]
+
+
+def _request_id(request: Any) -> str | None:
+    """The request's id for an error about it; None when it has no str one (or reading fails)."""
+    try:
+        rid = request.request_id
+    except Exception:
+        return None
+    return rid if isinstance(rid, str) else None
