@@ -12,7 +12,7 @@ use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyList, PySet, PyString, PyTuple};
 
 use crate::convert::{
-    self as conv, arg, count, events_to_py, flag, int, log_to_msgpack, opt_int, type_name, IntArg,
+    self as conv, arg, count, events_to_py, flag, int, log_to_msgpack, opt_int, IntArg,
     MetaArgs,
 };
 use crate::errors::{borrow, borrow_mut, invalid, reading_error, slot_error};
@@ -132,22 +132,9 @@ fn external_hash(obj: &Bound<'_, PyAny>) -> PyResult<u64> {
         let tail = &bytes[bytes.len().saturating_sub(8)..];
         return Ok(tail.iter().fold(0u64, |acc, &x| (acc << 8) | x as u64));
     }
-    // An int as every integer the bindings read (a bool is no block hash); one past 64 bits
-    // is masked below, as vLLM does.
-    match int::<u64>(obj, "a block hash", None) {
-        Ok(v) => return Ok(v),
-        Err(e) if obj.is_instance_of::<pyo3::types::PyBool>() => return Err(e),
-        Err(_) => {}
-    }
-    let masked = obj
-        .call_method1(intern!(obj.py(), "__and__"), (u64::MAX,))
-        .map_err(|_| {
-            invalid(
-                None,
-                format!("a block hash must be bytes or int, got {}", type_name(obj)),
-            )
-        })?;
-    int::<u64>(&masked, "a block hash", None)
+    // An int as every integer the bindings read (a bool, numpy's too, is no block hash), its
+    // low 64 bits as vLLM masks one; nothing else (no `__and__`) runs on another object.
+    conv::int_low64(obj, "a block hash (bytes or int)", None)
 }
 
 /// Item `j` of a token sequence: an exact int read from a list without a reference count

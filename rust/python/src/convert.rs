@@ -244,6 +244,50 @@ pub(crate) fn int<T: IntRange>(
         return T::try_from(v as i128)
             .map_err(|_| out_of_range::<T>(what, &v.to_string(), request));
     }
+    let owned = exact_int(obj, what, request)?;
+    let i = owned.cast::<PyInt>().map_err(|_| wrong_int(obj, what, request))?;
+    let shown = || i.to_string();
+    match small_int(i) {
+        Some(v) if (T::MIN..=T::MAX).contains(&v) => {
+            T::try_from(v).map_err(|_| out_of_range::<T>(what, &shown(), request))
+        }
+        _ => Err(out_of_range::<T>(what, &shown(), request)),
+    }
+}
+
+/// The low 64 bits of an integer argument (two's complement, as Python's `x & (2**64 - 1)`),
+/// read as `int` reads one: a bool, a float or anything without `__index__` is refused, and no
+/// method of the object but `__index__` runs.
+pub(crate) fn int_low64(obj: &Bound<'_, PyAny>, what: &str, request: Option<&str>) -> PyResult<u64> {
+    if let Some(v) = exact_i64(obj.as_ptr()) {
+        return Ok(v as u64);
+    }
+    let i = exact_int(obj, what, request)?;
+    // SAFETY: an exact int: PyLong_AsUnsignedLongLongMask runs no Python code and cannot fail.
+    let v = unsafe { pyo3::ffi::PyLong_AsUnsignedLongLongMask(i.as_ptr()) };
+    if v as u64 == u64::MAX {
+        if let Some(e) = PyErr::take(obj.py()) {
+            return Err(from_callback(obj.py(), e, wrong_int(obj, what, request)));
+        }
+    }
+    Ok(v as u64)
+}
+
+#[cold]
+fn wrong_int(obj: &Bound<'_, PyAny>, what: &str, request: Option<&str>) -> PyErr {
+    type_error(
+        request,
+        format!("{what} must be an int, got {} {}", type_name(obj), show(obj)),
+    )
+}
+
+/// `obj` as an exact `int` (itself, what its `__index__` returns, or an int subclass's value):
+/// never a `bool` or a float.
+fn exact_int<'py>(
+    obj: &Bound<'py, PyAny>,
+    what: &str,
+    request: Option<&str>,
+) -> PyResult<Bound<'py, PyAny>> {
     let py = obj.py();
     let wrong = || {
         type_error(
@@ -297,13 +341,7 @@ pub(crate) fn int<T: IntRange>(
             owned.cast::<PyInt>().map_err(|_| wrong())?
         }
     };
-    let shown = || i.to_string();
-    match small_int(i) {
-        Some(v) if (T::MIN..=T::MAX).contains(&v) => {
-            T::try_from(v).map_err(|_| out_of_range::<T>(what, &shown(), request))
-        }
-        _ => Err(out_of_range::<T>(what, &shown(), request)),
-    }
+    Ok(i.clone().into_any())
 }
 
 /// Item `i` of a list when it is an exact `int` (not a `bool`, not a subclass) that fits an
