@@ -1,14 +1,13 @@
 """The bindings' one integer conversion reads an exact int that fits an i64 with one C call
 (PyLong_AsLongLong) before any type check; under abi3 the 128-bit read (a Python ``>>`` call per
 int) made a planner step with vLLM's new block ids as lists 2-2.7x slower than before a040af3.
-The list path is timed against the numpy path of the same step (numpy arrays are copied in one
-go), and the rules the fast path must keep are checked: a bool refused, a value out of range, an
-int subclass read by its value, an int past 64 bits."""
+Here: the rules the fast path must keep (a bool refused, a value out of range, an int subclass
+read by its value, an int past 64 bits). Its speed is a benchmark's to show, not a timed test's
+(5f84888's message has the figures)."""
 
 from __future__ import annotations
 
 import random
-import time
 import types
 
 import numpy as np
@@ -51,25 +50,6 @@ def _step(new_block_ids, n=N):
 
 def _ids(i):
     return [k * 10**5 + i for k in range(1, NB + 1)]
-
-
-def test_block_id_lists_cost_about_what_arrays_cost():
-    _, _, as_list = _step(_ids)
-    _, _, as_array = _step(lambda i: np.array(_ids(i), dtype=np.int64))
-
-    def best(f, reps=20, rounds=7):
-        t = []
-        for _ in range(rounds):
-            t0 = time.perf_counter()
-            for _ in range(reps):
-                f()
-            t.append(time.perf_counter() - t0)
-        return min(t)
-    as_list(), as_array()
-    # Best rounds, alternated, the best of 3 ratios. Measured (8 x 512 ids a step): 2.4-3.1x
-    # now, 4.2-4.8x before a040af3 (pyo3's u32 extract), 7.5-29x through the i128 read.
-    ratios = sorted(best(as_list) / best(as_array) for _ in range(3))
-    assert ratios[0] < 4.0, ratios
 
 
 class Odd(int):
