@@ -420,3 +420,22 @@ def test_max_frame_bytes_is_checked(value):
 
     with pytest.raises(KVSlotsError, match="max_frame_bytes"):
         EventSubscriber(lambda *a: None, max_frame_bytes=value)
+
+
+def test_an_ipc_path_past_the_os_limit_is_refused_before_any_socket(tmp_path):
+    # ZMQ failed only when the socket was made: kvslots serve passed such an endpoint on to vLLM,
+    # whose engine failed after loading the model. The rank's _dp suffix counts too.
+    from kvslots.errors import InvalidArgumentError
+    from kvslots.events.protocol import MAX_IPC_PATH, check_endpoint
+
+    ok = "ipc:///" + "a" * (MAX_IPC_PATH - 1)
+    assert check_endpoint(ok) == ok
+    with pytest.raises(InvalidArgumentError, match="longer than"):
+        check_endpoint(ok, data_parallel_rank=1)
+    with pytest.raises(InvalidArgumentError, match="longer than"):
+        check_endpoint(ok + "a")
+    with pytest.raises(InvalidArgumentError, match="longer than"):
+        EventPublisher("ipc:///" + "a" * 5000)
+    short = f"ipc://{tmp_path}/e.sock"
+    if len(short) - len("ipc://") <= MAX_IPC_PATH:
+        EventPublisher(short).shutdown()  # a path within the limit still binds

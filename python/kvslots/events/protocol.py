@@ -285,6 +285,13 @@ def check_endpoint(endpoint: str, name: str = "endpoint", data_parallel_rank: in
         if value and value + data_parallel_rank > 65535:
             shifted = f" + data_parallel_rank {data_parallel_rank}" if data_parallel_rank else ""
             raise InvalidArgumentError(f"{name} {brief(endpoint)}: port {_show_port(port)}{shifted} is past 65535")
+    elif endpoint.startswith("ipc://"):
+        # Past the OS's socket path length ZMQ fails only when the socket is made (in vLLM's
+        # engine, after the model loaded, for an endpoint kvslots serve passed on).
+        path = offset_endpoint_port(endpoint, data_parallel_rank)[len("ipc://"):]  # type: ignore[index]
+        if len(path.encode("utf-8", "surrogatepass")) > MAX_IPC_PATH:
+            raise InvalidArgumentError(f"{name} {brief(endpoint)}: the path is longer than {MAX_IPC_PATH} bytes "
+                                       "(the OS limit)")
     return endpoint
 
 
