@@ -288,11 +288,18 @@ def check_endpoint(endpoint: str, name: str = "endpoint", data_parallel_rank: in
     elif endpoint.startswith("ipc://"):
         # Past the OS's socket path length ZMQ fails only when the socket is made (in vLLM's
         # engine, after the model loaded, for an endpoint kvslots serve passed on).
-        path = offset_endpoint_port(endpoint, data_parallel_rank)[len("ipc://"):]  # type: ignore[index]
-        if len(path.encode("utf-8", "surrogatepass")) > MAX_IPC_PATH:
-            raise InvalidArgumentError(f"{name} {brief(endpoint)}: the path is longer than {MAX_IPC_PATH} bytes "
-                                       "(the OS limit)")
+        problem = _ipc_path_problem(offset_endpoint_port(endpoint, data_parallel_rank) or endpoint)
+        if problem:
+            raise InvalidArgumentError(f"{name} {brief(endpoint)}: {problem}")
     return endpoint
+
+
+def _ipc_path_problem(endpoint: str) -> str | None:
+    """Why an ``ipc://`` endpoint's path cannot be a socket's (None: it can): the one home of the
+    OS's length rule, for :func:`check_endpoint` and :func:`check_connect_endpoint`."""
+    if len(endpoint.encode("utf-8", "surrogatepass")) - len("ipc://") > MAX_IPC_PATH:
+        return f"the path is longer than {MAX_IPC_PATH} bytes (the OS limit)"
+    return None
 
 
 def check_connect_endpoint(endpoint: str, what: str = "endpoint") -> str:
@@ -313,7 +320,7 @@ def check_connect_endpoint(endpoint: str, what: str = "endpoint") -> str:
     if not endpoint.isprintable() or any(c.isspace() for c in endpoint):
         raise bad("contains spaces or control characters")
     try:
-        raw = endpoint.encode("utf-8")
+        endpoint.encode("utf-8")
     except UnicodeEncodeError:
         raise bad("is not valid Unicode") from None
     scheme, sep, rest = endpoint.partition("://")
@@ -343,8 +350,9 @@ def check_connect_endpoint(endpoint: str, what: str = "endpoint") -> str:
     elif scheme == "ipc":
         if not rest or rest == "*":
             raise bad("name the publisher's socket path")
-        if len(raw) - len("ipc://") > MAX_IPC_PATH:
-            raise bad(f"the path is longer than {MAX_IPC_PATH} bytes (the OS limit)")
+        problem = _ipc_path_problem(endpoint)
+        if problem:
+            raise bad(problem)
     elif not rest or len(rest) > MAX_INPROC_NAME:
         raise bad(f"use inproc://NAME with a name of 1-{MAX_INPROC_NAME} characters")
     return endpoint
