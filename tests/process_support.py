@@ -55,3 +55,12 @@ def in_child(body: Any) -> Any:
     if os.WIFSIGNALED(status):
         return f"killed by signal {os.WTERMSIG(status)} (hung)"
     return json.loads(data)
+
+
+def default_signals() -> None:
+    """A ``preexec_fn``: the child starts with SIGINT and SIGHUP at their default actions, as a
+    program started from a shell does. A suite started in the background (``cmd &``, ``nohup``)
+    has them ignored, and exec keeps an ignored signal ignored: a child Python then takes no
+    Ctrl-C (no KeyboardInterrupt handler is installed) and survives a SIGHUP."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.signal(signal.SIGHUP, signal.SIG_DFL)

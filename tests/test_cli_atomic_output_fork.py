@@ -10,6 +10,8 @@ import os
 import subprocess
 import sys
 
+from process_support import default_signals
+
 YAML = "speculative_config:\n  decoding_type: NGram\n  max_draft_len: 2\n"
 
 # As the temporary file is written, the command forks a child, which says it is running and
@@ -43,6 +45,7 @@ def test_a_forked_child_ended_by_sigterm_leaves_the_parents_file(tmp_path):
     dest = tmp_path / "flags.txt"
     dest.write_text("old\n")
     proc = subprocess.run([sys.executable, "-c", CHILD, str(src), str(dest)], stdin=subprocess.DEVNULL,
+                          preexec_fn=default_signals,
                           capture_output=True, text=True, timeout=60)
     assert proc.stdout == "child -15\n", (proc.stdout, proc.stderr)
     assert proc.returncode == 0, proc.stderr

@@ -12,6 +12,8 @@ import signal
 import subprocess
 import sys
 
+from process_support import default_signals
+
 # Writes a file, then runs a long C call (hashlib's PBKDF2, tens of seconds) in the main thread.
 CHILD = r"""
 import hashlib, os, signal, sys
@@ -27,6 +29,7 @@ print("C call returned", flush=True)
 
 def test_a_library_write_changes_no_handler_and_a_sigterm_ends_a_c_call_at_once(tmp_path):
     proc = subprocess.Popen([sys.executable, "-c", CHILD, str(tmp_path)], stdin=subprocess.DEVNULL,
+                            preexec_fn=default_signals,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         line = proc.stdout.readline()

@@ -23,6 +23,8 @@ import sys
 
 import pytest
 
+from process_support import default_signals
+
 from kvslots import cli
 
 SWEEP = r"""
@@ -115,6 +117,7 @@ print(json.dumps({"results": results, "handlers": handlers()}))
 def _sweep(tmp_path, signum, linked=False):
     proc = subprocess.run([sys.executable, "-c", SWEEP, str(int(signum)), str(tmp_path), "linked" if linked else "-"],
                           stdin=subprocess.DEVNULL,
+                          preexec_fn=default_signals,
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     out = json.loads(proc.stdout)
@@ -208,6 +211,7 @@ def test_a_sigterm_as_handlers_change_is_not_lost(tmp_path):
     out = tmp_path / "out"
     out.mkdir()
     proc = subprocess.run([sys.executable, "-c", SIGRACE_CHILD, str(out)], stdin=subprocess.DEVNULL,
+                          preexec_fn=default_signals,
                           capture_output=True, text=True, timeout=60, env=dict(os.environ, LD_PRELOAD=str(so)))
     if "[sigrace] SIGTERM sent" in proc.stderr:  # sent: it must have ended the process
         assert proc.returncode == -signal.SIGTERM, (proc.returncode, proc.stdout, proc.stderr)

@@ -12,6 +12,8 @@ import sys
 
 import pytest
 
+from process_support import default_signals
+
 from kvslots import cli
 
 YAML = "speculative_config:\n  decoding_type: NGram\n  max_draft_len: 2\n"
@@ -47,6 +49,7 @@ def test_a_signal_part_way_leaves_the_old_file_and_no_temporary(tmp_path, signum
     before = sorted(os.listdir(tmp_path))
     # A new session: a shell's Ctrl-C or hang-up never reaches it, and SIGINT is not ignored in it.
     proc = subprocess.Popen([sys.executable, "-c", CHILD, str(f), str(dest)], stdin=subprocess.DEVNULL,
+                            preexec_fn=default_signals,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
         assert proc.stdout.readline() == "writing\n", proc.stderr.read()
@@ -134,6 +137,7 @@ def test_a_signal_taken_by_another_thread_as_the_file_is_made(tmp_path):
     dest = tmp_path / "flags.txt"
     dest.write_bytes(OLD)
     proc = subprocess.run([sys.executable, "-c", CHILD_THREAD, str(dest)], stdin=subprocess.DEVNULL,
+                          preexec_fn=default_signals,
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == -signal.SIGTERM, (proc.stdout, proc.stderr)
     assert dest.read_bytes() == OLD

@@ -11,6 +11,8 @@ import signal
 import subprocess
 import sys
 
+from process_support import default_signals
+
 # The main thread's write is ended by a SIGTERM; as its handler removes the main thread's file,
 # another thread is let start a write and given a second to make its file (it then waits for good).
 CHILD = r"""
@@ -45,6 +47,7 @@ print("not ended", flush=True)
 
 def test_a_sigterm_as_another_thread_starts_a_write_leaves_no_temporary_file(tmp_path):
     proc = subprocess.run([sys.executable, "-c", CHILD, str(tmp_path)], stdin=subprocess.DEVNULL,
+                          preexec_fn=default_signals,
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == -signal.SIGTERM, (proc.stdout, proc.stderr)
     assert os.listdir(tmp_path) == []
