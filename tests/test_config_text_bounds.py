@@ -103,7 +103,9 @@ def test_an_error_line_quoting_a_long_value_is_cut_in_the_middle(tmp_path, capsy
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and len(err) <= cli.MAX_LINE_CHARS + 1, len(err)
     assert err.startswith("kvslots convert-config: error: ") and "local verifier path 'v/v/" in err
-    assert " characters ...] " in err and err.rstrip().endswith("(verifier=... / --verifier)")
+    # The path is quoted briefly (2752071: at most 200 characters), so the line needs no cut and
+    # keeps its hint; the cut in the middle is for lines still too long (the test below).
+    assert len(err) < 1000 and err.rstrip().endswith("(verifier=... / --verifier)"), len(err)
 
 
 def test_an_argument_error_quoting_a_long_value_is_one_bounded_line(capsys):
