@@ -40,15 +40,23 @@ def test_a_peer_holding_many_subscriptions_does_not_reset_the_others():
             peer.setsockopt(zmq.SUBSCRIBE, b"x%d" % i)
         peer.setsockopt(zmq.SUBSCRIBE, b"kv")
         peer.connect(pub.endpoint)
+        # Until the subscriber has one: a batch published before its subscription reached the
+        # PUB is not sent (the CI rehearsal's loaded run got 149 of 150, the first missing).
+        deadline = time.monotonic() + 10
+        while not got:
+            assert time.monotonic() < deadline, pub.stats()
+            pub.publish(one)
+            time.sleep(0.02)
         for _ in range(150):  # 3 s: the old code made the socket again ~20 times meanwhile
             pub.publish(one)
             time.sleep(0.02)
         assert pub.flush(10)
-        deadline = time.monotonic() + 5
-        while len(got) < 150:
-            assert time.monotonic() < deadline, (len(got), pub.stats())
+        expected = list(range(got[0], pub.stats()["published"]))
+        deadline = time.monotonic() + 10
+        while len(got) < len(expected):
+            assert time.monotonic() < deadline, (len(got), len(expected), pub.stats())
             time.sleep(0.01)
-        assert resets == [] and got == list(range(150)), (resets, len(got))
+        assert resets == [] and got == expected and len(expected) >= 150, (resets, len(got))
         # the peer itself is served too (its subscriptions are within the bound per frame)
         n = 0
         while peer.poll(0):
